@@ -1,0 +1,159 @@
+"""rlalign kernels: the one op set that the generator and the trainer both call.
+
+Two modes behind one switch:
+  deterministic  batch-invariant: an output row's bits depend only on that row's inputs (not on
+                 batch size, position, padding, prefill vs decode); MoE combine in fp32 in
+                 top-k slot order. Backends: torch (CPU/GPU reference), triton (GPU).
+  default        plain torch (oneDNN/MKL/cuBLAS, SDPA): fast, not invariant.
+
+    kernels.set_mode("deterministic", backend="torch")
+    with kernels.use(mode="default"): ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from types import ModuleType
+
+import torch
+
+from kernels import sampling
+from kernels import torch_default as _default
+from kernels import torch_deterministic as _det
+
+MODES = ("deterministic", "default")
+BACKENDS = ("torch", "triton", "auto")
+_state = {"mode": "deterministic", "backend": "torch"}
+
+
+def set_mode(mode: str | None = None, backend: str | None = None) -> None:
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"kernels.mode={mode!r}: expected one of {MODES}")
+        _state["mode"] = mode
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"kernels.backend={backend!r}: expected one of {BACKENDS}")
+        _state["backend"] = backend
+
+
+def current() -> dict:
+    return dict(_state)
+
+
+@contextlib.contextmanager
+def use(mode: str | None = None, backend: str | None = None):
+    saved = dict(_state)
+    set_mode(mode, backend)
+    try:
+        yield
+    finally:
+        _state.update(saved)
+
+
+def _impl(x: torch.Tensor) -> ModuleType:
+    if _state["mode"] == "default":
+        return _default
+    backend = _state["backend"]
+    if backend == "triton" or (backend == "auto" and x.is_cuda):
+        from kernels import triton_backend
+
+        return triton_backend.for_tensor(x)
+    return _det
+
+
+# --- the op API -----------------------------------------------------------------------------
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., K] x [N, K] -> [..., N]. Deterministic: fixed K order, bits of a row independent of M."""
+    return _impl(x).linear(x, w, bias)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows sorted by group, group e times w[e]: [R, K] x [E, N, K] -> [R, N]."""
+    return _impl(x).grouped_linear(x, w, counts)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl(x).rmsnorm(x, w, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated by rows cos/sin [N, D] of `rope_table` (rotate-half convention)."""
+    return _impl(x).rope(x, cos, sin)
+
+
+def rope_table(max_positions: int, head_dim: int, theta: float, device=None):
+    """(cos, sin) fp32 [max_positions, head_dim], computed once in fp64: a pure function of the
+    arguments, indexed by position on both sides."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv[None]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _impl(gate).swiglu(gate, up)
+
+
+def attention_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention over packed sequences: q [N, H, D], k/v [N, Hk, D], cu_seqlens [B+1]."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _impl(q).attention_prefill(q, k, v, list(cu_seqlens), scale)
+
+
+def attention_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """q [B, H, D] against caches [B, C, Hk, D] over positions < lengths[b]. Deterministic mode:
+    bitwise equal to the prefill row at position lengths[b] - 1."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _impl(q).attention_decode(q, k_cache, v_cache, lengths, scale)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Router logits [T, E] -> (weights [T, k] fp32, experts [T, k]); ties to the lowest id."""
+    return _impl(logits).moe_route(logits, top_k, renormalize)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, k, D] in top-k slot order -> [T, D]; deterministic: fp32, slot 0 first."""
+    return _impl(y).moe_combine(y, weights)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    return _impl(x).softmax(x)
+
+
+def _tempered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return sampling.filter_logits(z, top_k, top_p)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """log p(tokens) [N] fp32 under log_softmax(filter(logits / temperature)): the one logprob
+    function of both the generator and the trainer."""
+    return _impl(logits).log_softmax_gather(_tempered(logits, temperature, top_k, top_p), tokens)
+
+
+def sample(
+    logits: torch.Tensor,
+    seed: int,
+    sample_ids: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]; noise from (seed, sample id, position) only."""
+    z = _tempered(logits, 1.0 if greedy else temperature, top_k, top_p)
+    if not greedy:
+        z = z + sampling.gumbel(seed, sample_ids, positions, z.shape[-1])
+    return sampling.first_argmax(z)

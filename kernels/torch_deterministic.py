@@ -1,0 +1,184 @@
+"""Deterministic, batch-invariant torch implementation of the op set (CPU and GPU).
+
+Every reduction is a `fixed_order.tree_sum` over a dimension whose length is a property of
+the row (K, head_dim, the row's own keys, the vocabulary), never of the batch; everything else
+is elementwise. So the bits of an output row depend only on that row's inputs: not on the
+number of rows, the row's position, padding, chunking, threads, or whether attention ran as a
+causal prefill or as a single decode query against a KV cache (zero-padding invariance of the
+tree: masked keys contribute exact zeros). Accumulation is fp32; outputs are rounded once to
+the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import fixed_order as fo
+
+# Elements of one materialised product block ([rows, K, N] or [B, Tq, Tk, H, D]); chunking
+# only bounds memory, it never changes bits (rows are independent).
+_BLOCK_ELEMS = 1 << 22
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, R] @ [R, N] -> [M, N] in fp32, each element a tree over R."""
+    M, R = a.shape
+    N = b.shape[1]
+    a, b = a.float(), b.float()
+    n_blk = max(1, min(N, _BLOCK_ELEMS // max(1, R)))
+    m_blk = max(1, _BLOCK_ELEMS // max(1, R * n_blk))
+    rows = []
+    for i in range(0, M, m_blk):
+        ai = a[i : i + m_blk, :, None]
+        cols = [fo.tree_sum(ai * b[None, :, j : j + n_blk], dim=1) for j in range(0, N, n_blk)]
+        rows.append(cols[0] if len(cols) == 1 else torch.cat(cols, 1))
+    if not rows:
+        return a.new_zeros(0, N)
+    return rows[0] if len(rows) == 1 else torch.cat(rows, 0)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(x2, w)
+        return _mm(x2, w.t()).to(x2.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        gx = _mm(g, w).to(x2.dtype) if ctx.needs_input_grad[0] else None
+        gw = _mm(g.t(), x2).to(w.dtype) if ctx.needs_input_grad[1] else None  # tree over tokens
+        return gx, gw
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _Linear.apply(x2, w) if torch.is_grad_enabled() else _mm(x2, w.t()).to(x.dtype)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of x sorted by group; group e uses w[e]: [R, K] x [E, N, K] -> [R, N]."""
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            outs.append(linear(x[start : start + c], w[e]))
+        start += c
+    return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[1])
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    var = fo.tree_sum(xf * xf, -1) / x.shape[-1]
+    y = xf * (1.0 / torch.sqrt(var + eps))[..., None]
+    return w * y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D]; cos/sin [N, D] fp32 rows of the shared table (rotate-half convention)."""
+    xf = x.float()
+    h = x.shape[-1] // 2
+    rot = torch.cat([-xf[..., h:], xf[..., :h]], -1)
+    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (fo.silu(gate) * up.float()).to(gate.dtype)
+
+
+def _attend(q, k, v, valid, scale):
+    """q [B, Tq, Hk, G, D]; k, v [B, Tk, Hk, D]; valid [B, Tq, Tk] -> [B, Tq, Hk, G, D] fp32.
+
+    One reduction order per query row: scores by a tree over D, exact max, exp, a tree over
+    the keys (zero-padded) for the denominator and for p @ v. Masked keys give p == +0.
+    """
+    q, k, v = q.float(), k.float(), v.float()
+    s = fo.tree_sum(q[:, :, None] * k[:, None, :, :, None, :], dim=-1) * scale  # [B,Tq,Tk,Hk,G]
+    mask = valid[:, :, :, None, None]
+    s = torch.where(mask, s, torch.full_like(s, float("-inf")))
+    m = s.amax(dim=2, keepdim=True)
+    p = fo.exp(s - m)
+    l_sum = fo.tree_sum(p, dim=2)  # [B,Tq,Hk,G]
+    v = torch.where(valid.any(1)[:, :, None, None], v, torch.zeros_like(v))
+    o = fo.tree_sum(p[..., None] * v[:, None, :, :, None, :], dim=2)  # [B,Tq,Hk,G,D]
+    return o / l_sum[..., None]
+
+
+def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention over packed variable-length sequences: q [N, H, D], k/v [N, Hk, D]."""
+    N, H, D = q.shape
+    Hk = k.shape[1]
+    G = H // Hk
+    outs = []
+    for b in range(len(cu_seqlens) - 1):
+        s0, s1 = cu_seqlens[b], cu_seqlens[b + 1]
+        T = s1 - s0
+        # query chunks [t0, t1) need keys [0, t1) only: later keys are masked (zero terms)
+        t_blk = max(1, _BLOCK_ELEMS // max(1, T * H * D))
+        for t0 in range(0, T, t_blk):
+            t1 = min(T, t0 + t_blk)
+            qi = q[s0 + t0 : s0 + t1].reshape(1, t1 - t0, Hk, G, D)
+            ki, vi = k[s0 : s0 + t1][None], v[s0 : s0 + t1][None]
+            qpos = torch.arange(t0, t1, device=q.device)
+            valid = (torch.arange(t1, device=q.device)[None, :] <= qpos[:, None])[None]
+            outs.append(_attend(qi, ki, vi, valid, scale).reshape(t1 - t0, H, D))
+    if not outs:
+        return q.new_zeros(N, H, D)
+    return torch.cat(outs, 0).to(q.dtype)
+
+
+def attention_decode(q, k_cache, v_cache, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence against its cache: q [B, H, D], caches [B, C, Hk, D], keys at
+    positions < lengths[b] (the new token's key included)."""
+    B, H, D = q.shape
+    C, Hk = k_cache.shape[1], k_cache.shape[2]
+    valid = (torch.arange(C, device=q.device)[None, :] < lengths[:, None])[:, None, :]
+    o = _attend(q.reshape(B, 1, Hk, H // Hk, D), k_cache, v_cache, valid, scale)
+    return o.reshape(B, H, D).to(q.dtype)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim in fixed order."""
+    x = x.float()
+    p = fo.exp(x - x.amax(-1, keepdim=True))
+    return p / fo.tree_sum(p, -1)[..., None]
+
+
+def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, ties to the lowest index, in descending order."""
+    idx = torch.arange(x.shape[-1], device=x.device)
+    work = x.detach().clone()
+    picks = []
+    for _ in range(k):
+        m = work.amax(-1, keepdim=True)
+        i = torch.where(work == m, idx, x.shape[-1]).amin(-1)
+        picks.append(i)
+        work.scatter_(-1, i[..., None], float("-inf"))
+    ind = torch.stack(picks, -1)
+    return x.gather(-1, ind), ind
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]); softmax then top-k."""
+    probs = softmax(logits)
+    weights, experts = topk_first(probs, top_k)
+    if renormalize:
+        weights = weights / fo.tree_sum(weights, -1)[..., None]
+    return weights, experts
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, k, D] expert outputs in top-k slot order, weights [T, k]: sum_j w_j * y_j in fp32,
+    slot 0 first, whatever produced y (any EP size, any rank order)."""
+    acc = y[:, 0].float() * weights[:, 0, None].float()
+    for j in range(1, y.shape[1]):
+        acc = acc + y[:, j].float() * weights[:, j, None].float()
+    return acc.to(y.dtype)
+
+
+def log_softmax_gather(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """z [N, V] fp32 (already tempered/filtered), tokens [N] -> log p(token) [N] fp32."""
+    m = z.amax(-1, keepdim=True)
+    lse = fo.log(fo.tree_sum(fo.exp(z - m), -1))
+    return (z.gather(-1, tokens[:, None])[:, 0] - m[:, 0]) - lse

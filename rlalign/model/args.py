@@ -1,0 +1,130 @@
+"""Model arguments of the Qwen3-MoE-style decoder, and how they map to a HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 64
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128  # dense MLP layers
+    moe_intermediate_size: int = 64
+    num_experts: int = 8
+    top_k: int = 2
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: int | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def validate(self, where: str = "model") -> None:
+        problems = []
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even (RoPE)")
+        if self.num_experts and not 0 < self.top_k <= self.num_experts:
+            problems.append(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:
+            raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "model") -> ModelArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown model argument(s) {unknown}; valid: {sorted(names)}")
+        args = cls(**d)
+        args.mlp_only_layers = list(args.mlp_only_layers)
+        args.validate(where)
+        return args
+
+    # --- Hugging Face Qwen3MoeConfig ----------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict, where: str) -> ModelArgs:
+        arch = cfg.get("architectures") or []
+        if cfg.get("model_type") != "qwen3_moe" and "Qwen3MoeForCausalLM" not in arch:
+            raise ValueError(
+                f"{where}: unsupported architecture {arch or cfg.get('model_type')!r}; "
+                "expected Qwen3MoeForCausalLM (model_type 'qwen3_moe')"
+            )
+        try:
+            rope = cfg.get("rope_parameters") or {}
+            if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+                raise ValueError(f"{where}: only default RoPE is supported, got {rope or cfg.get('rope_scaling')}")
+            if cfg.get("use_sliding_window"):
+                raise ValueError(f"{where}: sliding-window attention is not supported")
+            eos = cfg.get("eos_token_id")
+            args = cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=cfg["num_attention_heads"],
+                num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                intermediate_size=cfg["intermediate_size"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                num_experts=cfg.get("num_experts", cfg.get("num_local_experts", 0)),
+                top_k=cfg["num_experts_per_tok"],
+                norm_topk_prob=cfg.get("norm_topk_prob", False),
+                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=cfg["max_position_embeddings"],
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                attention_bias=cfg.get("attention_bias", False),
+                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            )
+        except KeyError as e:
+            raise ValueError(f"{where}: config.json lacks required key {e.args[0]!r}") from None
+        args.validate(where)
+        return args
+
+    def to_hf_config(self, dtype: str) -> dict:
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "eos_token_id": self.eos_token_id,
+            "use_sliding_window": False,
+            "dtype": dtype,
+        }

@@ -1,0 +1,176 @@
+"""Load and save a local Hugging Face directory (config.json + safetensors) of Qwen3MoeForCausalLM.
+
+HF stores experts one by one (`mlp.experts.{e}.gate_proj.weight`, ...) or, in transformers 5,
+possibly fused (`mlp.experts.gate_up_proj`); we keep them fused. Saving writes the per-expert
+layout every transformers version reads, into a temporary directory renamed into place, so a
+failed save leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlalign.model.args import ModelArgs
+from rlalign.model.model import DTYPES, Transformer
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def read_args(path: str | os.PathLike) -> tuple[ModelArgs, dict]:
+    cfg_path = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+    return ModelArgs.from_hf_config(cfg, where=str(cfg_path)), cfg
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def _read_tensors(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
+    out = {}
+    for f in _weight_files(path):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: listed in the index but missing")
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    out[k] = (sf.get_tensor(k), f)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+    return out
+
+
+def load_hf(path: str | os.PathLike, dtype: str | None = None, device=None) -> Transformer:
+    """Build our Transformer from a HF Qwen3MoeForCausalLM directory; every expected tensor must be
+    present with the right shape and a floating dtype (errors name the file and the tensor)."""
+    path = Path(path)
+    args, cfg = read_args(path)
+    raw = _read_tensors(path)
+
+    # per-expert HF tensors -> fused [E, 2I, d] / [E, d, I]
+    experts: dict[int, dict[int, dict[str, tuple[torch.Tensor, Path]]]] = {}
+    tensors: dict[str, tuple[torch.Tensor, Path]] = {}
+    for k, (t, f) in raw.items():
+        m = _EXPERT_KEY.match(k)
+        if m:
+            experts.setdefault(int(m[1]), {}).setdefault(int(m[2]), {})[m[3]] = (t, f)
+        else:
+            tensors[k] = (t, f)
+    for layer, per_expert in experts.items():
+        pre = f"model.layers.{layer}.mlp.experts"
+        for e in range(args.num_experts):
+            missing = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in per_expert.get(e, {})]
+            if missing:
+                raise ValueError(f"{path}: missing tensor {pre}.{e}.{missing[0]}.weight")
+        extra = sorted(set(per_expert) - set(range(args.num_experts)))
+        if extra:
+            raise ValueError(f"{path}: tensor {pre}.{extra[0]}.* names an expert beyond num_experts={args.num_experts}")
+        f = per_expert[0]["gate_proj"][1]
+        for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            for e in range(args.num_experts):
+                shapes = {p: tuple(per_expert[e][p][0].shape) for p in parts}
+                _check_expert_shapes(args, pre, e, shapes, per_expert[e][parts[0]][1])
+            fused = torch.stack([torch.cat([per_expert[e][p][0] for p in parts], 0) for e in range(args.num_experts)])
+            tensors[f"{pre}.{name}"] = (fused, f)
+
+    dt = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if dt not in DTYPES:
+        raise ValueError(f"{path}/config.json: unsupported dtype {dt!r}; expected one of {sorted(DTYPES)}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = dict(model.state_dict())
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
+    state = {}
+    for name, ref in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{path}: missing tensor {name!r} (expected shape {tuple(ref.shape)})")
+        t, f = tensors.pop(name)
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(f"{f}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a floating dtype")
+        state[name] = t.to(DTYPES[dt])
+    if tensors:
+        name, (_, f) = sorted(tensors.items())[0]
+        raise ValueError(f"{f}: unexpected tensor {name!r} for Qwen3MoeForCausalLM with these arguments")
+    model = Transformer(args).to(DTYPES[dt])
+    model.load_state_dict(state, strict=not args.tie_word_embeddings)
+    return model.to(device) if device is not None else model
+
+
+def _check_expert_shapes(args: ModelArgs, pre: str, e: int, shapes: dict, f: Path) -> None:
+    d, i = args.hidden_size, args.moe_intermediate_size
+    want = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+    for p, s in shapes.items():
+        if s != want[p]:
+            raise ValueError(f"{f}: tensor {pre}.{e}.{p}.weight has shape {s}, expected {want[p]}")
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our state dict in HF's per-expert layout (contiguous CPU tensors)."""
+    args = model.args
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            pre = name.rsplit(".", 1)[0]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, 0)
+                out[f"{pre}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{pre}.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            pre = name.rsplit(".", 1)[0]
+            for e in range(t.shape[0]):
+                out[f"{pre}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+def save_hf(model: Transformer, path: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors atomically (temp dir, then rename into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(model.args.to_hf_config(dtype), indent=2) + "\n")
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,259 @@
+"""Qwen3-MoE-style decoder built only from `kernels` ops; no parallelism in here.
+
+Tokens travel packed: a forward takes tokens [N] of B sequences delimited by cu_seqlens [B+1]
+(the trainer's micro-batches and the generator's prefill), a decode takes one token per live
+sequence [B] plus a KV cache. Parameter names follow Hugging Face's Qwen3MoeForCausalLM, except
+that each MoE layer stores its experts fused: gate_up_proj [E, 2I, d], down_proj [E, d, I].
+`taps`, when set, is called as taps(name, tensor) on each layer's output rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import kernels
+from rlalign.model.args import ModelArgs
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rmsnorm(x, self.weight, self.eps)
+
+
+class KVCache:
+    """Per-layer keys/values [L, slots, capacity, Hk, D]; slots beyond a sequence's length stay 0."""
+
+    def __init__(self, args: ModelArgs, slots: int, capacity: int, dtype, device=None):
+        shape = (args.num_layers, slots, capacity, args.num_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
+        self.k[layer, slots, positions] = k
+        self.v[layer, slots, positions] = v
+
+    def get(self, layer: int, slots: torch.Tensor):
+        return self.k[layer, slots], self.v[layer, slots]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, Hk, D, d = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = H, Hk, D
+        self.q_proj = Linear(d, H * D, args.attention_bias)
+        self.k_proj = Linear(d, Hk * D, args.attention_bias)
+        self.v_proj = Linear(d, Hk * D, args.attention_bias)
+        self.o_proj = Linear(H * D, d, args.attention_bias)
+        self.q_norm = RMSNorm(D, args.rms_norm_eps)
+        self.k_norm = RMSNorm(D, args.rms_norm_eps)
+
+    def _qkv(self, x, cos, sin):
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cu_seqlens, cache_write=None):
+        q, k, v = self._qkv(x, cos, sin)
+        if cache_write is not None:
+            cache_write(k, v)
+        o = kernels.attention_prefill(q, k, v, cu_seqlens)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def decode(self, x, cos, sin, cache: KVCache, layer: int, slots, positions):
+        q, k, v = self._qkv(x, cos, sin)
+        cache.update(layer, slots, positions, k, v)
+        k_cache, v_cache = cache.get(layer, slots)
+        o = kernels.attention_decode(q, k_cache, v_cache, positions + 1)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = Linear(d, inter), Linear(d, inter), Linear(inter, d)
+
+    def forward(self, x):
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Experts(nn.Module):
+    """Expert weights [E_local, ...]; forward takes rows sorted by expert and their counts.
+    rlalign.parallel wraps this module's forward for expert parallelism."""
+
+    def __init__(self, num_experts: int, d: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, d))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, d, inter))
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        h = kernels.grouped_linear(x_sorted, self.gate_up_proj, counts)
+        gate, up = h.chunk(2, dim=-1)
+        return kernels.grouped_linear(kernels.swiglu(gate, up), self.down_proj, counts)
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, d))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = args.num_experts, args.top_k, args.norm_topk_prob
+        self.gate = Router(args.num_experts, args.hidden_size)
+        self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, d = x.shape
+        k = self.top_k
+        weights, ids = kernels.moe_route(kernels.linear(x, self.gate.weight), k, self.norm_topk_prob)
+        flat = ids.reshape(-1)  # [T*k] token-major, slot order within a token
+        order = torch.argsort(flat, stable=True)  # by (expert, token, slot)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        x_slots = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
+        y_sorted = self.experts(x_slots.index_select(0, order), counts)
+        y = y_sorted.index_select(0, torch.argsort(order)).view(T, k, d)
+        return kernels.moe_combine(y, weights)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, i: int):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MoE(args) if args.is_moe_layer(i) else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, d))
+
+
+class Body(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Body(args)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # fp32 tables kept out of the module's buffers so .to(dtype) never rounds them
+        self._rope_table = kernels.rope_table(args.max_position_embeddings, args.head_dim, args.rope_theta)
+        self.taps: Callable[[str, torch.Tensor], None] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def init_weights(self, seed: int, std: float = 0.02) -> Transformer:
+        """Deterministic random init: normal(0, std) matrices, ones for norms (CPU generator)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        return self
+
+    def _tap(self, name: str, x: torch.Tensor) -> None:
+        if self.taps is not None:
+            self.taps(name, x)
+
+    def _rope(self, positions: torch.Tensor):
+        """cos/sin rows [N, D] for positions, after checking the context length."""
+        if positions.numel() and int(positions.max()) >= self.args.max_position_embeddings:
+            raise ValueError(
+                f"position {int(positions.max())} exceeds the model's context "
+                f"(max_position_embeddings={self.args.max_position_embeddings})"
+            )
+        cos, sin = self._rope_table
+        if cos.device != positions.device:
+            self._rope_table = cos, sin = cos.to(positions.device), sin.to(positions.device)
+        return cos[positions], sin[positions]
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: list[int], cache: KVCache | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed causal forward: tokens [N] -> logits [N, V]. With a cache, each sequence b's
+        keys/values are written to cache slot slots[b] at positions 0..len_b-1."""
+        cu_seqlens = [int(c) for c in cu_seqlens]
+        lens = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+        positions = torch.cat([torch.arange(n) for n in lens.tolist()]) if len(lens) else lens
+        positions = positions.to(tokens.device)
+        cos, sin = self._rope(positions)
+        h = self.model.embed_tokens.weight[tokens]
+        self._tap("embed", h)
+        tok_slots = None if cache is None else torch.repeat_interleave(slots, lens.to(slots.device))
+        for i, layer in enumerate(self.model.layers):
+            write = None
+            if cache is not None:
+                def write(k, v, i=i):
+                    cache.update(i, tok_slots, positions, k.detach(), v.detach())
+            a = layer.self_attn(layer.input_layernorm(h), cos, sin, cu_seqlens, write)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            self._tap(f"layers.{i}", h)
+        logits = self.lm_head(self.model.norm(h))
+        self._tap("logits", logits)
+        return logits
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               slots: torch.Tensor) -> torch.Tensor:
+        """One new token per live sequence: tokens/positions/slots [B] -> logits [B, V]."""
+        cos, sin = self._rope(positions)
+        h = self.model.embed_tokens.weight[tokens]
+        self._tap("embed", h)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            h = h + layer.self_attn.decode(x, cos, sin, cache, i, slots, positions)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            self._tap(f"layers.{i}", h)
+        logits = self.lm_head(self.model.norm(h))
+        self._tap("logits", logits)
+        return logits
+
+
+def build_model(args: ModelArgs, dtype: str | torch.dtype = "bfloat16", seed: int | None = 0,
+                device=None) -> Transformer:
+    """A model with deterministic random weights (seed) or uninitialised ones (seed=None)."""
+    model = Transformer(args)
+    if seed is not None:
+        model.init_weights(seed)
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return model.to(device=device, dtype=dt) if device is not None else model.to(dtype=dt)

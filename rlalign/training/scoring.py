@@ -1,0 +1,71 @@
+"""Trainer-side scoring: teacher-forced forward of finished sequences in micro-batches.
+
+Each micro-batch is packed (sequences back to back, cu_seqlens) or padded (every sequence
+extended with pad tokens to the micro-batch's longest; pads come after the real tokens, so
+causality keeps them out of every real row). The response logprobs go through
+`kernels.token_logprobs`, the generator's function, with the generator's temperature/top-k/top-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import kernels
+from rlalign.model import Transformer
+
+LAYOUTS = ("packed", "padded")
+
+
+def micro_batches(n: int, micro_batch_size: int) -> list[range]:
+    """Index ranges of micro-batches; micro_batch_size <= 0 means all at once."""
+    size = n if micro_batch_size <= 0 else micro_batch_size
+    return [range(i, min(n, i + size)) for i in range(0, n, max(1, size))]
+
+
+def score_micro_batch(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    layout: str = "packed",
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    pad_token_id: int = 0,
+) -> list[torch.Tensor]:
+    """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
+    dev = model.lm_head.weight.device
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    if layout == "padded":
+        seqs = [s + [pad_token_id] * (width - len(s)) for s in seqs]
+    lens = [len(s) for s in seqs]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
+    rows, targets = [], []
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        start = cu[b] + len(p) - 1  # logits at position j predict token j + 1
+        rows.append(torch.arange(start, start + len(r), device=dev))
+        targets.append(torch.tensor(list(r), dtype=torch.long, device=dev))
+    logits = model(tokens, cu)
+    rows_t = torch.cat(rows)
+    lp = kernels.token_logprobs(logits[rows_t], torch.cat(targets), temperature, top_k, top_p)
+    return list(torch.split(lp, [len(r) for r in responses]))
+
+
+def score(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    micro_batch_size: int = 0,
+    **kw,
+) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for mb in micro_batches(len(prompts), micro_batch_size):
+        out += score_micro_batch(model, [prompts[i] for i in mb], [responses[i] for i in mb], **kw)
+    return out
