@@ -45,6 +45,8 @@ def _pad(x, cu_seqlens, T):
 def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
     B = len(cu_seqlens) - 1
     lens = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(B)]
+    if B == 0:
+        return q.new_zeros(q.shape)
     T = max(lens)
     qp, kp, vp = (_pad(t, cu_seqlens, T).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     ar = torch.arange(T, device=q.device)

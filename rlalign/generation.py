@@ -100,7 +100,7 @@ def generate(
 
     flat = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
     cu = [0] + torch.cumsum(lens, 0).tolist()
-    logits = model(flat, cu, cache=cache, slots=slots)[torch.tensor(cu[1:], device=dev) - 1]
+    logits = model(flat, cu, cache=cache, slots=slots)[torch.tensor(cu[1:], dtype=torch.long, device=dev) - 1]
     positions = lens.clone()  # position of the token being sampled
     live = slots
     T, k, p = params.logprob_temperature, params.top_k, params.top_p

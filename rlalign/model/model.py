@@ -213,7 +213,7 @@ class Transformer(nn.Module):
         """Packed causal forward: tokens [N] -> logits [N, V]. With a cache, each sequence b's
         keys/values are written to cache slot slots[b] at positions 0..len_b-1."""
         cu_seqlens = [int(c) for c in cu_seqlens]
-        lens = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+        lens = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lens.tolist()]) if len(lens) else lens
         positions = positions.to(tokens.device)
         cos, sin = self._rope(positions)

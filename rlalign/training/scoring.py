@@ -38,6 +38,9 @@ def score_micro_batch(
     if layout not in LAYOUTS:
         raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
     dev = model.lm_head.weight.device
+    if not prompts:  # an empty micro-batch still runs the model: EP ranks step in lockstep
+        model(torch.zeros(0, dtype=torch.long, device=dev), [0])
+        return []
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     if layout == "padded":

@@ -1,0 +1,41 @@
+"""Config -> objects: the model, sampling parameters, kernel mode. Shared by every entry point."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+import kernels
+from rlalign.config import model_args
+from rlalign.generation import SamplingParams
+from rlalign.model import Transformer, build_model, load_hf
+
+
+def apply_kernels(cfg: DictConfig) -> None:
+    kernels.set_mode(cfg.kernels.mode, cfg.kernels.backend)
+    if cfg.kernels.mode == "deterministic" and cfg.device.startswith("cuda"):
+        torch.use_deterministic_algorithms(True)  # embedding / index_add backward without atomics
+
+
+def model_from_config(cfg: DictConfig, dtype: str | None = None) -> Transformer:
+    """The policy model: a local HF directory when model.path is set, else the named config
+    with deterministic random weights (model.init_seed)."""
+    dtype = dtype or cfg.model.dtype
+    if cfg.model.path:
+        return load_hf(cfg.model.path, dtype=dtype, device=cfg.device)
+    return build_model(model_args(cfg), dtype, seed=cfg.model.init_seed, device=cfg.device)
+
+
+def sampling_params(cfg: DictConfig, eos_token_id: int | None, seed: int) -> SamplingParams:
+    g = cfg.generator
+    p = SamplingParams(
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        greedy=g.greedy,
+        eos_token_id=eos_token_id,
+        seed=seed,
+    )
+    p.validate()
+    return p

@@ -1,0 +1,136 @@
+"""Expert parallelism, applied around the model's MoE layers (the model knows nothing of it).
+
+`apply_ep(model, group)` shards every MoE layer's experts over the group's ranks (rank r owns
+experts [r*E/W, (r+1)*E/W)) and swaps in `ExpertParallel`, whose forward takes the rows the
+MoE layer sorted by expert, sends each block to the rank owning that expert (all-to-all),
+computes there and sends the outputs back. The combine stays on the token's home rank, in
+top-k slot order, in fp32 (kernels.moe_combine): with batch-invariant expert GEMMs, a token's
+output bits are the same at every EP size and whatever order ranks answer in.
+
+The ranks also split the batch (data parallel for the non-expert parts): `sync_grads` sums
+the non-expert gradients over ranks in rank order (all_gather, then r0 + r1 + ...), so the
+result is the same bits on every rank and in every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlalign.model.model import Experts, MoE, Transformer
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with autograd: the backward sends gradients back the way rows came."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        gx = g.new_empty(sum(in_splits), *g.shape[1:])
+        dist.all_to_all_single(gx, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return gx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertParallel(Experts):
+    """This rank's shard of the experts plus the dispatch/return around their computation."""
+
+    def __init__(self, full: Experts, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        E, d, inter = full.down_proj.shape
+        if E % world:
+            raise ValueError(f"ep_size={world} does not divide num_experts={E}")
+        super().__init__(E // world, d, inter)
+        self.group, self.world, self.rank = group, world, rank
+        self.num_experts, self.num_local = E, E // world
+        lo, hi = rank * self.num_local, (rank + 1) * self.num_local
+        self.to(device=full.down_proj.device, dtype=full.down_proj.dtype)
+        with torch.no_grad():
+            self.gate_up_proj.copy_(full.gate_up_proj[lo:hi])
+            self.down_proj.copy_(full.down_proj[lo:hi])
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        W, El = self.world, self.num_local
+        send = torch.tensor(counts, dtype=torch.long).view(W, El)  # rows for (owner rank, its local expert)
+        recv = torch.empty_like(send)  # recv[s, e]: rows from source rank s for my expert e
+        dist.all_to_all_single(recv.view(-1), send.view(-1).clone(), group=self.group)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        x_recv = all_to_all(x_sorted, out_splits, in_splits, self.group)  # source-major, expert within
+        # regroup expert-major: for each local expert, the rows of source 0, 1, ... in order
+        starts = torch.cumsum(recv.view(-1), 0) - recv.view(-1)
+        blocks = [(int(starts[s * El + e]), int(recv[s, e])) for e in range(El) for s in range(W)]
+        perm = torch.cat([torch.arange(a, a + n) for a, n in blocks]) if blocks else torch.zeros(0, dtype=torch.long)
+        perm = perm.to(x_sorted.device)
+        y = super().forward(x_recv.index_select(0, perm), recv.sum(0).tolist())
+        y = y.index_select(0, torch.argsort(perm))
+        return all_to_all(y, in_splits, out_splits, self.group)
+
+
+def moe_layers(model: Transformer) -> list[MoE]:
+    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+
+
+def apply_ep(model: Transformer, group) -> Transformer:
+    """Shard experts over `group` in place; a group of size 1 leaves the model unchanged."""
+    if dist.get_world_size(group) == 1:
+        return model
+    for moe in moe_layers(model):
+        moe.experts = ExpertParallel(moe.experts, group)
+    return model
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def sync_grads(model: Transformer, group) -> None:
+    """Sum non-expert gradients over ranks in rank order (identical bits on every rank)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    params = [p for n, p in model.named_parameters() if not is_expert_param(n) and p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat, group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n
+
+
+def full_state_dict(model: Transformer, group) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on every rank (expert shards all-gathered in rank order)."""
+    world = dist.get_world_size(group) if group is not None else 1
+    out = {}
+    for name, t in model.state_dict().items():
+        if world > 1 and is_expert_param(name):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, 0)
+        out[name] = t.detach().clone()
+    return out
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of an unsharded state dict (experts split on dim 0)."""
+    out = {}
+    for name, t in full.items():
+        if world > 1 and is_expert_param(name):
+            n = t.shape[0] // world
+            t = t[rank * n : (rank + 1) * n]
+        out[name] = t
+    return out

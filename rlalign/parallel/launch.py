@@ -1,0 +1,202 @@
+"""Process groups without Ray: run a function on `world` ranks (torch.multiprocessing, gloo on
+CPU, NCCL on GPU), plus the two sides of `rlalign agree` at any EP size.
+
+A rank that raises or dies makes the launcher stop the others at once and raise an error naming
+that rank; collectives carry a timeout (dist.timeout_s) so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+
+from rlalign.generation import Rollout, generate
+from rlalign.parallel.ep import apply_ep
+from rlalign.training.scoring import micro_batches, score_micro_batch
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def shard_range(n: int, world: int, rank: int) -> range:
+    """Contiguous, near-equal split of n items; the first n % world ranks get one more."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return range(lo, lo + base + (1 if rank < extra else 0))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_world(world: int, device: str, what: str) -> None:
+    if world < 1:
+        raise ValueError(f"{what}={world}: must be >= 1")
+    if device.startswith("cuda"):
+        n = torch.cuda.device_count()
+        if world > n:
+            raise ValueError(f"{what}={world} needs {world} GPUs (one rank each); this machine has {n}")
+
+
+def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
+    try:
+        torch.set_num_threads(threads)
+        backend = "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+            backend = "nccl"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        res = fn(rank, world, dist.group.WORLD, *args)
+        q.put((rank, "ok", res))
+        dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", timeout_s: float = 60.0) -> list:
+    """fn(rank, world, group, *args) on `world` spawned ranks; returns results in rank order.
+    fn must be importable (module level) and return picklable plain data."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world)
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, device, timeout_s, threads, fn, args, q), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, status, payload = q.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in results and not p.is_alive():
+                        time.sleep(0.2)  # its error message may still be in flight
+                        if q.empty():
+                            raise WorkerError(f"rank {r} of {world} died (exit code {p.exitcode}) without a result")
+                continue
+            if status == "error":
+                last = payload.strip().splitlines()[-1]
+                raise WorkerError(f"rank {rank} of {world} failed: {last}\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive() and len(results) < world:
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+# --- the two sides of `rlalign agree` -------------------------------------------------------------
+def _setup(cfg_dict: dict, group):
+    from rlalign.factory import apply_kernels, model_from_config
+
+    cfg = OmegaConf.create(cfg_dict)
+    apply_kernels(cfg)
+    if group is not None and cfg.device.startswith("cuda"):
+        cfg.device = f"cuda:{dist.get_rank(group)}"
+    model = model_from_config(cfg)
+    if group is not None:
+        apply_ep(model, group)
+    return cfg, model
+
+
+def _any_live(group):
+    def fn(local_live: bool) -> bool:
+        t = torch.tensor([int(local_live)], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return bool(t.item())
+
+    return fn
+
+
+def generate_worker(rank, world, group, cfg_dict, prompts, sample_ids, seed):
+    from rlalign.factory import sampling_params
+
+    cfg, model = _setup(cfg_dict, group)
+    part = shard_range(len(prompts), world, rank)
+    params = sampling_params(cfg, model.args.eos_token_id, seed)
+    outs = generate(
+        model,
+        [prompts[i] for i in part],
+        [sample_ids[i] for i in part],
+        params,
+        any_live=_any_live(group) if group is not None else None,
+    )
+    return [(r.sample_id, r.prompt, r.tokens, r.logprobs.tolist(), r.finish_reason) for r in outs]
+
+
+def score_worker(rank, world, group, cfg_dict, prompts, responses):
+    cfg, model = _setup(cfg_dict, group)
+    part = shard_range(len(prompts), world, rank)
+    mbs = micro_batches(len(part), cfg.trainer.micro_batch_size)
+    n_mb = len(mbs)
+    if group is not None:  # every rank runs the same number of forwards (MoE collectives)
+        t = torch.tensor([n_mb], device=model.lm_head.weight.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        n_mb = int(t.item())
+    g = cfg.generator
+    out = []
+    with torch.no_grad():
+        for i in range(n_mb):
+            idx = [part[j] for j in mbs[i]] if i < len(mbs) else []
+            lps = score_micro_batch(
+                model,
+                [prompts[j] for j in idx],
+                [responses[j] for j in idx],
+                layout=cfg.trainer.layout,
+                temperature=1.0 if g.greedy else g.temperature,
+                top_k=g.top_k,
+                top_p=g.top_p,
+            )
+            out += [lp.tolist() for lp in lps]
+    return out
+
+
+def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
+    check_world(ep_size, cfg.device, what)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    if ep_size == 1:
+        return [fn(0, 1, None, cfg_dict, *args)]
+    return run_workers(ep_size, fn, (cfg_dict, *args), cfg.device, cfg.dist.timeout_s)
+
+
+def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> tuple[list[Rollout], dict]:
+    per_rank = _run_side(cfg, cfg.generator.ep_size, "generator.ep_size", generate_worker, (prompts, sample_ids, seed))
+    rollouts = [
+        Rollout(sid, p, t, torch.tensor(lp, dtype=torch.float32), fr) for part in per_rank for sid, p, t, lp, fr in part
+    ]
+    return rollouts, {"dtype": cfg.model.dtype}
+
+
+def score_batch(cfg: DictConfig, prompts, responses) -> tuple[list[torch.Tensor], dict]:
+    per_rank = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", score_worker, (prompts, responses))
+    return [torch.tensor(lp, dtype=torch.float32) for part in per_rank for lp in part], {}
