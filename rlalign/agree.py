@@ -92,7 +92,8 @@ def print_report(result: dict, console=None) -> None:
     rows = [
         ("kernels", f"{result['kernels']} ({result['backend']}), {result['dtype']}, {result['device']}"),
         ("expert parallel", f"generator EP {result['generator_ep']}, trainer EP {result['trainer_ep']}"),
-        ("trainer batches", f"micro-batch {result['trainer_micro_batch_size'] or 'all'}, {result['trainer_layout']}, shuffled"),
+        ("trainer batches",
+         f"micro-batch {result['trainer_micro_batch_size'] or 'all'}, {result['trainer_layout']}, shuffled"),
         ("sequences / tokens", f"{result['sequences']} / {result['tokens']}"),
         ("mismatched tokens", f"{result['mismatched_tokens']} ({result['mismatch_seq_frac']:.1%} of sequences)"),
         ("max |Δ logprob|", f"{result['max_abs_diff']:.3g}"),

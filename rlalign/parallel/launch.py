@@ -98,7 +98,8 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
                     if r not in results and not p.is_alive():
                         time.sleep(0.2)  # its error message may still be in flight
                         if q.empty():
-                            raise WorkerError(f"rank {r} of {world} died (exit code {p.exitcode}) without a result")
+                            msg = f"rank {r} of {world} died (exit code {p.exitcode}) without a result"
+                            raise WorkerError(msg) from None
                 continue
             if status == "error":
                 last = payload.strip().splitlines()[-1]

@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+import kernels
+from rlalign.model import ModelArgs, build_model
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+TINY = dict(
+    vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, moe_intermediate_size=64, num_experts=8, top_k=2, norm_topk_prob=True,
+    max_position_embeddings=256, eos_token_id=1,
+)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode():
+    with kernels.use(mode="deterministic", backend="torch"):
+        yield
+
+
+def tiny_model(dtype="bfloat16", seed=0, **over):
+    return build_model(ModelArgs(**{**TINY, **over}), dtype, seed=seed)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bits, so -0.0 != +0.0 and NaN payloads count."""
+    t = t.detach().contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))

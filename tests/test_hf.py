@@ -1,0 +1,140 @@
+import json
+import os
+
+import pytest
+import torch
+from conftest import same_bits
+from safetensors.torch import load_file, save_file
+
+import kernels
+from rlalign.model import hf as hf_mod
+from rlalign.model import load_hf, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, mlp_only_layers=[1], norm_topk_prob=True, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to 1 and the router to 0: randomise all for a real test
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    d = tmp_path_factory.mktemp("hf") / "tiny-qwen3-moe"
+    model.save_pretrained(d)
+    return d, model
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "default"])
+def test_our_fp32_logits_match_transformers(hf_dir, mode):
+    d, hf = hf_dir
+    ours = load_hf(d)
+    toks = torch.randint(0, 96, (3, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), kernels.use(mode=mode):
+        ref = hf(toks).logits
+        out = ours(toks.reshape(-1), [0, 21, 42, 63]).view(3, 21, -1)
+    rel = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= 1e-5, rel
+
+
+def test_round_trip_through_our_saver_is_bit_identical(hf_dir, tmp_path):
+    d, _ = hf_dir
+    a = load_hf(d)
+    save_hf(a, tmp_path / "copy")
+    b = load_hf(tmp_path / "copy")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(same_bits(sa[k], sb[k]) for k in sa)
+    # and transformers reads what we wrote
+    hf2 = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "copy").eval()
+    toks = torch.arange(10)[None] + 3
+    with torch.no_grad():
+        assert torch.allclose(hf2(toks).logits[0], a(toks[0], [0, 10]), rtol=0, atol=1e-5)
+
+
+def test_bf16_load(hf_dir):
+    d, _ = hf_dir
+    m = load_hf(d, dtype="bfloat16")
+    assert m.dtype == torch.bfloat16
+
+
+def _corrupt(src, dst, edit):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    t = load_file(src / "model.safetensors")
+    edit(t, dst)
+    save_file(t, dst / "model.safetensors")
+
+
+def test_bad_model_directories_name_file_and_tensor(hf_dir, tmp_path):
+    d, _ = hf_dir
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json: missing"):
+        load_hf(tmp_path / "empty")
+
+    arch = tmp_path / "arch"
+    _corrupt(d, arch, lambda t, p: None)
+    cfg = json.loads((arch / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (arch / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        load_hf(arch)
+
+    bad_json = tmp_path / "badjson"
+    _corrupt(d, bad_json, lambda t, p: None)
+    (bad_json / "config.json").write_text("{\n  \"vocab_size\": 96,\n oops }")
+    with pytest.raises(ValueError, match="config.json: malformed JSON at line 3"):
+        load_hf(bad_json)
+
+    missing = tmp_path / "missing"
+    _corrupt(d, missing, lambda t, p: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.0.self_attn.k_proj.weight'"):
+        load_hf(missing)
+
+    missing_expert = tmp_path / "missing_expert"
+    _corrupt(d, missing_expert, lambda t, p: t.pop("model.layers.2.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor model.layers.2.mlp.experts.3.up_proj.weight"):
+        load_hf(missing_expert)
+
+    shape = tmp_path / "shape"
+    _corrupt(d, shape, lambda t, p: t.update({"model.norm.weight": torch.ones(7)}))
+    with pytest.raises(ValueError, match=r"tensor .model.norm.weight. has shape \(7,\), expected \(48,\)"):
+        load_hf(shape)
+
+    eshape = tmp_path / "eshape"
+    _corrupt(d, eshape, lambda t, p: t.update({"model.layers.0.mlp.experts.1.down_proj.weight": torch.ones(48, 5)}))
+    with pytest.raises(ValueError, match=r"experts.1.down_proj.weight has shape \(48, 5\), expected \(48, 24\)"):
+        load_hf(eshape)
+
+    dtype = tmp_path / "dtype"
+    _corrupt(d, dtype, lambda t, p: t.update({"model.norm.weight": torch.ones(48, dtype=torch.int32)}))
+    with pytest.raises(ValueError, match="'model.norm.weight' has dtype torch.int32, expected a floating dtype"):
+        load_hf(dtype)
+
+    extra = tmp_path / "extra"
+    _corrupt(d, extra, lambda t, p: t.update({"model.bogus.weight": torch.ones(3)}))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.bogus.weight'"):
+        load_hf(extra)
+
+
+def test_failed_save_leaves_nothing_half_written(hf_dir, tmp_path, monkeypatch):
+    d, _ = hf_dir
+    m = load_hf(d)
+    target = tmp_path / "out"
+    save_hf(m, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_mod, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf(m, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temp dirs left behind

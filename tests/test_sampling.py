@@ -1,0 +1,101 @@
+import pytest
+import torch
+from conftest import same_bits, tiny_model
+
+import kernels
+from kernels import sampling
+from rlalign.generation import SamplingParams, generate
+
+
+def test_noise_is_a_pure_function_of_seed_sample_position():
+    ids = torch.tensor([5, 9, 2, 7])
+    pos = torch.tensor([3, 3, 10, 0])
+    u = sampling.uniform(11, ids, pos, 64)
+    for i in range(4):  # alone, and in another batch order
+        assert same_bits(sampling.uniform(11, ids[i : i + 1], pos[i : i + 1], 64)[0], u[i])
+    assert same_bits(sampling.uniform(11, ids.flip(0), pos.flip(0), 64).flip(0), u)
+    # negative twins: another seed / position / sample id changes the noise
+    assert not same_bits(sampling.uniform(12, ids, pos, 64), u)
+    assert not same_bits(sampling.uniform(11, ids, pos + 1, 64), u)
+    assert not same_bits(sampling.uniform(11, ids + 1, pos, 64), u)
+    assert bool((u > 0).all() and (u < 1).all())
+
+
+def test_gumbel_max_samples_from_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    toks = kernels.sample(logits, 3, torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    freq = torch.bincount(toks, minlength=4).float() / 20000
+    assert (freq - torch.softmax(logits[0], -1)).abs().max() < 0.015
+
+
+def test_filters_keep_the_documented_sets():
+    z = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    k2 = sampling.filter_logits(z, top_k=2)
+    assert torch.isfinite(k2).tolist() == [[True, False, True, True, False]]  # ties at the k-th kept
+    p = torch.softmax(z, -1)[0]  # [0.53, 0.07, 0.20, 0.20, 0.03]
+    tp = sampling.filter_logits(z, top_p=0.6)
+    assert torch.isfinite(tp).tolist() == [[True, False, True, True, False]]
+    assert torch.isfinite(sampling.filter_logits(z, top_p=0.5)).tolist() == [[True, False, False, False, False]]
+    assert p.sum() > 0.99
+    lp = kernels.token_logprobs(z, torch.tensor([2]), top_k=2)
+    assert abs(float(lp) - float(torch.log_softmax(k2, -1)[0, 2])) < 1e-6
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_sequence_samples_the_same_tokens_in_any_batch(dtype):
+    m = tiny_model(dtype)
+    prompts = _prompts(12)
+    params = SamplingParams(max_new_tokens=20, eos_token_id=1, seed=4, top_p=0.9)
+    full = generate(m, prompts, list(range(12)), params)
+    sub = generate(m, [prompts[7], prompts[2]], [7, 2], params)
+    for r in sub:
+        ref = full[r.sample_id]
+        assert r.tokens == ref.tokens and same_bits(r.logprobs, ref.logprobs)
+    again = generate(m, prompts, list(range(12)), params)
+    assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(full, again))
+
+
+def test_stop_on_eos_and_max_new_tokens():
+    m = tiny_model()
+    params = SamplingParams(max_new_tokens=40, eos_token_id=1, seed=0)
+    outs = generate(m, _prompts(30), list(range(30)), params)
+    reasons = {r.finish_reason for r in outs}
+    assert reasons == {"eos", "length"}
+    for r in outs:
+        assert len(r.tokens) == len(r.logprobs) <= 40
+        if r.finish_reason == "eos":
+            assert r.tokens[-1] == 1 and 1 not in r.tokens[:-1]
+        else:
+            assert len(r.tokens) == 40
+
+
+def test_greedy_is_argmax():
+    m = tiny_model()
+    p = _prompts(3)
+    outs = generate(m, p, [0, 1, 2], SamplingParams(max_new_tokens=5, greedy=True, temperature=0.0))
+    with torch.no_grad():
+        first = [int(m(torch.tensor(q), [0, len(q)])[-1].float().argmax()) for q in p]
+    assert [o.tokens[0] for o in outs] == first
+
+
+def test_generation_bad_input_is_named():
+    m = tiny_model()
+    ok = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompt batch"):
+        generate(m, [], [], ok)
+    with pytest.raises(ValueError, match="prompt of sample 1 is empty"):
+        generate(m, [[3], []], [0, 1], ok)
+    with pytest.raises(ValueError, match="sample 0 has 255 tokens.*context of 256"):
+        generate(m, [[3] * 255], [0], ok)
+    with pytest.raises(ValueError, match="temperature=0.0: sampling needs a temperature > 0"):
+        generate(m, [[3]], [0], SamplingParams(temperature=0.0))
+    with pytest.raises(ValueError, match="token id 99 outside"):
+        generate(m, [[3, 99]], [0], ok)
+    with pytest.raises(ValueError, match="unique"):
+        generate(m, [[3], [4]], [0, 0], ok)
