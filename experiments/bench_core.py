@@ -34,6 +34,26 @@ def _median_time(fn, repeats):
     return statistics.median(times)
 
 
+def _measure(mode, args, dtype, prompts, params, a) -> dict:
+    with kernels.use(mode=mode):
+        model = build_model(args, dtype, seed=0)
+        ids = list(range(len(prompts)))
+        outs = generate(model, prompts, ids, params)
+        gen_tokens = sum(len(o.tokens) for o in outs)
+        t_gen = _median_time(lambda: generate(model, prompts, ids, params), a.repeats)
+        P, R = [o.prompt for o in outs], [o.tokens for o in outs]
+        n_tok = sum(len(p) + len(r) for p, r in zip(P, R))
+
+        def train_step():
+            model.zero_grad(set_to_none=True)
+            lps = score(model, P, R, micro_batch_size=a.micro_batch)
+            (-torch.cat(lps).mean()).backward()
+
+        t_train = _median_time(train_step, a.repeats)
+    return {"generate_tokens_per_s": gen_tokens / t_gen, "generate_s": t_gen, "train_tokens_per_s": n_tok / t_train,
+            "train_step_s": t_train, "generated_tokens": gen_tokens, "train_tokens": n_tok}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -50,25 +70,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=a.new_tokens, eos_token_id=None, seed=0)
     rows = []
     for dtype in ("bfloat16", "float32"):
-        res = {}
-        for mode in ("deterministic", "default"):
-            with kernels.use(mode=mode):
-                model = build_model(args, dtype, seed=0)
-                outs = generate(model, prompts, list(range(len(prompts))), params)
-                gen_tokens = sum(len(o.tokens) for o in outs)
-                t_gen = _median_time(lambda: generate(model, prompts, list(range(len(prompts))), params), a.repeats)
-                P, R = [o.prompt for o in outs], [o.tokens for o in outs]
-                n_tok = sum(len(p) + len(r) for p, r in zip(P, R))
-
-                def train_step():
-                    model.zero_grad(set_to_none=True)
-                    lps = score(model, P, R, micro_batch_size=a.micro_batch)
-                    (-torch.cat(lps).mean()).backward()
-
-                t_train = _median_time(train_step, a.repeats)
-            res[mode] = {"generate_tokens_per_s": gen_tokens / t_gen, "generate_s": t_gen,
-                         "train_tokens_per_s": n_tok / t_train, "train_step_s": t_train,
-                         "generated_tokens": gen_tokens, "train_tokens": n_tok}
+        res = {mode: _measure(mode, args, dtype, prompts, params, a) for mode in ("deterministic", "default")}
         d, f = res["deterministic"], res["default"]
         rows.append({"dtype": dtype, **{f"{m}_{k}": v for m in res for k, v in res[m].items()},
                      "generate_speed_ratio_det_over_default": d["generate_tokens_per_s"] / f["generate_tokens_per_s"],
@@ -79,9 +81,11 @@ def main() -> None:
     print(f"{'dtype':9} {'gen det tok/s':>14} {'gen def tok/s':>14} {'ratio':>6} {'train det tok/s':>16} "
           f"{'train def tok/s':>16} {'ratio':>6}")
     for r in rows:
-        print(f"{r['dtype']:9} {r['deterministic_generate_tokens_per_s']:14.0f} {r['default_generate_tokens_per_s']:14.0f} "
-              f"{r['generate_speed_ratio_det_over_default']:6.2f} {r['deterministic_train_tokens_per_s']:16.0f} "
-              f"{r['default_train_tokens_per_s']:16.0f} {r['train_speed_ratio_det_over_default']:6.2f}")
+        cells = [r["deterministic_generate_tokens_per_s"], r["default_generate_tokens_per_s"],
+                 r["generate_speed_ratio_det_over_default"], r["deterministic_train_tokens_per_s"],
+                 r["default_train_tokens_per_s"], r["train_speed_ratio_det_over_default"]]
+        print(f"{r['dtype']:9} {cells[0]:14.0f} {cells[1]:14.0f} {cells[2]:6.2f} {cells[3]:16.0f} {cells[4]:16.0f} "
+              f"{cells[5]:6.2f}")
     print(f"wrote {path}")
 
 

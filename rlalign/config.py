@@ -177,12 +177,26 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"trainer.layout={cfg.trainer.layout!r}: expected packed or padded")
     if cfg.generator.backend != "native":
         problems.append(f"generator.backend={cfg.generator.backend!r}: only 'native' is available")
+    num_experts = _num_experts(cfg)
     for side in ("trainer", "generator"):
         ep = cfg[side].ep_size
         if ep < 1:
             problems.append(f"{side}.ep_size={ep}: must be >= 1")
+        elif num_experts and num_experts % ep:
+            problems.append(
+                f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
+                f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
+            )
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
+
+
+def _num_experts(cfg: DictConfig) -> int:
+    if cfg.model.path:
+        from rlalign.model.hf import read_args
+
+        return read_args(cfg.model.path)[0].num_experts
+    return cfg.model.num_experts
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:

@@ -14,7 +14,7 @@ from rlalign.model import Transformer, build_model, load_hf
 def apply_kernels(cfg: DictConfig) -> None:
     kernels.set_mode(cfg.kernels.mode, cfg.kernels.backend)
     if cfg.kernels.mode == "deterministic" and cfg.device.startswith("cuda"):
-        torch.use_deterministic_algorithms(True)  # embedding / index_add backward without atomics
+        torch.use_deterministic_algorithms(True, warn_only=True)  # embedding/index_add backward w/o atomics
 
 
 def model_from_config(cfg: DictConfig, dtype: str | None = None) -> Transformer:

@@ -61,17 +61,19 @@ class ExpertParallel(Experts):
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         W, El = self.world, self.num_local
-        send = torch.tensor(counts, dtype=torch.long).view(W, El)  # rows for (owner rank, its local expert)
-        recv = torch.empty_like(send)  # recv[s, e]: rows from source rank s for my expert e
+        # send[r, e]: rows for rank r's local expert e; recv[s, e]: rows from rank s for my expert e
+        send = torch.tensor(counts, dtype=torch.long, device=x_sorted.device).view(W, El)
+        recv = torch.empty_like(send)
         dist.all_to_all_single(recv.view(-1), send.view(-1).clone(), group=self.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         x_recv = all_to_all(x_sorted, out_splits, in_splits, self.group)  # source-major, expert within
         # regroup expert-major: for each local expert, the rows of source 0, 1, ... in order
-        starts = torch.cumsum(recv.view(-1), 0) - recv.view(-1)
-        blocks = [(int(starts[s * El + e]), int(recv[s, e])) for e in range(El) for s in range(W)]
+        recv_c = recv.cpu()
+        starts = (torch.cumsum(recv_c.view(-1), 0) - recv_c.view(-1)).tolist()
+        blocks = [(starts[s * El + e], int(recv_c[s, e])) for e in range(El) for s in range(W)]
         perm = torch.cat([torch.arange(a, a + n) for a, n in blocks]) if blocks else torch.zeros(0, dtype=torch.long)
         perm = perm.to(x_sorted.device)
-        y = super().forward(x_recv.index_select(0, perm), recv.sum(0).tolist())
+        y = super().forward(x_recv.index_select(0, perm), recv_c.sum(0).tolist())
         y = y.index_select(0, torch.argsort(perm))
         return all_to_all(y, in_splits, out_splits, self.group)
 

@@ -53,6 +53,7 @@ def check_world(world: int, device: str, what: str) -> None:
 
 
 def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
+    status, payload = "error", ""
     try:
         torch.set_num_threads(threads)
         backend = "gloo"
@@ -66,13 +67,28 @@ def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        res = fn(rank, world, dist.group.WORLD, *args)
-        q.put((rank, "ok", res))
+        status, payload = "ok", fn(rank, world, dist.group.WORLD, *args)
         dist.destroy_process_group()
     except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-        sys.stdout.flush()
-        os._exit(1)
+        payload = traceback.format_exc()
+    q.put((rank, status, payload))
+    q.close()
+    q.join_thread()  # the message is out before the process ends
+    sys.stdout.flush()
+    os._exit(0 if status == "ok" else 1)
+
+
+def _blame(world: int, procs, errors: dict[int, str]) -> WorkerError:
+    """The root cause: a rank that died without a word (killed, crashed) before one that raised
+    (its peers' errors are usually 'connection closed' echoes); else the first error."""
+    silent = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, 1) and r not in errors]
+    if silent:
+        r = silent[0]
+        others = "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(errors.items()))
+        return WorkerError(f"rank {r} of {world} died (exit code {procs[r].exitcode}) without a result"
+                           + (f" (then {others})" if others else ""))
+    r = next(iter(errors))
+    return WorkerError(f"rank {r} of {world} failed: {errors[r].strip().splitlines()[-1]}\n{errors[r]}")
 
 
 def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", timeout_s: float = 60.0) -> list:
@@ -89,22 +105,25 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     for p in procs:
         p.start()
     results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    failed_at = None
     try:
-        while len(results) < world:
+        while len(results) + len(errors) < world:
+            if failed_at is not None and time.monotonic() - failed_at > 1.0:
+                break  # waited long enough for the other ranks' last words
             try:
-                rank, status, payload = q.get(timeout=0.2)
+                rank, status, payload = q.get(timeout=0.1)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+                    failed_at = failed_at or time.monotonic()
             except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in results and not p.is_alive():
-                        time.sleep(0.2)  # its error message may still be in flight
-                        if q.empty():
-                            msg = f"rank {r} of {world} died (exit code {p.exitcode}) without a result"
-                            raise WorkerError(msg) from None
-                continue
-            if status == "error":
-                last = payload.strip().splitlines()[-1]
-                raise WorkerError(f"rank {rank} of {world} failed: {last}\n{payload}")
-            results[rank] = payload
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
+                if dead and failed_at is None:
+                    failed_at = time.monotonic()
+        if errors or len(results) < world:
+            raise _blame(world, procs, errors)
     finally:
         for p in procs:
             if p.is_alive() and len(results) < world:
@@ -201,3 +220,53 @@ def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> tuple[lis
 def score_batch(cfg: DictConfig, prompts, responses) -> tuple[list[torch.Tensor], dict]:
     per_rank = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", score_worker, (prompts, responses))
     return [torch.tensor(lp, dtype=torch.float32) for part in per_rank for lp in part], {}
+
+
+def grads_worker(rank, world, group, cfg_dict, prompts, responses, gen_logprobs, steps):
+    """`steps` optimizer steps of a plain policy-gradient loss (-mean logprob) on the trainer at
+    this EP size; returns fingerprints of the full gradients of the first step and of the final
+    weights, plus the first step's full gradients (rank 0) for inspection."""
+    from omegaconf import OmegaConf
+
+    from rlalign.monitor.fingerprint import state_fingerprints
+    from rlalign.training.trainer import Sample, Trainer
+
+    cfg = OmegaConf.create(cfg_dict)
+    from rlalign.factory import apply_kernels
+
+    apply_kernels(cfg)
+    trainer = Trainer(cfg, group)
+    part = shard_range(len(prompts), world, rank)
+    samples = [Sample(prompts[i], responses[i], torch.tensor(gen_logprobs[i])) for i in part]
+    total = sum(len(r) for r in responses)
+
+    def loss_fn(lps, mb):
+        lp = torch.cat(lps)
+        return -lp.sum(), {"logprob_sum": lp.detach().sum()}
+
+    first = None
+    for _ in range(steps):
+        trainer.forward_backward(samples, loss_fn, total)
+        trainer.reduce_grads()
+        if first is None:
+            full = {}
+            for n, gr in trainer.grads.items():
+                if world > 1 and ".mlp.experts." in n:
+                    parts = [torch.empty_like(gr) for _ in range(world)]
+                    dist.all_gather(parts, gr.contiguous(), group=group)
+                    gr = torch.cat(parts, 0)
+                full[n] = gr
+            first = full
+        trainer.optimizer_step()
+    weights = trainer.full_state_dict()
+    return {
+        "grad_fps": state_fingerprints(first),
+        "weight_fps": state_fingerprints(weights),
+        "grads": {k: v.tolist() for k, v in first.items()} if rank == 0 else None,
+    }
+
+
+def train_grads(cfg: DictConfig, prompts, responses, gen_logprobs, steps: int = 1) -> dict:
+    per_rank = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", grads_worker,
+                         (prompts, responses, gen_logprobs, steps))
+    return per_rank[0]

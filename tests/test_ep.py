@@ -1,0 +1,118 @@
+"""Expert parallelism over gloo process groups: EP size changes not a single bit."""
+
+import os
+import time
+
+import pytest
+import torch
+from conftest import same_bits
+
+from rlalign.agree import random_prompts, run_agree
+from rlalign.config import ConfigError, load_config
+from rlalign.monitor.consistency import compare
+from rlalign.parallel import launch
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(*over):
+    return load_config(["agree.num_prompts=64", "generator.max_new_tokens=40", *over])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_trainer_ep_agrees_with_every_generator_ep(dtype):
+    """trainer EP {1,2,4} x generator EP {1,2}: each generator batch rescored at each trainer EP."""
+    base = _cfg(f"model.dtype={dtype}")
+    prompts = random_prompts(base, 64)
+    ids = list(range(len(prompts)))
+    gens = {ep: launch.generate_batch(_cfg(f"model.dtype={dtype}", f"generator.ep_size={ep}"), prompts, ids, 0)[0]
+            for ep in (1, 2)}
+    # the generator's own EP size changes nothing either
+    assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(gens[1], gens[2]))
+    ro = gens[1]
+    assert sum(len(r.tokens) for r in ro) >= 2000
+    P, R = [r.prompt for r in ro], [r.tokens for r in ro]
+    scored = {}
+    for ep in (1, 2, 4):
+        t = time.perf_counter()
+        cfg = _cfg(f"model.dtype={dtype}", f"trainer.ep_size={ep}", "trainer.micro_batch_size=5")
+        scored[ep] = launch.score_batch(cfg, P, R)[0]
+        assert time.perf_counter() - t < 30
+    for ep in (1, 2, 4):  # the trainer's logprobs are bitwise equal at EP 1, 2 and 4 ...
+        assert all(same_bits(a, b) for a, b in zip(scored[ep], scored[1]))
+        for g in (1, 2):  # ... and equal to what each generator EP sampled with
+            c = compare([r.logprobs for r in gens[g]], scored[ep])
+            assert c["mismatched_tokens"] == 0 and c["logprob_abs_diff_max"] == 0.0, (ep, g)
+
+
+def test_agree_command_at_trainer_ep4_generator_ep2():
+    res, _ = run_agree(load_config(["trainer.ep_size=4", "generator.ep_size=2", "trainer.micro_batch_size=3"]))
+    assert res["trainer_ep"] == 4 and res["generator_ep"] == 2
+    assert res["tokens"] >= 2000 and res["mismatched_tokens"] == 0 and res["max_abs_diff"] == 0.0
+
+
+def test_negative_twin_default_mode_under_ep_reports_mismatch():
+    res, _ = run_agree(load_config(["kernels.mode=default", "trainer.ep_size=2", "trainer.micro_batch_size=3"]))
+    assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
+
+
+def test_gradients_are_bit_identical_run_to_run_at_ep2():
+    cfg = _cfg("model.dtype=float32", "agree.num_prompts=12", "generator.max_new_tokens=12")
+    ro, _ = launch.generate_batch(cfg, random_prompts(cfg, 64), list(range(12)), 0)
+    args = ([r.prompt for r in ro], [r.tokens for r in ro], [r.logprobs.tolist() for r in ro])
+    ep2 = load_config(["model.dtype=float32", "trainer.ep_size=2", "trainer.micro_batch_size=2"])
+    a = launch.train_grads(ep2, *args, steps=2)
+    b = launch.train_grads(ep2, *args, steps=2)
+    assert a["grad_fps"] == b["grad_fps"] and a["weight_fps"] == b["weight_fps"]
+    assert any(torch.tensor(v).abs().sum() > 0 for k, v in a["grads"].items() if "experts" in k)
+
+
+def test_ep_size_must_divide_num_experts_before_any_process_starts():
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"trainer.ep_size=3 does not divide the model's num_experts=8"):
+        load_config(["trainer.ep_size=3"])
+    with pytest.raises(ConfigError, match=r"generator.ep_size=0: must be >= 1"):
+        load_config(["generator.ep_size=0"])
+    assert time.perf_counter() - t < 5
+
+
+def test_ep_size_beyond_available_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"trainer.ep_size=4 needs 4 GPUs \(one rank each\); this machine has 2"):
+        launch.check_world(4, "cuda", "trainer.ep_size")
+
+
+def _die_mid_step(rank, world, group, delay):
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    if rank == 1:
+        time.sleep(delay)
+        os._exit(7)  # killed mid-step: no message, no result
+    dist.all_reduce(t, group=group)  # rank 0 now waits on a peer that is gone
+    return "unreachable"
+
+
+def _raise_on_rank(rank, world, group):
+    if rank == 2:
+        raise RuntimeError("reward model exploded")
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+
+
+def test_a_dead_rank_fails_the_others_fast_with_its_name():
+    t = time.perf_counter()
+    with pytest.raises(launch.WorkerError, match=r"rank 1 of 2 died \(exit code 7\)"):
+        launch.run_workers(2, _die_mid_step, (0.5,), timeout_s=120)
+    assert time.perf_counter() - t < 30  # far below the collective timeout
+    with pytest.raises(launch.WorkerError, match=r"rank 2 of 3 failed: RuntimeError: reward model exploded"):
+        launch.run_workers(3, _raise_on_rank, (), timeout_s=120)
+
+
+def test_shard_range_covers_everything_once():
+    for n in (0, 1, 5, 64):
+        for w in (1, 2, 3, 4):
+            parts = [list(launch.shard_range(n, w, r)) for r in range(w)]
+            assert sum(parts, []) == list(range(n))
