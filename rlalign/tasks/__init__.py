@@ -1,0 +1,165 @@
+"""Tasks with verifiable rewards: built-in generators and JSONL prompt/answer datasets.
+
+A task yields, for training step s, `num_prompts` examples that are a pure function of
+(seed, s): the data position is the step, so a resumed run sees the same prompts.
+
+Built-in:
+  repeat   "c:" -> "cccc"      (a letter repeated `length` times; learnable from scratch in minutes)
+  reverse  "abc>" -> "cba"
+  add      "12+7=" -> "19"
+  jsonl    lines {"prompt": ..., "answer": ...} from task.path, reward by import path
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlalign.tasks import rewards
+
+RewardFn = Callable[[str, str, str], float]
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+def load_reward(path: str) -> RewardFn:
+    """'pkg.module:function' -> the function; a bare name means rlalign.tasks.rewards."""
+    mod_name, _, fn_name = path.rpartition(":") if ":" in path else ("rlalign.tasks.rewards", ":", path)
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:
+        raise ValueError(f"task.reward={path!r}: cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"task.reward={path!r}: module {mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+class Task:
+    name = "task"
+    default_reward = "char_match"
+
+    def __init__(self, seed: int, reward: str | None = None):
+        self.seed = seed
+        self.reward_fn = load_reward(reward or self.default_reward)
+
+    def examples(self, step: int, n: int) -> list[Example]:
+        rng = random.Random(f"{self.name}:{self.seed}:{step}")
+        return [self.make(rng) for _ in range(n)]
+
+    def make(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+    def reward(self, completion: str, ex: Example) -> float:
+        return float(self.reward_fn(completion, ex.answer, ex.prompt))
+
+
+class Repeat(Task):
+    name = "repeat"
+
+    def __init__(self, seed, reward=None, letters: str = "abcdefgh", length: int = 4):
+        super().__init__(seed, reward)
+        self.letters, self.length = letters, length
+
+    def make(self, rng):
+        c = rng.choice(self.letters)
+        return Example(f"{c}:", c * self.length)
+
+
+class Reverse(Task):
+    name = "reverse"
+
+    def __init__(self, seed, reward=None, letters: str = "abcdefgh", min_len: int = 2, max_len: int = 4):
+        super().__init__(seed, reward)
+        self.letters, self.min_len, self.max_len = letters, min_len, max_len
+
+    def make(self, rng):
+        s = "".join(rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len)))
+        return Example(f"{s}>", s[::-1])
+
+
+class Add(Task):
+    name = "add"
+    default_reward = "exact_match"
+
+    def __init__(self, seed, reward=None, max_operand: int = 20):
+        super().__init__(seed, reward)
+        self.max_operand = max_operand
+
+    def make(self, rng):
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        return Example(f"{a}+{b}=", str(a + b))
+
+
+class JsonlTask(Task):
+    name = "jsonl"
+    default_reward = "exact_match"
+
+    def __init__(self, seed, reward=None, path: str | None = None):
+        super().__init__(seed, reward)
+        if not path:
+            raise ValueError("task.name=jsonl needs task.path (a JSONL file of {\"prompt\", \"answer\"} lines)")
+        self.path = Path(path)
+        self.data = read_jsonl(self.path)
+
+    def examples(self, step, n):
+        # epoch-wise seeded permutations; the data position is step * n
+        out, pos = [], step * n
+        size = len(self.data)
+        while len(out) < n:
+            epoch, i = divmod(pos, size)
+            perm = list(range(size))
+            random.Random(f"jsonl:{self.seed}:{epoch}").shuffle(perm)
+            out.append(self.data[perm[i]])
+            pos += 1
+        return out
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    if not path.is_file():
+        raise FileNotFoundError(f"task.path={str(path)!r}: dataset file does not exist")
+    out = []
+    with path.open() as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{no}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not isinstance(
+                obj.get("answer"), str
+            ):
+                raise ValueError(f"{path}:{no}: expected an object with string fields 'prompt' and 'answer'")
+            if not obj["prompt"]:
+                raise ValueError(f"{path}:{no}: empty prompt")
+            out.append(Example(obj["prompt"], obj["answer"]))
+    if not out:
+        raise ValueError(f"{path}: no examples")
+    return out
+
+
+TASKS = {t.name: t for t in (Repeat, Reverse, Add, JsonlTask)}
+
+
+def make_task(name: str, seed: int, reward: str | None = None, path: str | None = None, **kwargs) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"task.name={name!r}: unknown task; built-in: {sorted(TASKS)}")
+    cls = TASKS[name]
+    if cls is JsonlTask:
+        return cls(seed, reward, path=path, **kwargs)
+    try:
+        return cls(seed, reward, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"task.kwargs for {name!r}: {e}") from None
+
+
+__all__ = ["Example", "Task", "make_task", "load_reward", "read_jsonl", "rewards"]
