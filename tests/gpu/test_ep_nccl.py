@@ -20,5 +20,6 @@ def test_trainer_ep2_vs_generator_ep1_nccl_bitwise(dtype):
 
 @needs_2_gpus
 def test_default_mode_nccl_reports_mismatch():
-    res, _ = run_agree(load_config(["device=cuda", "kernels.mode=default", "trainer.ep_size=2"]))
+    # fp32: for this tiny config cuBLAS bf16 happened to agree on the H200 (0 of 3262 tokens differed)
+    res, _ = run_agree(load_config(["device=cuda", "kernels.mode=default", "model.dtype=float32", "trainer.ep_size=2"]))
     assert res["mismatched_tokens"] > 0
