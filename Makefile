@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rlalign agree
+	$(BIN)/rlalign train
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests

@@ -64,7 +64,7 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     samples = [Sample(o.prompt, o.tokens, o.logprobs) for o in outs]
     total = len(prompts) * params.max_new_tokens
 
-    def loss_fn(lps, mb):
+    def loss_fn(lps, idx):
         return -torch.cat(lps).sum(), {}
 
     def step():

@@ -27,8 +27,8 @@ def next_pow2(n: int) -> int:
 
 def _tree_sum_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
     n = x.shape[dim]
-    if n == 0:
-        return torch.zeros_like(x.narrow(dim, 0, 1)).squeeze(dim)
+    if n == 0:  # empty sum: exact zeros
+        return x.new_zeros([s for i, s in enumerate(x.shape) if i != dim])
     while n > 1:
         h = next_pow2(n) // 2  # pairs (i, i + h); slots >= n are implicit zeros
         m = n - h  # how many i have a real partner

@@ -14,7 +14,7 @@ def linear(x, w, bias=None):
 
 def grouped_linear(x, w, counts: list[int]):
     outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts)) if xe.shape[0]]
-    return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[1])
+    return torch.cat(outs, 0) if outs else F.linear(x[:0], w[0])  # stays in the autograd graph
 
 
 def rmsnorm(x, w, eps: float):
@@ -46,7 +46,7 @@ def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
     B = len(cu_seqlens) - 1
     lens = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(B)]
     if B == 0:
-        return q.new_zeros(q.shape)
+        return q.clone()
     T = max(lens)
     qp, kp, vp = (_pad(t, cu_seqlens, T).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     ar = torch.arange(T, device=q.device)

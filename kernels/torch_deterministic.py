@@ -65,7 +65,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch
         if c:
             outs.append(linear(x[start : start + c], w[e]))
         start += c
-    return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[1])
+    # no rows at all: still a (0-row) linear, so autograd keeps this op, and the collectives around
+    # it under expert parallelism, in the backward graph on every rank
+    return torch.cat(outs, 0) if outs else linear(x[:0], w[0])
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,7 +126,7 @@ def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float) -> torch.Ten
             valid = (torch.arange(t1, device=q.device)[None, :] <= qpos[:, None])[None]
             outs.append(_attend(qi, ki, vi, valid, scale).reshape(t1 - t0, H, D))
     if not outs:
-        return q.new_zeros(N, H, D)
+        return q.clone()  # no rows; stays connected to the graph
     return torch.cat(outs, 0).to(q.dtype)
 
 

@@ -1,5 +1,6 @@
 """rlalign command line: `rlalign COMMAND [key=value ...] [--cfg job]`.
 
+    rlalign train   [overrides]   the RL job (GRPO on Ray; embedded default: tiny MoE, CPU)
     rlalign agree   [overrides]   one batch generated and rescored; last line one JSON object
 """
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = rest[:i] + rest[i + 2 :]
     from rlalign.config import ConfigError, load_config
 
-    commands = {"agree": "rlalign.agree"}
+    commands = {"agree": "rlalign.agree", "train": "rlalign.rl"}
     if cmd not in commands:
         print(f"rlalign: unknown command {cmd!r}; one of: {', '.join(commands)}", file=sys.stderr)
         return 2

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -58,7 +60,83 @@ class TrainerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    master_dtype: str = "float32"
+    separate_scoring_pass: bool = False  # score with no grad before training (else: the 1st forward)
+
+
+@dataclass
+class TaskConfig:
+    name: str = "repeat"  # repeat | reverse | add | jsonl
+    path: str | None = None  # JSONL dataset for name=jsonl
+    reward: str | None = None  # 'pkg.module:function'; None = the task's default
+    tokenizer: str | None = None  # local HF tokenizer directory; None = the char tokenizer
+    num_prompts: int = 16  # prompts per step
+    samples_per_prompt: int = 8  # GRPO group size
+    max_new_tokens: int | None = None  # replaces generator.max_new_tokens in `rlalign train`
+    kwargs: dict[str, Any] = field(default_factory=dict)  # task parameters (e.g. letters, length)
+
+
+@dataclass
+class TISConfig:
+    enabled: bool = False
+    cap: float = 2.0
+
+
+@dataclass
+class IcePopConfig:
+    enabled: bool = False
+    low: float = 0.5
+    high: float = 2.0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    norm_adv_by_std: bool = True
+    old_logprobs: str = "generator"  # generator | trainer (PPO ratio denominator)
+    kl_coef: float = 0.0  # reference-model k3 penalty (0 = off)
+    tis: TISConfig = field(default_factory=TISConfig)
+    icepop: IcePopConfig = field(default_factory=IcePopConfig)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "rlalign"
+    name: str | None = None
+    mode: str | None = None  # online | offline | disabled; None: $WANDB_MODE, else offline without an API key
+    sample_table_every: int = 5
+    num_samples: int = 8
+
+
+@dataclass
+class LoggerConfig:
+    console: bool = True
+    jsonl: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = at the end only
+    resume: str = "never"  # never | auto | a checkpoint directory
+    keep: int = 2
+
+
+@dataclass
+class PlacementConfig:
+    colocate: bool = False  # GPUs: trainer and generator share GPUs by time
+    num_cpus: float | None = None  # the local Ray cluster's CPUs (None: all)
+
+
+@dataclass
+class MonitorConfig:
+    on_mismatch: str = "raise"  # raise | warn (deterministic mode only)
+    fingerprints: str = "default"  # off | default (weights, grads, logprobs) | layers (+ per-layer hidden)
+    worst_tokens: int = 10
 
 
 @dataclass
@@ -89,6 +167,12 @@ class Config:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     agree: AgreeConfig = field(default_factory=AgreeConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -118,23 +202,15 @@ def _unknown_key_error(schema: DictConfig, key: str, origin: str) -> ConfigError
     return ConfigError(f"unknown config key {key!r} in {origin}{hint}; valid keys {where}: {', '.join(keys)}")
 
 
-def _check_keys(schema: DictConfig, cfg: DictConfig, origin: str, prefix: str = "") -> None:
-    for k in cfg.keys():
-        full = f"{prefix}{k}"
-        if k not in schema:
-            raise _unknown_key_error(OmegaConf.structured(Config), full, origin)
-        sub = cfg[k] if not OmegaConf.is_missing(cfg, k) else None
-        if isinstance(sub, DictConfig) and isinstance(schema[k], DictConfig):
-            _check_keys(schema[k], sub, origin, full + ".")
-
-
 def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None) -> DictConfig:
     """Compose configs/config.yaml + overrides onto the Config schema; errors name the key."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException, HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = list(overrides or [])
+    # free-form maps (task.kwargs.*) take new keys: force-add them
+    overrides = [("++" + o) if _is_free_key(o.split("=", 1)[0]) and not o.startswith("+") else o
+                 for o in (overrides or [])]
     schema = OmegaConf.structured(Config)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
@@ -145,23 +221,28 @@ def load_config(overrides: list[str] | None = None, config_dir: str | Path | Non
         if OmegaConf.select(schema, key, default="__missing__") == "__missing__" and not _is_free_key(key):
             raise _unknown_key_error(schema, key, "the command line")
     cdir = str(Path(config_dir or CONFIG_DIR).resolve())
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="rlalign_schema", node=Config)  # config.yaml's first default
     try:
         with initialize_config_dir(config_dir=cdir, version_base="1.3"):
-            raw = compose(config_name="config", overrides=overrides)
+            cfg = compose(config_name="config", overrides=overrides)
     except (ConfigCompositionException, HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(f"cannot compose the config from {cdir}: {e}") from None
-    _check_keys(schema, raw, f"{cdir}/config.yaml and its groups")
-    try:
-        cfg = OmegaConf.merge(schema, raw)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid config value: {e}".splitlines()[0] + f" (key {e.full_key!r})") from None
+        text = f"{e}\n{e.__cause__ or ''}"
+        key = re.search(r"full_key: (\S+)", text)
+        if key and re.search(r"Key '[^']+' not in '", text):
+            origin = re.search(r"In '([^']+)'", text)
+            where = f"{cdir}/{origin[1]}.yaml" if origin else f"{cdir}/config.yaml"
+            raise _unknown_key_error(schema, key[1], where) from None
+        detail = "; ".join(ln.strip() for ln in str(e.__cause__ or "").splitlines()[:1] if ln.strip())
+        raise ConfigError(f"cannot compose the config from {cdir}: {e}" + (f" ({detail})" if detail else "")) from None
     validate(cfg)
     return cfg
 
 
 def _is_free_key(key: str) -> bool:
     """Keys under free-form maps (e.g. task.kwargs.*) are not in the schema."""
-    return ".kwargs." in f".{key}."
+    return ".kwargs." in f".{key}"
 
 
 def validate(cfg: DictConfig) -> None:
@@ -187,6 +268,17 @@ def validate(cfg: DictConfig) -> None:
                 f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
                 f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
             )
+    if cfg.algorithm.old_logprobs not in ("generator", "trainer"):
+        problems.append(f"algorithm.old_logprobs={cfg.algorithm.old_logprobs!r}: expected generator or trainer")
+    if cfg.monitor.on_mismatch not in ("raise", "warn"):
+        problems.append(f"monitor.on_mismatch={cfg.monitor.on_mismatch!r}: expected raise or warn")
+    if cfg.monitor.fingerprints not in ("off", "default", "layers"):
+        problems.append(f"monitor.fingerprints={cfg.monitor.fingerprints!r}: expected off, default or layers")
+    for key in ("ppo_epochs", "num_minibatches"):
+        if cfg.algorithm[key] < 1:
+            problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
+    if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
+        problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
 

@@ -11,7 +11,7 @@ from rlalign.config import load_config
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mb", [1, 3, 0])
 def test_agree_deterministic_is_bitwise(dtype, mb):
-    cfg = load_config([f"model.dtype={dtype}", f"trainer.micro_batch_size={mb}"])
+    cfg = load_config([f"model.dtype={dtype}", f"trainer.micro_batch_size={mb}", "trainer.ep_size=1"])
     res, _ = run_agree(cfg)
     assert res["tokens"] >= 2000
     assert res["mismatched_tokens"] == 0 and res["max_abs_diff"] == 0.0 and res["mean_abs_diff"] == 0.0
@@ -20,7 +20,8 @@ def test_agree_deterministic_is_bitwise(dtype, mb):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_agree_default_mode_reports_the_mismatch(dtype):
-    cfg = load_config(["kernels.mode=default", f"model.dtype={dtype}", "trainer.micro_batch_size=3"])
+    cfg = load_config(["kernels.mode=default", f"model.dtype={dtype}", "trainer.micro_batch_size=3",
+                       "trainer.ep_size=1"])
     res, _ = run_agree(cfg)
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 

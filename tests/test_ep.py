@@ -116,3 +116,36 @@ def test_shard_range_covers_everything_once():
         for w in (1, 2, 3, 4):
             parts = [list(launch.shard_range(n, w, r)) for r in range(w)]
             assert sum(parts, []) == list(range(n))
+
+
+def _train_with_all_tokens_on_rank0_experts(rank, world, group, cfg_dict):
+    """Zero router weights: every top-k tie goes to experts 0 and 1, all owned by rank 0, so rank 1's
+    experts see no rows in any layer. Its backward must still take part in every all-to-all."""
+    from omegaconf import OmegaConf
+
+    from rlalign.factory import apply_kernels
+    from rlalign.training.trainer import Sample, Trainer
+
+    cfg = OmegaConf.create(cfg_dict)
+    apply_kernels(cfg)
+    tr = Trainer(cfg, group)
+    with torch.no_grad():
+        for layer in tr.model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    samples = [Sample([3 + rank, 4, 5], [6, 7, 8, 9], torch.zeros(4)) for _ in range(3)]
+
+    def loss_fn(lps, idx):
+        return -torch.cat(lps).sum(), {}
+
+    tr.forward_backward(samples, loss_fn, 24)
+    tr.optimizer_step()
+    return tr.grad_norm()
+
+
+def test_ranks_whose_experts_get_no_rows_stay_in_lockstep():
+    cfg = load_config(["trainer.ep_size=2", "dist.timeout_s=30", "trainer.micro_batch_size=2"])
+    from omegaconf import OmegaConf
+
+    norms = launch.run_workers(2, _train_with_all_tokens_on_rank0_experts,
+                               (OmegaConf.to_container(cfg, resolve=True),), timeout_s=30)
+    assert norms[0] == norms[1] and norms[0] > 0

@@ -240,7 +240,7 @@ def grads_worker(rank, world, group, cfg_dict, prompts, responses, gen_logprobs,
     samples = [Sample(prompts[i], responses[i], torch.tensor(gen_logprobs[i])) for i in part]
     total = sum(len(r) for r in responses)
 
-    def loss_fn(lps, mb):
+    def loss_fn(lps, idx):
         lp = torch.cat(lps)
         return -lp.sum(), {"logprob_sum": lp.detach().sum()}
 

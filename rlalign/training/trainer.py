@@ -21,6 +21,8 @@ from omegaconf import DictConfig
 from kernels import fixed_order as fo
 from rlalign.factory import model_from_config
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param, shard_state_dict
+from rlalign.parallel.launch import shard_range
+from rlalign.training.losses import policy_loss
 from rlalign.training.scoring import micro_batches, score_micro_batch
 
 
@@ -35,8 +37,14 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None
 
 
-# loss_fn(logprobs per sample, samples) -> (sum of per-token losses, {stat: sum over tokens})
-LossFn = Callable[[list[torch.Tensor], list[Sample]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(logprobs per sample, indices of those samples) -> (sum of token losses, {stat: value})
+LossFn = Callable[[list[torch.Tensor], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def merge_stat(key: str, a: float | None, b: float) -> float:
+    if a is None:
+        return b
+    return max(a, b) if key.endswith("_max") else min(a, b) if key.endswith("_min") else a + b
 
 
 def _max_over_ranks(n: int, group, device) -> int:
@@ -73,6 +81,11 @@ class Trainer:
             list(self.master.values()), lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
             foreach=False, fused=False,
         )
+        self.ref_model = None
+        if cfg.get("algorithm") is not None and cfg.algorithm.kl_coef > 0:
+            self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
+            if group is not None:
+                apply_ep(self.ref_model, group)
         g = cfg.generator
         self.score_kw = dict(
             layout=t.layout, temperature=1.0 if g.greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
@@ -88,27 +101,72 @@ class Trainer:
 
     # --- scoring and gradients -------------------------------------------------------------
     @torch.no_grad()
-    def score(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    def score(self, samples: Sequence[Sample], model=None) -> list[torch.Tensor]:
         """Logprobs of this rank's samples (no grad), micro-batched like training."""
+        model = model or self.model
         mbs = micro_batches(len(samples), self.cfg.trainer.micro_batch_size)
         out: list[torch.Tensor] = []
         for i in range(_max_over_ranks(len(mbs), self.group, self.device)):
             mb = [samples[j] for j in mbs[i]] if i < len(mbs) else []
-            out += score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self.score_kw)
+            out += score_micro_batch(model, [s.prompt for s in mb], [s.response for s in mb], **self.score_kw)
         return [x.float().cpu() for x in out]
 
+    def _global_sum(self, n: int) -> int:
+        if self.group is None:
+            return n
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return int(t.item())
+
+    def train_step(self, samples: list[Sample], alg) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """PPO epochs over mini-batches of this rank's samples. Returns the trainer's pre-update
+        logprobs of each sample (what the monitor compares with the generator's) and stats."""
+        updates = alg.ppo_epochs * alg.num_minibatches
+        pre = self.score(samples) if updates > 1 or self.cfg.trainer.separate_scoring_pass else None
+        ref = self.score(samples, self.ref_model) if self.ref_model is not None else None
+        captured: list[torch.Tensor | None] = list(pre) if pre is not None else [None] * len(samples)
+        stats: dict[str, float] = {}
+        for _ in range(alg.ppo_epochs):
+            for k in range(alg.num_minibatches):
+                part = list(shard_range(len(samples), alg.num_minibatches, k))
+                sub = [samples[i] for i in part]
+
+                def loss_fn(lps, idx, part=part, sub=sub):
+                    for lp, j in zip(lps, idx):
+                        if captured[part[j]] is None:  # single update: this forward is pre-update
+                            captured[part[j]] = lp.detach().float().cpu()
+                    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
+                    return policy_loss(
+                        torch.cat(lps),
+                        cat([sub[j].generator_logprobs for j in idx]),
+                        cat([captured[part[j]] for j in idx]),
+                        cat([torch.full((len(sub[j].response),), sub[j].advantage) for j in idx]),
+                        alg,
+                        cat([ref[part[j]] for j in idx]) if ref is not None else None,
+                    )
+
+                tokens = self._global_sum(sum(len(s.response) for s in sub))
+                for key, v in self.forward_backward(sub, loss_fn, tokens).items():
+                    stats[key] = merge_stat(key, stats.get(key), v)
+                upd = self.optimizer_step()
+                stats["grad_norm_max"] = merge_stat("grad_norm_max", stats.get("grad_norm_max"), upd["grad_norm"])
+                stats["grad_norm_last"] = upd["grad_norm"]
+        return [c if c is not None else torch.zeros(0) for c in captured], stats
+
     def forward_backward(self, samples: Sequence[Sample], loss_fn: LossFn, global_tokens: int) -> dict[str, float]:
-        """Accumulate d(sum of token losses / global_tokens) into fp32 gradients (self.grads)."""
+        """Accumulate d(sum of token losses / global_tokens) into fp32 gradients (self.grads).
+        Stats: keys ending in _max/_min are reduced by max/min, all others summed."""
         self.grads = {n: torch.zeros_like(m) for n, m in self.master.items()}
-        stats: dict[str, torch.Tensor] = {}
+        stats: dict[str, float] = {}
         mbs = micro_batches(len(samples), self.cfg.trainer.micro_batch_size)
         for i in range(_max_over_ranks(len(mbs), self.group, self.device)):
-            mb = [samples[j] for j in mbs[i]] if i < len(mbs) else []
+            idx = list(mbs[i]) if i < len(mbs) else []
+            mb = [samples[j] for j in idx]
             if mb:
                 lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self.score_kw)
-                loss, st = loss_fn(lps, mb)
+                loss, st = loss_fn(lps, idx)
                 for k, v in st.items():
-                    stats[k] = stats.get(k, 0.0) + v.detach().double()
+                    stats[k] = merge_stat(k, stats.get(k), float(v))
             else:  # still runs forward and backward through the MoE collectives
                 loss = self.model(torch.zeros(0, dtype=torch.long, device=self.device), [0]).float().sum() * 0.0
             (loss / max(1, global_tokens)).backward()
@@ -116,7 +174,7 @@ class Trainer:
                 if p.grad is not None:
                     self.grads[n] += p.grad.float()
                     p.grad = None
-        return {k: float(v) for k, v in stats.items()}
+        return stats
 
     def reduce_grads(self) -> None:
         """Non-expert gradients summed over ranks in rank order (experts: already complete)."""
@@ -152,6 +210,36 @@ class Trainer:
             for n, p in self.model.named_parameters():
                 p.copy_(self.master[n].to(p.dtype))
         return {"grad_norm": norm, "grad_clip_coef": coef}
+
+    # --- checkpoint state (torch.distributed.checkpoint) -----------------------------------------
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Flat {key: tensor} of model, fp32 masters and AdamW state. Expert tensors are split per
+        global expert id ('.../expert{e}'), so the keys don't depend on the EP size; the values
+        are views, so loading in place restores the trainer."""
+        flat: dict[str, torch.Tensor] = {}
+
+        def put(key: str, name: str, t: torch.Tensor) -> None:
+            if is_expert_param(name):
+                off = self.rank * t.shape[0]
+                for i in range(t.shape[0]):
+                    flat[f"{key}/expert{off + i}"] = t[i]
+            else:
+                flat[key] = t
+
+        params = dict(self.model.named_parameters())
+        for n in self.names:
+            put(f"model/{n}", n, params[n].data)
+            put(f"master/{n}", n, self.master[n].data)
+            st = self.opt.state.get(self.master[n])
+            if not st:  # before the first step: create AdamW's state so it can be loaded into
+                st = self.opt.state[self.master[n]]
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(self.master[n])
+                st["exp_avg_sq"] = torch.zeros_like(self.master[n])
+            put(f"optim/{n}/exp_avg", n, st["exp_avg"])
+            put(f"optim/{n}/exp_avg_sq", n, st["exp_avg_sq"])
+            flat[f"optim/{n}/step"] = st["step"]
+        return flat
 
     # --- weights -------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

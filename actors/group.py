@@ -1,0 +1,117 @@
+"""Ray hosting: a group of worker actors that form one torch.distributed process group.
+
+    pg = Placement.create(cfg, [("trainer", 2), ("generator", 1)])
+    trainers = ActorGroup("trainer", TrainerWorker, 2, cfg_dict, pg)
+    losses = trainers.call("train_step", per_rank=[(shard0, alg), (shard1, alg)])
+
+`call` waits on every rank; the first rank to fail kills the whole group and raises an error that
+names the group, the rank and the actor's own error, so a crash never leaves the others hanging
+in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlalign.parallel.launch import free_port
+
+
+class ActorFailed(RuntimeError):
+    pass
+
+
+class Placement:
+    """One placement group for all actors of a job. CPU: fractional CPUs so the trainer and the
+    generator fit on a laptop. GPU: a bundle per GPU; colocated groups share the bundles (0.5 GPU
+    each) and so take turns on the same devices."""
+
+    def __init__(self, pg: PlacementGroup, slots: dict[str, list[tuple[int, dict]]]):
+        self.pg, self.slots = pg, slots
+
+    @classmethod
+    def create(cls, device: str, groups: list[tuple[str, int]], colocate: bool = False,
+               num_cpus: float | None = None) -> Placement:
+        total_cpus = float(num_cpus or ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        n_actors = sum(n for _, n in groups)
+        slots: dict[str, list[tuple[int, dict]]] = {}
+        bundles: list[dict] = []
+        if device.startswith("cuda"):
+            if colocate:
+                width = max(n for _, n in groups)
+                bundles = [{"GPU": 1, "CPU": 1} for _ in range(width)]
+                for name, n in groups:
+                    slots[name] = [(i, {"num_gpus": 0.5, "num_cpus": 0.5}) for i in range(n)]
+            else:
+                for name, n in groups:
+                    slots[name] = [(len(bundles) + i, {"num_gpus": 1, "num_cpus": 1}) for i in range(n)]
+                    bundles += [{"GPU": 1, "CPU": 1} for _ in range(n)]
+        else:
+            share = min(1.0, total_cpus / n_actors)
+            for name, n in groups:
+                slots[name] = [(len(bundles) + i, {"num_cpus": share}) for i in range(n)]
+                bundles += [{"CPU": share} for _ in range(n)]
+        pg = placement_group(bundles, strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=60)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(f"cannot place {n_actors} actors ({bundles}) on this Ray cluster: "
+                               f"{ray.cluster_resources()}")
+        return cls(pg, slots)
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)
+
+
+class ActorGroup:
+    def __init__(self, name: str, worker_cls, world: int, cfg_dict: dict, placement: Placement, threads: int = 1):
+        self.name, self.world = name, world
+        port = free_port()
+        remote_cls = ray.remote(worker_cls)
+        self.actors = []
+        for rank, (bundle, res) in enumerate(placement.slots[name]):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=placement.pg,
+                                                        placement_group_bundle_index=bundle)
+            self.actors.append(
+                remote_cls.options(scheduling_strategy=strategy, max_restarts=0, **res).remote(
+                    cfg_dict, rank, world, port, threads
+                )
+            )
+
+    def call(self, method: str, *args, per_rank: list[tuple] | None = None) -> list:
+        """method on every rank (same args, or per_rank[r]); results in rank order."""
+        refs = [
+            getattr(a, method).remote(*(per_rank[r] if per_rank is not None else args))
+            for r, a in enumerate(self.actors)
+        ]
+        index = {ref: r for r, ref in enumerate(refs)}
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ref = done[0]
+            try:
+                results[index[ref]] = ray.get(ref)
+            except (ray.exceptions.RayError, Exception) as e:
+                self.kill()
+                raise ActorFailed(f"{self.name} rank {index[ref]} of {self.world} failed in {method}(): "
+                                  f"{_actor_error(e)}") from None
+        return [results[r] for r in range(self.world)]
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+
+def _actor_error(e: BaseException) -> str:
+    """The actor's own exception, not Ray's wrapping of it."""
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__

@@ -1,0 +1,25 @@
+"""Fault injection for testing failure handling (a crashed actor, a dead rank).
+
+RLALIGN_FAULT="<site>:<rank>:<n>" makes the process running <site> as <rank> exit abruptly
+(os._exit, no cleanup, no message) on its n-th call. Sites: trainer.train_step, generator.generate.
+Unset (always, outside tests), it costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+_calls: Counter = Counter()
+
+
+def maybe_fail(site: str, rank: int) -> None:
+    spec = os.environ.get("RLALIGN_FAULT")
+    if not spec:
+        return
+    want_site, want_rank, n = spec.rsplit(":", 2)
+    if want_site != site or int(want_rank) != rank:
+        return
+    _calls[site] += 1
+    if _calls[site] == int(n):
+        os._exit(13)

@@ -1,0 +1,108 @@
+"""Run logging: a console line/progress bar, metrics.jsonl in the run directory, and W&B.
+
+metrics.jsonl holds one JSON object per step (see rlalign/monitor/consistency.py for the
+consistency/* names). W&B is optional and imported only when logger.wandb.enabled; its mode
+follows logger.wandb.mode, else $WANDB_MODE, else 'offline' when no API key is configured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def wandb_mode(cfg_mode: str | None) -> str:
+    if cfg_mode:
+        return cfg_mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class RunLogger:
+    def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, total_steps: int):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if cfg.logger.jsonl:
+            _truncate_from(self.metrics_path, start_step)
+        self.wandb = None
+        if cfg.logger.wandb.enabled:
+            import wandb
+
+            w = cfg.logger.wandb
+            self.wandb = wandb.init(
+                project=w.project,
+                name=w.name or run_dir.name,
+                dir=str(run_dir),
+                mode=wandb_mode(w.mode),
+                config=OmegaConf.to_container(cfg, resolve=True),
+                id=_wandb_id(run_dir),
+                resume="allow",
+            )
+        self.progress = None
+        if cfg.logger.console and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]rlalign train"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
+            self.task = self.progress.add_task("", total=total_steps, completed=start_step)
+            self.progress.start()
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.cfg.logger.jsonl:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+        line = (f"step {step:4d}  reward {metrics['reward/mean']:.3f}  mismatched "
+                f"{metrics['consistency/mismatched_tokens']}/{metrics['consistency/tokens']}  "
+                f"max|d| {metrics['consistency/logprob_abs_diff_max']:.2g}  {metrics['time/step_s']:.2f}s")
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, description=line)
+        elif self.cfg.logger.console:
+            print(line, file=sys.stderr, flush=True)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        w = self.cfg.logger.wandb
+        if self.wandb is None or not rows or step % max(1, w.sample_table_every):
+            return
+        import wandb
+
+        cols = list(rows[0])
+        table = wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows[: w.num_samples]])
+        self.wandb.log({"samples": table}, step=step)
+
+    def alert(self, title: str, text: str) -> None:
+        print(f"rlalign: {title}: {text}", file=sys.stderr, flush=True)
+        if self.wandb is not None:
+            try:
+                self.wandb.alert(title=title, text=text)
+            except Exception as e:  # offline runs cannot send alerts; the console line stands
+                print(f"rlalign: W&B alert not sent ({type(e).__name__})", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _truncate_from(path: Path, step: int) -> None:
+    """Keep only records of steps < step (a resumed run rewrites what follows its checkpoint)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _wandb_id(run_dir: Path) -> str:
+    f = run_dir / ".wandb_id"
+    if not f.exists():
+        import uuid
+
+        f.write_text(uuid.uuid4().hex[:12])
+    return f.read_text().strip()

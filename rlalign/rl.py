@@ -1,0 +1,271 @@
+"""`rlalign train`: GRPO on Ray with a trainer group and a generator group at different EP sizes.
+
+One step:
+    prompts (task, pure function of seed and step) -> GeneratorGroup (EP m): tokens + logprobs
+    -> rewards -> GRPO advantages -> TrainerGroup (EP n): PPO-clip, old logprobs = generator's;
+       returns its own pre-update logprobs -> monitor compares both sides token by token
+    -> weight sync trainer -> generator, verified by fingerprints on both sides
+    -> metrics (console, metrics.jsonl, W&B) -> checkpoint
+Everything that can be wrong in the config, the task or the data fails before an actor starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlalign import checkpoint as ckpt
+from rlalign.monitor.consistency import compare
+from rlalign.monitor.fingerprint import combined
+from rlalign.parallel.launch import check_world, shard_range
+from rlalign.tasks import Example, make_task
+from rlalign.tasks.tokenizer import make_tokenizer
+from rlalign.training.losses import grpo_advantages
+from rlalign.training.trainer import merge_stat
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+class MismatchError(RuntimeError):
+    pass
+
+
+class SyncError(RuntimeError):
+    pass
+
+
+def step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+def _prepare(cfg: DictConfig):
+    """All checks that need no actor: task, reward, dataset, tokenizer, sizes, resume point."""
+    t = cfg.task
+    task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
+    tok = make_tokenizer(t.tokenizer)
+    from rlalign.config import model_args
+    from rlalign.model import read_args
+
+    args = read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
+    if tok.vocab_size > args.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {args.vocab_size}")
+    check_world(cfg.trainer.ep_size, cfg.device, "trainer.ep_size")
+    if not cfg.placement.colocate:
+        check_world(cfg.trainer.ep_size + cfg.generator.ep_size, cfg.device, "trainer.ep_size + generator.ep_size")
+    for ex in task.examples(0, 2):  # the prompts encode, the reward runs
+        tok.encode(ex.prompt, where=f"task {t.name} prompt")
+    run_dir = Path(cfg.run.dir)
+    resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
+    start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
+    return task, tok, run_dir, resume, start
+
+
+def _sampling(cfg: DictConfig, eos: int | None, seed: int) -> dict:
+    g = cfg.generator
+    return dict(max_new_tokens=cfg.task.max_new_tokens or g.max_new_tokens, temperature=g.temperature,
+                top_k=g.top_k, top_p=g.top_p, greedy=g.greedy, eos_token_id=eos, seed=seed)
+
+
+class Job:
+    """The driver's view of the two actor groups."""
+
+    def __init__(self, cfg: DictConfig):
+        import ray
+
+        from actors.group import ActorGroup, Placement
+        from actors.workers import GeneratorWorker, TrainerWorker
+
+        self.cfg = cfg
+        self.own_ray = not ray.is_initialized()
+        if self.own_ray:
+            ray.init(num_cpus=int(cfg.placement.num_cpus or os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+        n, m = cfg.trainer.ep_size, cfg.generator.ep_size
+        self.placement = Placement.create(cfg.device, [("trainer", n), ("generator", m)],
+                                          cfg.placement.colocate, cfg.placement.num_cpus)
+        cpus = int(cfg.placement.num_cpus or os.cpu_count() or 1)
+        threads = max(1, cpus // (n + m))
+        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement, threads)
+        self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, threads)
+
+    def sync_weights(self) -> str:
+        import ray
+
+        (state, fps), *_ = self.trainers.call("full_state")
+        gen_fps = self.generators.call("load_weights", ray.put(state))[0]
+        if gen_fps != fps:
+            bad = next(k for k in fps if fps[k] != gen_fps.get(k))
+            raise SyncError(f"weight sync: tensor {bad!r} differs between trainer and generator after re-sharding "
+                            f"(trainer {fps[bad]}, generator {gen_fps.get(bad)})")
+        return combined(fps)
+
+    def close(self) -> None:
+        import ray
+
+        for g in (getattr(self, "trainers", None), getattr(self, "generators", None)):
+            if g is not None:
+                g.kill()
+        if getattr(self, "placement", None) is not None:
+            self.placement.remove()
+        if self.own_ray:
+            ray.shutdown()
+
+
+def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, list[dict]]:
+    P, G = cfg.task.num_prompts, cfg.task.samples_per_prompt
+    N = P * G
+    t0 = time.perf_counter()
+    examples: list[Example] = [ex for ex in task.examples(step, P) for _ in range(G)]
+    prompts = [tok.encode(ex.prompt, where=f"step {step} prompt") for ex in examples]
+    ids = [step * N + i for i in range(N)]
+    params = _sampling(cfg, tok.eos_token_id, step_seed(cfg.seed, step))
+    m = cfg.generator.ep_size
+    parts = [list(shard_range(N, m, r)) for r in range(m)]
+    gen = job.generators.call("generate", per_rank=[([prompts[i] for i in p], [ids[i] for i in p], params)
+                                                    for p in parts])
+    rollouts = [r for part in gen for r in part]  # (sample_id, tokens, logprobs, finish_reason)
+    t1 = time.perf_counter()
+
+    rewards, texts = [], []
+    for i, (sid, tokens, _, reason) in enumerate(rollouts):
+        body = tokens[:-1] if reason == "eos" else tokens
+        completion = tok.decode(body)
+        texts.append(completion)
+        try:
+            rewards.append(float(task.reward(completion, examples[i])))
+        except Exception as e:
+            raise RewardError(f"reward function raised on sample {sid} (step {step}, prompt "
+                              f"{examples[i].prompt!r}, completion {completion!r}): {type(e).__name__}: {e}") from e
+    adv = grpo_advantages(rewards, G, cfg.algorithm.norm_adv_by_std)
+    t2 = time.perf_counter()
+
+    n = cfg.trainer.ep_size
+    samples = [(prompts[i], rollouts[i][1], rollouts[i][2], adv[i]) for i in range(N)]
+    alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    out = job.trainers.call("train_step", per_rank=[([samples[i] for i in shard_range(N, n, r)], alg)
+                                                    for r in range(n)])
+    train_lps = [torch.tensor(lp, dtype=torch.float32) for lps, _ in out for lp in lps]
+    stats: dict[str, float] = {}
+    for _, st in out:
+        for k, v in st.items():
+            stats[k] = v if k.endswith("_last") else merge_stat(k, stats.get(k), v)
+    t3 = time.perf_counter()
+
+    gen_lps = [torch.tensor(r[2], dtype=torch.float32) for r in rollouts]
+    cons = compare(gen_lps, train_lps)
+    t4 = time.perf_counter()
+    weights_fp = job.sync_weights()
+    t5 = time.perf_counter()
+
+    tokens = cons["tokens"]
+    upd_tokens = max(1, tokens * cfg.algorithm.ppo_epochs)
+    metrics = {
+        "reward/mean": sum(rewards) / N,
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "response/length_mean": sum(len(r[1]) for r in rollouts) / N,
+        "response/eos_frac": sum(r[3] == "eos" for r in rollouts) / N,
+        **{f"consistency/{k}": v for k, v in cons.items()},
+        "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
+        "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
+        "actor/ratio_mean": stats.get("ratio_sum", 0.0) / upd_tokens,
+        "actor/ratio_max": stats.get("ratio_max", 0.0),
+        "actor/ratio_min": stats.get("ratio_min", 0.0),
+        "actor/grad_norm": stats.get("grad_norm_last", 0.0),
+    }
+    if cfg.algorithm.tis.enabled:
+        metrics.update({
+            "tis/weight_mean": stats["tis_weight_sum"] / upd_tokens,
+            "tis/weight_max": stats["tis_weight_max"],
+            "tis/weight_min": stats["tis_weight_min"],
+            "tis/clipped_frac": stats["tis_clipped_sum"] / upd_tokens,
+        })
+    if cfg.algorithm.icepop.enabled:
+        metrics["icepop/masked_frac"] = stats["icepop_masked_sum"] / upd_tokens
+    if cfg.algorithm.kl_coef > 0:
+        metrics["kl/ref_k3"] = stats.get("ref_kl_sum", 0.0) / upd_tokens
+    metrics.update({"sync/weights_fp": weights_fp, "time/generate_s": t1 - t0, "time/reward_s": t2 - t1,
+                    "time/train_s": t3 - t2, "time/score_s": stats.get("time_score_s_max", 0.0),
+                    "time/sync_s": t5 - t4})
+    rows = [{"sample_id": rollouts[i][0], "prompt": examples[i].prompt, "completion": texts[i],
+             "answer": examples[i].answer, "reward": rewards[i]} for i in range(N)]
+    if cons["mismatched_tokens"] and cfg.kernels.mode == "deterministic":
+        msg = (f"step {step}: {cons['mismatched_tokens']} of {tokens} tokens differ between generator and trainer "
+               f"(max |d| {cons['logprob_abs_diff_max']:.3g}) in deterministic mode")
+        if cfg.monitor.on_mismatch == "raise":
+            raise MismatchError(msg)
+        metrics["consistency/alert"] = msg
+    return metrics, rows
+
+
+def train(cfg: DictConfig) -> dict:
+    task, tok, run_dir, resume, start = _prepare(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    job = logger = None
+    last = {}
+    try:
+        job = Job(cfg)
+        if resume is not None:
+            job.trainers.call("load", str(resume.resolve()))
+        job.sync_weights()
+        from rlalign.logger import RunLogger
+
+        logger = RunLogger(cfg, run_dir, start, cfg.run.steps)
+        every = cfg.checkpoint.every
+        for step in range(start, cfg.run.steps):
+            t0 = time.perf_counter()
+            metrics, rows = run_step(job, cfg, task, tok, step)
+            if "consistency/alert" in metrics:
+                logger.alert("generator/trainer mismatch", metrics["consistency/alert"])
+            t1 = time.perf_counter()
+            if (every and (step + 1) % every == 0) or step == cfg.run.steps - 1:
+                tmp = ckpt.tmp_path(run_dir, step)
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                job.trainers.call("save", str(tmp.resolve()))
+                ckpt.complete(run_dir, step, {"data_position": step + 1, "weights_fp": metrics["sync/weights_fp"]},
+                              cfg.checkpoint.keep)
+            metrics["time/checkpoint_s"] = time.perf_counter() - t1
+            metrics["time/step_s"] = time.perf_counter() - t0
+            logger.log(step, metrics)
+            logger.log_samples(step, rows)
+            last = metrics
+    finally:
+        if logger is not None:
+            logger.close()
+        if job is not None:
+            job.close()
+    return summarize(run_dir, cfg.run.steps, start, last)
+
+
+def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
+    """The run in one JSON object (from metrics.jsonl when present)."""
+    out = {"run_dir": str(run_dir), "steps": steps, "start_step": start}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        r = [row["reward/mean"] for row in rows]
+        k = min(5, len(r))
+        if k:
+            out["reward_first5"] = sum(r[:k]) / k
+            out["reward_last5"] = sum(r[-k:]) / k
+            out["reward_gain"] = out["reward_last5"] - out["reward_first5"]
+        out["mismatched_tokens_total"] = sum(row["consistency/mismatched_tokens"] for row in rows)
+        out["tokens_total"] = sum(row["consistency/tokens"] for row in rows)
+        out["step_s_mean"] = sum(row["time/step_s"] for row in rows) / max(1, len(rows))
+    out.update({k: last[k] for k in ("sync/weights_fp",) if k in last})
+    return out
+
+
+def main(cfg: DictConfig) -> int:
+    summary = train(cfg)
+    print(json.dumps(summary), flush=True)
+    return 0

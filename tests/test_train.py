@@ -1,0 +1,141 @@
+"""The RL job on a local Ray cluster: metrics, corrections, resume, W&B, bad input and faults."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlalign.config import ConfigError, load_config
+from rlalign.rl import RewardError, train
+
+pytestmark = pytest.mark.slow
+
+REQUIRED = ["step", "reward/mean", "consistency/mismatched_tokens", "consistency/tokens",
+            "consistency/mismatch_token_frac", "consistency/logprob_abs_diff_max", "time/step_s"]
+SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4"]
+
+
+def _rows(run_dir):
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_train_three_steps_trainer_ep2_generator_ep1(tmp_path):
+    t = time.perf_counter()
+    p = _cli("train", "run.steps=3", f"run.dir={tmp_path}", "trainer.ep_size=2", "generator.ep_size=1")
+    wall = time.perf_counter() - t
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert all(k in r for k in REQUIRED)
+        assert r["consistency/mismatched_tokens"] == 0 and r["consistency/tokens"] > 0
+        assert r["consistency/logprob_abs_diff_max"] == 0.0
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["mismatched_tokens_total"] == 0
+    print(f"rlalign train run.steps=3 (Ray start-up included): {wall:.1f}s")
+
+
+def test_default_kernels_train_report_mismatch_and_corrections(tmp_path):
+    cfg = load_config([*SMALL, "run.steps=2", f"run.dir={tmp_path}", "kernels.mode=default",
+                       "model.dtype=float32", "algorithm.tis.enabled=true", "algorithm.icepop.enabled=true"])
+    train(cfg)
+    rows = _rows(tmp_path)
+    assert all(r["consistency/mismatched_tokens"] > 0 for r in rows)
+    for key in ("tis/weight_mean", "tis/weight_max", "tis/weight_min", "tis/clipped_frac", "icepop/masked_frac"):
+        assert all(key in r for r in rows), key
+    assert rows[0]["tis/weight_max"] != 1.0 or rows[0]["tis/weight_min"] != 1.0
+
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    base = [*SMALL, "checkpoint.every=2", "algorithm.kl_coef=0.01"]
+    full = tmp_path / "full"
+    train(load_config([*base, "run.steps=4", f"run.dir={full}"]))
+    part = tmp_path / "part"
+    train(load_config([*base, "run.steps=2", f"run.dir={part}"]))
+    assert (part / "checkpoints" / "step_000001" / "meta.json").is_file()
+    train(load_config([*base, "run.steps=4", f"run.dir={part}", "checkpoint.resume=auto"]))
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    a, b = strip(_rows(full)), strip(_rows(part))
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert a == b  # rewards, losses, grad norms, mismatch, weight fingerprints: every value
+    meta = lambda d: json.loads((d / "checkpoints" / "step_000003" / "meta.json").read_text())  # noqa: E731
+    assert meta(full)["weights_fp"] == meta(part)["weights_fp"] == a[-1]["sync/weights_fp"]
+
+
+def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
+    pytest.importorskip("wandb")
+    cfg = load_config([*SMALL, "run.steps=2", f"run.dir={tmp_path}", "logger=wandb",
+                       "logger.wandb.sample_table_every=1", "logger.wandb.mode=offline"])
+    train(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    from rlalign.wandb_read import read_offline_run
+
+    history, config = read_offline_run(runs[0])
+    assert config["trainer"]["ep_size"] == 2 and config["task"]["name"] == "repeat"
+    steps = [h for h in history if "reward/mean" in h]
+    assert [h["_step"] for h in steps] == [0, 1]
+    jsonl = _rows(tmp_path)
+    assert [h["reward/mean"] for h in steps] == [r["reward/mean"] for r in jsonl]
+    assert all(h["consistency/mismatched_tokens"] == 0 for h in steps)
+
+
+def _fails_fast(overrides, match, exc=(ConfigError, ValueError, FileNotFoundError)):
+    import ray
+
+    t = time.perf_counter()
+    with pytest.raises(exc, match=match):
+        train(load_config(overrides))
+    assert not ray.is_initialized()  # failed before any actor started
+    assert time.perf_counter() - t < 10
+
+
+def test_bad_input_fails_before_any_actor(tmp_path):
+    _fails_fast(["task=jsonl", f"task.path={tmp_path}/missing.jsonl"], "dataset file does not exist")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a:", "answer": "aa"}\n{"prompt": "b:", "answer": \n')
+    _fails_fast(["task=jsonl", f"task.path={bad}"], r"bad.jsonl:2: malformed JSON")
+    shape = tmp_path / "shape.jsonl"
+    shape.write_text('{"prompt": "a:", "answer": "aa"}\n{"question": "b:"}\n')
+    _fails_fast(["task=jsonl", f"task.path={shape}"], r"shape.jsonl:2: expected an object")
+    _fails_fast(["task.reward=nosuchpkg.rewards:score"], r"cannot import module 'nosuchpkg.rewards'")
+    _fails_fast(["task.reward=rlalign.tasks.rewards:nope"], r"has no function 'nope'")
+    with pytest.raises(ConfigError, match="trainer.ep_size=3 does not divide"):
+        load_config(["trainer.ep_size=3"])
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.lrr'"):
+        load_config(["trainer.lrr=0.1"])
+
+
+def raise_on_second_sample(completion, answer, prompt):
+    raise_on_second_sample.calls = getattr(raise_on_second_sample, "calls", 0) + 1
+    if raise_on_second_sample.calls == 2:
+        raise ZeroDivisionError("boom")
+    return 0.0
+
+
+def test_reward_error_is_reported_with_the_sample(tmp_path):
+    cfg = load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}",
+                       "task.reward=tests.test_train:raise_on_second_sample"])
+    msg = r"sample 1 \(step 0, prompt '.:', completion '.*'\): ZeroDivisionError: boom"
+    with pytest.raises(RewardError, match=msg):
+        train(cfg)
+
+
+def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path):
+    p = _cli("train", *SMALL, "run.steps=4", f"run.dir={tmp_path}", "checkpoint.every=1",
+             env={"RLALIGN_FAULT": "trainer.train_step:1:3"})
+    assert p.returncode != 0
+    assert "trainer rank 1 of 2 failed in train_step()" in p.stderr
+    done = sorted(d.name for d in (tmp_path / "checkpoints").iterdir())
+    assert done == ["step_000000", "step_000001"]  # complete; nothing half-written left behind
+    assert (tmp_path / "checkpoints" / "step_000001" / "meta.json").is_file()
+    assert [r["step"] for r in _rows(tmp_path)] == [0, 1]
