@@ -17,6 +17,34 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 
+class _Monitored:
+    """Trace stream + tap recorder + fault injection of one worker (monitor.* config)."""
+
+    role = "worker"
+
+    def _setup_monitor(self, model) -> None:
+        from rlalign.monitor.taps import Injection, TapRecorder
+
+        self.trace = None
+        self.injection = Injection(self.cfg.monitor.get("inject"), self.role)
+        self.injection.wrap_modules(model)
+        self.recorder = TapRecorder(rows=False, trace=None, injection=self.injection)
+        model.taps = self.recorder
+
+    def open_trace(self, start_step: int) -> None:
+        from pathlib import Path
+
+        from rlalign.monitor.trace import Trace, fixed_environment
+
+        level = self.cfg.monitor.fingerprints
+        if level == "off":
+            return
+        path = Path(self.cfg.run.dir) / "traces" / f"{self.role}-rank{self.rank}.jsonl"
+        self.trace = Trace(path, self.role, self.rank, fixed_environment(self.cfg), start_step)
+        self.recorder.trace = self.trace
+        self.recorder.rows = self.recorder.layers = level == "layers"
+
+
 def _init(cfg_dict: dict, rank: int, world: int, port: int, threads: int):
     from rlalign.factory import apply_kernels
 
@@ -38,26 +66,44 @@ def _init(cfg_dict: dict, rank: int, world: int, port: int, threads: int):
     return cfg, (dist.group.WORLD if world > 1 else None)
 
 
-class TrainerWorker:
+class TrainerWorker(_Monitored):
+    role = "trainer"
+
     def __init__(self, cfg_dict: dict, rank: int, world: int, port: int, threads: int = 1):
         from rlalign.training.trainer import Trainer
 
         self.cfg, self.group = _init(cfg_dict, rank, world, port, threads)
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
+        self._setup_monitor(self.trainer.model)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def train_step(self, samples: list[tuple], alg_dict: dict) -> tuple[list[list[float]], dict]:
-        """samples: (prompt, response, generator_logprobs, advantage) of this rank's share."""
+    def train_step(self, samples: list[tuple], alg_dict: dict, step: int) -> tuple[list[list[float]], dict, dict]:
+        """samples: (sample_id, prompt, response, generator_logprobs, advantage) of this rank's share.
+        Returns the pre-update logprobs, stats and (monitor.fingerprints=layers) per-token row
+        fingerprints."""
         from rlalign.faults import maybe_fail
         from rlalign.training.trainer import Sample
 
         maybe_fail("trainer.train_step", self.rank)
-        ss = [Sample(p, r, torch.tensor(lp, dtype=torch.float32), a) for p, r, lp, a in samples]
+        ss = [Sample(p, r, torch.tensor(lp, dtype=torch.float32), a, sid) for sid, p, r, lp, a in samples]
+        if self.trace is not None:
+            self.trace.step = step
         lps, stats = self.trainer.train_step(ss, OmegaConf.create(alg_dict))
-        return [x.tolist() for x in lps], stats
+        if self.trace is not None:
+            tr, t = self.trace, self.trainer
+            tr.record("train.logprobs", torch.cat(lps) if lps else torch.zeros(0))
+            tr.record_state("grad", t.grads)
+            for n, m in t.master.items():
+                st = t.opt.state.get(m, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        tr.record(f"optim/{n}/{key}", st[key])
+            tr.record_state("weights", dict(t.model.named_parameters()))
+            tr.flush()
+        return [x.tolist() for x in lps], stats, self.recorder.pop_table()
 
     def full_state(self) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its fingerprints)."""
@@ -68,11 +114,6 @@ class TrainerWorker:
             return None, None
         cpu = {k: v.detach().cpu() for k, v in full.items()}
         return cpu, state_fingerprints(cpu)
-
-    def grad_fingerprints(self) -> dict | None:
-        from rlalign.monitor.fingerprint import state_fingerprints
-
-        return state_fingerprints(self.trainer.grads) if getattr(self.trainer, "grads", None) else None
 
     def save(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -86,7 +127,9 @@ class TrainerWorker:
         dcp.load(state, checkpoint_id=path)
 
 
-class GeneratorWorker:
+class GeneratorWorker(_Monitored):
+    role = "generator"
+
     def __init__(self, cfg_dict: dict, rank: int, world: int, port: int, threads: int = 1):
         from rlalign.factory import model_from_config
         from rlalign.parallel.ep import apply_ep
@@ -96,21 +139,32 @@ class GeneratorWorker:
         self.model = model_from_config(self.cfg)
         if self.group is not None:
             apply_ep(self.model, self.group)
+        self._setup_monitor(self.model)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: dict) -> list[tuple]:
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: dict, step: int = 0):
+        """Rollouts (sample_id, tokens, logprobs, finish_reason) and per-token row fingerprints."""
         from rlalign.faults import maybe_fail
         from rlalign.generation import SamplingParams, generate
         from rlalign.parallel.launch import _any_live
 
         maybe_fail("generator.generate", self.rank)
+        if self.trace is not None:
+            self.trace.step = step
+        params = {**params, "seed": params["seed"] + self.injection.seed_offset}
         outs = generate(self.model, prompts, sample_ids, SamplingParams(**params),
                         any_live=_any_live(self.group) if self.group is not None else None)
-        return [(o.sample_id, o.tokens, o.logprobs.tolist(), o.finish_reason) for o in outs]
+        if self.trace is not None:
+            flat = [t for o in outs for t in o.tokens]
+            self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
+            self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
+            self.trace.flush()
+        rows = [(o.sample_id, o.tokens, o.logprobs.tolist(), o.finish_reason) for o in outs]
+        return rows, self.recorder.pop_table()
 
-    def load_weights(self, full: dict) -> dict | None:
+    def load_weights(self, full: dict, step: int = -1) -> dict | None:
         """Take this rank's shard of the unsharded state; then gather it back and return (rank 0)
         the fingerprints of what the generator group now holds."""
         from rlalign.monitor.fingerprint import state_fingerprints
@@ -125,5 +179,9 @@ class GeneratorWorker:
                     raise ValueError(f"weight sync: {n!r} has shape {tuple(local[n].shape)}, generator expects "
                                      f"{tuple(p.shape)}")
                 p.copy_(local[n].to(p.dtype))
+        if self.trace is not None:
+            self.trace.step = step
+            self.trace.record_state("weights", dict(self.model.named_parameters()))
+            self.trace.flush()
         back = full_state_dict(self.model, self.group)
         return state_fingerprints({k: v.cpu() for k, v in back.items()}) if self.rank == 0 else None

@@ -35,19 +35,37 @@ def trainer_order(cfg: DictConfig, n: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
 
 
+def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], int, dict]:
+    """A mismatch dump as (config with its weights and sampling, prompts, sample ids, seed, batch)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    d = Path(cfg.agree.replay)
+    if not (d / "batch.json").is_file() or not (d / "weights" / "config.json").is_file():
+        raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
+    batch = json.loads((d / "batch.json").read_text())
+    s = batch["sampling"]
+    gen = {k: s[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy")}
+    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}, "generator": gen})
+    return cfg, batch["prompts"], batch["sample_ids"], s["seed"], batch
+
+
 def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     from rlalign.parallel.launch import generate_batch, score_batch
 
     t0 = time.perf_counter()
-    from rlalign.config import model_args
-
-    vocab = model_args(cfg).vocab_size if not cfg.model.path else None
-    if vocab is None:
+    replay = None
+    if cfg.agree.replay:
+        cfg, prompts, ids, seed, replay = load_replay(cfg)
+    else:
+        from rlalign.config import model_args
         from rlalign.model import read_args
 
-        vocab = read_args(cfg.model.path)[0].vocab_size
-    prompts = random_prompts(cfg, vocab)
-    rollouts, gen_info = generate_batch(cfg, prompts, list(range(len(prompts))), seed=cfg.seed)
+        vocab = read_args(cfg.model.path)[0].vocab_size if cfg.model.path else model_args(cfg).vocab_size
+        prompts, seed = random_prompts(cfg, vocab), cfg.seed
+        ids = list(range(len(prompts)))
+    rollouts, gen_info = generate_batch(cfg, prompts, ids, seed=seed)
     t1 = time.perf_counter()
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
@@ -77,6 +95,10 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
         "generate_s": round(t1 - t0, 3),
         "score_s": round(t2 - t1, 3),
     }
+    if replay is not None:  # did this replay sample what the run sampled?
+        result["replay_same_tokens"] = [r.tokens for r in rollouts] == replay["responses"]
+        result["replay_generator_logprobs_equal"] = all(
+            r.logprobs.tolist() == lp for r, lp in zip(rollouts, replay["generator_logprobs"]))
     return result, rollouts
 
 

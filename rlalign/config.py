@@ -137,6 +137,7 @@ class MonitorConfig:
     on_mismatch: str = "raise"  # raise | warn (deterministic mode only)
     fingerprints: str = "default"  # off | default (weights, grads, logprobs) | layers (+ per-layer hidden)
     worst_tokens: int = 10
+    inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class AgreeConfig:
     prompt_min_len: int = 4
     prompt_max_len: int = 16
     shuffle: bool = True
+    replay: str | None = None  # a mismatch dump (run_dir/mismatch-stepN): its weights, prompts and sampling
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 import kernels
 from rlalign.model import KVCache, Transformer
+from rlalign.monitor.taps import set_rows
 
 
 @dataclass
@@ -100,6 +101,7 @@ def generate(
 
     flat = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
     cu = [0] + torch.cumsum(lens, 0).tolist()
+    set_rows(model, "gen.prefill.", [(s, i) for s, p in zip(sample_ids, prompts) for i in range(len(p))])
     logits = model(flat, cu, cache=cache, slots=slots)[torch.tensor(cu[1:], dtype=torch.long, device=dev) - 1]
     positions = lens.clone()  # position of the token being sampled
     live = slots
@@ -127,6 +129,7 @@ def generate(
                 break
         elif len(live) == 0:
             break
+        set_rows(model, "gen.decode.", list(zip(ids[live].tolist(), positions[live].tolist())))
         logits = model.decode(tok, positions[live], cache, live)
         positions[live] += 1
     for b in range(B):

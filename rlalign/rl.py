@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
 from rlalign.monitor.consistency import compare
-from rlalign.monitor.fingerprint import combined
+from rlalign.monitor.fingerprint import combined, state_fingerprints
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.tasks import Example, make_task
 from rlalign.tasks.tokenizer import make_tokenizer
@@ -95,12 +95,18 @@ class Job:
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement, threads)
         self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, threads)
+        self.state_ref = None  # the weights the generator holds (for mismatch dumps)
 
-    def sync_weights(self) -> str:
+    def open_traces(self, start_step: int) -> None:
+        self.trainers.call("open_trace", start_step)
+        self.generators.call("open_trace", start_step)
+
+    def sync_weights(self, step: int) -> str:
         import ray
 
         (state, fps), *_ = self.trainers.call("full_state")
-        gen_fps = self.generators.call("load_weights", ray.put(state))[0]
+        self.state_ref = ray.put(state)
+        gen_fps = self.generators.call("load_weights", self.state_ref, step)[0]
         if gen_fps != fps:
             bad = next(k for k in fps if fps[k] != gen_fps.get(k))
             raise SyncError(f"weight sync: tensor {bad!r} differs between trainer and generator after re-sharding "
@@ -129,9 +135,9 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
     params = _sampling(cfg, tok.eos_token_id, step_seed(cfg.seed, step))
     m = cfg.generator.ep_size
     parts = [list(shard_range(N, m, r)) for r in range(m)]
-    gen = job.generators.call("generate", per_rank=[([prompts[i] for i in p], [ids[i] for i in p], params)
+    gen = job.generators.call("generate", per_rank=[([prompts[i] for i in p], [ids[i] for i in p], params, step)
                                                     for p in parts])
-    rollouts = [r for part in gen for r in part]  # (sample_id, tokens, logprobs, finish_reason)
+    rollouts = [r for part, _ in gen for r in part]  # (sample_id, tokens, logprobs, finish_reason)
     t1 = time.perf_counter()
 
     rewards, texts = [], []
@@ -148,21 +154,34 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
     t2 = time.perf_counter()
 
     n = cfg.trainer.ep_size
-    samples = [(prompts[i], rollouts[i][1], rollouts[i][2], adv[i]) for i in range(N)]
+    samples = [(ids[i], prompts[i], rollouts[i][1], rollouts[i][2], adv[i]) for i in range(N)]
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    out = job.trainers.call("train_step", per_rank=[([samples[i] for i in shard_range(N, n, r)], alg)
+    out = job.trainers.call("train_step", per_rank=[([samples[i] for i in shard_range(N, n, r)], alg, step)
                                                     for r in range(n)])
-    train_lps = [torch.tensor(lp, dtype=torch.float32) for lps, _ in out for lp in lps]
+    train_lps = [torch.tensor(lp, dtype=torch.float32) for lps, _, _ in out for lp in lps]
     stats: dict[str, float] = {}
-    for _, st in out:
+    for _, st, _ in out:
         for k, v in st.items():
             stats[k] = v if k.endswith("_last") else merge_stat(k, stats.get(k), v)
     t3 = time.perf_counter()
 
     gen_lps = [torch.tensor(r[2], dtype=torch.float32) for r in rollouts]
     cons = compare(gen_lps, train_lps)
+    detail = None
+    if cons["mismatched_tokens"]:
+        gen_table = {k: v for _, tab in gen for k, v in tab.items()}
+        train_table = {k: v for _, _, tab in out for k, v in tab.items()}
+        detail = mismatch_detail(cfg, step, prompts, rollouts, gen_lps, train_lps, gen_table, train_table)
     t4 = time.perf_counter()
-    weights_fp = job.sync_weights()
+    if detail is not None and cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
+        dump = dump_mismatch(job, cfg, step, detail, prompts, rollouts, params)
+        raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
+                            f"generator and trainer in deterministic mode (max |d| "
+                            f"{cons['logprob_abs_diff_max']:.3g}, first divergence: "
+                            f"{detail['first_divergent_op'] or 'unknown (monitor.fingerprints=layers names it)'}); "
+                            f"batch, weights and config dumped to {dump} (replay: rlalign agree "
+                            f"agree.replay={dump})")
+    weights_fp = job.sync_weights(step)
     t5 = time.perf_counter()
 
     tokens = cons["tokens"]
@@ -197,13 +216,58 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
                     "time/sync_s": t5 - t4})
     rows = [{"sample_id": rollouts[i][0], "prompt": examples[i].prompt, "completion": texts[i],
              "answer": examples[i].answer, "reward": rewards[i]} for i in range(N)]
-    if cons["mismatched_tokens"] and cfg.kernels.mode == "deterministic":
-        msg = (f"step {step}: {cons['mismatched_tokens']} of {tokens} tokens differ between generator and trainer "
-               f"(max |d| {cons['logprob_abs_diff_max']:.3g}) in deterministic mode")
-        if cfg.monitor.on_mismatch == "raise":
-            raise MismatchError(msg)
-        metrics["consistency/alert"] = msg
+    if detail is not None:
+        if detail["first_divergent_op"]:
+            metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
+        with (Path(cfg.run.dir) / "divergence.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, **detail}) + "\n")
+        if cfg.kernels.mode == "deterministic":
+            metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {tokens} tokens differ "
+                                            f"(first divergence: {detail['first_divergent_op']})")
     return metrics, rows
+
+
+def mismatch_detail(cfg, step, prompts, rollouts, gen_lps, train_lps, gen_table, train_table) -> dict:
+    """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
+    from rlalign.config import model_args
+    from rlalign.model import read_args
+    from rlalign.monitor.divergence import report, tap_order
+
+    bad, worst = [], []
+    for i, (g, t) in enumerate(zip(gen_lps, train_lps)):
+        for j in torch.nonzero(g.view(torch.int32) != t.view(torch.int32)).flatten().tolist():
+            pos = len(prompts[i]) + j - 1  # the logits row that predicted token j
+            bad.append((rollouts[i][0], pos))
+            worst.append({"sample_id": rollouts[i][0], "position": pos + 1, "token": rollouts[i][1][j],
+                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
+    worst.sort(key=lambda w: -w["abs_diff"])
+    args = read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
+    rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
+        "first_divergent_op": None, "tokens": [], "by_op": {}}
+    return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
+
+
+def dump_mismatch(job, cfg, step, detail, prompts, rollouts, params) -> Path:
+    """The offending batch, the generator's weights (a HF directory) and the config, for replay."""
+    import ray
+
+    from rlalign.factory import model_from_config
+    from rlalign.model import save_hf
+
+    out = Path(cfg.run.dir) / f"mismatch-step{step:06d}"
+    out.mkdir(parents=True, exist_ok=True)
+    state = ray.get(job.state_ref)
+    model = model_from_config(OmegaConf.merge(cfg, {"device": "cpu", "model": {"path": None}}) if not cfg.model.path
+                              else OmegaConf.merge(cfg, {"device": "cpu"}))
+    model.load_state_dict(state)
+    save_hf(model, out / "weights")
+    batch = {"step": step, "sampling": params, "prompts": prompts,
+             "sample_ids": [r[0] for r in rollouts], "responses": [r[1] for r in rollouts],
+             "generator_logprobs": [r[2] for r in rollouts], "weights_fp": combined(state_fingerprints(state)),
+             **detail}
+    (out / "batch.json").write_text(json.dumps(batch) + "\n")
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return out
 
 
 def train(cfg: DictConfig) -> dict:
@@ -214,9 +278,10 @@ def train(cfg: DictConfig) -> dict:
     last = {}
     try:
         job = Job(cfg)
+        job.open_traces(start)
         if resume is not None:
             job.trainers.call("load", str(resume.resolve()))
-        job.sync_weights()
+        job.sync_weights(start - 1)
         from rlalign.logger import RunLogger
 
         logger = RunLogger(cfg, run_dir, start, cfg.run.steps)
@@ -225,7 +290,7 @@ def train(cfg: DictConfig) -> dict:
             t0 = time.perf_counter()
             metrics, rows = run_step(job, cfg, task, tok, step)
             if "consistency/alert" in metrics:
-                logger.alert("generator/trainer mismatch", metrics["consistency/alert"])
+                logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
             t1 = time.perf_counter()
             if (every and (step + 1) % every == 0) or step == cfg.run.steps - 1:
                 tmp = ckpt.tmp_path(run_dir, step)

@@ -4,7 +4,10 @@ Tokens travel packed: a forward takes tokens [N] of B sequences delimited by cu_
 (the trainer's micro-batches and the generator's prefill), a decode takes one token per live
 sequence [B] plus a KV cache. Parameter names follow Hugging Face's Qwen3MoeForCausalLM, except
 that each MoE layer stores its experts fused: gate_up_proj [E, 2I, d], down_proj [E, d, I].
-`taps`, when set, is called as taps(name, tensor) on each layer's output rows.
+`taps`, when set, is called as x = taps(name, x) at every op boundary (embed, layers.{i}.attn_norm,
+.attn, .mlp_norm, .router, .mlp, layers.{i}, norm, logits); rows are the call's tokens in order.
+It returns the tensor to continue with (the monitor records fingerprints, fault injection may
+perturb); the same names fire in the trainer's forward and in the generator's prefill/decode.
 """
 
 from __future__ import annotations
@@ -127,10 +130,13 @@ class MoE(nn.Module):
         self.gate = Router(args.num_experts, args.hidden_size)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tap=None) -> torch.Tensor:
         T, d = x.shape
         k = self.top_k
-        weights, ids = kernels.moe_route(kernels.linear(x, self.gate.weight), k, self.norm_topk_prob)
+        logits = kernels.linear(x, self.gate.weight)
+        if tap is not None:
+            logits = tap("router", logits)
+        weights, ids = kernels.moe_route(logits, k, self.norm_topk_prob)
         flat = ids.reshape(-1)  # [T*k] token-major, slot order within a token
         order = torch.argsort(flat, stable=True)  # by (expert, token, slot)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -173,7 +179,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # fp32 tables kept out of the module's buffers so .to(dtype) never rounds them
         self._rope_table = kernels.rope_table(args.max_position_embeddings, args.head_dim, args.rope_theta)
-        self.taps: Callable[[str, torch.Tensor], None] | None = None
+        self.taps: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -192,9 +198,23 @@ class Transformer(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
         return self
 
-    def _tap(self, name: str, x: torch.Tensor) -> None:
-        if self.taps is not None:
-            self.taps(name, x)
+    def _tap(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return x if self.taps is None else self.taps(name, x)
+
+    def _block(self, i: int, layer: DecoderLayer, h: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer around `attend(x)` (prefill or decode attention), tapped per op."""
+        x = self._tap(f"layers.{i}.attn_norm", layer.input_layernorm(h))
+        h = h + self._tap(f"layers.{i}.attn", attend(x))
+        x = self._tap(f"layers.{i}.mlp_norm", layer.post_attention_layernorm(h))
+        if isinstance(layer.mlp, MoE):
+            m = layer.mlp(x, tap=lambda name, t: self._tap(f"layers.{i}.{name}", t))
+        else:
+            m = layer.mlp(x)
+        h = h + self._tap(f"layers.{i}.mlp", m)
+        return self._tap(f"layers.{i}", h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self._tap("logits", self.lm_head(self._tap("norm", self.model.norm(h))))
 
     def _rope(self, positions: torch.Tensor):
         """cos/sin rows [N, D] for positions, after checking the context length."""
@@ -217,36 +237,26 @@ class Transformer(nn.Module):
         positions = torch.cat([torch.arange(n) for n in lens.tolist()]) if len(lens) else lens
         positions = positions.to(tokens.device)
         cos, sin = self._rope(positions)
-        h = self.model.embed_tokens.weight[tokens]
-        self._tap("embed", h)
+        h = self._tap("embed", self.model.embed_tokens.weight[tokens])
         tok_slots = None if cache is None else torch.repeat_interleave(slots, lens.to(slots.device))
         for i, layer in enumerate(self.model.layers):
             write = None
             if cache is not None:
                 def write(k, v, i=i):
                     cache.update(i, tok_slots, positions, k.detach(), v.detach())
-            a = layer.self_attn(layer.input_layernorm(h), cos, sin, cu_seqlens, write)
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            self._tap(f"layers.{i}", h)
-        logits = self.lm_head(self.model.norm(h))
-        self._tap("logits", logits)
-        return logits
+            h = self._block(i, layer, h, lambda x, layer=layer, write=write: layer.self_attn(x, cos, sin,
+                                                                                              cu_seqlens, write))
+        return self._head(h)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                slots: torch.Tensor) -> torch.Tensor:
         """One new token per live sequence: tokens/positions/slots [B] -> logits [B, V]."""
         cos, sin = self._rope(positions)
-        h = self.model.embed_tokens.weight[tokens]
-        self._tap("embed", h)
+        h = self._tap("embed", self.model.embed_tokens.weight[tokens])
         for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            h = h + layer.self_attn.decode(x, cos, sin, cache, i, slots, positions)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            self._tap(f"layers.{i}", h)
-        logits = self.lm_head(self.model.norm(h))
-        self._tap("logits", logits)
-        return logits
+            h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.decode(x, cos, sin, cache, i,
+                                                                                             slots, positions))
+        return self._head(h)
 
 
 def build_model(args: ModelArgs, dtype: str | torch.dtype = "bfloat16", seed: int | None = 0,

@@ -136,8 +136,9 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
 
 
 # --- the two sides of `rlalign agree` -------------------------------------------------------------
-def _setup(cfg_dict: dict, group):
+def _setup(cfg_dict: dict, group, side: str):
     from rlalign.factory import apply_kernels, model_from_config
+    from rlalign.monitor.taps import Injection, TapRecorder
 
     cfg = OmegaConf.create(cfg_dict)
     apply_kernels(cfg)
@@ -146,6 +147,9 @@ def _setup(cfg_dict: dict, group):
     model = model_from_config(cfg)
     if group is not None:
         apply_ep(model, group)
+    injection = Injection(cfg.monitor.get("inject"), side)  # replaying a run's injected fault
+    injection.wrap_modules(model)
+    model.taps = TapRecorder(rows=False, trace=None, injection=injection) if injection.kind else None
     return cfg, model
 
 
@@ -161,8 +165,9 @@ def _any_live(group):
 def generate_worker(rank, world, group, cfg_dict, prompts, sample_ids, seed):
     from rlalign.factory import sampling_params
 
-    cfg, model = _setup(cfg_dict, group)
+    cfg, model = _setup(cfg_dict, group, "generator")
     part = shard_range(len(prompts), world, rank)
+    seed += model.taps.injection.seed_offset if model.taps is not None else 0
     params = sampling_params(cfg, model.args.eos_token_id, seed)
     outs = generate(
         model,
@@ -175,7 +180,7 @@ def generate_worker(rank, world, group, cfg_dict, prompts, sample_ids, seed):
 
 
 def score_worker(rank, world, group, cfg_dict, prompts, responses):
-    cfg, model = _setup(cfg_dict, group)
+    cfg, model = _setup(cfg_dict, group, "trainer")
     part = shard_range(len(prompts), world, rank)
     mbs = micro_batches(len(part), cfg.trainer.micro_batch_size)
     n_mb = len(mbs)

@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from rlalign.model import Transformer
+from rlalign.monitor.taps import set_rows
 
 LAYOUTS = ("packed", "padded")
 
@@ -33,8 +34,10 @@ def score_micro_batch(
     top_k: int = 0,
     top_p: float = 1.0,
     pad_token_id: int = 0,
+    sample_ids: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled)."""
+    """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled).
+    sample_ids name the rows for the monitor's per-token fingerprints."""
     if layout not in LAYOUTS:
         raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
     dev = model.lm_head.weight.device
@@ -55,6 +58,8 @@ def score_micro_batch(
         start = cu[b] + len(p) - 1  # logits at position j predict token j + 1
         rows.append(torch.arange(start, start + len(r), device=dev))
         targets.append(torch.tensor(list(r), dtype=torch.long, device=dev))
+    if sample_ids is not None:
+        set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
     rows_t = torch.cat(rows)
     lp = kernels.token_logprobs(logits[rows_t], torch.cat(targets), temperature, top_k, top_p)

@@ -34,7 +34,7 @@ class Sample:
     response: list[int]
     generator_logprobs: torch.Tensor  # [len(response)] fp32
     advantage: float = 0.0
-    ref_logprobs: torch.Tensor | None = None
+    sample_id: int | None = None
 
 
 # loss_fn(logprobs per sample, indices of those samples) -> (sum of token losses, {stat: value})
@@ -108,8 +108,12 @@ class Trainer:
         out: list[torch.Tensor] = []
         for i in range(_max_over_ranks(len(mbs), self.group, self.device)):
             mb = [samples[j] for j in mbs[i]] if i < len(mbs) else []
-            out += score_micro_batch(model, [s.prompt for s in mb], [s.response for s in mb], **self.score_kw)
+            out += score_micro_batch(model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
         return [x.float().cpu() for x in out]
+
+    def _kw(self, mb: list[Sample]) -> dict:
+        ids = [s.sample_id for s in mb]
+        return {**self.score_kw, "sample_ids": ids if None not in ids else None}
 
     def _global_sum(self, n: int) -> int:
         if self.group is None:
@@ -163,7 +167,7 @@ class Trainer:
             idx = list(mbs[i]) if i < len(mbs) else []
             mb = [samples[j] for j in idx]
             if mb:
-                lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self.score_kw)
+                lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
                 loss, st = loss_fn(lps, idx)
                 for k, v in st.items():
                     stats[k] = merge_stat(k, stats.get(k), float(v))
