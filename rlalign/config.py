@@ -141,6 +141,13 @@ class MonitorConfig:
 
 
 @dataclass
+class GateConfig:
+    candidate: list[str] = field(default_factory=lambda: ["generator.ep_size=2"])  # baseline's other path
+    replay_step: int | None = None  # replay: resume after this step (None: run.steps // 2 - 1)
+    b_overrides: list[str] = field(default_factory=list)  # extra overrides of the second run only (fault tests)
+
+
+@dataclass
 class AgreeConfig:
     num_prompts: int = 96
     prompt_min_len: int = 4
@@ -176,6 +183,7 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     agree: AgreeConfig = field(default_factory=AgreeConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 

@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from rlalign.model import KVCache, Transformer
-from rlalign.monitor.taps import set_rows
+from rlalign.monitor.taps import set_rows, tap
 
 
 @dataclass
@@ -107,7 +107,8 @@ def generate(
     live = slots
     T, k, p = params.logprob_temperature, params.top_k, params.top_p
     for step in range(params.max_new_tokens):
-        tok = kernels.sample(logits, params.seed, ids[live], positions[live], T, k, p, params.greedy)
+        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids[live], positions[live], T, k, p,
+                                                  params.greedy))
         lp = kernels.token_logprobs(logits, tok, T, k, p)
         keep = []
         for j, b in enumerate(live.tolist()):

@@ -101,3 +101,9 @@ def set_rows(model, prefix: str, keys) -> None:
     taps = getattr(model, "taps", None)
     if isinstance(taps, TapRecorder):
         taps.set_rows(prefix, keys)
+
+
+def tap(model, name: str, x: torch.Tensor) -> torch.Tensor:
+    """A tap outside the model's forward (e.g. the sampled tokens), under the same recorder."""
+    taps = getattr(model, "taps", None)
+    return x if taps is None else taps(name, x)

@@ -137,9 +137,10 @@ def first_divergence(a: list[dict], b: list[dict]) -> dict | None:
         if ra != rb:
             same_step_before = [j for j in range(i) if a[j]["step"] == ra["step"]]
             return {"index": i, "a": ra, "b": rb, "inputs_matched": all(a[j] == b[j] for j in same_step_before),
-                    "previous": a[i - 1]["name"] if i else None}
+                    "previous": a[i - 1]["name"] if i else None, "step_first": not same_step_before}
     if len(a) != len(b):
         i = min(len(a), len(b))
         return {"index": i, "a": a[i] if i < len(a) else None, "b": b[i] if i < len(b) else None,
-                "inputs_matched": True, "previous": a[i - 1]["name"] if i else None, "length": (len(a), len(b))}
+                "inputs_matched": True, "previous": a[i - 1]["name"] if i else None, "length": (len(a), len(b)),
+                "step_first": False}
     return None

@@ -1,0 +1,187 @@
+"""The three determinism gates and run comparison.
+
+    repeatability  the same fixed environment twice -> every step's metrics and fingerprints equal
+    baseline       the reference path vs a candidate path (gate.candidate overrides, e.g. another
+                   generator EP size, the triton backend) -> equal
+    replay         resume from the checkpoint after step k -> equal to the uninterrupted run from k+1
+
+Each gate runs `rlalign train` twice into RUN_DIR/gate-<name>/{a,b} (per-op fingerprints on,
+monitor.fingerprints=layers, so a failure names its op) and compares: first the fixed
+environment of the two runs (refusing to compare if it differs beyond what the gate changes),
+then metrics.jsonl (time/* excluded), then every per-rank trace stream record by record.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlalign.monitor.trace import env_difference, first_divergence, read_trace
+
+GATES = ("repeatability", "baseline", "replay")
+
+
+class GateRefused(ValueError):
+    pass
+
+
+@dataclass
+class Comparison:
+    ok: bool = True
+    lines: list[str] = field(default_factory=list)
+    first_op: str | None = None
+
+
+def _metrics(run: Path, from_step: int) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics (did the run finish a step?)")
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["step"] >= from_step]
+
+
+def _streams(run: Path) -> dict[str, Path]:
+    d = run / "traces"
+    return {p.name: p for p in sorted(d.glob("*.jsonl"))} if d.is_dir() else {}
+
+
+def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, ...] = ()) -> Comparison:
+    sa, sb = _streams(a), _streams(b)
+    if not sa or not sb:
+        raise FileNotFoundError(f"no traces under {a}/traces or {b}/traces (monitor.fingerprints=off?)")
+    # the fixed environment must match (beyond what the gate itself changes)
+    ha = read_trace(next(iter(sa.values())))[0]["env"]
+    hb = read_trace(next(iter(sb.values())))[0]["env"]
+    diff = env_difference(ha, hb, allowed_env)
+    if diff:
+        fa, fb = _flat(ha), _flat(hb)
+        raise GateRefused("the two runs' fixed environments differ, so bitwise equality is not promised: "
+                          + "; ".join(f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in diff[:5]))
+    res = Comparison()
+    ma, mb = _metrics(a, from_step), _metrics(b, from_step)
+    for ra, rb in zip(ma, mb):
+        keys = [k for k in sorted(set(ra) | set(rb)) if ra.get(k) != rb.get(k)]
+        if keys:
+            res.ok = False
+            res.lines.append(f"metrics: step {ra['step']} differs first in {keys[0]!r}: {ra.get(keys[0])!r} vs "
+                             f"{rb.get(keys[0])!r} ({len(keys)} keys differ)")
+            break
+    if len(ma) != len(mb):
+        res.ok = False
+        res.lines.append(f"metrics: {len(ma)} vs {len(mb)} steps")
+    firsts = {}
+    # a role whose EP size differs splits its batch differently: its per-call records are not
+    # comparable (its per-token results are, through the metrics and the other role's streams)
+    skip = tuple(role for role in ("generator", "trainer") if f"topology.{role}_ep" in allowed_env)
+    for name in sorted(n for n in set(sa) | set(sb) if n.startswith(skip)):
+        res.lines.append(f"trace {name}: not compared ({name.split('-')[0]} EP size differs between the runs)")
+    for name in sorted(n for n in set(sa) & set(sb) if not n.startswith(skip)):
+        ra = [r for r in read_trace(sa[name])[1] if r["step"] >= from_step]
+        rb = [r for r in read_trace(sb[name])[1] if r["step"] >= from_step]
+        d = first_divergence(ra, rb)
+        if d is not None:
+            firsts[name] = d
+    for name in sorted(n for n in set(sa) ^ set(sb) if not n.startswith(skip)):
+        res.lines.append(f"trace {name}: only in {'a' if name in sa else 'b'} (compared the common streams)")
+    if firsts:
+        res.ok = False
+        origin = _origin(firsts)
+        for name, d in sorted(firsts.items(), key=lambda kv: (_step(kv[1]), kv[0])):
+            rec = d["a"] or d["b"]
+            tag = "  <- the first divergence" if name == origin else ""
+            if d["step_first"]:
+                inputs = "the step's first record: its inputs come from the previous step or the other group"
+            else:
+                inputs = f"its input, {d['previous']!r}, matched: the op itself diverged"
+            res.lines.append(f"trace {name}: first difference at record {d['index']}: step {rec['step']} "
+                             f"{rec['name']} {rec['dtype']}{rec['shape']} ({inputs}){tag}")
+        rec = firsts[origin]["a"] or firsts[origin]["b"]
+        res.first_op = rec["name"]
+    return res
+
+
+def _step(d: dict) -> int:
+    return (d["a"] or d["b"])["step"]
+
+
+def _origin(firsts: dict[str, dict]) -> str:
+    """The stream where the divergence began: earliest step; within it the generator (whose
+    output the trainer consumes) before the trainer."""
+    return min(firsts, key=lambda n: (_step(firsts[n]), 0 if n.startswith("generator") else 1, n))
+
+
+def _flat(d: dict, p: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{p}{k}.") if isinstance(v, dict) else {f"{p}{k}": v})
+    return out
+
+
+def _train(cfg: DictConfig, run_dir: Path, extra: list[str]) -> None:
+    from rlalign.config import load_config
+    from rlalign.rl import train
+
+    train(load_config([*extra, f"run.dir={run_dir}"]))
+
+
+def run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, str]:
+    """Run one gate (both runs on one local Ray cluster); returns (passed, the report's text)."""
+    import os
+
+    import ray
+
+    if kind not in GATES:
+        raise ValueError(f"unknown gate {kind!r}; one of {', '.join(GATES)}")
+    own = not ray.is_initialized()
+    if own:
+        ray.init(num_cpus=int(cfg.placement.num_cpus or os.cpu_count() or 1), include_dashboard=False,
+                 configure_logging=False)
+    try:
+        return _run_gate(kind, overrides, cfg)
+    finally:
+        if own:
+            ray.shutdown()
+
+
+def _run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, str]:
+    base = Path(cfg.run.dir) / f"gate-{kind}"
+    if base.exists():
+        shutil.rmtree(base)
+    a, b = base / "a", base / "b"
+    common = [o for o in overrides if not o.startswith(("run.dir=", "gate."))]
+    common += ["monitor.fingerprints=layers", "checkpoint.resume=never", f"run.steps={cfg.run.steps}"]
+    candidate = list(OmegaConf.to_container(cfg.gate.candidate)) if kind == "baseline" else []
+    candidate += list(OmegaConf.to_container(cfg.gate.b_overrides))
+    from_step, allowed = 0, ()
+    if kind == "replay":
+        k = cfg.gate.replay_step + 1 if cfg.gate.replay_step is not None else cfg.run.steps // 2
+        if not 0 < k < cfg.run.steps:
+            raise ValueError(f"gate.replay_step={k - 1}: must be in [0, run.steps-2] (run.steps={cfg.run.steps})")
+        _train(cfg, a, [*common, f"checkpoint.every={k}", "checkpoint.keep=0"])
+        src = a / "checkpoints" / f"step_{k - 1:06d}"
+        (b / "checkpoints").mkdir(parents=True)
+        shutil.copytree(src, b / "checkpoints" / src.name)
+        shutil.copy(a / "metrics.jsonl", b / "metrics.jsonl")
+        shutil.copytree(a / "traces", b / "traces")
+        _train(cfg, b, [*common, *candidate, "checkpoint.resume=auto", f"checkpoint.every={k}", "checkpoint.keep=0"])
+        from_step = k
+    else:
+        _train(cfg, a, common)
+        _train(cfg, b, [*common, *candidate])
+        allowed = tuple(sorted({o.split("=", 1)[0].lstrip("+") for o in candidate}))
+        allowed += tuple("topology." + t for t in ("trainer_ep", "generator_ep") if any(
+            o.startswith(t.replace("_ep", ".ep_size")) for o in candidate))
+    res = compare_runs(a, b, from_step, allowed)
+    what = {"repeatability": "the same run twice",
+            "baseline": f"reference vs candidate {candidate}",
+            "replay": f"uninterrupted vs resumed after step {from_step - 1}"}[kind]
+    head = f"gate {kind}: {'PASS' if res.ok else 'FAIL'} ({what}; {cfg.run.steps} steps; runs in {base})"
+    body = res.lines if not res.ok else ["metrics and the compared trace streams identical"
+                                         + (f" from step {from_step}" if from_step else "")] + res.lines
+    if res.first_op:
+        body.insert(0, f"first divergence: {res.first_op}")
+    return res.ok, "\n".join([head, *("  " + ln for ln in body)])

@@ -1,0 +1,187 @@
+"""Consistency monitor, fingerprints, traces, the three gates and the report."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlalign.config import load_config
+from rlalign.monitor.consistency import compare
+from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
+from rlalign.monitor.gates import GateRefused, compare_runs, run_gate
+from rlalign.monitor.trace import TraceError, read_trace
+
+SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4"]
+
+
+# --- fingerprints ---------------------------------------------------------------------------------
+def test_fingerprints_see_permutations_dtypes_and_single_bits():
+    x = torch.randn(64, 32)
+    assert fingerprint(x) == fingerprint(x.clone())
+    assert fingerprint(x) != fingerprint(x.flip(0))  # a permutation
+    assert fingerprint(x[:, :2]) != fingerprint(x[:, :2].flip(1))
+    y = torch.tensor([1.0, 2.0, 0.5])  # exactly representable: equal values in bf16 and fp32
+    assert torch.equal(y.bfloat16().float(), y)
+    assert fingerprint(y) != fingerprint(y.bfloat16())
+    flipped = x.clone()
+    flipped.view(torch.int32)[3, 7] ^= 1  # one last bit
+    assert fingerprint(flipped) != fingerprint(x)
+    assert fingerprint(x) != fingerprint(x.reshape(32, 64))  # same bytes, other shape
+
+
+def test_negative_twin_torch_hash_tensor_is_blind_to_permutation():
+    if not hasattr(torch, "hash_tensor"):
+        pytest.skip("torch.hash_tensor not in this torch")
+    x = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.hash_tensor(x) == torch.hash_tensor(x.flip(0))  # why we hash bytes with positions
+
+
+def test_row_fingerprints_are_per_row_and_order_sensitive():
+    x = torch.randn(10, 16).bfloat16()
+    r = row_fingerprints(x)
+    assert all(int(row_fingerprints(x[i : i + 1])[0]) == int(r[i]) for i in range(10))
+    assert int(row_fingerprints(x[:, [1, 0, *range(2, 16)]])[0]) != int(r[0])
+    assert int(row_fingerprints(x.float())[0]) != int(r[0])
+
+
+# --- consistency metrics --------------------------------------------------------------------------
+def test_consistency_metrics():
+    g = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    t = [torch.tensor([-1.0, -2.1]), torch.tensor([-0.5])]
+    c = compare(g, t)
+    assert c["tokens"] == 3 and c["mismatched_tokens"] == 1
+    assert c["mismatch_token_frac"] == pytest.approx(1 / 3) and c["mismatch_seq_frac"] == 0.5
+    assert c["logprob_abs_diff_max"] == pytest.approx(0.1, abs=1e-6)
+    d = -0.1
+    assert c["k3_kl"] == pytest.approx((math.exp(d) - 1 - d) / 3, rel=1e-5)
+    assert c["ppl_ratio"] == pytest.approx(math.exp(0.1 / 3), rel=1e-5)
+    assert sum(c["abs_diff_hist"]) == 3 and c["abs_diff_hist"][0] == 2
+    same = compare(g, g)
+    assert same["mismatched_tokens"] == 0 and same["k3_kl"] == 0.0 and same["ppl_ratio"] == 1.0
+    with pytest.raises(ValueError, match="sequence 1 has 1 generator vs 2 trainer logprobs"):
+        compare(g, [g[0], torch.zeros(2)])
+
+
+# --- traces ------------------------------------------------------------------------------------------
+def _trace(tmp_path, name, lines):
+    p = tmp_path / name
+    p.write_text("".join(lines))
+    return p
+
+
+HEADER = json.dumps({"kind": "header", "role": "trainer", "rank": 0, "env": {"seed": 0}}) + "\n"
+REC = json.dumps({"step": 0, "rank": 0, "name": "grad/w", "shape": [2], "dtype": "float32", "fp": "ab"}) + "\n"
+
+
+def test_corrupt_traces_name_the_line(tmp_path):
+    with pytest.raises(TraceError, match=r"t1.jsonl:3: truncated record"):
+        read_trace(_trace(tmp_path, "t1.jsonl", [HEADER, REC, REC[:-1]]))
+    with pytest.raises(TraceError, match=r"t2.jsonl:2: corrupt record"):
+        read_trace(_trace(tmp_path, "t2.jsonl", [HEADER, '{"step": 0, "na\n']))
+    with pytest.raises(TraceError, match=r"t3.jsonl:2: record lacks or mistypes field\(s\) \['fp'\]"):
+        read_trace(_trace(tmp_path, "t3.jsonl", [HEADER, REC.replace('"fp": "ab"', '"x": 1')]))
+    with pytest.raises(TraceError, match=r"t4.jsonl:1: not an rlalign trace"):
+        read_trace(_trace(tmp_path, "t4.jsonl", [REC]))
+
+
+def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path):
+    a = _trace(tmp_path, "a.jsonl", [HEADER, REC])
+    b = _trace(tmp_path, "b.jsonl", [HEADER.replace('"seed": 0', '"seed": 1'), REC.replace('"ab"', '"cd"')])
+    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(a), str(b)], capture_output=True,
+                       text=True)
+    assert p.returncode == 1
+    assert "come from different runs/configs" in p.stdout and "seed: 0 vs 1" in p.stdout
+    assert "first difference at record 0" in p.stdout and "grad/w" in p.stdout
+    bad = _trace(tmp_path, "c.jsonl", [HEADER, REC[:-1]])
+    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(a), str(bad)], capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and "c.jsonl:2: truncated record" in p.stderr
+
+
+# --- gates ---------------------------------------------------------------------------------------------
+def _gate(kind, tmp_path, *over):
+    cfg = load_config([*SMALL, f"run.dir={tmp_path}", *over])
+    return run_gate(kind, [*SMALL, *over], cfg)
+
+
+@pytest.mark.slow
+def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path):
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "gate", "repeatability", "run.steps=2",
+                        f"run.dir={tmp_path}/cli"], capture_output=True, text=True, timeout=300)
+    print(f"rlalign gate repeatability run.steps=2: {time.perf_counter() - t:.1f}s")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "gate repeatability: PASS" in p.stdout
+    ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
+                     "monitor.inject=generator:layers.1.mlp:noise")
+    assert not ok and "FAIL" in text
+    assert "first divergence: gen.prefill.layers.1.mlp" in text
+
+
+@pytest.mark.slow
+def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path):
+    ok, text = _gate("baseline", tmp_path / "ep", "run.steps=2")  # candidate: generator EP 2
+    assert ok, text
+    ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",
+                     'gate.candidate=["monitor.inject=both:layers.1.attn:default"]')
+    assert not ok and "first divergence: gen.prefill.layers.1.attn" in text
+
+
+@pytest.mark.slow
+def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path):
+    ok, text = _gate("replay", tmp_path / "ok", "run.steps=3")
+    assert ok, text
+    ok, text = _gate("replay", tmp_path / "rng", "run.steps=3",
+                     'gate.b_overrides=["monitor.inject=generator:sampling:seed"]')
+    assert not ok and "first divergence: gen.prefill.sample" in text
+
+
+@pytest.mark.slow
+def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path):
+    from rlalign.rl import train
+
+    for name, seed in (("a", 0), ("b", 1)):
+        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path / name}", f"seed={seed}"]))
+    with pytest.raises(GateRefused, match=r"fixed environments differ.*seed: 0 vs 1"):
+        compare_runs(tmp_path / "a", tmp_path / "b")
+
+
+# --- generator-vs-trainer divergence report -------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("site, first", [("layers.1.attn", "layers.1.attn"), ("layers.0.mlp", "layers.0.router")])
+def test_divergence_report_names_the_injected_layer(tmp_path, site, first):
+    from rlalign.monitor.report import make_report
+    from rlalign.rl import train
+
+    cfg = load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers",
+                       "monitor.on_mismatch=warn", "model.dtype=float32", f"monitor.inject=generator:{site}:default"])
+    train(cfg)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["consistency/mismatched_tokens"] > 0
+    assert row["consistency/first_divergent_op"] == first
+    div = json.loads((tmp_path / "divergence.jsonl").read_text().splitlines()[0])
+    assert set(div["first_op_counts"]) == {first} and div["worst_tokens"]
+    out = make_report(tmp_path)
+    assert {p.name for p in out.iterdir()} >= {"reward.png", "mismatch.png", "abs_diff_hist.png", "divergence.png",
+                                              "summary.md"}
+
+
+@pytest.mark.slow
+def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path):
+    from rlalign.agree import run_agree
+    from rlalign.rl import MismatchError, train
+
+    inject = "monitor.inject=generator:layers.0.attn:default"
+    with pytest.raises(MismatchError, match=r"first divergence: layers.0.attn.*agree.replay=") as e:
+        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers", inject]))
+    dump = tmp_path / "mismatch-step000000"
+    assert dump.is_dir() and str(dump) in str(e.value)
+    assert (dump / "weights" / "config.json").is_file() and (dump / "config.yaml").is_file()
+    res, _ = run_agree(load_config([f"agree.replay={dump}", inject, "trainer.ep_size=1"]))
+    assert res["replay_same_tokens"] and res["replay_generator_logprobs_equal"] and res["mismatched_tokens"] > 0
+    res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))  # without the fault
+    assert res["mismatched_tokens"] == 0 and not res["replay_generator_logprobs_equal"]
