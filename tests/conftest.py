@@ -1,10 +1,14 @@
 import os
 
-import pytest
 import torch
 
-import kernels
-from rlalign.model import ModelArgs, build_model
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import kernels  # noqa: E402
+from rlalign.model import ModelArgs, build_model  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -1,0 +1,570 @@
+"""Triton backend of the deterministic op set (GPU; CPU tensors under TRITON_INTERPRET=1).
+
+The contract is the torch reference's: the bits of an output row depend only on that row's
+inputs. Each kernel keeps it the same way:
+  matmul     persistent tiles, no split-K: every output element reduces K in BLOCK_K chunks,
+             in order, with the same tl.dot instruction for every M (ONE config per dtype below;
+             no autotuning). Linear forward and both backward GEMMs use it.
+  rmsnorm    one program per row; the weight gradient goes through private per-program partial
+             sums, then one ordered reduction (no atomics).
+  logprobs   one program per row: max, sum of exp and the gather over the vocabulary in fixed
+             BLOCK_V chunks; backward per row.
+  attention  one kernel for causal prefill and for decode: a query row reduces its keys in blocks
+             of BLOCK_N, block 0, 1, 2, ..., with the same online-softmax update; blocks past a
+             row's position are fully masked and change nothing, so decode == prefill bitwise.
+             Backward (FA2-style, no atomics): one program per key block owns dK/dV (summing the
+             GQA heads and query blocks in order), one per query block owns dQ.
+Elementwise and per-row ops (RoPE, SwiGLU, router softmax/top-k, MoE combine) run the torch
+reference implementation on the same tensors: they are row-independent by construction.
+
+Under the interpreter, tl.dot on bf16 operands returns garbage (triton 3.6/3.9), so operands are
+upcast to fp32 there, and smaller tiles are used; interpreted bits are not comparable to GPU bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import fixed_order as fo
+from kernels import torch_deterministic as _ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# the contract: one matmul config per dtype (and one for the interpreter), never autotuned
+MATMUL_CONFIGS = {
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
+}
+INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
+ATTN_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4)
+INTERPRET_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
+ROW_BLOCK = 1024  # rmsnorm / logprob chunk along the row
+SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def for_tensor(x: torch.Tensor):
+    """This module, if it can run on x's device; otherwise a clear error."""
+    if x.is_cuda or INTERPRET:
+        return _module()
+    raise RuntimeError(
+        "kernels.backend=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); "
+        "use kernels.backend=torch or auto on this device"
+    )
+
+
+def _module():
+    import sys
+
+    return sys.modules[__name__]
+
+
+def _check(name: str, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype not in SUPPORTED:
+            raise TypeError(f"triton {name}: dtype {t.dtype} is not supported ({', '.join(map(str, SUPPORTED))})")
+    devs = {t.device for t in ts}
+    if len(devs) > 1:
+        raise ValueError(f"triton {name}: tensors on different devices {sorted(map(str, devs))}")
+
+
+def _num_sms(device) -> int:
+    if INTERPRET or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# --- matmul ------------------------------------------------------------------------------------
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   NUM_SMS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    in_group = GROUP_M * num_pid_n
+    for tile in tl.range(pid, num_tiles, NUM_SMS):
+        group = tile // in_group
+        first_m = group * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % size_m)
+        pid_n = (tile % in_group) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
+        rbn = tl.where(rn < N, rn, 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):  # K in order, BLOCK_K at a time: the same for every M
+            rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+            b = tl.load(b_ptr + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] @ [K, N] -> [M, N] in a's dtype, fp32 accumulation; any strides. Bits of a row of
+    the result are independent of M (fixed config, no split-K)."""
+    _check("matmul", a, b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"triton matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
+    if a.dtype != b.dtype:
+        raise TypeError(f"triton matmul: dtypes differ ({a.dtype} vs {b.dtype})")
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    cfg = dict(INTERPRET_MATMUL) if INTERPRET else dict(MATMUL_CONFIGS[a.dtype])
+    sms = _num_sms(a.device)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    _matmul_kernel[(min(sms, tiles),)](
+        a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        NUM_SMS=sms, UPCAST=INTERPRET, IEEE=a.dtype == torch.float32, **cfg,
+    )
+    return c
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(x2, w)
+        return matmul(x2, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        g = g.to(x2.dtype)
+        gx = matmul(g, w) if ctx.needs_input_grad[0] else None
+        gw = matmul(g.t(), x2).to(w.dtype) if ctx.needs_input_grad[1] else None  # K = tokens, in order
+        return gx, gw
+
+
+def linear(x, w, bias=None):
+    _check("linear", x, w)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _Linear.apply(x2, w.to(x.dtype)) if torch.is_grad_enabled() else matmul(x2, w.to(x.dtype).t())
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+
+
+def grouped_linear(x, w, counts: list[int]):
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            outs.append(linear(x[start : start + c], w[e]))
+        start += c
+    return torch.cat(outs, 0) if outs else linear(x[:0], w[0])
+
+
+# --- rmsnorm -------------------------------------------------------------------------------------
+@triton.jit
+def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+    tl.store(r_ptr + row, rstd)
+    for d0 in range(0, D, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+        # as the reference: normalise, round to the dtype, then scale (the product of two
+        # dtype values is exact in fp32, so one rounding at the store matches a dtype multiply)
+        y = (x * rstd).to(w.dtype).to(tl.float32) * w.to(tl.float32)
+        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: dx for rows [p*ROWS, (p+1)*ROWS) and its private partial of dw (no atomics)."""
+    p = tl.program_id(0)
+    for d0 in range(0, D, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        tl.store(pw_ptr + p * D + cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=cols < D)
+    for i in range(ROWS):
+        row = p * ROWS + i
+        if row < R:
+            rstd = tl.load(r_ptr + row)
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK):
+                cols = d0 + tl.arange(0, BLOCK)
+                x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+                acc += g * w * x
+            c = tl.sum(acc, axis=0) * rstd * rstd * rstd / D
+            for d0 in range(0, D, BLOCK):
+                cols = d0 + tl.arange(0, BLOCK)
+                x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + row * D + cols, (g * w * rstd - x * c).to(dx_ptr.dtype.element_ty), mask=cols < D)
+                pw = tl.load(pw_ptr + p * D + cols, mask=cols < D, other=0.0)
+                tl.store(pw_ptr + p * D + cols, pw + g * x * rstd, mask=cols < D)
+
+
+_NORM_ROWS = 64  # rows per backward program: fixes the grouping of the dw partial sums
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, eps):
+        R, D = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
+        if R:
+            _rmsnorm_fwd[(R,)](x2, w.to(x2.dtype), y, rstd, D, eps, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
+        ctx.save_for_backward(x2, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w, rstd = ctx.saved_tensors
+        R, D = x2.shape
+        dx = torch.empty_like(x2)
+        progs = triton.cdiv(R, _NORM_ROWS)
+        partial = torch.empty(max(progs, 1), D, dtype=torch.float32, device=x2.device)
+        if R:
+            _rmsnorm_bwd[(progs,)](x2, w.float(), g.contiguous(), rstd, dx, partial, R, D, ROWS=_NORM_ROWS,
+                                   BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
+        else:
+            partial.zero_()
+        dw = fo.tree_sum(partial, 0)  # one ordered reduction of the private partials
+        return dx, dw.to(w.dtype), None
+
+
+def rmsnorm(x, w, eps: float):
+    _check("rmsnorm", x, w)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return _RMSNorm.apply(x2, w, eps).reshape(x.shape)
+
+
+# --- token logprobs ------------------------------------------------------------------------------
+@triton.jit
+def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        m = tl.maximum(m, z)
+    mx = tl.max(m, axis=0)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        s += tl.exp(z - mx)
+    lse = mx + tl.log(tl.sum(s, axis=0))
+    tok = tl.load(t_ptr + row)
+    zt = tl.load(z_ptr + row * V + tok)
+    tl.store(out_ptr + row, zt - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row)
+    tok = tl.load(t_ptr + row)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        d = g * (tl.where(cols == tok, 1.0, 0.0) - tl.exp(z - lse))
+        tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
+
+
+class _LogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, tokens):
+        N, V = z.shape
+        out = torch.empty(N, dtype=torch.float32, device=z.device)
+        lse = torch.empty(N, dtype=torch.float32, device=z.device)
+        if N:
+            _logprob_fwd[(N,)](z, tokens, out, lse, V, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))
+        ctx.save_for_backward(z, tokens, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        z, tokens, lse = ctx.saved_tensors
+        dz = torch.empty_like(z)
+        if z.shape[0]:
+            _logprob_bwd[(z.shape[0],)](z, tokens, lse, g.contiguous().float(), dz, z.shape[1],
+                                        BLOCK=min(ROW_BLOCK, triton.next_power_of_2(z.shape[1])))
+        return dz, None
+
+
+def log_softmax_gather(z, tokens):
+    """z [N, V] fp32 (tempered/filtered) -> log p(tokens) [N] fp32, one program per row."""
+    _check("log_softmax_gather", z)
+    return _LogProb.apply(z.float().contiguous(), tokens.contiguous())
+
+
+# --- attention -------------------------------------------------------------------------------------
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, skh, son, soh, scale,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys): rows q_row0.. of head h attend keys
+    k_row0..k_row0+n_keys-1 up to their own position, in BLOCK_N blocks, in order."""
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row0 = tl.load(work_ptr + w * 5)
+    n_q = tl.load(work_ptr + w * 5 + 1)
+    q_pos0 = tl.load(work_ptr + w * 5 + 2)
+    k_row0 = tl.load(work_ptr + w * 5 + 3)
+    n_keys = tl.load(work_ptr + w * 5 + 4)
+    hk = h // G
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    qmask = rm < n_q
+    q = tl.load(q_ptr + (q_row0 + rm)[:, None] * sqn + h * sqh + rd[None, :], mask=qmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qpos = q_pos0 + rm
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for j0 in range(0, n_keys, BLOCK_N):
+        rn = j0 + tl.arange(0, BLOCK_N)
+        kmask = rn < n_keys
+        k = tl.load(k_ptr + (k_row0 + rn)[:, None] * skn + hk * skh + rd[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + (k_row0 + rn)[:, None] * skn + hk * skh + rd[None, :], mask=kmask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        valid = kmask[None, :] & (rn[None, :] <= qpos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + (q_row0 + rm)[:, None] * son + h * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=qmask[:, None])
+    H = tl.num_programs(1)
+    tl.store(lse_ptr + (q_row0 + rm) * H + h, m_i + tl.log(l_i), mask=qmask)  # for the backward
+
+
+def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: float):
+    """q [R, H, D]; k, v [Rk, Hk, D] rows addressed by the work items -> (o, lse [R, H])."""
+    R, H, D = q.shape
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"triton attention: head_dim={D} must be a power of two >= 16")
+    o = torch.empty_like(q)
+    lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
+    if not work:
+        return o, lse
+    cfg = dict(INTERPRET_ATTN) if INTERPRET else dict(ATTN_CONFIG)
+    wt = torch.tensor(work, dtype=torch.int32, device=q.device)
+    _attn_kernel[(len(work), H)](q, k, v, o, lse, wt, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                 o.stride(0), o.stride(1), scale, G=H // k.shape[1], D=D, UPCAST=INTERPRET,
+                                 IEEE=q.dtype == torch.float32, **cfg)
+    return o, lse
+
+
+def _bm() -> int:
+    return (INTERPRET_ATTN if INTERPRET else ATTN_CONFIG)["BLOCK_M"]
+
+
+@triton.jit
+def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, work_ptr, H, scale,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Program (key block, kv head): dK, dV of its keys, summed over the G query heads and the query
+    blocks in order. It owns its output rows: no atomics."""
+    w = tl.program_id(0)
+    hk = tl.program_id(1)
+    s0 = tl.load(work_ptr + w * 3)
+    T = tl.load(work_ptr + w * 3 + 1)
+    n0 = tl.load(work_ptr + w * 3 + 2)
+    Hk = H // G
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, D)
+    kmask = rn < T
+    k = tl.load(k_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], mask=kmask[:, None], other=0.0)
+    v = tl.load(v_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], mask=kmask[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    for g in range(G):
+        h = hk * G + g
+        for m0 in range((n0 // BLOCK_M) * BLOCK_M, T, BLOCK_M):
+            rm = m0 + tl.arange(0, BLOCK_M)
+            qmask = rm < T
+            q = tl.load(q_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], mask=qmask[:, None], other=0.0)
+            do = tl.load(do_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], mask=qmask[:, None],
+                         other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
+            delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
+            if IEEE:
+                st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale  # [BN, BM]
+            else:
+                st = tl.dot(k, tl.trans(q)) * scale
+            valid = kmask[:, None] & qmask[None, :] & (rn[:, None] <= rm[None, :])
+            pt = tl.where(valid, tl.exp(st - lse[None, :]), 0.0)
+            if IEEE:
+                dv += tl.dot(pt, do, input_precision="ieee")
+                dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+            else:
+                dv += tl.dot(pt.to(do.dtype), do)
+                dpt = tl.dot(v, tl.trans(do))
+            dst = pt * (dpt - delta[None, :])
+            if IEEE:
+                dk += tl.dot(dst, q, input_precision="ieee")
+            else:
+                dk += tl.dot(dst.to(q.dtype), q)
+    tl.store(dk_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
+             mask=kmask[:, None])
+    tl.store(dv_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=kmask[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_ptr, scale,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Program (query block, head): dQ over its keys in order."""
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    Hk = H // G
+    hk = h // G
+    s0 = tl.load(work_ptr + w * 3)
+    T = tl.load(work_ptr + w * 3 + 1)
+    m0 = tl.load(work_ptr + w * 3 + 2)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    qmask = rm < T
+    q = tl.load(q_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], mask=qmask[:, None], other=0.0)
+    do = tl.load(do_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], mask=qmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
+    delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
+    dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for n0 in range(0, tl.minimum(T, m0 + BLOCK_M), BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        kmask = rn < T
+        k = tl.load(k_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], mask=kmask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+            dp = tl.dot(do, tl.trans(v))
+        valid = qmask[:, None] & kmask[None, :] & (rn[None, :] <= rm[:, None])
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            dq += tl.dot(ds, k, input_precision="ieee")
+        else:
+            dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dq_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=qmask[:, None])
+
+
+class _Attention(torch.autograd.Function):
+    """Forward and backward in Triton; the backward owns every output row (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ctx.cu, ctx.scale = cu_seqlens, scale
+        bm, work = _bm(), []
+        for b in range(len(cu_seqlens) - 1):
+            s0, T = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
+            for m0 in range(0, T, bm):
+                work.append((s0 + m0, min(bm, T - m0), m0, s0, min(T, m0 + bm)))
+        o, lse = _attn_launch(q, k, v, work, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, o, lse = ctx.saved_tensors
+        g = g.contiguous().to(q.dtype)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        N, H, D = q.shape
+        delta = (g.float() * o.float())
+        delta = fo.tree_sum(delta, -1).contiguous()  # [N, H], fixed order
+        cfg = dict(INTERPRET_ATTN) if INTERPRET else dict(ATTN_CONFIG)
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        kw, qw = [], []
+        for b in range(len(ctx.cu) - 1):
+            s0, T = ctx.cu[b], ctx.cu[b + 1] - ctx.cu[b]
+            kw += [(s0, T, n0) for n0 in range(0, T, bn)]
+            qw += [(s0, T, m0) for m0 in range(0, T, bm)]
+        common = dict(G=H // k.shape[1], D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg)
+        if kw:
+            _attn_bwd_dkdv[(len(kw), k.shape[1])](q, k, v, g, lse, delta, dk, dv,
+                                                  torch.tensor(kw, dtype=torch.int32, device=q.device), H,
+                                                  ctx.scale, **common)
+            _attn_bwd_dq[(len(qw), H)](q, k, v, g, lse, delta, dq, torch.tensor(qw, dtype=torch.int32,
+                                                                                  device=q.device),
+                                       ctx.scale, **common)
+        return dq, dk, dv, None, None
+
+
+def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
+    _check("attention_prefill", q, k, v)
+    return _Attention.apply(q, k, v, list(cu_seqlens), scale)
+
+
+def attention_decode(q, k_cache, v_cache, lengths, scale: float):
+    """One query per sequence; the same kernel and tile shape as prefill, so the row's bits equal
+    the prefill row at position lengths[b] - 1."""
+    _check("attention_decode", q, k_cache, v_cache)
+    B, C = k_cache.shape[0], k_cache.shape[1]
+    lens = lengths.tolist()
+    work = [(b, 1, n - 1, b * C, n) for b, n in enumerate(lens)]
+    kc = k_cache.reshape(B * C, *k_cache.shape[2:])
+    vc = v_cache.reshape(B * C, *v_cache.shape[2:])
+    return _attn_launch(q.contiguous(), kc, vc, work, scale)[0]
+
+
+# --- row-local ops: the torch reference implementation ---------------------------------------------
+rope = _ref.rope
+swiglu = _ref.swiglu
+softmax = _ref.softmax
+moe_route = _ref.moe_route
+moe_combine = _ref.moe_combine

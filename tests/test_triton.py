@@ -1,0 +1,125 @@
+"""The Triton backend on CPU through TRITON_INTERPRET=1 (tiny shapes): against the torch
+reference within tolerance, and its batch invariance. GPU bits and speed: tests/gpu, experiments."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import same_bits
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
+
+import kernels  # noqa: E402
+from kernels import torch_deterministic as ref  # noqa: E402
+from kernels import triton_backend as tb  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_matches_fp64_and_rows_are_batch_invariant(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 72, generator=g).to(dtype).to(DEV)
+    x = torch.randn(70, 72, generator=g).to(dtype).to(DEV)
+    full = tb.linear(x, w)
+    assert _rel(full, x.double() @ w.double().t()) < TOL[dtype]
+    for m in range(1, 71):  # every batch size: the rows computed are the same bits
+        assert same_bits(tb.linear(x[:m], w), full[:m]), m
+
+
+def test_matmul_negative_twin_other_k_order_differs():
+    # the same products with K reduced in another order (K reversed) change bits: the order is the contract
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 200, generator=g).to(DEV)
+    x = torch.randn(64, 200, generator=g).to(DEV)
+    assert not same_bits(tb.linear(x, w), tb.linear(x.flip(1), w.flip(1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_decode_equals_prefill_and_backward(dtype):
+    g = torch.Generator().manual_seed(2)
+    T = 40
+    q, k, v = (torch.randn(T, h, 16, generator=g).to(dtype).to(DEV) for h in (4, 2, 2))
+    pre = tb.attention_prefill(q, k, v, [0, T], 0.25)
+    assert _rel(pre, ref.attention_prefill(q.double().float(), k.float(), v.float(), [0, T], 0.25)) < TOL[dtype]
+    kc = torch.zeros(1, 64, 2, 16, dtype=dtype, device=DEV)
+    vc = torch.zeros_like(kc)
+    kc[0, :T], vc[0, :T] = k, v
+    for t in range(T):
+        dec = tb.attention_decode(q[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV), 0.25)
+        assert same_bits(dec[0], pre[t]), t
+    # backward: against the reference's gradients, and identical run to run (no atomics)
+    cu = [0, 17, T]
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = tb.attention_prefill(qq, kk, vv, cu, 0.25)
+        out.backward(torch.ones_like(out))
+        grads.append((qq.grad, kk.grad, vv.grad))
+    rq, rk, rv = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref.attention_prefill(rq, rk, rv, cu, 0.25).backward(torch.ones(T, 4, 16, device=DEV))
+    for a, b in zip(grads[0], (rq.grad, rk.grad, rv.grad)):
+        assert _rel(a, b) < TOL[dtype] * 2
+    assert all(same_bits(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_and_logprobs_match_reference_and_backward_is_repeatable(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(130, 64, generator=g).to(dtype).to(DEV)
+    w = (torch.rand(64, generator=g) + 0.5).to(dtype).to(DEV)
+    assert _rel(tb.rmsnorm(x, w, 1e-6), ref.rmsnorm(x, w, 1e-6)) < TOL[dtype]
+    runs = []
+    for _ in range(2):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        tb.rmsnorm(xx, ww, 1e-6).float().pow(2).sum().backward()
+        runs.append((xx.grad, ww.grad))
+    assert all(same_bits(a, b) for a, b in zip(*runs))
+    rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref.rmsnorm(rx, rw, 1e-6).float().pow(2).sum().backward()
+    assert _rel(runs[0][0], rx.grad) < TOL[dtype] * 2 and _rel(runs[0][1], rw.grad) < TOL[dtype] * 2
+    z = (torch.randn(50, 300, generator=g) * 3).to(DEV).requires_grad_()
+    tok = torch.randint(0, 300, (50,), generator=g).to(DEV)
+    lp = tb.log_softmax_gather(z, tok)
+    zr = z.detach().clone().requires_grad_()
+    lr = torch.log_softmax(zr, -1).gather(-1, tok[:, None])[:, 0]
+    assert (lp - lr).abs().max() < 1e-5
+    lp.sum().backward()
+    lr.sum().backward()
+    assert (z.grad - zr.grad).abs().max() < 1e-6
+    assert same_bits(tb.log_softmax_gather(z[7:8], tok[7:8]), lp[7:8])  # a row alone
+
+
+def test_full_model_agrees_on_the_triton_backend():
+    from rlalign.agree import run_agree
+    from rlalign.config import load_config
+
+    res, _ = run_agree(load_config(["kernels.backend=triton", f"device={DEV}", "agree.num_prompts=4",
+                                    "generator.max_new_tokens=4", "trainer.ep_size=1", "trainer.micro_batch_size=3"]))
+    assert res["backend"] == "triton" and res["tokens"] > 0 and res["mismatched_tokens"] == 0
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(TypeError, match="triton matmul: dtype torch.float64 is not supported"):
+        tb.matmul(torch.zeros(2, 2, dtype=torch.float64, device=DEV), torch.zeros(2, 2, dtype=torch.float64,
+                                                                                device=DEV))
+    with pytest.raises(ValueError, match=r"shapes \(2, 3\) @ \(2, 2\) do not chain"):
+        tb.matmul(torch.zeros(2, 3, device=DEV), torch.zeros(2, 2, device=DEV))
+    with pytest.raises(ValueError, match="head_dim=12 must be a power of two"):
+        tb.attention_prefill(*(torch.zeros(4, 2, 12, device=DEV) for _ in range(3)), [0, 4], 0.3)
+    if DEV == "cpu":  # without the interpreter, CPU tensors are refused with the way out
+        code = ("import torch, kernels; kernels.set_mode('deterministic', 'triton'); "
+                "kernels.linear(torch.zeros(2, 2), torch.zeros(2, 2))")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert p.returncode != 0 and "kernels.backend=triton needs CUDA tensors" in p.stderr
+    kernels.set_mode("deterministic", "torch")
