@@ -186,8 +186,10 @@ class Transformer(nn.Module):
         return self.lm_head.weight.dtype
 
     def init_weights(self, seed: int, std: float = 0.02) -> Transformer:
-        """Deterministic random init: normal(0, std) matrices, ones for norms (CPU generator)."""
-        g = torch.Generator().manual_seed(seed)
+        """Deterministic random init: normal(0, std) matrices, ones for norms, drawn from a generator
+        on the parameters' device (a pure function of seed, shapes and device type)."""
+        dev = next(self.parameters()).device
+        g = torch.Generator(device=dev).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -195,7 +197,7 @@ class Transformer(nn.Module):
                 elif name.endswith("bias"):
                     p.zero_()
                 else:
-                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32, device=dev) * std)
         return self
 
     def _tap(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -261,9 +263,11 @@ class Transformer(nn.Module):
 
 def build_model(args: ModelArgs, dtype: str | torch.dtype = "bfloat16", seed: int | None = 0,
                 device=None) -> Transformer:
-    """A model with deterministic random weights (seed) or uninitialised ones (seed=None)."""
-    model = Transformer(args)
+    """A model with deterministic random weights (seed) or uninitialised ones (seed=None), built
+    directly on `device` (large models never pass through CPU memory)."""
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    with torch.device(device or "cpu"):
+        model = Transformer(args)
     if seed is not None:
         model.init_weights(seed)
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    return model.to(device=device, dtype=dt) if device is not None else model.to(dtype=dt)
+    return model.to(dtype=dt)
