@@ -324,24 +324,38 @@ def log_softmax_gather(z, tokens):
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, skh, son, soh, scale,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys): rows q_row0.. of head h attend keys
-    k_row0..k_row0+n_keys-1 up to their own position, in BLOCK_N blocks, in order."""
+                 IEEE: tl.constexpr, PACK_HEADS: tl.constexpr):
+    """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys). Prefill: program axis 1 is the query head
+    and tile rows are positions q_pos0.. of rows q_row0..; decode (PACK_HEADS): axis 1 is the kv head
+    and tile rows are its G query heads at position q_pos0 of row q_row0 (the GQA group shares one
+    K/V stream). Either way each tile row attends keys k_row0.. up to its position, in BLOCK_N
+    blocks, in order, through the same instructions: a row's bits do not depend on the packing."""
     w = tl.program_id(0)
-    h = tl.program_id(1)
+    a1 = tl.program_id(1)
     q_row0 = tl.load(work_ptr + w * 5)
     n_q = tl.load(work_ptr + w * 5 + 1)
     q_pos0 = tl.load(work_ptr + w * 5 + 2)
     k_row0 = tl.load(work_ptr + w * 5 + 3)
     n_keys = tl.load(work_ptr + w * 5 + 4)
-    hk = h // G
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
-    qmask = rm < n_q
-    q = tl.load(q_ptr + (q_row0 + rm)[:, None] * sqn + h * sqh + rd[None, :], mask=qmask[:, None], other=0.0)
+    if PACK_HEADS:
+        hk = a1
+        qrow = q_row0 + rm * 0
+        qhead = hk * G + rm
+        qpos = q_pos0 + rm * 0
+        qmask = rm < G
+        H = tl.num_programs(1) * G
+    else:
+        hk = a1 // G
+        qrow = q_row0 + rm
+        qhead = a1 + rm * 0
+        qpos = q_pos0 + rm
+        qmask = rm < n_q
+        H = tl.num_programs(1)
+    q = tl.load(q_ptr + qrow[:, None] * sqn + qhead[:, None] * sqh + rd[None, :], mask=qmask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    qpos = q_pos0 + rm
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
@@ -369,13 +383,12 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, s
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o = acc / l_i[:, None]
-    tl.store(o_ptr + (q_row0 + rm)[:, None] * son + h * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + qrow[:, None] * son + qhead[:, None] * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
              mask=qmask[:, None])
-    H = tl.num_programs(1)
-    tl.store(lse_ptr + (q_row0 + rm) * H + h, m_i + tl.log(l_i), mask=qmask)  # for the backward
+    tl.store(lse_ptr + qrow * H + qhead, m_i + tl.log(l_i), mask=qmask)  # for the backward
 
 
-def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: float):
+def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: float, pack_heads: bool = False):
     """q [R, H, D]; k, v [Rk, Hk, D] rows addressed by the work items -> (o, lse [R, H])."""
     R, H, D = q.shape
     if D & (D - 1) or D < 16:
@@ -385,10 +398,13 @@ def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: flo
     if not work:
         return o, lse
     cfg = dict(INTERPRET_ATTN) if INTERPRET else dict(ATTN_CONFIG)
+    G = H // k.shape[1]
+    if pack_heads and G > cfg["BLOCK_M"]:
+        raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     wt = torch.tensor(work, dtype=torch.int32, device=q.device)
-    _attn_kernel[(len(work), H)](q, k, v, o, lse, wt, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                 o.stride(0), o.stride(1), scale, G=H // k.shape[1], D=D, UPCAST=INTERPRET,
-                                 IEEE=q.dtype == torch.float32, **cfg)
+    _attn_kernel[(len(work), k.shape[1] if pack_heads else H)](
+        q, k, v, o, lse, wt, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), scale,
+        G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, PACK_HEADS=pack_heads, **cfg)
     return o, lse
 
 
@@ -551,20 +567,128 @@ def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
 
 
 def attention_decode(q, k_cache, v_cache, lengths, scale: float):
-    """One query per sequence; the same kernel and tile shape as prefill, so the row's bits equal
-    the prefill row at position lengths[b] - 1."""
+    """One query per sequence; the same kernel and tile shape as prefill, its rows holding the GQA
+    group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
     _check("attention_decode", q, k_cache, v_cache)
     B, C = k_cache.shape[0], k_cache.shape[1]
     lens = lengths.tolist()
     work = [(b, 1, n - 1, b * C, n) for b, n in enumerate(lens)]
     kc = k_cache.reshape(B * C, *k_cache.shape[2:])
     vc = v_cache.reshape(B * C, *v_cache.shape[2:])
-    return _attn_launch(q.contiguous(), kc, vc, work, scale)[0]
+    return _attn_launch(q.contiguous(), kc, vc, work, scale, pack_heads=True)[0]
 
 
-# --- row-local ops: the torch reference implementation ---------------------------------------------
+# --- fused elementwise ops -------------------------------------------------------------------------
+_EW_BLOCK = 1024
+
+
+@triton.jit
+def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * sig
+    tl.store(du_ptr + offs, (dy * silu).to(du_ptr.dtype.element_ty), mask=m)
+    tl.store(dg_ptr + offs, (dy * u * (sig + silu * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=m)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, y, n, BLOCK=_EW_BLOCK)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, dy.contiguous(), dg, du, n, BLOCK=_EW_BLOCK)
+        return dg, du
+
+
+def swiglu(gate, up):
+    """silu(gate) * up in fp32, one rounding; elementwise, so trivially row-invariant."""
+    _check("swiglu", gate, up)
+    return _SwiGLU.apply(gate, up)
+
+
+@triton.jit
+def _combine_fwd(y_ptr, w_ptr, o_ptr, K, Dm, BLOCK: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t, j] in fp32, slot 0 first."""
+    t = tl.program_id(0)
+    for d0 in range(0, Dm, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in range(K):
+            wj = tl.load(w_ptr + t * K + j)
+            yj = tl.load(y_ptr + (t * K + j) * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            acc = acc + yj * wj
+        tl.store(o_ptr + t * Dm + cols, acc.to(o_ptr.dtype.element_ty), mask=cols < Dm)
+
+
+@triton.jit
+def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, K, Dm, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    for j in range(K):
+        wj = tl.load(w_ptr + t * K + j)
+        part = tl.zeros((BLOCK,), dtype=tl.float32)
+        for d0 in range(0, Dm, BLOCK):
+            cols = d0 + tl.arange(0, BLOCK)
+            g = tl.load(g_ptr + t * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            yj = tl.load(y_ptr + (t * K + j) * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + (t * K + j) * Dm + cols, (g * wj).to(dy_ptr.dtype.element_ty), mask=cols < Dm)
+            part += g * yj
+        tl.store(dw_ptr + t * K + j, tl.sum(part, axis=0))
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w):
+        y, w = y.contiguous(), w.float().contiguous()
+        T, K, Dm = y.shape
+        out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
+        if T:
+            _combine_fwd[(T,)](y, w, out, K, Dm, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))
+        ctx.save_for_backward(y, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w = ctx.saved_tensors
+        T, K, Dm = y.shape
+        dy, dw = torch.empty_like(y), torch.empty_like(w)
+        if T:
+            _combine_bwd[(T,)](y, w, g.contiguous(), dy, dw, K, Dm, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))
+        return dy, dw
+
+
+def moe_combine(y, weights):
+    """y [T, k, D] in top-k slot order, weights [T, k] -> [T, D]: fp32, slot 0 first, per token."""
+    _check("moe_combine", y)
+    return _Combine.apply(y, weights)
+
+
+# --- row-local ops kept on the torch reference (small [T, E] / [N, H, D] tensors) -------------------
 rope = _ref.rope
-swiglu = _ref.swiglu
 softmax = _ref.softmax
 moe_route = _ref.moe_route
-moe_combine = _ref.moe_combine

@@ -1,0 +1,49 @@
+"""Summarise a GPU `rlalign train` run (metrics.jsonl) into results JSON: mismatch totals and the
+step-time breakdown (generate / score / train / sync), first steps (compile/warm-up) shown apart.
+
+    python experiments/gpu_rl_summary.py RUN_DIR NAME [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("name")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--warmup", type=int, default=2)
+    a = ap.parse_args()
+    run = Path(a.run_dir)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    keys = ["time/generate_s", "time/reward_s", "time/train_s", "time/sync_s", "time/checkpoint_s", "time/step_s"]
+    steady = rows[a.warmup:] or rows
+    out = {
+        "steps": len(rows),
+        "tokens_total": sum(r["consistency/tokens"] for r in rows),
+        "mismatched_tokens_total": sum(r["consistency/mismatched_tokens"] for r in rows),
+        "max_abs_diff_max": max(r["consistency/logprob_abs_diff_max"] for r in rows),
+        "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
+        "breakdown_median_s_after_warmup": {k.split("/")[1]: statistics.median(r[k] for r in steady) for k in keys},
+        "first_step_s": rows[0]["time/step_s"],
+        "config": (run / "config.yaml").read_text() if (run / "config.yaml").exists() else None,
+        "per_step": [{k: r[k] for k in ["step", "reward/mean", "consistency/tokens", "consistency/mismatched_tokens",
+                                         *keys] if k in r} for r in rows],
+    }
+    for k, v in out["breakdown_median_s_after_warmup"].items():
+        print(f"{k:12} {v:.3f}s")
+    print(f"mismatched {out['mismatched_tokens_total']} / {out['tokens_total']} tokens over {len(rows)} steps")
+    print("wrote", _env.write(a.name, out, a.out))
+
+
+if __name__ == "__main__":
+    main()
