@@ -9,7 +9,6 @@ side re-sharding for its own EP size; both sides fingerprint the full weights to
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
@@ -47,21 +46,13 @@ class _Monitored:
 
 def _init(cfg_dict: dict, rank: int, world: int, port: int, threads: int):
     from rlalign.factory import apply_kernels
+    from rlalign.parallel.launch import init_group
 
     torch.set_num_threads(max(1, threads))
     cfg = OmegaConf.create(cfg_dict)
-    backend = "gloo"
     if cfg.device.startswith("cuda"):
-        torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        cfg.device = "cuda:0"
-        backend = "nccl"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=cfg.dist.timeout_s),
-    )
+        cfg.device = "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+    init_group(cfg.device, rank, world, port, cfg.dist.timeout_s, local_gpu=0)
     apply_kernels(cfg)
     return cfg, (dist.group.WORLD if world > 1 else None)
 

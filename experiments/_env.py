@@ -12,17 +12,9 @@ from pathlib import Path
 
 import torch
 
+from rlalign.monitor.trace import cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def environment() -> dict:
@@ -34,7 +26,7 @@ def environment() -> dict:
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "git_commit": commit,

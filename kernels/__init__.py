@@ -123,10 +123,6 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return _impl(y).moe_combine(y, weights)
 
 
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    return _impl(x).softmax(x)
-
-
 def _tempered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     z = logits.float()
     if temperature != 1.0:

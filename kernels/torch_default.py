@@ -72,10 +72,6 @@ def attention_decode(q, k_cache, v_cache, lengths, scale: float):
     return o[:, :, 0]
 
 
-def softmax(x):
-    return torch.softmax(x.float(), -1)
-
-
 def moe_route(logits, top_k: int, renormalize: bool):
     probs = torch.softmax(logits.float(), -1)
     weights, experts = torch.topk(probs, top_k, dim=-1)

@@ -58,16 +58,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of x sorted by group; group e uses w[e]: [R, K] x [E, N, K] -> [R, N]."""
+def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of x sorted by group; group e uses w[e]: [R, K] x [E, N, K] -> [R, N] through linear_fn,
+    whose rows are batch-invariant, so a row's bits ignore which other rows its group holds."""
     outs, start = [], 0
     for e, c in enumerate(counts):
         if c:
-            outs.append(linear(x[start : start + c], w[e]))
+            outs.append(linear_fn(x[start : start + c], w[e]))
         start += c
     # no rows at all: still a (0-row) linear, so autograd keeps this op, and the collectives around
     # it under expert parallelism, in the backward graph on every rank
-    return torch.cat(outs, 0) if outs else linear(x[:0], w[0])
+    return torch.cat(outs, 0) if outs else linear_fn(x[:0], w[0])
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return grouped_with(linear, x, w, counts)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

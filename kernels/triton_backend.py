@@ -14,8 +14,8 @@ inputs. Each kernel keeps it the same way:
              row's position are fully masked and change nothing, so decode == prefill bitwise.
              Backward (FA2-style, no atomics): one program per key block owns dK/dV (summing the
              GQA heads and query blocks in order), one per query block owns dQ.
-Elementwise and per-row ops (RoPE, SwiGLU, router softmax/top-k, MoE combine) run the torch
-reference implementation on the same tensors: they are row-independent by construction.
+RoPE and the router's softmax/top-k run the torch reference implementation on the same tensors:
+they are row-local by construction. SwiGLU and the MoE combine have fused kernels.
 
 Under the interpreter, tl.dot on bf16 operands returns garbage (triton 3.6/3.9), so operands are
 upcast to fp32 there, and smaller tiles are used; interpreted bits are not comparable to GPU bits.
@@ -164,12 +164,8 @@ def linear(x, w, bias=None):
 
 
 def grouped_linear(x, w, counts: list[int]):
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        if c:
-            outs.append(linear(x[start : start + c], w[e]))
-        start += c
-    return torch.cat(outs, 0) if outs else linear(x[:0], w[0])
+    """Expert GEMMs over rows sorted by expert: the same matmul per group (one launch per expert)."""
+    return _ref.grouped_with(linear, x, w, counts)
 
 
 # --- rmsnorm -------------------------------------------------------------------------------------
@@ -690,5 +686,4 @@ def moe_combine(y, weights):
 
 # --- row-local ops kept on the torch reference (small [T, E] / [N, H, D] tensors) -------------------
 rope = _ref.rope
-softmax = _ref.softmax
 moe_route = _ref.moe_route

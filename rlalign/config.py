@@ -47,7 +47,6 @@ class GeneratorConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
-    batch_size: int = 0  # sequences per generate call per rank; 0 = all at once
 
 
 @dataclass
@@ -165,7 +164,6 @@ class RunConfig:
 @dataclass
 class DistConfig:
     timeout_s: float = 60.0  # collective timeout: a dead rank fails the others fast
-    master_port: int = 0  # 0 = pick a free port
 
 
 @dataclass

@@ -24,9 +24,7 @@ from rlalign.monitor.fingerprint import fingerprint
 ENV_SECTIONS = ("seed", "device", "model", "kernels", "generator", "trainer", "task", "algorithm")
 
 
-def hardware_class() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -34,6 +32,12 @@ def hardware_class() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def hardware_class() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return cpu_model()
 
 
 def fixed_environment(cfg: DictConfig) -> dict:

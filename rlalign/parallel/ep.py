@@ -7,9 +7,9 @@ computes there and sends the outputs back. The combine stays on the token's home
 top-k slot order, in fp32 (kernels.moe_combine): with batch-invariant expert GEMMs, a token's
 output bits are the same at every EP size and whatever order ranks answer in.
 
-The ranks also split the batch (data parallel for the non-expert parts): `sync_grads` sums
-the non-expert gradients over ranks in rank order (all_gather, then r0 + r1 + ...), so the
-result is the same bits on every rank and in every run.
+The ranks also split the batch (data parallel for the non-expert parts): the trainer sums the
+non-expert gradients over ranks in rank order (all_gather, then r0 + r1 + ...), so the result is
+the same bits on every rank and in every run (rlalign/training/trainer.py).
 """
 
 from __future__ import annotations
@@ -93,25 +93,6 @@ def apply_ep(model: Transformer, group) -> Transformer:
 
 def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
-
-
-def sync_grads(model: Transformer, group) -> None:
-    """Sum non-expert gradients over ranks in rank order (identical bits on every rank)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    params = [p for n, p in model.named_parameters() if not is_expert_param(n) and p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-    parts = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(parts, flat, group=group)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
-        offset += n
 
 
 def full_state_dict(model: Transformer, group) -> dict[str, torch.Tensor]:

@@ -52,21 +52,22 @@ def check_world(world: int, device: str, what: str) -> None:
             raise ValueError(f"{what}={world} needs {world} GPUs (one rank each); this machine has {n}")
 
 
+def init_group(device: str, rank: int, world: int, port: int, timeout_s: float, local_gpu: int) -> None:
+    """Join a process group: gloo on CPU, NCCL on GPU (this process on GPU local_gpu), with a
+    collective timeout so a dead peer fails the others instead of hanging them."""
+    backend = "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_gpu)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
     status, payload = "error", ""
     try:
         torch.set_num_threads(threads)
-        backend = "gloo"
-        if device.startswith("cuda"):
-            torch.cuda.set_device(rank)
-            backend = "nccl"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        init_group(device, rank, world, port, timeout_s, local_gpu=rank)
         status, payload = "ok", fn(rank, world, dist.group.WORLD, *args)
         dist.destroy_process_group()
     except BaseException:

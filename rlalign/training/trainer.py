@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from kernels import fixed_order as fo
 from rlalign.factory import model_from_config
-from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param, shard_state_dict
+from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.parallel.launch import shard_range
 from rlalign.training.losses import policy_loss
 from rlalign.training.scoring import micro_batches, score_micro_batch
@@ -248,10 +248,3 @@ class Trainer:
     # --- weights -------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model, self.group)
-
-    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        local = shard_state_dict(full, self.rank, self.world)
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                p.copy_(local[n].to(p.dtype))
-                self.master[n].copy_(local[n].float())
