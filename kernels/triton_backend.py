@@ -125,6 +125,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"triton matmul: dtypes differ ({a.dtype} vs {b.dtype})")
     M, K = a.shape
     N = b.shape[1]
+    if a.stride(1) != 1:  # A must be K-contiguous for coalesced tile loads (e.g. g.t() in dW = g^T x);
+        a = a.contiguous()  # same values, same K order: the bits do not change, only the speed
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
