@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -125,14 +126,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"triton matmul: dtypes differ ({a.dtype} vs {b.dtype})")
     M, K = a.shape
     N = b.shape[1]
-    if a.stride(1) != 1:  # A must be K-contiguous for coalesced tile loads (e.g. g.t() in dW = g^T x);
-        a = a.contiguous()  # same values, same K order: the bits do not change, only the speed
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
     if K == 0:
         return c.zero_()
     cfg = dict(INTERPRET_MATMUL) if INTERPRET else dict(MATMUL_CONFIGS[a.dtype])
+    pad = (-K) % cfg["BLOCK_K"]
+    if pad or a.stride(1) != 1:
+        # K not a multiple of BLOCK_K (dW = g^T x reduces over a token count) or A not K-contiguous:
+        # zero-pad K into aligned, contiguous copies. The kernel already reads zeros past K, so
+        # the tiles, and the bits, are the same; only the loads become aligned and vectorised.
+        a = F.pad(a, (0, pad))
+        b = F.pad(b, (0, 0, 0, pad))
+        K += pad
     sms = _num_sms(a.device)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     _matmul_kernel[(min(sms, tiles),)](

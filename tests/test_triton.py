@@ -123,3 +123,16 @@ def test_bad_input_is_refused_clearly():
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         assert p.returncode != 0 and "kernels.backend=triton needs CUDA tensors" in p.stderr
     kernels.set_mode("deterministic", "torch")
+
+
+def test_matmul_k_padding_keeps_the_bits():
+    # K = 37 takes the zero-padded path; the same data with explicit zero columns the direct one
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(50, 37, generator=g).bfloat16().to(DEV)
+    b = torch.randn(37, 24, generator=g).bfloat16().to(DEV)
+    k = 64
+    a_pad = torch.zeros(50, k, dtype=a.dtype, device=DEV)
+    b_pad = torch.zeros(k, 24, dtype=a.dtype, device=DEV)
+    a_pad[:, :37], b_pad[:37] = a, b
+    assert same_bits(tb.matmul(a, b), tb.matmul(a_pad, b_pad))
+    assert same_bits(tb.matmul(a.t().contiguous().t(), b), tb.matmul(a, b))  # a non-K-contiguous A
