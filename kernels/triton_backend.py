@@ -140,6 +140,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a = F.pad(a, (0, pad))
         b = F.pad(b, (0, 0, 0, pad))
         K += pad
+    if b.stride(0) != 1:
+        # B must be K-contiguous too: an N-contiguous B (the backward GEMMs' layout) measured
+        # 14-18x slower on the H200 with identical bits (experiments/probe_matmul_layout.py)
+        b = b.t().contiguous().t()
     sms = _num_sms(a.device)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     _matmul_kernel[(min(sms, tiles),)](
