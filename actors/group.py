@@ -95,9 +95,21 @@ class ActorGroup:
             try:
                 results[index[ref]] = ray.get(ref)
             except (ray.exceptions.RayError, Exception) as e:
+                errors = {index[ref]: e}
+                # the peers of a dead rank fail too ("connection closed" in a collective), sometimes
+                # before Ray reports the death: collect the others' outcome briefly, then blame the root
+                late, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0)
+                for other in late:
+                    try:
+                        ray.get(other)
+                    except (ray.exceptions.RayError, Exception) as e2:
+                        errors[index[other]] = e2
                 self.kill()
-                raise ActorFailed(f"{self.name} rank {index[ref]} of {self.world} failed in {method}(): "
-                                  f"{_actor_error(e)}") from None
+                rank = _root_cause(errors)
+                others = "; ".join(f"rank {r}: {_actor_error(x)[:120]}" for r, x in sorted(errors.items())
+                                   if r != rank)
+                raise ActorFailed(f"{self.name} rank {rank} of {self.world} failed in {method}(): "
+                                  f"{_actor_error(errors[rank])}" + (f" (then {others})" if others else "")) from None
         return [results[r] for r in range(self.world)]
 
     def kill(self) -> None:
@@ -106,6 +118,12 @@ class ActorGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
+
+
+def _root_cause(errors: dict[int, BaseException]) -> int:
+    """A rank whose process died (RayActorError) before one whose task raised; else the lowest."""
+    dead = [r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
+    return min(dead) if dead else min(errors)
 
 
 def _actor_error(e: BaseException) -> str:
