@@ -139,14 +139,14 @@ class GeneratorWorker(_Monitored):
         """Rollouts (sample_id, tokens, logprobs, finish_reason) and per-token row fingerprints."""
         from rlalign.faults import maybe_fail
         from rlalign.generation import SamplingParams, generate
-        from rlalign.parallel.launch import _any_live
+        from rlalign.parallel.launch import any_live_fn
 
         maybe_fail("generator.generate", self.rank)
         if self.trace is not None:
             self.trace.step = step
         params = {**params, "seed": params["seed"] + self.injection.seed_offset}
         outs = generate(self.model, prompts, sample_ids, SamplingParams(**params),
-                        any_live=_any_live(self.group) if self.group is not None else None)
+                        any_live=any_live_fn(self.group) if self.group is not None else None)
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))

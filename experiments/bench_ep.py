@@ -46,7 +46,7 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
 
     from rlalign.factory import apply_kernels, sampling_params
     from rlalign.generation import generate
-    from rlalign.parallel.launch import _any_live
+    from rlalign.parallel.launch import any_live_fn
     from rlalign.training.trainer import Sample, Trainer
 
     cfg = OmegaConf.create(cfg_dict)
@@ -57,7 +57,7 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     part = shard_range(len(prompts), world, rank)
     params = sampling_params(cfg, None, 0)  # no EOS: every sequence decodes max_new_tokens
     mine = [prompts[i] for i in part]
-    live = _any_live(group) if world > 1 else None
+    live = any_live_fn(group) if world > 1 else None
     gen = lambda: generate(trainer.model, mine, list(part), params, any_live=live)  # noqa: E731
     outs = gen()
     t_gen = _timed(gen, repeats, group if world > 1 else None, cfg.device)

@@ -26,10 +26,12 @@ def model_from_config(cfg: DictConfig, dtype: str | None = None) -> Transformer:
     return build_model(model_args(cfg), dtype, seed=cfg.model.init_seed, device=cfg.device)
 
 
-def sampling_params(cfg: DictConfig, eos_token_id: int | None, seed: int) -> SamplingParams:
+def sampling_params(cfg: DictConfig, eos_token_id: int | None = None, seed: int = 0,
+                    max_new_tokens: int | None = None) -> SamplingParams:
+    """The generator's sampling; its logprob_kwargs() are what the trainer scores with too."""
     g = cfg.generator
     p = SamplingParams(
-        max_new_tokens=g.max_new_tokens,
+        max_new_tokens=max_new_tokens or g.max_new_tokens,
         temperature=g.temperature,
         top_k=g.top_k,
         top_p=g.top_p,

@@ -46,6 +46,11 @@ class SamplingParams:
     def logprob_temperature(self) -> float:
         return 1.0 if self.greedy else self.temperature
 
+    def logprob_kwargs(self) -> dict:
+        """What kernels.token_logprobs needs to score tokens under the distribution they were
+        sampled from: the generator uses it while sampling, the trainer while rescoring."""
+        return {"temperature": self.logprob_temperature, "top_k": self.top_k, "top_p": self.top_p}
+
 
 @dataclass
 class Rollout:
@@ -105,11 +110,11 @@ def generate(
     logits = model(flat, cu, cache=cache, slots=slots)[torch.tensor(cu[1:], dtype=torch.long, device=dev) - 1]
     positions = lens.clone()  # position of the token being sampled
     live = slots
-    T, k, p = params.logprob_temperature, params.top_k, params.top_p
+    lp_kw = params.logprob_kwargs()
     for step in range(params.max_new_tokens):
-        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids[live], positions[live], T, k, p,
-                                                  params.greedy))
-        lp = kernels.token_logprobs(logits, tok, T, k, p)
+        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids[live], positions[live],
+                                                  greedy=params.greedy, **lp_kw))
+        lp = kernels.token_logprobs(logits, tok, **lp_kw)
         keep = []
         for j, b in enumerate(live.tolist()):
             t = int(tok[j])

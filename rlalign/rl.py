@@ -11,6 +11,7 @@ Everything that can be wrong in the config, the task or the data fails before an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
+from rlalign.factory import sampling_params
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.fingerprint import combined, state_fingerprints
 from rlalign.parallel.launch import check_world, shard_range
@@ -65,12 +67,6 @@ def _prepare(cfg: DictConfig):
     resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
     start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
     return task, tok, run_dir, resume, start
-
-
-def _sampling(cfg: DictConfig, eos: int | None, seed: int) -> dict:
-    g = cfg.generator
-    return dict(max_new_tokens=cfg.task.max_new_tokens or g.max_new_tokens, temperature=g.temperature,
-                top_k=g.top_k, top_p=g.top_p, greedy=g.greedy, eos_token_id=eos, seed=seed)
 
 
 class Job:
@@ -132,7 +128,8 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
     examples: list[Example] = [ex for ex in task.examples(step, P) for _ in range(G)]
     prompts = [tok.encode(ex.prompt, where=f"step {step} prompt") for ex in examples]
     ids = [step * N + i for i in range(N)]
-    params = _sampling(cfg, tok.eos_token_id, step_seed(cfg.seed, step))
+    params = dataclasses.asdict(sampling_params(cfg, tok.eos_token_id, step_seed(cfg.seed, step),
+                                                cfg.task.max_new_tokens))
     m = cfg.generator.ep_size
     parts = [list(shard_range(N, m, r)) for r in range(m)]
     gen = job.generators.call("generate", per_rank=[([prompts[i] for i in p], [ids[i] for i in p], params, step)
@@ -257,8 +254,7 @@ def dump_mismatch(job, cfg, step, detail, prompts, rollouts, params) -> Path:
     out = Path(cfg.run.dir) / f"mismatch-step{step:06d}"
     out.mkdir(parents=True, exist_ok=True)
     state = ray.get(job.state_ref)
-    model = model_from_config(OmegaConf.merge(cfg, {"device": "cpu", "model": {"path": None}}) if not cfg.model.path
-                              else OmegaConf.merge(cfg, {"device": "cpu"}))
+    model = model_from_config(OmegaConf.merge(cfg, {"device": "cpu"}))
     model.load_state_dict(state)
     save_hf(model, out / "weights")
     batch = {"step": step, "sampling": params, "prompts": prompts,

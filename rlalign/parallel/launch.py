@@ -154,7 +154,9 @@ def _setup(cfg_dict: dict, group, side: str):
     return cfg, model
 
 
-def _any_live(group):
+def any_live_fn(group):
+    """generate()'s any_live: whether any rank of the group still decodes (all-reduce MAX)."""
+
     def fn(local_live: bool) -> bool:
         t = torch.tensor([int(local_live)], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -175,12 +177,14 @@ def generate_worker(rank, world, group, cfg_dict, prompts, sample_ids, seed):
         [prompts[i] for i in part],
         [sample_ids[i] for i in part],
         params,
-        any_live=_any_live(group) if group is not None else None,
+        any_live=any_live_fn(group) if group is not None else None,
     )
     return [(r.sample_id, r.prompt, r.tokens, r.logprobs.tolist(), r.finish_reason) for r in outs]
 
 
 def score_worker(rank, world, group, cfg_dict, prompts, responses):
+    from rlalign.factory import sampling_params
+
     cfg, model = _setup(cfg_dict, group, "trainer")
     part = shard_range(len(prompts), world, rank)
     mbs = micro_batches(len(part), cfg.trainer.micro_batch_size)
@@ -189,7 +193,7 @@ def score_worker(rank, world, group, cfg_dict, prompts, responses):
         t = torch.tensor([n_mb], device=model.lm_head.weight.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         n_mb = int(t.item())
-    g = cfg.generator
+    score_kw = sampling_params(cfg).logprob_kwargs()  # the generator's semantics
     out = []
     with torch.no_grad():
         for i in range(n_mb):
@@ -199,9 +203,7 @@ def score_worker(rank, world, group, cfg_dict, prompts, responses):
                 [prompts[j] for j in idx],
                 [responses[j] for j in idx],
                 layout=cfg.trainer.layout,
-                temperature=1.0 if g.greedy else g.temperature,
-                top_k=g.top_k,
-                top_p=g.top_p,
+                **score_kw,
             )
             out += [lp.tolist() for lp in lps]
     return out

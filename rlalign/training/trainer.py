@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from kernels import fixed_order as fo
-from rlalign.factory import model_from_config
+from rlalign.factory import model_from_config, sampling_params
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.parallel.launch import shard_range
 from rlalign.training.losses import policy_loss
@@ -86,10 +86,7 @@ class Trainer:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
             if group is not None:
                 apply_ep(self.ref_model, group)
-        g = cfg.generator
-        self.score_kw = dict(
-            layout=t.layout, temperature=1.0 if g.greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
-        )
+        self.score_kw = dict(layout=t.layout, **sampling_params(cfg).logprob_kwargs())
 
     @property
     def rank(self) -> int:
