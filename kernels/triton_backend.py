@@ -79,32 +79,50 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# --- matmul ------------------------------------------------------------------------------------
+# --- matmul and grouped (expert) matmul: one kernel ---------------------------------------------
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_SMS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn, scm, scn,
+                 P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
+                 IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
+    Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
+    C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
+    in BLOCK_K chunks, in order, with the same tl.dot: a row's bits depend on its own data only,
+    never on M_p, on the other problems or on which program computed it."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
     in_group = GROUP_M * num_pid_n
+    pr = tl.arange(0, P2)
+    firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
     for tile in tl.range(pid, num_tiles, NUM_SMS):
-        group = tile // in_group
+        p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
+        row = prob_ptr + p * 6
+        local = tile - tl.load(row)
+        M = tl.load(row + 1)
+        K = tl.load(row + 2)
+        a_off = tl.load(row + 3)
+        b_off = tl.load(row + 4)
+        c_off = tl.load(row + 5)
+        if ALIGNED:  # the host checked: every offset is a multiple of 16 elements
+            a_off = tl.multiple_of(a_off, 16)
+            b_off = tl.multiple_of(b_off, 16)
+            c_off = tl.multiple_of(c_off, 16)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        group = local // in_group
         first_m = group * GROUP_M
         size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % size_m)
-        pid_n = (tile % in_group) // size_m
+        pid_m = first_m + (local % size_m)
+        pid_n = (local % in_group) // size_m
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
         rbn = tl.where(rn < N, rn, 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(k_tiles):  # K in order, BLOCK_K at a time: the same for every M
-            rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
-            b = tl.load(b_ptr + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+        for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
+            rk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_off + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+            b = tl.load(b_ptr + b_off + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -113,7 +131,42 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
             else:
                 acc = tl.dot(a, b, acc)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + c_off + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(dtype) -> dict:
+    return dict(INTERPRET_MATMUL) if INTERPRET else dict(MATMUL_CONFIGS[dtype])
+
+
+def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
+    """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
+    scm, scn) are shared by all problems."""
+    rows, first = [], 0
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    for M_p, K_p, ao, bo, co in problems:
+        rows.append((first, M_p, K_p, ao, bo, co))
+        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * n_tiles
+    if first == 0:
+        return
+    aligned = all(v % 16 == 0 for r in rows for v in r[3:])
+    table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True)
+    sms = _num_sms(a.device)
+    _gemm_kernel[(min(sms, first),)](
+        a, b, c, table, first, N, *strides, P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))),
+        NUM_SMS=sms, UPCAST=INTERPRET, IEEE=a.dtype == torch.float32, ALIGNED=aligned, **cfg)
+
+
+def _k_ready(a: torch.Tensor, b_t: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [..., K] and B^T [..., K] K-contiguous with K zero-padded to a multiple of BLOCK_K. The kernel
+    reads zeros past K anyway, so the tiles, and the bits, are the same; only the loads become
+    aligned and vectorised. (B with N contiguous, the backward GEMMs' natural layout, measured
+    14-18x slower on the H200 with identical bits: experiments/probe_matmul_layout.py.)"""
+    pad = (-a.shape[-1]) % bk
+    if pad or a.stride(-1) != 1:
+        a = F.pad(a, (0, pad)).contiguous()
+    if pad or b_t.stride(-1) != 1:
+        b_t = F.pad(b_t, (0, pad)).contiguous()
+    return a, b_t
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -131,25 +184,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return c
     if K == 0:
         return c.zero_()
-    cfg = dict(INTERPRET_MATMUL) if INTERPRET else dict(MATMUL_CONFIGS[a.dtype])
-    pad = (-K) % cfg["BLOCK_K"]
-    if pad or a.stride(1) != 1:
-        # K not a multiple of BLOCK_K (dW = g^T x reduces over a token count) or A not K-contiguous:
-        # zero-pad K into aligned, contiguous copies. The kernel already reads zeros past K, so
-        # the tiles, and the bits, are the same; only the loads become aligned and vectorised.
-        a = F.pad(a, (0, pad))
-        b = F.pad(b, (0, 0, 0, pad))
-        K += pad
-    if b.stride(0) != 1:
-        # B must be K-contiguous too: an N-contiguous B (the backward GEMMs' layout) measured
-        # 14-18x slower on the H200 with identical bits (experiments/probe_matmul_layout.py)
-        b = b.t().contiguous().t()
-    sms = _num_sms(a.device)
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    _matmul_kernel[(min(sms, tiles),)](
-        a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        NUM_SMS=sms, UPCAST=INTERPRET, IEEE=a.dtype == torch.float32, **cfg,
-    )
+    cfg = _config(a.dtype)
+    a, bt = _k_ready(a, b.t(), cfg["BLOCK_K"])
+    _gemm(a, bt, c, [(M, a.shape[1], 0, 0, 0)], N, (a.stride(0), 1, 1, bt.stride(0), c.stride(0), 1), cfg)
     return c
 
 
@@ -176,9 +213,79 @@ def linear(x, w, bias=None):
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
+def _starts(counts: list[int], align: int = 1) -> list[int]:
+    out, s = [], 0
+    for c in counts:
+        out.append(s)
+        s += -(-c // align) * align
+    return out + [s]
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of x [R, K] sorted by group, group e times w[e]^T ([E, N, K]) -> [R, N], ONE launch.
+    Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order."""
+    R, N = x.shape[0], w.shape[1]
+    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0:
+        return out
+    cfg = _config(x.dtype)
+    x, w = _k_ready(x, w, cfg["BLOCK_K"])
+    st = _starts(counts)
+    probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
+    _gemm(x, w, out, probs, N, (x.stride(0), 1, 1, w.stride(1), N, 1), cfg)
+    return out
+
+
+def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics (each program
+    owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time). The
+    rows go to token-contiguous copies whose groups start at multiples of ALIGN (zero-padded), so
+    the loads are aligned; the zeros add exact zeros, the same chunks as matmul(g_e^T, x_e)."""
+    E, N, K = len(counts), g.shape[1], x.shape[1]
+    dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
+    cfg = _config(x.dtype)
+    align = max(64, cfg["BLOCK_K"])
+    st, pst = _starts(counts), _starts(counts, align)
+    if pst[-1] == st[-1]:  # every group already aligned
+        gt, xt = g.t().contiguous(), x.t().contiguous()
+    else:
+        pos = torch.cat([torch.arange(p, p + c) for p, c in zip(pst, counts)]).to(x.device, non_blocking=True)
+        gt = g.new_zeros(pst[-1], N).index_copy_(0, pos, g).t().contiguous()
+        xt = x.new_zeros(pst[-1], K).index_copy_(0, pos, x).t().contiguous()
+    probs = [(N, -(-c // align) * align, p, p, e * N * K) for e, (c, p) in enumerate(zip(counts, pst))]
+    _gemm(gt, xt, dw, probs, K, (gt.stride(0), 1, 1, xt.stride(0), K, 1), cfg)
+    return dw
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts):
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        return _grouped_mm(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous().to(x.dtype)
+        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+        gw = _grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
 def grouped_linear(x, w, counts: list[int]):
-    """Expert GEMMs over rows sorted by expert: the same matmul per group (one launch per expert)."""
-    return _ref.grouped_with(linear, x, w, counts)
+    """Expert GEMMs over rows sorted by expert ([R, K] x [E, N, K] -> [R, N]): one launch forward,
+    one for dX, one for dW (plus the layout copies)."""
+    _check("grouped_linear", x, w)
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or len(counts) != w.shape[0] \
+            or sum(counts) != x.shape[0]:
+        raise ValueError(f"triton grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and counts "
+                         f"(len {len(counts)}, sum {sum(counts)}) do not fit")
+    counts = [int(c) for c in counts]
+    w = w.to(x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _GroupedLinear.apply(x, w, counts)
+    return _grouped_mm(x, w, counts)
 
 
 # --- rmsnorm -------------------------------------------------------------------------------------

@@ -136,3 +136,32 @@ def test_matmul_k_padding_keeps_the_bits():
     a_pad[:, :37], b_pad[:37] = a, b
     assert same_bits(tb.matmul(a, b), tb.matmul(a_pad, b_pad))
     assert same_bits(tb.matmul(a.t().contiguous().t(), b), tb.matmul(a, b))  # a non-K-contiguous A
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_gemm_is_one_launch_equal_to_the_per_expert_linears(dtype):
+    # forward rows, dX and dW of the one-launch grouped GEMM have the bits of the per-expert loop of
+    # linear (same kernel, same K order; dW's zero-padded token groups add exact zeros); an empty
+    # expert gets a zero dW; a row's bits ignore which other rows its group holds
+    g = torch.Generator().manual_seed(6)
+    counts = [5, 0, 13, 9]
+    x = torch.randn(sum(counts), 40, generator=g).to(dtype).to(DEV)
+    w = torch.randn(4, 24, 40, generator=g).to(dtype).to(DEV)
+    go = torch.randn(sum(counts), 24, generator=g).to(dtype).to(DEV)
+    grads = []
+    for fn in (tb.grouped_linear, lambda a, b, c: ref.grouped_with(tb.linear, a, b, c)):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww, counts)
+        y.backward(go)
+        grads.append((y, xx.grad, ww.grad))
+    assert all(same_bits(a, b) for a, b in zip(*grads))
+    assert not grads[0][2][1].any()
+    assert _rel(grads[0][0], torch.cat([x[:5].double() @ w[0].double().t(), x[5:18].double() @ w[2].double().t(),
+                                        x[18:].double() @ w[3].double().t()])) < TOL[dtype]
+    sub = tb.grouped_linear(torch.cat([x[2:4], x[10:11], x[20:27]]), w, [2, 0, 1, 7])
+    assert same_bits(sub, torch.cat([grads[0][0][2:4], grads[0][0][10:11], grads[0][0][20:27]]))
+    # negative twin: the same products summed in another K order give other bits
+    xf, wf = torch.randn(27, 200, generator=g).to(DEV), torch.randn(4, 24, 200, generator=g).to(DEV)
+    assert not same_bits(tb.grouped_linear(xf.flip(1), wf.flip(2), counts), tb.grouped_linear(xf, wf, counts))
+    with pytest.raises(ValueError, match="grouped_linear: x .* and counts .* do not fit"):
+        tb.grouped_linear(x, w, [1, 2, 3, 4])
