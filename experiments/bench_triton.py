@@ -87,6 +87,54 @@ def check_matmul(q: bool) -> None:
     row("bitwise", "linear backward (dX, dW) run to run", identical=all(bits_equal(a, b) for a, b in zip(*grads)))
 
 
+def check_grouped(q: bool) -> None:
+    """The one-launch expert GEMM: rows bitwise equal to tb.matmul of each expert's rows (so M-invariant
+    as matmul is) for totals across 1..8192 with random splits, its backward identical run to run and
+    to the per-expert loop; speed against torch._grouped_mm and a cuBLAS loop at the large benchmark
+    MoE's shape."""
+    g = torch.Generator(device=DEV).manual_seed(8)
+    E, N, K = (4, 32, 64) if q else (8, 1536, 2048)
+    w = (torch.randn(E, N, K, device=DEV, generator=g) * 0.05).bfloat16()
+    xs = torch.randn(64 if q else 8192, K, device=DEV, generator=g).bfloat16()
+    totals = sorted({1, 2, 3, 7, 64, xs.shape[0]} | set(torch.randint(1, xs.shape[0], (20,), generator=g.manual_seed(9),
+                                                                        device=DEV).tolist()))
+    bad = 0
+    for tot in totals:
+        cuts = sorted(torch.randint(0, tot + 1, (E - 1,), device=DEV).tolist())
+        counts = [b - a for a, b in zip([0] + cuts, cuts + [tot])]
+        y = tb.grouped_linear(xs[:tot], w, counts)
+        s0 = 0
+        for e, c in enumerate(counts):
+            bad += c > 0 and not bits_equal(y[s0 : s0 + c], tb.matmul(xs[s0 : s0 + c], w[e].t()))
+            s0 += c
+    row("bitwise", f"grouped GEMM rows == matmul rows, {len(totals)} totals in 1..{xs.shape[0]}", violations=bad)
+    counts = [xs.shape[0] // E] * E
+    runs = []
+    for fn in (tb.grouped_linear, tb.grouped_linear, lambda a, b, c: tb._ref.grouped_with(tb.linear, a, b, c)):
+        xx, ww = xs.clone().requires_grad_(), w.clone().requires_grad_()
+        fn(xx, ww, counts).float().square().sum().backward()
+        runs.append((xx.grad, ww.grad))
+    row("bitwise", "grouped GEMM backward run to run, and == per-expert loop",
+        identical=all(bits_equal(a, b) for a, b in zip(runs[0], runs[1])),
+        equals_loop=all(bits_equal(a, b) for a, b in zip(runs[0], runs[2])))
+    if q:
+        return
+    E, R = 64, 32768  # bench-moe-large: 4096 tokens x top-8 over 64 experts, gate_up 1536 x 2048
+    w = (torch.randn(E, 1536, 2048, device=DEV) * 0.05).bfloat16()
+    x = torch.randn(R, 2048, device=DEV).bfloat16()
+    counts = [R // E] * E
+    offs = torch.tensor(counts, dtype=torch.int32, device=DEV).cumsum(0, dtype=torch.int32)
+    t_tri = bench(lambda: tb.grouped_linear(x, w, counts), 20)
+    t_loop = bench(lambda: [xe @ w[e].t() for e, xe in enumerate(x.split(counts))], 20)
+    try:
+        t_gmm = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), 20)
+    except Exception:
+        t_gmm = float("nan")
+    flop = 2 * R * 1536 * 2048
+    row("speed", f"grouped GEMM fwd {R}x1536x2048 E={E}", triton_tflops=flop / t_tri / 1e9,
+        ratio_vs_grouped_mm=t_gmm / t_tri, ratio_vs_cublas_loop=t_loop / t_tri)
+
+
 def speed_matmul(q: bool) -> None:
     shapes = [(64, 64, 64)] if q else [(4096, 4096, 4096), (8192, 8192, 8192), (64, 4096, 4096), (256, 4096, 4096)]
     for M, N, K in shapes:
@@ -148,33 +196,39 @@ def speed_attention(q: bool) -> None:
             time_ratio=t_tri / t_sdpa)
 
 
+# (BLOCK_N shared by prefill and decode, prefill tile, decode tile): BLOCK_N is the reduction order
 ATTN_CANDIDATES = [
-    dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4),
-    dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4),
-    dict(BLOCK_M=128, BLOCK_N=64, num_stages=3, num_warps=8),
-    dict(BLOCK_M=64, BLOCK_N=128, num_stages=2, num_warps=8),
+    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
+    (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
+    (128, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),
+    (64, dict(BLOCK_M=64, num_stages=3, num_warps=4), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
 ]
 
 
 def sweep_attention(q: bool) -> None:
-    """Each fixed attention config (the tile shape is part of the contract): decode == prefill bitwise,
-    prefill and decode speed. The fastest passing one is kept for the rest of the run."""
+    """Each fixed attention config (the key block is part of the contract): decode == prefill
+    bitwise at every position, prefill and decode speed against SDPA. The fastest passing one is
+    kept for the rest of the run (and is the one to pin in kernels/triton_backend.py)."""
     best = None
-    for cfg in ATTN_CANDIDATES if not q else ATTN_CANDIDATES[:1]:
-        tb.ATTN_CONFIG = dict(cfg)
+    for bn, pre_cfg, dec_cfg in ATTN_CANDIDATES if not q else ATTN_CANDIDATES[:1]:
+        tb.ATTN_FWD = dict(BLOCK_N=bn, prefill=dict(pre_cfg), decode=dict(dec_cfg))
         g = torch.Generator(device=DEV).manual_seed(4)
-        T, H, Hk, D = (40, 4, 2, 16) if q else (512, 16, 4, 128)
+        T, H, Hk, D = (40, 4, 2, 16) if q else (700, 16, 4, 128)
         qq, kk, vv = (torch.randn(T, h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
         pre = tb.attention_prefill(qq, kk, vv, [0, T], 1 / math.sqrt(D))
         kc, vc = kk[None].contiguous(), vv[None].contiguous()
         bad = sum(not bits_equal(tb.attention_decode(qq[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV),
                                                      1 / math.sqrt(D))[0], pre[t]) for t in range(T))
-        Tp, B = (32, 1) if q else (4096, 4)
-        pq, pk, pv = (torch.randn(B * Tp, 16, D, device=DEV).bfloat16() for _ in range(3))
-        cu = [i * Tp for i in range(B + 1)]
-        t_pre = bench(lambda: tb.attention_prefill(pq, pk, pv, cu, 0.1), 10)
-        sq, sk, sv = (t.view(B, Tp, 16, D).transpose(1, 2) for t in (pq, pk, pv))
-        t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True), 10)
+        ratios = []
+        for Tp in ([32] if q else [1024, 4096]):
+            B = 1 if q else 4
+            pq, pk, pv = (torch.randn(B * Tp, 16, D, device=DEV).bfloat16() for _ in range(3))
+            cu = [i * Tp for i in range(B + 1)]
+            t_pre = bench(lambda: tb.attention_prefill(pq, pk, pv, cu, 0.1), 10)
+            sq, sk, sv = (t.view(B, Tp, 16, D).transpose(1, 2) for t in (pq, pk, pv))
+            t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True), 10)
+            ratios.append(t_sdpa / t_pre)
         Bd, C = (2, 64) if q else (64, 4096)
         qd = torch.randn(Bd, 16, D, device=DEV).bfloat16()
         kcd, vcd = (torch.randn(Bd, C, 4, D, device=DEV).bfloat16() for _ in range(2))
@@ -182,14 +236,74 @@ def sweep_attention(q: bool) -> None:
         t_dec = bench(lambda: tb.attention_decode(qd, kcd, vcd, lens, 0.1), 10)
         kt, vt = kcd.transpose(1, 2), vcd.transpose(1, 2)
         t_sd = bench(lambda: F.scaled_dot_product_attention(qd[:, :, None], kt, vt, enable_gqa=True), 10)
-        name = "BM{BLOCK_M} BN{BLOCK_N} s{num_stages} w{num_warps}".format(**cfg)
-        row("sweep", f"attention {name}", decode_vs_prefill_bad=bad, prefill_ratio_vs_sdpa=t_sdpa / t_pre,
-            decode_time_ratio_vs_sdpa=t_dec / t_sd)
-        score = t_pre / t_sdpa + t_dec / t_sd
+        name = "BN{} pre BM{BLOCK_M} s{num_stages} w{num_warps}".format(bn, **pre_cfg) + \
+            " dec BM{BLOCK_M} s{num_stages} w{num_warps}".format(**dec_cfg)
+        row("sweep", f"attention {name}", decode_vs_prefill_bad=bad, prefill_ratio_T1k=ratios[0],
+            prefill_ratio_T4k=ratios[-1], decode_time_ratio_B64=t_dec / t_sd)
+        score = sum(1 / r for r in ratios) + t_dec / t_sd
         if bad == 0 and (best is None or score < best[0]):
-            best = (score, cfg)
-    tb.ATTN_CONFIG = dict(best[1]) if best else dict(ATTN_CANDIDATES[0])
-    row("sweep", "attention config kept", **{k: v for k, v in tb.ATTN_CONFIG.items()})
+            best = (score, dict(tb.ATTN_FWD))
+    tb.ATTN_FWD = best[1] if best else dict(BLOCK_N=ATTN_CANDIDATES[0][0], prefill=dict(ATTN_CANDIDATES[0][1]),
+                                            decode=dict(ATTN_CANDIDATES[0][2]))
+    row("sweep", "attention config kept", config=str(tb.ATTN_FWD))
+
+
+def speed_attention_bwd(q: bool) -> None:
+    """Prefill forward+backward against SDPA's (the training path)."""
+    D = 16 if q else 128
+    for T in ([32] if q else [1024, 4096]):
+        B, H = (1, 2) if q else (4, 16)
+        qq, kk, vv = (torch.randn(B * T, H, D, device=DEV).bfloat16().requires_grad_() for _ in range(3))
+        go = torch.randn(B * T, H, D, device=DEV).bfloat16()
+        cu = [i * T for i in range(B + 1)]
+        sq, sk, sv = (t.detach().view(B, T, H, D).transpose(1, 2).requires_grad_() for t in (qq, kk, vv))
+        sgo = go.view(B, T, H, D).transpose(1, 2)
+        t_tri = bench(lambda: tb.attention_prefill(qq, kk, vv, cu, 1 / math.sqrt(D)).backward(go), 10)
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True).backward(sgo), 10)
+        row("speed", f"attention fwd+bwd B={B} H={H} T={T} D={D}", triton_ms=t_tri, sdpa_ms=t_sdpa,
+            ratio=t_sdpa / t_tri)
+
+
+# small-M matmul candidates: BLOCK_K 64 kept (the K chunks), narrower N tiles -> more tiles than SMs
+SMALL_M_CANDIDATES = [
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8),
+]
+
+
+def sweep_matmul(q: bool) -> None:
+    """Candidate small-M configs: rows bitwise equal to the main config's (the contract across the M
+    buckets), and speed at M = 64 and 256 against cuBLAS. The fastest passing config per M is kept."""
+    if q:
+        return
+    g = torch.Generator(device=DEV).manual_seed(7)
+    shapes = [(4096, 4096), (1024, 2048), (2048, 1024)]  # (N, K)
+    data = {nk: (torch.randn(300, nk[1], device=DEV, generator=g).bfloat16(),
+                 torch.randn(nk[0], nk[1], device=DEV, generator=g).bfloat16()) for nk in shapes}
+    tb.MATMUL_SMALL_M = {}
+    main = {nk: tb.matmul(x, w.t()) for nk, (x, w) in data.items()}
+    best = {64: None, 256: None}
+    for cfg in SMALL_M_CANDIDATES:
+        tb.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
+        bad = sum(not bits_equal(tb.matmul(x[:m], w.t()), main[nk][:m])
+                  for nk, (x, w) in data.items() for m in (1, 2, 5, 63, 64, 65, 100, 128, 255, 256, 300))
+        name = "BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} s{num_stages} w{num_warps}".format(**cfg)
+        speeds = {}
+        for M in (64, 256):
+            a = torch.randn(M, 4096, device=DEV).bfloat16()
+            b = torch.randn(4096, 4096, device=DEV).bfloat16()
+            t_tri = bench(lambda: tb.matmul(a, b.t()), 20)
+            t_cub = bench(lambda: a @ b.t(), 20)
+            speeds[M] = t_cub / t_tri
+            if bad == 0 and (best[M] is None or speeds[M] > best[M][0]):
+                best[M] = (speeds[M], cfg)
+        row("sweep", f"matmul small-M {name}", rows_differing=bad, ratio_M64=speeds[64], ratio_M256=speeds[256])
+    buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[0] > 0]
+    tb.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
+    row("sweep", "matmul small-M buckets kept", config=str(buckets))
 
 
 def check_rows(q: bool) -> None:
@@ -219,13 +333,35 @@ def check_rows(q: bool) -> None:
     row("bitwise", "logprob backward run to run", identical=bits_equal(grads[0], grads[1]))
 
 
-def moe_step(q: bool) -> None:
-    """Forward+backward of the benchmark MoE (configs/model/bench-moe.yaml), 4k tokens per step,
-    deterministic (triton) vs default kernels: time and peak memory."""
+def _time_events(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median ms of reps runs after warmup: CUDA events on GPU, wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        if DEV == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(1000 * (time.perf_counter() - t))
+    return sorted(ts)[len(ts) // 2]
+
+
+def moe_step(q: bool, model_name: str = "bench-moe") -> None:
+    """Forward+backward of a benchmark MoE, 4k tokens per step (4 x 1024), medians of 20 runs:
+    deterministic (triton) against the default mode twice: the per-expert F.linear loop, and
+    torch._grouped_mm (TorchTitan's MoE GEMM) where it runs. Time and peak memory."""
+    from kernels import torch_default
     from rlalign.config import load_config, model_args
     from rlalign.model import build_model
 
-    cfg = load_config(["model=bench-moe"] if not q else ["model.num_layers=1"])
+    cfg = load_config([f"model={model_name}"] if not q else ["model.num_layers=1"])
     args = model_args(cfg)
     seqs, T = (2, 16) if q else (4, 1024)
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -233,24 +369,40 @@ def moe_step(q: bool) -> None:
     cu = [i * T for i in range(seqs + 1)]
     model = build_model(args, "bfloat16", seed=0, device=DEV)
     res = {}
-    for mode, backend in (("default", "torch"), ("deterministic", "triton")):
-        with kernels.use(mode=mode, backend=backend):
-            def step():
-                model.zero_grad(set_to_none=True)
-                logits = model(tokens, cu)
-                kernels.token_logprobs(logits[:-1], tokens[1:]).mean().backward()
+    variants = [("default", "torch", False), ("default_grouped_mm", "torch", True), ("deterministic", "triton", False)]
+    for name, backend, gmm in variants:
+        torch_default.USE_GROUPED_MM = gmm
+        try:
+            with kernels.use(mode="deterministic" if backend == "triton" else "default", backend=backend):
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    logits = model(tokens, cu)
+                    kernels.token_logprobs(logits[:-1], tokens[1:]).mean().backward()
 
-            step()
-            if DEV == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t = bench(step, 5)
-            mem = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
-            res[mode] = (t, mem)
-    (td, md), (tf, mf) = res["deterministic"], res["default"]
-    row("speed", f"MoE fwd+bwd {args.num_layers}L d={args.hidden_size} E={args.num_experts} "
-        f"top{args.top_k}, {seqs * T} tok", det_ms=td, default_ms=tf, time_ratio=td / tf,
-        det_peak_gib=md, default_peak_gib=mf, mem_ratio=md / mf if mf else 0.0)
+                step()
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                t = _time_events(step, reps=20 if not q else 3)
+                mem = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+                res[name] = (t, mem)
+        except Exception as e:  # e.g. _grouped_mm without backward here: record it, keep the others
+            row("error", f"moe {name}", error=f"{type(e).__name__}: {e}"[:300])
+        finally:
+            torch_default.USE_GROUPED_MM = False
+    td, md = res["deterministic"]
+    out = dict(det_ms=td, det_peak_gib=md)
+    for base in ("default", "default_grouped_mm"):
+        if base in res:
+            out[f"{base}_ms"], out[f"{base}_peak_gib"] = res[base]
+            out[f"time_ratio_vs_{base}"] = td / res[base][0]
+            out[f"mem_ratio_vs_{base}"] = md / res[base][1] if res[base][1] else 0.0
+    row("speed", f"MoE fwd+bwd {model_name} {args.num_layers}L d={args.hidden_size} E={args.num_experts} "
+        f"top{args.top_k}, {seqs * T} tok", **out)
+
+
+def moe_step_large(q: bool) -> None:
+    moe_step(q, "bench-moe-large" if not q else "bench-moe")
 
 
 def main() -> None:
@@ -260,8 +412,10 @@ def main() -> None:
     ap.add_argument("--name", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    steps = {"matmul": check_matmul, "matmul_speed": speed_matmul, "attention_sweep": sweep_attention,
-             "attention": check_attention, "attention_speed": speed_attention, "rows": check_rows, "moe": moe_step}
+    steps = {"matmul_sweep": sweep_matmul, "matmul": check_matmul, "matmul_speed": speed_matmul,
+             "attention_sweep": sweep_attention, "attention": check_attention, "attention_speed": speed_attention,
+             "attention_bwd": speed_attention_bwd, "grouped": check_grouped, "rows": check_rows, "moe": moe_step,
+             "moe_large": moe_step_large}
     chosen = a.only.split(",") if a.only else list(steps)
     kernels.set_mode("deterministic", "triton")
     for name in chosen:

@@ -26,13 +26,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--model", default="bench-moe")
     a = ap.parse_args()
-    args = model_args(load_config(["model=bench-moe"]))
+    from kernels import torch_default
+
+    args = model_args(load_config([f"model={a.model}"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")
     tokens = torch.randint(2, args.vocab_size, (4096,), device="cuda")
     cu = [0, 1024, 2048, 3072, 4096]
     out = {}
-    for mode, backend in (("default", "torch"), ("deterministic", "triton")):
+    for label, mode, backend in (("default", "default", "torch"), ("default_grouped_mm", "default", "torch"),
+                                 ("deterministic", "deterministic", "triton")):
+        torch_default.USE_GROUPED_MM = label == "default_grouped_mm"
         with kernels.use(mode=mode, backend=backend):
             def step():
                 model.zero_grad(set_to_none=True)
@@ -50,14 +55,14 @@ def main() -> None:
             rows = [{"name": e.key[:90], "calls": e.count, "device_ms": e.self_device_time_total / 1000}
                     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[: a.top]]
             wall = max(e.cpu_time_total for e in ev) / 1000
-            out[mode] = {"device_ms_total": total_dev, "kernel_launches": launches, "cpu_ms_top_op": wall,
+            out[label] = {"device_ms_total": total_dev, "kernel_launches": launches, "cpu_ms_top_op": wall,
                          "top_kernels": rows}
-            print(f"== {mode}: device busy {total_dev:.1f} ms, launches {launches}")
+            print(f"== {label}: device busy {total_dev:.1f} ms, launches {launches}")
             for r in rows:
                 print(f"  {r['device_ms']:8.2f} ms  {r['calls']:6d}x  {r['name']}")
             del cuda
     gpu = torch.cuda.get_device_name(0).replace(" ", "_")
-    print("wrote", _env.write(f"profile_moe_{gpu}", out, a.out))
+    print("wrote", _env.write(f"profile_moe_{a.model}_{gpu}", out, a.out))
 
 
 if __name__ == "__main__":

@@ -42,8 +42,18 @@ MATMUL_CONFIGS = {
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
 }
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
-ATTN_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4)
-INTERPRET_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
+# Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
+# A config may join only if it keeps BLOCK_K and the wgmma k-steps, so every element still reduces K
+# in the same chunks and order, and rows measured bitwise equal to the main config's for M = 1..8192
+# on the GPU (experiments/bench_triton.py --only matmul_sweep). Empty: one config for every M.
+MATMUL_SMALL_M: dict = {}
+# attention: prefill and decode share BLOCK_N (the key blocks a row reduces over, in order);
+# their tile heights may differ (checked bitwise on the GPU: experiments/bench_triton.py)
+ATTN_FWD = dict(BLOCK_N=64, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
+                decode=dict(BLOCK_M=64, num_stages=3, num_warps=4))
+ATTN_BWD = dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4)
+INTERPRET_ATTN = dict(prefill=dict(BLOCK_M=32, BLOCK_N=16), decode=dict(BLOCK_M=16, BLOCK_N=16),
+                      bwd=dict(BLOCK_M=16, BLOCK_N=16))
 ROW_BLOCK = 1024  # rmsnorm / logprob chunk along the row
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -134,8 +144,14 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn
         tl.store(c_ptr + c_off + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype) -> dict:
-    return dict(INTERPRET_MATMUL) if INTERPRET else dict(MATMUL_CONFIGS[dtype])
+def _config(dtype, m: int | None = None) -> dict:
+    """The pinned config for dtype; m (rows, or rows per problem) picks a small-M one if any."""
+    if INTERPRET:
+        return dict(INTERPRET_MATMUL)
+    for max_m, cfg in MATMUL_SMALL_M.get(dtype, ()):
+        if m is not None and m <= max_m:
+            return dict(cfg)
+    return dict(MATMUL_CONFIGS[dtype])
 
 
 def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
@@ -184,7 +200,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return c
     if K == 0:
         return c.zero_()
-    cfg = _config(a.dtype)
+    cfg = _config(a.dtype, M)
     a, bt = _k_ready(a, b.t(), cfg["BLOCK_K"])
     _gemm(a, bt, c, [(M, a.shape[1], 0, 0, 0)], N, (a.stride(0), 1, 1, bt.stride(0), c.stride(0), 1), cfg)
     return c
@@ -228,7 +244,8 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Te
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
         return out
-    cfg = _config(x.dtype)
+    groups = sum(1 for c in counts if c)
+    cfg = _config(x.dtype, -(-R // max(groups, 1)))
     x, w = _k_ready(x, w, cfg["BLOCK_K"])
     st = _starts(counts)
     probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
@@ -438,16 +455,52 @@ def log_softmax_gather(z, tokens):
 
 # --- attention -------------------------------------------------------------------------------------
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, skh, son, soh, scale,
+def _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc, qk_scale,
+                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
+    blocks whose keys are all valid for every tile row: the same values as the masked form (a
+    where() that keeps every score), so a row's bits do not depend on which form its block took
+    (the kernel runs without FMA contraction, so both forms round the same operations)."""
+    rn = j0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        kmask = rn < n_keys
+        k = tl.load(k_ptr + kbase + rn[:, None] * skn + rd[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + kbase + rn[:, None] * skn + rd[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kbase + rn[:, None] * skn + rd[None, :])
+        v = tl.load(v_ptr + kbase + rn[:, None] * skn + rd[None, :])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(kmask[None, :] & (rn[None, :] <= qpos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, skh, son, soh, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, PACK_HEADS: tl.constexpr):
-    """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys). Prefill: program axis 1 is the query head
-    and tile rows are positions q_pos0.. of rows q_row0..; decode (PACK_HEADS): axis 1 is the kv head
+    """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys). Prefill: program axis 0 is the query head
+    and tile rows are positions q_pos0.. of rows q_row0..; decode (PACK_HEADS): axis 0 is the kv head
     and tile rows are its G query heads at position q_pos0 of row q_row0 (the GQA group shares one
     K/V stream). Either way each tile row attends keys k_row0.. up to its position, in BLOCK_N
-    blocks, in order, through the same instructions: a row's bits do not depend on the packing."""
-    w = tl.program_id(0)
-    a1 = tl.program_id(1)
+    blocks, in order, through the same instructions: a row's bits depend neither on the packing nor
+    on BLOCK_M (BLOCK_N is shared by prefill and decode; the tile height is not)."""
+    a0 = tl.program_id(0)
+    w = tl.program_id(1)
     q_row0 = tl.load(work_ptr + w * 5)
     n_q = tl.load(work_ptr + w * 5 + 1)
     q_pos0 = tl.load(work_ptr + w * 5 + 2)
@@ -456,56 +509,58 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, s
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     if PACK_HEADS:
-        hk = a1
+        hk = a0
         qrow = q_row0 + rm * 0
         qhead = hk * G + rm
         qpos = q_pos0 + rm * 0
         qmask = rm < G
-        H = tl.num_programs(1) * G
+        H = tl.num_programs(0) * G
     else:
-        hk = a1 // G
+        hk = a0 // G
         qrow = q_row0 + rm
-        qhead = a1 + rm * 0
+        qhead = a0 + rm * 0
         qpos = q_pos0 + rm
         qmask = rm < n_q
-        H = tl.num_programs(1)
+        H = tl.num_programs(0)
     q = tl.load(q_ptr + qrow[:, None] * sqn + qhead[:, None] * sqh + rd[None, :], mask=qmask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for j0 in range(0, n_keys, BLOCK_N):
-        rn = j0 + tl.arange(0, BLOCK_N)
-        kmask = rn < n_keys
-        k = tl.load(k_ptr + (k_row0 + rn)[:, None] * skn + hk * skh + rd[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + (k_row0 + rn)[:, None] * skn + hk * skh + rd[None, :], mask=kmask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        valid = kmask[None, :] & (rn[None, :] <= qpos[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    kbase = k_row0 * skn + hk * skh
+    n_full = (tl.minimum(q_pos0 + 1, n_keys) // BLOCK_N) * BLOCK_N  # keys every tile row may see
+    for j0 in range(0, n_full, BLOCK_N):
+        m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc, qk_scale,
+                                    BLOCK_N, UPCAST, IEEE, False)
+    for j0 in range(n_full, n_keys, BLOCK_N):
+        m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc, qk_scale,
+                                    BLOCK_N, UPCAST, IEEE, True)
     o = acc / l_i[:, None]
     tl.store(o_ptr + qrow[:, None] * son + qhead[:, None] * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
              mask=qmask[:, None])
-    tl.store(lse_ptr + qrow * H + qhead, m_i + tl.log(l_i), mask=qmask)  # for the backward
+    tl.store(lse_ptr + qrow * H + qhead, m_i + tl.log2(l_i), mask=qmask)  # log2 units, for the backward
+
+
+LOG2E = 1.4426950408889634
+
+
+def _attn_cfg(kind: str) -> dict:
+    """kind: prefill | decode | bwd. Prefill and decode share BLOCK_N (the key blocks, i.e. the
+    reduction order); their tile heights and warps may differ."""
+    if INTERPRET:
+        return dict(INTERPRET_ATTN[kind])
+    if kind == "bwd":
+        return dict(ATTN_BWD)
+    return dict(BLOCK_N=ATTN_FWD["BLOCK_N"], **ATTN_FWD[kind])
+
+
+def _no_fma() -> dict:
+    return {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: float, pack_heads: bool = False):
-    """q [R, H, D]; k, v [Rk, Hk, D] rows addressed by the work items -> (o, lse [R, H])."""
+    """q [R, H, D]; k, v [Rk, Hk, D] rows addressed by the work items -> (o, lse2 [R, H])."""
     R, H, D = q.shape
     if D & (D - 1) or D < 16:
         raise ValueError(f"triton attention: head_dim={D} must be a power of two >= 16")
@@ -513,23 +568,21 @@ def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: flo
     lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
     if not work:
         return o, lse
-    cfg = dict(INTERPRET_ATTN) if INTERPRET else dict(ATTN_CONFIG)
+    cfg = _attn_cfg("decode" if pack_heads else "prefill")
     G = H // k.shape[1]
     if pack_heads and G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
-    wt = torch.tensor(work, dtype=torch.int32, device=q.device)
-    _attn_kernel[(len(work), k.shape[1] if pack_heads else H)](
-        q, k, v, o, lse, wt, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), scale,
-        G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, PACK_HEADS=pack_heads, **cfg)
+    work = sorted(work, key=lambda t: -t[4])  # longest first: the last wave is the short items
+    wt = torch.tensor(work, dtype=torch.int32).to(q.device, non_blocking=True)
+    _attn_kernel[(k.shape[1] if pack_heads else H, len(work))](
+        q, k, v, o, lse, wt, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
+        scale * LOG2E, G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, PACK_HEADS=pack_heads,
+        **cfg, **_no_fma())
     return o, lse
 
 
-def _bm() -> int:
-    return (INTERPRET_ATTN if INTERPRET else ATTN_CONFIG)["BLOCK_M"]
-
-
 @triton.jit
-def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, work_ptr, H, scale,
+def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, work_ptr, H, scale, qk_scale,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Program (key block, kv head): dK, dV of its keys, summed over the G query heads and the query
@@ -564,11 +617,11 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
             lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
             delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
             if IEEE:
-                st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale  # [BN, BM]
+                st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale  # [BN, BM], log2 units
             else:
-                st = tl.dot(k, tl.trans(q)) * scale
+                st = tl.dot(k, tl.trans(q)) * qk_scale
             valid = kmask[:, None] & qmask[None, :] & (rn[:, None] <= rm[None, :])
-            pt = tl.where(valid, tl.exp(st - lse[None, :]), 0.0)
+            pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
             if IEEE:
                 dv += tl.dot(pt, do, input_precision="ieee")
                 dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
@@ -587,7 +640,7 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
 
 
 @triton.jit
-def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_ptr, scale,
+def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_ptr, scale, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Program (query block, head): dQ over its keys in order."""
@@ -619,13 +672,13 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_p
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k)) * qk_scale
             dp = tl.dot(do, tl.trans(v))
         valid = qmask[:, None] & kmask[None, :] & (rn[None, :] <= rm[:, None])
-        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
         if IEEE:
             dq += tl.dot(ds, k, input_precision="ieee")
@@ -642,7 +695,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, scale):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ctx.cu, ctx.scale = cu_seqlens, scale
-        bm, work = _bm(), []
+        bm, work = _attn_cfg("prefill")["BLOCK_M"], []
         for b in range(len(cu_seqlens) - 1):
             s0, T = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
             for m0 in range(0, T, bm):
@@ -659,7 +712,7 @@ class _Attention(torch.autograd.Function):
         N, H, D = q.shape
         delta = (g.float() * o.float())
         delta = fo.tree_sum(delta, -1).contiguous()  # [N, H], fixed order
-        cfg = dict(INTERPRET_ATTN) if INTERPRET else dict(ATTN_CONFIG)
+        cfg = _attn_cfg("bwd")
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         kw, qw = [], []
         for b in range(len(ctx.cu) - 1):
@@ -670,10 +723,10 @@ class _Attention(torch.autograd.Function):
         if kw:
             _attn_bwd_dkdv[(len(kw), k.shape[1])](q, k, v, g, lse, delta, dk, dv,
                                                   torch.tensor(kw, dtype=torch.int32, device=q.device), H,
-                                                  ctx.scale, **common)
+                                                  ctx.scale, ctx.scale * LOG2E, **common)
             _attn_bwd_dq[(len(qw), H)](q, k, v, g, lse, delta, dq, torch.tensor(qw, dtype=torch.int32,
                                                                                   device=q.device),
-                                       ctx.scale, **common)
+                                       ctx.scale, ctx.scale * LOG2E, **common)
         return dq, dk, dv, None, None
 
 
@@ -683,8 +736,8 @@ def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
 
 
 def attention_decode(q, k_cache, v_cache, lengths, scale: float):
-    """One query per sequence; the same kernel and tile shape as prefill, its rows holding the GQA
-    group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
+    """One query per sequence; the same kernel and key blocks as prefill, its tile rows holding the
+    GQA group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
     _check("attention_decode", q, k_cache, v_cache)
     B, C = k_cache.shape[0], k_cache.shape[1]
     lens = lengths.tolist()
