@@ -213,6 +213,17 @@ def sweep_attention(q: bool) -> None:
     best = None
     for bn, pre_cfg, dec_cfg in ATTN_CANDIDATES if not q else ATTN_CANDIDATES[:1]:
         tb.ATTN_FWD = dict(BLOCK_N=bn, prefill=dict(pre_cfg), decode=dict(dec_cfg))
+        try:
+            best = _attention_candidate(q, bn, pre_cfg, dec_cfg, best)
+        except Exception as e:  # e.g. out of shared memory: record, try the next
+            row("error", f"attention BN{bn} {pre_cfg} {dec_cfg}", error=f"{type(e).__name__}: {e}"[:200])
+    tb.ATTN_FWD = best[1] if best else dict(BLOCK_N=ATTN_CANDIDATES[0][0], prefill=dict(ATTN_CANDIDATES[0][1]),
+                                            decode=dict(ATTN_CANDIDATES[0][2]))
+    row("sweep", "attention config kept", config=str(tb.ATTN_FWD))
+
+
+def _attention_candidate(q, bn, pre_cfg, dec_cfg, best):
+    if True:
         g = torch.Generator(device=DEV).manual_seed(4)
         T, H, Hk, D = (40, 4, 2, 16) if q else (700, 16, 4, 128)
         qq, kk, vv = (torch.randn(T, h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
@@ -243,9 +254,7 @@ def sweep_attention(q: bool) -> None:
         score = sum(1 / r for r in ratios) + t_dec / t_sd
         if bad == 0 and (best is None or score < best[0]):
             best = (score, dict(tb.ATTN_FWD))
-    tb.ATTN_FWD = best[1] if best else dict(BLOCK_N=ATTN_CANDIDATES[0][0], prefill=dict(ATTN_CANDIDATES[0][1]),
-                                            decode=dict(ATTN_CANDIDATES[0][2]))
-    row("sweep", "attention config kept", config=str(tb.ATTN_FWD))
+    return best
 
 
 def speed_attention_bwd(q: bool) -> None:
@@ -287,6 +296,17 @@ def sweep_matmul(q: bool) -> None:
     main = {nk: tb.matmul(x, w.t()) for nk, (x, w) in data.items()}
     best = {64: None, 256: None}
     for cfg in SMALL_M_CANDIDATES:
+        try:
+            _small_m_candidate(cfg, data, main, best)
+        except Exception as e:
+            row("error", f"matmul small-M {cfg}", error=f"{type(e).__name__}: {e}"[:200])
+    buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[0] > 0]
+    tb.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
+    row("sweep", "matmul small-M buckets kept", config=str(buckets))
+
+
+def _small_m_candidate(cfg, data, main, best):
+    if True:
         tb.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
         bad = sum(not bits_equal(tb.matmul(x[:m], w.t()), main[nk][:m])
                   for nk, (x, w) in data.items() for m in (1, 2, 5, 63, 64, 65, 100, 128, 255, 256, 300))
@@ -301,9 +321,7 @@ def sweep_matmul(q: bool) -> None:
             if bad == 0 and (best[M] is None or speeds[M] > best[M][0]):
                 best[M] = (speeds[M], cfg)
         row("sweep", f"matmul small-M {name}", rows_differing=bad, ratio_M64=speeds[64], ratio_M256=speeds[256])
-    buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[0] > 0]
-    tb.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
-    row("sweep", "matmul small-M buckets kept", config=str(buckets))
+        tb.MATMUL_SMALL_M = {}
 
 
 def check_rows(q: bool) -> None:
