@@ -145,6 +145,21 @@ def speed_matmul(q: bool) -> None:
         flop = 2 * M * N * K
         row("speed", f"matmul bf16 {M}x{N}x{K}", triton_tflops=flop / t_tri / 1e9, cublas_tflops=flop / t_cub / 1e9,
             ratio=t_cub / t_tri)
+    # the backward GEMMs' layouts, read in place vs copied K-major first (tb.LAYOUT_COPIES): bits and time
+    R, Dout, Din = (64, 32, 48) if q else (8192, 4096, 2048)
+    g_, x_ = torch.randn(R, Dout, device=DEV).bfloat16(), torch.randn(R, Din, device=DEV).bfloat16()
+    w_ = torch.randn(Dout, Din, device=DEV).bfloat16()
+    for name, fa, fb in (("dX = g W (B N-contiguous)", lambda: g_, lambda: w_),
+                         ("dW = g^T x (A M-, B N-contiguous)", lambda: g_.t(), lambda: x_)):
+        out, ts = [], []
+        for copies in (False, True):
+            tb.LAYOUT_COPIES = copies
+            out.append(tb.matmul(fa(), fb()))
+            ts.append(bench(lambda: tb.matmul(fa(), fb()), 20))
+        tb.LAYOUT_COPIES = False
+        t_cub = bench(lambda: fa() @ fb(), 20)
+        row("speed", f"matmul {name} {R}/{Dout}/{Din}", same_bits_in_place_vs_copies=bits_equal(*out),
+            in_place_ratio=t_cub / ts[0], copies_ratio=t_cub / ts[1])
 
 
 def check_attention(q: bool) -> None:
@@ -202,7 +217,17 @@ ATTN_CANDIDATES = [
     (64, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
     (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
     (128, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),
-    (64, dict(BLOCK_M=64, num_stages=3, num_warps=4), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=16, num_stages=3, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=16, num_stages=4, num_warps=2)),
+    (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=16, num_stages=3, num_warps=4)),
+]
+ATTN_BWD_CANDIDATES = [
+    dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4),
+    dict(BLOCK_M=32, BLOCK_N=64, num_stages=3, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=128, num_stages=2, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=64, num_stages=2, num_warps=8),
 ]
 
 
@@ -255,6 +280,44 @@ def _attention_candidate(q, bn, pre_cfg, dec_cfg, best):
         if bad == 0 and (best is None or score < best[0]):
             best = (score, dict(tb.ATTN_FWD))
     return best
+
+
+def sweep_attention_bwd(q: bool) -> None:
+    """Backward tile configs (any fixed one is deterministic; the pinned one is the contract):
+    identical run to run, fwd+bwd time against SDPA's. The fastest is kept."""
+    best = None
+    D, H = (16, 2) if q else (128, 16)
+    for cfg in ATTN_BWD_CANDIDATES if not q else ATTN_BWD_CANDIDATES[:1]:
+        tb.ATTN_BWD = dict(cfg)
+        try:
+            ratios, same = [], True
+            for T in ([32] if q else [1024, 4096]):
+                B = 1 if q else 4
+                qq, kk, vv = (torch.randn(B * T, H, D, device=DEV).bfloat16().requires_grad_() for _ in range(3))
+                go = torch.randn(B * T, H, D, device=DEV).bfloat16()
+                cu = [i * T for i in range(B + 1)]
+                grads = []
+                for _ in range(2):
+                    for t in (qq, kk, vv):
+                        t.grad = None
+                    tb.attention_prefill(qq, kk, vv, cu, 1 / math.sqrt(D)).backward(go)
+                    grads.append([t.grad.clone() for t in (qq, kk, vv)])
+                same &= all(bits_equal(a, b) for a, b in zip(*grads))
+                sq, sk, sv = (t.detach().view(B, T, H, D).transpose(1, 2).requires_grad_() for t in (qq, kk, vv))
+                sgo = go.view(B, T, H, D).transpose(1, 2)
+                t_tri = bench(lambda: tb.attention_prefill(qq, kk, vv, cu, 1 / math.sqrt(D)).backward(go), 10)
+                t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True).backward(sgo), 10)
+                ratios.append(t_sdpa / t_tri)
+            name = "BM{BLOCK_M} BN{BLOCK_N} s{num_stages} w{num_warps}".format(**cfg)
+            row("sweep", f"attention bwd {name}", identical_run_to_run=same, fwd_bwd_ratio_T1k=ratios[0],
+                fwd_bwd_ratio_T4k=ratios[-1])
+            score = sum(1 / r for r in ratios)
+            if same and (best is None or score < best[0]):
+                best = (score, dict(cfg))
+        except Exception as e:
+            row("error", f"attention bwd {cfg}", error=f"{type(e).__name__}: {e}"[:200])
+    tb.ATTN_BWD = best[1] if best else dict(ATTN_BWD_CANDIDATES[0])
+    row("sweep", "attention bwd config kept", config=str(tb.ATTN_BWD))
 
 
 def speed_attention_bwd(q: bool) -> None:
@@ -387,9 +450,11 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
     cu = [i * T for i in range(seqs + 1)]
     model = build_model(args, "bfloat16", seed=0, device=DEV)
     res = {}
-    variants = [("default", "torch", False), ("default_grouped_mm", "torch", True), ("deterministic", "triton", False)]
+    variants = [("default", "torch", False), ("default_grouped_mm", "torch", True), ("deterministic", "triton", False),
+                ("deterministic_layout_copies", "triton", False)]
     for name, backend, gmm in variants:
         torch_default.USE_GROUPED_MM = gmm
+        tb.LAYOUT_COPIES = name == "deterministic_layout_copies"
         try:
             with kernels.use(mode="deterministic" if backend == "triton" else "default", backend=backend):
                 def step():
@@ -408,8 +473,11 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
             row("error", f"moe {name}", error=f"{type(e).__name__}: {e}"[:300])
         finally:
             torch_default.USE_GROUPED_MM = False
+            tb.LAYOUT_COPIES = False
     td, md = res["deterministic"]
     out = dict(det_ms=td, det_peak_gib=md)
+    if "deterministic_layout_copies" in res:
+        out["det_layout_copies_ms"] = res["deterministic_layout_copies"][0]
     for base in ("default", "default_grouped_mm"):
         if base in res:
             out[f"{base}_ms"], out[f"{base}_peak_gib"] = res[base]
@@ -432,7 +500,8 @@ def main() -> None:
     a = ap.parse_args()
     steps = {"matmul_sweep": sweep_matmul, "matmul": check_matmul, "matmul_speed": speed_matmul,
              "attention_sweep": sweep_attention, "attention": check_attention, "attention_speed": speed_attention,
-             "attention_bwd": speed_attention_bwd, "grouped": check_grouped, "rows": check_rows, "moe": moe_step,
+             "attention_bwd_sweep": sweep_attention_bwd, "attention_bwd": speed_attention_bwd,
+             "grouped": check_grouped, "rows": check_rows, "moe": moe_step,
              "moe_large": moe_step_large}
     chosen = a.only.split(",") if a.only else list(steps)
     kernels.set_mode("deterministic", "triton")

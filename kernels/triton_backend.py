@@ -94,12 +94,16 @@ def _num_sms(device) -> int:
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn, scm, scn,
                  P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
-                 IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+                 IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
+                 B_N_CONTIG: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
     in BLOCK_K chunks, in order, with the same tl.dot: a row's bits depend on its own data only,
-    never on M_p, on the other problems or on which program computed it."""
+    never on M_p, on the other problems or on which program computed it. Operands come in any
+    strides (K-, M- or N-contiguous); the host says which hints hold (EVEN_K: every K_p is a multiple
+    of BLOCK_K, so K needs no mask; A_M_CONTIG / B_N_CONTIG: that dim is contiguous and a multiple of
+    16 long, so clamped rows never split a vector)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
@@ -111,13 +115,17 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn
         local = tile - tl.load(row)
         M = tl.load(row + 1)
         K = tl.load(row + 2)
-        a_off = tl.load(row + 3)
-        b_off = tl.load(row + 4)
-        c_off = tl.load(row + 5)
+        a_off = tl.load(row + 3).to(tl.int64)
+        b_off = tl.load(row + 4).to(tl.int64)
+        c_off = tl.load(row + 5).to(tl.int64)
         if ALIGNED:  # the host checked: every offset is a multiple of 16 elements
             a_off = tl.multiple_of(a_off, 16)
             b_off = tl.multiple_of(b_off, 16)
             c_off = tl.multiple_of(c_off, 16)
+        if EVEN_K:
+            K = tl.multiple_of(K, BLOCK_K)
+        a_base = a_ptr + a_off
+        b_base = b_ptr + b_off
         num_pid_m = tl.cdiv(M, BLOCK_M)
         group = local // in_group
         first_m = group * GROUP_M
@@ -128,11 +136,19 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
         rbn = tl.where(rn < N, rn, 0)
+        if A_M_CONTIG:
+            ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
+        if B_N_CONTIG:
+            rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
             rk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + a_off + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
-            b = tl.load(b_ptr + b_off + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+            if EVEN_K:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
+            else:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -156,7 +172,7 @@ def _config(dtype, m: int | None = None) -> dict:
 
 def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
     """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
-    scm, scn) are shared by all problems."""
+    scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index."""
     rows, first = [], 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     for M_p, K_p, ao, bo, co in problems:
@@ -164,25 +180,39 @@ def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strid
         first += triton.cdiv(M_p, cfg["BLOCK_M"]) * n_tiles
     if first == 0:
         return
-    aligned = all(v % 16 == 0 for r in rows for v in r[3:])
+    sam, sak, sbk, sbn = strides[:4]
+    if max(max(r[3:]) for r in rows) + max(a.numel(), b.numel(), c.numel()) >= 2**31:
+        raise ValueError(f"triton matmul: operands of {max(a.numel(), b.numel(), c.numel())} elements "
+                         "exceed the kernel's 32-bit tile offsets")
+    flags = dict(
+        ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:]),
+        EVEN_K=all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
+        A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
+        B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
+    )
     table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True)
     sms = _num_sms(a.device)
     _gemm_kernel[(min(sms, first),)](
         a, b, c, table, first, N, *strides, P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))),
-        NUM_SMS=sms, UPCAST=INTERPRET, IEEE=a.dtype == torch.float32, ALIGNED=aligned, **cfg)
+        NUM_SMS=sms, UPCAST=INTERPRET, IEEE=a.dtype == torch.float32, **flags, **cfg)
 
 
-def _k_ready(a: torch.Tensor, b_t: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [..., K] and B^T [..., K] K-contiguous with K zero-padded to a multiple of BLOCK_K. The kernel
-    reads zeros past K anyway, so the tiles, and the bits, are the same; only the loads become
-    aligned and vectorised. (B with N contiguous, the backward GEMMs' natural layout, measured
-    14-18x slower on the H200 with identical bits: experiments/probe_matmul_layout.py.)"""
-    pad = (-a.shape[-1]) % bk
-    if pad or a.stride(-1) != 1:
-        a = F.pad(a, (0, pad)).contiguous()
-    if pad or b_t.stride(-1) != 1:
-        b_t = F.pad(b_t, (0, pad)).contiguous()
-    return a, b_t
+# True: the backward GEMMs copy their operands K-contiguous (and zero-pad K and the expert token
+# groups) before the kernel; False: the kernel reads them in place (M- or N-contiguous operands).
+# Same bits either way (the same values meet the same dot); experiments/bench_triton.py times both.
+LAYOUT_COPIES = False
+
+
+def _k_major(t: torch.Tensor, bk: int) -> torch.Tensor:
+    """t [..., K] K-contiguous with K zero-padded to a multiple of bk (the kernel masks past K with
+    zeros anyway: the same tiles, the same bits, aligned vector loads)."""
+    pad = (-t.shape[-1]) % bk
+    return F.pad(t, (0, pad)).contiguous() if pad or t.stride(-1) != 1 else t
+
+
+def _usable(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D operand the kernel can read in place: one of its dims contiguous (else a copy)."""
+    return t if 1 in t.stride() or t.numel() <= 1 else t.contiguous()
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -201,8 +231,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if K == 0:
         return c.zero_()
     cfg = _config(a.dtype, M)
-    a, bt = _k_ready(a, b.t(), cfg["BLOCK_K"])
-    _gemm(a, bt, c, [(M, a.shape[1], 0, 0, 0)], N, (a.stride(0), 1, 1, bt.stride(0), c.stride(0), 1), cfg)
+    if LAYOUT_COPIES:
+        a, bt = _k_major(a, cfg["BLOCK_K"]), _k_major(b.t(), cfg["BLOCK_K"])
+        b = bt.t()
+    else:
+        a, b = _usable(a), _usable(b)
+    _gemm(a, b, c, [(M, a.shape[1], 0, 0, 0)], N, (a.stride(0), a.stride(1), b.stride(0), b.stride(1), N, 1), cfg)
     return c
 
 
@@ -238,29 +272,37 @@ def _starts(counts: list[int], align: int = 1) -> list[int]:
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of x [R, K] sorted by group, group e times w[e]^T ([E, N, K]) -> [R, N], ONE launch.
-    Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order."""
+    """Rows of x [R, K] sorted by group, group e times w[e]^T (w [E, N, K], any strides) -> [R, N],
+    ONE launch. Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order."""
     R, N = x.shape[0], w.shape[1]
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
         return out
     groups = sum(1 for c in counts if c)
     cfg = _config(x.dtype, -(-R // max(groups, 1)))
-    x, w = _k_ready(x, w, cfg["BLOCK_K"])
+    if LAYOUT_COPIES or w.stride(2) != 1 and w.stride(1) != 1:
+        x, w = _k_major(x, cfg["BLOCK_K"]), _k_major(w, cfg["BLOCK_K"])
+    x = _usable(x)
     st = _starts(counts)
     probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
-    _gemm(x, w, out, probs, N, (x.stride(0), 1, 1, w.stride(1), N, 1), cfg)
+    _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1), cfg)
     return out
 
 
 def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics (each program
-    owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time). The
-    rows go to token-contiguous copies whose groups start at multiples of ALIGN (zero-padded), so
-    the loads are aligned; the zeros add exact zeros, the same chunks as matmul(g_e^T, x_e)."""
+    """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
+    owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
+    chunks of matmul(g_e^T, x_e)). In place, g^T is an M-contiguous A and x an N-contiguous B; with
+    LAYOUT_COPIES they become token-contiguous copies whose groups start at multiples of 64
+    (zero-padded: the zeros add exact zeros)."""
     E, N, K = len(counts), g.shape[1], x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
     cfg = _config(x.dtype)
+    if not LAYOUT_COPIES:
+        g, x = g.contiguous(), x.contiguous()
+        probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
+        _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), cfg)
+        return dw
     align = max(64, cfg["BLOCK_K"])
     st, pst = _starts(counts), _starts(counts, align)
     if pst[-1] == st[-1]:  # every group already aligned
@@ -285,7 +327,7 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.contiguous().to(x.dtype)
-        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None  # in place
         gw = _grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
@@ -327,16 +369,13 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p: dx for rows [p*ROWS, (p+1)*ROWS) and its private partial of dw (no atomics)."""
+def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: dx for rows [p*ROWS, (p+1)*ROWS) and its private partial of dw (no atomics), summed
+    over its rows in order in registers, one column chunk at a time."""
     p = tl.program_id(0)
-    for d0 in range(0, D, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
-        tl.store(pw_ptr + p * D + cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=cols < D)
-    for i in range(ROWS):
+    for i in range(ROWS):  # pass 1: each row's c = sum(g w x) rstd^3 / D
         row = p * ROWS + i
         if row < R:
-            rstd = tl.load(r_ptr + row)
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for d0 in range(0, D, BLOCK):
                 cols = d0 + tl.arange(0, BLOCK)
@@ -344,18 +383,25 @@ def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.cons
                 g = tl.load(g_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
                 acc += g * w * x
-            c = tl.sum(acc, axis=0) * rstd * rstd * rstd / D
-            for d0 in range(0, D, BLOCK):
-                cols = d0 + tl.arange(0, BLOCK)
-                x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-                g = tl.load(g_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-                tl.store(dx_ptr + row * D + cols, (g * w * rstd - x * c).to(dx_ptr.dtype.element_ty), mask=cols < D)
-                pw = tl.load(pw_ptr + p * D + cols, mask=cols < D, other=0.0)
-                tl.store(pw_ptr + p * D + cols, pw + g * x * rstd, mask=cols < D)
+            rstd = tl.load(r_ptr + row)
+            tl.store(c_ptr + row, tl.sum(acc, axis=0) * rstd * rstd * rstd / D)
+    for d0 in range(0, D, BLOCK):  # pass 2: dx, and the dw partial over the rows in order
+        cols = d0 + tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        pw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(ROWS):
+            row = p * ROWS + i
+            m = (cols < D) & ((cols * 0 + row) < R)
+            rstd = tl.load(r_ptr + tl.minimum(row, R - 1))  # rows past R: x = g = 0, they add 0
+            c = tl.load(c_ptr + tl.minimum(row, R - 1))
+            x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * D + cols, (g * w * rstd - x * c).to(dx_ptr.dtype.element_ty), mask=m)
+            pw = pw + g * x * rstd
+        tl.store(pw_ptr + p * D + cols, pw, mask=cols < D)
 
 
-_NORM_ROWS = 64  # rows per backward program: fixes the grouping of the dw partial sums
+_NORM_ROWS = 16  # rows per backward program: fixes the grouping of the dw partial sums
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -377,7 +423,8 @@ class _RMSNorm(torch.autograd.Function):
         progs = triton.cdiv(R, _NORM_ROWS)
         partial = torch.empty(max(progs, 1), D, dtype=torch.float32, device=x2.device)
         if R:
-            _rmsnorm_bwd[(progs,)](x2, w.float(), g.contiguous(), rstd, dx, partial, R, D, ROWS=_NORM_ROWS,
+            cbuf = torch.empty(R, dtype=torch.float32, device=x2.device)
+            _rmsnorm_bwd[(progs,)](x2, w.float(), g.contiguous(), rstd, cbuf, dx, partial, R, D, ROWS=_NORM_ROWS,
                                    BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
         else:
             partial.zero_()
