@@ -222,12 +222,16 @@ ATTN_CANDIDATES = [
     (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=16, num_stages=4, num_warps=2)),
     (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=16, num_stages=3, num_warps=4)),
 ]
-ATTN_BWD_CANDIDATES = [
-    dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4),
-    dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4),
-    dict(BLOCK_M=32, BLOCK_N=64, num_stages=3, num_warps=4),
-    dict(BLOCK_M=64, BLOCK_N=128, num_stages=2, num_warps=8),
-    dict(BLOCK_M=128, BLOCK_N=64, num_stages=2, num_warps=8),
+def _t(bm, bn, s, w):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=s, num_warps=w)
+
+
+ATTN_BWD_CANDIDATES = [  # (dK/dV kernel tile, dQ kernel tile)
+    (_t(64, 64, 3, 4), _t(64, 64, 3, 4)),
+    (_t(32, 128, 3, 4), _t(128, 32, 3, 4)),
+    (_t(64, 128, 2, 8), _t(128, 64, 2, 8)),
+    (_t(32, 64, 3, 4), _t(64, 32, 3, 4)),
+    (_t(64, 128, 3, 8), _t(128, 64, 3, 8)),
 ]
 
 
@@ -235,16 +239,18 @@ def sweep_attention(q: bool) -> None:
     """Each fixed attention config (the key block is part of the contract): decode == prefill
     bitwise at every position, prefill and decode speed against SDPA. The fastest passing one is
     kept for the rest of the run (and is the one to pin in kernels/triton_backend.py)."""
-    best = None
+    best, pinned = None, dict(tb.ATTN_FWD[torch.bfloat16])
     for bn, pre_cfg, dec_cfg in ATTN_CANDIDATES if not q else ATTN_CANDIDATES[:1]:
-        tb.ATTN_FWD = dict(BLOCK_N=bn, prefill=dict(pre_cfg), decode=dict(dec_cfg))
+        tb.ATTN_FWD[torch.bfloat16] = dict(BLOCK_N=bn, prefill=dict(pre_cfg), decode=dict(dec_cfg))
         try:
             best = _attention_candidate(q, bn, pre_cfg, dec_cfg, best)
         except Exception as e:  # e.g. out of shared memory: record, try the next
             row("error", f"attention BN{bn} {pre_cfg} {dec_cfg}", error=f"{type(e).__name__}: {e}"[:200])
-    tb.ATTN_FWD = best[1] if best else dict(BLOCK_N=ATTN_CANDIDATES[0][0], prefill=dict(ATTN_CANDIDATES[0][1]),
-                                            decode=dict(ATTN_CANDIDATES[0][2]))
-    row("sweep", "attention config kept", config=str(tb.ATTN_FWD))
+    if best:
+        tb.ATTN_FWD[torch.bfloat16] = best[1]
+    else:
+        tb.ATTN_FWD[torch.bfloat16] = pinned
+    row("sweep", "attention config kept", config=str(tb.ATTN_FWD[torch.bfloat16]))
 
 
 def _attention_candidate(q, bn, pre_cfg, dec_cfg, best):
@@ -278,17 +284,18 @@ def _attention_candidate(q, bn, pre_cfg, dec_cfg, best):
             prefill_ratio_T4k=ratios[-1], decode_time_ratio_B64=t_dec / t_sd)
         score = sum(1 / r for r in ratios) + t_dec / t_sd
         if bad == 0 and (best is None or score < best[0]):
-            best = (score, dict(tb.ATTN_FWD))
+            best = (score, dict(tb.ATTN_FWD[torch.bfloat16]))
     return best
 
 
 def sweep_attention_bwd(q: bool) -> None:
     """Backward tile configs (any fixed one is deterministic; the pinned one is the contract):
     identical run to run, fwd+bwd time against SDPA's. The fastest is kept."""
-    best = None
+    best, pinned = None, dict(tb.ATTN_BWD[torch.bfloat16])
     D, H = (16, 2) if q else (128, 16)
-    for cfg in ATTN_BWD_CANDIDATES if not q else ATTN_BWD_CANDIDATES[:1]:
-        tb.ATTN_BWD = dict(cfg)
+    for kv_cfg, q_cfg in ATTN_BWD_CANDIDATES if not q else ATTN_BWD_CANDIDATES[:1]:
+        cfg = dict(bwd=dict(kv_cfg), bwd_dq=dict(q_cfg))
+        tb.ATTN_BWD[torch.bfloat16] = cfg
         try:
             ratios, same = [], True
             for T in ([32] if q else [1024, 4096]):
@@ -308,7 +315,7 @@ def sweep_attention_bwd(q: bool) -> None:
                 t_tri = bench(lambda: tb.attention_prefill(qq, kk, vv, cu, 1 / math.sqrt(D)).backward(go), 10)
                 t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True).backward(sgo), 10)
                 ratios.append(t_sdpa / t_tri)
-            name = "BM{BLOCK_M} BN{BLOCK_N} s{num_stages} w{num_warps}".format(**cfg)
+            name = " / ".join("BM{BLOCK_M} BN{BLOCK_N} s{num_stages} w{num_warps}".format(**c) for c in cfg.values())
             row("sweep", f"attention bwd {name}", identical_run_to_run=same, fwd_bwd_ratio_T1k=ratios[0],
                 fwd_bwd_ratio_T4k=ratios[-1])
             score = sum(1 / r for r in ratios)
@@ -316,8 +323,8 @@ def sweep_attention_bwd(q: bool) -> None:
                 best = (score, dict(cfg))
         except Exception as e:
             row("error", f"attention bwd {cfg}", error=f"{type(e).__name__}: {e}"[:200])
-    tb.ATTN_BWD = best[1] if best else dict(ATTN_BWD_CANDIDATES[0])
-    row("sweep", "attention bwd config kept", config=str(tb.ATTN_BWD))
+    tb.ATTN_BWD[torch.bfloat16] = best[1] if best else pinned
+    row("sweep", "attention bwd config kept", config=str(tb.ATTN_BWD[torch.bfloat16]))
 
 
 def speed_attention_bwd(q: bool) -> None:

@@ -24,6 +24,7 @@ upcast to fp32 there, and smaller tiles are used; interpreted bits are not compa
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +49,26 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # on the GPU (experiments/bench_triton.py --only matmul_sweep). Empty: one config for every M.
 MATMUL_SMALL_M: dict = {}
 # attention: prefill and decode share BLOCK_N (the key blocks a row reduces over, in order);
-# their tile heights may differ (checked bitwise on the GPU: experiments/bench_triton.py)
-ATTN_FWD = dict(BLOCK_N=64, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
-                decode=dict(BLOCK_M=64, num_stages=3, num_warps=4))
-ATTN_BWD = dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, num_warps=4)
+# their tile heights may differ: both use wgmma tiles (BLOCK_M >= 64), bitwise equal on the H200
+# (decode with BLOCK_M=16 takes mma.sync and was NOT: 3-10 of 700 positions differed,
+# results/triton_NVIDIA_H200_v7.json). Picked by experiments/bench_triton.py's sweeps. fp32 tiles
+# take twice the shared memory: fewer stages.
+ATTN_FWD = {
+    torch.bfloat16: dict(BLOCK_N=64, prefill=dict(BLOCK_M=128, num_stages=4, num_warps=8),
+                         decode=dict(BLOCK_M=64, num_stages=4, num_warps=4)),
+    torch.float32: dict(BLOCK_N=64, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
+                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
+}
+ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
+ATTN_BWD = {  # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block)
+    torch.bfloat16: dict(bwd=dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4),
+                         bwd_dq=dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4)),
+    torch.float32: dict(bwd=dict(BLOCK_M=32, BLOCK_N=64, num_stages=2, num_warps=4),
+                        bwd_dq=dict(BLOCK_M=64, BLOCK_N=32, num_stages=2, num_warps=4)),
+}
+ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 INTERPRET_ATTN = dict(prefill=dict(BLOCK_M=32, BLOCK_N=16), decode=dict(BLOCK_M=16, BLOCK_N=16),
-                      bwd=dict(BLOCK_M=16, BLOCK_N=16))
+                      bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
 ROW_BLOCK = 1024  # rmsnorm / logprob chunk along the row
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -87,6 +102,25 @@ def _num_sms(device) -> int:
     if INTERPRET or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_TABLES: OrderedDict = OrderedDict()  # small int32/int64 work tables, by content: no H2D copy per call
+
+
+def _table(key: tuple, build, device) -> torch.Tensor:
+    """The device tensor of build() (a list of int rows) for key, cached (LRU of 512): a training
+    step calls the same shapes layer after layer."""
+    key = (key, str(device))
+    t = _TABLES.get(key)
+    if t is None:
+        rows, dtype = build()
+        t = torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
+        _TABLES[key] = t
+        if len(_TABLES) > 512:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return t
 
 
 # --- matmul and grouped (expert) matmul: one kernel ---------------------------------------------
@@ -190,7 +224,7 @@ def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strid
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
         B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
     )
-    table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True)
+    table = _table(("gemm", tuple(rows)), lambda: (rows, torch.int64), a.device)
     sms = _num_sms(a.device)
     _gemm_kernel[(min(sms, first),)](
         a, b, c, table, first, N, *strides, P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))),
@@ -537,7 +571,7 @@ def _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, skh, son, soh, qk_scale,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, C, sqn, sqh, skn, skh, son, soh, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, PACK_HEADS: tl.constexpr):
     """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys). Prefill: program axis 0 is the query head
@@ -548,11 +582,17 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, s
     on BLOCK_M (BLOCK_N is shared by prefill and decode; the tile height is not)."""
     a0 = tl.program_id(0)
     w = tl.program_id(1)
-    q_row0 = tl.load(work_ptr + w * 5)
-    n_q = tl.load(work_ptr + w * 5 + 1)
-    q_pos0 = tl.load(work_ptr + w * 5 + 2)
-    k_row0 = tl.load(work_ptr + w * 5 + 3)
-    n_keys = tl.load(work_ptr + w * 5 + 4)
+    if PACK_HEADS:  # decode: work_ptr holds the sequence lengths; sequence w's cache rows start at w*C
+        n_keys = tl.load(work_ptr + w).to(tl.int32)
+        q_row0 = w
+        q_pos0 = n_keys - 1
+        k_row0 = w * C
+    else:
+        q_row0 = tl.load(work_ptr + w * 5)
+        n_q = tl.load(work_ptr + w * 5 + 1)
+        q_pos0 = tl.load(work_ptr + w * 5 + 2)
+        k_row0 = tl.load(work_ptr + w * 5 + 3)
+        n_keys = tl.load(work_ptr + w * 5 + 4)
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     if PACK_HEADS:
@@ -592,39 +632,39 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, sqn, sqh, skn, s
 LOG2E = 1.4426950408889634
 
 
-def _attn_cfg(kind: str) -> dict:
+def _attn_cfg(kind: str, dtype) -> dict:
     """kind: prefill | decode | bwd. Prefill and decode share BLOCK_N (the key blocks, i.e. the
     reduction order); their tile heights and warps may differ."""
     if INTERPRET:
         return dict(INTERPRET_ATTN[kind])
-    if kind == "bwd":
-        return dict(ATTN_BWD)
-    return dict(BLOCK_N=ATTN_FWD["BLOCK_N"], **ATTN_FWD[kind])
+    if kind in ("bwd", "bwd_dq"):
+        return dict(ATTN_BWD[dtype][kind])
+    return dict(BLOCK_N=ATTN_FWD[dtype]["BLOCK_N"], **ATTN_FWD[dtype][kind])
 
 
 def _no_fma() -> dict:
     return {} if INTERPRET else {"enable_fp_fusion": False}
 
 
-def _attn_launch(q, k, v, work: list[tuple[int, int, int, int, int]], scale: float, pack_heads: bool = False):
-    """q [R, H, D]; k, v [Rk, Hk, D] rows addressed by the work items -> (o, lse2 [R, H])."""
+def _attn_launch(q, k, v, work, scale: float, pack_heads: bool = False, cache_len: int = 0):
+    """q [R, H, D]; k, v [Rk, Hk, D] -> (o, lse2 [R, H]). Prefill: work is an int32 table of items
+    (q_row0, n_q, q_pos0, k_row0, n_keys); decode (pack_heads): work is the lengths [B] and sequence
+    b's cache rows start at b * cache_len."""
     R, H, D = q.shape
     if D & (D - 1) or D < 16:
         raise ValueError(f"triton attention: head_dim={D} must be a power of two >= 16")
     o = torch.empty_like(q)
     lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
-    if not work:
+    if work.shape[0] == 0:
         return o, lse
-    cfg = _attn_cfg("decode" if pack_heads else "prefill")
+    cfg = _attn_cfg("decode" if pack_heads else "prefill", q.dtype)
     G = H // k.shape[1]
     if pack_heads and G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
-    work = sorted(work, key=lambda t: -t[4])  # longest first: the last wave is the short items
-    wt = torch.tensor(work, dtype=torch.int32).to(q.device, non_blocking=True)
-    _attn_kernel[(k.shape[1] if pack_heads else H, len(work))](
-        q, k, v, o, lse, wt, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-        scale * LOG2E, G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, PACK_HEADS=pack_heads,
-        **cfg, **_no_fma())
+    _attn_kernel[(k.shape[1] if pack_heads else H, work.shape[0])](
+        q, k, v, o, lse, work, cache_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0),
+        o.stride(1), scale * LOG2E, G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32,
+        PACK_HEADS=pack_heads, **cfg, **_no_fma())
     return o, lse
 
 
@@ -735,6 +775,18 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_p
              mask=qmask[:, None])
 
 
+@triton.jit
+def _rowdot(a_ptr, b_ptr, out_ptr, R, D: tl.constexpr, ROWS: tl.constexpr):
+    """out[r] = sum_d a[r, d] b[r, d] in fp32 (the backward's delta = rowsum(dO * O)); one fixed
+    reduction per row, whatever the number of rows."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    m = (r < R)[:, None]
+    a = tl.load(a_ptr + r[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + r[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, tl.sum(a * b, axis=1), mask=r < R)
+
+
 class _Attention(torch.autograd.Function):
     """Forward and backward in Triton; the backward owns every output row (no atomics)."""
 
@@ -742,11 +794,17 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, scale):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ctx.cu, ctx.scale = cu_seqlens, scale
-        bm, work = _attn_cfg("prefill")["BLOCK_M"], []
-        for b in range(len(cu_seqlens) - 1):
-            s0, T = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
-            for m0 in range(0, T, bm):
-                work.append((s0 + m0, min(bm, T - m0), m0, s0, min(T, m0 + bm)))
+        bm = _attn_cfg("prefill", q.dtype)["BLOCK_M"]
+
+        def items():
+            work = []
+            for b in range(len(cu_seqlens) - 1):
+                s0, T = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
+                work += [(s0 + m0, min(bm, T - m0), m0, s0, min(T, m0 + bm)) for m0 in range(0, T, bm)]
+            # longest first: the last wave is the short items; rows [0, 5) keep an empty table 2-D
+            return sorted(work, key=lambda t: -t[4]) or torch.zeros(0, 5).tolist(), torch.int32
+
+        work = _table(("attn", tuple(cu_seqlens), bm), items, q.device)
         o, lse = _attn_launch(q, k, v, work, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
@@ -757,23 +815,32 @@ class _Attention(torch.autograd.Function):
         g = g.contiguous().to(q.dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         N, H, D = q.shape
-        delta = (g.float() * o.float())
-        delta = fo.tree_sum(delta, -1).contiguous()  # [N, H], fixed order
-        cfg = _attn_cfg("bwd")
-        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        kw, qw = [], []
-        for b in range(len(ctx.cu) - 1):
-            s0, T = ctx.cu[b], ctx.cu[b + 1] - ctx.cu[b]
-            kw += [(s0, T, n0) for n0 in range(0, T, bn)]
-            qw += [(s0, T, m0) for m0 in range(0, T, bm)]
-        common = dict(G=H // k.shape[1], D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg)
-        if kw:
-            _attn_bwd_dkdv[(len(kw), k.shape[1])](q, k, v, g, lse, delta, dk, dv,
-                                                  torch.tensor(kw, dtype=torch.int32, device=q.device), H,
-                                                  ctx.scale, ctx.scale * LOG2E, **common)
-            _attn_bwd_dq[(len(qw), H)](q, k, v, g, lse, delta, dq, torch.tensor(qw, dtype=torch.int32,
-                                                                                  device=q.device),
-                                       ctx.scale, ctx.scale * LOG2E, **common)
+        delta = torch.empty(N, H, dtype=torch.float32, device=q.device)
+        if N:
+            _rowdot[(triton.cdiv(N * H, 16),)](g, o, delta, N * H, D=D, ROWS=16)
+        kv_cfg, q_cfg = _attn_cfg("bwd", q.dtype), _attn_cfg("bwd_dq", q.dtype)
+        bn, bm = kv_cfg["BLOCK_N"], q_cfg["BLOCK_M"]
+        cu = tuple(ctx.cu)
+
+        def items(step, key):
+            def build():
+                work = []
+                for b in range(len(cu) - 1):
+                    s0, T = cu[b], cu[b + 1] - cu[b]
+                    work += [(s0, T, i0) for i0 in range(0, T, step)]
+                work.sort(key=lambda t: t[2] if key == "k" else -t[2])  # the longest loops first
+                return work or torch.zeros(0, 3).tolist(), torch.int32
+            return build
+
+        kw = _table(("attn_k", cu, bn), items(bn, "k"), q.device)
+        qw = _table(("attn_q", cu, bm), items(bm, "q"), q.device)
+        G = H // k.shape[1]
+        flags = dict(G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32)
+        if kw.shape[0]:
+            _attn_bwd_dkdv[(kw.shape[0], k.shape[1])](q, k, v, g, lse, delta, dk, dv, kw, H, ctx.scale,
+                                                       ctx.scale * LOG2E, **flags, **kv_cfg)
+            _attn_bwd_dq[(qw.shape[0], H)](q, k, v, g, lse, delta, dq, qw, ctx.scale, ctx.scale * LOG2E,
+                                           **flags, **q_cfg)
         return dq, dk, dv, None, None
 
 
@@ -787,11 +854,10 @@ def attention_decode(q, k_cache, v_cache, lengths, scale: float):
     GQA group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
     _check("attention_decode", q, k_cache, v_cache)
     B, C = k_cache.shape[0], k_cache.shape[1]
-    lens = lengths.tolist()
-    work = [(b, 1, n - 1, b * C, n) for b, n in enumerate(lens)]
     kc = k_cache.reshape(B * C, *k_cache.shape[2:])
     vc = v_cache.reshape(B * C, *v_cache.shape[2:])
-    return _attn_launch(q.contiguous(), kc, vc, work, scale, pack_heads=True)[0]
+    # the lengths stay on the device (no host sync): the kernel derives each item from them
+    return _attn_launch(q.contiguous(), kc, vc, lengths.to(q.device), scale, pack_heads=True, cache_len=C)[0]
 
 
 # --- fused elementwise ops -------------------------------------------------------------------------
