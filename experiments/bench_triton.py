@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 
 import kernels  # noqa: E402
+from kernels import torch_deterministic  # noqa: E402
 from kernels import triton_backend as tb  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +111,8 @@ def check_grouped(q: bool) -> None:
     row("bitwise", f"grouped GEMM rows == matmul rows, {len(totals)} totals in 1..{xs.shape[0]}", violations=bad)
     counts = [xs.shape[0] // E] * E
     runs = []
-    for fn in (tb.grouped_linear, tb.grouped_linear, lambda a, b, c: tb._ref.grouped_with(tb.linear, a, b, c)):
+    loop = lambda a, b, c: torch_deterministic.grouped_with(tb.linear, a, b, c)  # noqa: E731
+    for fn in (tb.grouped_linear, tb.grouped_linear, loop):
         xx, ww = xs.clone().requires_grad_(), w.clone().requires_grad_()
         fn(xx, ww, counts).float().square().sum().backward()
         runs.append((xx.grad, ww.grad))
@@ -343,13 +345,18 @@ def speed_attention_bwd(q: bool) -> None:
             ratio=t_sdpa / t_tri)
 
 
-# small-M matmul candidates: BLOCK_K 64 kept (the K chunks), narrower N tiles -> more tiles than SMs
+# small-M matmul candidates: narrower N tiles -> more tiles than SMs, deeper K steps or pipelines.
+# Each must give rows bitwise equal to the main config's to be kept (the K chunks of any BLOCK_K
+# are the same chain of k16 MMAs into one accumulator; the check below is what decides).
 SMALL_M_CANDIDATES = [
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
-    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=8, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),  # the main config
 ]
 
 
@@ -370,7 +377,8 @@ def sweep_matmul(q: bool) -> None:
             _small_m_candidate(cfg, data, main, best)
         except Exception as e:
             row("error", f"matmul small-M {cfg}", error=f"{type(e).__name__}: {e}"[:200])
-    buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[0] > 0]
+    main_cfg = tb.MATMUL_CONFIGS[torch.bfloat16]
+    buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[1] != main_cfg]
     tb.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
     row("sweep", "matmul small-M buckets kept", config=str(buckets))
 

@@ -69,6 +69,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return _impl(x).linear(x, w, bias)
 
 
+def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows weight[tokens]. Its backward sums each token's gradient rows in position order (the
+    Triton backend without atomics; torch's index backward on CPU)."""
+    return _impl(weight).embedding(weight, tokens)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows sorted by group, group e times w[e]: [R, K] x [E, N, K] -> [R, N]."""
     return _impl(x).grouped_linear(x, w, counts)

@@ -17,6 +17,10 @@ def linear(x, w, bias=None):
 USE_GROUPED_MM = False
 
 
+def embedding(weight, tokens):
+    return weight[tokens]
+
+
 def grouped_linear(x, w, counts: list[int]):
     if USE_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)

@@ -58,6 +58,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
+def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """weight[tokens]; the backward is torch's index backward (sequential, in order, on CPU)."""
+    return weight[tokens]
+
+
 def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of x sorted by group; group e uses w[e]: [R, K] x [E, N, K] -> [R, N] through linear_fn,
     whose rows are batch-invariant, so a row's bits ignore which other rows its group holds."""

@@ -3,8 +3,9 @@
 The contract is the torch reference's: the bits of an output row depend only on that row's
 inputs. Each kernel keeps it the same way:
   matmul     persistent tiles, no split-K: every output element reduces K in BLOCK_K chunks,
-             in order, with the same tl.dot instruction for every M (ONE config per dtype below;
-             no autotuning). Linear forward and both backward GEMMs use it.
+             in order, with the same tl.dot instruction for every M (a pinned config per dtype and
+             M bucket below, the buckets measured bitwise equal; no autotuning). Linear forward,
+             both backward GEMMs and the grouped expert GEMMs use it.
   rmsnorm    one program per row; the weight gradient goes through private per-program partial
              sums, then one ordered reduction (no atomics).
   logprobs   one program per row: max, sum of exp and the gather over the vocabulary in fixed
@@ -14,8 +15,10 @@ inputs. Each kernel keeps it the same way:
              row's position are fully masked and change nothing, so decode == prefill bitwise.
              Backward (FA2-style, no atomics): one program per key block owns dK/dV (summing the
              GQA heads and query blocks in order), one per query block owns dQ.
-RoPE and the router's softmax/top-k run the torch reference implementation on the same tensors:
-they are row-local by construction. SwiGLU and the MoE combine have fused kernels.
+RoPE, the router (softmax + top-k, ties to the lowest id), SwiGLU and the MoE combine have fused
+row-local kernels too. The expert GEMM is ONE launch over rows sorted by expert (the matmul kernel
+over a table of problems), forward, dX and dW (no atomics). Backward operands are read in place
+(M- or N-contiguous), never transposed copies.
 
 Under the interpreter, tl.dot on bf16 operands returns garbage (triton 3.6/3.9), so operands are
 upcast to fp32 there, and smaller tiles are used; interpreted bits are not comparable to GPU bits.
@@ -31,9 +34,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import fixed_order as fo
-from kernels import torch_deterministic as _ref
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # the contract: one matmul config per dtype (and one for the interpreter), never autotuned
@@ -46,8 +46,10 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
 # A config may join only if it keeps BLOCK_K and the wgmma k-steps, so every element still reduces K
 # in the same chunks and order, and rows measured bitwise equal to the main config's for M = 1..8192
-# on the GPU (experiments/bench_triton.py --only matmul_sweep). Empty: one config for every M.
-MATMUL_SMALL_M: dict = {}
+# on the GPU (experiments/bench_triton.py --only matmul_sweep; v7: 0 rows differing, M=64 at 0.38x
+# cuBLAS vs 0.28x with the main config).
+_SMALL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)
+MATMUL_SMALL_M: dict = {torch.bfloat16: [(64, _SMALL)], torch.float16: [(64, _SMALL)]}
 # attention: prefill and decode share BLOCK_N (the key blocks a row reduces over, in order);
 # their tile heights may differ: both use wgmma tiles (BLOCK_M >= 64), bitwise equal on the H200
 # (decode with BLOCK_M=16 takes mma.sync and was NOT: 3-10 of 700 positions differed,
@@ -438,6 +440,23 @@ def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: 
 _NORM_ROWS = 16  # rows per backward program: fixes the grouping of the dw partial sums
 
 
+@triton.jit
+def _colsum_kernel(x_ptr, out_ptr, P, D, BLOCK: tl.constexpr):
+    """out[d] = x[0, d] + x[1, d] + ... + x[P-1, d], in that order (fp32)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(P):
+        acc = acc + tl.load(x_ptr + p * D + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + cols, acc, mask=cols < D)
+
+
+def _colsum(x: torch.Tensor) -> torch.Tensor:
+    P, D = x.shape
+    out = torch.empty(D, dtype=torch.float32, device=x.device)
+    _colsum_kernel[(triton.cdiv(D, 256),)](x.contiguous(), out, P, D, BLOCK=256)
+    return out
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w, eps):
@@ -462,7 +481,7 @@ class _RMSNorm(torch.autograd.Function):
                                    BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
         else:
             partial.zero_()
-        dw = fo.tree_sum(partial, 0)  # one ordered reduction of the private partials
+        dw = _colsum(partial)  # one ordered reduction of the private partials
         return dx, dw.to(w.dtype), None
 
 
@@ -971,5 +990,190 @@ def moe_combine(y, weights):
 
 
 # --- row-local ops kept on the torch reference (small [T, E] / [N, H, D] tensors) -------------------
-rope = _ref.rope
-moe_route = _ref.moe_route
+# --- router: softmax + top-k (+ renormalise), fwd/bwd ----------------------------------------------
+@triton.jit
+def _route_fwd(z_ptr, w_ptr, id_ptr, E, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One row: fp32 softmax over the E logits, then K times the largest remaining probability (ties
+    to the lowest expert id), weights renormalised over the K picks (summed in pick order)."""
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    z = tl.load(z_ptr + row * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(z - tl.max(z, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)
+    total = 0.0
+    for j in tl.static_range(K):
+        mx = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == mx, e, BLOCK_E), axis=0)
+        tl.store(w_ptr + row * K + j, mx)
+        tl.store(id_ptr + row * K + j, idx.to(tl.int64))
+        total = total + mx
+        p = tl.where(e == idx, -1.0, p)
+    if RENORM:
+        for j in tl.static_range(K):
+            tl.store(w_ptr + row * K + j, tl.load(w_ptr + row * K + j) / total)
+
+
+@triton.jit
+def _route_bwd(z_ptr, w_ptr, id_ptr, g_ptr, dz_ptr, E, K: tl.constexpr, RENORM: tl.constexpr,
+               BLOCK_E: tl.constexpr):
+    """dz_e = base_e (g_e - sum_j g_j w_j), g_e the pick's gradient (0 if e was not picked) and base
+    the probability p_e, or with renormalisation the renormalised weight (0 if not picked)."""
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    gsel = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    wsel = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    dot = 0.0
+    for j in tl.static_range(K):
+        idx = tl.load(id_ptr + row * K + j)
+        gj = tl.load(g_ptr + row * K + j)
+        wj = tl.load(w_ptr + row * K + j)
+        gsel = tl.where(e == idx, gj, gsel)
+        wsel = tl.where(e == idx, wj, wsel)
+        dot = dot + gj * wj
+    if RENORM:
+        base = wsel
+    else:
+        z = tl.load(z_ptr + row * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, axis=0))
+        base = p / tl.sum(p, axis=0)
+    dz = base * (gsel - dot)
+    tl.store(dz_ptr + row * E + e, dz.to(dz_ptr.dtype.element_ty), mask=e < E)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, k, renorm):
+        T, E = logits.shape
+        w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+        if T:
+            _route_fwd[(T,)](logits, w, ids, E, K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))
+        ctx.save_for_backward(logits, w, ids)
+        ctx.renorm = renorm
+        ctx.mark_non_differentiable(ids)
+        return w, ids
+
+    @staticmethod
+    def backward(ctx, g, _gids):
+        logits, w, ids = ctx.saved_tensors
+        T, E = logits.shape
+        dz = torch.empty_like(logits)
+        if T:
+            _route_bwd[(T,)](logits, w, ids, g.float().contiguous(), dz, E, K=ids.shape[1], RENORM=ctx.renorm,
+                             BLOCK_E=max(16, triton.next_power_of_2(E)))
+        return dz, None, None
+
+
+def moe_route(logits, top_k: int, renormalize: bool):
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): one program per token."""
+    _check("moe_route", logits)
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"triton moe_route: top_k={top_k} with {logits.shape[-1]} experts")
+    return _Route.apply(logits.contiguous(), int(top_k), bool(renormalize))
+
+
+# --- RoPE (rotate-half), fwd/bwd ---------------------------------------------------------------------
+@triton.jit
+def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sxn, sxh, syn, syh, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 SIGN: tl.constexpr):
+    """Row n, all heads: y1 = x1 c1 - SIGN x2 s1, y2 = x2 c2 + SIGN x1 s2 in fp32 (SIGN = -1: the
+    transpose, i.e. the backward)."""
+    n = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    m = (h < H)[:, None]
+    x1 = tl.load(x_ptr + n * sxn + h[:, None] * sxh + d[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + n * sxn + h[:, None] * sxh + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
+    c1 = tl.load(c_ptr + n * 2 * HALF + d)[None, :]
+    c2 = tl.load(c_ptr + n * 2 * HALF + HALF + d)[None, :]
+    s1 = tl.load(s_ptr + n * 2 * HALF + d)[None, :]
+    s2 = tl.load(s_ptr + n * 2 * HALF + HALF + d)[None, :]
+    if SIGN > 0:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    else:  # (R^T g): g1 c1 + g2 s2, g2 c2 - g1 s1
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    tl.store(y_ptr + n * syn + h[:, None] * syh + d[None, :], y1.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + n * syn + h[:, None] * syh + HALF + d[None, :], y2.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rope_apply(x, cos, sin, sign: int):
+    N, H, D = x.shape
+    if D % 2 or (D // 2) & (D // 2 - 1):
+        raise ValueError(f"triton rope: head_dim={D} must be twice a power of two")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    y = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
+    if N:
+        _rope_kernel[(N,)](x, cos, sin, y, H, x.stride(0), x.stride(1), y.stride(0), y.stride(1), HALF=D // 2,
+                           BLOCK_H=triton.next_power_of_2(H), SIGN=sign)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_apply(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rope_apply(g, cos, sin, -1), None, None
+
+
+def rope(x, cos, sin):
+    """x [N, H, D] rotated by rows cos/sin [N, D] (fp32) of the shared table; per row, fp32."""
+    _check("rope", x)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin)
+    return _rope_apply(x, cos, sin, 1)
+
+
+
+# --- embedding: gather forward, backward without atomics ---------------------------------------------
+@triton.jit
+def _embed_bwd(g_ptr, order_ptr, start_ptr, dw_ptr, D, BLOCK: tl.constexpr):
+    """Program (vocab row v, column block): dW[v] = sum of the gradient rows of v's tokens, in position
+    order (order = stable argsort of the tokens; v's tokens are order[start[v]:start[v+1]])."""
+    v = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.load(start_ptr + v)
+    hi = tl.load(start_ptr + v + 1)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(lo, hi):
+        r = tl.load(order_ptr + i)
+        acc = acc + tl.load(g_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(dw_ptr + v * D + cols, acc.to(dw_ptr.dtype.element_ty), mask=cols < D)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, tokens):
+        ctx.save_for_backward(tokens)
+        ctx.vocab, ctx.wdtype = weight.shape[0], weight.dtype
+        return weight[tokens]
+
+    @staticmethod
+    def backward(ctx, g):
+        (tokens,) = ctx.saved_tensors
+        V, D = ctx.vocab, g.shape[-1]
+        flat = tokens.reshape(-1)
+        g = g.reshape(-1, D).contiguous()
+        order = torch.argsort(flat, stable=True)
+        # start[v] = how many tokens are < v: searchsorted over the sorted tokens (no host sync)
+        start = torch.searchsorted(flat[order], torch.arange(V + 1, device=flat.device, dtype=flat.dtype))
+        dw = torch.empty(V, D, dtype=ctx.wdtype, device=g.device)
+        if V and D:
+            _embed_bwd[(V, triton.cdiv(D, 256))](g, order, start, dw, D, BLOCK=256)
+        return dw, None
+
+
+def embedding(weight, tokens):
+    _check("embedding", weight)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _Embedding.apply(weight, tokens)
+    return weight[tokens]

@@ -165,3 +165,47 @@ def test_grouped_gemm_is_one_launch_equal_to_the_per_expert_linears(dtype):
     assert not same_bits(tb.grouped_linear(xf.flip(1), wf.flip(2), counts), tb.grouped_linear(xf, wf, counts))
     with pytest.raises(ValueError, match="grouped_linear: x .* and counts .* do not fit"):
         tb.grouped_linear(x, w, [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_router_and_rope_kernels_match_the_reference_row_by_row(renorm):
+    # router: the same expert ids as the reference (ties to the lowest id), weights and dlogits
+    # within tolerance; a row's bits ignore the other rows; RoPE likewise, fwd and bwd
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(37, 12, generator=g).bfloat16().to(DEV)
+    z[3, 5] = z[3, 7]
+    runs = []
+    for fn in (tb.moe_route, ref.moe_route):
+        zz = z.clone().requires_grad_()
+        w, ids = fn(zz, 3, renorm)
+        w.backward(torch.linspace(-1, 1, 111, device=DEV).view(37, 3))
+        runs.append((w, ids, zz.grad))
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert _rel(runs[0][0], runs[1][0]) < 1e-5 and _rel(runs[0][2], runs[1][2]) < 2e-2
+    w_sub, ids_sub = tb.moe_route(z[10:13], 3, renorm)
+    assert same_bits(w_sub, runs[0][0][10:13]) and torch.equal(ids_sub, runs[0][1][10:13])
+    cos, sin = (t[:9].to(DEV) for t in kernels.rope_table(32, 16, 10000.0))
+    x = torch.randn(9, 4, 16, generator=g).bfloat16().to(DEV)
+    outs = []
+    for fn in (tb.rope, ref.rope):
+        xx = x.clone().requires_grad_()
+        y = fn(xx, cos, sin)
+        y.backward(torch.ones_like(y))
+        outs.append((y, xx.grad))
+    assert _rel(outs[0][0], outs[1][0]) < TOL[torch.bfloat16] and _rel(outs[0][1], outs[1][1]) < TOL[torch.bfloat16]
+    assert same_bits(tb.rope(x[4:6], cos[4:6], sin[4:6]), outs[0][0][4:6])
+
+
+def test_embedding_backward_sums_each_tokens_rows_in_order_without_atomics():
+    # equal to the sequential index backward (position order), bits; repeated tokens and unused rows
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(50, 24, generator=g).to(DEV)
+    tok = torch.randint(0, 20, (200,), generator=g).to(DEV)
+    go = torch.randn(200, 24, generator=g).to(DEV)
+    a = w.clone().requires_grad_()
+    tb.embedding(a, tok).backward(go)
+    expect = torch.zeros_like(w)
+    for i in range(200):  # the order the kernel promises
+        expect[tok[i]] += go[i]
+    assert same_bits(a.grad, expect) and not a.grad[20:].any()
+    assert same_bits(tb.embedding(w, tok), w[tok])

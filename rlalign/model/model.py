@@ -239,7 +239,7 @@ class Transformer(nn.Module):
         positions = torch.cat([torch.arange(n) for n in lens.tolist()]) if len(lens) else lens
         positions = positions.to(tokens.device)
         cos, sin = self._rope(positions)
-        h = self._tap("embed", self.model.embed_tokens.weight[tokens])
+        h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         tok_slots = None if cache is None else torch.repeat_interleave(slots, lens.to(slots.device))
         for i, layer in enumerate(self.model.layers):
             write = None
@@ -254,7 +254,7 @@ class Transformer(nn.Module):
                slots: torch.Tensor) -> torch.Tensor:
         """One new token per live sequence: tokens/positions/slots [B] -> logits [B, V]."""
         cos, sin = self._rope(positions)
-        h = self._tap("embed", self.model.embed_tokens.weight[tokens])
+        h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         for i, layer in enumerate(self.model.layers):
             h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.decode(x, cos, sin, cache, i,
                                                                                              slots, positions))
