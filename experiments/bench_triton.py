@@ -215,14 +215,11 @@ def speed_attention(q: bool) -> None:
 
 # (BLOCK_N shared by prefill and decode, prefill tile, decode tile): BLOCK_N is the reduction order
 ATTN_CANDIDATES = [
-    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
-    (64, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),  # pinned
+    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),
+    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=8)),
     (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
-    (128, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),
-    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
-    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=16, num_stages=3, num_warps=4)),
-    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=16, num_stages=4, num_warps=2)),
-    (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=16, num_stages=3, num_warps=4)),
 ]
 def _t(bm, bn, s, w):
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=s, num_warps=w)

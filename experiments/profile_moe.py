@@ -55,11 +55,16 @@ def main() -> None:
             rows = [{"name": e.key[:90], "calls": e.count, "device_ms": e.self_device_time_total / 1000}
                     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[: a.top]]
             wall = max(e.cpu_time_total for e in ev) / 1000
+            cpu_rows = [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1000}
+                        for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:10]]
             out[label] = {"device_ms_total": total_dev, "kernel_launches": launches, "cpu_ms_top_op": wall,
-                         "top_kernels": rows}
+                          "top_kernels": rows, "top_cpu": cpu_rows}
             print(f"== {label}: device busy {total_dev:.1f} ms, launches {launches}")
             for r in rows:
                 print(f"  {r['device_ms']:8.2f} ms  {r['calls']:6d}x  {r['name']}")
+            print(f"  -- host (self CPU) time, total {sum(e.self_cpu_time_total for e in ev) / 1000:.1f} ms:")
+            for r in cpu_rows:
+                print(f"  {r['self_cpu_ms']:8.2f} ms  {r['calls']:6d}x  {r['name']}")
             del cuda
     gpu = torch.cuda.get_device_name(0).replace(" ", "_")
     print("wrote", _env.write(f"profile_moe_{a.model}_{gpu}", out, a.out))
