@@ -46,25 +46,25 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
 # A config may join only if it keeps BLOCK_K and the wgmma k-steps, so every element still reduces K
 # in the same chunks and order, and rows measured bitwise equal to the main config's for M = 1..8192
-# on the GPU (experiments/bench_triton.py --only matmul_sweep; v7: 0 rows differing, M=64 at 0.38x
-# cuBLAS vs 0.28x with the main config).
-_SMALL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)
-MATMUL_SMALL_M: dict = {torch.bfloat16: [(64, _SMALL)], torch.float16: [(64, _SMALL)]}
+# on the GPU (experiments/bench_triton.py --only matmul_sweep; v7/v8: 0 rows differing for every
+# candidate, BLOCK_K 64 or 128; v8: M=256 at 0.68x cuBLAS against 0.23-0.44x with the main config).
+_SMALL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=8, num_warps=4)
+MATMUL_SMALL_M: dict = {torch.bfloat16: [(256, _SMALL)], torch.float16: [(256, _SMALL)]}
 # attention: prefill and decode share BLOCK_N (the key blocks a row reduces over, in order);
 # their tile heights may differ: both use wgmma tiles (BLOCK_M >= 64), bitwise equal on the H200
 # (decode with BLOCK_M=16 takes mma.sync and was NOT: 3-10 of 700 positions differed,
 # results/triton_NVIDIA_H200_v7.json). Picked by experiments/bench_triton.py's sweeps. fp32 tiles
 # take twice the shared memory: fewer stages.
-ATTN_FWD = {
-    torch.bfloat16: dict(BLOCK_N=64, prefill=dict(BLOCK_M=128, num_stages=4, num_warps=8),
-                         decode=dict(BLOCK_M=64, num_stages=4, num_warps=4)),
+ATTN_FWD = {  # v8 sweep: prefill 0.78x SDPA at T=1k and 4k, decode 1.05x SDPA's time at B=64
+    torch.bfloat16: dict(BLOCK_N=64, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
+                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
     torch.float32: dict(BLOCK_N=64, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
 }
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 ATTN_BWD = {  # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block)
-    torch.bfloat16: dict(bwd=dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4),
-                         bwd_dq=dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4)),
+    torch.bfloat16: dict(bwd=dict(BLOCK_M=32, BLOCK_N=64, num_stages=3, num_warps=4),
+                         bwd_dq=dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=4)),
     torch.float32: dict(bwd=dict(BLOCK_M=32, BLOCK_N=64, num_stages=2, num_warps=4),
                         bwd_dq=dict(BLOCK_M=64, BLOCK_N=32, num_stages=2, num_warps=4)),
 }
@@ -206,31 +206,47 @@ def _config(dtype, m: int | None = None) -> dict:
     return dict(MATMUL_CONFIGS[dtype])
 
 
+_PLANS: OrderedDict = OrderedDict()  # launch plans of _gemm by (problems, N, strides, config, dtype, device)
+
+
 def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
     """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
-    scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index."""
+    scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index. The plan
+    (tile table on the device, grid, layout flags) is cached: the host work per call is one lookup."""
+    if max(a.numel(), b.numel(), c.numel()) >= 2**31:
+        raise ValueError(f"triton matmul: operands of {max(a.numel(), b.numel(), c.numel())} elements "
+                         "exceed the kernel's 32-bit tile offsets")
+    key = (tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _gemm_plan(a, problems, N, strides, cfg)
+        if len(_PLANS) > 1024:
+            _PLANS.popitem(last=False)
+    table, grid, kw = plan
+    if table is not None:
+        _gemm_kernel[grid](a, b, c, table, *kw["args"], *strides, **kw["meta"])
+
+
+def _gemm_plan(a, problems, N, strides, cfg):
     rows, first = [], 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     for M_p, K_p, ao, bo, co in problems:
         rows.append((first, M_p, K_p, ao, bo, co))
         first += triton.cdiv(M_p, cfg["BLOCK_M"]) * n_tiles
     if first == 0:
-        return
+        return None, None, None
     sam, sak, sbk, sbn = strides[:4]
-    if max(max(r[3:]) for r in rows) + max(a.numel(), b.numel(), c.numel()) >= 2**31:
-        raise ValueError(f"triton matmul: operands of {max(a.numel(), b.numel(), c.numel())} elements "
-                         "exceed the kernel's 32-bit tile offsets")
     flags = dict(
         ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:]),
         EVEN_K=all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
         B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
     )
-    table = _table(("gemm", tuple(rows)), lambda: (rows, torch.int64), a.device)
+    table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True)
     sms = _num_sms(a.device)
-    _gemm_kernel[(min(sms, first),)](
-        a, b, c, table, first, N, *strides, P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))),
-        NUM_SMS=sms, UPCAST=INTERPRET, IEEE=a.dtype == torch.float32, **flags, **cfg)
+    meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
+                IEEE=a.dtype == torch.float32, **flags, **cfg)
+    return table, (min(sms, first),), {"args": (first, N), "meta": meta}
 
 
 # True: the backward GEMMs copy their operands K-contiguous (and zero-pad K and the expert token
