@@ -44,12 +44,15 @@ MATMUL_CONFIGS = {
 }
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
-# A config may join only if it keeps BLOCK_K and the wgmma k-steps, so every element still reduces K
-# in the same chunks and order, and rows measured bitwise equal to the main config's for M = 1..8192
-# on the GPU (experiments/bench_triton.py --only matmul_sweep; v7/v8: 0 rows differing for every
-# candidate, BLOCK_K 64 or 128; v8: M=256 at 0.68x cuBLAS against 0.23-0.44x with the main config).
-_SMALL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=8, num_warps=4)
-MATMUL_SMALL_M: dict = {torch.bfloat16: [(256, _SMALL)], torch.float16: [(256, _SMALL)]}
+# A config may join only if every element still reduces K in the same order through the same chain
+# of k16 MMAs into one fp32 accumulator (BLOCK_K 64 or 128 cut that chain at different points, not
+# reorder it), and its rows measured bitwise equal to the main config's for M = 1..8192
+# on the GPU (experiments/bench_triton.py --only matmul_sweep; v7-v9: 0 rows differing for every
+# candidate, BLOCK_K 64 or 128; v9, CUDA-graph kernel times: M=64 0.67x, M=256 0.71x cuBLAS, against
+# 0.17x / 0.31x with the main config).
+_SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
+          (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=4))]
+MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
 # attention: prefill and decode share BLOCK_N (the key blocks a row reduces over, in order);
 # their tile heights may differ: both use wgmma tiles (BLOCK_M >= 64), bitwise equal on the H200
 # (decode with BLOCK_M=16 takes mma.sync and was NOT: 3-10 of 700 positions differed,
@@ -127,11 +130,11 @@ def _table(key: tuple, build, device) -> torch.Tensor:
 
 # --- matmul and grouped (expert) matmul: one kernel ---------------------------------------------
 @triton.jit
-def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn, scm, scn,
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
                  P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
-                 B_N_CONTIG: tl.constexpr):
+                 B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -139,29 +142,40 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn
     never on M_p, on the other problems or on which program computed it. Operands come in any
     strides (K-, M- or N-contiguous); the host says which hints hold (EVEN_K: every K_p is a multiple
     of BLOCK_K, so K needs no mask; A_M_CONTIG / B_N_CONTIG: that dim is contiguous and a multiple of
-    16 long, so clamped rows never split a vector)."""
+    16 long, so clamped rows never split a vector). SINGLE: one problem given as M1, K1 (no table);
+    the same tiles and instructions."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
-    pr = tl.arange(0, P2)
-    firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
+    if not SINGLE:
+        pr = tl.arange(0, P2)
+        firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
     for tile in tl.range(pid, num_tiles, NUM_SMS):
-        p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
-        row = prob_ptr + p * 6
-        local = tile - tl.load(row)
-        M = tl.load(row + 1)
-        K = tl.load(row + 2)
-        a_off = tl.load(row + 3).to(tl.int64)
-        b_off = tl.load(row + 4).to(tl.int64)
-        c_off = tl.load(row + 5).to(tl.int64)
-        if ALIGNED:  # the host checked: every offset is a multiple of 16 elements
-            a_off = tl.multiple_of(a_off, 16)
-            b_off = tl.multiple_of(b_off, 16)
-            c_off = tl.multiple_of(c_off, 16)
+        if SINGLE:
+            local = tile
+            M = M1
+            K = K1
+            a_base = a_ptr
+            b_base = b_ptr
+            c_base = c_ptr
+        else:
+            p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
+            row = prob_ptr + p * 6
+            local = (tile - tl.load(row)).to(tl.int32)
+            M = tl.load(row + 1).to(tl.int32)
+            K = tl.load(row + 2).to(tl.int32)
+            a_off = tl.load(row + 3)
+            b_off = tl.load(row + 4)
+            c_off = tl.load(row + 5)
+            if ALIGNED:  # the host checked: every offset is a multiple of 16 elements
+                a_off = tl.multiple_of(a_off, 16)
+                b_off = tl.multiple_of(b_off, 16)
+                c_off = tl.multiple_of(c_off, 16)
+            a_base = a_ptr + a_off
+            b_base = b_ptr + b_off
+            c_base = c_ptr + c_off
         if EVEN_K:
             K = tl.multiple_of(K, BLOCK_K)
-        a_base = a_ptr + a_off
-        b_base = b_ptr + b_off
         num_pid_m = tl.cdiv(M, BLOCK_M)
         group = local // in_group
         first_m = group * GROUP_M
@@ -193,7 +207,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, sam, sak, sbk, sbn
             else:
                 acc = tl.dot(a, b, acc)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(c_ptr + c_off + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_base + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(dtype, m: int | None = None) -> dict:
@@ -242,11 +256,15 @@ def _gemm_plan(a, problems, N, strides, cfg):
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
         B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
     )
-    table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True)
+    single = len(rows) == 1 and rows[0][3:] == (0, 0, 0)
+    # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
+    # then takes any tensor, never read)
+    table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True) if not single else a
     sms = _num_sms(a.device)
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
-                IEEE=a.dtype == torch.float32, **flags, **cfg)
-    return table, (min(sms, first),), {"args": (first, N), "meta": meta}
+                IEEE=a.dtype == torch.float32, SINGLE=single, **flags, **cfg)
+    M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0)
+    return table, (min(sms, first),), {"args": (first, N, M1, K1), "meta": meta}
 
 
 # True: the backward GEMMs copy their operands K-contiguous (and zero-pad K and the expert token
