@@ -208,4 +208,8 @@ def test_embedding_backward_sums_each_tokens_rows_in_order_without_atomics():
     for i in range(200):  # the order the kernel promises
         expect[tok[i]] += go[i]
     assert same_bits(a.grad, expect) and not a.grad[20:].any()
+    backwards = torch.zeros_like(w)  # negative twin: the same rows summed in reverse order differ
+    for i in reversed(range(200)):
+        backwards[tok[i]] += go[i]
+    assert not same_bits(a.grad, backwards)
     assert same_bits(tb.embedding(w, tok), w[tok])
