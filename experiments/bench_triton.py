@@ -234,9 +234,9 @@ def speed_attention(q: bool) -> None:
 
 # (BLOCK_N shared by prefill and decode, prefill tile, decode tile): BLOCK_N is the reduction order
 ATTN_CANDIDATES = [
-    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),  # pinned
+    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),  # pinned
+    (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
     (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
-    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),
     (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=8)),
     (128, dict(BLOCK_M=128, num_stages=2, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
 ]
@@ -245,10 +245,10 @@ def _t(bm, bn, s, w):
 
 
 ATTN_BWD_CANDIDATES = [  # (dK/dV kernel tile, dQ kernel tile)
+    (_t(32, 64, 3, 4), _t(64, 32, 3, 4)),  # pinned
     (_t(64, 64, 3, 4), _t(64, 64, 3, 4)),
     (_t(32, 128, 3, 4), _t(128, 32, 3, 4)),
     (_t(64, 128, 2, 8), _t(128, 64, 2, 8)),
-    (_t(32, 64, 3, 4), _t(64, 32, 3, 4)),
     (_t(64, 128, 3, 8), _t(128, 64, 3, 8)),
 ]
 
@@ -272,37 +272,36 @@ def sweep_attention(q: bool) -> None:
 
 
 def _attention_candidate(q, bn, pre_cfg, dec_cfg, best):
-    if True:
-        g = torch.Generator(device=DEV).manual_seed(4)
-        T, H, Hk, D = (40, 4, 2, 16) if q else (700, 16, 4, 128)
-        qq, kk, vv = (torch.randn(T, h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
-        pre = tb.attention_prefill(qq, kk, vv, [0, T], 1 / math.sqrt(D))
-        kc, vc = kk[None].contiguous(), vv[None].contiguous()
-        bad = sum(not bits_equal(tb.attention_decode(qq[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV),
-                                                     1 / math.sqrt(D))[0], pre[t]) for t in range(T))
-        ratios = []
-        for Tp in ([32] if q else [1024, 4096]):
-            B = 1 if q else 4
-            pq, pk, pv = (torch.randn(B * Tp, 16, D, device=DEV).bfloat16() for _ in range(3))
-            cu = [i * Tp for i in range(B + 1)]
-            t_pre = bench(lambda: tb.attention_prefill(pq, pk, pv, cu, 0.1), 10)
-            sq, sk, sv = (t.view(B, Tp, 16, D).transpose(1, 2) for t in (pq, pk, pv))
-            t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True), 10)
-            ratios.append(t_sdpa / t_pre)
-        Bd, C = (2, 64) if q else (64, 4096)
-        qd = torch.randn(Bd, 16, D, device=DEV).bfloat16()
-        kcd, vcd = (torch.randn(Bd, C, 4, D, device=DEV).bfloat16() for _ in range(2))
-        lens = torch.full((Bd,), C, device=DEV)
-        t_dec = bench(lambda: tb.attention_decode(qd, kcd, vcd, lens, 0.1), 10)
-        kt, vt = kcd.transpose(1, 2), vcd.transpose(1, 2)
-        t_sd = bench(lambda: F.scaled_dot_product_attention(qd[:, :, None], kt, vt, enable_gqa=True), 10)
-        name = "BN{} pre BM{BLOCK_M} s{num_stages} w{num_warps}".format(bn, **pre_cfg) + \
-            " dec BM{BLOCK_M} s{num_stages} w{num_warps}".format(**dec_cfg)
-        row("sweep", f"attention {name}", decode_vs_prefill_bad=bad, prefill_ratio_T1k=ratios[0],
-            prefill_ratio_T4k=ratios[-1], decode_time_ratio_B64=t_dec / t_sd)
-        score = sum(1 / r for r in ratios) + t_dec / t_sd
-        if bad == 0 and (best is None or score < best[0]):
-            best = (score, dict(tb.ATTN_FWD[torch.bfloat16]))
+    g = torch.Generator(device=DEV).manual_seed(4)
+    T, H, Hk, D = (40, 4, 2, 16) if q else (700, 16, 4, 128)
+    qq, kk, vv = (torch.randn(T, h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
+    pre = tb.attention_prefill(qq, kk, vv, [0, T], 1 / math.sqrt(D))
+    kc, vc = kk[None].contiguous(), vv[None].contiguous()
+    bad = sum(not bits_equal(tb.attention_decode(qq[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV),
+                                                 1 / math.sqrt(D))[0], pre[t]) for t in range(T))
+    ratios = []
+    for Tp in ([32] if q else [1024, 4096]):
+        B = 1 if q else 4
+        pq, pk, pv = (torch.randn(B * Tp, 16, D, device=DEV).bfloat16() for _ in range(3))
+        cu = [i * Tp for i in range(B + 1)]
+        t_pre = bench(lambda: tb.attention_prefill(pq, pk, pv, cu, 0.1), 10)
+        sq, sk, sv = (t.view(B, Tp, 16, D).transpose(1, 2) for t in (pq, pk, pv))
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True), 10)
+        ratios.append(t_sdpa / t_pre)
+    Bd, C = (2, 64) if q else (64, 4096)
+    qd = torch.randn(Bd, 16, D, device=DEV).bfloat16()
+    kcd, vcd = (torch.randn(Bd, C, 4, D, device=DEV).bfloat16() for _ in range(2))
+    lens = torch.full((Bd,), C, device=DEV)
+    t_dec = bench(lambda: tb.attention_decode(qd, kcd, vcd, lens, 0.1), 10)
+    kt, vt = kcd.transpose(1, 2), vcd.transpose(1, 2)
+    t_sd = bench(lambda: F.scaled_dot_product_attention(qd[:, :, None], kt, vt, enable_gqa=True), 10)
+    name = "BN{} pre BM{BLOCK_M} s{num_stages} w{num_warps}".format(bn, **pre_cfg) + \
+        " dec BM{BLOCK_M} s{num_stages} w{num_warps}".format(**dec_cfg)
+    row("sweep", f"attention {name}", decode_vs_prefill_bad=bad, prefill_ratio_T1k=ratios[0],
+        prefill_ratio_T4k=ratios[-1], decode_time_ratio_B64=t_dec / t_sd)
+    score = sum(1 / r for r in ratios) + t_dec / t_sd
+    if bad == 0 and (best is None or score < best[0]):
+        best = (score, dict(tb.ATTN_FWD[torch.bfloat16]))
     return best
 
 
@@ -400,23 +399,22 @@ def sweep_matmul(q: bool) -> None:
 
 
 def _small_m_candidate(cfg, data, main, best):
-    if True:
-        tb.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
-        bad = sum(not bits_equal(tb.matmul(x[:m], w.t()), main[nk][:m])
-                  for nk, (x, w) in data.items() for m in (1, 2, 5, 63, 64, 65, 100, 128, 255, 256, 300))
-        name = "BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} s{num_stages} w{num_warps}".format(**cfg)
-        speeds = {}
-        for M in (64, 256):
-            a = torch.randn(M, 4096, device=DEV).bfloat16()
-            b = torch.randn(4096, 4096, device=DEV).bfloat16()
-            t_tri = bench_graph(lambda: tb.matmul(a, b.t()))  # kernel time: host launch cost is not the tile's
-            t_cub = bench_graph(lambda: a @ b.t())
-            speeds[M] = t_cub / t_tri
-            if bad == 0 and (best[M] is None or speeds[M] > best[M][0]):
-                best[M] = (speeds[M], cfg)
-        row("sweep", f"matmul small-M {name}", rows_differing=bad, graph_ratio_M64=speeds[64],
-            graph_ratio_M256=speeds[256])
-        tb.MATMUL_SMALL_M = {}
+    tb.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
+    bad = sum(not bits_equal(tb.matmul(x[:m], w.t()), main[nk][:m])
+              for nk, (x, w) in data.items() for m in (1, 2, 5, 63, 64, 65, 100, 128, 255, 256, 300))
+    name = "BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} s{num_stages} w{num_warps}".format(**cfg)
+    speeds = {}
+    for M in (64, 256):
+        a = torch.randn(M, 4096, device=DEV).bfloat16()
+        b = torch.randn(4096, 4096, device=DEV).bfloat16()
+        t_tri = bench_graph(lambda: tb.matmul(a, b.t()))  # kernel time: host launch cost is not the tile's
+        t_cub = bench_graph(lambda: a @ b.t())
+        speeds[M] = t_cub / t_tri
+        if bad == 0 and (best[M] is None or speeds[M] > best[M][0]):
+            best[M] = (speeds[M], cfg)
+    row("sweep", f"matmul small-M {name}", rows_differing=bad, graph_ratio_M64=speeds[64],
+        graph_ratio_M256=speeds[256])
+    tb.MATMUL_SMALL_M = {}
 
 
 def check_rows(q: bool) -> None:
