@@ -30,7 +30,6 @@ import os
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -109,23 +108,28 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_TABLES: OrderedDict = OrderedDict()  # small int32/int64 work tables, by content: no H2D copy per call
+_CACHE: OrderedDict = OrderedDict()  # work tables and GEMM launch plans, by content (LRU)
+
+
+def _cached(key: tuple, build):
+    """build() once per key (LRU of 1024): a training step calls the same shapes layer after layer,
+    so the host work per launch is one lookup and no host-to-device copy."""
+    v = _CACHE.get(key)
+    if v is None:
+        v = _CACHE[key] = build()
+        if len(_CACHE) > 1024:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return v
 
 
 def _table(key: tuple, build, device) -> torch.Tensor:
-    """The device tensor of build() (a list of int rows) for key, cached (LRU of 512): a training
-    step calls the same shapes layer after layer."""
-    key = (key, str(device))
-    t = _TABLES.get(key)
-    if t is None:
+    """The device tensor of build() -> (list of int rows, dtype), cached by key."""
+    def make():
         rows, dtype = build()
-        t = torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
-        _TABLES[key] = t
-        if len(_TABLES) > 512:
-            _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
-    return t
+        return torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
+    return _cached((key, device), make)
 
 
 # --- matmul and grouped (expert) matmul: one kernel ---------------------------------------------
@@ -220,9 +224,6 @@ def _config(dtype, m: int | None = None) -> dict:
     return dict(MATMUL_CONFIGS[dtype])
 
 
-_PLANS: OrderedDict = OrderedDict()  # launch plans of _gemm by (problems, N, strides, config, dtype, device)
-
-
 def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
     """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
     scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index. The plan
@@ -230,13 +231,8 @@ def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strid
     if max(a.numel(), b.numel(), c.numel()) >= 2**31:
         raise ValueError(f"triton matmul: operands of {max(a.numel(), b.numel(), c.numel())} elements "
                          "exceed the kernel's 32-bit tile offsets")
-    key = (tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _gemm_plan(a, problems, N, strides, cfg)
-        if len(_PLANS) > 1024:
-            _PLANS.popitem(last=False)
-    table, grid, kw = plan
+    key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device)
+    table, grid, kw = _cached(key, lambda: _gemm_plan(a, problems, N, strides, cfg))
     if table is not None:
         _gemm_kernel[grid](a, b, c, table, *kw["args"], *strides, **kw["meta"])
 
@@ -267,19 +263,6 @@ def _gemm_plan(a, problems, N, strides, cfg):
     return table, (min(sms, first),), {"args": (first, N, M1, K1), "meta": meta}
 
 
-# True: the backward GEMMs copy their operands K-contiguous (and zero-pad K and the expert token
-# groups) before the kernel; False: the kernel reads them in place (M- or N-contiguous operands).
-# Same bits either way (the same values meet the same dot); experiments/bench_triton.py times both.
-LAYOUT_COPIES = False
-
-
-def _k_major(t: torch.Tensor, bk: int) -> torch.Tensor:
-    """t [..., K] K-contiguous with K zero-padded to a multiple of bk (the kernel masks past K with
-    zeros anyway: the same tiles, the same bits, aligned vector loads)."""
-    pad = (-t.shape[-1]) % bk
-    return F.pad(t, (0, pad)).contiguous() if pad or t.stride(-1) != 1 else t
-
-
 def _usable(t: torch.Tensor) -> torch.Tensor:
     """A 2-D operand the kernel can read in place: one of its dims contiguous (else a copy)."""
     return t if 1 in t.stride() or t.numel() <= 1 else t.contiguous()
@@ -301,11 +284,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if K == 0:
         return c.zero_()
     cfg = _config(a.dtype, M)
-    if LAYOUT_COPIES:
-        a, bt = _k_major(a, cfg["BLOCK_K"]), _k_major(b.t(), cfg["BLOCK_K"])
-        b = bt.t()
-    else:
-        a, b = _usable(a), _usable(b)
+    a, b = _usable(a), _usable(b)  # read in place: K-, M- or N-contiguous operands, same bits
     _gemm(a, b, c, [(M, a.shape[1], 0, 0, 0)], N, (a.stride(0), a.stride(1), b.stride(0), b.stride(1), N, 1), cfg)
     return c
 
@@ -333,12 +312,13 @@ def linear(x, w, bias=None):
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
-def _starts(counts: list[int], align: int = 1) -> list[int]:
+def _starts(counts: list[int]) -> list[int]:
+    """First row of each group of rows sorted by group."""
     out, s = [], 0
     for c in counts:
         out.append(s)
-        s += -(-c // align) * align
-    return out + [s]
+        s += c
+    return out
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -350,8 +330,8 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Te
         return out
     groups = sum(1 for c in counts if c)
     cfg = _config(x.dtype, -(-R // max(groups, 1)))
-    if LAYOUT_COPIES or w.stride(2) != 1 and w.stride(1) != 1:
-        x, w = _k_major(x, cfg["BLOCK_K"]), _k_major(w, cfg["BLOCK_K"])
+    if w.stride(2) != 1 and w.stride(1) != 1:
+        w = w.contiguous()
     x = _usable(x)
     st = _starts(counts)
     probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
@@ -362,27 +342,12 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Te
 def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
     owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
-    chunks of matmul(g_e^T, x_e)). In place, g^T is an M-contiguous A and x an N-contiguous B; with
-    LAYOUT_COPIES they become token-contiguous copies whose groups start at multiples of 64
-    (zero-padded: the zeros add exact zeros)."""
+    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B."""
     E, N, K = len(counts), g.shape[1], x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
-    cfg = _config(x.dtype)
-    if not LAYOUT_COPIES:
-        g, x = g.contiguous(), x.contiguous()
-        probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
-        _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), cfg)
-        return dw
-    align = max(64, cfg["BLOCK_K"])
-    st, pst = _starts(counts), _starts(counts, align)
-    if pst[-1] == st[-1]:  # every group already aligned
-        gt, xt = g.t().contiguous(), x.t().contiguous()
-    else:
-        pos = torch.cat([torch.arange(p, p + c) for p, c in zip(pst, counts)]).to(x.device, non_blocking=True)
-        gt = g.new_zeros(pst[-1], N).index_copy_(0, pos, g).t().contiguous()
-        xt = x.new_zeros(pst[-1], K).index_copy_(0, pos, x).t().contiguous()
-    probs = [(N, -(-c // align) * align, p, p, e * N * K) for e, (c, p) in enumerate(zip(counts, pst))]
-    _gemm(gt, xt, dw, probs, K, (gt.stride(0), 1, 1, xt.stride(0), K, 1), cfg)
+    g, x = g.contiguous(), x.contiguous()
+    probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
+    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype))
     return dw
 
 
@@ -397,7 +362,7 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.contiguous().to(x.dtype)
-        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None  # in place
+        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
         gw = _grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
