@@ -162,31 +162,31 @@ def speed_matmul(q: bool) -> None:
         flop = 2 * M * N * K
         row("speed", f"matmul bf16 {M}x{N}x{K}", triton_tflops=flop / t_tri / 1e9, cublas_tflops=flop / t_cub / 1e9,
             ratio=t_cub / t_tri, graph_ratio=g_cub / g_tri, graph_triton_us=1000 * g_tri)
-    # the backward GEMMs' layouts, read in place vs copied K-major first (tb.LAYOUT_COPIES): bits and time
+    # the backward GEMMs' layouts, read in place (M- or N-contiguous operands)
     R, Dout, Din = (64, 32, 48) if q else (8192, 4096, 2048)
     g_, x_ = torch.randn(R, Dout, device=DEV).bfloat16(), torch.randn(R, Din, device=DEV).bfloat16()
     w_ = torch.randn(Dout, Din, device=DEV).bfloat16()
-    for name, fa, fb in (("dX = g W (B N-contiguous)", lambda: g_, lambda: w_),
-                         ("dW = g^T x (A M-, B N-contiguous)", lambda: g_.t(), lambda: x_)):
-        out, ts = [], []
-        for copies in (False, True):
-            tb.LAYOUT_COPIES = copies
-            out.append(tb.matmul(fa(), fb()))
-            ts.append(bench(lambda: tb.matmul(fa(), fb()), 20))
-        tb.LAYOUT_COPIES = False
-        t_cub = bench(lambda: fa() @ fb(), 20)
-        row("speed", f"matmul {name} {R}/{Dout}/{Din}", same_bits_in_place_vs_copies=bits_equal(*out),
-            in_place_ratio=t_cub / ts[0], copies_ratio=t_cub / ts[1])
+    for name, fa, fb in (("dX = g W (B N-contiguous)", g_, w_), ("dW = g^T x (A M-, B N-contiguous)", g_.t(), x_)):
+        t_tri = bench(lambda: tb.matmul(fa, fb), 20)
+        t_cub = bench(lambda: fa @ fb, 20)
+        row("speed", f"matmul {name} {R}/{Dout}/{Din}", ratio=t_cub / t_tri)
 
 
-def check_attention(q: bool) -> None:
-    g = torch.Generator(device=DEV).manual_seed(1)
-    T, H, Hk, D = (40, 4, 2, 16) if q else (1024, 16, 4, 128)
+def decode_vs_prefill(g, T: int, H: int, Hk: int, D: int):
+    """Random bf16 q, k, v; one causal prefill; then a decode query at every position against the
+    cache: (q, k, v, prefill output, number of positions whose decode bits differ)."""
     qq, kk, vv = (torch.randn(T, h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
     pre = tb.attention_prefill(qq, kk, vv, [0, T], 1 / math.sqrt(D))
     kc, vc = kk[None].contiguous(), vv[None].contiguous()
     bad = sum(not bits_equal(tb.attention_decode(qq[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV),
                                                  1 / math.sqrt(D))[0], pre[t]) for t in range(T))
+    return qq, kk, vv, pre, bad
+
+
+def check_attention(q: bool) -> None:
+    g = torch.Generator(device=DEV).manual_seed(1)
+    T, H, Hk, D = (40, 4, 2, 16) if q else (1024, 16, 4, 128)
+    qq, kk, vv, pre, bad = decode_vs_prefill(g, T, H, Hk, D)
     row("bitwise", f"attention decode vs prefill, every position (T={T})", positions_differing=bad)
     # accuracy vs fp64
     s = torch.einsum("qhd,khd->hqk", qq.double(), kk.double().repeat_interleave(H // Hk, 1)) / math.sqrt(D)
@@ -272,13 +272,8 @@ def sweep_attention(q: bool) -> None:
 
 
 def _attention_candidate(q, bn, pre_cfg, dec_cfg, best):
-    g = torch.Generator(device=DEV).manual_seed(4)
     T, H, Hk, D = (40, 4, 2, 16) if q else (700, 16, 4, 128)
-    qq, kk, vv = (torch.randn(T, h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
-    pre = tb.attention_prefill(qq, kk, vv, [0, T], 1 / math.sqrt(D))
-    kc, vc = kk[None].contiguous(), vv[None].contiguous()
-    bad = sum(not bits_equal(tb.attention_decode(qq[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV),
-                                                 1 / math.sqrt(D))[0], pre[t]) for t in range(T))
+    *_, bad = decode_vs_prefill(torch.Generator(device=DEV).manual_seed(4), T, H, Hk, D)
     ratios = []
     for Tp in ([32] if q else [1024, 4096]):
         B = 1 if q else 4
@@ -480,11 +475,9 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
     cu = [i * T for i in range(seqs + 1)]
     model = build_model(args, "bfloat16", seed=0, device=DEV)
     res = {}
-    variants = [("default", "torch", False), ("default_grouped_mm", "torch", True), ("deterministic", "triton", False),
-                ("deterministic_layout_copies", "triton", False)]
+    variants = [("default", "torch", False), ("default_grouped_mm", "torch", True), ("deterministic", "triton", False)]
     for name, backend, gmm in variants:
         torch_default.USE_GROUPED_MM = gmm
-        tb.LAYOUT_COPIES = name == "deterministic_layout_copies"
         try:
             with kernels.use(mode="deterministic" if backend == "triton" else "default", backend=backend):
                 def step():
@@ -503,11 +496,8 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
             row("error", f"moe {name}", error=f"{type(e).__name__}: {e}"[:300])
         finally:
             torch_default.USE_GROUPED_MM = False
-            tb.LAYOUT_COPIES = False
     td, md = res["deterministic"]
     out = dict(det_ms=td, det_peak_gib=md)
-    if "deterministic_layout_copies" in res:
-        out["det_layout_copies_ms"] = res["deterministic_layout_copies"][0]
     for base in ("default", "default_grouped_mm"):
         if base in res:
             out[f"{base}_ms"], out[f"{base}_peak_gib"] = res[base]

@@ -1,8 +1,9 @@
 """Probe: Triton matmul time with an N-contiguous vs a K-contiguous B operand, against cuBLAS
 (same bits either way). Run on a GPU: python experiments/probe_matmul_layout.py
 
-The 14-18x gap it found (experiments/README.md) is why tb.matmul now makes B K-contiguous itself;
-run against the current kernels the "NN" column includes that copy."""
+In session 1 it found a 14-18x gap (experiments/README.md, v5). The cause turned out to be the
+where()-clamped tile indices hiding the contiguity of B's N dim (v7); the kernel now reads either
+layout in place with contiguity hints, so both columns should be close to cuBLAS."""
 
 import torch
 import triton.testing as tt
