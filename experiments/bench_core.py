@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 
-import kernels  # noqa: E402
+from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.generation import SamplingParams, generate  # noqa: E402
 from rlalign.model import build_model  # noqa: E402

@@ -4,8 +4,7 @@ bottleneck), synchronising only at the end. Run on a GPU: python experiments/pro
 import time
 
 import torch
-
-from kernels import triton_backend as tb
+from rlalign.kernels import triton_backend as tb
 
 
 def per_call_us(fn, n: int = 300) -> float:

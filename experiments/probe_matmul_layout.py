@@ -7,8 +7,7 @@ layout in place with contiguity hints, so both columns should be close to cuBLAS
 
 import torch
 import triton.testing as tt
-
-from kernels import triton_backend as tb
+from rlalign.kernels import triton_backend as tb
 
 
 def median_ms(fn) -> float:

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 
-import kernels  # noqa: E402
+from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--model", default="bench-moe")
     a = ap.parse_args()
-    from kernels import torch_default
+    from rlalign.kernels import torch_default
 
     args = model_args(load_config([f"model={a.model}"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")

@@ -17,10 +17,9 @@ import math
 from types import ModuleType
 
 import torch
-
-from kernels import sampling
-from kernels import torch_default as _default
-from kernels import torch_deterministic as _det
+from rlalign.kernels import sampling
+from rlalign.kernels import torch_default as _default
+from rlalign.kernels import torch_deterministic as _det
 
 MODES = ("deterministic", "default")
 BACKENDS = ("torch", "triton", "auto")
@@ -57,7 +56,7 @@ def _impl(x: torch.Tensor) -> ModuleType:
         return _default
     backend = _state["backend"]
     if backend == "triton" or (backend == "auto" and x.is_cuda):
-        from kernels import triton_backend
+        from rlalign.kernels import triton_backend
 
         return triton_backend.for_tensor(x)
     return _det

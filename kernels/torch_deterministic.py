@@ -12,8 +12,7 @@ the input dtype.
 from __future__ import annotations
 
 import torch
-
-from kernels import fixed_order as fo
+from rlalign.kernels import fixed_order as fo
 
 # Elements of one materialised product block ([rows, K, N] or [B, Tq, Tk, H, D]); chunking
 # only bounds memory, it never changes bits (rows are independent).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-import kernels
+from rlalign import kernels
 from rlalign.config import model_args
 from rlalign.generation import SamplingParams
 from rlalign.model import Transformer, build_model, load_hf

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
+from rlalign import kernels
 from rlalign.model import KVCache, Transformer
 from rlalign.monitor.taps import set_rows, tap
 

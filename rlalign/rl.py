@@ -75,8 +75,8 @@ class Job:
     def __init__(self, cfg: DictConfig):
         import ray
 
-        from actors.group import ActorGroup, Placement
-        from actors.workers import GeneratorWorker, TrainerWorker
+        from rlalign.actors.group import ActorGroup, Placement
+        from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 
         self.cfg = cfg
         self.own_ray = not ray.is_initialized()

@@ -7,7 +7,7 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CP
 
 import pytest  # noqa: E402
 
-import kernels  # noqa: E402
+from rlalign import kernels  # noqa: E402
 from rlalign.model import ModelArgs, build_model  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")

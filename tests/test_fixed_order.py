@@ -2,8 +2,7 @@ import math
 
 import torch
 from conftest import same_bits
-
-from kernels import fixed_order as fo
+from rlalign.kernels import fixed_order as fo
 
 
 def test_tree_sum_accuracy_and_zero_padding_invariance():

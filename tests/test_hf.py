@@ -6,7 +6,7 @@ import torch
 from conftest import same_bits
 from safetensors.torch import load_file, save_file
 
-import kernels
+from rlalign import kernels
 from rlalign.model import hf as hf_mod
 from rlalign.model import load_hf, save_hf
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import same_bits
 
-import kernels
+from rlalign import kernels
 
 DTYPES = [torch.bfloat16, torch.float32]
 

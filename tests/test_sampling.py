@@ -1,9 +1,9 @@
 import pytest
 import torch
 from conftest import same_bits, tiny_model
+from rlalign.kernels import sampling
 
-import kernels
-from kernels import sampling
+from rlalign import kernels
 from rlalign.generation import SamplingParams, generate
 
 

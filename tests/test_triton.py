@@ -13,9 +13,10 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
 
-import kernels  # noqa: E402
-from kernels import torch_deterministic as ref  # noqa: E402
-from kernels import triton_backend as tb  # noqa: E402
+from rlalign.kernels import torch_deterministic as ref  # noqa: E402
+from rlalign.kernels import triton_backend as tb  # noqa: E402
+
+from rlalign import kernels  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
@@ -117,7 +118,7 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="head_dim=12 must be a power of two"):
         tb.attention_prefill(*(torch.zeros(4, 2, 12, device=DEV) for _ in range(3)), [0, 4], 0.3)
     if DEV == "cpu":  # without the interpreter, CPU tensors are refused with the way out
-        code = ("import torch, kernels; kernels.set_mode('deterministic', 'triton'); "
+        code = ("import torch; from rlalign import kernels; kernels.set_mode('deterministic', 'triton'); "
                 "kernels.linear(torch.zeros(2, 2), torch.zeros(2, 2))")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

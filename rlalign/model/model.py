@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-import kernels
+from rlalign import kernels
 from rlalign.model.args import ModelArgs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

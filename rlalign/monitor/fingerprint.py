@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from kernels.sampling import mix64
+from rlalign.kernels.sampling import mix64
 
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                                    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,

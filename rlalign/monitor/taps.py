@@ -19,7 +19,7 @@ import os
 
 import torch
 
-import kernels
+from rlalign import kernels
 from rlalign.monitor.fingerprint import row_fingerprints
 from rlalign.monitor.trace import Trace
 

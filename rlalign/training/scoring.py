@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-import kernels
+from rlalign import kernels
 from rlalign.model import Transformer
 from rlalign.monitor.taps import set_rows
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kernels import fixed_order as fo
 from rlalign.factory import model_from_config, sampling_params
+from rlalign.kernels import fixed_order as fo
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.parallel.launch import shard_range
 from rlalign.training.losses import policy_loss
