@@ -3,6 +3,12 @@
 metrics.jsonl holds one JSON object per step (see rlalign/monitor/consistency.py for the
 consistency/* names). W&B is optional and imported only when logger.wandb.enabled; its mode
 follows logger.wandb.mode, else $WANDB_MODE, else 'offline' when no API key is configured.
+
+W&B charts take numbers only, so a string metric (consistency/first_divergent_op,
+sync/weights_fp, ...) goes to the run summary instead: summary[KEY] holds its latest value and
+summary[KEY_step] the step it came from. Every string value and alert of the run (this process)
+is also kept, one row per (step, key, value), in the table `text_metrics`, logged when the
+logger closes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def wandb_mode(cfg_mode: str | None) -> str:
 class RunLogger:
     def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, total_steps: int):
         self.cfg, self.run_dir = cfg, run_dir
+        self.text_rows: list[list] = []  # [step, key, value] of string metrics and alerts
+        self.next_step, self.last_step = start_step, None
         self.metrics_path = run_dir / "metrics.jsonl"
         if cfg.logger.jsonl:
             _truncate_from(self.metrics_path, start_step)
@@ -56,8 +64,14 @@ class RunLogger:
         if self.cfg.logger.jsonl:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
+        texts = {k: v for k, v in metrics.items() if isinstance(v, str)}
+        self.text_rows += [[step, k, v] for k, v in texts.items()]
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+            for k, v in texts.items():
+                self.wandb.summary[k] = v
+                self.wandb.summary[f"{k}_step"] = step
+        self.next_step, self.last_step = step + 1, step
         line = (f"step {step:4d}  reward {metrics['reward/mean']:.3f}  mismatched "
                 f"{metrics['consistency/mismatched_tokens']}/{metrics['consistency/tokens']}  "
                 f"max|d| {metrics['consistency/logprob_abs_diff_max']:.2g}  {metrics['time/step_s']:.2f}s")
@@ -77,8 +91,11 @@ class RunLogger:
         self.wandb.log({"samples": table}, step=step)
 
     def alert(self, title: str, text: str) -> None:
+        """An alert comes before its step's log(): its row in text_metrics carries that step."""
         print(f"rlalign: {title}: {text}", file=sys.stderr, flush=True)
+        self.text_rows.append([self.next_step, f"alert/{title}", text])
         if self.wandb is not None:
+            self.wandb.summary[f"alert/{title}"] = text
             try:
                 self.wandb.alert(title=title, text=text)
             except Exception as e:  # offline runs cannot send alerts; the console line stands
@@ -88,6 +105,12 @@ class RunLogger:
         if self.progress is not None:
             self.progress.stop()
         if self.wandb is not None:
+            if self.text_rows:
+                import wandb
+
+                table = wandb.Table(columns=["step", "key", "value"], data=self.text_rows)
+                at = {} if self.last_step is None else {"step": self.last_step}
+                self.wandb.log({"text_metrics": table}, **at)
             self.wandb.finish()
 
 

@@ -1,8 +1,9 @@
 """`rlalign report RUN_DIR`: PNG plots and a markdown summary of a run.
 
-    reward.png        reward mean/min/max per step
+    reward.png        reward mean per step, raw and as a moving average, and its min-max band
     mismatch.png      generator-vs-trainer mismatched tokens and max |d logprob| per step
-    abs_diff_hist.png |d logprob| over all tokens of the run, in decades
+    abs_diff_hist.png |d logprob| over all tokens of the run, in decades, token counts on a log
+                      axis (a few differing tokens among thousands of identical ones stay visible)
     divergence.png    token rows differing per op (from divergence.jsonl; monitor.fingerprints=layers)
     summary.md        the numbers and the plots
 """
@@ -27,14 +28,118 @@ def _rows(path: Path) -> list[dict]:
     return out
 
 
-def make_report(run_dir: Path) -> Path:
+def moving_average(xs: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def smoothing_window(n: int) -> int:
+    return max(2, min(10, n // 4))
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _legend_above(fig, ax, title: str, handles=None, ncol: int = 2) -> None:
+    """The title, then the legend in a row above the axes, where it covers no data."""
+    fig.suptitle(title)
+    kw = {"handles": handles} if handles is not None else {}
+    ax.legend(**kw, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, fontsize=8, frameon=False)
+
+
+def reward_figure(rows: list[dict]):
+    """Raw mean reward, its moving average and the per-step min-max band, with a legend."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps, reward = [r["step"] for r in rows], [r["reward/mean"] for r in rows]
+    w = smoothing_window(len(rows))
+    fig, ax = _plt().subplots(figsize=(6, 3.5))
+    ax.fill_between(steps, [r.get("reward/min", 0) for r in rows], [r.get("reward/max", 0) for r in rows],
+                    alpha=0.15, color="tab:blue", label="min-max over samples")
+    ax.plot(steps, reward, color="tab:blue", alpha=0.45, lw=1, marker=".", label="mean (raw)")
+    ax.plot(steps, moving_average(reward, w), color="tab:orange", lw=2, label=f"mean, moving average ({w} steps)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="step", ylabel="reward")
+    _legend_above(fig, ax, "reward", ncol=3)
+    return fig
+
+
+def mismatch_figure(rows: list[dict]):
+    """Mismatched tokens per step (bars, integer axis) and max |d logprob| (line, right axis)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    steps = [r["step"] for r in rows]
+    mism = [r["consistency/mismatched_tokens"] for r in rows]
+    dmax = [r["consistency/logprob_abs_diff_max"] for r in rows]
+    fig, ax = _plt().subplots(figsize=(6, 3.5))
+    bars = ax.bar(steps, mism, color="tab:red", alpha=0.7, label="mismatched tokens (left axis)")
+    ax.set(xlabel="step", ylabel="mismatched tokens")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(bottom=0, top=max(1, max(mism)) * 1.1)
+    ax2 = ax.twinx()
+    (line,) = ax2.plot(steps, dmax, color="k", marker=".", label="max |Δ logprob| (right axis)")
+    if all(d > 0 for d in dmax):
+        ax2.set_yscale("log")
+    else:  # plain labels: an offset text ("1e-7") would sit under the legend
+        ax2.set_ylim(bottom=0)
+        ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+    ax2.set_ylabel("max |Δ logprob|")
+    _legend_above(fig, ax, "generator vs trainer logprobs", [bars, line])
+    return fig
+
+
+def abs_diff_hist(rows: list[dict]) -> list[int]:
     from rlalign.monitor.consistency import HIST_EDGES
 
+    n = len(HIST_EDGES) + 1
+    return [sum(r.get("consistency/abs_diff_hist", [0] * n)[i] for r in rows) for i in range(n)]
+
+
+def hist_figure(rows: list[dict]):
+    """|d logprob| of every token of the run in decade bins: counts on a log axis, each bar labelled."""
+    from matplotlib.patches import Patch
+
+    from rlalign.monitor.consistency import HIST_EDGES
+
+    hist = abs_diff_hist(rows)
+    labels = ["0"] + [f"({lo:g}, {hi:g}]" for lo, hi in zip(HIST_EDGES, HIST_EDGES[1:])] + [f">{HIST_EDGES[-1]:g}"]
+    fig, ax = _plt().subplots(figsize=(6.5, 4))
+    bars = ax.bar(range(len(hist)), hist, color=["tab:green"] + ["tab:red"] * (len(hist) - 1))
+    ax.bar_label(bars, labels=[str(c) if c else "" for c in hist], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.5, top=max(1, max(hist)) * 4)  # a count of 1 still shows as a bar
+    ax.set_xticks(range(len(hist)), labels, rotation=45, ha="right", fontsize=8)
+    ax.set(xlabel="|Δ logprob| (trainer - generator), decade bins", ylabel="tokens (log scale)")
+    _legend_above(fig, ax, f"|Δ logprob| over the run: {sum(hist[1:])} of {sum(hist)} tokens differ",
+                  [Patch(color="tab:green", label="identical (|Δ| = 0)"), Patch(color="tab:red", label="differing")])
+    return fig
+
+
+def divergence_figure(by_op: dict[str, int]):
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _plt().subplots(figsize=(7, 3.5))
+    ax.bar(range(len(by_op)), list(by_op.values()), color="tab:purple")
+    ax.set_xticks(range(len(by_op)), list(by_op), rotation=75, fontsize=7)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="layer/op", ylabel="differing token rows", title="divergence by layer/op (whole run)")
+    return fig
+
+
+def make_report(run_dir: Path) -> Path:
     rows = _rows(run_dir / "metrics.jsonl")
     if not rows:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl: missing or empty (not a run directory?)")
@@ -42,50 +147,22 @@ def make_report(run_dir: Path) -> Path:
     steps = [r["step"] for r in rows]
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
+    plt = _plt()
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward/mean"] for r in rows], label="mean")
-    ax.fill_between(steps, [r.get("reward/min", 0) for r in rows], [r.get("reward/max", 0) for r in rows],
-                    alpha=0.2, label="min-max")
-    ax.set(xlabel="step", ylabel="reward", title="reward")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "reward.png", dpi=100)
-    plt.close(fig)
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(steps, [r["consistency/mismatched_tokens"] for r in rows], color="tab:red", label="mismatched tokens")
-    ax.set(xlabel="step", ylabel="mismatched tokens", title="generator vs trainer")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [r["consistency/logprob_abs_diff_max"] for r in rows], color="k", marker=".", label="max |d|")
-    ax2.set_ylabel("max |d logprob|")
-    fig.tight_layout()
-    fig.savefig(out / "mismatch.png", dpi=100)
-    plt.close(fig)
-
-    hist = [sum(r.get("consistency/abs_diff_hist", [0] * (len(HIST_EDGES) + 1))[i] for r in rows)
-            for i in range(len(HIST_EDGES) + 1)]
-    labels = ["0"] + [f"<={e:g}" for e in HIST_EDGES[1:]] + [f">{HIST_EDGES[-1]:g}"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(range(len(hist)), hist)
-    ax.set_xticks(range(len(hist)), labels, rotation=45)
-    ax.set(ylabel="tokens", title="|d logprob| over the run")
-    fig.tight_layout()
-    fig.savefig(out / "abs_diff_hist.png", dpi=100)
-    plt.close(fig)
-
+    save(reward_figure(rows), "reward.png")
+    save(mismatch_figure(rows), "mismatch.png")
+    save(hist_figure(rows), "abs_diff_hist.png")
     by_op: dict[str, int] = {}
     for d in div:
         for op, n in d.get("by_op", {}).items():
             by_op[op] = by_op.get(op, 0) + n
     if by_op:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.bar(range(len(by_op)), list(by_op.values()), color="tab:purple")
-        ax.set_xticks(range(len(by_op)), list(by_op), rotation=75, fontsize=7)
-        ax.set(ylabel="differing token rows", title="divergence by layer/op")
-        fig.tight_layout()
-        fig.savefig(out / "divergence.png", dpi=100)
-        plt.close(fig)
+        save(divergence_figure(by_op), "divergence.png")
 
     r = [x["reward/mean"] for x in rows]
     k = min(5, len(r))

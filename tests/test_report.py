@@ -1,0 +1,133 @@
+"""`rlalign report` plots, string metrics in W&B, and traces of resumed runs."""
+
+import json
+
+import pytest
+
+from rlalign.config import load_config
+
+
+# --- string metrics reach W&B ----------------------------------------------------------------------------
+def _metrics(step, **extra):
+    return {"reward/mean": 0.5, "consistency/mismatched_tokens": 0, "consistency/tokens": 10,
+            "consistency/logprob_abs_diff_max": 0.0, "consistency/abs_diff_hist": [10, 0], "time/step_s": 0.1,
+            "sync/weights_fp": f"fp{step}", **extra}
+
+
+def _logger_run(tmp_path, steps):
+    pytest.importorskip("wandb")
+    from rlalign.logger import RunLogger
+
+    cfg = load_config([f"run.dir={tmp_path}", "logger=wandb", "logger.wandb.mode=offline", "logger.console=false"])
+    log = RunLogger(cfg, tmp_path, 0, len(steps))
+    try:
+        for step, m in enumerate(steps):
+            if "alert" in m:
+                log.alert("generator/trainer mismatch", m.pop("alert"))
+            log.log(step, m)
+    finally:
+        log.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    return run
+
+
+def test_string_metrics_reach_the_wandb_summary_and_a_table(tmp_path):
+    from rlalign.wandb_read import read_offline_run, read_offline_summary, read_offline_table
+
+    run = _logger_run(tmp_path, [_metrics(0), _metrics(1, **{"consistency/first_divergent_op": "layers.1.attn",
+                                                              "alert": "step 1: 3 of 10 tokens differ"}),
+                                 _metrics(2)])
+    s = read_offline_summary(run)
+    assert s["sync/weights_fp"] == "fp2" and s["sync/weights_fp_step"] == 2
+    assert s["consistency/first_divergent_op"] == "layers.1.attn" and s["consistency/first_divergent_op_step"] == 1
+    assert s["alert/generator/trainer mismatch"] == "step 1: 3 of 10 tokens differ"
+    cols, rows = read_offline_table(run, "text_metrics")
+    assert cols == ["step", "key", "value"]
+    assert [0, "sync/weights_fp", "fp0"] in rows and [1, "consistency/first_divergent_op", "layers.1.attn"] in rows
+    assert [1, "alert/generator/trainer mismatch", "step 1: 3 of 10 tokens differ"] in rows
+    assert len(rows) == 5
+    history = read_offline_run(run)[0]
+    assert [h["_step"] for h in history if "reward/mean" in h] == [0, 1, 2]
+    assert all(isinstance(h.get("reward/mean", 0.0), float) for h in history)  # numbers stay in the history
+
+
+def test_negative_twin_a_run_without_string_metrics_has_none_in_wandb(tmp_path):
+    from rlalign.wandb_read import read_offline_summary, read_offline_table
+
+    plain = {k: v for k, v in _metrics(0).items() if not isinstance(v, str)}
+    run = _logger_run(tmp_path, [plain, dict(plain)])
+    s = read_offline_summary(run)
+    assert not any(k.startswith(("sync/", "alert/")) or "first_divergent_op" in k for k in s)
+    assert s["reward/mean"] == 0.5
+    with pytest.raises(KeyError, match="no table logged under 'text_metrics'"):
+        read_offline_table(run, "text_metrics")
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+
+# --- report plots ----------------------------------------------------------------------------------------
+def _run_dir(tmp_path, mismatched_steps=(7,), steps=20):
+    """A run of `steps` steps of 5000 tokens each; one token differs (by ~3e-7) at each mismatched step."""
+    rows = []
+    for s in range(steps):
+        bad = int(s in mismatched_steps)
+        rows.append({"step": s, "reward/mean": 0.1 * (s % 3) + 0.01 * s, "reward/min": 0.0, "reward/max": 1.0,
+                     "consistency/tokens": 5000, "consistency/mismatched_tokens": bad,
+                     "consistency/logprob_abs_diff_max": 3e-7 * bad,
+                     "consistency/abs_diff_hist": [5000 - bad, 0, bad, 0, 0, 0, 0, 0, 0], "time/step_s": 0.5})
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path, rows
+
+
+def _legend_texts(fig):
+    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def _integer_ticks(ax):
+    lo, hi = ax.get_ylim()
+    return all(float(t).is_integer() for t in ax.get_yticks() if lo <= t <= hi)
+
+
+def test_report_plots_a_log_histogram_legends_integer_counts_and_a_smoothed_reward(tmp_path):
+    from rlalign.monitor.report import _plt, hist_figure, make_report, mismatch_figure, moving_average, reward_figure
+
+    run, rows = _run_dir(tmp_path / "run", mismatched_steps=(7, 12))
+    out = make_report(run)
+    assert {p.name for p in out.iterdir()} == {"reward.png", "mismatch.png", "abs_diff_hist.png", "summary.md"}
+    assert "| mismatched tokens | 2 |" in (out / "summary.md").read_text()
+
+    fig = hist_figure(rows)  # 2 differing tokens among 100000 identical ones stay visible
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] < 1
+    assert [round(b.get_height()) for b in ax.patches if b.get_height() > 0] == [99998, 2]
+    assert ax.get_xlabel().startswith("|Δ logprob|") and ax.get_ylabel() == "tokens (log scale)"
+    assert _legend_texts(fig) == ["identical (|Δ| = 0)", "differing"]
+
+    fig = mismatch_figure(rows)
+    assert _legend_texts(fig) == ["mismatched tokens (left axis)", "max |Δ logprob| (right axis)"]
+    assert _integer_ticks(fig.axes[0]) and fig.axes[0].get_ylabel() == "mismatched tokens"
+    # negative twin: the same counts on a default axis get fractional ticks (0.25, 0.5, ...)
+    f2, a2 = _plt().subplots()
+    a2.bar([r["step"] for r in rows], [r["consistency/mismatched_tokens"] for r in rows])
+    assert not _integer_ticks(a2)
+
+    fig = reward_figure(rows)
+    assert _legend_texts(fig) == ["min-max over samples", "mean (raw)", "mean, moving average (5 steps)"]
+    raw, smooth = (line.get_ydata() for line in fig.axes[0].get_lines())
+    reward = [r["reward/mean"] for r in rows]
+    assert list(raw) == reward and list(smooth) == moving_average(reward, 5) and list(smooth) != reward
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    for f in (fig, f2):
+        _plt().close(f)
+
+
+def test_report_of_a_run_without_mismatches(tmp_path):
+    from rlalign.monitor.report import hist_figure, make_report, mismatch_figure
+
+    run, rows = _run_dir(tmp_path / "run", mismatched_steps=())
+    make_report(run)
+    ax = hist_figure(rows).axes[0]
+    assert [round(b.get_height()) for b in ax.patches if b.get_height() > 0] == [100000]
+    assert "0 of 100000 tokens differ" in ax.figure.get_suptitle()
+    ax = mismatch_figure(rows).axes[0]
+    assert ax.get_ylim() == (0, 1.1) and _integer_ticks(ax)
