@@ -107,15 +107,17 @@ class TrainerWorker(_Monitored):
         return cpu, state_fingerprints(cpu)
 
     def save(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
+        """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint)."""
+        from rlalign.checkpoint import save_shards
 
-        dcp.save(self.trainer.checkpoint_state(), checkpoint_id=path)
+        save_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 
     def load(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
+        """Verify the checkpoint (files, then every tensor's fingerprint), then load it in place;
+        nothing from the checkpoint directory is unpickled."""
+        from rlalign.checkpoint import load_shards
 
-        state = self.trainer.checkpoint_state()
-        dcp.load(state, checkpoint_id=path)
+        load_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 
 
 class GeneratorWorker(_Monitored):

@@ -1,0 +1,290 @@
+"""Checkpoints: nothing unpickled, every tensor fingerprint-checked, damage and full disks named."""
+
+import errno
+import json
+import os
+import pickle
+import shlex
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import same_bits
+
+from rlalign import checkpoint as ckpt
+from rlalign.checkpoint import CheckpointError
+from rlalign.config import load_config
+
+WEIGHT = "model/model.layers.0.self_attn.q_proj.weight"
+OPTIM = "optim/model.layers.1.mlp.experts.down_proj/exp_avg/expert5"
+
+
+def _trainer(steps: int = 1, group=None, cfg=None):
+    """A trainer after `steps` identical AdamW steps (non-zero optimizer state)."""
+    from omegaconf import OmegaConf
+
+    from rlalign.factory import apply_kernels
+    from rlalign.training.trainer import Sample, Trainer
+
+    cfg = OmegaConf.create(cfg) if cfg is not None else load_config(["trainer.micro_batch_size=2"])
+    apply_kernels(cfg)
+    tr = Trainer(cfg, group)
+    for _ in range(steps):
+        samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4)), Sample([5, 4], [9, 2], torch.zeros(2))]
+        tr.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 6)
+        tr.optimizer_step()
+    return tr
+
+
+def _snapshot(tr) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tr.checkpoint_state().items()}
+
+
+def _save(tr, run_dir: Path, step: int) -> Path:
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(run_dir, step))
+    return ckpt.complete(run_dir, step, {"data_position": step + 1, "weights_fp": "-"}, keep=0)
+
+
+def _shard(path: Path) -> Path:
+    (f,) = [p for p in path.iterdir() if p.name.endswith(".safetensors")]
+    return f
+
+
+def _flip_bit(shard: Path, key: str) -> None:
+    b = bytearray(shard.read_bytes())
+    n = int.from_bytes(b[:8], "little")
+    off = 8 + n + json.loads(b[8:8 + n])[key]["data_offsets"][0]
+    b[off] ^= 1
+    shard.write_bytes(bytes(b))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _trainer(steps=1)
+
+
+@pytest.fixture
+def two(tmp_path, trained):
+    """A run with complete checkpoints at steps 1 and 3 (step 3 one AdamW step further)."""
+    first = _save(trained, tmp_path, 1)
+    later = _trainer(steps=2)
+    return tmp_path, first, _save(later, tmp_path, 3), later
+
+
+def test_round_trip_is_bitwise_equal_and_leaves_no_pickle(tmp_path, trained):
+    path = _save(trained, tmp_path, 0)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["meta.json", "shard-00001-model-00001-of-00001.safetensors"]  # no DCP .metadata pickle
+    fresh = _trainer(steps=0)
+    want = _snapshot(trained)
+    assert not all(same_bits(v, want[k]) for k, v in fresh.checkpoint_state().items())  # twin: differs before
+    meta = ckpt.load_shards(fresh.checkpoint_state(), path)
+    assert meta["step"] == 0 and meta["data_position"] == 1 and isinstance(meta["python_rng"], list)
+    got = fresh.checkpoint_state()
+    assert got.keys() == want.keys() and all(same_bits(got[k], want[k]) for k in want)
+    ckpt.verify(path, tensors=True)
+    # the restored optimizer continues exactly as the original: one more step on each, same bits
+    again = _trainer(steps=2)
+    from rlalign.training.trainer import Sample
+
+    samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4)), Sample([5, 4], [9, 2], torch.zeros(2))]
+    fresh.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 6)
+    fresh.optimizer_step()
+    a, b = fresh.checkpoint_state(), again.checkpoint_state()
+    assert all(same_bits(a[k], b[k]) for k in a)
+
+
+def test_a_pickle_payload_in_the_checkpoint_is_never_executed(tmp_path, trained, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = _save(trained, tmp_path, 0)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {shlex.quote(str(marker))}",)
+
+    for name in (".metadata", "__0.metadata", "model.safetensors.index.json"):
+        (path / name).write_bytes(pickle.dumps(Payload()))
+    fresh = _trainer(steps=0)
+    with monkeypatch.context() as m:  # nothing on the load path may unpickle anything
+        def refuse(*a, **k):
+            raise AssertionError("unpickling during checkpoint load")
+
+        for mod, attr in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+            m.setattr(mod, attr, refuse)
+        ckpt.load_shards(fresh.checkpoint_state(), path)
+    assert not marker.exists()
+    want = _snapshot(trained)
+    assert all(same_bits(v, want[k]) for k, v in fresh.checkpoint_state().items())
+    # negative twin: the payload is live; DCP's default reader (the old load path) executes it
+    with pytest.raises(CheckpointException):  # it unpickles an int, then fails
+        dcp.load(_snapshot(trained), checkpoint_id=str(path), no_dist=True)
+    assert marker.exists()
+    # an extra .safetensors file (which DCP's safetensors reader would read) is refused
+    (path / "shard-00002-model-00001-of-00001.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointError, match=r"shard-00002-model.*not part of this checkpoint"):
+        ckpt.load_shards(fresh.checkpoint_state(), path)
+
+
+@pytest.mark.parametrize("key", [WEIGHT, OPTIM])
+def test_a_flipped_bit_is_refused_naming_checkpoint_file_tensor_and_the_intact_one(two, key):
+    run, first, later_path, later = two
+    shard = _shard(later_path)
+    fresh = _trainer(steps=0)
+    before = _snapshot(fresh)
+    _flip_bit(shard, key)
+    ckpt.verify(later_path)  # the file checks do not read tensor data ...
+    msg = (rf"checkpoint {later_path} is not loadable: {shard.name}: tensor '{key}' has fingerprint [0-9a-f]{{16}}, "
+           rf"meta.json records [0-9a-f]{{16}} \(its bytes changed\); newest intact checkpoint: {first}")
+    with pytest.raises(CheckpointError, match=msg):  # ... the fingerprints do
+        ckpt.load_shards(fresh.checkpoint_state(), later_path)
+    assert all(same_bits(v, before[k]) for k, v in fresh.checkpoint_state().items())  # trainer untouched
+    with pytest.raises(CheckpointError, match=msg):
+        ckpt.verify(later_path, tensors=True)
+    assert ckpt.newest_intact(run, tensors=True) == first
+    # negative twin: the bit flipped back loads, bitwise equal to what was saved
+    _flip_bit(shard, key)
+    ckpt.load_shards(fresh.checkpoint_state(), later_path)
+    want = _snapshot(later)
+    assert all(same_bits(v, want[k]) for k, v in fresh.checkpoint_state().items())
+
+
+def test_truncated_meta_json_is_named_and_auto_resume_skips_it(two, capsys):
+    run, first, later, _ = two
+    assert ckpt.resolve_resume(run, "auto") == later  # twin: intact
+    meta = later / "meta.json"
+    meta.write_bytes(meta.read_bytes()[:100])
+    msg = rf"checkpoint {later} is not loadable: meta.json: invalid JSON \(.*; 100 bytes, truncated\?\); " \
+          rf"newest intact checkpoint: {first}"
+    with pytest.raises(CheckpointError, match=msg):
+        ckpt.verify(later)
+    with pytest.raises(CheckpointError, match=msg):
+        ckpt.read_meta(later)
+    with pytest.raises(CheckpointError, match=msg):
+        ckpt.resolve_resume(run, str(later))
+    assert ckpt.resolve_resume(run, "auto") == first
+    assert f"checkpoint {later} is damaged (meta.json: invalid JSON" in capsys.readouterr().err
+    (first / "meta.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="none of the 2 checkpoints .* is intact"):
+        ckpt.resolve_resume(run, "auto")
+
+
+def test_truncated_or_missing_shard_is_named(two):
+    run, first, later, _ = two
+    shard = _shard(later)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1000])
+    msg = rf"checkpoint {later} is not loadable: {shard.name}: {len(data) - 1000} bytes, meta.json records " \
+          rf"{len(data)} \(truncated or overwritten\); newest intact checkpoint: {first}"
+    with pytest.raises(CheckpointError, match=msg):
+        ckpt.load_shards(_trainer(steps=0).checkpoint_state(), later)
+    assert ckpt.resolve_resume(run, "auto") == first
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{later} is not loadable: {shard.name}: missing; newest intact"):
+        ckpt.verify(later)
+    shard.write_bytes(data)  # negative twin: restored, it loads
+    assert ckpt.verify(later, tensors=True)["step"] == 3
+
+
+def test_an_old_pickle_format_checkpoint_is_refused_not_loaded(tmp_path, trained):
+    path = _save(trained, tmp_path, 0)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["format"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"meta.json: format None, expected .*pickled DCP .metadata"):
+        ckpt.load_shards(_trainer(steps=0).checkpoint_state(), path)
+
+
+@contextmanager
+def _disk_full_after(nbytes: int):
+    """DCP's file streams fail with ENOSPC after nbytes (a part of the file is written)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    @contextmanager
+    def full(self, path, mode):
+        with real(self, path, mode) as f:
+            if "w" in mode:
+                f.write(b"\0" * nbytes)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            yield f
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(FileSystem, "create_stream", full)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+def test_enospc_raises_one_line_and_leaves_the_previous_checkpoint_loadable(tmp_path, trained, monkeypatch):
+    first = _save(trained, tmp_path, 1)
+    later = _trainer(steps=2)
+    tmp = ckpt.tmp_path(tmp_path, 3)
+    msg = rf"^checkpoint of step 3 not written \(rank 0\): {tmp}: No space left on device \(ENOSPC\); " \
+          rf"the previous checkpoint {first} is intact$"
+    with _disk_full_after(4096), pytest.raises(CheckpointError, match=msg) as e:
+        ckpt.save_shards(later.checkpoint_state(), tmp)
+    assert "\n" not in str(e.value) and not tmp.exists()
+    # the driver's meta.json write fails the same way
+    ckpt.save_shards(later.checkpoint_state(), tmp)
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_write_file", full)
+        with pytest.raises(CheckpointError, match=r"^checkpoint of step 3 not written: .*meta.json.part: No space left "
+                                                  rf"on device \(ENOSPC\); the previous checkpoint {first} is intact$"):
+            ckpt.complete(tmp_path, 3, {"data_position": 4}, keep=0)
+    assert not tmp.exists() and ckpt.list_complete(tmp_path) == [first]
+    assert ckpt.resolve_resume(tmp_path, "auto") == first
+    fresh = _trainer(steps=0)
+    ckpt.load_shards(fresh.checkpoint_state(), first)
+    want = _snapshot(trained)
+    assert all(same_bits(v, want[k]) for k, v in fresh.checkpoint_state().items())
+    # negative twin: with space, the same save completes
+    ckpt.save_shards(later.checkpoint_state(), tmp)
+    assert ckpt.complete(tmp_path, 3, {"data_position": 4}, keep=0) == ckpt.resolve_resume(tmp_path, "auto")
+
+
+# --- EP sizes: the keys don't depend on the EP size (run in spawned gloo ranks) ---------------------
+def _ep_save(rank, world, group, cfg_dict, path):
+    from rlalign.monitor.fingerprint import state_fingerprints
+
+    tr = _trainer(steps=1, group=group, cfg=cfg_dict)
+    ckpt.save_shards(tr.checkpoint_state(), path, rank, group)
+    return state_fingerprints({k: v.cpu() for k, v in tr.checkpoint_state().items()})
+
+
+def _ep_load(rank, world, group, cfg_dict, path):
+    from rlalign.monitor.fingerprint import state_fingerprints
+
+    tr = _trainer(steps=0, group=group, cfg=cfg_dict)
+    ckpt.load_shards(tr.checkpoint_state(), path, rank, group)
+    return state_fingerprints({k: v.cpu() for k, v in tr.checkpoint_state().items()})
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_at_ep2_loads_bitwise_at_ep1_and_ep2(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rlalign.monitor.fingerprint import state_fingerprints
+    from rlalign.parallel import launch
+
+    cfg = OmegaConf.to_container(load_config(["trainer.ep_size=2", "trainer.micro_batch_size=2",
+                                              "dist.timeout_s=60"]), resolve=True)
+    tmp = ckpt.tmp_path(tmp_path, 0)
+    saved = launch.run_workers(2, _ep_save, (cfg, str(tmp)), timeout_s=120)
+    path = ckpt.complete(tmp_path, 0, {}, keep=0)
+    assert ckpt.read_meta(path)["world"] == 2
+    union = {**saved[0], **saved[1]}
+    assert all(saved[0][k] == saved[1][k] for k in saved[0].keys() & saved[1].keys())  # replicated: same bits
+    one = _trainer(steps=0)  # EP 1 holds every expert
+    ckpt.load_shards(one.checkpoint_state(), path)
+    assert state_fingerprints({k: v.cpu() for k, v in one.checkpoint_state().items()}) == union
+    assert launch.run_workers(2, _ep_load, (cfg, str(path)), timeout_s=120) == saved
