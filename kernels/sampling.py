@@ -38,14 +38,20 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
+UNIFORM_BITS = 23  # k + 0.5 for k < 2**23 needs 24 significant bits: exact in fp32
+
+
 def uniform(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u in (0, 1), fp32, shape [B, vocab]; a pure function of the four integers."""
+    """u = (k + 0.5) / 2**23 for k the top 23 bits of the hash, fp32, shape [B, vocab]; a pure
+    function of the four integers. Every value is exact and strictly inside (0, 1): the largest
+    is 1 - 2**-24 (so -log(-log u) <= 16.64, finite), the smallest 2**-24; the 2**23 values are
+    equally likely and symmetric about 1/2."""
     dev = sample_ids.device
     h = mix64(torch.full_like(sample_ids, _s64(seed & _M64)))
     h = mix64(h ^ sample_ids.long())
     h = mix64(h ^ positions.long())
     h = mix64(h[:, None] ^ torch.arange(vocab, device=dev, dtype=torch.long)[None])
-    return (_srl(h, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return (_srl(h, 64 - UNIFORM_BITS).float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def gumbel(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -64,7 +70,7 @@ def _cumsum_fixed(x: torch.Tensor) -> torch.Tensor:
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """z [N, V] fp32 tempered logits -> the same with -inf outside the kept set."""
     if top_k and top_k < z.shape[-1]:
-        kth = torch.sort(z, -1, descending=True).values[..., top_k - 1 : top_k]
+        kth = torch.topk(z, top_k, -1).values[..., -1:]  # the k-th largest value (exact, any algorithm)
         z = torch.where(z >= kth, z, torch.full_like(z, float("-inf")))
     if top_p < 1.0:
         zs = torch.sort(z, -1, descending=True).values
@@ -78,7 +84,12 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim with ties resolved to the lowest index."""
+    """argmax over the last dim with ties resolved to the lowest index. A row with no value
+    equal to its max (NaN) or whose max is -inf (nothing kept) has no token: that is an error,
+    checked on the device (no host sync on CUDA), never an out-of-vocabulary id."""
     m = x.amax(-1, keepdim=True)
     idx = torch.arange(x.shape[-1], device=x.device)
-    return torch.where(x == m, idx, x.shape[-1]).amin(-1)
+    out = torch.where(x == m, idx, x.shape[-1]).amin(-1)
+    torch._assert_async(((out < x.shape[-1]) & (m[..., 0] > float("-inf"))).all(),
+                        "sample: a row has no finite maximum (NaN or all -inf logits); no token can be drawn")
+    return out

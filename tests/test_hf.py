@@ -138,3 +138,48 @@ def test_failed_save_leaves_nothing_half_written(hf_dir, tmp_path, monkeypatch):
         save_hf(m, target)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temp dirs left behind
+
+
+def _rewrite_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_gelu_checkpoint_is_refused_naming_the_field(hf_dir, tmp_path):
+    d, _ = hf_dir
+    bad = _rewrite_config(d, tmp_path / "gelu", hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"config.json: unsupported config field\(s\): hidden_act='gelu'"):
+        load_hf(bad)
+    load_hf(_rewrite_config(d, tmp_path / "silu", hidden_act="silu"))  # twin: the implemented value loads
+
+
+def test_every_qwen3_moe_config_field_is_read_fixed_or_without_effect():
+    """Walk transformers' Qwen3MoeConfig: each field is read into ModelArgs (changing it changes
+    them), pinned to the values implemented (any other is refused by name), or has no effect."""
+    from rlalign.model.args import HF_FIXED, HF_NO_EFFECT, HF_READ, ModelArgs
+
+    base = transformers.Qwen3MoeConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, hidden_size=64).to_dict()
+    ours = ModelArgs().to_hf_config("bfloat16")
+    ref = ModelArgs.from_hf_config(base, "base")
+    for key in sorted(set(base) | set(ours)):
+        assert key in HF_READ | set(HF_FIXED) | HF_NO_EFFECT, f"config field {key!r} is not classified"
+        if key in HF_FIXED:
+            with pytest.raises(ValueError, match=rf"{key}="):
+                ModelArgs.from_hf_config({**base, key: "something-else"}, "walk")
+        elif key in HF_READ and key in base and isinstance(base[key], int) and not isinstance(base[key], bool):
+            changed = {**base, key: base[key] * 2 if base[key] else 2}
+            try:
+                assert ModelArgs.from_hf_config(changed, "walk") != ref, f"{key} changed nothing"
+            except ValueError as e:  # a value the model validates and refuses is also not ignored
+                assert "invalid model arguments" in str(e)
+    # negative twins: a field nobody classified, non-default RoPE, a non-full-attention layer type
+    for extra in ({"qk_layernorm_type": "x"}, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+                  {"layer_types": ["sliding_attention", "full_attention"]}):
+        with pytest.raises(ValueError, match=next(iter(extra))):
+            ModelArgs.from_hf_config({**base, **extra}, "walk")

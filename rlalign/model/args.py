@@ -6,6 +6,58 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+# Every Qwen3-MoE config.json field, by what this model does with it. A field outside these sets,
+# or a value this model does not implement, is refused with its name: a `hidden_act: gelu`
+# checkpoint once loaded and ran as SiLU, and since both sides agreed the monitor could not see it.
+HF_READ = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "eos_token_id",
+})
+# field -> (the values implemented, what the others would need)
+HF_FIXED = {
+    "hidden_act": (("silu",), "only SiLU (SwiGLU) MLPs are implemented"),
+    "rope_scaling": ((None,), "only default RoPE is implemented"),
+    "use_sliding_window": ((False, None), "sliding-window attention is not implemented"),
+    "attention_dropout": ((0, 0.0, None), "attention dropout is not implemented"),
+    "output_router_logits": ((False, None), "the router auxiliary loss is not implemented"),
+    "is_encoder_decoder": ((False, None), "this is a decoder-only model"),
+    "quantization_config": ((None,), "quantized checkpoints are not implemented"),
+    "pruned_heads": ((None, {}), "pruned attention heads are not implemented"),
+}
+# metadata, or knobs that only act through a field above being set (sliding_window and
+# max_window_layers need use_sliding_window; router_aux_loss_coef needs output_router_logits)
+HF_NO_EFFECT = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "name_or_path",
+    "id2label", "label2id", "problem_type", "output_hidden_states", "output_attentions", "return_dict", "use_cache",
+    "chunk_size_feed_forward", "initializer_range", "bos_token_id", "pad_token_id", "sliding_window",
+    "max_window_layers", "router_aux_loss_coef", "tokenizer_class", "use_bfloat16", "torchscript",
+})
+_ROPE_KEYS = {"rope_type", "rope_theta"}
+
+
+def check_hf_fields(cfg: dict, where: str) -> None:
+    """Refuse every config.json field (and value) that this model would otherwise ignore."""
+    problems = []
+    for key in sorted(cfg):
+        value = cfg[key]
+        if key in HF_FIXED:
+            allowed, why = HF_FIXED[key]
+            if not any(value == a and type(value) is type(a) or value is a for a in allowed):
+                problems.append(f"{key}={value!r} ({why})")
+        elif key == "layer_types":
+            if any(t != "full_attention" for t in value or []):
+                problems.append(f"layer_types={value!r} (only full attention is implemented)")
+        elif key not in HF_READ and key not in HF_NO_EFFECT:
+            problems.append(f"{key}={value!r} (a field this model does not implement)")
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or set(rope) - _ROPE_KEYS:
+        problems.append(f"rope_parameters={rope!r} (only default RoPE with rope_theta is implemented)")
+    if problems:
+        raise ValueError(f"{where}: unsupported config field(s): " + "; ".join(problems))
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int = 64
@@ -67,12 +119,9 @@ class ModelArgs:
                 f"{where}: unsupported architecture {arch or cfg.get('model_type')!r}; "
                 "expected Qwen3MoeForCausalLM (model_type 'qwen3_moe')"
             )
+        check_hf_fields(cfg, where)
         try:
             rope = cfg.get("rope_parameters") or {}
-            if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-                raise ValueError(f"{where}: only default RoPE is supported, got {rope or cfg.get('rope_scaling')}")
-            if cfg.get("use_sliding_window"):
-                raise ValueError(f"{where}: sliding-window attention is not supported")
             eos = cfg.get("eos_token_id")
             args = cls(
                 vocab_size=cfg["vocab_size"],

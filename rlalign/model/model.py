@@ -83,14 +83,14 @@ class Attention(nn.Module):
         if cache_write is not None:
             cache_write(k, v)
         o = kernels.attention_prefill(q, k, v, cu_seqlens)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
     def decode(self, x, cos, sin, cache: KVCache, layer: int, slots, positions):
         q, k, v = self._qkv(x, cos, sin)
         cache.update(layer, slots, positions, k, v)
         k_cache, v_cache = cache.get(layer, slots)
         o = kernels.attention_decode(q, k_cache, v_cache, positions + 1)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
