@@ -185,3 +185,135 @@ def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path):
     assert res["replay_same_tokens"] and res["replay_generator_logprobs_equal"] and res["mismatched_tokens"] > 0
     res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))  # without the fault
     assert res["mismatched_tokens"] == 0 and not res["replay_generator_logprobs_equal"]
+
+
+# --- traces of resumed runs ----------------------------------------------------------------------------
+def _weights(step, flip=None):
+    w = {name: torch.arange(4, dtype=torch.float32) + step + i for i, name in enumerate(("a", "b", "c"))}
+    if flip:
+        w[flip].view(torch.int32)[0] ^= 1
+    return w
+
+
+def _worker_steps(tr, steps):
+    """What a generator worker records: per step its tokens, then the synced weights of that step."""
+    for s in steps:
+        tr.step = s
+        tr.record("gen.tokens", torch.tensor([s, s + 1]))
+        tr.step = s
+        tr.record_state("weights", _weights(s))
+        tr.flush()
+
+
+def _resume(path, start, flip=None):
+    from rlalign.monitor.trace import Trace
+
+    tr = Trace(path, "generator", 0, {"seed": 0}, start)
+    tr.step = start - 1  # rl.train: open_traces(start), load the checkpoint, sync_weights(start - 1)
+    tr.record_state("weights", _weights(start - 1, flip))
+    _worker_steps(tr, range(start, 4))
+    tr.close()
+    return tr
+
+
+def _uninterrupted(path):
+    from rlalign.monitor.trace import Trace
+
+    tr = Trace(path, "generator", 0, {"seed": 0})
+    tr.step = -1
+    tr.record_state("weights", _weights(-1))
+    _worker_steps(tr, range(4))
+    tr.close()
+
+
+def _interrupted(path):
+    """Steps 0-1 (checkpoint after step 1), then killed in step 2 in the middle of a line."""
+    from rlalign.monitor.trace import Trace
+
+    tr = Trace(path, "generator", 0, {"seed": 0})
+    tr.step = -1
+    tr.record_state("weights", _weights(-1))
+    _worker_steps(tr, range(3))
+    tr.close()
+    path.write_text(path.read_text() + '{"step": 3, "rank": 0, "na')
+
+
+def _compare(a, b):
+    import io
+
+    from rlalign.monitor.compare import compare_files
+
+    out = io.StringIO()
+    return compare_files(a, b, out), out.getvalue()
+
+
+def test_a_resumed_trace_equals_the_uninterrupted_one(tmp_path):
+    _uninterrupted(tmp_path / "full.jsonl")
+    _interrupted(tmp_path / "part.jsonl")
+    tr = _resume(tmp_path / "part.jsonl", 2)
+    assert tr.replaced == []
+    full, part = read_trace(tmp_path / "full.jsonl")[1], read_trace(tmp_path / "part.jsonl")[1]
+    assert part == full and [r["step"] for r in part].count(1) == 4  # step 1's weights once, not twice
+    assert _compare(tmp_path / "full.jsonl", tmp_path / "part.jsonl") == (True, "identical: 19 records (full.jsonl)\n")
+
+
+def test_negative_twin_a_resumed_trace_with_perturbed_weights_differs_where_they_were_loaded(tmp_path):
+    _uninterrupted(tmp_path / "full.jsonl")
+    _interrupted(tmp_path / "part.jsonl")
+    with pytest.warns(UserWarning, match=r"re-recorded 1 record\(s\) of step 1 differently.*first weights/b"):
+        tr = _resume(tmp_path / "part.jsonl", 2, flip="b")
+    assert tr.replaced == ["weights/b"]
+    ok, text = _compare(tmp_path / "full.jsonl", tmp_path / "part.jsonl")
+    assert not ok and "first difference at record 9" in text and "B: step 1 rank 0 weights/b float32[4]" in text
+
+
+def test_a_trace_resumed_into_a_new_run_dir_compares_from_its_start(tmp_path):
+    _uninterrupted(tmp_path / "full.jsonl")
+    _resume(tmp_path / "fresh.jsonl", 2)
+    header, recs = read_trace(tmp_path / "fresh.jsonl")
+    assert header["start_step"] == 2 and [r["step"] for r in recs][:4] == [1, 1, 1, 2]
+    for a, b in (("full", "fresh"), ("fresh", "full")):
+        ok, text = _compare(tmp_path / f"{a}.jsonl", tmp_path / f"{b}.jsonl")
+        assert ok, text
+        assert "begins at a resume (step 2) without the earlier steps" in text and "identical: 11 records" in text
+    # negative twin: the same with perturbed weights differs at the perturbed tensor
+    _resume(tmp_path / "bad.jsonl", 2, flip="c")
+    ok, text = _compare(tmp_path / "full.jsonl", tmp_path / "bad.jsonl")
+    assert not ok and "B: step 1 rank 0 weights/c" in text and "first difference at record 2" in text
+
+
+@pytest.mark.slow
+def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp_path):
+    import shutil
+
+    from rlalign.rl import train
+
+    base = [*SMALL, "checkpoint.every=2", "logger.console=false"]
+
+    def run(d, *over):
+        train(load_config([*base, f"run.dir={tmp_path / d}", *over]))
+
+    def cli_compare(a, b):
+        return subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(tmp_path / a), str(tmp_path / b)],
+                              capture_output=True, text=True)
+
+    run("full", "run.steps=3")
+    run("part", "run.steps=2")  # checkpoint after step 1
+    shutil.copytree(tmp_path / "part", tmp_path / "pert")
+    ckpt = tmp_path / "part" / "checkpoints" / "step_000001"
+    run("part", "run.steps=3", "checkpoint.resume=auto")
+    p = cli_compare("full", "part")
+    assert p.returncode == 0 and p.stdout.count("identical:") == 3, p.stdout + p.stderr
+    run("fresh", "run.steps=3", f"checkpoint.resume={ckpt}")  # resumed into a new run dir
+    p = cli_compare("full", "fresh")
+    assert p.returncode == 0 and p.stdout.count("identical:") == 3, p.stdout + p.stderr
+    assert "B begins at a resume (step 2) without the earlier steps" in p.stdout
+    # negative twin: resumed on other weights (a valid checkpoint of a run with another learning rate)
+    run("other", "run.steps=2", "trainer.lr=0.02")
+    swapped = tmp_path / "pert" / "checkpoints" / "step_000001"
+    shutil.rmtree(swapped)
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step_000001", swapped)
+    run("pert", "run.steps=3", "checkpoint.resume=auto")
+    p = cli_compare("full", "pert")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "first difference at record" in p.stdout and "B: step 1 rank 0 weights/lm_head.weight" in p.stdout

@@ -1,11 +1,17 @@
-"""`rlalign compare A B`: the first differing fingerprint record of two traces (or run dirs)."""
+"""`rlalign compare A B`: the first differing fingerprint record of two traces (or run dirs).
+
+A trace resumed in its own run dir continues the interrupted run's stream and compares record by
+record with the uninterrupted run's. One resumed into a new run dir (its header's start_step > 0)
+lacks the earlier steps: the other stream is compared from that step on, plus the records of
+earlier steps that the resumed run re-recorded (the checkpoint's weights), by step and name.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from rlalign.monitor.trace import TraceError, env_difference, first_divergence, flatten, read_trace
+from rlalign.monitor.trace import TraceError, align_resumed, env_difference, first_divergence, flatten, read_trace
 
 
 def _describe(rec: dict | None) -> str:
@@ -27,6 +33,9 @@ def compare_files(a: Path, b: Path, out=sys.stdout) -> bool:
         print("these traces come from different runs/configs, so they need not match: "
               + "; ".join(f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in diff[:5])
               + (f" (+{len(diff) - 5} more)" if len(diff) > 5 else ""), file=out)
+    ra, rb, notes = align_resumed(ha, ra, hb, rb)
+    for note in notes:
+        print(f"note ({a.name}): {note}", file=out)
     d = first_divergence(ra, rb)
     if d is None:
         print(f"identical: {len(ra)} records ({a.name})", file=out)
@@ -34,8 +43,12 @@ def compare_files(a: Path, b: Path, out=sys.stdout) -> bool:
     print(f"first difference at record {d['index']} ({a.name}):", file=out)
     print(f"  A: {_describe(d['a'])}", file=out)
     print(f"  B: {_describe(d['b'])}", file=out)
-    prev = f"the previous record ({d['previous']}) matched" if d["previous"] else "it is the first record"
-    print(f"  inputs matched: {'yes' if d['inputs_matched'] else 'no'} ({prev})", file=out)
+    if d["step_first"]:
+        print(f"  inputs: it is step {(d['a'] or d['b'])['step']}'s first record in this stream; its inputs come from "
+              f"the previous step or the other group", file=out)
+    else:
+        prev = f"the previous record ({d['previous']}) matched" if d["previous"] else "it is the first record"
+        print(f"  inputs matched: {'yes' if d['inputs_matched'] else 'no'} ({prev})", file=out)
     return False
 
 

@@ -69,34 +69,116 @@ def env_difference(a: dict, b: dict, allowed: tuple[str, ...] = ()) -> list[str]
 
 
 class Trace:
+    """One process's stream. `start_step` > 0 opens it for a run resumed from the checkpoint after
+    step start_step-1: the records of earlier steps are kept, later ones (written after that
+    checkpoint by the interrupted run) dropped.
+
+    The resume re-records some kept steps: it syncs the checkpoint's weights to the generator as
+    step start_step-1, whose weights the interrupted run recorded already. A re-recorded record
+    equal to the one the trace holds (same step, name and occurrence) is not written again, so a
+    resumed trace equals the uninterrupted run's; one that differs replaces the held record (the
+    stream then shows the weights this run really had, and `rlalign compare` the difference where
+    it arose). Without a trace to continue (resumed into a new run dir) the header records
+    start_step and the re-recorded steps are written; compare aligns such a trace by its keys.
+    """
+
     def __init__(self, path: str | Path, role: str, rank: int, env: dict, start_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.step = rank, start_step
-        kept = []
-        if self.path.exists() and start_step > 0:  # a resumed run rewrites what follows its checkpoint
-            for ln in self.path.read_text().splitlines():
-                rec = json.loads(ln)
-                if rec.get("kind") == "header" or rec["step"] < start_step:
-                    kept.append(ln)
+        self.rank, self.step, self.start_step = rank, start_step, start_step
+        kept = _history(self.path, start_step) if self.path.exists() and start_step > 0 else []
+        self.continued = bool(kept)  # continues an earlier run's stream
         if not kept:
-            kept = [json.dumps({"kind": "header", "role": role, "rank": rank, "env": env})]
+            kept = [json.dumps({"kind": "header", "role": role, "rank": rank, "env": env, "start_step": start_step})]
         self.path.write_text("".join(ln + "\n" for ln in kept))
+        self._held: dict[int, dict[tuple, list[tuple[int, dict]]]] = {}  # step -> (step, name) -> (line no, record)
+        self._seen: dict[tuple, int] = {}  # (step, name) -> times re-recorded
+        self._pending: dict[int, dict] = {}  # line no -> the re-record that replaces the held record
+        self.replaced: list[str] = []  # names of held records that a re-record replaced
         self._f = self.path.open("a")
 
     def record(self, name: str, t: torch.Tensor) -> None:
-        self._f.write(json.dumps({"step": self.step, "rank": self.rank, "name": name, "shape": list(t.shape),
-                                  "dtype": str(t.dtype).removeprefix("torch."), "fp": fingerprint(t)}) + "\n")
+        rec = {"step": self.step, "rank": self.rank, "name": name, "shape": list(t.shape),
+               "dtype": str(t.dtype).removeprefix("torch."), "fp": fingerprint(t)}
+        if self.continued and self.step < self.start_step:
+            self._rerecord(rec)
+        else:
+            self._f.write(json.dumps(rec) + "\n")
+
+    def _rerecord(self, rec: dict) -> None:
+        key = (rec["step"], rec["name"])
+        n = self._seen[key] = self._seen.get(key, 0) + 1
+        if rec["step"] not in self._held:
+            held: dict[tuple, list] = {}
+            for no, ln in enumerate(self.path.read_text().splitlines()[1:], 1):
+                r = json.loads(ln)
+                if r["step"] == rec["step"]:
+                    held.setdefault((r["step"], r["name"]), []).append((no, r))
+            self._held[rec["step"]] = held
+        held = self._held[rec["step"]].get(key, [])
+        if n > len(held):  # the earlier run did not record it
+            self._f.write(json.dumps(rec) + "\n")
+            return
+        no, old = held[n - 1]
+        if old != rec:
+            self._pending[no] = rec
+            held[n - 1] = (no, rec)
+
+    def _apply_replacements(self) -> None:
+        """Rewrite the held records that re-records replaced (once per flush, not per record)."""
+        if not self._pending:
+            return
+        import warnings
+
+        self._f.close()
+        lines = self.path.read_text().splitlines()
+        olds = {no: json.loads(lines[no]) for no in self._pending}
+        for no, rec in self._pending.items():
+            lines[no] = json.dumps(rec)
+        self.path.write_text("".join(ln + "\n" for ln in lines))
+        self._f = self.path.open("a")
+        recs = [self._pending[no] for no in sorted(self._pending)]
+        first, old = recs[0], olds[min(self._pending)]
+        warnings.warn(f"{self.path}: the resumed run re-recorded {len(recs)} record(s) of step {first['step']} "
+                      f"differently from the trace, first {first['name']} (fingerprint {first['fp']}, the trace held "
+                      f"{old['fp']}); the trace now holds what this run recorded", stacklevel=3)
+        self.replaced += [r["name"] for r in recs]
+        self._pending = {}
 
     def record_state(self, prefix: str, state: dict[str, torch.Tensor]) -> None:
         for name in sorted(state):
             self.record(f"{prefix}/{name}", state[name])
 
     def flush(self) -> None:
+        self._apply_replacements()
         self._f.flush()
 
     def close(self) -> None:
+        self._apply_replacements()
         self._f.close()
+
+
+def _history(path: Path, start_step: int) -> list[str]:
+    """The header and the records of steps < start_step of an existing trace (a last line cut
+    short by a killed writer is dropped: it was being written after the checkpoint)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    kept = []
+    for no, ln in enumerate(lines, 1):
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{no}: corrupt record ({e.msg} at column {e.colno}); cannot resume the trace") \
+                from None
+        if no == 1:
+            if rec.get("kind") != "header":
+                raise TraceError(f"{path}:1: not an rlalign trace (the first record is not a header)")
+            kept.append(ln)
+        elif rec["step"] < start_step:
+            kept.append(ln)
+    return kept
 
 
 class TraceError(ValueError):
@@ -132,6 +214,27 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
     if header is None:
         raise TraceError(f"{path}: empty trace")
     return header, records
+
+
+def align_resumed(ha: dict, ra: list[dict], hb: dict, rb: list[dict]) -> tuple[list[dict], list[dict], list[str]]:
+    """Two streams made comparable when one begins at a resume without the earlier run's history
+    (its header's start_step s > 0): of the other stream this keeps the records of steps >= s
+    and, of earlier steps, those the resumed one re-recorded (same step and name), in its own
+    order. Returns both lists and a note per trimmed stream."""
+
+    def trim(resumed_header, resumed, other, names):
+        s = resumed_header.get("start_step", 0)
+        keys = {(r["step"], r["name"]) for r in resumed if r["step"] < s}
+        kept = [r for r in other if r["step"] >= s or (r["step"], r["name"]) in keys]
+        if len(kept) == len(other):
+            return other, []
+        return kept, [f"{names[0]} begins at a resume (step {s}) without the earlier steps: compared {names[1]}'s "
+                      f"records from step {s} on and the {len(keys)} earlier ones {names[0]} re-recorded "
+                      f"({len(other) - len(kept)} left out)"]
+
+    rb2, nb = trim(ha, ra, rb, ("A", "B"))
+    ra2, na = trim(hb, rb, ra, ("B", "A"))
+    return ra2, rb2, nb + na
 
 
 def first_divergence(a: list[dict], b: list[dict]) -> dict | None:
