@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
-from rlalign.kernels import torch_deterministic  # noqa: E402
-from rlalign.kernels import triton_backend as tb  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
+from rlalign.kernels import torch_deterministic  # noqa: E402
+from rlalign.kernels import triton_backend as tb  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS: list[dict] = []
@@ -463,9 +463,8 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
     """Forward+backward of a benchmark MoE, 4k tokens per step (4 x 1024), medians of 20 runs:
     deterministic (triton) against the default mode twice: the per-expert F.linear loop, and
     torch._grouped_mm (TorchTitan's MoE GEMM) where it runs. Time and peak memory."""
-    from rlalign.kernels import torch_default
-
     from rlalign.config import load_config, model_args
+    from rlalign.kernels import torch_default
     from rlalign.model import build_model
 
     cfg = load_config([f"model={model_name}"] if not q else ["model.num_layers=1"])

@@ -4,6 +4,7 @@ bottleneck), synchronising only at the end. Run on a GPU: python experiments/pro
 import time
 
 import torch
+
 from rlalign.kernels import triton_backend as tb
 
 

@@ -7,6 +7,7 @@ layout in place with contiguity hints, so both columns should be close to cuBLAS
 
 import torch
 import triton.testing as tt
+
 from rlalign.kernels import triton_backend as tb
 
 

@@ -17,6 +17,7 @@ import math
 from types import ModuleType
 
 import torch
+
 from rlalign.kernels import sampling
 from rlalign.kernels import torch_default as _default
 from rlalign.kernels import torch_deterministic as _det

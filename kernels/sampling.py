@@ -14,6 +14,7 @@ descending distribution whose mass reaches top_p (values >= the last kept one).
 from __future__ import annotations
 
 import torch
+
 from rlalign.kernels import fixed_order as fo
 
 _M64 = (1 << 64) - 1

@@ -12,6 +12,7 @@ the input dtype.
 from __future__ import annotations
 
 import torch
+
 from rlalign.kernels import fixed_order as fo
 
 # Elements of one materialised product block ([rows, K, N] or [B, Tq, Tk, H, D]); chunking

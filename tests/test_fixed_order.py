@@ -2,6 +2,7 @@ import math
 
 import torch
 from conftest import same_bits
+
 from rlalign.kernels import fixed_order as fo
 
 

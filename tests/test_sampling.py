@@ -1,10 +1,10 @@
 import pytest
 import torch
 from conftest import same_bits, tiny_model
-from rlalign.kernels import sampling
 
 from rlalign import kernels
 from rlalign.generation import SamplingParams, generate
+from rlalign.kernels import sampling
 
 
 def test_noise_is_a_pure_function_of_seed_sample_position():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
 # Every Qwen3-MoE config.json field, by what this model does with it. A field outside these sets,
 # or a value this model does not implement, is refused with its name: a `hidden_act: gelu`
 # checkpoint once loaded and ran as SiLU, and since both sides agreed the monitor could not see it.
