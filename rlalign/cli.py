@@ -1,73 +1,310 @@
-"""rlalign command line: `rlalign COMMAND [key=value ...] [--cfg job]`.
+"""rlalign command line: `rlalign COMMAND [key=value ...] [--cfg [job|hydra|all]]`.
 
     rlalign train   [overrides]   the RL job (GRPO on Ray; embedded default: tiny MoE, CPU)
     rlalign agree   [overrides]   one batch generated and rescored; last line one JSON object
     rlalign gate repeatability|baseline|replay [overrides]   PASS/FAIL, and the first divergence
     rlalign compare TRACE_A TRACE_B   first differing fingerprint record (files or run dirs)
     rlalign report  RUN_DIR           plots and a summary of a run
+
+`rlalign COMMAND --help` lists the config groups and common keys. An error prints one line,
+`rlalign COMMAND: error: ...`, and exits 2 (RLALIGN_DEBUG=1 adds the traceback); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
-
-from omegaconf import OmegaConf
+import traceback
+from pathlib import Path
 
 USAGE = __doc__
+
+COMMANDS = {"agree": "rlalign.agree", "train": "rlalign.rl", "gate": "rlalign.monitor.gates"}
+GATES = ("repeatability", "baseline", "replay")
+CFG_KINDS = ("job", "hydra", "all")
+
+_ABOUT = {
+    "train": "The RL job: GRPO on Ray, a trainer group (EP n) and a generator group (EP m); each step's\n"
+             "generator and trainer logprobs are compared token by token. Writes RUN_DIR/metrics.jsonl,\n"
+             "checkpoints/ and traces/; the last stdout line is a JSON summary.",
+    "agree": "One batch generated (generator.ep_size) and rescored by the trainer (trainer.ep_size, another\n"
+             "batch composition); prints how the two sides' per-token logprobs compare, last line JSON.",
+    "gate": "Two short runs compared record by record; PASS/FAIL and the first divergent op.\n"
+            "  repeatability  the same run twice\n"
+            "  baseline       the run vs the candidate overrides in gate.candidate\n"
+            "  replay         uninterrupted vs resumed from a checkpoint after gate.replay_step",
+}
+_KEYS = {
+    "common": [
+        ("trainer.ep_size", "expert-parallel size of the trainer group (divides model.num_experts)"),
+        ("generator.ep_size", "expert-parallel size of the generator group"),
+        ("kernels.mode", "deterministic | default (same as the kernels group)"),
+        ("kernels.backend", "torch | triton | auto"),
+        ("seed", "seeds prompts, sampling and the model init"),
+        ("device", "cpu | cuda"),
+        ("model.path", "a local HF Qwen3-MoE directory (replaces the model group's sizes)"),
+        ("model.dtype", "bfloat16 | float32"),
+        ("task.num_prompts", "prompts per step"),
+        ("task.samples_per_prompt", "GRPO group size"),
+        ("generator.max_new_tokens", "completion length"),
+    ],
+    "train": [
+        ("run.steps", "steps to run"),
+        ("run.dir", "output directory (hydra.run.dir=DIR means the same)"),
+        ("checkpoint.every", "steps between checkpoints (0: at the end only)"),
+        ("checkpoint.resume", "never | auto | a checkpoint directory"),
+        ("trainer.lr", "learning rate"),
+        ("monitor.on_mismatch", "raise | warn (deterministic mode)"),
+        ("placement.num_cpus", "CPUs of the private Ray cluster (ignored with RAY_ADDRESS)"),
+    ],
+    "agree": [
+        ("agree.num_prompts", "prompts in the batch"),
+        ("agree.replay", "a mismatch dump (RUN_DIR/mismatch-stepN) to replay"),
+    ],
+    "gate": [
+        ("run.steps", "steps of each run"),
+        ("run.dir", "the runs go to RUN_DIR/gate-KIND/{a,b}"),
+        ("gate.candidate", "baseline: the candidate's overrides, e.g. '[generator.ep_size=2]'"),
+        ("gate.replay_step", "replay: resume after this step (default: run.steps // 2 - 1)"),
+    ],
+}
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _groups() -> list[tuple[str, list[str], str]]:
+    """(group, options, default) from configs/<group>/*.yaml and config.yaml's defaults list."""
+    from rlalign.config import CONFIG_DIR
+
+    defaults = {}
+    try:
+        from omegaconf import OmegaConf
+
+        for d in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml")).get("defaults", []):
+            if isinstance(d, dict):
+                defaults.update({str(k): str(v) for k, v in d.items()})
+    except Exception:  # the help still lists the groups
+        pass
+    return [(g.name, sorted(p.stem for p in g.glob("*.yaml")), defaults.get(g.name, ""))
+            for g in sorted(CONFIG_DIR.iterdir()) if g.is_dir()]
+
+
+def _defaults(keys: list[str]) -> dict[str, str]:
+    try:
+        from omegaconf import OmegaConf
+
+        from rlalign.config import load_config
+
+        raw = OmegaConf.to_container(load_config([]), resolve=False)  # run.dir as ${now:...}
+    except Exception:
+        return {}
+    out = {}
+    for k in keys:
+        node = raw
+        for part in k.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if not isinstance(node, dict):
+            out[k] = str(node)
+    return out
+
+
+def help_text(cmd: str) -> str:
+    usage = {"gate": "rlalign gate repeatability|baseline|replay [KEY=VALUE ...] [GROUP=OPTION ...] [--cfg [job]]"}.get(
+        cmd, f"rlalign {cmd} [KEY=VALUE ...] [GROUP=OPTION ...] [--cfg [job|hydra|all]]")
+    keys = _KEYS["common"] + _KEYS[cmd]
+    vals = _defaults([k for k, _ in keys])
+    lines = [f"usage: {usage}", "", _ABOUT[cmd], "",
+             "config groups (GROUP=OPTION; options are configs/GROUP/OPTION.yaml, * the default):"]
+    for g, opts, default in _groups():
+        lines.append(f"  {g:<10} " + ", ".join(o + ("*" if o == default else "") for o in opts))
+    lines += ["", "common keys (KEY=VALUE; default in brackets; all keys: --cfg job prints the composed config):"]
+    w = max(len(k) for k, _ in keys)
+    for k, what in keys:
+        v = f" [{vals[k]}]" if k in vals else ""
+        lines.append(f"  {k:<{w}}  {what}{v}")
+    lines += ["", "options:",
+              "  --cfg [job|hydra|all]  print the composed config and exit (job and all: the config;",
+              "                         hydra: rlalign runs no Hydra app, so there is none to print)",
+              "  -h, --help             this text",
+              "  not supported: -m/--multirun (run one command per setting, e.g. a shell loop over",
+              "                 trainer.ep_size=1 and 2, or compare two settings with rlalign gate baseline);",
+              "                 hydra.* keys other than hydra.run.dir (= run.dir)",
+              "", "environment:",
+              "  RAY_ADDRESS=HOST:PORT  run on that Ray cluster (its own CPUs/GPUs; it keeps running);",
+              "                         `ray job submit -- rlalign ...` sets it. Unset: a private local",
+              "                         cluster that ends with the command (also on kill -9)",
+              "  RLALIGN_DEBUG=1        print the traceback of an error too",
+              "", "exit status:"]
+    if cmd == "gate":
+        lines.append("  0 PASS, 1 FAIL, 2 error (one line: rlalign gate: error: ...), 130 interrupted")
+    elif cmd == "train":
+        lines += ["  0 done, 2 error (one line: rlalign train: error: ...), 130 interrupted (Ctrl-C): the",
+                  "  line names the last complete checkpoint and the command that resumes from it"]
+    else:
+        lines.append(f"  0 done, 2 error (one line: rlalign {cmd}: error: ...), 130 interrupted")
+    return "\n".join(lines)
+
+
+def parse(cmd: str, args: list[str]) -> tuple[list[str], str | None, bool]:
+    """(overrides, --cfg kind or None, help?) of one command's arguments; UsageError if refused."""
+    overrides, show, want_help, i = [], None, False, 0
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if a in ("-h", "--help"):
+            want_help = True
+        elif a in ("--cfg", "-c") or a.startswith("--cfg="):
+            show = a.split("=", 1)[1] if "=" in a else "job"
+            if "=" not in a and i < len(args) and args[i] in CFG_KINDS:
+                show, i = args[i], i + 1
+            if show not in CFG_KINDS:
+                raise UsageError(f"--cfg {show}: expected one of {', '.join(CFG_KINDS)}")
+        elif a in ("-m", "--multirun") or a.startswith("--multirun="):
+            raise UsageError("multirun (-m/--multirun) is not supported: run one command per setting "
+                             "(e.g. `for ep in 1 2; do rlalign train trainer.ep_size=$ep run.dir=runs/ep$ep; done`), "
+                             "or compare two settings with `rlalign gate baseline gate.candidate=[...]`")
+        elif a.startswith("-"):
+            raise UsageError(f"unknown option {a!r} (overrides are KEY=VALUE; see rlalign {cmd} --help)")
+        else:
+            key = a.split("=", 1)[0].lstrip("+~")
+            if key == "hydra.run.dir" and "=" in a:
+                a = "run.dir=" + a.split("=", 1)[1]
+            elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
+                raise UsageError(f"{a}: rlalign runs no Hydra app, so hydra.* settings have no effect; the "
+                                 "output directory is run.dir (hydra.run.dir=DIR is accepted as run.dir=DIR)")
+            overrides.append(a)
+    return overrides, show, want_help
+
+
+def _debug() -> bool:
+    return os.environ.get("RLALIGN_DEBUG", "").strip() not in ("", "0", "false", "no")
+
+
+def _expected(e: BaseException) -> bool:
+    """Errors that are the input's or the environment's, not rlalign's bugs: one line, no traceback."""
+    if isinstance(e, (NotImplementedError, RecursionError)):
+        return False
+    if isinstance(e, (ValueError, OSError, RuntimeError, ImportError)):
+        return True
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(e, ray.exceptions.RayError)
+
+
+def _oneline(e: BaseException) -> str:
+    text = "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    return text or type(e).__name__
+
+
+def _interrupted(cmd: str, overrides: list[str], cfg) -> str:
+    if cmd != "train" or cfg is None:
+        return f"rlalign {cmd}: interrupted"
+    from rlalign.checkpoint import list_complete
+
+    run_dir = Path(str(cfg.run.dir))
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("run.dir", "checkpoint.resume")]
+    resume = "rlalign train " + shlex.join([*kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
+    done = list_complete(run_dir)
+    if done:
+        return f"rlalign train: interrupted; last complete checkpoint: {done[-1]}; resume with: {resume}"
+    return (f"rlalign train: interrupted; no complete checkpoint in {run_dir} (checkpoint.every=N saves every N "
+            f"steps); start again with: {resume}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        if len(argv) > 1 and argv[0] == "help":
+            return main([argv[1], "--help"])
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("compare", "report"):
+        return _run(cmd, lambda: _passthrough(cmd, rest))
+    if cmd not in COMMANDS:
+        print(f"rlalign: error: unknown command {cmd!r}; one of: {', '.join([*COMMANDS, 'compare', 'report'])} "
+              f"(rlalign --help)", file=sys.stderr)
+        return 2
+    state = {"overrides": [], "cfg": None}
+    return _run(cmd, lambda: _command(cmd, rest, state), state)
+
+
+def _passthrough(cmd: str, rest: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in rest):
+        print({"compare": "usage: rlalign compare TRACE_A TRACE_B   (two trace files, or two run directories)\n"
+                          "exit status: 0 same, 1 differ, 2 error",
+               "report": "usage: rlalign report RUN_DIR   (writes RUN_DIR/summary.md and plots)"}[cmd])
+        return 0
     if cmd == "compare":
         from rlalign.monitor.compare import main as compare_main
 
         return compare_main(rest)
-    if cmd == "report":
-        from rlalign.monitor.report import main as report_main
+    from rlalign.monitor.report import main as report_main
 
-        return report_main(rest)
+    return report_main(rest)
+
+
+def _command(cmd: str, rest: list[str], state: dict) -> int:
     gate = None
-    if cmd == "gate":
-        if not rest or rest[0].startswith("-") or "=" in rest[0]:
-            print("usage: rlalign gate repeatability|baseline|replay [overrides]", file=sys.stderr)
-            return 2
+    if cmd == "gate" and rest and not rest[0].startswith("-") and "=" not in rest[0]:
         gate, rest = rest[0], rest[1:]
-    show_cfg = "--cfg" in rest
-    if show_cfg:
-        i = rest.index("--cfg")
-        rest = rest[:i] + rest[i + 2 :]
-    from rlalign.config import ConfigError, load_config
+    overrides, show, want_help = parse(cmd, rest)
+    if want_help:
+        print(help_text(cmd))
+        return 0
+    if cmd == "gate":
+        if gate is None:
+            raise UsageError("which gate? usage: rlalign gate repeatability|baseline|replay [overrides] "
+                             "(rlalign gate --help)")
+        if gate not in GATES:
+            raise UsageError(f"unknown gate {gate!r}; one of: {', '.join(GATES)}")
+    state["overrides"] = overrides
+    from omegaconf import OmegaConf
 
-    commands = {"agree": "rlalign.agree", "train": "rlalign.rl", "gate": "rlalign.monitor.gates"}
-    if cmd not in commands:
-        print(f"rlalign: unknown command {cmd!r}; one of: {', '.join(commands)}", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(rest)
-    except ConfigError as e:
-        print(f"rlalign {cmd}: {e}", file=sys.stderr)
-        return 2
-    if show_cfg:
+    from rlalign.config import load_config
+
+    cfg = state["cfg"] = load_config(overrides)
+    if show == "hydra":
+        print("# rlalign composes configs/ with Hydra's compose API and runs no Hydra app: there is no hydra "
+              "config. The output directory is run.dir; `--cfg job` prints the config.")
+        return 0
+    if show is not None:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
+    if gate is not None:
+        from rlalign.monitor.gates import run_gate
+
+        passed, text = run_gate(gate, overrides, cfg)
+        print(text, flush=True)
+        return 0 if passed else 1
     import importlib
 
+    return importlib.import_module(COMMANDS[cmd]).main(cfg)
+
+
+def _run(cmd: str, body, state: dict | None = None) -> int:
+    """body() with rlalign's error contract: expected errors one line + exit 2, Ctrl-C 130."""
     try:
-        if gate is not None:
-            from rlalign.monitor.gates import run_gate
-
-            passed, text = run_gate(gate, rest, cfg)
-            print(text, flush=True)
-            return 0 if passed else 1
-        return importlib.import_module(commands[cmd]).main(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"rlalign {cmd}: error: {e}", file=sys.stderr)
+        return body()
+    except KeyboardInterrupt:
+        if _debug():
+            traceback.print_exc()
+        st = state or {}
+        try:
+            line = _interrupted(cmd, st.get("overrides", []), st.get("cfg"))
+        except Exception:
+            line = f"rlalign {cmd}: interrupted"
+        print(line, file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:
+        if not _expected(e):
+            raise
+        if _debug():
+            traceback.print_exc()
+        print(f"rlalign {cmd}: error: {_oneline(e)}", file=sys.stderr, flush=True)
         return 2
-
 
 
 def main_entry() -> None:

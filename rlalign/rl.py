@@ -73,19 +73,15 @@ class Job:
     """The driver's view of the two actor groups."""
 
     def __init__(self, cfg: DictConfig):
-        import ray
-
+        from rlalign import cluster
         from rlalign.actors.group import ActorGroup, Placement
         from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 
         self.cfg = cfg
-        self.own_ray = not ray.is_initialized()
-        if self.own_ray:
-            ray.init(num_cpus=int(cfg.placement.num_cpus or os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)
+        self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
         n, m = cfg.trainer.ep_size, cfg.generator.ep_size
         self.placement = Placement.create(cfg.device, [("trainer", n), ("generator", m)],
-                                          cfg.placement.colocate, cfg.placement.num_cpus)
+                                          cfg.placement.colocate)  # the cluster's own CPUs
         cpus = int(cfg.placement.num_cpus or os.cpu_count() or 1)
         threads = max(1, cpus // (n + m))
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -110,15 +106,14 @@ class Job:
         return combined(fps)
 
     def close(self) -> None:
-        import ray
+        from rlalign import cluster
 
         for g in (getattr(self, "trainers", None), getattr(self, "generators", None)):
             if g is not None:
                 g.kill()
         if getattr(self, "placement", None) is not None:
             self.placement.remove()
-        if self.own_ray:
-            ray.shutdown()
+        cluster.disconnect(getattr(self, "own_ray", False))
 
 
 def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, list[dict]]:

@@ -129,22 +129,17 @@ def _train(cfg: DictConfig, run_dir: Path, extra: list[str]) -> None:
 
 
 def run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, str]:
-    """Run one gate (both runs on one local Ray cluster); returns (passed, the report's text)."""
-    import os
-
-    import ray
+    """Run one gate (both runs on one Ray cluster: RAY_ADDRESS's, else a private one); returns
+    (passed, the report's text)."""
+    from rlalign import cluster
 
     if kind not in GATES:
         raise ValueError(f"unknown gate {kind!r}; one of {', '.join(GATES)}")
-    own = not ray.is_initialized()
-    if own:
-        ray.init(num_cpus=int(cfg.placement.num_cpus or os.cpu_count() or 1), include_dashboard=False,
-                 configure_logging=False)
+    initialized = cluster.connect(cfg.placement.num_cpus)
     try:
         return _run_gate(kind, overrides, cfg)
     finally:
-        if own:
-            ray.shutdown()
+        cluster.disconnect(initialized)
 
 
 def _run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, str]:

@@ -1,0 +1,186 @@
+"""The command line in-process: per-command help, --cfg, hydra.* and multirun, one-line errors, Ctrl-C."""
+
+import pytest
+import yaml
+
+from rlalign import cli
+from rlalign.config import ConfigError
+
+KEYS = ["trainer.ep_size", "generator.ep_size", "kernels.mode", "kernels.backend", "seed", "device"]
+
+
+def _run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error_line(err, cmd):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"rlalign {cmd}: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["agree", "-h"], ["gate", "--help"],
+                                  ["gate", "baseline", "--help"], ["help", "train"]])
+def test_per_command_help_lists_groups_and_keys(capsys, argv):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 0 and not err
+    assert out.startswith(f"usage: rlalign {argv[0] if argv[0] != 'help' else argv[1]}")
+    for group in ("model", "task", "kernels", "algorithm", "logger"):
+        assert f"\n  {group} " in out
+    assert "tiny-moe*" in out and "deterministic*" in out  # the defaults are marked
+    for key in KEYS:
+        assert f"  {key} " in out
+    assert "RLALIGN_DEBUG=1" in out and "RAY_ADDRESS" in out
+    if argv[0] == "train":
+        assert "run.steps" in out and "run.dir" in out and "checkpoint.resume" in out
+    if argv[0] == "gate":
+        assert "repeatability" in out and "gate.candidate" in out
+
+
+def test_unknown_option_is_not_help(capsys):
+    rc, out, err = _run(capsys, "train", "--hlep")
+    assert rc == 2 and not out
+    assert "unknown option '--hlep'" in _one_error_line(err, "train")
+
+
+def _printed_cfg(capsys, *argv):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 0, err
+    return yaml.safe_load(out)
+
+
+def test_cfg_does_not_swallow_the_next_override(capsys):
+    assert _printed_cfg(capsys, "train", "--cfg", "trainer.ep_size=1")["trainer"]["ep_size"] == 1
+    assert _printed_cfg(capsys, "train", "--cfg")["trainer"]["ep_size"] == 2  # the default (twin)
+    for form in (["--cfg", "job"], ["--cfg", "all"], ["--cfg=job"], ["-c", "job"]):
+        cfg = _printed_cfg(capsys, "agree", *form, "kernels.mode=default", "seed=7")
+        assert cfg["kernels"]["mode"] == "default" and cfg["seed"] == 7, form
+    rc, out, err = _run(capsys, "train", "--cfg", "hydra")
+    assert rc == 0 and out.startswith("#") and "run.dir" in out
+    rc, out, err = _run(capsys, "train", "--cfg=yaml")
+    assert rc == 2 and "expected one of job, hydra, all" in _one_error_line(err, "train")
+
+
+def test_hydra_run_dir_is_run_dir_and_other_hydra_keys_are_refused(capsys, tmp_path):
+    cfg = _printed_cfg(capsys, "train", "--cfg", f"hydra.run.dir={tmp_path}/x")
+    assert cfg["run"]["dir"] == f"{tmp_path}/x"
+    for bad in ("hydra.job.chdir=true", "hydra.sweep.dir=/tmp/s", "hydra/launcher=basic", "+hydra.verbose=true"):
+        rc, out, err = _run(capsys, "train", bad)
+        assert rc == 2 and not out
+        line = _one_error_line(err, "train")
+        assert bad in line and "hydra.run.dir=DIR is accepted as run.dir" in line
+
+
+@pytest.mark.parametrize("flag", ["-m", "--multirun"])
+def test_multirun_is_refused_with_the_alternatives(capsys, flag):
+    rc, out, err = _run(capsys, "train", flag, "trainer.ep_size=1,2")
+    assert rc == 2 and not out
+    line = _one_error_line(err, "train")
+    assert "multirun" in line and "for ep in" in line and "rlalign gate baseline" in line
+
+
+def _expected_errors():
+    from rlalign.actors.group import ActorFailed
+    from rlalign.checkpoint import CheckpointError
+    from rlalign.rl import MismatchError, RewardError, SyncError
+
+    return [ValueError("bad value"), FileNotFoundError("no such file: x.jsonl"), RewardError("reward raised"),
+            MismatchError("step 0: 3 of 9 tokens differ"), SyncError("weight sync: tensor 'w' differs"),
+            ConfigError("unknown config key 'x'"), OSError(28, "No space left on device"),
+            RuntimeError("worker died"), CheckpointError("checkpoint damaged"),
+            ActorFailed("trainer rank 1 of 2 failed in train_step():\nTraceback ...\nZeroDivisionError: boom"),
+            ConnectionError("RAY_ADDRESS=h:1: no Ray cluster answers there")]
+
+
+@pytest.mark.parametrize("i", range(11))
+def test_expected_errors_are_one_line_and_exit_2(capsys, monkeypatch, i):
+    import rlalign.rl
+
+    exc = _expected_errors()[i]
+
+    def fail(cfg):
+        raise exc
+
+    monkeypatch.setattr(rlalign.rl, "main", fail)
+    monkeypatch.delenv("RLALIGN_DEBUG", raising=False)
+    rc, out, err = _run(capsys, "train", "run.steps=1")
+    assert rc == 2
+    line = _one_error_line(err, "train")
+    assert str(exc).splitlines()[0] in line and "Traceback" not in err.replace("Traceback ...", "")
+
+
+def test_debug_switch_adds_the_traceback_and_bugs_keep_theirs(capsys, monkeypatch):
+    import rlalign.rl
+
+    def fail(cfg):
+        raise ValueError("bad value")
+
+    monkeypatch.setattr(rlalign.rl, "main", fail)
+    monkeypatch.setenv("RLALIGN_DEBUG", "1")
+    rc, out, err = _run(capsys, "train")
+    assert rc == 2 and "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1] == "rlalign train: error: bad value"
+
+    def bug(cfg):
+        raise KeyError("not an input error")
+
+    monkeypatch.delenv("RLALIGN_DEBUG")
+    monkeypatch.setattr(rlalign.rl, "main", bug)
+    with pytest.raises(KeyError):  # a bug is not dressed up as a one-line input error
+        cli.main(["train"])
+
+
+def test_real_config_error_is_one_line(capsys):
+    rc, out, err = _run(capsys, "agree", "trainer.micro_batch=3")
+    assert rc == 2 and "valid keys under 'trainer'" in _one_error_line(err, "agree")
+    rc, out, err = _run(capsys, "gate", "nope")
+    assert rc == 2 and "unknown gate 'nope'" in _one_error_line(err, "gate")
+    rc, out, err = _run(capsys, "gate")
+    assert rc == 2 and "repeatability|baseline|replay" in _one_error_line(err, "gate")
+
+
+def _interrupt_after(run_dir, steps_with_meta, steps_without=()):
+    def body(cfg):
+        for s in (*steps_with_meta, *steps_without):
+            d = run_dir / "checkpoints" / f"step_{s:06d}"
+            d.mkdir(parents=True)
+            if s in steps_with_meta:
+                (d / "meta.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    return body
+
+
+def test_ctrl_c_names_the_last_complete_checkpoint_and_the_resume_command(capsys, monkeypatch, tmp_path):
+    import rlalign.rl
+
+    monkeypatch.setattr(rlalign.rl, "main", _interrupt_after(tmp_path, [1, 3], [4]))  # step 4 half-written
+    rc, out, err = _run(capsys, "train", "seed=3", "checkpoint.resume=never", f"hydra.run.dir={tmp_path}")
+    assert rc == 130
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"last complete checkpoint: {tmp_path}/checkpoints/step_000003;" in lines[0]
+    assert lines[0].endswith(f"resume with: rlalign train seed=3 run.dir={tmp_path} checkpoint.resume=auto")
+
+
+def test_ctrl_c_without_a_checkpoint_says_so(capsys, monkeypatch, tmp_path):
+    import rlalign.rl
+
+    monkeypatch.setattr(rlalign.rl, "main", _interrupt_after(tmp_path, [], [0]))
+    rc, out, err = _run(capsys, "train", f"run.dir={tmp_path}")
+    assert rc == 130 and len(err.strip().splitlines()) == 1
+    assert f"no complete checkpoint in {tmp_path}" in err and "checkpoint.resume=auto" in err
+
+
+def test_ctrl_c_in_a_gate_is_one_line(capsys, monkeypatch, tmp_path):
+    import rlalign.monitor.gates
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rlalign.monitor.gates, "run_gate", interrupted)
+    rc, out, err = _run(capsys, "gate", "repeatability", f"run.dir={tmp_path}")
+    assert rc == 130 and err.strip() == "rlalign gate: interrupted"
