@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.generation import SamplingParams
 from rlalign.model.args import ModelArgs
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -287,6 +288,16 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
+    if cfg.run.steps < 1:
+        problems.append(f"run.steps={cfg.run.steps}: must be >= 1")
+    if cfg.task.max_new_tokens is not None and cfg.task.max_new_tokens < 1:
+        problems.append(f"task.max_new_tokens={cfg.task.max_new_tokens}: must be >= 1 (or null)")
+    g = cfg.generator
+    try:
+        SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                       greedy=g.greedy).validate()
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
 

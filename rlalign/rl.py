@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -21,7 +23,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
+from rlalign.config import model_args
 from rlalign.factory import sampling_params
+from rlalign.model import check_hf_dir, read_args
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.fingerprint import combined, state_fingerprints
 from rlalign.parallel.launch import check_world, shard_range
@@ -48,25 +52,48 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def _prepare(cfg: DictConfig):
-    """All checks that need no actor: task, reward, dataset, tokenizer, sizes, resume point."""
+    """All checks that need no actor, so bad input fails in seconds, before Ray starts: the task,
+    the reward (called once), every prompt the run will see (it encodes and fits the context),
+    the model directory's tensors (headers only), sizes, sampling and the resume point."""
     t = cfg.task
     task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
     tok = make_tokenizer(t.tokenizer)
-    from rlalign.config import model_args
-    from rlalign.model import read_args
-
-    args = read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
+    args = check_hf_dir(cfg.model.path, cfg.model.dtype) if cfg.model.path else model_args(cfg)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {args.vocab_size}")
     check_world(cfg.trainer.ep_size, cfg.device, "trainer.ep_size")
     if not cfg.placement.colocate:
         check_world(cfg.trainer.ep_size + cfg.generator.ep_size, cfg.device, "trainer.ep_size + generator.ep_size")
-    for ex in task.examples(0, 2):  # the prompts encode, the reward runs
-        tok.encode(ex.prompt, where=f"task {t.name} prompt")
+    max_new = sampling_params(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
     run_dir = Path(cfg.run.dir)
     resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
     start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
+    examples = task.all_examples() or [ex for s in range(start, cfg.run.steps)
+                                       for ex in task.examples(s, t.num_prompts)]
+    for ex in examples:
+        where = ex.source or f"task {t.name} prompt {ex.prompt!r}"
+        ids = tok.encode(ex.prompt, where=where)
+        if len(ids) + max_new > args.max_position_embeddings:
+            raise ValueError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds "
+                             f"the model's context of {args.max_position_embeddings} positions")
+    ex = examples[0]
+    call_reward(task, ex.answer, ex, f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)")
     return task, tok, run_dir, resume, start
+
+
+def call_reward(task, completion: str, ex: Example, where: str) -> float:
+    """The reward of one completion: a finite real number, or an error naming the sample. NaN/inf
+    are refused, not skipped: they would reach the advantages and then the weights."""
+    try:
+        value = task.reward(completion, ex)
+    except Exception as e:
+        raise RewardError(f"reward function raised on {where}: {type(e).__name__}: {e}") from e
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RewardError(f"reward function returned {value!r} ({type(value).__name__}) on {where}; "
+                          "a reward must be a real number")
+    if not math.isfinite(value):
+        raise RewardError(f"reward function returned {value!r} on {where}; a reward must be finite")
+    return float(value)
 
 
 class Job:
@@ -137,11 +164,8 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
         body = tokens[:-1] if reason == "eos" else tokens
         completion = tok.decode(body)
         texts.append(completion)
-        try:
-            rewards.append(float(task.reward(completion, examples[i])))
-        except Exception as e:
-            raise RewardError(f"reward function raised on sample {sid} (step {step}, prompt "
-                              f"{examples[i].prompt!r}, completion {completion!r}): {type(e).__name__}: {e}") from e
+        where = f"sample {sid} (step {step}, prompt {examples[i].prompt!r}, completion {completion!r})"
+        rewards.append(call_reward(task, completion, examples[i], where))
     adv = grpo_advantages(rewards, G, cfg.algorithm.norm_adv_by_std)
     t2 = time.perf_counter()
 
@@ -221,8 +245,6 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
 
 def mismatch_detail(cfg, step, prompts, rollouts, gen_lps, train_lps, gen_table, train_table) -> dict:
     """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
-    from rlalign.config import model_args
-    from rlalign.model import read_args
     from rlalign.monitor.divergence import report, tap_order
 
     bad, worst = [], []

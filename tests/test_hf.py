@@ -7,8 +7,8 @@ from conftest import same_bits
 from safetensors.torch import load_file, save_file
 
 from rlalign import kernels
+from rlalign.model import check_hf_dir, load_hf, save_hf
 from rlalign.model import hf as hf_mod
-from rlalign.model import load_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,13 +70,14 @@ def _corrupt(src, dst, edit):
     save_file(t, dst / "model.safetensors")
 
 
-def test_bad_model_directories_name_file_and_tensor(hf_dir, tmp_path):
+@pytest.mark.parametrize("loader", [load_hf, check_hf_dir], ids=["load", "headers_only"])
+def test_bad_model_directories_name_file_and_tensor(hf_dir, tmp_path, loader):
     d, _ = hf_dir
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_hf(tmp_path / "nope")
+        loader(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json: missing"):
-        load_hf(tmp_path / "empty")
+        loader(tmp_path / "empty")
 
     arch = tmp_path / "arch"
     _corrupt(d, arch, lambda t, p: None)
@@ -84,43 +85,43 @@ def test_bad_model_directories_name_file_and_tensor(hf_dir, tmp_path):
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (arch / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
-        load_hf(arch)
+        loader(arch)
 
     bad_json = tmp_path / "badjson"
     _corrupt(d, bad_json, lambda t, p: None)
     (bad_json / "config.json").write_text("{\n  \"vocab_size\": 96,\n oops }")
     with pytest.raises(ValueError, match="config.json: malformed JSON at line 3"):
-        load_hf(bad_json)
+        loader(bad_json)
 
     missing = tmp_path / "missing"
     _corrupt(d, missing, lambda t, p: t.pop("model.layers.0.self_attn.k_proj.weight"))
     with pytest.raises(ValueError, match="missing tensor 'model.layers.0.self_attn.k_proj.weight'"):
-        load_hf(missing)
+        loader(missing)
 
     missing_expert = tmp_path / "missing_expert"
     _corrupt(d, missing_expert, lambda t, p: t.pop("model.layers.2.mlp.experts.3.up_proj.weight"))
     with pytest.raises(ValueError, match=r"missing tensor model.layers.2.mlp.experts.3.up_proj.weight"):
-        load_hf(missing_expert)
+        loader(missing_expert)
 
     shape = tmp_path / "shape"
     _corrupt(d, shape, lambda t, p: t.update({"model.norm.weight": torch.ones(7)}))
     with pytest.raises(ValueError, match=r"tensor .model.norm.weight. has shape \(7,\), expected \(48,\)"):
-        load_hf(shape)
+        loader(shape)
 
     eshape = tmp_path / "eshape"
     _corrupt(d, eshape, lambda t, p: t.update({"model.layers.0.mlp.experts.1.down_proj.weight": torch.ones(48, 5)}))
     with pytest.raises(ValueError, match=r"experts.1.down_proj.weight has shape \(48, 5\), expected \(48, 24\)"):
-        load_hf(eshape)
+        loader(eshape)
 
     dtype = tmp_path / "dtype"
     _corrupt(d, dtype, lambda t, p: t.update({"model.norm.weight": torch.ones(48, dtype=torch.int32)}))
     with pytest.raises(ValueError, match="'model.norm.weight' has dtype torch.int32, expected a floating dtype"):
-        load_hf(dtype)
+        loader(dtype)
 
     extra = tmp_path / "extra"
     _corrupt(d, extra, lambda t, p: t.update({"model.bogus.weight": torch.ones(3)}))
     with pytest.raises(ValueError, match="unexpected tensor 'model.bogus.weight'"):
-        load_hf(extra)
+        loader(extra)
 
 
 def test_failed_save_leaves_nothing_half_written(hf_dir, tmp_path, monkeypatch):

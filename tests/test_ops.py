@@ -254,3 +254,20 @@ def test_mode_switch_rejects_unknown():
         kernels.set_mode("fast")
     with pytest.raises(ValueError, match="kernels.backend"):
         kernels.set_mode(backend="cuda")
+
+
+def test_attention_runs_on_zero_rows():
+    """An EP rank with no rows still runs every layer (its collectives must happen)."""
+    from rlalign.model.args import ModelArgs
+    from rlalign.model.model import Attention
+
+    args = ModelArgs()
+    attn = Attention(args)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    cos, sin = kernels.rope_table(8, args.head_dim, args.rope_theta)
+    out = attn(torch.zeros(0, args.hidden_size), cos[:0], sin[:0], [0])
+    assert out.shape == (0, args.hidden_size)
+    # negative twin: the shape inference the layer used before cannot size an empty batch
+    with pytest.raises(RuntimeError):
+        torch.zeros(0, args.num_heads, args.head_dim).reshape(0, -1)

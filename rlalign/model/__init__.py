@@ -1,5 +1,6 @@
 from rlalign.model.args import ModelArgs
-from rlalign.model.hf import load_hf, read_args, save_hf
+from rlalign.model.hf import check_hf_dir, load_hf, read_args, save_hf
 from rlalign.model.model import DTYPES, KVCache, Transformer, build_model
 
-__all__ = ["DTYPES", "KVCache", "ModelArgs", "Transformer", "build_model", "load_hf", "read_args", "save_hf"]
+__all__ = ["DTYPES", "KVCache", "ModelArgs", "Transformer", "build_model", "check_hf_dir", "load_hf", "read_args",
+           "save_hf"]

@@ -50,7 +50,13 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8}
+
+
+def _read_tensors(path: Path, meta: bool = False) -> dict[str, tuple[torch.Tensor, Path]]:
+    """Every tensor of the directory with its file; meta=True reads the headers only (shape and
+    dtype on the meta device: the checks of a 30 B model's directory cost no tensor reads)."""
     out = {}
     for f in _weight_files(path):
         if not f.is_file():
@@ -58,18 +64,35 @@ def _read_tensors(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
-                    out[k] = (sf.get_tensor(k), f)
+                    if meta:
+                        sl = sf.get_slice(k)
+                        dt = _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8)  # unknown: not floating
+                        out[k] = (torch.empty(sl.get_shape(), dtype=dt, device="meta"), f)
+                    else:
+                        out[k] = (sf.get_tensor(k), f)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
     return out
 
 
+def check_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> ModelArgs:
+    """Every check of `load_hf` (config fields, tensor names, shapes, dtypes) from the headers
+    alone, before any process starts. Returns the model's arguments."""
+    return _state(Path(path), dtype, meta=True)[0]
+
+
 def load_hf(path: str | os.PathLike, dtype: str | None = None, device=None) -> Transformer:
     """Build our Transformer from a HF Qwen3MoeForCausalLM directory; every expected tensor must be
     present with the right shape and a floating dtype (errors name the file and the tensor)."""
-    path = Path(path)
+    args, state, dt = _state(Path(path), dtype, meta=False)
+    model = Transformer(args).to(DTYPES[dt])
+    model.load_state_dict(state, strict=not args.tie_word_embeddings)
+    return model.to(device) if device is not None else model
+
+
+def _state(path: Path, dtype: str | None, meta: bool) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
     args, cfg = read_args(path)
-    raw = _read_tensors(path)
+    raw = _read_tensors(path, meta)
 
     # per-expert HF tensors -> fused [E, 2I, d] / [E, d, I]
     experts: dict[int, dict[int, dict[str, tuple[torch.Tensor, Path]]]] = {}
@@ -119,9 +142,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, device=None) -> T
     if tensors:
         name, (_, f) = sorted(tensors.items())[0]
         raise ValueError(f"{f}: unexpected tensor {name!r} for Qwen3MoeForCausalLM with these arguments")
-    model = Transformer(args).to(DTYPES[dt])
-    model.load_state_dict(state, strict=not args.tie_word_embeddings)
-    return model.to(device) if device is not None else model
+    return args, state, dt
 
 
 def _check_expert_shapes(args: ModelArgs, pre: str, e: int, shapes: dict, f: Path) -> None:

@@ -16,7 +16,7 @@ import importlib
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlalign.tasks import rewards
@@ -28,6 +28,7 @@ RewardFn = Callable[[str, str, str], float]
 class Example:
     prompt: str
     answer: str
+    source: str = field(default="", compare=False)  # "FILE:LINE" for dataset examples
 
 
 def load_reward(path: str) -> RewardFn:
@@ -58,8 +59,13 @@ class Task:
     def make(self, rng: random.Random) -> Example:
         raise NotImplementedError
 
-    def reward(self, completion: str, ex: Example) -> float:
-        return float(self.reward_fn(completion, ex.answer, ex.prompt))
+    def all_examples(self) -> list[Example]:
+        """Every example a dataset holds (checked before a run starts); [] for generated tasks."""
+        return []
+
+    def reward(self, completion: str, ex: Example):
+        """The reward function's value as returned (the caller checks it is a finite number)."""
+        return self.reward_fn(completion, ex.answer, ex.prompt)
 
 
 class Repeat(Task):
@@ -110,6 +116,9 @@ class JsonlTask(Task):
         self.path = Path(path)
         self.data = read_jsonl(self.path)
 
+    def all_examples(self):
+        return self.data
+
     def examples(self, step, n):
         # epoch-wise seeded permutations; the data position is step * n
         out, pos = [], step * n
@@ -127,8 +136,12 @@ def read_jsonl(path: Path) -> list[Example]:
     if not path.is_file():
         raise FileNotFoundError(f"task.path={str(path)!r}: dataset file does not exist")
     out = []
-    with path.open() as f:
-        for no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -141,7 +154,7 @@ def read_jsonl(path: Path) -> list[Example]:
                 raise ValueError(f"{path}:{no}: expected an object with string fields 'prompt' and 'answer'")
             if not obj["prompt"]:
                 raise ValueError(f"{path}:{no}: empty prompt")
-            out.append(Example(obj["prompt"], obj["answer"]))
+            out.append(Example(obj["prompt"], obj["answer"], source=f"{path}:{no}"))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
