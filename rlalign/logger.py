@@ -14,6 +14,7 @@ logger closes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,15 @@ def wandb_mode(cfg_mode: str | None) -> str:
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def json_safe(metrics: dict) -> dict:
+    """Standard JSON: a non-finite number (NaN, inf) becomes null, its name listed under
+    'nonfinite' so that a reader sees which metric it was (bare NaN breaks strict parsers)."""
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return metrics
+    return {**{k: (None if k in bad else v) for k, v in metrics.items()}, "nonfinite": bad}
 
 
 class RunLogger:
@@ -63,7 +73,7 @@ class RunLogger:
     def log(self, step: int, metrics: dict) -> None:
         if self.cfg.logger.jsonl:
             with self.metrics_path.open("a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                f.write(json.dumps({"step": step, **json_safe(metrics)}, allow_nan=False) + "\n")
         texts = {k: v for k, v in metrics.items() if isinstance(v, str)}
         self.text_rows += [[step, k, v] for k, v in texts.items()]
         if self.wandb is not None:

@@ -131,3 +131,13 @@ def test_report_of_a_run_without_mismatches(tmp_path):
     assert "0 of 100000 tokens differ" in ax.figure.get_suptitle()
     ax = mismatch_figure(rows).axes[0]
     assert ax.get_ylim() == (0, 1.1) and _integer_ticks(ax)
+
+
+def test_metrics_jsonl_is_standard_json_with_non_finite_values_named():
+    from rlalign.logger import json_safe
+
+    row = json_safe({"reward/mean": 0.5, "actor/grad_norm": float("nan"), "x": float("inf")})
+    assert json.loads(json.dumps(row, allow_nan=False)) == {"reward/mean": 0.5, "actor/grad_norm": None, "x": None,
+                                                            "nonfinite": ["actor/grad_norm", "x"]}
+    with pytest.raises(ValueError):  # negative twin: the raw row is not standard JSON
+        json.dumps({"actor/grad_norm": float("nan")}, allow_nan=False)
