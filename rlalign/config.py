@@ -3,16 +3,23 @@
 `load_config(["kernels.mode=default", "trainer.ep_size=2"])` composes configs/config.yaml with
 its groups (model, task, algorithm, kernels, logger) and the overrides. A key that the schema
 doesn't know fails with the valid keys listed; values are type-checked by OmegaConf.
+
+The dataclasses below are the one place where defaults live: configs/config.yaml holds only the
+defaults list (which group option is chosen), and a group file (configs/GROUP/OPTION.yaml) holds
+only what its option changes from these defaults (tests/test_config.py checks both). A string
+field with a fixed set of values is declared with `_choice(default, SomeLiteral)`; validate()
+checks all of them in one loop (OmegaConf 2.3 cannot type a field as a Literal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,26 +31,47 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda fmt: datetime.datetime.now().strftime(fmt), use_cache=True)
 
+# The allowed values of the fields declared with _choice() (one Literal per field).
+Dtype = Literal["bfloat16", "float32"]
+KernelMode = Literal["deterministic", "default"]
+KernelBackend = Literal["torch", "triton", "auto"]
+GeneratorBackend = Literal["native"]  # vllm: a later issue
+Layout = Literal["packed", "padded"]
+OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
+WandbMode = Literal["online", "offline", "disabled"]
+OnMismatch = Literal["raise", "warn"]
+Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
+
+_NOT_YET = {"generator.backend": {"vllm": "the vLLM generator is not implemented yet"}}
+
+
+def _choice(default: str | None, allowed: Any) -> Any:
+    """A str field whose value must be one of the Literal `allowed` (None too when default is None)."""
+    assert default is None or default in get_args(allowed), (default, allowed)
+    return field(default=default, metadata={"allowed": allowed})
+
 
 @dataclass
 class ModelConfig(ModelArgs):
+    # ModelArgs' defaults are the tiny-moe model's (configs/model/tiny-moe.yaml changes nothing)
+    eos_token_id: int | None = 1
     name: str = "tiny-moe"
     path: str | None = None  # a local HF Qwen3MoeForCausalLM directory; replaces the fields above
-    dtype: str = "bfloat16"
+    dtype: str = _choice("bfloat16", Dtype)
     init_seed: int = 0
 
 
 @dataclass
 class KernelsConfig:
-    mode: str = "deterministic"  # deterministic | default
-    backend: str = "torch"  # torch | triton | auto
+    mode: str = _choice("deterministic", KernelMode)
+    backend: str = _choice("torch", KernelBackend)
 
 
 @dataclass
 class GeneratorConfig:
     ep_size: int = 1
-    backend: str = "native"
-    max_new_tokens: int = 32
+    backend: str = _choice("native", GeneratorBackend)
+    max_new_tokens: int = 48
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -52,10 +80,10 @@ class GeneratorConfig:
 
 @dataclass
 class TrainerConfig:
-    ep_size: int = 1
-    micro_batch_size: int = 8  # sequences per micro-batch; 0 = all at once
-    layout: str = "packed"  # packed | padded
-    lr: float = 1e-3
+    ep_size: int = 2
+    micro_batch_size: int = 32  # sequences per micro-batch; 0 = all at once
+    layout: str = _choice("packed", Layout)
+    lr: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -96,7 +124,7 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1
     norm_adv_by_std: bool = True
-    old_logprobs: str = "generator"  # generator | trainer (PPO ratio denominator)
+    old_logprobs: str = _choice("generator", OldLogprobs)
     kl_coef: float = 0.0  # reference-model k3 penalty (0 = off)
     tis: TISConfig = field(default_factory=TISConfig)
     icepop: IcePopConfig = field(default_factory=IcePopConfig)
@@ -107,7 +135,7 @@ class WandbConfig:
     enabled: bool = False
     project: str = "rlalign"
     name: str | None = None
-    mode: str | None = None  # online | offline | disabled; None: $WANDB_MODE, else offline without an API key
+    mode: str | None = _choice(None, WandbMode)  # None: $WANDB_MODE, else offline without an API key
     sample_table_every: int = 5
     num_samples: int = 8
 
@@ -134,8 +162,8 @@ class PlacementConfig:
 
 @dataclass
 class MonitorConfig:
-    on_mismatch: str = "raise"  # raise | warn (deterministic mode only)
-    fingerprints: str = "default"  # off | default (weights, grads, logprobs) | layers (+ per-layer hidden)
+    on_mismatch: str = _choice("raise", OnMismatch)  # deterministic mode only
+    fingerprints: str = _choice("default", Fingerprints)
     worst_tokens: int = 10
     inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)
 
@@ -158,7 +186,7 @@ class AgreeConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = 30
+    steps: int = 50
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
 
 
@@ -257,16 +285,11 @@ def _is_free_key(key: str) -> bool:
 def validate(cfg: DictConfig) -> None:
     """Cross-field checks that must fail before any process starts."""
     problems = []
-    if cfg.kernels.mode not in ("deterministic", "default"):
-        problems.append(f"kernels.mode={cfg.kernels.mode!r}: expected deterministic or default")
-    if cfg.kernels.backend not in ("torch", "triton", "auto"):
-        problems.append(f"kernels.backend={cfg.kernels.backend!r}: expected torch, triton or auto")
-    if cfg.model.dtype not in ("bfloat16", "float32"):
-        problems.append(f"model.dtype={cfg.model.dtype!r}: expected bfloat16 or float32")
-    if cfg.trainer.layout not in ("packed", "padded"):
-        problems.append(f"trainer.layout={cfg.trainer.layout!r}: expected packed or padded")
-    if cfg.generator.backend != "native":
-        problems.append(f"generator.backend={cfg.generator.backend!r}: only 'native' is available")
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            why = _NOT_YET.get(key, {}).get(value)
+            problems.append(f"{key}={value!r}: " + (f"{why}; " if why else "") + f"expected {_or(allowed)}")
     num_experts = _num_experts(cfg)
     for side in ("trainer", "generator"):
         ep = cfg[side].ep_size
@@ -277,12 +300,6 @@ def validate(cfg: DictConfig) -> None:
                 f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
                 f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
             )
-    if cfg.algorithm.old_logprobs not in ("generator", "trainer"):
-        problems.append(f"algorithm.old_logprobs={cfg.algorithm.old_logprobs!r}: expected generator or trainer")
-    if cfg.monitor.on_mismatch not in ("raise", "warn"):
-        problems.append(f"monitor.on_mismatch={cfg.monitor.on_mismatch!r}: expected raise or warn")
-    if cfg.monitor.fingerprints not in ("off", "default", "layers"):
-        problems.append(f"monitor.fingerprints={cfg.monitor.fingerprints!r}: expected off, default or layers")
     for key in ("ppo_epochs", "num_minibatches"):
         if cfg.algorithm[key] < 1:
             problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
@@ -302,6 +319,26 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("invalid config: " + "; ".join(problems))
 
 
+def _choices(cls: type, prefix: str = "") -> dict[str, tuple[str | None, ...]]:
+    """{'kernels.mode': ('deterministic', 'default'), ...}: every _choice() field under `cls`
+    (None is allowed where it is the default)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if "allowed" in f.metadata:
+            out[prefix + f.name] = get_args(f.metadata["allowed"]) + ((None,) if f.default is None else ())
+        elif dataclasses.is_dataclass(f.default_factory):
+            out.update(_choices(f.default_factory, f"{prefix}{f.name}."))
+    return out
+
+
+CHOICES = _choices(Config)  # the one table of allowed values: validate() checks it
+
+
+def _or(values: tuple[str | None, ...]) -> str:
+    names = [str(v) if v is None else v for v in values]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _num_experts(cfg: DictConfig) -> int:
     if cfg.model.path:
         from rlalign.model.hf import read_args
@@ -314,3 +351,4 @@ def model_args(cfg: DictConfig) -> ModelArgs:
     names = {f for f in ModelArgs.__dataclass_fields__}
     d = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in names}
     return ModelArgs.from_dict(d, where=f"model ({cfg.model.name})")
+

@@ -1,0 +1,126 @@
+"""One source of config defaults (the dataclasses in rlalign/config.py) and one check of allowed values."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlalign.config import CHOICES, CONFIG_DIR, Config, ConfigError, load_config
+
+GROUPS = sorted(d.name for d in CONFIG_DIR.iterdir() if d.is_dir())
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    """{'trainer.lr': 0.01, ...}; free-form maps (kwargs) are one value."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "kwargs":
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _schema() -> dict:
+    return _leaves(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False))
+
+
+def _raw(path: Path) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+
+
+def _problems(config_dir: Path) -> list[str]:
+    """What makes a config directory hold defaults twice: values in config.yaml besides the
+    defaults list, or a group file that sets a key to the dataclass default."""
+    schema = _schema()
+    problems = [f"config.yaml sets {k}" for k in _raw(config_dir / "config.yaml") if k != "defaults"]
+    for path in sorted(config_dir.glob("*/*.yaml")):
+        group = path.parent.name
+        for key, value in _leaves(_raw(path), f"{group}.").items():
+            if key in schema and schema[key] == value:
+                problems.append(f"{path.relative_to(config_dir)}: {key}={value!r} is the dataclass default")
+    return problems
+
+
+def test_no_yaml_file_repeats_a_default():
+    assert _problems(CONFIG_DIR) == []
+
+
+@pytest.mark.parametrize("where, text, expected", [
+    ("config.yaml", "trainer:\n  lr: 0.5\n", "config.yaml sets trainer"),
+    ("algorithm/grpo.yaml", "clip_low: 0.2\n", "algorithm/grpo.yaml: algorithm.clip_low=0.2 is the dataclass default"),
+    ("logger/console.yaml", "wandb:\n  project: rlalign\n", "logger.wandb.project='rlalign' is the dataclass default"),
+])
+def test_a_repeated_or_disagreeing_default_is_caught(tmp_path, where, text, expected):
+    shutil.copytree(CONFIG_DIR, tmp_path / "configs")
+    with open(tmp_path / "configs" / where, "a") as f:
+        f.write(text)
+    assert any(expected in p for p in _problems(tmp_path / "configs"))
+    load_config(config_dir=tmp_path / "configs")  # still a valid config: only the check above catches it
+
+
+def test_dataclass_defaults_are_the_resolved_defaults():
+    """The default composition = the dataclasses + what the default group options change (only
+    task=repeat's max_new_tokens and kwargs); in particular the values the YAML used to restate."""
+    resolved = _leaves(OmegaConf.to_container(load_config([]), resolve=False))
+    schema = _schema()
+    assert resolved.keys() == schema.keys()
+    chosen = {}
+    for d in _raw(CONFIG_DIR / "config.yaml")["defaults"]:
+        if isinstance(d, dict):
+            ((group, option),) = d.items()
+            chosen.update(_leaves(_raw(CONFIG_DIR / group / f"{option}.yaml"), f"{group}."))
+    assert sorted(chosen) == ["task.kwargs", "task.max_new_tokens"]
+    assert {k: v for k, v in resolved.items() if v != schema[k]} == chosen
+    c = Config()
+    assert (c.trainer.ep_size, c.trainer.lr, c.trainer.micro_batch_size, c.generator.max_new_tokens, c.run.steps) \
+        == (2, 0.01, 32, 48, 50)
+    assert resolved["model.eos_token_id"] == c.model.eos_token_id == 1
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_option_composes(group):
+    for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
+        extra = ["task.path=x.jsonl"] if path.stem == "jsonl" else []
+        cfg = load_config([f"{group}={path.stem}", *extra])
+        assert cfg[group].get("name", path.stem) in (path.stem, "grpo")
+
+
+def test_the_literal_checked_keys():
+    assert sorted(CHOICES) == ["algorithm.old_logprobs", "generator.backend", "kernels.backend", "kernels.mode",
+                               "logger.wandb.mode", "model.dtype", "monitor.fingerprints", "monitor.on_mismatch",
+                               "trainer.layout"]
+    assert CHOICES["kernels.mode"] == ("deterministic", "default")
+    assert CHOICES["logger.wandb.mode"] == ("online", "offline", "disabled", None)
+    schema = _schema()
+    assert all(schema[k] in allowed for k, allowed in CHOICES.items())
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_bad_choice_names_the_key_the_value_and_the_allowed_values(key):
+    with pytest.raises(ConfigError) as e:
+        load_config([f"{key}=bogus"])
+    msg = str(e.value)
+    assert f"{key}='bogus': expected" in msg
+    assert all(str(v) in msg.split(f"{key}='bogus'")[1] for v in CHOICES[key])
+
+
+@pytest.mark.parametrize("key, value", [(k, v) for k, vs in CHOICES.items() for v in vs if v is not None])
+def test_every_allowed_value_is_accepted(key, value):
+    assert OmegaConf.select(load_config([f"{key}={value}"]), key) == value
+
+
+def test_vllm_is_refused_with_a_clear_message():
+    with pytest.raises(ConfigError, match=r"generator.backend='vllm': the vLLM generator is not implemented yet; "
+                                          r"expected native"):
+        load_config(["generator.backend=vllm"])
+
+
+def test_old_messages_kept():
+    with pytest.raises(ConfigError, match=r"kernels.mode='fast': expected deterministic or default"):
+        load_config(["kernels.mode=fast"])
+    with pytest.raises(ConfigError, match=r"monitor.fingerprints='all': expected off, default or layers"):
+        load_config(["monitor.fingerprints=all"])
