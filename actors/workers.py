@@ -1,5 +1,9 @@
 """The processes of an RL job: one trainer rank or one generator rank each. Plain classes (no Ray
-import); actors/group.py hosts them in Ray actors, tests may construct them directly.
+import): actors/group.py hosts them in Ray actors for `rlalign train`, rlalign/agree.py runs the
+same classes on torch.multiprocessing ranks (or in-process at EP 1) for `rlalign agree` — one
+generation path (GeneratorWorker.generate) and one scoring path (TrainerWorker.score /
+train_step, both on Trainer's micro-batched score_micro_batch), whatever launches them.
+Records crossing a process boundary are dataclasses (Rollout, Sample, TrainOutput), never tuples.
 
 Each worker joins its own group's torch.distributed process group (gloo on CPU, NCCL on GPU):
 the trainer group and the generator group are separate groups, possibly of different sizes.
@@ -9,11 +13,34 @@ side re-sharding for its own EP size; both sides fingerprint the full weights to
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+
+from rlalign.factory import apply_kernels, model_from_config
+from rlalign.faults import maybe_fail
+from rlalign.generation import Rollout, SamplingParams, generate
+from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
+from rlalign.parallel.launch import any_live_fn, init_group
+from rlalign.training.trainer import Sample, Trainer
+
+
+@dataclass
+class GenerateOutput:
+    rollouts: list[Rollout]  # this rank's, in input order; logprobs fp32 (the generator's)
+    rows: dict = field(default_factory=dict)  # (sample id, position) -> per-op row fingerprints
+
+
+@dataclass
+class TrainOutput:
+    logprobs: list[torch.Tensor]  # the trainer's pre-update logprobs of this rank's samples, fp32
+    stats: dict[str, float]
+    rows: dict = field(default_factory=dict)
 
 
 class _Monitored:
@@ -44,26 +71,29 @@ class _Monitored:
         self.recorder.rows = self.recorder.layers = level == "layers"
 
 
-def _init(cfg_dict: dict, rank: int, world: int, port: int, threads: int):
-    from rlalign.factory import apply_kernels
-    from rlalign.parallel.launch import init_group
-
-    torch.set_num_threads(max(1, threads))
+def _init(cfg_dict: dict, rank: int, world: int, port: int | None, threads: int, group):
+    """Config, kernels and process group of one rank. A Ray actor (port given) joins its group
+    here; a launcher's rank (rlalign.parallel.launch.run_workers) arrives with its group."""
+    if threads:
+        torch.set_num_threads(max(1, threads))
     cfg = OmegaConf.create(cfg_dict)
-    if cfg.device.startswith("cuda"):
-        cfg.device = "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-    init_group(cfg.device, rank, world, port, cfg.dist.timeout_s, local_gpu=0)
+    if port is not None:
+        if cfg.device.startswith("cuda"):
+            cfg.device = "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        init_group(cfg.device, rank, world, port, cfg.dist.timeout_s, local_gpu=0)
+        group = dist.group.WORLD if world > 1 else None
+    elif group is not None and cfg.device.startswith("cuda"):
+        cfg.device = f"cuda:{rank}"  # the launcher gives rank r GPU r
     apply_kernels(cfg)
-    return cfg, (dist.group.WORLD if world > 1 else None)
+    return cfg, group
 
 
 class TrainerWorker(_Monitored):
     role = "trainer"
 
-    def __init__(self, cfg_dict: dict, rank: int, world: int, port: int, threads: int = 1):
-        from rlalign.training.trainer import Trainer
-
-        self.cfg, self.group = _init(cfg_dict, rank, world, port, threads)
+    def __init__(self, cfg_dict: dict, rank: int, world: int, port: int | None = None, threads: int = 0,
+                 group=None):
+        self.cfg, self.group = _init(cfg_dict, rank, world, port, threads, group)
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
         self._setup_monitor(self.trainer.model)
@@ -71,18 +101,18 @@ class TrainerWorker(_Monitored):
     def pid(self) -> int:
         return os.getpid()
 
-    def train_step(self, samples: list[tuple], alg_dict: dict, step: int) -> tuple[list[list[float]], dict, dict]:
-        """samples: (sample_id, prompt, response, generator_logprobs, advantage) of this rank's share.
-        Returns the pre-update logprobs, stats and (monitor.fingerprints=layers) per-token row
-        fingerprints."""
-        from rlalign.faults import maybe_fail
-        from rlalign.training.trainer import Sample
+    def score(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """The trainer's logprobs of this rank's samples, no update (`rlalign agree`)."""
+        maybe_fail("trainer.score", self.rank)
+        return self.trainer.score(samples)
 
+    def train_step(self, samples: list[Sample], alg_dict: dict, step: int) -> TrainOutput:
+        """One RL update on this rank's share; returns the pre-update logprobs, stats and
+        (monitor.fingerprints=layers) per-token row fingerprints."""
         maybe_fail("trainer.train_step", self.rank)
-        ss = [Sample(p, r, torch.tensor(lp, dtype=torch.float32), a, sid) for sid, p, r, lp, a in samples]
         if self.trace is not None:
             self.trace.step = step
-        lps, stats = self.trainer.train_step(ss, OmegaConf.create(alg_dict))
+        lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         if self.trace is not None:
             tr, t = self.trace, self.trainer
             tr.record("train.logprobs", torch.cat(lps) if lps else torch.zeros(0))
@@ -94,12 +124,10 @@ class TrainerWorker(_Monitored):
                         tr.record(f"optim/{n}/{key}", st[key])
             tr.record_state("weights", dict(t.model.named_parameters()))
             tr.flush()
-        return [x.tolist() for x in lps], stats, self.recorder.pop_table()
+        return TrainOutput(lps, stats, self.recorder.pop_table())
 
     def full_state(self) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its fingerprints)."""
-        from rlalign.monitor.fingerprint import state_fingerprints
-
         full = self.trainer.full_state_dict()
         if self.rank != 0:
             return None, None
@@ -123,11 +151,9 @@ class TrainerWorker(_Monitored):
 class GeneratorWorker(_Monitored):
     role = "generator"
 
-    def __init__(self, cfg_dict: dict, rank: int, world: int, port: int, threads: int = 1):
-        from rlalign.factory import model_from_config
-        from rlalign.parallel.ep import apply_ep
-
-        self.cfg, self.group = _init(cfg_dict, rank, world, port, threads)
+    def __init__(self, cfg_dict: dict, rank: int, world: int, port: int | None = None, threads: int = 0,
+                 group=None):
+        self.cfg, self.group = _init(cfg_dict, rank, world, port, threads, group)
         self.rank, self.world = rank, world
         self.model = model_from_config(self.cfg)
         if self.group is not None:
@@ -137,32 +163,25 @@ class GeneratorWorker(_Monitored):
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: dict, step: int = 0):
-        """Rollouts (sample_id, tokens, logprobs, finish_reason) and per-token row fingerprints."""
-        from rlalign.faults import maybe_fail
-        from rlalign.generation import SamplingParams, generate
-        from rlalign.parallel.launch import any_live_fn
-
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                 step: int = 0) -> GenerateOutput:
+        """Rollouts of this rank's prompts and their per-token row fingerprints."""
         maybe_fail("generator.generate", self.rank)
         if self.trace is not None:
             self.trace.step = step
-        params = {**params, "seed": params["seed"] + self.injection.seed_offset}
-        outs = generate(self.model, prompts, sample_ids, SamplingParams(**params),
+        params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
+        outs = generate(self.model, prompts, sample_ids, params,
                         any_live=any_live_fn(self.group) if self.group is not None else None)
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
-        rows = [(o.sample_id, o.tokens, o.logprobs.tolist(), o.finish_reason) for o in outs]
-        return rows, self.recorder.pop_table()
+        return GenerateOutput(outs, self.recorder.pop_table())
 
     def load_weights(self, full: dict, step: int = -1) -> dict | None:
         """Take this rank's shard of the unsharded state; then gather it back and return (rank 0)
         the fingerprints of what the generator group now holds."""
-        from rlalign.monitor.fingerprint import state_fingerprints
-        from rlalign.parallel.ep import full_state_dict, shard_state_dict
-
         local = shard_state_dict(full, self.rank, self.world)
         with torch.no_grad():
             for n, p in self.model.named_parameters():

@@ -1,16 +1,26 @@
 """`rlalign agree`: generate one batch, rescore it on the trainer side with another batch
-composition, and report how the two sides' per-token logprobs compare."""
+composition, and report how the two sides' per-token logprobs compare.
+
+Both sides run the worker classes of `rlalign train` (actors/workers.py): GeneratorWorker.generate
+and TrainerWorker.score, on torch.multiprocessing ranks at EP > 1 (in this process at EP 1)."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+from rlalign.config import model_args
+from rlalign.factory import sampling_params
 from rlalign.generation import Rollout
+from rlalign.model import read_args
 from rlalign.monitor.consistency import compare
+from rlalign.parallel.launch import check_world, run_workers, shard_range
+from rlalign.training.trainer import Sample
 
 
 def random_prompts(cfg: DictConfig, vocab_size: int, first_token: int = 2) -> list[list[int]]:
@@ -37,10 +47,6 @@ def trainer_order(cfg: DictConfig, n: int) -> list[int]:
 
 def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], int, dict]:
     """A mismatch dump as (config with its weights and sampling, prompts, sample ids, seed, batch)."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
     d = Path(cfg.agree.replay)
     if not (d / "batch.json").is_file() or not (d / "weights" / "config.json").is_file():
         raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
@@ -51,25 +57,59 @@ def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int]
     return cfg, batch["prompts"], batch["sample_ids"], s["seed"], batch
 
 
-def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
-    from rlalign.parallel.launch import generate_batch, score_batch
+def _model_args(cfg: DictConfig):
+    return read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
 
+
+def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, seed: int) -> list[Rollout]:
+    worker = GeneratorWorker(cfg_dict, rank, world, group=group)
+    part = shard_range(len(prompts), world, rank)
+    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, seed)
+    return worker.generate([prompts[i] for i in part], [sample_ids[i] for i in part], params).rollouts
+
+
+def _score_rank(rank: int, world: int, group, cfg_dict: dict, samples: list[Sample]) -> list[torch.Tensor]:
+    worker = TrainerWorker(cfg_dict, rank, world, group=group)
+    return worker.score([samples[i] for i in shard_range(len(samples), world, rank)])
+
+
+def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
+    """fn on each rank of one side: spawned ranks over a process group, or this process at EP 1."""
+    check_world(ep_size, cfg.device, what)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    if ep_size == 1:
+        return [fn(0, 1, None, cfg_dict, *args)]
+    return run_workers(ep_size, fn, (cfg_dict, *args), cfg.device, cfg.dist.timeout_s)
+
+
+def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> list[Rollout]:
+    """The generator group's rollouts (generator.ep_size ranks), in sample order."""
+    parts = _run_side(cfg, cfg.generator.ep_size, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
+    return [r for part in parts for r in part]
+
+
+def score_batch(cfg: DictConfig, prompts, responses, sample_ids=None) -> list[torch.Tensor]:
+    """The trainer group's logprobs of finished sequences (trainer.ep_size ranks), in order."""
+    ids = sample_ids if sample_ids is not None else [None] * len(prompts)
+    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i) for p, r, i in zip(prompts, responses, ids)]
+    parts = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", _score_rank, (samples,))
+    return [lp for part in parts for lp in part]
+
+
+def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     t0 = time.perf_counter()
     replay = None
     if cfg.agree.replay:
         cfg, prompts, ids, seed, replay = load_replay(cfg)
     else:
-        from rlalign.config import model_args
-        from rlalign.model import read_args
-
-        vocab = read_args(cfg.model.path)[0].vocab_size if cfg.model.path else model_args(cfg).vocab_size
-        prompts, seed = random_prompts(cfg, vocab), cfg.seed
+        prompts, seed = random_prompts(cfg, _model_args(cfg).vocab_size), cfg.seed
         ids = list(range(len(prompts)))
-    rollouts, gen_info = generate_batch(cfg, prompts, ids, seed=seed)
+    rollouts = generate_batch(cfg, prompts, ids, seed=seed)
     t1 = time.perf_counter()
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
-    train_lp, score_info = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled])
+    train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled],
+                           [r.sample_id for r in shuffled])
     t2 = time.perf_counter()
     back = [None] * len(rollouts)
     for j, i in enumerate(order):
@@ -82,7 +122,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
         "mean_abs_diff": c["logprob_abs_diff_mean"],
         "kernels": cfg.kernels.mode,
         "backend": cfg.kernels.backend,
-        "dtype": gen_info["dtype"],
+        "dtype": cfg.model.dtype,
         "trainer_ep": cfg.trainer.ep_size,
         "generator_ep": cfg.generator.ep_size,
         "trainer_micro_batch_size": cfg.trainer.micro_batch_size,

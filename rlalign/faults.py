@@ -1,7 +1,8 @@
 """Fault injection for testing failure handling (a crashed actor, a dead rank).
 
 RLALIGN_FAULT="<site>:<rank>:<n>" makes the process running <site> as <rank> exit abruptly
-(os._exit, no cleanup, no message) on its n-th call. Sites: trainer.train_step, generator.generate.
+(os._exit, no cleanup, no message) on its n-th call. Sites: trainer.train_step, trainer.score, generator.generate,
+scoring.score_micro_batch (rank = the process group rank, 0 without one).
 Unset (always, outside tests), it costs one dict lookup.
 """
 

@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign import checkpoint as ckpt
 from rlalign.config import model_args
 from rlalign.factory import sampling_params
+from rlalign.generation import Rollout, SamplingParams
 from rlalign.model import check_hf_dir, read_args
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.fingerprint import combined, state_fingerprints
@@ -32,7 +34,7 @@ from rlalign.parallel.launch import check_world, shard_range
 from rlalign.tasks import Example, make_task
 from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.losses import grpo_advantages
-from rlalign.training.trainer import merge_stat
+from rlalign.training.trainer import Sample, merge_stat
 
 
 class RewardError(RuntimeError):
@@ -143,71 +145,69 @@ class Job:
         cluster.disconnect(getattr(self, "own_ray", False))
 
 
-def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, list[dict]]:
+@dataclass
+class StepBatch:
+    """One step's work: the examples (each prompt repeated samples_per_prompt times), their
+    token ids, their sample ids (a pure function of the step) and the sampling parameters."""
+
+    examples: list[Example]
+    prompts: list[list[int]]
+    sample_ids: list[int]
+    params: SamplingParams
+
+
+def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
     P, G = cfg.task.num_prompts, cfg.task.samples_per_prompt
-    N = P * G
-    t0 = time.perf_counter()
-    examples: list[Example] = [ex for ex in task.examples(step, P) for _ in range(G)]
+    examples = [ex for ex in task.examples(step, P) for _ in range(G)]
     prompts = [tok.encode(ex.prompt, where=f"step {step} prompt") for ex in examples]
-    ids = [step * N + i for i in range(N)]
-    params = dataclasses.asdict(sampling_params(cfg, tok.eos_token_id, step_seed(cfg.seed, step),
-                                                cfg.task.max_new_tokens))
-    m = cfg.generator.ep_size
-    parts = [list(shard_range(N, m, r)) for r in range(m)]
-    gen = job.generators.call("generate", per_rank=[([prompts[i] for i in p], [ids[i] for i in p], params, step)
-                                                    for p in parts])
-    rollouts = [r for part, _ in gen for r in part]  # (sample_id, tokens, logprobs, finish_reason)
-    t1 = time.perf_counter()
+    params = sampling_params(cfg, tok.eos_token_id, step_seed(cfg.seed, step), cfg.task.max_new_tokens)
+    return StepBatch(examples, prompts, [step * P * G + i for i in range(P * G)], params)
 
+
+def generate_rollouts(job: Job, batch: StepBatch, step: int) -> tuple[list[Rollout], dict]:
+    """The generator group's rollouts in sample order, and its per-token row fingerprints."""
+    m = job.generators.world
+    parts = [list(shard_range(len(batch.prompts), m, r)) for r in range(m)]
+    outs = job.generators.call("generate", per_rank=[
+        ([batch.prompts[i] for i in p], [batch.sample_ids[i] for i in p], batch.params, step) for p in parts])
+    return [r for o in outs for r in o.rollouts], {k: v for o in outs for k, v in o.rows.items()}
+
+
+def score_rewards(task, tok, batch: StepBatch, rollouts: list[Rollout], step: int) -> tuple[list[float], list[str]]:
     rewards, texts = [], []
-    for i, (sid, tokens, _, reason) in enumerate(rollouts):
-        body = tokens[:-1] if reason == "eos" else tokens
-        completion = tok.decode(body)
+    for ex, r in zip(batch.examples, rollouts):
+        completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
         texts.append(completion)
-        where = f"sample {sid} (step {step}, prompt {examples[i].prompt!r}, completion {completion!r})"
-        rewards.append(call_reward(task, completion, examples[i], where))
-    adv = grpo_advantages(rewards, G, cfg.algorithm.norm_adv_by_std)
-    t2 = time.perf_counter()
+        where = f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, completion {completion!r})"
+        rewards.append(call_reward(task, completion, ex, where))
+    return rewards, texts
 
-    n = cfg.trainer.ep_size
-    samples = [(ids[i], prompts[i], rollouts[i][1], rollouts[i][2], adv[i]) for i in range(N)]
+
+def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout], adv: list[float],
+             step: int) -> tuple[list[torch.Tensor], dict[str, float], dict]:
+    """One update of the trainer group; its pre-update logprobs in sample order, merged stats, rows."""
+    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
+    n = job.trainers.world
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    out = job.trainers.call("train_step", per_rank=[([samples[i] for i in shard_range(N, n, r)], alg, step)
-                                                    for r in range(n)])
-    train_lps = [torch.tensor(lp, dtype=torch.float32) for lps, _, _ in out for lp in lps]
+    outs = job.trainers.call("train_step", per_rank=[
+        ([samples[i] for i in shard_range(len(samples), n, r)], alg, step) for r in range(n)])
     stats: dict[str, float] = {}
-    for _, st, _ in out:
-        for k, v in st.items():
+    for o in outs:
+        for k, v in o.stats.items():
             stats[k] = v if k.endswith("_last") else merge_stat(k, stats.get(k), v)
-    t3 = time.perf_counter()
+    return [lp for o in outs for lp in o.logprobs], stats, {k: v for o in outs for k, v in o.rows.items()}
 
-    gen_lps = [torch.tensor(r[2], dtype=torch.float32) for r in rollouts]
-    cons = compare(gen_lps, train_lps)
-    detail = None
-    if cons["mismatched_tokens"]:
-        gen_table = {k: v for _, tab in gen for k, v in tab.items()}
-        train_table = {k: v for _, _, tab in out for k, v in tab.items()}
-        detail = mismatch_detail(cfg, step, prompts, rollouts, gen_lps, train_lps, gen_table, train_table)
-    t4 = time.perf_counter()
-    if detail is not None and cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
-        dump = dump_mismatch(job, cfg, step, detail, prompts, rollouts, params)
-        raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
-                            f"generator and trainer in deterministic mode (max |d| "
-                            f"{cons['logprob_abs_diff_max']:.3g}, first divergence: "
-                            f"{detail['first_divergent_op'] or 'unknown (monitor.fingerprints=layers names it)'}); "
-                            f"batch, weights and config dumped to {dump} (replay: rlalign agree "
-                            f"agree.replay={dump})")
-    weights_fp = job.sync_weights(step)
-    t5 = time.perf_counter()
 
-    tokens = cons["tokens"]
-    upd_tokens = max(1, tokens * cfg.algorithm.ppo_epochs)
+def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
+                 stats: dict[str, float]) -> dict:
+    N = len(rollouts)
+    upd_tokens = max(1, cons["tokens"] * cfg.algorithm.ppo_epochs)
     metrics = {
         "reward/mean": sum(rewards) / N,
         "reward/max": max(rewards),
         "reward/min": min(rewards),
-        "response/length_mean": sum(len(r[1]) for r in rollouts) / N,
-        "response/eos_frac": sum(r[3] == "eos" for r in rollouts) / N,
+        "response/length_mean": sum(len(r.tokens) for r in rollouts) / N,
+        "response/eos_frac": sum(r.finish_reason == "eos" for r in rollouts) / N,
         **{f"consistency/{k}": v for k, v in cons.items()},
         "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
         "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
@@ -227,32 +227,63 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
         metrics["icepop/masked_frac"] = stats["icepop_masked_sum"] / upd_tokens
     if cfg.algorithm.kl_coef > 0:
         metrics["kl/ref_k3"] = stats.get("ref_kl_sum", 0.0) / upd_tokens
+    return metrics
+
+
+def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, list[dict]]:
+    """generate -> rewards -> GRPO advantages -> train -> compare the two sides -> weight sync."""
+    t0 = time.perf_counter()
+    batch = make_batch(cfg, task, tok, step)
+    rollouts, gen_rows = generate_rollouts(job, batch, step)
+    t1 = time.perf_counter()
+    rewards, texts = score_rewards(task, tok, batch, rollouts, step)
+    adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
+    t2 = time.perf_counter()
+    train_lps, stats, train_rows = train_on(job, cfg, batch, rollouts, adv, step)
+    t3 = time.perf_counter()
+    cons = compare([r.logprobs for r in rollouts], train_lps)
+    detail = None
+    if cons["mismatched_tokens"]:
+        detail = mismatch_detail(cfg, batch.prompts, rollouts, train_lps, gen_rows, train_rows)
+        if cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
+            dump = dump_mismatch(job, cfg, step, detail, batch, rollouts)
+            raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
+                                f"generator and trainer in deterministic mode (max |d| "
+                                f"{cons['logprob_abs_diff_max']:.3g}, first divergence: "
+                                f"{detail['first_divergent_op'] or 'unknown (monitor.fingerprints=layers names it)'}); "
+                                f"batch, weights and config dumped to {dump} (replay: rlalign agree "
+                                f"agree.replay={dump})")
+    t4 = time.perf_counter()
+    weights_fp = job.sync_weights(step)
+    t5 = time.perf_counter()
+
+    metrics = step_metrics(cfg, rewards, rollouts, cons, stats)
     metrics.update({"sync/weights_fp": weights_fp, "time/generate_s": t1 - t0, "time/reward_s": t2 - t1,
-                    "time/train_s": t3 - t2, "time/score_s": stats.get("time_score_s_max", 0.0),
-                    "time/sync_s": t5 - t4})
-    rows = [{"sample_id": rollouts[i][0], "prompt": examples[i].prompt, "completion": texts[i],
-             "answer": examples[i].answer, "reward": rewards[i]} for i in range(N)]
+                    "time/train_s": t3 - t2, "time/compare_s": t4 - t3, "time/sync_s": t5 - t4})
+    rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": rew}
+            for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
     if detail is not None:
         if detail["first_divergent_op"]:
             metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
         with (Path(cfg.run.dir) / "divergence.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, **detail}) + "\n")
         if cfg.kernels.mode == "deterministic":
-            metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {tokens} tokens differ "
-                                            f"(first divergence: {detail['first_divergent_op']})")
+            metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens "
+                                            f"differ (first divergence: {detail['first_divergent_op']})")
     return metrics, rows
 
 
-def mismatch_detail(cfg, step, prompts, rollouts, gen_lps, train_lps, gen_table, train_table) -> dict:
+def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table) -> dict:
     """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
     from rlalign.monitor.divergence import report, tap_order
 
     bad, worst = [], []
-    for i, (g, t) in enumerate(zip(gen_lps, train_lps)):
+    for p, r, t in zip(prompts, rollouts, train_lps):
+        g = r.logprobs
         for j in torch.nonzero(g.view(torch.int32) != t.view(torch.int32)).flatten().tolist():
-            pos = len(prompts[i]) + j - 1  # the logits row that predicted token j
-            bad.append((rollouts[i][0], pos))
-            worst.append({"sample_id": rollouts[i][0], "position": pos + 1, "token": rollouts[i][1][j],
+            pos = len(p) + j - 1  # the logits row that predicted token j
+            bad.append((r.sample_id, pos))
+            worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
     args = read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
@@ -261,7 +292,7 @@ def mismatch_detail(cfg, step, prompts, rollouts, gen_lps, train_lps, gen_table,
     return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
 
 
-def dump_mismatch(job, cfg, step, detail, prompts, rollouts, params) -> Path:
+def dump_mismatch(job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollout]) -> Path:
     """The offending batch, the generator's weights (a HF directory) and the config, for replay."""
     import ray
 
@@ -274,11 +305,11 @@ def dump_mismatch(job, cfg, step, detail, prompts, rollouts, params) -> Path:
     model = model_from_config(OmegaConf.merge(cfg, {"device": "cpu"}))
     model.load_state_dict(state)
     save_hf(model, out / "weights")
-    batch = {"step": step, "sampling": params, "prompts": prompts,
-             "sample_ids": [r[0] for r in rollouts], "responses": [r[1] for r in rollouts],
-             "generator_logprobs": [r[2] for r in rollouts], "weights_fp": combined(state_fingerprints(state)),
-             **detail}
-    (out / "batch.json").write_text(json.dumps(batch) + "\n")
+    record = {"step": step, "sampling": dataclasses.asdict(batch.params), "prompts": batch.prompts,
+              "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
+              "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
+              "weights_fp": combined(state_fingerprints(state)), **detail}
+    (out / "batch.json").write_text(json.dumps(record) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return out
 

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -26,8 +27,9 @@ def test_agree_default_mode_reports_the_mismatch(dtype):
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True, timeout=300)
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
 
 
 def test_cli_last_line_is_the_json_report():
@@ -47,3 +49,58 @@ def test_cli_rejects_bad_config_with_the_valid_keys():
     assert p.returncode == 2 and "temperature" in p.stderr
     p = _cli("agree", "--cfg", "job", "kernels.mode=default")
     assert p.returncode == 0 and "mode: default" in p.stdout
+
+
+def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
+    """`rlalign agree` certifies the code `rlalign train` runs: the same GeneratorWorker.generate
+    and the trainer's score_micro_batch (spied here in-process; train's side below)."""
+    from rlalign.actors import workers
+    from rlalign.agree import run_agree
+    from rlalign.training import trainer
+
+    calls = {"generate": 0, "score": 0, "score_micro_batch": 0}
+
+    def spy(owner, name, key):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            calls[key] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    spy(workers.GeneratorWorker, "generate", "generate")
+    spy(workers.TrainerWorker, "score", "score")
+    spy(trainer, "score_micro_batch", "score_micro_batch")
+    res, _ = run_agree(load_config(["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=4",
+                                    "generator.max_new_tokens=8"]))
+    assert res["mismatched_tokens"] == 0
+    assert calls["generate"] == 1 and calls["score"] == 1 and calls["score_micro_batch"] >= 1
+    # negative twin: an agree whose generation bypasses the worker is caught by the same check
+    from omegaconf import OmegaConf
+
+    from rlalign import agree
+    from rlalign.factory import model_from_config, sampling_params
+    from rlalign.generation import generate
+
+    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, seed):
+        cfg = OmegaConf.create(cfg_dict)
+        model = model_from_config(cfg)
+        return generate(model, prompts, sample_ids, sampling_params(cfg, model.args.eos_token_id, seed))
+
+    monkeypatch.setattr(agree, "_generate_rank", bypass)
+    calls.update(generate=0, score=0)
+    run_agree(load_config(["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=4",
+                           "generator.max_new_tokens=8"]))
+    assert calls["generate"] == 0 and calls["score"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("site,method", [("generator.generate", "generate"),
+                                         ("scoring.score_micro_batch", "train_step")])
+def test_train_runs_the_generation_and_scoring_functions_agree_certifies(tmp_path, site, method):
+    """A fault planted in the function agree certifies stops `rlalign train` there (its actors are
+    other processes: a spy cannot reach them, an environment-selected fault can)."""
+    p = _cli("train", "run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2", "task.samples_per_prompt=2",
+             "trainer.ep_size=1", "generator.ep_size=1", env={"RLALIGN_FAULT": f"{site}:0:1"})
+    assert p.returncode == 2 and f"failed in {method}()" in p.stderr, p.stderr[-2000:]

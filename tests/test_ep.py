@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 from conftest import same_bits
+from omegaconf import OmegaConf
 
-from rlalign.agree import random_prompts, run_agree
+from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
 from rlalign.monitor.consistency import compare
 from rlalign.parallel import launch
@@ -25,7 +26,7 @@ def test_every_trainer_ep_agrees_with_every_generator_ep(dtype):
     base = _cfg(f"model.dtype={dtype}")
     prompts = random_prompts(base, 64)
     ids = list(range(len(prompts)))
-    gens = {ep: launch.generate_batch(_cfg(f"model.dtype={dtype}", f"generator.ep_size={ep}"), prompts, ids, 0)[0]
+    gens = {ep: generate_batch(_cfg(f"model.dtype={dtype}", f"generator.ep_size={ep}"), prompts, ids, 0)
             for ep in (1, 2)}
     # the generator's own EP size changes nothing either
     assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(gens[1], gens[2]))
@@ -35,7 +36,7 @@ def test_every_trainer_ep_agrees_with_every_generator_ep(dtype):
     scored = {}
     for ep in (1, 2, 4):
         cfg = _cfg(f"model.dtype={dtype}", f"trainer.ep_size={ep}", "trainer.micro_batch_size=5")
-        scored[ep] = launch.score_batch(cfg, P, R)[0]
+        scored[ep] = score_batch(cfg, P, R)
     for ep in (1, 2, 4):  # the trainer's logprobs are bitwise equal at EP 1, 2 and 4 ...
         assert all(same_bits(a, b) for a, b in zip(scored[ep], scored[1]))
         for g in (1, 2):  # ... and equal to what each generator EP sampled with
@@ -64,15 +65,47 @@ def test_negative_twin_default_mode_under_ep_reports_mismatch():
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 
 
+def _grads_rank(rank, world, group, cfg_dict, prompts, responses, steps):
+    """`steps` optimizer steps of -sum(logprob) on the trainer at this EP size: fingerprints of the
+    first step's full gradients and of the final weights, and (rank 0) those gradients."""
+    from omegaconf import OmegaConf
+
+    from rlalign.factory import apply_kernels
+    from rlalign.monitor.fingerprint import state_fingerprints
+    from rlalign.training.trainer import Sample, Trainer
+
+    cfg = OmegaConf.create(cfg_dict)
+    apply_kernels(cfg)
+    trainer = Trainer(cfg, group)
+    samples = [Sample(prompts[i], responses[i], torch.zeros(len(responses[i])))
+               for i in launch.shard_range(len(prompts), world, rank)]
+    total = sum(len(r) for r in responses)
+    first = None
+    for _ in range(steps):
+        trainer.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), total)
+        trainer.reduce_grads()
+        if first is None:
+            first = {}
+            for n, g in trainer.grads.items():
+                if ".mlp.experts." in n:
+                    parts = [torch.empty_like(g) for _ in range(world)]
+                    torch.distributed.all_gather(parts, g.contiguous(), group=group)
+                    g = torch.cat(parts, 0)
+                first[n] = g
+        trainer.optimizer_step()
+    return {"grad_fps": state_fingerprints(first), "weight_fps": state_fingerprints(trainer.full_state_dict()),
+            "grads": first if rank == 0 else None}
+
+
 def test_gradients_are_bit_identical_run_to_run_at_ep2():
     cfg = _cfg("model.dtype=float32", "agree.num_prompts=12", "generator.max_new_tokens=12")
-    ro, _ = launch.generate_batch(cfg, random_prompts(cfg, 64), list(range(12)), 0)
-    args = ([r.prompt for r in ro], [r.tokens for r in ro], [r.logprobs.tolist() for r in ro])
+    ro = generate_batch(cfg, random_prompts(cfg, 64), list(range(12)), 0)
     ep2 = load_config(["model.dtype=float32", "trainer.ep_size=2", "trainer.micro_batch_size=2"])
-    a = launch.train_grads(ep2, *args, steps=2)
-    b = launch.train_grads(ep2, *args, steps=2)
+    args = (OmegaConf.to_container(ep2, resolve=True), [r.prompt for r in ro], [r.tokens for r in ro], 2)
+    a = launch.run_workers(2, _grads_rank, args)[0]
+    b = launch.run_workers(2, _grads_rank, args)[0]
     assert a["grad_fps"] == b["grad_fps"] and a["weight_fps"] == b["weight_fps"]
-    assert any(torch.tensor(v).abs().sum() > 0 for k, v in a["grads"].items() if "experts" in k)
+    assert any(v.abs().sum() > 0 for k, v in a["grads"].items() if "experts" in k)
 
 
 def test_ep_size_must_divide_num_experts_before_any_process_starts():

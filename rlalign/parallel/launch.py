@@ -1,5 +1,6 @@
-"""Process groups without Ray: run a function on `world` ranks (torch.multiprocessing, gloo on
-CPU, NCCL on GPU), plus the two sides of `rlalign agree` at any EP size.
+"""Process groups without Ray: join one (gloo on CPU, NCCL on GPU), or run a function on `world`
+spawned ranks (torch.multiprocessing) that each join one — how `rlalign agree` and the GPU tests
+run the workers of actors/workers.py without Ray.
 
 A rank that raises or dies makes the launcher stop the others at once and raise an error naming
 that rank; collectives carry a timeout (dist.timeout_s) so nothing waits forever.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -19,11 +21,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import DictConfig, OmegaConf
-
-from rlalign.generation import Rollout, generate
-from rlalign.parallel.ep import apply_ep
-from rlalign.training.scoring import micro_batches, score_micro_batch
 
 
 class WorkerError(RuntimeError):
@@ -68,7 +65,8 @@ def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
     try:
         torch.set_num_threads(threads)
         init_group(device, rank, world, port, timeout_s, local_gpu=rank)
-        status, payload = "ok", fn(rank, world, dist.group.WORLD, *args)
+        # plain pickle: tensors travel as bytes, not as shared-memory handles that die with this process
+        status, payload = "ok", pickle.dumps(fn(rank, world, dist.group.WORLD, *args))
         dist.destroy_process_group()
     except BaseException:
         payload = traceback.format_exc()
@@ -94,7 +92,7 @@ def _blame(world: int, procs, errors: dict[int, str]) -> WorkerError:
 
 def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", timeout_s: float = 60.0) -> list:
     """fn(rank, world, group, *args) on `world` spawned ranks; returns results in rank order.
-    fn must be importable (module level) and return picklable plain data."""
+    fn must be importable (module level) and return picklable data (dataclasses, tensors)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -115,7 +113,7 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
             try:
                 rank, status, payload = q.get(timeout=0.1)
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = pickle.loads(payload)  # from our own child process
                 else:
                     errors[rank] = payload
                     failed_at = failed_at or time.monotonic()
@@ -136,24 +134,6 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     return [results[r] for r in range(world)]
 
 
-# --- the two sides of `rlalign agree` -------------------------------------------------------------
-def _setup(cfg_dict: dict, group, side: str):
-    from rlalign.factory import apply_kernels, model_from_config
-    from rlalign.monitor.taps import Injection, TapRecorder
-
-    cfg = OmegaConf.create(cfg_dict)
-    apply_kernels(cfg)
-    if group is not None and cfg.device.startswith("cuda"):
-        cfg.device = f"cuda:{dist.get_rank(group)}"
-    model = model_from_config(cfg)
-    if group is not None:
-        apply_ep(model, group)
-    injection = Injection(cfg.monitor.get("inject"), side)  # replaying a run's injected fault
-    injection.wrap_modules(model)
-    model.taps = TapRecorder(rows=False, trace=None, injection=injection) if injection.kind else None
-    return cfg, model
-
-
 def any_live_fn(group):
     """generate()'s any_live: whether any rank of the group still decodes (all-reduce MAX)."""
 
@@ -163,118 +143,3 @@ def any_live_fn(group):
         return bool(t.item())
 
     return fn
-
-
-def generate_worker(rank, world, group, cfg_dict, prompts, sample_ids, seed):
-    from rlalign.factory import sampling_params
-
-    cfg, model = _setup(cfg_dict, group, "generator")
-    part = shard_range(len(prompts), world, rank)
-    seed += model.taps.injection.seed_offset if model.taps is not None else 0
-    params = sampling_params(cfg, model.args.eos_token_id, seed)
-    outs = generate(
-        model,
-        [prompts[i] for i in part],
-        [sample_ids[i] for i in part],
-        params,
-        any_live=any_live_fn(group) if group is not None else None,
-    )
-    return [(r.sample_id, r.prompt, r.tokens, r.logprobs.tolist(), r.finish_reason) for r in outs]
-
-
-def score_worker(rank, world, group, cfg_dict, prompts, responses):
-    from rlalign.factory import sampling_params
-
-    cfg, model = _setup(cfg_dict, group, "trainer")
-    part = shard_range(len(prompts), world, rank)
-    mbs = micro_batches(len(part), cfg.trainer.micro_batch_size)
-    n_mb = len(mbs)
-    if group is not None:  # every rank runs the same number of forwards (MoE collectives)
-        t = torch.tensor([n_mb], device=model.lm_head.weight.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        n_mb = int(t.item())
-    score_kw = sampling_params(cfg).logprob_kwargs()  # the generator's semantics
-    out = []
-    with torch.no_grad():
-        for i in range(n_mb):
-            idx = [part[j] for j in mbs[i]] if i < len(mbs) else []
-            lps = score_micro_batch(
-                model,
-                [prompts[j] for j in idx],
-                [responses[j] for j in idx],
-                layout=cfg.trainer.layout,
-                **score_kw,
-            )
-            out += [lp.tolist() for lp in lps]
-    return out
-
-
-def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
-    check_world(ep_size, cfg.device, what)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    if ep_size == 1:
-        return [fn(0, 1, None, cfg_dict, *args)]
-    return run_workers(ep_size, fn, (cfg_dict, *args), cfg.device, cfg.dist.timeout_s)
-
-
-def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> tuple[list[Rollout], dict]:
-    per_rank = _run_side(cfg, cfg.generator.ep_size, "generator.ep_size", generate_worker, (prompts, sample_ids, seed))
-    rollouts = [
-        Rollout(sid, p, t, torch.tensor(lp, dtype=torch.float32), fr) for part in per_rank for sid, p, t, lp, fr in part
-    ]
-    return rollouts, {"dtype": cfg.model.dtype}
-
-
-def score_batch(cfg: DictConfig, prompts, responses) -> tuple[list[torch.Tensor], dict]:
-    per_rank = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", score_worker, (prompts, responses))
-    return [torch.tensor(lp, dtype=torch.float32) for part in per_rank for lp in part], {}
-
-
-def grads_worker(rank, world, group, cfg_dict, prompts, responses, gen_logprobs, steps):
-    """`steps` optimizer steps of a plain policy-gradient loss (-mean logprob) on the trainer at
-    this EP size; returns fingerprints of the full gradients of the first step and of the final
-    weights, plus the first step's full gradients (rank 0) for inspection."""
-    from omegaconf import OmegaConf
-
-    from rlalign.monitor.fingerprint import state_fingerprints
-    from rlalign.training.trainer import Sample, Trainer
-
-    cfg = OmegaConf.create(cfg_dict)
-    from rlalign.factory import apply_kernels
-
-    apply_kernels(cfg)
-    trainer = Trainer(cfg, group)
-    part = shard_range(len(prompts), world, rank)
-    samples = [Sample(prompts[i], responses[i], torch.tensor(gen_logprobs[i])) for i in part]
-    total = sum(len(r) for r in responses)
-
-    def loss_fn(lps, idx):
-        lp = torch.cat(lps)
-        return -lp.sum(), {"logprob_sum": lp.detach().sum()}
-
-    first = None
-    for _ in range(steps):
-        trainer.forward_backward(samples, loss_fn, total)
-        trainer.reduce_grads()
-        if first is None:
-            full = {}
-            for n, gr in trainer.grads.items():
-                if world > 1 and ".mlp.experts." in n:
-                    parts = [torch.empty_like(gr) for _ in range(world)]
-                    dist.all_gather(parts, gr.contiguous(), group=group)
-                    gr = torch.cat(parts, 0)
-                full[n] = gr
-            first = full
-        trainer.optimizer_step()
-    weights = trainer.full_state_dict()
-    return {
-        "grad_fps": state_fingerprints(first),
-        "weight_fps": state_fingerprints(weights),
-        "grads": {k: v.tolist() for k, v in first.items()} if rank == 0 else None,
-    }
-
-
-def train_grads(cfg: DictConfig, prompts, responses, gen_logprobs, steps: int = 1) -> dict:
-    per_rank = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", grads_worker,
-                         (prompts, responses, gen_logprobs, steps))
-    return per_rank[0]

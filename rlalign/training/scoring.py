@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from rlalign import kernels
+from rlalign.faults import maybe_fail
 from rlalign.model import Transformer
 from rlalign.monitor.taps import set_rows
 
@@ -40,6 +42,7 @@ def score_micro_batch(
     sample_ids name the rows for the monitor's per-token fingerprints."""
     if layout not in LAYOUTS:
         raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
+    maybe_fail("scoring.score_micro_batch", dist.get_rank() if dist.is_initialized() else 0)
     dev = model.lm_head.weight.device
     if not prompts:  # an empty micro-batch still runs the model: EP ranks step in lockstep
         model(torch.zeros(0, dtype=torch.long, device=dev), [0])
