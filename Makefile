@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlalign-installed
 
-.PHONY: demo test lint install
+.PHONY: demo test test-fast lint install
 
 install: $(STAMP)
 
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests
+
+# the inner loop: everything not marked slow (no Ray clusters, no spawned EP ranks)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check kernels rlalign actors tests experiments
