@@ -1,4 +1,10 @@
-"""Environment record attached to every benchmark result (date, machine, versions, command)."""
+"""Environment record attached to every benchmark result (date, machine, versions, command, git describe).
+
+    python experiments/_env.py NAME [--out DIR] [--command CMD] < result.json
+
+wraps a JSON result printed by another tool (the last line of its stdout, e.g. `rlalign agree`) in
+the same record and writes DIR/NAME.json.
+"""
 
 from __future__ import annotations
 
@@ -17,19 +23,28 @@ from rlalign.monitor.trace import cpu_model
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def environment() -> dict:
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
-        commit = ""
+        return ""
+
+
+def git_describe() -> str:
+    """`git describe --always --dirty` of the checkout ("-dirty": uncommitted changes were measured);
+    "unknown" outside a git checkout."""
+    return _git("describe", "--always", "--dirty") or "unknown"
+
+
+def environment(command: str | None = None) -> dict:
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command or " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "git_commit": commit,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_describe": git_describe(),
     }
     try:
         import triton
@@ -44,9 +59,27 @@ def environment() -> dict:
     return env
 
 
-def write(name: str, payload: dict, out_dir: str | os.PathLike | None = None) -> Path:
+def write(name: str, payload: dict, out_dir: str | os.PathLike | None = None, command: str | None = None) -> Path:
     out = Path(out_dir or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({**environment(), **payload}, indent=2) + "\n")
+    path.write_text(json.dumps({**environment(command), **payload}, indent=2) + "\n")
     return path
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="wrap a JSON result from stdin in the environment record")
+    ap.add_argument("name")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--command", default=None, help="the command that produced the result")
+    a = ap.parse_args()
+    lines = [x for x in sys.stdin.read().splitlines() if x.strip()]
+    if not lines:
+        sys.exit("_env.py: no result on stdin")
+    print("wrote", write(a.name, {"result": json.loads(lines[-1])}, a.out, a.command))
+
+
+if __name__ == "__main__":
+    main()

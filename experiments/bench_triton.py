@@ -1,9 +1,9 @@
 # ruff: noqa: B023  (the benchmark lambdas run inside the loop iteration that defines them)
 """Triton backend on the GPU: bitwise checks, accuracy against fp64, and speed against the
 default path (cuBLAS / SDPA / plain torch) measured in the same run. Prints a table; writes
-results/triton_<gpu>.json.
+results/triton_<gpu>[_<name>].json (experiments/gpu_session.sh passes --name "$(git describe)").
 
-    python experiments/bench_triton.py [--quick] [--out DIR]
+    python experiments/bench_triton.py [--quick] [--only STEP,...] [--name SUFFIX] [--out DIR]
 
 --quick shrinks every shape (and runs on CPU under TRITON_INTERPRET=1) to check the script itself.
 """
@@ -25,7 +25,7 @@ import _env  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import torch_deterministic  # noqa: E402
-from rlalign.kernels import triton_backend as tb  # noqa: E402
+from rlalign.kernels import triton as tb  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS: list[dict] = []
@@ -256,7 +256,7 @@ ATTN_BWD_CANDIDATES = [  # (dK/dV kernel tile, dQ kernel tile)
 def sweep_attention(q: bool) -> None:
     """Each fixed attention config (the key block is part of the contract): decode == prefill
     bitwise at every position, prefill and decode speed against SDPA. The fastest passing one is
-    kept for the rest of the run (and is the one to pin in kernels/triton_backend.py)."""
+    kept for the rest of the run (and is the one to pin in kernels/triton/attention.py)."""
     best, pinned = None, dict(tb.ATTN_FWD[torch.bfloat16])
     for bn, pre_cfg, dec_cfg in ATTN_CANDIDATES if not q else ATTN_CANDIDATES[:1]:
         tb.ATTN_FWD[torch.bfloat16] = dict(BLOCK_N=bn, prefill=dict(pre_cfg), decode=dict(dec_cfg))
@@ -379,7 +379,7 @@ def sweep_matmul(q: bool) -> None:
     shapes = [(4096, 4096), (1024, 2048), (2048, 1024)]  # (N, K)
     data = {nk: (torch.randn(300, nk[1], device=DEV, generator=g).bfloat16(),
                  torch.randn(nk[0], nk[1], device=DEV, generator=g).bfloat16()) for nk in shapes}
-    tb.MATMUL_SMALL_M = {}
+    tb.gemm.MATMUL_SMALL_M = {}
     main = {nk: tb.matmul(x, w.t()) for nk, (x, w) in data.items()}
     best = {64: None, 256: None}
     for cfg in SMALL_M_CANDIDATES:
@@ -387,14 +387,14 @@ def sweep_matmul(q: bool) -> None:
             _small_m_candidate(cfg, data, main, best)
         except Exception as e:
             row("error", f"matmul small-M {cfg}", error=f"{type(e).__name__}: {e}"[:200])
-    main_cfg = tb.MATMUL_CONFIGS[torch.bfloat16]
+    main_cfg = tb.gemm.MATMUL_CONFIGS[torch.bfloat16]
     buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[1] != main_cfg]
-    tb.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
+    tb.gemm.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
     row("sweep", "matmul small-M buckets kept", config=str(buckets))
 
 
 def _small_m_candidate(cfg, data, main, best):
-    tb.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
+    tb.gemm.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
     bad = sum(not bits_equal(tb.matmul(x[:m], w.t()), main[nk][:m])
               for nk, (x, w) in data.items() for m in (1, 2, 5, 63, 64, 65, 100, 128, 255, 256, 300))
     name = "BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} s{num_stages} w{num_warps}".format(**cfg)
@@ -409,7 +409,7 @@ def _small_m_candidate(cfg, data, main, best):
             best[M] = (speeds[M], cfg)
     row("sweep", f"matmul small-M {name}", rows_differing=bad, graph_ratio_M64=speeds[64],
         graph_ratio_M256=speeds[256])
-    tb.MATMUL_SMALL_M = {}
+    tb.gemm.MATMUL_SMALL_M = {}
 
 
 def check_rows(q: bool) -> None:

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from rlalign.kernels import triton_backend as tb
+from rlalign.kernels import triton as tb
 
 
 def per_call_us(fn, n: int = 300) -> float:

@@ -1,14 +1,14 @@
 """Probe: Triton matmul time with an N-contiguous vs a K-contiguous B operand, against cuBLAS
 (same bits either way). Run on a GPU: python experiments/probe_matmul_layout.py
 
-In session 1 it found a 14-18x gap (experiments/README.md, v5). The cause turned out to be the
-where()-clamped tile indices hiding the contiguity of B's N dim (v7); the kernel now reads either
+It once found a 14-18x gap (experiments/README.md, History). The cause turned out to be the
+where()-clamped tile indices hiding the contiguity of B's N dim; the kernel now reads either
 layout in place with contiguity hints, so both columns should be close to cuBLAS."""
 
 import torch
 import triton.testing as tt
 
-from rlalign.kernels import triton_backend as tb
+from rlalign.kernels import triton as tb
 
 
 def median_ms(fn) -> float:

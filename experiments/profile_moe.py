@@ -1,8 +1,8 @@
 """Where the deterministic MoE step spends its time: torch.profiler over one forward+backward of
 configs/model/bench-moe.yaml (4096 tokens), deterministic (triton) vs default; prints the top CUDA
-kernels and the kernel-launch counts, writes results/profile_moe_<gpu>.json.
+kernels and the kernel-launch counts, writes results/profile_moe_<model>_<gpu>[_<name>].json.
 
-    python experiments/profile_moe.py [--out DIR]
+    python experiments/profile_moe.py [--model NAME] [--out DIR] [--name SUFFIX]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--model", default="bench-moe")
+    ap.add_argument("--name", default="", help="suffix of the result name (gpu_session.sh: git describe)")
     a = ap.parse_args()
     from rlalign.kernels import torch_default
 
@@ -67,7 +68,7 @@ def main() -> None:
                 print(f"  {r['self_cpu_ms']:8.2f} ms  {r['calls']:6d}x  {r['name']}")
             del cuda
     gpu = torch.cuda.get_device_name(0).replace(" ", "_")
-    print("wrote", _env.write(f"profile_moe_{a.model}_{gpu}", out, a.out))
+    print("wrote", _env.write(f"profile_moe_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), out, a.out))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def _impl(x: torch.Tensor) -> ModuleType:
         return _default
     backend = _state["backend"]
     if backend == "triton" or (backend == "auto" and x.is_cuda):
-        from rlalign.kernels import triton_backend
+        from rlalign.kernels import triton as triton_backend
 
         return triton_backend.for_tensor(x)
     return _det

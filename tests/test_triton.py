@@ -15,7 +15,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import torch_deterministic as ref  # noqa: E402
-from rlalign.kernels import triton_backend as tb  # noqa: E402
+from rlalign.kernels import triton as tb  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_matmul_rows_identical_across_the_small_m_buckets():
-    from rlalign.kernels import triton_backend as tb
+    from rlalign.kernels import triton as tb
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1100, 1024, device="cuda", generator=g).bfloat16()
@@ -23,7 +23,7 @@ def test_matmul_rows_identical_across_the_small_m_buckets():
 
 
 def test_grouped_rows_equal_matmul_rows_and_decode_equals_prefill():
-    from rlalign.kernels import triton_backend as tb
+    from rlalign.kernels import triton as tb
 
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(8, 1536, 1024, device="cuda", generator=g) * 0.05).bfloat16()

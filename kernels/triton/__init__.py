@@ -1,0 +1,50 @@
+"""Triton backend of the deterministic op set (GPU; CPU tensors under TRITON_INTERPRET=1).
+
+The contract is the torch reference's: the bits of an output row depend only on that row's
+inputs. One module per kernel family, each kernel beside its wrapper and its pinned config:
+  gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order
+  norm         rmsnorm (+ the ordered column sum of its weight-gradient partials)
+  logprob      log_softmax_gather
+  attention    attention_prefill, attention_decode (decode == prefill bitwise)
+  elementwise  swiglu, rope
+  moe          moe_route, moe_combine
+  embed        embedding (backward in position order, no atomics)
+  common       _check, _num_sms, the launch-plan cache, INTERPRET
+
+Under the interpreter, tl.dot on bf16 operands returns garbage (triton 3.6/3.9), so operands are
+upcast to fp32 there, and smaller tiles are used; interpreted bits are not comparable to GPU bits.
+How the pinned configs were measured: experiments/README.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import attention, common, elementwise, embed, gemm, logprob, moe, norm
+from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_prefill
+from .common import INTERPRET, SUPPORTED
+from .elementwise import rope, swiglu
+from .embed import embedding
+from .gemm import MATMUL_CONFIGS, grouped_linear, linear, matmul
+from .logprob import log_softmax_gather
+from .moe import moe_combine, moe_route
+from .norm import rmsnorm
+
+__all__ = [
+    "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
+    "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm", "grouped_linear",
+    "linear", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route", "norm", "rmsnorm",
+    "rope", "swiglu",
+]
+
+
+def for_tensor(x: torch.Tensor):
+    """This package (the op API), if it can run on x's device; otherwise a clear error."""
+    if x.is_cuda or INTERPRET:
+        return sys.modules[__name__]
+    raise RuntimeError(
+        "kernels.backend=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); "
+        "use kernels.backend=torch or auto on this device"
+    )

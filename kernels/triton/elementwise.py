@@ -1,0 +1,121 @@
+"""Elementwise and row-local fused kernels: SwiGLU and RoPE (rotate-half), forward and backward."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _check
+
+_EW_BLOCK = 1024
+
+
+@triton.jit
+def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * sig
+    tl.store(du_ptr + offs, (dy * silu).to(du_ptr.dtype.element_ty), mask=m)
+    tl.store(dg_ptr + offs, (dy * u * (sig + silu * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=m)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, y, n, BLOCK=_EW_BLOCK)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, dy.contiguous(), dg, du, n, BLOCK=_EW_BLOCK)
+        return dg, du
+
+
+def swiglu(gate, up):
+    """silu(gate) * up in fp32, one rounding; elementwise, so trivially row-invariant."""
+    _check("swiglu", gate, up)
+    return _SwiGLU.apply(gate, up)
+
+
+# --- RoPE (rotate-half), fwd/bwd ---------------------------------------------------------------------
+@triton.jit
+def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sxn, sxh, syn, syh, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 SIGN: tl.constexpr):
+    """Row n, all heads: y1 = x1 c1 - SIGN x2 s1, y2 = x2 c2 + SIGN x1 s2 in fp32 (SIGN = -1: the
+    transpose, i.e. the backward)."""
+    n = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    m = (h < H)[:, None]
+    x1 = tl.load(x_ptr + n * sxn + h[:, None] * sxh + d[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + n * sxn + h[:, None] * sxh + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
+    c1 = tl.load(c_ptr + n * 2 * HALF + d)[None, :]
+    c2 = tl.load(c_ptr + n * 2 * HALF + HALF + d)[None, :]
+    s1 = tl.load(s_ptr + n * 2 * HALF + d)[None, :]
+    s2 = tl.load(s_ptr + n * 2 * HALF + HALF + d)[None, :]
+    if SIGN > 0:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    else:  # (R^T g): g1 c1 + g2 s2, g2 c2 - g1 s1
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    tl.store(y_ptr + n * syn + h[:, None] * syh + d[None, :], y1.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + n * syn + h[:, None] * syh + HALF + d[None, :], y2.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rope_apply(x, cos, sin, sign: int):
+    N, H, D = x.shape
+    if D % 2 or (D // 2) & (D // 2 - 1):
+        raise ValueError(f"triton rope: head_dim={D} must be twice a power of two")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    y = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
+    if N:
+        _rope_kernel[(N,)](x, cos, sin, y, H, x.stride(0), x.stride(1), y.stride(0), y.stride(1), HALF=D // 2,
+                           BLOCK_H=triton.next_power_of_2(H), SIGN=sign)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_apply(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rope_apply(g, cos, sin, -1), None, None
+
+
+def rope(x, cos, sin):
+    """x [N, H, D] rotated by rows cos/sin [N, D] (fp32) of the shared table; per row, fp32."""
+    _check("rope", x)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin)
+    return _rope_apply(x, cos, sin, 1)

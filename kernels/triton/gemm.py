@@ -1,0 +1,285 @@
+"""Matmul, linear and the grouped (expert) GEMM: ONE persistent kernel over a table of problems.
+
+Every output element reduces K in BLOCK_K chunks, in order, with the same tl.dot for every M: a
+pinned config per dtype and M bucket, never autotuned. Linear forward, both backward GEMMs and the
+grouped expert GEMMs (forward, dX, dW: one launch each, no atomics) use it. Backward operands are
+read in place (M- or N-contiguous), never transposed copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, _cached, _check, _num_sms
+
+# The contract: one config per dtype (and one for the interpreter), never autotuned.
+# bf16/fp16 main config, measured on one H200 (experiments/README.md, results/triton_NVIDIA_H200_v10.json):
+# 0.99x cuBLAS at 4096^3, 0.96x at 8192^3; rows bitwise equal for M = 1..8192.
+MATMUL_CONFIGS = {
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
+}
+INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
+# Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
+# A config may join only if every element still reduces K in the same order through the same chain
+# of k16 MMAs into one fp32 accumulator (BLOCK_K 64 or 128 cut that chain at different points, not
+# reorder it), and its rows measured bitwise equal to the main config's for M = 1..8192 on the GPU
+# (experiments/bench_triton.py --only matmul_sweep,matmul). Measured on H200: 0 rows differing for
+# every candidate; these two: M=64 1.01x, M=256 0.87x cuBLAS (CUDA graphs 0.82x / 1.02x), against
+# 0.17x / 0.31x with the main config.
+_SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
+          (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=4))]
+MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
+                 P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
+                 IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
+                 B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr):
+    """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
+    Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
+    C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
+    in BLOCK_K chunks, in order, with the same tl.dot: a row's bits depend on its own data only,
+    never on M_p, on the other problems or on which program computed it. Operands come in any
+    strides (K-, M- or N-contiguous); the host says which hints hold (EVEN_K: every K_p is a multiple
+    of BLOCK_K, so K needs no mask; A_M_CONTIG / B_N_CONTIG: that dim is contiguous and a multiple of
+    16 long, so clamped rows never split a vector). SINGLE: one problem given as M1, K1 (no table);
+    the same tiles and instructions."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    if not SINGLE:
+        pr = tl.arange(0, P2)
+        firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
+    for tile in tl.range(pid, num_tiles, NUM_SMS):
+        if SINGLE:
+            local = tile
+            M = M1
+            K = K1
+            a_base = a_ptr
+            b_base = b_ptr
+            c_base = c_ptr
+        else:
+            p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
+            row = prob_ptr + p * 6
+            local = (tile - tl.load(row)).to(tl.int32)
+            M = tl.load(row + 1).to(tl.int32)
+            K = tl.load(row + 2).to(tl.int32)
+            a_off = tl.load(row + 3)
+            b_off = tl.load(row + 4)
+            c_off = tl.load(row + 5)
+            if ALIGNED:  # the host checked: every offset is a multiple of 16 elements
+                a_off = tl.multiple_of(a_off, 16)
+                b_off = tl.multiple_of(b_off, 16)
+                c_off = tl.multiple_of(c_off, 16)
+            a_base = a_ptr + a_off
+            b_base = b_ptr + b_off
+            c_base = c_ptr + c_off
+        if EVEN_K:
+            K = tl.multiple_of(K, BLOCK_K)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        group = local // in_group
+        first_m = group * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (local % size_m)
+        pid_n = (local % in_group) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
+        rbn = tl.where(rn < N, rn, 0)
+        if A_M_CONTIG:
+            ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
+        if B_N_CONTIG:
+            rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
+            rk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
+            else:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(c_base + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(dtype, m: int | None = None) -> dict:
+    """The pinned config for dtype; m (rows, or rows per problem) picks a small-M one if any."""
+    if INTERPRET:
+        return dict(INTERPRET_MATMUL)
+    for max_m, cfg in MATMUL_SMALL_M.get(dtype, ()):
+        if m is not None and m <= max_m:
+            return dict(cfg)
+    return dict(MATMUL_CONFIGS[dtype])
+
+
+def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
+    """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
+    scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index. The plan
+    (tile table on the device, grid, layout flags) is cached: the host work per call is one lookup."""
+    if max(a.numel(), b.numel(), c.numel()) >= 2**31:
+        raise ValueError(f"triton matmul: operands of {max(a.numel(), b.numel(), c.numel())} elements "
+                         "exceed the kernel's 32-bit tile offsets")
+    key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device)
+    table, grid, kw = _cached(key, lambda: _gemm_plan(a, problems, N, strides, cfg))
+    if table is not None:
+        _gemm_kernel[grid](a, b, c, table, *kw["args"], *strides, **kw["meta"])
+
+
+def _gemm_plan(a, problems, N, strides, cfg):
+    rows, first = [], 0
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    for M_p, K_p, ao, bo, co in problems:
+        rows.append((first, M_p, K_p, ao, bo, co))
+        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * n_tiles
+    if first == 0:
+        return None, None, None
+    sam, sak, sbk, sbn = strides[:4]
+    flags = dict(
+        ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:]),
+        EVEN_K=all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
+        A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
+        B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
+    )
+    single = len(rows) == 1 and rows[0][3:] == (0, 0, 0)
+    # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
+    # then takes any tensor, never read)
+    table = torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True) if not single else a
+    sms = _num_sms(a.device)
+    meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
+                IEEE=a.dtype == torch.float32, SINGLE=single, **flags, **cfg)
+    M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0)
+    return table, (min(sms, first),), {"args": (first, N, M1, K1), "meta": meta}
+
+
+def _usable(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D operand the kernel can read in place: one of its dims contiguous (else a copy)."""
+    return t if 1 in t.stride() or t.numel() <= 1 else t.contiguous()
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] @ [K, N] -> [M, N] in a's dtype, fp32 accumulation; any strides. Bits of a row of
+    the result are independent of M (fixed config, no split-K)."""
+    _check("matmul", a, b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"triton matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
+    if a.dtype != b.dtype:
+        raise TypeError(f"triton matmul: dtypes differ ({a.dtype} vs {b.dtype})")
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    cfg = _config(a.dtype, M)
+    a, b = _usable(a), _usable(b)  # read in place: K-, M- or N-contiguous operands, same bits
+    _gemm(a, b, c, [(M, a.shape[1], 0, 0, 0)], N, (a.stride(0), a.stride(1), b.stride(0), b.stride(1), N, 1), cfg)
+    return c
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(x2, w)
+        return matmul(x2, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        g = g.to(x2.dtype)
+        gx = matmul(g, w) if ctx.needs_input_grad[0] else None
+        gw = matmul(g.t(), x2).to(w.dtype) if ctx.needs_input_grad[1] else None  # K = tokens, in order
+        return gx, gw
+
+
+def linear(x, w, bias=None):
+    _check("linear", x, w)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _Linear.apply(x2, w.to(x.dtype)) if torch.is_grad_enabled() else matmul(x2, w.to(x.dtype).t())
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """First row of each group of rows sorted by group."""
+    out, s = [], 0
+    for c in counts:
+        out.append(s)
+        s += c
+    return out
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of x [R, K] sorted by group, group e times w[e]^T (w [E, N, K], any strides) -> [R, N],
+    ONE launch. Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order."""
+    R, N = x.shape[0], w.shape[1]
+    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0:
+        return out
+    groups = sum(1 for c in counts if c)
+    cfg = _config(x.dtype, -(-R // max(groups, 1)))
+    if w.stride(2) != 1 and w.stride(1) != 1:
+        w = w.contiguous()
+    x = _usable(x)
+    st = _starts(counts)
+    probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
+    _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1), cfg)
+    return out
+
+
+def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
+    owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
+    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B."""
+    E, N, K = len(counts), g.shape[1], x.shape[1]
+    dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
+    g, x = g.contiguous(), x.contiguous()
+    probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
+    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype))
+    return dw
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts):
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        return _grouped_mm(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous().to(x.dtype)
+        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+        gw = _grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def grouped_linear(x, w, counts: list[int]):
+    """Expert GEMMs over rows sorted by expert ([R, K] x [E, N, K] -> [R, N]): one launch forward,
+    one for dX, one for dW (plus the layout copies)."""
+    _check("grouped_linear", x, w)
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or len(counts) != w.shape[0] \
+            or sum(counts) != x.shape[0]:
+        raise ValueError(f"triton grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and counts "
+                         f"(len {len(counts)}, sum {sum(counts)}) do not fit")
+    counts = [int(c) for c in counts]
+    w = w.to(x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _GroupedLinear.apply(x, w, counts)
+    return _grouped_mm(x, w, counts)
+

@@ -1,0 +1,72 @@
+"""Token logprobs: one program per row: max, sum of exp and the gather over the vocabulary in
+fixed BLOCK_V chunks; backward per row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import ROW_BLOCK, _check
+
+
+@triton.jit
+def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        m = tl.maximum(m, z)
+    mx = tl.max(m, axis=0)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        s += tl.exp(z - mx)
+    lse = mx + tl.log(tl.sum(s, axis=0))
+    tok = tl.load(t_ptr + row)
+    zt = tl.load(z_ptr + row * V + tok)
+    tl.store(out_ptr + row, zt - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row)
+    tok = tl.load(t_ptr + row)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        d = g * (tl.where(cols == tok, 1.0, 0.0) - tl.exp(z - lse))
+        tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
+
+
+class _LogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, tokens):
+        N, V = z.shape
+        out = torch.empty(N, dtype=torch.float32, device=z.device)
+        lse = torch.empty(N, dtype=torch.float32, device=z.device)
+        if N:
+            _logprob_fwd[(N,)](z, tokens, out, lse, V, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))
+        ctx.save_for_backward(z, tokens, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        z, tokens, lse = ctx.saved_tensors
+        dz = torch.empty_like(z)
+        if z.shape[0]:
+            _logprob_bwd[(z.shape[0],)](z, tokens, lse, g.contiguous().float(), dz, z.shape[1],
+                                        BLOCK=min(ROW_BLOCK, triton.next_power_of_2(z.shape[1])))
+        return dz, None
+
+
+def log_softmax_gather(z, tokens):
+    """z [N, V] fp32 (tempered/filtered) -> log p(tokens) [N] fp32, one program per row."""
+    _check("log_softmax_gather", z)
+    return _LogProb.apply(z.float().contiguous(), tokens.contiguous())
+

@@ -1,0 +1,149 @@
+"""MoE row-local kernels: the router (fp32 softmax + top-k, ties to the lowest expert id) and the
+combine (fp32, top-k slot 0 first), forward and backward, one program per token."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import ROW_BLOCK, _check
+
+
+@triton.jit
+def _combine_fwd(y_ptr, w_ptr, o_ptr, K, Dm, BLOCK: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t, j] in fp32, slot 0 first."""
+    t = tl.program_id(0)
+    for d0 in range(0, Dm, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in range(K):
+            wj = tl.load(w_ptr + t * K + j)
+            yj = tl.load(y_ptr + (t * K + j) * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            acc = acc + yj * wj
+        tl.store(o_ptr + t * Dm + cols, acc.to(o_ptr.dtype.element_ty), mask=cols < Dm)
+
+
+@triton.jit
+def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, K, Dm, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    for j in range(K):
+        wj = tl.load(w_ptr + t * K + j)
+        part = tl.zeros((BLOCK,), dtype=tl.float32)
+        for d0 in range(0, Dm, BLOCK):
+            cols = d0 + tl.arange(0, BLOCK)
+            g = tl.load(g_ptr + t * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            yj = tl.load(y_ptr + (t * K + j) * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + (t * K + j) * Dm + cols, (g * wj).to(dy_ptr.dtype.element_ty), mask=cols < Dm)
+            part += g * yj
+        tl.store(dw_ptr + t * K + j, tl.sum(part, axis=0))
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w):
+        y, w = y.contiguous(), w.float().contiguous()
+        T, K, Dm = y.shape
+        out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
+        if T:
+            _combine_fwd[(T,)](y, w, out, K, Dm, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))
+        ctx.save_for_backward(y, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w = ctx.saved_tensors
+        T, K, Dm = y.shape
+        dy, dw = torch.empty_like(y), torch.empty_like(w)
+        if T:
+            _combine_bwd[(T,)](y, w, g.contiguous(), dy, dw, K, Dm, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))
+        return dy, dw
+
+
+def moe_combine(y, weights):
+    """y [T, k, D] in top-k slot order, weights [T, k] -> [T, D]: fp32, slot 0 first, per token."""
+    _check("moe_combine", y)
+    return _Combine.apply(y, weights)
+
+
+# --- router: softmax + top-k (+ renormalise), fwd/bwd ----------------------------------------------
+@triton.jit
+def _route_fwd(z_ptr, w_ptr, id_ptr, E, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One row: fp32 softmax over the E logits, then K times the largest remaining probability (ties
+    to the lowest expert id), weights renormalised over the K picks (summed in pick order)."""
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    z = tl.load(z_ptr + row * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(z - tl.max(z, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)
+    total = 0.0
+    for j in tl.static_range(K):
+        mx = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == mx, e, BLOCK_E), axis=0)
+        tl.store(w_ptr + row * K + j, mx)
+        tl.store(id_ptr + row * K + j, idx.to(tl.int64))
+        total = total + mx
+        p = tl.where(e == idx, -1.0, p)
+    if RENORM:
+        for j in tl.static_range(K):
+            tl.store(w_ptr + row * K + j, tl.load(w_ptr + row * K + j) / total)
+
+
+@triton.jit
+def _route_bwd(z_ptr, w_ptr, id_ptr, g_ptr, dz_ptr, E, K: tl.constexpr, RENORM: tl.constexpr,
+               BLOCK_E: tl.constexpr):
+    """dz_e = base_e (g_e - sum_j g_j w_j), g_e the pick's gradient (0 if e was not picked) and base
+    the probability p_e, or with renormalisation the renormalised weight (0 if not picked)."""
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    gsel = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    wsel = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    dot = 0.0
+    for j in tl.static_range(K):
+        idx = tl.load(id_ptr + row * K + j)
+        gj = tl.load(g_ptr + row * K + j)
+        wj = tl.load(w_ptr + row * K + j)
+        gsel = tl.where(e == idx, gj, gsel)
+        wsel = tl.where(e == idx, wj, wsel)
+        dot = dot + gj * wj
+    if RENORM:
+        base = wsel
+    else:
+        z = tl.load(z_ptr + row * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, axis=0))
+        base = p / tl.sum(p, axis=0)
+    dz = base * (gsel - dot)
+    tl.store(dz_ptr + row * E + e, dz.to(dz_ptr.dtype.element_ty), mask=e < E)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, k, renorm):
+        T, E = logits.shape
+        w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+        if T:
+            _route_fwd[(T,)](logits, w, ids, E, K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))
+        ctx.save_for_backward(logits, w, ids)
+        ctx.renorm = renorm
+        ctx.mark_non_differentiable(ids)
+        return w, ids
+
+    @staticmethod
+    def backward(ctx, g, _gids):
+        logits, w, ids = ctx.saved_tensors
+        T, E = logits.shape
+        dz = torch.empty_like(logits)
+        if T:
+            _route_bwd[(T,)](logits, w, ids, g.float().contiguous(), dz, E, K=ids.shape[1], RENORM=ctx.renorm,
+                             BLOCK_E=max(16, triton.next_power_of_2(E)))
+        return dz, None, None
+
+
+def moe_route(logits, top_k: int, renormalize: bool):
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): one program per token."""
+    _check("moe_route", logits)
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"triton moe_route: top_k={top_k} with {logits.shape[-1]} experts")
+    return _Route.apply(logits.contiguous(), int(top_k), bool(renormalize))

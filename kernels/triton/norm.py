@@ -1,0 +1,118 @@
+"""RMSNorm: one program per row; the weight gradient goes through private per-program partial
+sums, then one ordered column sum (no atomics)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import ROW_BLOCK, _check
+
+
+@triton.jit
+def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+    tl.store(r_ptr + row, rstd)
+    for d0 in range(0, D, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+        # as the reference: normalise, round to the dtype, then scale (the product of two
+        # dtype values is exact in fp32, so one rounding at the store matches a dtype multiply)
+        y = (x * rstd).to(w.dtype).to(tl.float32) * w.to(tl.float32)
+        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: dx for rows [p*ROWS, (p+1)*ROWS) and its private partial of dw (no atomics), summed
+    over its rows in order in registers, one column chunk at a time."""
+    p = tl.program_id(0)
+    for i in range(ROWS):  # pass 1: each row's c = sum(g w x) rstd^3 / D
+        row = p * ROWS + i
+        if row < R:
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK):
+                cols = d0 + tl.arange(0, BLOCK)
+                x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+                acc += g * w * x
+            rstd = tl.load(r_ptr + row)
+            tl.store(c_ptr + row, tl.sum(acc, axis=0) * rstd * rstd * rstd / D)
+    for d0 in range(0, D, BLOCK):  # pass 2: dx, and the dw partial over the rows in order
+        cols = d0 + tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        pw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(ROWS):
+            row = p * ROWS + i
+            m = (cols < D) & ((cols * 0 + row) < R)
+            rstd = tl.load(r_ptr + tl.minimum(row, R - 1))  # rows past R: x = g = 0, they add 0
+            c = tl.load(c_ptr + tl.minimum(row, R - 1))
+            x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * D + cols, (g * w * rstd - x * c).to(dx_ptr.dtype.element_ty), mask=m)
+            pw = pw + g * x * rstd
+        tl.store(pw_ptr + p * D + cols, pw, mask=cols < D)
+
+
+_NORM_ROWS = 16  # rows per backward program: fixes the grouping of the dw partial sums
+
+
+@triton.jit
+def _colsum_kernel(x_ptr, out_ptr, P, D, BLOCK: tl.constexpr):
+    """out[d] = x[0, d] + x[1, d] + ... + x[P-1, d], in that order (fp32)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(P):
+        acc = acc + tl.load(x_ptr + p * D + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + cols, acc, mask=cols < D)
+
+
+def _colsum(x: torch.Tensor) -> torch.Tensor:
+    P, D = x.shape
+    out = torch.empty(D, dtype=torch.float32, device=x.device)
+    _colsum_kernel[(triton.cdiv(D, 256),)](x.contiguous(), out, P, D, BLOCK=256)
+    return out
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, eps):
+        R, D = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
+        if R:
+            _rmsnorm_fwd[(R,)](x2, w.to(x2.dtype), y, rstd, D, eps, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
+        ctx.save_for_backward(x2, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w, rstd = ctx.saved_tensors
+        R, D = x2.shape
+        dx = torch.empty_like(x2)
+        progs = triton.cdiv(R, _NORM_ROWS)
+        partial = torch.empty(max(progs, 1), D, dtype=torch.float32, device=x2.device)
+        if R:
+            cbuf = torch.empty(R, dtype=torch.float32, device=x2.device)
+            _rmsnorm_bwd[(progs,)](x2, w.float(), g.contiguous(), rstd, cbuf, dx, partial, R, D, ROWS=_NORM_ROWS,
+                                   BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
+        else:
+            partial.zero_()
+        dw = _colsum(partial)  # one ordered reduction of the private partials
+        return dx, dw.to(w.dtype), None
+
+
+def rmsnorm(x, w, eps: float):
+    _check("rmsnorm", x, w)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return _RMSNorm.apply(x2, w, eps).reshape(x.shape)
+
