@@ -38,8 +38,8 @@ class GenerateOutput:
 
 @dataclass
 class TrainOutput:
-    logprobs: list[torch.Tensor]  # the trainer's pre-update logprobs of this rank's samples, fp32
-    stats: dict[str, float]
+    logprobs: dict[int, torch.Tensor]  # step sample index -> the trainer's pre-update logprobs, fp32
+    stats: list[tuple[tuple, dict]]  # ((epoch, minibatch, micro-batch), stats): merged in key order
     rows: dict = field(default_factory=dict)
 
 
@@ -107,15 +107,16 @@ class TrainerWorker(_Monitored):
         return self.trainer.score(samples)
 
     def train_step(self, samples: list[Sample], alg_dict: dict, step: int) -> TrainOutput:
-        """One RL update on this rank's share; returns the pre-update logprobs, stats and
-        (monitor.fingerprints=layers) per-token row fingerprints."""
+        """One RL update; `samples` is the whole step (Trainer.train_step runs this rank's share).
+        Returns this rank's pre-update logprobs, stat records and (monitor.fingerprints=layers)
+        per-token row fingerprints."""
         maybe_fail("trainer.train_step", self.rank)
         if self.trace is not None:
             self.trace.step = step
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         if self.trace is not None:
             tr, t = self.trace, self.trainer
-            tr.record("train.logprobs", torch.cat(lps) if lps else torch.zeros(0))
+            tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
             tr.record_state("grad", t.grads)
             for n, m in t.master.items():
                 st = t.opt.state.get(m, {})

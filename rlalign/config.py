@@ -89,6 +89,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     separate_scoring_pass: bool = False  # score with no grad before training (else: the 1st forward)
+    # gradients summed in one tree over global micro-batches: the same bits at every trainer EP
+    # size (false: per rank, then over ranks in rank order; the same bits run to run only)
+    topology_invariant: bool = True
 
 
 @dataclass

@@ -185,17 +185,18 @@ def score_rewards(task, tok, batch: StepBatch, rollouts: list[Rollout], step: in
 
 def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout], adv: list[float],
              step: int) -> tuple[list[torch.Tensor], dict[str, float], dict]:
-    """One update of the trainer group; its pre-update logprobs in sample order, merged stats, rows."""
+    """One update of the trainer group on the whole step (each rank runs its share of the fixed
+    micro-batch partition); pre-update logprobs in sample order, stats merged in (epoch,
+    minibatch, micro-batch) order, so they do not depend on the number of ranks; rows."""
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
-    n = job.trainers.world
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    outs = job.trainers.call("train_step", per_rank=[
-        ([samples[i] for i in shard_range(len(samples), n, r)], alg, step) for r in range(n)])
+    outs = job.trainers.call("train_step", samples, alg, step)
+    lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
     stats: dict[str, float] = {}
-    for o in outs:
-        for k, v in o.stats.items():
+    for _, st in sorted((rec for o in outs for rec in o.stats), key=lambda rec: rec[0]):
+        for k, v in st.items():
             stats[k] = v if k.endswith("_last") else merge_stat(k, stats.get(k), v)
-    return [lp for o in outs for lp in o.logprobs], stats, {k: v for o in outs for k, v in o.rows.items()}
+    return [lps[i] for i in range(len(samples))], stats, {k: v for o in outs for k, v in o.rows.items()}
 
 
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,

@@ -77,12 +77,10 @@ def _grads_rank(rank, world, group, cfg_dict, prompts, responses, steps):
     cfg = OmegaConf.create(cfg_dict)
     apply_kernels(cfg)
     trainer = Trainer(cfg, group)
-    samples = [Sample(prompts[i], responses[i], torch.zeros(len(responses[i])))
-               for i in launch.shard_range(len(prompts), world, rank)]
-    total = sum(len(r) for r in responses)
+    samples = [Sample(p, r, torch.zeros(len(r))) for p, r in zip(prompts, responses)]  # the whole step
     first = None
     for _ in range(steps):
-        trainer.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), total)
+        trainer.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}))
         trainer.reduce_grads()
         if first is None:
             first = {}

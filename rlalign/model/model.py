@@ -112,9 +112,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, d, inter))
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        h = kernels.grouped_linear(x_sorted, self.gate_up_proj, counts)
-        gate, up = h.chunk(2, dim=-1)
-        return kernels.grouped_linear(kernels.swiglu(gate, up), self.down_proj, counts)
+        return expert_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj)
+
+
+def expert_mlp(x_sorted: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over rows sorted by expert: [R, d] -> [R, d]; each row's bits are its own."""
+    h = kernels.grouped_linear(x_sorted, gate_up, counts)
+    gate, up = h.chunk(2, dim=-1)
+    return kernels.grouped_linear(kernels.swiglu(gate, up), down, counts)
 
 
 class Router(nn.Module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlalign.model.model import Experts, MoE, Transformer
+from rlalign.model.model import Experts, MoE, Transformer, expert_mlp
 
 
 class _AllToAll(torch.autograd.Function):
@@ -53,6 +53,7 @@ class ExpertParallel(Experts):
         super().__init__(E // world, d, inter)
         self.group, self.world, self.rank = group, world, rank
         self.num_experts, self.num_local = E, E // world
+        self.per_source, self.leaves = False, []  # set by a topology-invariant trainer
         lo, hi = rank * self.num_local, (rank + 1) * self.num_local
         self.to(device=full.down_proj.device, dtype=full.down_proj.dtype)
         with torch.no_grad():
@@ -67,8 +68,10 @@ class ExpertParallel(Experts):
         dist.all_to_all_single(recv.view(-1), send.view(-1).clone(), group=self.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         x_recv = all_to_all(x_sorted, out_splits, in_splits, self.group)  # source-major, expert within
-        # regroup expert-major: for each local expert, the rows of source 0, 1, ... in order
         recv_c = recv.cpu()
+        if self.per_source and torch.is_grad_enabled():
+            return all_to_all(self._per_source(x_recv, recv_c), in_splits, out_splits, self.group)
+        # regroup expert-major: for each local expert, the rows of source 0, 1, ... in order
         starts = (torch.cumsum(recv_c.view(-1), 0) - recv_c.view(-1)).tolist()
         blocks = [(starts[s * El + e], int(recv_c[s, e])) for e in range(El) for s in range(W)]
         perm = torch.cat([torch.arange(a, a + n) for a, n in blocks]) if blocks else torch.zeros(0, dtype=torch.long)
@@ -76,6 +79,23 @@ class ExpertParallel(Experts):
         y = super().forward(x_recv.index_select(0, perm), recv_c.sum(0).tolist())
         y = y.index_select(0, torch.argsort(perm))
         return all_to_all(y, in_splits, out_splits, self.group)
+
+
+    def _per_source(self, x_recv: torch.Tensor, recv_c: torch.Tensor) -> torch.Tensor:
+        """Each source rank's rows through their own leaf view of this rank's expert weights, so
+        that the weight gradient of every (expert, source micro-batch) block stays apart
+        (`leaves[s]`, read by the trainer after backward; rlalign.training.reduce sums them in
+        one tree over global micro-batches). Output bits equal the joint path's: rows are
+        independent in the expert GEMMs."""
+        ys, off, self.leaves = [], 0, []
+        for s in range(self.world):
+            n = int(recv_c[s].sum())
+            gate_up = self.gate_up_proj.detach().requires_grad_()
+            down = self.down_proj.detach().requires_grad_()
+            ys.append(expert_mlp(x_recv[off : off + n], recv_c[s].tolist(), gate_up, down))
+            self.leaves.append({"gate_up_proj": gate_up, "down_proj": down})
+            off += n
+        return torch.cat(ys)
 
 
 def moe_layers(model: Transformer) -> list[MoE]:

@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.kernels import fixed_order as fo
-from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
+from rlalign.parallel.ep import ExpertParallel, apply_ep, full_state_dict, is_expert_param
 from rlalign.parallel.launch import shard_range
 from rlalign.training.losses import policy_loss
+from rlalign.training.reduce import TreeSum, reduce_nodes
 from rlalign.training.scoring import micro_batches, score_micro_batch
 
 
@@ -45,6 +46,16 @@ def merge_stat(key: str, a: float | None, b: float) -> float:
     if a is None:
         return b
     return max(a, b) if key.endswith("_max") else min(a, b) if key.endswith("_min") else a + b
+
+
+def step_plan(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[list[int]]]:
+    """The step's work as a fixed partition of its n sequences, whatever the number of ranks:
+    minibatches (one optimizer update each) of global micro-batches of global sample indices."""
+    out = []
+    for k in range(num_minibatches):
+        part = list(shard_range(n, num_minibatches, k))
+        out.append([[part[j] for j in mb] for mb in micro_batches(len(part), micro_batch_size)])
+    return out
 
 
 def _max_over_ranks(n: int, group, device) -> int:
@@ -87,6 +98,17 @@ class Trainer:
             if group is not None:
                 apply_ep(self.ref_model, group)
         self.score_kw = dict(layout=t.layout, **sampling_params(cfg).logprob_kwargs())
+        self.invariant = bool(t.get("topology_invariant", True))
+        self.dense_names = [n for n in self.names if not is_expert_param(n)]
+        self.expert_names = [n for n in self.names if is_expert_param(n)]
+        modules = dict(self.model.named_modules())
+        self.expert_modules = {}  # expert param name -> (its ExpertParallel module or None, attribute)
+        for n in self.expert_names:
+            owner, _, attr = n.rpartition(".")
+            m = modules[owner]
+            self.expert_modules[n] = (m, attr) if isinstance(m, ExpertParallel) else (None, attr)
+            if isinstance(m, ExpertParallel):
+                m.per_source = self.invariant
 
     @property
     def rank(self) -> int:
@@ -112,91 +134,152 @@ class Trainer:
         ids = [s.sample_id for s in mb]
         return {**self.score_kw, "sample_ids": ids if None not in ids else None}
 
-    def _global_sum(self, n: int) -> int:
-        if self.group is None:
-            return n
-        t = torch.tensor([n], device=self.device)
-        dist.all_reduce(t, group=self.group)
-        return int(t.item())
-
-    def train_step(self, samples: list[Sample], alg) -> tuple[list[torch.Tensor], dict[str, float]]:
-        """PPO epochs over mini-batches of this rank's samples. Returns the trainer's pre-update
-        logprobs of each sample (what the monitor compares with the generator's) and stats."""
+    def train_step(self, samples: list[Sample], alg) -> tuple[dict[int, torch.Tensor], list[tuple[tuple, dict]]]:
+        """PPO epochs over the step's minibatches. `samples` is the WHOLE step (every rank gets
+        the same list) so that minibatches and micro-batches are a fixed partition of it (see
+        step_plan); this rank runs its contiguous share of each minibatch's micro-batches.
+        Returns this rank's samples' pre-update logprobs by global index (what the monitor
+        compares with the generator's) and stat records keyed (epoch, minibatch, micro-batch),
+        which the driver merges in key order: the same bits at every trainer EP size."""
+        plan = step_plan(len(samples), self.cfg.trainer.micro_batch_size, alg.num_minibatches)
+        mine = [i for mbs in plan for mb in self.my_micro_batches(mbs)[1] for i in mb]
         updates = alg.ppo_epochs * alg.num_minibatches
-        pre = self.score(samples) if updates > 1 or self.cfg.trainer.separate_scoring_pass else None
-        ref = self.score(samples, self.ref_model) if self.ref_model is not None else None
-        captured: list[torch.Tensor | None] = list(pre) if pre is not None else [None] * len(samples)
-        stats: dict[str, float] = {}
-        for _ in range(alg.ppo_epochs):
-            for k in range(alg.num_minibatches):
-                part = list(shard_range(len(samples), alg.num_minibatches, k))
-                sub = [samples[i] for i in part]
+        captured: dict[int, torch.Tensor] = {}
+        if updates > 1 or self.cfg.trainer.separate_scoring_pass:
+            captured = dict(zip(mine, self.score([samples[i] for i in mine])))
+        ref = dict(zip(mine, self.score([samples[i] for i in mine], self.ref_model))) if self.ref_model else None
+        records: list[tuple[tuple, dict]] = []
+        for epoch in range(alg.ppo_epochs):
+            for k, mbs in enumerate(plan):
 
-                def loss_fn(lps, idx, part=part, sub=sub):
+                def loss_fn(lps, idx):
                     for lp, j in zip(lps, idx):
-                        if captured[part[j]] is None:  # single update: this forward is pre-update
-                            captured[part[j]] = lp.detach().float().cpu()
+                        if j not in captured:  # single update: this forward is pre-update
+                            captured[j] = lp.detach().float().cpu()
                     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
                     return policy_loss(
                         torch.cat(lps),
-                        cat([sub[j].generator_logprobs for j in idx]),
-                        cat([captured[part[j]] for j in idx]),
-                        cat([torch.full((len(sub[j].response),), sub[j].advantage) for j in idx]),
+                        cat([samples[j].generator_logprobs for j in idx]),
+                        cat([captured[j] for j in idx]),
+                        cat([torch.full((len(samples[j].response),), samples[j].advantage) for j in idx]),
                         alg,
-                        cat([ref[part[j]] for j in idx]) if ref is not None else None,
+                        cat([ref[j] for j in idx]) if ref is not None else None,
                     )
 
-                tokens = self._global_sum(sum(len(s.response) for s in sub))
-                for key, v in self.forward_backward(sub, loss_fn, tokens).items():
-                    stats[key] = merge_stat(key, stats.get(key), v)
+                for g, st in self.forward_backward(samples, loss_fn, mbs=mbs).items():
+                    records.append(((epoch, k, g), st))
                 upd = self.optimizer_step()
-                stats["grad_norm_max"] = merge_stat("grad_norm_max", stats.get("grad_norm_max"), upd["grad_norm"])
-                stats["grad_norm_last"] = upd["grad_norm"]
-        return [c if c is not None else torch.zeros(0) for c in captured], stats
+                records.append(((epoch, k, len(mbs)), {"grad_norm_max": upd["grad_norm"],
+                                                       "grad_norm_last": upd["grad_norm"]}))
+        return {i: captured[i] for i in mine}, records
 
-    def forward_backward(self, samples: Sequence[Sample], loss_fn: LossFn, global_tokens: int) -> dict[str, float]:
-        """Accumulate d(sum of token losses / global_tokens) into fp32 gradients (self.grads).
-        Stats: keys ending in _max/_min are reduced by max/min, all others summed."""
+    def my_micro_batches(self, mbs: list[list[int]]) -> tuple[range, list[list[int]]]:
+        """This rank's contiguous share of a minibatch's global micro-batches (indices, contents)."""
+        share = shard_range(len(mbs), self.world, self.rank)
+        return share, [mbs[g] for g in share]
+
+    def forward_backward(self, samples: Sequence[Sample], loss_fn: LossFn, global_tokens: int | None = None,
+                         mbs: list[list[int]] | None = None) -> dict[int, dict[str, float]]:
+        """d(sum of token losses / global_tokens) into fp32 gradients (self.grads) over the global
+        micro-batches `mbs` (lists of indices into `samples`, the same on every rank; default:
+        all samples in micro_batch_size chunks), this rank running its share. Returns each of its
+        micro-batches' stats by global micro-batch index. topology_invariant: each micro-batch's
+        gradient is a leaf of one tree over global micro-batch indices (dense: finished on every
+        rank from all ranks' nodes; experts: on the owner, one leaf per (expert, source
+        micro-batch)): the same bits at every EP size. Otherwise: summed per rank in order, then
+        over ranks in rank order (the same bits run to run, not across EP sizes)."""
+        if mbs is None:
+            mbs = [list(mb) for mb in micro_batches(len(samples), self.cfg.trainer.micro_batch_size)]
+        if global_tokens is None:
+            global_tokens = sum(len(samples[j].response) for mb in mbs for j in mb)
+        B, W = len(mbs), self.world
+        share, mine = self.my_micro_batches(mbs)
+        starts = [shard_range(B, W, r) for r in range(W)]
         self.grads = {n: torch.zeros_like(m) for n, m in self.master.items()}
-        stats: dict[str, float] = {}
-        mbs = micro_batches(len(samples), self.cfg.trainer.micro_batch_size)
-        for i in range(_max_over_ranks(len(mbs), self.group, self.device)):
-            idx = list(mbs[i]) if i < len(mbs) else []
+        trees = {n: TreeSum() for n in self.expert_names} if self.invariant else {}
+        dense_tree = TreeSum()
+        stats: dict[int, dict[str, float]] = {}
+        for i in range(len(starts[0])):  # rank 0 has the most: every rank steps in lockstep
+            idx = mine[i] if i < len(mine) else []
             mb = [samples[j] for j in idx]
             if mb:
                 lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
                 loss, st = loss_fn(lps, idx)
-                for k, v in st.items():
-                    stats[k] = merge_stat(k, stats.get(k), float(v))
+                stats[share[i]] = {k: float(v) for k, v in st.items()}
             else:  # still runs forward and backward through the MoE collectives
                 loss = self.model(torch.zeros(0, dtype=torch.long, device=self.device), [0]).float().sum() * 0.0
             (loss / max(1, global_tokens)).backward()
-            for n, p in self.model.named_parameters():
-                if p.grad is not None:
-                    self.grads[n] += p.grad.float()
-                    p.grad = None
+            if self.invariant:
+                self._collect_leaves(share[i] if mb else None, i, starts, dense_tree, trees)
+            else:
+                for n, p in self.model.named_parameters():
+                    if p.grad is not None:
+                        self.grads[n] += p.grad.float()
+            for p in self.model.parameters():
+                p.grad = None
+        if self.invariant:
+            total = reduce_nodes(dense_tree, B, self.group)
+            off = 0
+            for n in self.dense_names:
+                k = self.grads[n].numel()
+                self.grads[n] = total[off : off + k].view_as(self.grads[n])
+                off += k
+            for n, tree in trees.items():
+                self.grads[n] = tree.total(B)
         return stats
 
+    def _collect_leaves(self, g: int | None, i: int, starts: list[range], dense_tree: TreeSum, trees: dict) -> None:
+        """The just-finished backward's gradients as tree leaves: dense ones under this rank's
+        micro-batch g; each expert weight's per source rank s under s's micro-batch of this step."""
+        params = dict(self.model.named_parameters())
+        grad = lambda t: (t.grad if t.grad is not None else torch.zeros_like(t)).float()  # noqa: E731
+        if g is not None:
+            dense_tree.add(g, torch.cat([grad(params[n]).reshape(-1) for n in self.dense_names]))
+        for n in self.expert_names:
+            module, attr = self.expert_modules[n]
+            if module is None:  # EP 1: the whole gradient is this micro-batch's
+                if g is not None:
+                    trees[n].add(g, grad(params[n]))
+                continue
+            for s, leaves in enumerate(module.leaves):
+                if i < len(starts[s]):
+                    trees[n].add(starts[s][i], grad(leaves[attr]))
+        for module in {id(m): m for m, _ in self.expert_modules.values() if m is not None}.values():
+            module.leaves = []
+
     def reduce_grads(self) -> None:
-        """Non-expert gradients summed over ranks in rank order (experts: already complete)."""
-        if self.world == 1:
+        """Non-expert gradients summed over ranks in rank order (experts: already complete); the
+        topology-invariant path has finished its tree in forward_backward."""
+        if self.world == 1 or self.invariant:
             return
-        shared = [n for n in self.names if not is_expert_param(n)]
-        flat = torch.cat([self.grads[n].reshape(-1) for n in shared])
+        flat = torch.cat([self.grads[n].reshape(-1) for n in self.dense_names])
         total = _sum_in_rank_order(flat, self.group)
         off = 0
-        for n in shared:
+        for n in self.dense_names:
             k = self.grads[n].numel()
             self.grads[n] = total[off : off + k].view_as(self.grads[n])
             off += k
 
     def grad_norm(self) -> float:
-        """Global L2 norm: shared grads counted once, expert shards summed over ranks in order."""
-        shared = [self.grads[n].reshape(-1) for n in self.names if not is_expert_param(n)]
-        expert = [self.grads[n].reshape(-1) for n in self.names if is_expert_param(n)]
-        sq = lambda ts: fo.tree_sum(torch.cat(ts) ** 2, 0) if ts else torch.zeros((), device=self.device)  # noqa: E731
-        total = sq(shared) + _sum_in_rank_order(sq(expert).reshape(1), self.group)[0]
-        return float(torch.sqrt(total))
+        """Global L2 norm. Topology-invariant: dense squares in one fixed tree, plus one sum of
+        squares per global expert (computed by its owner), all gathered in global expert order
+        and summed in one tree; else expert shards' sums added over ranks in rank order."""
+        shared = torch.cat([self.grads[n].reshape(-1) for n in self.dense_names])
+        total = fo.tree_sum(shared**2, 0) if shared.numel() else torch.zeros((), device=self.device)
+        expert = [self.grads[n] for n in self.expert_names]
+        if not expert:
+            return float(torch.sqrt(total))
+        if self.invariant:
+            per_expert = torch.cat([fo.tree_sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in expert])
+            if self.world > 1:
+                parts = [torch.empty_like(per_expert) for _ in range(self.world)]
+                dist.all_gather(parts, per_expert, group=self.group)
+                # [rank][param][local expert] -> [param][global expert]
+                E = len(expert)
+                per_expert = torch.stack([p.view(E, -1) for p in parts], 1).reshape(-1)
+            return float(torch.sqrt(total + fo.tree_sum(per_expert, 0)))
+        sq = fo.tree_sum(torch.cat([g.reshape(-1) for g in expert]) ** 2, 0)
+        return float(torch.sqrt(total + _sum_in_rank_order(sq.reshape(1), self.group)[0]))
 
     def optimizer_step(self) -> dict[str, float]:
         self.reduce_grads()

@@ -1,0 +1,88 @@
+"""Gradient sums whose bits do not depend on the topology.
+
+A step's gradient is a sum over global micro-batches (a fixed partition of the step's
+sequences, independent of the number of ranks). `TreeSum` adds the per-micro-batch gradients in
+ONE binary tree over the global micro-batch indices 0..B-1 (padded to a power of two; a missing
+right child leaves the left one as it is): node [a, a+2s) = node [a, a+s) + node [a+s, a+2s).
+A rank holding any set of leaves builds every node whose leaves it holds, so that nodes computed
+on different ranks are the same bits; `reduce_nodes` then finishes the same tree on every rank
+from the nodes all ranks hold. EP 1 (all leaves on one rank) and EP 4 (a quarter each) compute
+identical nodes, hence identical sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class TreeSum:
+    """Leaves by global index; complete sibling pairs are merged as soon as both exist."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[tuple[int, int], torch.Tensor] = {}  # (start, size) -> partial sum
+
+    def add(self, index: int, value: torch.Tensor) -> None:
+        a, size, v = index, 1, value
+        if (a, size) in self.nodes:
+            raise ValueError(f"gradient of global micro-batch {index} added twice")
+        while True:
+            sibling = (a ^ size, size)
+            if sibling not in self.nodes:
+                self.nodes[(a, size)] = v
+                return
+            other = self.nodes.pop(sibling)
+            v = v + other if a < sibling[0] else other + v  # left child + right child
+            a, size = min(a, sibling[0]), size * 2
+
+    def total(self, num_leaves: int) -> torch.Tensor | None:
+        """The root over leaves 0..num_leaves-1 (every one of them must have been added)."""
+        return _root(self.nodes, num_leaves)
+
+
+def _root(nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int) -> torch.Tensor | None:
+    if num_leaves == 0:
+        return None
+    size = 1
+    while size < num_leaves:
+        size *= 2
+
+    def node(a: int, s: int):
+        if a >= num_leaves:
+            return None
+        if (a, s) in nodes:
+            return nodes[(a, s)]
+        if s == 1:
+            raise ValueError(f"gradient of global micro-batch {a} is missing")
+        left, right = node(a, s // 2), node(a + s // 2, s // 2)
+        return left if right is None else left + right
+
+    return node(0, size)
+
+
+def reduce_nodes(tree: TreeSum, num_leaves: int, group) -> torch.Tensor | None:
+    """Finish the tree on every rank of `group` from all ranks' nodes (each rank's nodes are
+    broadcast in rank order; a node is computed by exactly one rank)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return tree.total(num_leaves)
+    world = dist.get_world_size(group)
+    keys: list = [None] * world
+    dist.all_gather_object(keys, sorted(tree.nodes), group=group)
+    like = next(iter(tree.nodes.values()), None)
+    shapes = [None] * world
+    dist.all_gather_object(shapes, None if like is None else (tuple(like.shape), str(like.dtype)), group=group)
+    shape, dtype = next(s for s in shapes if s is not None)
+    dev = like.device if like is not None else _device(group)
+    nodes = {}
+    for r in range(world):
+        for key in keys[r]:
+            t = tree.nodes[key] if r == dist.get_rank(group) else torch.empty(
+                shape, dtype=getattr(torch, dtype.split(".")[-1]), device=dev)
+            dist.broadcast(t, src=dist.get_global_rank(group, r), group=group)
+            nodes[tuple(key)] = t
+    return _root(nodes, num_leaves)
+
+
+def _device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device(
+        "cpu")
