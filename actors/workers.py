@@ -117,13 +117,16 @@ class TrainerWorker(_Monitored):
         if self.trace is not None:
             tr, t = self.trace, self.trainer
             tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
-            tr.record_state("grad", t.grads)
-            for n, m in t.master.items():
-                st = t.opt.state.get(m, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in st:
-                        tr.record(f"optim/{n}/{key}", st[key])
-            tr.record_state("weights", dict(t.model.named_parameters()))
+            if t.invariant:  # names independent of the EP size: comparable across trainer EP sizes
+                tr.record_state("state", t.topology_records())
+            else:
+                tr.record_state("grad", t.grads)
+                for n, m in t.master.items():
+                    st = t.opt.state.get(m, {})
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in st:
+                            tr.record(f"optim/{n}/{key}", st[key])
+                tr.record_state("weights", dict(t.model.named_parameters()))
             tr.flush()
         return TrainOutput(lps, stats, self.recorder.pop_table())
 

@@ -107,3 +107,19 @@ def test_a_run_resumes_at_another_trainer_ep_size_bitwise(tmp_path):
     assert moved["start_step"] == 2
     assert _rows(tmp_path / "moved") == _rows(tmp_path / "ref")
     assert moved["sync/weights_fp"] == ref["sync/weights_fp"]
+
+
+def _gate(tmp_path, candidate):
+    from rlalign.monitor.gates import run_gate
+
+    over = [*SMALL, "trainer.ep_size=1", "run.steps=2", "checkpoint.every=0", f"gate.candidate={candidate}"]
+    return run_gate("baseline", over, load_config([*over, f"run.dir={tmp_path}"]))
+
+
+def test_gate_baseline_across_trainer_ep_sizes_and_an_injected_reorder_named(tmp_path):
+    ok, text = _gate(tmp_path / "ep", '["trainer.ep_size=2"]')
+    assert ok, text
+    assert "trainer state (gradients, AdamW moments, weights per global expert): identical" in text
+    bad = "model.layers.1.mlp.experts.down_proj"
+    ok, text = _gate(tmp_path / "bad", f'["trainer.ep_size=2","monitor.inject=trainer:{bad}:reorder"]')
+    assert not ok and f"first divergence: state/grad/{bad}/expert" in text, text

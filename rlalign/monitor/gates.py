@@ -77,8 +77,21 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
     # a role whose EP size differs splits its batch differently: its per-call records are not
     # comparable (its per-token results are, through the metrics and the other role's streams)
     skip = tuple(role for role in ("generator", "trainer") if f"topology.{role}_ep" in allowed_env)
+    invariant = all(_flat(h).get("trainer.topology_invariant") for h in (ha, hb))
+    trainer_step = None
     for name in sorted(n for n in set(sa) | set(sb) if n.startswith(skip)):
-        res.lines.append(f"trace {name}: not compared ({name.split('-')[0]} EP size differs between the runs)")
+        if not (name.startswith("trainer") and invariant):
+            res.lines.append(f"trace {name}: not compared ({name.split('-')[0]} EP size differs between the runs)")
+    if "trainer" in skip and invariant:  # topology-invariant training: its state is comparable as a whole
+        d = _compare_trainer_state(sa, sb, from_step)
+        if d is not None:
+            res.ok = False
+            res.lines.append(d)
+            _, trainer_step, res.first_op = d.split(" first differs at ")[1].split(" ")[:3]
+            trainer_step = int(trainer_step)
+        else:
+            res.lines.append("trainer state (gradients, AdamW moments, weights per global expert): identical "
+                             "across the trainer EP sizes")
     for name in sorted(n for n in set(sa) & set(sb) if not n.startswith(skip)):
         ra = [r for r in read_trace(sa[name])[1] if r["step"] >= from_step]
         rb = [r for r in read_trace(sb[name])[1] if r["step"] >= from_step]
@@ -100,8 +113,34 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
             res.lines.append(f"trace {name}: first difference at record {d['index']}: step {rec['step']} "
                              f"{rec['name']} {rec['dtype']}{rec['shape']} ({inputs}){tag}")
         rec = firsts[origin]["a"] or firsts[origin]["b"]
-        res.first_op = rec["name"]
+        # a trainer-state difference of the same step comes first unless the stream diverged
+        # before the weight sync (the synced weights are downstream of the trainer's update)
+        stage = 2 if rec["name"].startswith("weights/") else 0  # generation 0, training 1, weight sync 2
+        if res.first_op is None or (rec["step"], stage) < (trainer_step, 1):
+            res.first_op = rec["name"]
     return res
+
+
+def _trainer_state(streams: dict[str, Path], from_step: int) -> dict[tuple[int, str], dict]:
+    """The 'state/' records of all trainer ranks by (step, name): with trainer.topology_invariant
+    their names (per global expert) and values do not depend on the trainer EP size."""
+    out = {}
+    for name, path in streams.items():
+        if name.startswith("trainer"):
+            for r in read_trace(path)[1]:
+                if r["step"] >= from_step and r["name"].startswith("state/"):
+                    out[(r["step"], r["name"])] = r
+    return out
+
+
+def _compare_trainer_state(sa: dict[str, Path], sb: dict[str, Path], from_step: int) -> str | None:
+    ta, tb = _trainer_state(sa, from_step), _trainer_state(sb, from_step)
+    for key in sorted(set(ta) | set(tb)):
+        ra, rb = ta.get(key), tb.get(key)
+        if ra is None or rb is None or (ra["fp"], ra["shape"], ra["dtype"]) != (rb["fp"], rb["shape"], rb["dtype"]):
+            where = "only in a" if rb is None else "only in b" if ra is None else "fingerprints differ"
+            return f"trainer state first differs at step {key[0]} {key[1]} ({where}; compared across trainer EP sizes)"
+    return None
 
 
 def _step(d: dict) -> int:

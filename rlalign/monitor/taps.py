@@ -31,10 +31,10 @@ class Injection:
             return
         parts = spec.split(":")
         if len(parts) != 3 or parts[0] not in ("generator", "trainer", "both") or parts[2] not in (
-            "default", "noise", "seed"
+            "default", "noise", "seed", "reorder"
         ):
             raise ValueError(f"monitor.inject={spec!r}: expected '<generator|trainer|both>:<site>:"
-                             "<default|noise|seed>'")
+                             "<default|noise|seed|reorder>' (reorder: trainer:<parameter name>)")
         if parts[0] in (side, "both"):
             self.site, self.kind = parts[1], parts[2]
 

@@ -17,15 +17,21 @@ import torch.distributed as dist
 
 
 class TreeSum:
-    """Leaves by global index; complete sibling pairs are merged as soon as both exist."""
+    """Leaves by global index; complete sibling pairs are merged as soon as both exist.
+    reorder=True (fault injection, monitor.inject='trainer:<param>:reorder') keeps the leaves and
+    sums them last to first instead: another grouping, which the baseline gate must catch."""
 
-    def __init__(self) -> None:
+    def __init__(self, reorder: bool = False) -> None:
         self.nodes: dict[tuple[int, int], torch.Tensor] = {}  # (start, size) -> partial sum
+        self.reorder = reorder
 
     def add(self, index: int, value: torch.Tensor) -> None:
         a, size, v = index, 1, value
         if (a, size) in self.nodes:
             raise ValueError(f"gradient of global micro-batch {index} added twice")
+        if self.reorder:
+            self.nodes[(a, size)] = v
+            return
         while True:
             sibling = (a ^ size, size)
             if sibling not in self.nodes:
@@ -37,6 +43,11 @@ class TreeSum:
 
     def total(self, num_leaves: int) -> torch.Tensor | None:
         """The root over leaves 0..num_leaves-1 (every one of them must have been added)."""
+        if self.reorder:
+            out = None
+            for key in sorted(self.nodes, reverse=True):
+                out = self.nodes[key] if out is None else out + self.nodes[key]
+            return out
         return _root(self.nodes, num_leaves)
 
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.kernels import fixed_order as fo
+from rlalign.monitor.taps import Injection
 from rlalign.parallel.ep import ExpertParallel, apply_ep, full_state_dict, is_expert_param
 from rlalign.parallel.launch import shard_range
 from rlalign.training.losses import policy_loss
@@ -99,6 +100,8 @@ class Trainer:
                 apply_ep(self.ref_model, group)
         self.score_kw = dict(layout=t.layout, **sampling_params(cfg).logprob_kwargs())
         self.invariant = bool(t.get("topology_invariant", True))
+        inject = Injection(cfg.monitor.get("inject"), "trainer") if cfg.get("monitor") else None
+        self.reorder = inject.site if inject is not None and inject.kind == "reorder" else None
         self.dense_names = [n for n in self.names if not is_expert_param(n)]
         self.expert_names = [n for n in self.names if is_expert_param(n)]
         modules = dict(self.model.named_modules())
@@ -196,7 +199,7 @@ class Trainer:
         share, mine = self.my_micro_batches(mbs)
         starts = [shard_range(B, W, r) for r in range(W)]
         self.grads = {n: torch.zeros_like(m) for n, m in self.master.items()}
-        trees = {n: TreeSum() for n in self.expert_names} if self.invariant else {}
+        trees = {n: TreeSum(reorder=n == self.reorder) for n in self.expert_names} if self.invariant else {}
         dense_tree = TreeSum()
         stats: dict[int, dict[str, float]] = {}
         for i in range(len(starts[0])):  # rank 0 has the most: every rank steps in lockstep
@@ -294,6 +297,27 @@ class Trainer:
             for n, p in self.model.named_parameters():
                 p.copy_(self.master[n].to(p.dtype))
         return {"grad_norm": norm, "grad_clip_coef": coef}
+
+    def topology_records(self) -> dict[str, torch.Tensor]:
+        """Gradients, AdamW moments and weights under names that do not depend on the EP size:
+        non-expert tensors on rank 0 only, expert tensors per global expert ('NAME/expert{e}') on
+        their owner; the union over ranks is the same set at every trainer EP size (the gates
+        compare it across EP sizes)."""
+        out: dict[str, torch.Tensor] = {}
+        params = dict(self.model.named_parameters())
+        for n in self.names:
+            st = self.opt.state.get(self.master[n], {})
+            tensors = {"grad": self.grads.get(n), "optim/exp_avg": st.get("exp_avg"),
+                       "optim/exp_avg_sq": st.get("exp_avg_sq"), "weights": params[n].data}
+            for prefix, t in tensors.items():
+                if t is None:
+                    continue
+                if is_expert_param(n):
+                    off = self.rank * t.shape[0]
+                    out.update({f"{prefix}/{n}/expert{off + e}": t[e] for e in range(t.shape[0])})
+                elif self.rank == 0:
+                    out[f"{prefix}/{n}"] = t
+        return out
 
     # --- checkpoint state (torch.distributed.checkpoint) -----------------------------------------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
