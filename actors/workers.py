@@ -16,15 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from rlalign.checkpoint import load_shards, save_shards
 from rlalign.factory import apply_kernels, model_from_config
 from rlalign.faults import maybe_fail
 from rlalign.generation import Rollout, SamplingParams, generate
 from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.monitor.taps import Injection, TapRecorder
+from rlalign.monitor.trace import Trace, fixed_environment
 from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
 from rlalign.parallel.launch import any_live_fn, init_group
 from rlalign.training.trainer import Sample, Trainer
@@ -49,7 +53,6 @@ class _Monitored:
     role = "worker"
 
     def _setup_monitor(self, model) -> None:
-        from rlalign.monitor.taps import Injection, TapRecorder
 
         self.trace = None
         self.injection = Injection(self.cfg.monitor.get("inject"), self.role)
@@ -58,9 +61,7 @@ class _Monitored:
         model.taps = self.recorder
 
     def open_trace(self, start_step: int) -> None:
-        from pathlib import Path
 
-        from rlalign.monitor.trace import Trace, fixed_environment
 
         level = self.cfg.monitor.fingerprints
         if level == "off":
@@ -140,14 +141,12 @@ class TrainerWorker(_Monitored):
 
     def save(self, path: str) -> None:
         """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint)."""
-        from rlalign.checkpoint import save_shards
 
         save_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 
     def load(self, path: str) -> None:
         """Verify the checkpoint (files, then every tensor's fingerprint), then load it in place;
         nothing from the checkpoint directory is unpickled."""
-        from rlalign.checkpoint import load_shards
 
         load_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 

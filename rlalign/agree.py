@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
 
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args
@@ -143,8 +145,6 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
 
 
 def print_report(result: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     console = console or Console(stderr=True)
     ok = result["mismatched_tokens"] == 0

@@ -44,6 +44,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from rlalign.monitor.fingerprint import fingerprint, state_fingerprints
 
 FORMAT = "rlalign-checkpoint/2 (DCP safetensors shards + JSON index)"
 META = "meta.json"
@@ -239,9 +246,7 @@ def _check(path: Path, tensors: bool) -> dict:
 
 
 def _check_fingerprints(path: Path, meta: dict) -> None:
-    from safetensors import safe_open
 
-    from rlalign.monitor.fingerprint import fingerprint
 
     by_file: dict[str, list[str]] = {}
     for key, t in meta["tensors"].items():
@@ -340,7 +345,6 @@ def read_meta(path: Path) -> dict:
 
 # --- trainer ranks ---------------------------------------------------------------------------------
 def _dist_on() -> bool:
-    import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
 
@@ -356,7 +360,6 @@ def _quiet_single_process():
 def _dcp_cause(e: BaseException, rank: int) -> tuple[int, BaseException]:
     """(rank, exception) inside DCP's CheckpointException (an OSError first): the rank that failed,
     which every rank reports."""
-    from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(e, CheckpointException) and e.failures:
         inner = sorted((r, x[0] if isinstance(x, tuple) else x) for r, x in e.failures.items())
@@ -382,10 +385,7 @@ def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
     """One trainer rank's part of a checkpoint (all ranks call it together): its tensors through DCP
     as safetensors, then fingerprints-rank<r>.json. On any failure (e.g. ENOSPC) every rank raises
     CheckpointError naming the step, the path and the cause; rank 0 removes the .tmp directory."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    from rlalign.monitor.fingerprint import state_fingerprints
 
     path = Path(path)
     step = _step_of(path)
@@ -425,10 +425,7 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
     together). Checks the files (verify), reads into CPU buffers through DCP's safetensors reader,
     compares every tensor's fingerprint with meta.json, then copies into `state`; the trainer is
     left untouched when anything is wrong (CheckpointError). Returns meta.json."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from rlalign.monitor.fingerprint import fingerprint
 
     path = Path(path)
     meta = verify(path)

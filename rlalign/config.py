@@ -21,10 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rlalign.generation import SamplingParams
 from rlalign.model.args import ModelArgs
+from rlalign.model.hf import read_args
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -244,9 +249,6 @@ def _unknown_key_error(schema: DictConfig, key: str, origin: str) -> ConfigError
 
 def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None) -> DictConfig:
     """Compose configs/config.yaml + overrides onto the Config schema; errors name the key."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException, HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     # free-form maps (task.kwargs.*) take new keys: force-add them
     overrides = [("++" + o) if _is_free_key(o.split("=", 1)[0]) and not o.startswith("+") else o
@@ -261,7 +263,6 @@ def load_config(overrides: list[str] | None = None, config_dir: str | Path | Non
         if OmegaConf.select(schema, key, default="__missing__") == "__missing__" and not _is_free_key(key):
             raise _unknown_key_error(schema, key, "the command line")
     cdir = str(Path(config_dir or CONFIG_DIR).resolve())
-    from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="rlalign_schema", node=Config)  # config.yaml's first default
     try:
@@ -344,7 +345,6 @@ def _or(values: tuple[str | None, ...]) -> str:
 
 def _num_experts(cfg: DictConfig) -> int:
     if cfg.model.path:
-        from rlalign.model.hf import read_args
 
         return read_args(cfg.model.path)[0].num_experts
     return cfg.model.num_experts

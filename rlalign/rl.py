@@ -24,11 +24,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
+from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args
-from rlalign.factory import sampling_params
+from rlalign.factory import model_from_config, sampling_params
 from rlalign.generation import Rollout, SamplingParams
-from rlalign.model import check_hf_dir, read_args
+from rlalign.logger import RunLogger
+from rlalign.model import check_hf_dir, read_args, save_hf
 from rlalign.monitor.consistency import compare
+from rlalign.monitor.divergence import report, tap_order
 from rlalign.monitor.fingerprint import combined, state_fingerprints
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.tasks import Example, make_task
@@ -104,7 +107,6 @@ class Job:
     def __init__(self, cfg: DictConfig):
         from rlalign import cluster
         from rlalign.actors.group import ActorGroup, Placement
-        from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 
         self.cfg = cfg
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
@@ -276,7 +278,6 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
 
 def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table) -> dict:
     """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
-    from rlalign.monitor.divergence import report, tap_order
 
     bad, worst = [], []
     for p, r, t in zip(prompts, rollouts, train_lps):
@@ -297,8 +298,6 @@ def dump_mismatch(job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollo
     """The offending batch, the generator's weights (a HF directory) and the config, for replay."""
     import ray
 
-    from rlalign.factory import model_from_config
-    from rlalign.model import save_hf
 
     out = Path(cfg.run.dir) / f"mismatch-step{step:06d}"
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +326,6 @@ def train(cfg: DictConfig) -> dict:
         if resume is not None:
             job.trainers.call("load", str(resume.resolve()))
         job.sync_weights(start - 1)
-        from rlalign.logger import RunLogger
 
         logger = RunLogger(cfg, run_dir, start, cfg.run.steps)
         every = cfg.checkpoint.every

@@ -13,6 +13,7 @@ methods give different values: compare fingerprints taken on the same device typ
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import torch
@@ -54,7 +55,6 @@ def row_fingerprints(t: torch.Tensor) -> torch.Tensor:
 def fingerprint(t: torch.Tensor) -> str:
     """The whole tensor (shape included) as 16 hex digits."""
     if t.device.type == "cpu":
-        import hashlib
 
         c = t.detach().contiguous()
         h = hashlib.blake2b(digest_size=8)
@@ -74,7 +74,6 @@ def state_fingerprints(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def combined(fps: dict[str, str]) -> str:
     """One fingerprint for a whole named collection (names and order included)."""
-    import hashlib
 
     h = hashlib.blake2b(digest_size=8)
     for k in sorted(fps):

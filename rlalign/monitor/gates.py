@@ -20,7 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.config import load_config
 from rlalign.monitor.trace import env_difference, first_divergence, read_trace
+from rlalign.rl import train
 
 GATES = ("repeatability", "baseline", "replay")
 
@@ -161,8 +163,6 @@ def _flat(d: dict, p: str = "") -> dict:
 
 
 def _train(cfg: DictConfig, run_dir: Path, extra: list[str]) -> None:
-    from rlalign.config import load_config
-    from rlalign.rl import train
 
     train(load_config([*extra, f"run.dir={run_dir}"]))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import platform
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,7 +129,6 @@ class Trace:
         """Rewrite the held records that re-records replaced (once per flush, not per record)."""
         if not self._pending:
             return
-        import warnings
 
         self._f.close()
         lines = self.path.read_text().splitlines()
