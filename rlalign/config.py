@@ -309,6 +309,9 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
+    if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
+        problems.append(f"algorithm.num_minibatches={cfg.algorithm.num_minibatches}: more minibatches than the "
+                        f"step's {cfg.task.num_prompts * cfg.task.samples_per_prompt} sequences")
     if cfg.run.steps < 1:
         problems.append(f"run.steps={cfg.run.steps}: must be >= 1")
     if cfg.task.max_new_tokens is not None and cfg.task.max_new_tokens < 1:

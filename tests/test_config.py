@@ -124,3 +124,9 @@ def test_old_messages_kept():
         load_config(["kernels.mode=fast"])
     with pytest.raises(ConfigError, match=r"monitor.fingerprints='all': expected off, default or layers"):
         load_config(["monitor.fingerprints=all"])
+
+
+def test_more_minibatches_than_sequences_is_refused():
+    with pytest.raises(ConfigError, match=r"algorithm.num_minibatches=17: more minibatches than the step's 16"):
+        load_config(["task.num_prompts=4", "task.samples_per_prompt=4", "algorithm.num_minibatches=17"])
+    load_config(["task.num_prompts=4", "task.samples_per_prompt=4", "algorithm.num_minibatches=16"])  # twin

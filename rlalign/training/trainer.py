@@ -220,7 +220,7 @@ class Trainer:
                         self.grads[n] += p.grad.float()
             for p in self.model.parameters():
                 p.grad = None
-        if self.invariant:
+        if self.invariant and B:
             total = reduce_nodes(dense_tree, B, self.group)
             off = 0
             for n in self.dense_names:
