@@ -100,7 +100,6 @@ def generate(
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
     cache = KVCache(model.args, B, (max(lens.tolist()) if B else 0) + params.max_new_tokens, model.dtype, dev)
     out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
-    logps: list[list[torch.Tensor]] = [[] for _ in range(B)]
     ids = torch.tensor(sample_ids, dtype=torch.long, device=dev)
     slots = torch.arange(B, device=dev)
 
@@ -109,35 +108,48 @@ def generate(
     set_rows(model, "gen.prefill.", [(s, i) for s, p in zip(sample_ids, prompts) for i in range(len(p))])
     logits = model(flat, cu, cache=cache, slots=slots)[torch.tensor(cu[1:], dtype=torch.long, device=dev) - 1]
     positions = lens.clone()  # position of the token being sampled
-    live = slots
+    live, live_host = slots, list(range(B))  # rows still decoding (device, and its host copy)
+    pos_host = [len(p) for p in prompts]
+    step_lps: list[torch.Tensor] = []  # per step: logprobs of the rows live at that step, in live order
+    step_rows: list[list[int]] = []
     lp_kw = params.logprob_kwargs()
     for step in range(params.max_new_tokens):
         tok = tap(model, "sample", kernels.sample(logits, params.seed, ids[live], positions[live],
                                                   greedy=params.greedy, **lp_kw))
-        lp = kernels.token_logprobs(logits, tok, **lp_kw)
+        step_lps.append(kernels.token_logprobs(logits, tok, **lp_kw))
+        step_rows.append(live_host)
         keep = []
-        for j, b in enumerate(live.tolist()):
-            t = int(tok[j])
+        for j, (b, t) in enumerate(zip(live_host, tok.tolist())):  # the step's one host sync
             out[b].tokens.append(t)
-            logps[b].append(lp[j : j + 1])
             if params.eos_token_id is not None and t == params.eos_token_id:
                 out[b].finish_reason = "eos"
             elif step + 1 == params.max_new_tokens:
                 out[b].finish_reason = "length"
             else:
                 keep.append(j)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
-        live, tok = live[keep_t], tok[keep_t]
+        if len(keep) < len(live_host):
+            keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+            live, tok = live[keep_t], tok[keep_t]
+            live_host = [live_host[j] for j in keep]
         if step + 1 == params.max_new_tokens:
             break
         if any_live is not None:
-            if not any_live(len(live) > 0):
+            if not any_live(len(live_host) > 0):
                 break
-        elif len(live) == 0:
+        elif not live_host:
             break
-        set_rows(model, "gen.decode.", list(zip(ids[live].tolist(), positions[live].tolist())))
+        set_rows(model, "gen.decode.", [(sample_ids[b], pos_host[b]) for b in live_host])
         logits = model.decode(tok, positions[live], cache, live)
         positions[live] += 1
+        for b in live_host:
+            pos_host[b] += 1
+    flat_lps = torch.cat(step_lps).float().cpu() if step_lps else torch.zeros(0)  # one copy to the host
+    per_row: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    off = 0
+    for rows in step_rows:
+        for j, b in enumerate(rows):
+            per_row[b].append(flat_lps[off + j : off + j + 1])
+        off += len(rows)
     for b in range(B):
-        out[b].logprobs = torch.cat(logps[b]).float().cpu()
+        out[b].logprobs = torch.cat(per_row[b]) if per_row[b] else torch.zeros(0)
     return out
