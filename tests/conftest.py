@@ -1,4 +1,5 @@
 import os
+import sys
 
 import torch
 
@@ -38,3 +39,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+_VERDICT = {"exitstatus": None}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _VERDICT["exitstatus"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process with pytest's verdict, without interpreter teardown. Seen once on this
+    2-core machine: every test passed ("235 passed"), then the interpreter died with SIGSEGV while
+    tearing down C extensions (Ray, gloo, wandb and Triton's interpreter all live in this process at
+    some point), and make reported a failure that was not one. The summary is already printed."""
+    if _VERDICT["exitstatus"] is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_VERDICT["exitstatus"])
