@@ -16,10 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
-from rlalign.config import model_args
+from rlalign.config import resolved_model_args
 from rlalign.factory import sampling_params
 from rlalign.generation import Rollout
-from rlalign.model import read_args
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_world, run_workers, shard_range
 from rlalign.training.trainer import Sample
@@ -57,10 +56,6 @@ def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int]
     gen = {k: s[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy")}
     cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}, "generator": gen})
     return cfg, batch["prompts"], batch["sample_ids"], s["seed"], batch
-
-
-def _model_args(cfg: DictConfig):
-    return read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
 
 
 def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, seed: int) -> list[Rollout]:
@@ -104,7 +99,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     if cfg.agree.replay:
         cfg, prompts, ids, seed, replay = load_replay(cfg)
     else:
-        prompts, seed = random_prompts(cfg, _model_args(cfg).vocab_size), cfg.seed
+        prompts, seed = random_prompts(cfg, resolved_model_args(cfg).vocab_size), cfg.seed
         ids = list(range(len(prompts)))
     rollouts = generate_batch(cfg, prompts, ids, seed=seed)
     t1 = time.perf_counter()

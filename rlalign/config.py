@@ -349,7 +349,7 @@ def _or(values: tuple[str | None, ...]) -> str:
 def _num_experts(cfg: DictConfig) -> int:
     if cfg.model.path:
 
-        return read_args(cfg.model.path)[0].num_experts
+        return resolved_model_args(cfg).num_experts
     return cfg.model.num_experts
 
 
@@ -358,3 +358,8 @@ def model_args(cfg: DictConfig) -> ModelArgs:
     d = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in names}
     return ModelArgs.from_dict(d, where=f"model ({cfg.model.name})")
 
+
+
+def resolved_model_args(cfg: DictConfig) -> ModelArgs:
+    """The model's arguments: from model.path's config.json when set, else the named config."""
+    return read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)

@@ -25,11 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
-from rlalign.config import model_args
+from rlalign.config import model_args, resolved_model_args
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.generation import Rollout, SamplingParams
 from rlalign.logger import RunLogger
-from rlalign.model import check_hf_dir, read_args, save_hf
+from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
 from rlalign.monitor.fingerprint import combined, state_fingerprints
@@ -288,7 +288,7 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
             worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
-    args = read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)
+    args = resolved_model_args(cfg)
     rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
     return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}

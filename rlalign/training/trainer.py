@@ -150,7 +150,9 @@ class Trainer:
         captured: dict[int, torch.Tensor] = {}
         if updates > 1 or self.cfg.trainer.separate_scoring_pass:
             captured = dict(zip(mine, self.score([samples[i] for i in mine])))
-        ref = dict(zip(mine, self.score([samples[i] for i in mine], self.ref_model))) if self.ref_model else None
+        ref = None
+        if self.ref_model is not None:
+            ref = dict(zip(mine, self.score([samples[i] for i in mine], self.ref_model)))
         records: list[tuple[tuple, dict]] = []
         for epoch in range(alg.ppo_epochs):
             for k, mbs in enumerate(plan):
