@@ -119,6 +119,27 @@ def attention_decode(
     return _impl(q).attention_decode(q, k_cache, v_cache, lengths, scale)
 
 
+def attention_paged(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_idx: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of query rows of any sequences against a paged KV cache (one layer).
+
+    q [N, H, D]; k_pages/v_pages [P, page_size, Hk, D]; block_table [S, max_pages] int (the pages of
+    sequence s in order: key position j lives in page block_table[s, j // page_size] at offset
+    j % page_size); seq_idx [N] (each row's sequence); positions [N] (each row's absolute position:
+    it attends keys 0..positions[n] of its sequence, its own key already written). Rows may be fresh
+    prefill chunks, chunks after a cached prefix, or decode rows, in any mix. Deterministic mode:
+    each row bitwise equal to attention_prefill's row at that position."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _impl(q).attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale)
+
+
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
     """Router logits [T, E] -> (weights [T, k] fp32, experts [T, k]); ties to the lowest id."""
     return _impl(logits).moe_route(logits, top_k, renormalize)

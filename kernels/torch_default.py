@@ -84,6 +84,16 @@ def attention_decode(q, k_cache, v_cache, lengths, scale: float):
     return o[:, :, 0]
 
 
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float):
+    from rlalign.kernels.torch_deterministic import gather_pages
+
+    if q.shape[0] == 0:
+        return q.clone()
+    n_keys = int(positions.max()) + 1
+    k, v = (gather_pages(p, block_table, seq_idx, n_keys) for p in (k_pages, v_pages))
+    return attention_decode(q, k, v, positions + 1, scale)
+
+
 def moe_route(logits, top_k: int, renormalize: bool):
     probs = torch.softmax(logits.float(), -1)
     weights, experts = torch.topk(probs, top_k, dim=-1)

@@ -150,6 +150,36 @@ def attention_decode(q, k_cache, v_cache, lengths: torch.Tensor, scale: float) -
     return o.reshape(B, H, D).to(q.dtype)
 
 
+def gather_pages(pages: torch.Tensor, block_table: torch.Tensor, seq_idx: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Keys 0..n_keys-1 of each row's sequence from pages [P, page_size, Hk, D] -> [N, n_keys, Hk, D]."""
+    bs = pages.shape[1]
+    n_pages = -(-n_keys // bs)
+    rows = pages[block_table[seq_idx, :n_pages].long()]  # [N, n_pages, bs, Hk, D]
+    return rows.reshape(rows.shape[0], n_pages * bs, *pages.shape[2:])[:, :n_keys]
+
+
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float) -> torch.Tensor:
+    """Each row q[n] against keys 0..positions[n] of sequence seq_idx[n], read through the block
+    table: the decode reduction (a tree over the keys, zero-padded), hence the prefill row's bits.
+    Keys past a row's position (other rows' keys, stale or unwritten page slots) are masked and their
+    values zeroed, so whatever a page holds there changes nothing."""
+    N, H, D = q.shape
+    if N == 0:
+        return q.clone()
+    Hk = k_pages.shape[2]
+    n_keys = int(positions.max()) + 1
+    r_blk = max(1, _BLOCK_ELEMS // max(1, n_keys * H * D))
+    outs = []
+    for r0 in range(0, N, r_blk):
+        sl = slice(r0, min(N, r0 + r_blk))
+        k = gather_pages(k_pages, block_table, seq_idx[sl], n_keys)
+        v = gather_pages(v_pages, block_table, seq_idx[sl], n_keys)
+        valid = (torch.arange(n_keys, device=q.device)[None, :] <= positions[sl, None])[:, None, :]
+        o = _attend(q[sl].reshape(-1, 1, Hk, H // Hk, D), k, v, valid, scale)
+        outs.append(o.reshape(-1, H, D))
+    return torch.cat(outs, 0).to(q.dtype)
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over the last dim in fixed order."""
     x = x.float()

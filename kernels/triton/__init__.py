@@ -34,10 +34,23 @@ from .norm import rmsnorm
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
+    "attention_paged",
     "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm", "grouped_linear",
     "linear", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route", "norm", "rmsnorm",
     "rope", "swiglu",
 ]
+
+
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float):
+    """Paged rows through the contiguous decode kernel: keys gathered through the block table into
+    [N, n_keys, Hk, D], then attention_decode (== the prefill row, bitwise)."""
+    from rlalign.kernels.torch_deterministic import gather_pages
+
+    if q.shape[0] == 0:
+        return q.clone()
+    n_keys = int(positions.max()) + 1
+    k, v = (gather_pages(p, block_table, seq_idx, n_keys).contiguous() for p in (k_pages, v_pages))
+    return attention_decode(q, k, v, positions + 1, scale)
 
 
 def for_tensor(x: torch.Tensor):

@@ -59,6 +59,25 @@ class KVCache:
         return self.k[layer, slots], self.v[layer, slots]
 
 
+class PagedKVCache:
+    """Keys/values in pages [L, P, page_size, Hk, D]: the layout block tables address (the native
+    engine's and vLLM's). A token's slot is page * page_size + offset (vLLM's slot mapping)."""
+
+    def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype, device=None):
+        shape = (args.num_layers, num_pages, page_size, args.num_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kf, vf = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # views [P * page_size, Hk, D]
+        kf.index_copy_(0, slot_mapping, k)
+        vf.index_copy_(0, slot_mapping, v)
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -90,6 +109,14 @@ class Attention(nn.Module):
         cache.update(layer, slots, positions, k, v)
         k_cache, v_cache = cache.get(layer, slots)
         o = kernels.attention_decode(q, k_cache, v_cache, positions + 1)
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+
+    def paged(self, x, cos, sin, cache, layer: int, block_table, seq_idx, positions, slot_mapping):
+        q, k, v = self._qkv(x, cos, sin)
+        cache.write(layer, slot_mapping, k.detach(), v.detach())
+        k_pages, v_pages = cache.pages(layer)
+        o = kernels.attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
@@ -263,6 +290,24 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.decode(x, cos, sin, cache, i,
                                                                                              slots, positions))
+        return self._head(h)
+
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache,
+             block_table: torch.Tensor, slot_mapping: torch.Tensor,
+             logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One engine step over a paged cache: rows [N] of any mix of prefill chunks and decode
+        tokens (tokens, absolute positions, sequence index into block_table, cache slot to write).
+        `cache` has write(layer, slot_mapping, k, v) and pages(layer) (PagedKVCache, or an engine's
+        view of its own pages). Returns logits of `logit_rows` (default: every row). Each row's
+        bits equal the trainer's forward row at that position (batch invariance)."""
+        cos, sin = self._rope(positions)
+        h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
+        for i, layer in enumerate(self.model.layers):
+            h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.paged(
+                x, cos, sin, cache, i, block_table, seq_idx, positions, slot_mapping))
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
         return self._head(h)
 
 
