@@ -1,22 +1,28 @@
-"""Native generator: batched sampling with a KV cache, on the same model and ops as the trainer.
+"""Native generator: a continuous-batching engine over a paged KV cache, on the same model and
+ops as the trainer.
 
-Prompts of different lengths are prefilled packed (one causal forward, keys/values written to
-the cache), then every live sequence decodes one token per step until EOS or max_new_tokens.
-The token at absolute position p of sample s is drawn with noise that depends only on
-(seed, s, p) (kernels.sampling), and its logprob is `kernels.token_logprobs` of the logits it was
-sampled from: the same function the trainer applies when it rescores the finished sequence.
+Each step is one `Transformer.step` over a mix of rows: one per decoding sequence, then prompt
+chunks of newly admitted sequences within a token budget. A finished sequence frees its slot and
+pages at once and the next queued request takes them. Batch invariance is what lets the schedule
+vary freely: a row's bits depend only on its sequence, never on what shares its step, how its
+prompt was chunked, or which pages hold its keys, so every schedule samples the same tokens with
+the same logprob bits, equal to the trainer's rescoring. The token at absolute position p of
+sample s is drawn with noise that depends only on (seed, s, p) (kernels.sampling), and its
+logprob is `kernels.token_logprobs` of the logits it was sampled from: the function the trainer
+applies when it rescores the finished sequence.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from rlalign import kernels
-from rlalign.model import KVCache, Transformer
-from rlalign.monitor.taps import set_rows, tap
+from rlalign.model import PagedKVCache, Transformer
+from rlalign.monitor.taps import TapRecorder, set_rows, tap
 
 
 @dataclass
@@ -61,6 +67,45 @@ class Rollout:
     finish_reason: str = ""  # "eos" | "length"
 
 
+@dataclass
+class EngineConfig:
+    """The native engine's schedule (generator.* keys). None of it changes a token or a bit."""
+
+    max_num_seqs: int = 0  # sequences in flight at once; 0 = every request at once
+    max_num_batched_tokens: int = 0  # rows per step (decode rows first, then prompt chunks); 0 = no limit
+    page_size: int = 16  # token slots per KV page
+    num_pages: int = 0  # KV pages; 0 = enough for max_num_seqs sequences at their longest
+
+    def validate(self) -> None:
+        for key in ("max_num_seqs", "max_num_batched_tokens", "num_pages"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"generator.{key}={getattr(self, key)}: must be >= 0 (0 = automatic)")
+        if self.page_size < 1:
+            raise ValueError(f"generator.page_size={self.page_size}: must be >= 1")
+        if self.max_num_batched_tokens and self.max_num_seqs and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"generator.max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"generator.max_num_seqs={self.max_num_seqs}: every decoding sequence needs one row per step"
+            )
+
+
+@dataclass
+class _Seq:
+    """A request in flight: its tokens so far (prompt + sampled), how many have keys/values in the
+    cache, its row of the block table and its pages."""
+
+    b: int  # index into the caller's lists
+    tokens: list[int]
+    n_prompt: int
+    slot: int
+    pages: list[int]
+    n_cached: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.n_cached >= self.n_prompt
+
+
 def check_prompts(model: Transformer, prompts: list[list[int]], sample_ids: list[int], max_new: int) -> None:
     if len(prompts) != len(sample_ids):
         raise ValueError(f"{len(prompts)} prompts but {len(sample_ids)} sample ids")
@@ -87,69 +132,115 @@ def generate(
     sample_ids: list[int],
     params: SamplingParams,
     any_live: Callable[[bool], bool] | None = None,
+    engine: EngineConfig | None = None,
 ) -> list[Rollout]:
-    """Sample continuations of `prompts`. `any_live(local_live)` (expert parallelism) returns
-    whether any rank still decodes; a rank with nothing left keeps stepping with empty batches so
-    that collectives inside the model stay in lockstep."""
+    """Sample continuations of `prompts` (continuous batching; `engine` sets the schedule).
+    `any_live(local_live)` (expert parallelism) returns whether any rank still has work; a rank
+    with nothing left keeps stepping with empty batches so that collectives inside the model stay
+    in lockstep."""
     params.validate()
+    engine = engine or EngineConfig()
+    engine.validate()
     if not prompts and any_live is None:
         raise ValueError("generate: empty prompt batch")
     check_prompts(model, prompts, sample_ids, params.max_new_tokens)
     dev = model.lm_head.weight.device
     B = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
-    cache = KVCache(model.args, B, (max(lens.tolist()) if B else 0) + params.max_new_tokens, model.dtype, dev)
+    ps = engine.page_size
+    pages_of = [-(-(len(p) + params.max_new_tokens) // ps) for p in prompts]  # at the longest
+    width = max(pages_of, default=1)
+    max_seqs = min(engine.max_num_seqs or B, B) or 1
+    num_pages = engine.num_pages or max(1, sum(sorted(pages_of, reverse=True)[:max_seqs]))
+    for b, n in enumerate(pages_of):
+        if n > num_pages:
+            raise ValueError(
+                f"sample {sample_ids[b]}: prompt of {len(prompts[b])} tokens + max_new_tokens={params.max_new_tokens} "
+                f"needs {n} KV pages of {ps} tokens; the cache has {num_pages} (raise generator.num_pages or "
+                "lower generator.max_new_tokens)"
+            )
+    budget = engine.max_num_batched_tokens or float("inf")
+    try:
+        cache = PagedKVCache(model.args, num_pages, ps, model.dtype, dev)
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"KV cache of {num_pages} pages x {ps} tokens does not fit on {dev}: lower generator.num_pages or "
+            "generator.max_num_seqs"
+        ) from e
+    table_host = torch.zeros(max_seqs, width, dtype=torch.int32)
+    block_table = table_host.to(dev)
+    free_pages, free_slots = list(range(num_pages - 1, -1, -1)), list(range(max_seqs - 1, -1, -1))
+    queue, running = deque(range(B)), []
     out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
-    ids = torch.tensor(sample_ids, dtype=torch.long, device=dev)
-    slots = torch.arange(B, device=dev)
-
-    flat = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-    cu = [0] + torch.cumsum(lens, 0).tolist()
-    set_rows(model, "gen.prefill.", [(s, i) for s, p in zip(sample_ids, prompts) for i in range(len(p))])
-    logits = model(flat, cu, cache=cache, slots=slots)[torch.tensor(cu[1:], dtype=torch.long, device=dev) - 1]
-    positions = lens.clone()  # position of the token being sampled
-    live, live_host = slots, list(range(B))  # rows still decoding (device, and its host copy)
-    pos_host = [len(p) for p in prompts]
-    step_lps: list[torch.Tensor] = []  # per step: logprobs of the rows live at that step, in live order
-    step_rows: list[list[int]] = []
+    ids_all = torch.tensor(sample_ids, dtype=torch.long, device=dev)
+    lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each
     lp_kw = params.logprob_kwargs()
-    for step in range(params.max_new_tokens):
-        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids[live], positions[live],
-                                                  greedy=params.greedy, **lp_kw))
-        step_lps.append(kernels.token_logprobs(logits, tok, **lp_kw))
-        step_rows.append(live_host)
-        keep = []
-        for j, (b, t) in enumerate(zip(live_host, tok.tolist())):  # the step's one host sync
-            out[b].tokens.append(t)
-            if params.eos_token_id is not None and t == params.eos_token_id:
-                out[b].finish_reason = "eos"
-            elif step + 1 == params.max_new_tokens:
-                out[b].finish_reason = "length"
-            else:
-                keep.append(j)
-        if len(keep) < len(live_host):
-            keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
-            live, tok = live[keep_t], tok[keep_t]
-            live_host = [live_host[j] for j in keep]
-        if step + 1 == params.max_new_tokens:
-            break
+    record_all = isinstance(getattr(model, "taps", None), TapRecorder) and model.taps.rows
+    while True:
+        while queue and free_slots and len(free_pages) >= pages_of[queue[0]]:  # admit in order
+            b = queue.popleft()
+            seq = _Seq(b, list(prompts[b]), len(prompts[b]), free_slots.pop(),
+                       [free_pages.pop() for _ in range(pages_of[b])])
+            table_host[seq.slot, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            block_table[seq.slot].copy_(table_host[seq.slot])
+            running.append(seq)
+        rows, sample_at = [], []  # rows: (seq, position); sample_at: (seq, row index)
+        for seq in running:  # decode rows first: one each
+            if seq.decoding:
+                sample_at.append((seq, len(rows)))
+                rows.append((seq, len(seq.tokens) - 1))
+        for seq in running:  # then prompt chunks, in admission order, within the budget
+            n = int(min(budget - len(rows), seq.n_prompt - seq.n_cached)) if not seq.decoding else 0
+            if n > 0:
+                rows.extend((seq, p) for p in range(seq.n_cached, seq.n_cached + n))
+                seq.n_cached += n
+                if seq.decoding:
+                    sample_at.append((seq, len(rows) - 1))
         if any_live is not None:
-            if not any_live(len(live_host) > 0):
+            if not any_live(bool(rows)):
                 break
-        elif not live_host:
+        elif not rows:
             break
-        set_rows(model, "gen.decode.", [(sample_ids[b], pos_host[b]) for b in live_host])
-        logits = model.decode(tok, positions[live], cache, live)
-        positions[live] += 1
-        for b in live_host:
-            pos_host[b] += 1
-    flat_lps = torch.cat(step_lps).float().cpu() if step_lps else torch.zeros(0)  # one copy to the host
+        meta = torch.tensor(
+            [[seq.tokens[p] for seq, p in rows], [p for _, p in rows], [seq.slot for seq, _ in rows],
+             [seq.pages[p // ps] * ps + p % ps for seq, p in rows]], dtype=torch.long).reshape(4, len(rows))
+        tokens, positions, seq_idx, slot_mapping = meta.to(dev, non_blocking=True)
+        pick = torch.tensor([r for _, r in sample_at], dtype=torch.long).to(dev, non_blocking=True)
+        set_rows(model, "gen.step.", [(sample_ids[seq.b], p) for seq, p in rows])
+        logits = model.step(tokens, positions, seq_idx, cache, block_table, slot_mapping,
+                            logit_rows=None if record_all else pick)
+        if record_all:
+            logits = logits.index_select(0, pick)
+        if not sample_at:
+            continue
+        b_idx = [seq.b for seq, _ in sample_at]
+        b_dev = torch.tensor(b_idx, dtype=torch.long).to(dev, non_blocking=True)
+        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids_all[b_dev], positions[pick] + 1,
+                                                  greedy=params.greedy, **lp_kw))
+        lps.append(kernels.token_logprobs(logits, tok, **lp_kw))
+        lp_rows.append(b_idx)
+        finished = []
+        for (seq, _), t in zip(sample_at, tok.tolist()):  # the step's one host sync
+            seq.tokens.append(t)
+            o = out[seq.b]
+            o.tokens.append(t)
+            if params.eos_token_id is not None and t == params.eos_token_id:
+                o.finish_reason = "eos"
+            elif len(o.tokens) == params.max_new_tokens:
+                o.finish_reason = "length"
+            else:
+                continue
+            finished.append(seq)
+        for seq in finished:  # free the slot and pages at once; the next step admits from the queue
+            running.remove(seq)
+            free_slots.append(seq.slot)
+            free_pages.extend(reversed(seq.pages))
+    flat = torch.cat(lps).float().cpu() if lps else torch.zeros(0)  # one copy to the host
     per_row: list[list[torch.Tensor]] = [[] for _ in range(B)]
     off = 0
-    for rows in step_rows:
-        for j, b in enumerate(rows):
-            per_row[b].append(flat_lps[off + j : off + j + 1])
-        off += len(rows)
+    for b_idx in lp_rows:
+        for j, b in enumerate(b_idx):
+            per_row[b].append(flat[off + j : off + j + 1])
+        off += len(b_idx)
     for b in range(B):
         out[b].logprobs = torch.cat(per_row[b]) if per_row[b] else torch.zeros(0)
     return out

@@ -250,9 +250,9 @@ class Transformer(nn.Module):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self._tap("logits", self.lm_head(self._tap("norm", self.model.norm(h))))
 
-    def _rope(self, positions: torch.Tensor):
+    def _rope(self, positions: torch.Tensor, check: bool = True):
         """cos/sin rows [N, D] for positions, after checking the context length."""
-        if positions.numel() and int(positions.max()) >= self.args.max_position_embeddings:
+        if check and positions.numel() and int(positions.max()) >= self.args.max_position_embeddings:
             raise ValueError(
                 f"position {int(positions.max())} exceeds the model's context "
                 f"(max_position_embeddings={self.args.max_position_embeddings})"
@@ -301,7 +301,7 @@ class Transformer(nn.Module):
         `cache` has write(layer, slot_mapping, k, v) and pages(layer) (PagedKVCache, or an engine's
         view of its own pages). Returns logits of `logit_rows` (default: every row). Each row's
         bits equal the trainer's forward row at that position (batch invariance)."""
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions, check=False)  # engines check lengths at admission: no host sync
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         for i, layer in enumerate(self.model.layers):
             h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.paged(

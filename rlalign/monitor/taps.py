@@ -59,7 +59,7 @@ class Injection:
             raise ValueError(f"monitor.inject site {self.site!r}: expected layers.<i>.attn or layers.<i>.mlp")
         layer = model.model.layers[int(parts[1])]
         mod = layer.self_attn if parts[2] == "attn" else layer.mlp
-        for method in ("forward", "decode"):
+        for method in ("forward", "decode", "paged"):
             if hasattr(mod, method):
                 orig = getattr(mod, method)
 
