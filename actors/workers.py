@@ -23,6 +23,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlalign.checkpoint import load_shards, save_shards
+from rlalign.config import engine_config
 from rlalign.factory import apply_kernels, model_from_config
 from rlalign.faults import maybe_fail
 from rlalign.generation import Rollout, SamplingParams, generate
@@ -174,7 +175,8 @@ class GeneratorWorker(_Monitored):
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
         outs = generate(self.model, prompts, sample_ids, params,
-                        any_live=any_live_fn(self.group) if self.group is not None else None)
+                        any_live=any_live_fn(self.group) if self.group is not None else None,
+                        engine=engine_config(self.cfg))
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))

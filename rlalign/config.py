@@ -27,7 +27,7 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlalign.generation import SamplingParams
+from rlalign.generation import EngineConfig, SamplingParams
 from rlalign.model.args import ModelArgs
 from rlalign.model.hf import read_args
 
@@ -81,6 +81,11 @@ class GeneratorConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    # the native engine's schedule (rlalign.generation.EngineConfig); none of it changes a bit
+    max_num_seqs: int = 0  # sequences in flight per generator rank; 0 = all of the rank's requests
+    max_num_batched_tokens: int = 0  # rows per step (decode rows, then prompt chunks); 0 = no limit
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # KV pages per rank; 0 = enough for max_num_seqs sequences at their longest
 
 
 @dataclass
@@ -322,6 +327,10 @@ def validate(cfg: DictConfig) -> None:
                        greedy=g.greedy).validate()
     except ValueError as e:
         problems.append(str(e))
+    try:
+        engine_config(cfg).validate()
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
 
@@ -351,6 +360,12 @@ def _num_experts(cfg: DictConfig) -> int:
 
         return resolved_model_args(cfg).num_experts
     return cfg.model.num_experts
+
+
+def engine_config(cfg: DictConfig) -> EngineConfig:
+    g = cfg.generator
+    return EngineConfig(max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
+                        page_size=g.page_size, num_pages=g.num_pages)
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
