@@ -75,6 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 0  # rows per step (decode rows first, then prompt chunks); 0 = no limit
     page_size: int = 16  # token slots per KV page
     num_pages: int = 0  # KV pages; 0 = enough for max_num_seqs sequences at their longest
+    cuda_graphs: bool = True  # on CUDA, decode-only steps replay graphs captured per batch-size bucket
 
     def validate(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "num_pages"):
@@ -106,6 +107,57 @@ class _Seq:
         return self.n_cached >= self.n_prompt
 
 
+class _DecodeGraphs:
+    """CUDA graphs of decode-only `Transformer.step`s, one per batch-size bucket (powers of two),
+    captured on first use. A step of n rows runs the smallest bucket >= n; the padding rows read and
+    write only a spare page through a spare block-table row, and batch invariance means they change
+    no bit of the real rows (tests/gpu checks graphs == eager bitwise). Sampling stays eager."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int,
+                 pad_slot: int):
+        self.model, self.cache, self.block_table = model, cache, block_table
+        self.pad_row, self.pad_slot = pad_row, pad_slot
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _pad(self, meta: torch.Tensor, size: int) -> torch.Tensor:
+        pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot]], dtype=torch.long)
+        pad = pad.expand(4, size - meta.shape[1])
+        return torch.cat([meta, pad], 1)
+
+    def _capture(self, size: int):
+        dev = self.block_table.device
+        static = self._pad(torch.zeros(4, 0, dtype=torch.long), size).to(dev)
+        run = lambda: self.model.step(static[0], static[1], static[2], self.cache, self.block_table,  # noqa: E731
+                                      static[3])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # warm-up (Triton compiles, launch plans fill) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+        return graph, static, out
+
+    def __call__(self, meta: torch.Tensor) -> torch.Tensor:
+        n = meta.shape[1]
+        size = 1 << max(0, (n - 1).bit_length())
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, static, out = self.graphs[size]
+        static.copy_(self._pad(meta, size).pin_memory(), non_blocking=True)
+        graph.replay()
+        return out[:n]
+
+
+def graphs_allowed(model: Transformer, engine: EngineConfig, dev: torch.device) -> bool:
+    """Graphs replay kernels, not Python: only on CUDA and when no tap does host work (row
+    fingerprints, per-op traces and injected faults run eagerly)."""
+    taps = getattr(model, "taps", None)
+    return engine.cuda_graphs and dev.type == "cuda" and (taps is None or getattr(taps, "inert", False))
+
+
 def check_prompts(model: Transformer, prompts: list[list[int]], sample_ids: list[int], max_new: int) -> None:
     if len(prompts) != len(sample_ids):
         raise ValueError(f"{len(prompts)} prompts but {len(sample_ids)} sample ids")
@@ -123,6 +175,11 @@ def check_prompts(model: Transformer, prompts: list[list[int]], sample_ids: list
         bad = [t for t in p if not 0 <= t < a.vocab_size]
         if bad:
             raise ValueError(f"prompt of sample {sid} has token id {bad[0]} outside [0, {a.vocab_size})")
+
+
+def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Host metadata to the device without a sync (pinned staging on CUDA)."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
 
 @torch.no_grad()
@@ -159,15 +216,17 @@ def generate(
                 "lower generator.max_new_tokens)"
             )
     budget = engine.max_num_batched_tokens or float("inf")
-    try:
-        cache = PagedKVCache(model.args, num_pages, ps, model.dtype, dev)
+    try:  # one spare page and block-table row: where CUDA-graph padding rows read and write
+        cache = PagedKVCache(model.args, num_pages + 1, ps, model.dtype, dev)
     except torch.OutOfMemoryError as e:
         raise RuntimeError(
             f"KV cache of {num_pages} pages x {ps} tokens does not fit on {dev}: lower generator.num_pages or "
             "generator.max_num_seqs"
         ) from e
-    table_host = torch.zeros(max_seqs, width, dtype=torch.int32)
+    table_host = torch.full((max_seqs + 1, width), num_pages, dtype=torch.int32)
     block_table = table_host.to(dev)
+    graphs = _DecodeGraphs(model, cache, block_table, max_seqs, num_pages * ps) if graphs_allowed(
+        model, engine, dev) and any_live is None else None
     free_pages, free_slots = list(range(num_pages - 1, -1, -1)), list(range(max_seqs - 1, -1, -1))
     queue, running = deque(range(B)), []
     out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
@@ -203,18 +262,23 @@ def generate(
         meta = torch.tensor(
             [[seq.tokens[p] for seq, p in rows], [p for _, p in rows], [seq.slot for seq, _ in rows],
              [seq.pages[p // ps] * ps + p % ps for seq, p in rows]], dtype=torch.long).reshape(4, len(rows))
-        tokens, positions, seq_idx, slot_mapping = meta.to(dev, non_blocking=True)
-        pick = torch.tensor([r for _, r in sample_at], dtype=torch.long).to(dev, non_blocking=True)
-        set_rows(model, "gen.step.", [(sample_ids[seq.b], p) for seq, p in rows])
-        logits = model.step(tokens, positions, seq_idx, cache, block_table, slot_mapping,
-                            logit_rows=None if record_all else pick)
-        if record_all:
-            logits = logits.index_select(0, pick)
+        b_idx = [seq.b for seq, _ in sample_at]
+        if graphs is not None and len(sample_at) == len(rows):  # decode only: rows are the samples, in order
+            logits = graphs(meta)
+            positions = torch.tensor([p for _, p in rows], dtype=torch.long).pin_memory().to(dev, non_blocking=True)
+        else:
+            tokens, positions, seq_idx, slot_mapping = _to(meta, dev)
+            pick = _to(torch.tensor([r for _, r in sample_at], dtype=torch.long), dev)
+            set_rows(model, "gen.step.", [(sample_ids[seq.b], p) for seq, p in rows])
+            logits = model.step(tokens, positions, seq_idx, cache, block_table, slot_mapping,
+                                logit_rows=None if record_all else pick)
+            if record_all:
+                logits = logits.index_select(0, pick)
+            positions = positions[pick]
         if not sample_at:
             continue
-        b_idx = [seq.b for seq, _ in sample_at]
-        b_dev = torch.tensor(b_idx, dtype=torch.long).to(dev, non_blocking=True)
-        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids_all[b_dev], positions[pick] + 1,
+        b_dev = _to(torch.tensor(b_idx, dtype=torch.long), dev)
+        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids_all[b_dev], positions + 1,
                                                   greedy=params.greedy, **lp_kw))
         lps.append(kernels.token_logprobs(logits, tok, **lp_kw))
         lp_rows.append(b_idx)

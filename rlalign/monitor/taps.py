@@ -78,6 +78,12 @@ class TapRecorder:
         self.table: dict[tuple[int, int], dict[str, int]] = {}
         self.prefix, self.keys = "", None
 
+    @property
+    def inert(self) -> bool:
+        """Records nothing and injects nothing: a CUDA graph may run without calling it."""
+        return not self.rows and not (self.layers and self.trace is not None) and (
+            self.injection is None or self.injection.kind is None)
+
     def set_rows(self, prefix: str, keys: list[tuple[int, int]] | None) -> None:
         self.prefix, self.keys = prefix, keys
 
