@@ -1,0 +1,130 @@
+"""Rollout speed of the native engine (issue 12): tokens/s, the fraction of the HBM roofline,
+and agreement with the trainer, for the deterministic Triton kernels (CUDA graphs on and off)
+and the default kernels in the same engine, same prompts, same run.
+
+    python experiments/bench_generate.py [--model bench-moe-large] [--prompts 256] [--new 256]
+
+Roofline: a decode step must read the weights it uses (dense weights, the lm head, and the experts
+that the step's rows route to: E * (1 - (1 - k/E)^B) per layer at batch B if routing is uniform)
+plus every live row's keys/values; tokens/s at the HBM peak = tokens / (bytes / peak bandwidth),
+summed over the steps of the measured run (its live-row counts and context lengths). Prefill is
+counted in the measured time and not in the roofline (it favours the roofline). Writes
+experiments/results/generate_<model>_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import RESULTS, environment  # noqa: E402
+
+from rlalign import kernels  # noqa: E402
+from rlalign.config import load_config, model_args  # noqa: E402
+from rlalign.generation import EngineConfig, SamplingParams, generate  # noqa: E402
+from rlalign.model import build_model  # noqa: E402
+from rlalign.training.scoring import score  # noqa: E402
+
+HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def roofline(args, model, rollouts, peak: float) -> dict:
+    """Tokens/s if every decode step only moved its bytes at `peak` B/s."""
+    el = model.dtype.itemsize
+    n_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    n_dense = sum(p.numel() for p in model.parameters()) - n_expert
+    E, k, L = args.num_experts, args.top_k, args.num_layers
+    per_expert = n_expert / max(1, E)  # over all MoE layers
+    kv_per_token = L * 2 * args.num_kv_heads * args.head_dim * el
+    total_bytes, steps = 0.0, 0
+    max_new = max(len(r.tokens) for r in rollouts)
+    for t in range(max_new):  # step t samples token t of every row still live
+        live = [r for r in rollouts if len(r.tokens) > t]
+        B = len(live)
+        touched = E * (1 - (1 - k / E) ** B) if E else 0
+        total_bytes += n_dense * el + touched * per_expert * el + sum(len(r.prompt) + t for r in live) * kv_per_token
+        steps += 1
+    tokens = sum(len(r.tokens) for r in rollouts)
+    secs = total_bytes / peak
+    return {"bytes_moved": total_bytes, "decode_steps": steps, "roofline_seconds": secs,
+            "roofline_tokens_per_s": tokens / secs, "hbm_peak_bytes_per_s": peak,
+            "weights_bytes": (n_dense + n_expert) * el}
+
+
+def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True):
+    backend = "triton" if mode == "deterministic" else "torch"
+    with kernels.use(mode=mode, backend=backend):
+        if warm:  # compile kernels, capture the small buckets
+            generate(model, prompts[:8], list(range(8)), SamplingParams(max_new_tokens=8, seed=1), engine=engine)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = generate(model, prompts, list(range(len(prompts))), params, engine=engine)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=16,
+                    **params.logprob_kwargs())
+    toks = sum(len(r.tokens) for r in outs)
+    diff = [(r.logprobs - lp.float().cpu()).abs() for r, lp in zip(outs, lps)]
+    return outs, {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs,
+                  "mismatched_tokens": int(sum(int((d != 0).sum()) for d in diff)),
+                  "max_abs_diff": float(max(float(d.max()) for d in diff if d.numel()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bench-moe-large")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=128)
+    ap.add_argument("--modes", default="graphs,eager,default")
+    a = ap.parse_args()
+    cfg = load_config([f"model={a.model}"])
+    args = model_args(cfg)
+    model = build_model(args, "bfloat16", seed=0, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, args.vocab_size, (int(torch.randint(a.prompt_min, a.prompt_max + 1, (1,),
+                                                                    generator=g)),), generator=g).tolist()
+               for _ in range(a.prompts)]
+    params = SamplingParams(max_new_tokens=a.new, eos_token_id=args.eos_token_id, seed=7)
+    gpu = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in HBM_PEAK.items() if k in gpu), 4.8e12)
+    results, ref = {}, None
+    for mode in a.modes.split(","):
+        engine = EngineConfig(cuda_graphs=mode == "graphs")
+        try:
+            outs, r = run(model, prompts, params, "default" if mode == "default" else "deterministic", engine)
+        except Exception as e:  # noqa: BLE001 - recorded, the other modes still run
+            results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(mode, "FAILED", results[mode]["error"], flush=True)
+            continue
+        if ref is None:
+            ref = outs
+            results["roofline"] = roofline(args, model, outs, peak)
+        elif mode != "default":
+            r["same_tokens_and_bits_as_" + a.modes.split(",")[0]] = all(
+                x.tokens == y.tokens and torch.equal(x.logprobs.view(torch.int32), y.logprobs.view(torch.int32))
+                for x, y in zip(outs, ref))
+        r["fraction_of_roofline"] = r["tokens_per_s"] / results["roofline"]["roofline_tokens_per_s"]
+        results[mode] = r
+        print(f"{mode:8s} {r['tokens']:7d} tok {r['seconds']:7.2f} s {r['tokens_per_s']:9.0f} tok/s "
+              f"{100 * r['fraction_of_roofline']:5.1f}% roofline  mismatched {r['mismatched_tokens']}", flush=True)
+    for m in ("graphs", "eager"):
+        if "tokens_per_s" in results.get(m, {}) and "tokens_per_s" in results.get("default", {}):
+            results[f"{m}_over_default_speed"] = results[m]["tokens_per_s"] / results["default"]["tokens_per_s"]
+    out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
+           "prompt_len": [a.prompt_min, a.prompt_max], "baseline_tokens_per_s_issue12": 2700, "results": results}
+    path = RESULTS / f"generate_{a.model}_{gpu.replace(' ', '_')}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k != "roofline"}, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
