@@ -6,7 +6,8 @@
 
 `call` waits on every rank; the first rank to fail kills the whole group and raises an error that
 names the group, the rank and the actor's own error, so a crash never leaves the others hanging
-in a collective.
+in a collective. `call_together` does the same for calls of several groups that meet in one
+collective (the weight sync's process group spans the trainer and the generator group).
 """
 
 from __future__ import annotations
@@ -81,36 +82,14 @@ class ActorGroup:
                 )
             )
 
+    def submit(self, method: str, *args, per_rank: list[tuple] | None = None) -> list:
+        """method on every rank (same args, or per_rank[r]), not waited for: pass to call_together."""
+        return [getattr(a, method).remote(*(per_rank[r] if per_rank is not None else args))
+                for r, a in enumerate(self.actors)]
+
     def call(self, method: str, *args, per_rank: list[tuple] | None = None) -> list:
         """method on every rank (same args, or per_rank[r]); results in rank order."""
-        refs = [
-            getattr(a, method).remote(*(per_rank[r] if per_rank is not None else args))
-            for r, a in enumerate(self.actors)
-        ]
-        index = {ref: r for r, ref in enumerate(refs)}
-        pending, results = list(refs), {}
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ref = done[0]
-            try:
-                results[index[ref]] = ray.get(ref)
-            except (ray.exceptions.RayError, Exception) as e:
-                errors = {index[ref]: e}
-                # the peers of a dead rank fail too ("connection closed" in a collective), sometimes
-                # before Ray reports the death: collect the others' outcome briefly, then blame the root
-                late, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0)
-                for other in late:
-                    try:
-                        ray.get(other)
-                    except (ray.exceptions.RayError, Exception) as e2:
-                        errors[index[other]] = e2
-                self.kill()
-                rank = _root_cause(errors)
-                others = "; ".join(f"rank {r}: {_actor_error(x)[:120]}" for r, x in sorted(errors.items())
-                                   if r != rank)
-                raise ActorFailed(f"{self.name} rank {rank} of {self.world} failed in {method}(): "
-                                  f"{_actor_error(errors[rank])}" + (f" (then {others})" if others else "")) from None
-        return [results[r] for r in range(self.world)]
+        return call_together([(self, method, self.submit(method, *args, per_rank=per_rank))])[0]
 
     def kill(self) -> None:
         for a in self.actors:
@@ -120,8 +99,41 @@ class ActorGroup:
                 pass
 
 
-def _root_cause(errors: dict[int, BaseException]) -> int:
-    """A rank whose process died (RayActorError) before one whose task raised; else the lowest."""
+def call_together(calls: list[tuple[ActorGroup, str, list]]) -> list[list]:
+    """Wait for submitted calls of one or more groups (e.g. both sides of a collective that spans
+    them); results per call in rank order. The first rank to fail kills every group involved (its
+    peers would wait in the collective) and raises ActorFailed naming its group, rank and error."""
+    index = {ref: (c, r) for c, (_, _, refs) in enumerate(calls) for r, ref in enumerate(refs)}
+    pending, results = list(index), {}
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ref = done[0]
+        try:
+            results[index[ref]] = ray.get(ref)
+        except (ray.exceptions.RayError, Exception) as e:
+            errors = {index[ref]: e}
+            # the peers of a dead rank fail too ("connection closed" in a collective), sometimes
+            # before Ray reports the death: collect the others' outcome briefly, then blame the root
+            late, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0)
+            for other in late:
+                try:
+                    ray.get(other)
+                except (ray.exceptions.RayError, Exception) as e2:
+                    errors[index[other]] = e2
+            for group, _, _ in calls:
+                group.kill()
+            c, rank = _root_cause(errors)
+            group, method, _ = calls[c]
+            who = (lambda k: f"{calls[k][0].name} rank") if len(calls) > 1 else (lambda k: "rank")  # noqa: E731
+            others = "; ".join(f"{who(k)} {r}: {_actor_error(x)[:120]}"
+                               for (k, r), x in sorted(errors.items()) if (k, r) != (c, rank))
+            raise ActorFailed(f"{group.name} rank {rank} of {group.world} failed in {method}(): "
+                              f"{_actor_error(errors[(c, rank)])}" + (f" (then {others})" if others else "")) from None
+    return [[results[(c, r)] for r in range(len(refs))] for c, (_, _, refs) in enumerate(calls)]
+
+
+def _root_cause(errors: dict[tuple[int, int], BaseException]) -> tuple[int, int]:
+    """(call, rank) of a process that died (RayActorError) before one whose task raised; else the lowest."""
     dead = [r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
     return min(dead) if dead else min(errors)
 

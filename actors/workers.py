@@ -7,8 +7,11 @@ Records crossing a process boundary are dataclasses (Rollout, Sample, TrainOutpu
 
 Each worker joins its own group's torch.distributed process group (gloo on CPU, NCCL on GPU):
 the trainer group and the generator group are separate groups, possibly of different sizes.
-Weights cross between them as an unsharded CPU state dict (through Ray's object store), each
-side re-sharding for its own EP size; both sides fingerprint the full weights to verify.
+Weights cross between them on the device (rlalign.parallel.weight_sync: a second process group of
+trainer rank 0 + the generator ranks, bucketed broadcasts, CUDA IPC when colocated), resharded by
+each generator rank, verified by fingerprints computed on the device on both sides.
+sync.method=object_store keeps the old path (an unsharded CPU state dict through Ray's object
+store, blake2b on both sides) for debugging and as the benchmark's baseline.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rlalign.generation import Rollout, SamplingParams, generate
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import Injection, TapRecorder
 from rlalign.monitor.trace import Trace, fixed_environment
+from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
 from rlalign.parallel.launch import any_live_fn, init_group
 from rlalign.training.trainer import Sample, Trainer
@@ -46,6 +50,30 @@ class TrainOutput:
     logprobs: dict[int, torch.Tensor]  # step sample index -> the trainer's pre-update logprobs, fp32
     stats: list[tuple[tuple, dict]]  # ((epoch, minibatch, micro-batch), stats): merged in key order
     rows: dict = field(default_factory=dict)
+
+
+class _WeightSync:
+    """Either side's part of rlalign.parallel.weight_sync: the plan and the cross-group."""
+
+    def _sync_model(self):
+        raise NotImplementedError
+
+    def prepare_weight_sync(self, bucket_bytes: int, host_world: int = 0) -> tuple[list | None, int | None]:
+        """The plan of this rank's model; (rank 0) its tensor specs for the driver to compare with the
+        other side's, and with host_world > 0 (trainer rank 0) the port of the sync group's store."""
+        self._plan = weight_sync.make_plan(weight_sync.tensor_specs(self._sync_model(), self.world), bucket_bytes)
+        self._sync, self._kept, port = None, [], None
+        if host_world and self.rank == 0:
+            self._store = weight_sync.SyncGroup.host_store("127.0.0.1", host_world, self.cfg.dist.timeout_s)
+            port = self._store.port
+        return (self._plan.specs(), port) if self.rank == 0 else (None, None)
+
+    def join_weight_sync(self, port: int, sync_rank: int, sync_world: int) -> None:
+        """Join the trainer-rank-0 + generator-ranks process group (both sides at once)."""
+        backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
+        store = getattr(self, "_store", None) if sync_rank == 0 else None
+        self._sync = weight_sync.SyncGroup(backend, "127.0.0.1", port, sync_rank, sync_world,
+                                           self.cfg.dist.timeout_s, store)
 
 
 class _Monitored:
@@ -90,7 +118,7 @@ def _init(cfg_dict: dict, rank: int, world: int, port: int | None, threads: int,
     return cfg, group
 
 
-class TrainerWorker(_Monitored):
+class TrainerWorker(_Monitored, _WeightSync):
     role = "trainer"
 
     def __init__(self, cfg_dict: dict, rank: int, world: int, port: int | None = None, threads: int = 0,
@@ -140,6 +168,19 @@ class TrainerWorker(_Monitored):
         cpu = {k: v.detach().cpu() for k, v in full.items()}
         return cpu, state_fingerprints(cpu)
 
+    def _sync_model(self):
+        return self.trainer.model
+
+    def send_weights(self, ipc: bool = False) -> weight_sync.SyncOutput:
+        """All trainer ranks: the weights to the generator group (rlalign.parallel.weight_sync.send);
+        with ipc (colocated on CUDA) rank 0 keeps the buckets until release_weights()."""
+        out, self._kept = weight_sync.send(self.trainer.model, self._plan, self.rank, self.world, self.group,
+                                           self._sync, ipc)
+        return out
+
+    def release_weights(self) -> None:
+        self._kept = []
+
     def save(self, path: str) -> None:
         """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint)."""
 
@@ -152,7 +193,7 @@ class TrainerWorker(_Monitored):
         load_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 
 
-class GeneratorWorker(_Monitored):
+class GeneratorWorker(_Monitored, _WeightSync):
     role = "generator"
 
     def __init__(self, cfg_dict: dict, rank: int, world: int, port: int | None = None, threads: int = 0,
@@ -184,9 +225,32 @@ class GeneratorWorker(_Monitored):
             self.trace.flush()
         return GenerateOutput(outs, self.recorder.pop_table())
 
+    def _sync_model(self):
+        return self.model
+
+    def receive_weights(self, step: int = -1, ipc: list | None = None,
+                        ipc_uuid: str | None = None) -> weight_sync.SyncOutput:
+        """All generator ranks: the trainer's weights, this rank's EP shard kept on the device
+        (rlalign.parallel.weight_sync.receive); fingerprint shares of everything it now holds."""
+        out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
+                                  ipc_uuid)
+        self._trace_weights(step)
+        return out
+
+    def full_state(self) -> dict | None:
+        """All ranks take part; rank 0 returns the unsharded weights it holds, on the CPU."""
+        full = full_state_dict(self.model, self.group)
+        return {k: v.detach().cpu() for k, v in full.items()} if self.rank == 0 else None
+
+    def _trace_weights(self, step: int) -> None:
+        if self.trace is not None:
+            self.trace.step = step
+            self.trace.record_state("weights", dict(self.model.named_parameters()))
+            self.trace.flush()
+
     def load_weights(self, full: dict, step: int = -1) -> dict | None:
-        """Take this rank's shard of the unsharded state; then gather it back and return (rank 0)
-        the fingerprints of what the generator group now holds."""
+        """sync.method=object_store: take this rank's shard of the unsharded state; then gather it
+        back and return (rank 0) the host fingerprints of what the generator group now holds."""
         local = shard_state_dict(full, self.rank, self.world)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
@@ -196,9 +260,6 @@ class GeneratorWorker(_Monitored):
                     raise ValueError(f"weight sync: {n!r} has shape {tuple(local[n].shape)}, generator expects "
                                      f"{tuple(p.shape)}")
                 p.copy_(local[n].to(p.dtype))
-        if self.trace is not None:
-            self.trace.step = step
-            self.trace.record_state("weights", dict(self.model.named_parameters()))
-            self.trace.flush()
+        self._trace_weights(step)
         back = full_state_dict(self.model, self.group)
         return state_fingerprints({k: v.cpu() for k, v in back.items()}) if self.rank == 0 else None

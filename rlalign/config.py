@@ -45,6 +45,7 @@ Layout = Literal["packed", "padded"]
 OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
+SyncMethod = Literal["device", "object_store"]  # weight sync: rlalign.parallel.weight_sync | the old host path
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
 
 _NOT_YET = {"generator.backend": {"vllm": "the vLLM generator is not implemented yet"}}
@@ -165,6 +166,13 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = at the end only
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
+    async_save: bool = True  # written in the background (DCP async_save); the next save / the run's end waits
+
+
+@dataclass
+class SyncConfig:
+    method: str = _choice("device", SyncMethod)  # device: NCCL/gloo/CUDA IPC, fingerprints on the device
+    bucket_mb: int = 256  # device: flat buffers of at most this size per dtype (a larger tensor: its own)
 
 
 @dataclass
@@ -221,6 +229,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     agree: AgreeConfig = field(default_factory=AgreeConfig)
     gate: GateConfig = field(default_factory=GateConfig)
@@ -317,6 +326,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
         problems.append(f"algorithm.num_minibatches={cfg.algorithm.num_minibatches}: more minibatches than the "
                         f"step's {cfg.task.num_prompts * cfg.task.samples_per_prompt} sequences")
+    if cfg.sync.bucket_mb < 1:
+        problems.append(f"sync.bucket_mb={cfg.sync.bucket_mb}: must be >= 1")
     if cfg.run.steps < 1:
         problems.append(f"run.steps={cfg.run.steps}: must be >= 1")
     if cfg.task.max_new_tokens is not None and cfg.task.max_new_tokens < 1:

@@ -1,0 +1,401 @@
+"""Weight sync on the device: the trainer group (EP n) -> the generator group (EP m), bucketed,
+resharded on the receiving side, verified by fingerprints computed on the device on both sides.
+
+Who talks to whom. A second process group, independent of each side's own EP group, holds
+trainer rank 0 and every generator rank (sync rank 0 = trainer rank 0, sync rank 1 + g =
+generator rank g). It is built from torch.distributed's pieces (its own TCPStore hosted by
+trainer rank 0, a PrefixStore, ProcessGroupGloo on CPU / ProcessGroupNCCL on CUDA), so it lives
+beside the default group each actor already joined. Why rank 0 only, not every trainer rank:
+the trainer ranks hold replicated dense weights and disjoint expert shards, so whatever the
+trainer EP size the bytes to move are the full model once; rank 0 collects the expert shards
+inside the trainer group (one gather per expert tensor, the trainer's own NCCL links) and is the
+one sender, so one extra communicator per job instead of n, and the bits sent are exactly those
+the checkpoint and `full_state` see. A broadcast's cost is the bytes over the slowest link,
+whatever the number of receivers.
+
+What moves. A `SyncPlan` packs the parameters (unsharded shapes, model order) into buckets of at
+most `bucket_bytes` per dtype; a tensor larger than that gets a bucket of its own. Per bucket:
+rank 0 fills a flat byte buffer (dense weights copied, expert weights gathered straight into
+their slice of it), broadcasts it; each generator rank copies its EP shard (experts split on
+dim 0 into m parts) into its parameters. Colocated on CUDA (trainer rank 0 and generator rank 0
+on one GPU, where NCCL refuses two ranks) rank 0 keeps the filled buckets and hands CUDA IPC
+handles (torch.multiprocessing.reductions.reduce_tensor) to generator rank 0 through Ray, which
+copies from them device to device and broadcasts to its peers over the generator group.
+
+How it is checked. `partial_fingerprints`: per tensor, the sum mod 2^64 of
+mix64(word_i + i * K + salt) over its words (i = the word's index in the unsharded tensor; the
+word width is the largest of 8/4/2/1 bytes dividing a dim-0 row, so a shard boundary is a word
+boundary; salt = the dtype and full shape). A rank hashes what it holds with global indices, so
+the shards' sums add up to the full tensor's value at any EP size, on CPU or GPU alike (integer
+arithmetic), and only 8 bytes per tensor leave the device. Any change to one word changes the
+sum (mix64 is a bijection). The trainer hashes the weights it sent (rank 0 its dense tensors,
+every rank its expert shard); every generator rank hashes the parameters it now holds (its dense
+copies too); `check` compares and raises SyncError naming the first tensor (and rank) that
+differs. Host blake2b fingerprints (rlalign.monitor.fingerprint) stay what checkpoints use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlalign.monitor.fingerprint import combined
+from rlalign.parallel.ep import is_expert_param
+
+_ALIGN = 256  # bytes: every tensor starts at an aligned offset of its bucket
+_CHUNK = 1 << 25  # words hashed per pass (256 MiB of int64 temporaries)
+_M64 = (1 << 64) - 1
+
+
+def _s64(c: int) -> int:
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
+_STEP = _s64(0xD6E8FEB86659FD93)  # odd: i * _STEP is a bijection of the word index
+
+
+class SyncError(RuntimeError):
+    """The generator's weights after a sync are not the trainer's (the message names the tensor)."""
+
+
+# --- the plan ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]  # unsharded
+    offset: int  # bytes into the bucket
+    nbytes: int
+    expert: bool  # split on dim 0 over EP ranks
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    nbytes: int
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, unsharded shape) of every tensor in plan order: what the two sides compare once."""
+        return [(e.name, str(b.dtype), e.shape) for b in self.buckets for e in b.entries]
+
+    def names(self) -> list[str]:
+        return [e.name for b in self.buckets for e in b.entries]
+
+
+def tensor_specs(model: torch.nn.Module, ep_world: int) -> list[tuple[str, torch.dtype, tuple[int, ...], bool]]:
+    """(name, dtype, unsharded shape, is expert) of a model's parameters, in model order."""
+    out = []
+    for n, p in model.named_parameters():
+        expert = is_expert_param(n)
+        shape = tuple(p.shape)
+        if expert and ep_world > 1:
+            shape = (shape[0] * ep_world, *shape[1:])
+        out.append((n, p.dtype, shape, expert))
+    return out
+
+
+def make_plan(specs: list[tuple[str, torch.dtype, tuple[int, ...], bool]], bucket_bytes: int) -> SyncPlan:
+    """Buckets per dtype (first appearance order), tensors in the given order, each bucket at most
+    bucket_bytes unless one tensor alone is larger. A pure function of its arguments."""
+    if bucket_bytes < 1:
+        raise ValueError(f"sync bucket size {bucket_bytes} bytes: must be >= 1")
+    by_dtype: dict[torch.dtype, list] = {}
+    for s in specs:
+        by_dtype.setdefault(s[1], []).append(s)
+    buckets = []
+    for dtype, group in by_dtype.items():
+        entries: list[Entry] = []
+        off = 0
+        for name, _, shape, expert in group:
+            nbytes = _numel(shape) * dtype.itemsize
+            start = -(-off // _ALIGN) * _ALIGN
+            if entries and start + nbytes > bucket_bytes:
+                buckets.append(Bucket(dtype, off, tuple(entries)))
+                entries, start = [], 0
+            entries.append(Entry(name, shape, start, nbytes, expert))
+            off = start + nbytes
+        if entries:
+            buckets.append(Bucket(dtype, off, tuple(entries)))
+    return SyncPlan(tuple(buckets))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _view(buf: torch.Tensor, bucket: Bucket, e: Entry) -> torch.Tensor:
+    return buf[e.offset : e.offset + e.nbytes].view(bucket.dtype).view(e.shape)
+
+
+def _shard(full: torch.Tensor, e: Entry, rank: int, world: int) -> torch.Tensor:
+    if not e.expert or world == 1:
+        return full
+    k = full.shape[0] // world
+    return full[rank * k : (rank + 1) * k]
+
+
+# --- fingerprints on the device -------------------------------------------------------------------
+def _mix64_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser in place on int64 (wrapping arithmetic)."""
+    x.add_(_GOLDEN)
+    for s, m in ((30, _MIX1), (27, _MIX2)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, s).bitwise_and_((1 << (64 - s)) - 1))
+        x.mul_(m)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 31).bitwise_and_((1 << 33) - 1))
+
+
+_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _word_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The hash's word width: the largest of 8/4/2/1 bytes dividing one dim-0 row of the unsharded
+    tensor (a shard boundary is then a word boundary)."""
+    row = _numel(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+    return next(w for w in (8, 4, 2, 1) if row % w == 0)
+
+
+def _salt(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return zlib.crc32(f"{dtype}|{tuple(shape)}".encode())
+
+
+def partial_fingerprint(t: torch.Tensor, full_shape: tuple[int, ...], first_row: int = 0) -> torch.Tensor:
+    """int64 scalar on t's device: this piece's share of the fingerprint of the unsharded tensor
+    of shape full_shape, of which t holds the dim-0 rows from first_row on. The shares of all
+    pieces sum (mod 2^64) to the whole tensor's value; same bits -> same value on any device."""
+    width = _word_bytes(t.dtype, full_shape)
+    words = t.detach().contiguous().reshape(-1).view(torch.uint8).view(_WORD[width])
+    per_row = (_numel(full_shape[1:]) * t.dtype.itemsize if full_shape else t.dtype.itemsize) // width
+    start = first_row * per_row
+    salt = _salt(t.dtype, full_shape)
+    total = torch.zeros((), dtype=torch.long, device=t.device)
+    for lo in range(0, words.numel(), _CHUNK):
+        w = words[lo : lo + _CHUNK]
+        x = w.clone() if width == 8 else w.long().bitwise_and_((1 << (8 * width)) - 1)
+        idx = torch.arange(start + lo, start + lo + w.numel(), dtype=torch.long, device=t.device)
+        x.add_(idx.mul_(_STEP).add_(salt))
+        total += _mix64_(x).sum()
+    return total
+
+
+def partial_fingerprints(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int,
+                         dense: bool = True) -> list[int]:
+    """This rank's shares (plan order, unsigned 64-bit ints) of the fingerprints of the tensors it
+    holds: its expert shard, and the dense tensors when `dense` (else 0 for them). One transfer of
+    8 bytes per tensor leaves the device."""
+    params = dict(model.named_parameters())
+    out = []
+    for b in plan.buckets:
+        for e in b.entries:
+            p = params[e.name]
+            if e.expert:
+                out.append(partial_fingerprint(p, e.shape, rank * p.shape[0] if world > 1 else 0))
+            elif dense:
+                out.append(partial_fingerprint(p, e.shape))
+            else:
+                out.append(torch.zeros((), dtype=torch.long, device=p.device))
+    return [v & _M64 for v in torch.stack(out).cpu().tolist()] if out else []
+
+
+def _hex(v: int) -> str:
+    return f"{v & _M64:016x}"
+
+
+def merge(plan: SyncPlan, shares: list[list[int]], side: str, dense_on_all: bool) -> dict[str, str]:
+    """Full-tensor fingerprints from every rank's shares: expert shares summed over ranks; a dense
+    tensor is rank 0's (dense_on_all: every rank hashed its copy, and all must agree; a rank with
+    a bad copy is named)."""
+    out = {}
+    for i, name in enumerate(plan.names()):
+        vals = [s[i] for s in shares]
+        if plan_expert(plan)[i]:
+            out[name] = _hex(sum(vals))
+            continue
+        for r, v in enumerate(vals if dense_on_all else vals[:1]):
+            if v != vals[0]:
+                raise SyncError(f"weight sync: {side} rank {r} holds tensor {name!r} with fingerprint {_hex(v)}, "
+                                f"rank 0 {_hex(vals[0])}")
+        out[name] = _hex(vals[0])
+    return out
+
+
+def plan_expert(plan: SyncPlan) -> list[bool]:
+    return [e.expert for b in plan.buckets for e in b.entries]
+
+
+def check(trainer_fps: dict[str, str], generator_fps: dict[str, str]) -> str:
+    """The combined fingerprint of the synced weights, or SyncError naming the first tensor whose
+    fingerprint differs between the trainer and the generator."""
+    for k in trainer_fps:
+        if trainer_fps[k] != generator_fps.get(k):
+            raise SyncError(f"weight sync: tensor {k!r} differs between trainer and generator after re-sharding "
+                            f"(device fingerprints: trainer {trainer_fps[k]}, generator {generator_fps.get(k)})")
+    extra = sorted(set(generator_fps) - set(trainer_fps))
+    if extra:
+        raise SyncError(f"weight sync: the generator holds tensor {extra[0]!r}, which the trainer did not send")
+    return combined(trainer_fps)
+
+
+def check_specs(trainer: list, generator: list) -> None:
+    """Both sides' plans must list the same tensors (names, dtypes, unsharded shapes, order)."""
+    for a, b in zip(trainer, generator):
+        if tuple(a) != tuple(b):
+            raise SyncError(f"weight sync: the trainer's tensor {tuple(a)} meets the generator's {tuple(b)} "
+                            f"(not the same model?)")
+    if len(trainer) != len(generator):
+        longer, side = (trainer, "trainer") if len(trainer) > len(generator) else (generator, "generator")
+        raise SyncError(f"weight sync: only the {side} has tensor {tuple(longer[min(len(trainer), len(generator))])}")
+
+
+# --- the cross-group ------------------------------------------------------------------------------
+class SyncGroup:
+    """trainer rank 0 (sync rank 0) + every generator rank (sync rank 1 + g), beside the default
+    group: its own TCPStore, hosted by sync rank 0 (create it first with `host_store`)."""
+
+    def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float,
+                 store: dist.TCPStore | None = None):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        self.store, self.rank, self.world, self.backend = store, rank, world, backend
+        prefix = dist.PrefixStore("rlalign/weight_sync", store)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, world, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world, timeout)
+
+    @staticmethod
+    def host_store(host: str, world: int, timeout_s: float) -> dist.TCPStore:
+        """Sync rank 0's store on a free port (store.port), not waiting for the others yet."""
+        return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        self.pg.broadcast([t], opts).wait()
+
+
+@dataclass
+class SyncOutput:
+    """One rank's part of a sync: its fingerprint shares (plan order) and what it moved."""
+
+    shares: list[int]
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    ipc: list | None = None  # colocated: trainer rank 0's CUDA IPC handles of the buckets
+    device_uuid: str | None = None
+
+
+def device_uuid(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def send(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group, sync: SyncGroup | None,
+         ipc: bool = False) -> tuple[SyncOutput, list[torch.Tensor]]:
+    """A trainer rank's side (all trainer ranks call it together): rank 0 fills each bucket
+    (expert shards gathered from the trainer group into it) and broadcasts it over `sync`, or,
+    with ipc, keeps the buckets and returns their CUDA IPC handles (the caller holds the returned
+    buffers until the generator has copied them)."""
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    kept: list[torch.Tensor] = []
+    with torch.no_grad():
+        for b in plan.buckets:
+            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device) if rank == 0 else None
+            for e in b.entries:
+                p = params[e.name].detach()
+                if e.expert and world > 1:
+                    parts = list(_view(buf, b, e).chunk(world, 0)) if rank == 0 else None
+                    dist.gather(p.contiguous(), parts, dst=root, group=group)
+                elif rank == 0:
+                    _view(buf, b, e).copy_(p)
+            if rank == 0:
+                if ipc:
+                    kept.append(buf)
+                else:
+                    sync.broadcast(buf)
+    shares = partial_fingerprints(model, plan, rank, world, dense=rank == 0)
+    out = SyncOutput(shares, plan.nbytes if rank == 0 else 0, len(plan.buckets) if rank == 0 else 0)
+    if ipc and rank == 0:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _sync_device(device)  # the buckets are written before the generator reads them
+        out.ipc = [reduce_tensor(buf) for buf in kept]
+        out.device_uuid = device_uuid(device)
+    out.seconds = time.perf_counter() - t0
+    return out, kept
+
+
+def receive(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group, sync: SyncGroup | None,
+            ipc: list | None = None, ipc_uuid: str | None = None,
+            tamper: Callable[[int, torch.Tensor], None] | None = None) -> SyncOutput:
+    """A generator rank's side (all generator ranks call it together): each bucket arrives (a
+    broadcast over `sync`; colocated: rank 0 opens trainer rank 0's IPC handles and broadcasts over
+    the generator group), this rank copies its EP shard into its parameters; then it hashes every
+    parameter it holds. `tamper(bucket index, buffer)`: tests only (corrupt a received bucket)."""
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    colocated = ipc is not None or (sync is None)
+    if colocated and rank == 0:
+        mine = device_uuid(device)
+        if ipc is None or mine != ipc_uuid:
+            raise SyncError(f"weight sync (colocated): generator rank 0 is on GPU {mine}, trainer rank 0's buckets on "
+                            f"{ipc_uuid}; CUDA IPC needs the same GPU (placement.colocate puts rank 0 of both groups "
+                            f"on bundle 0)")
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for i, b in enumerate(plan.buckets):
+            if not colocated:
+                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+                sync.broadcast(buf)
+            elif rank == 0:
+                fn, args = ipc[i]
+                buf = fn(*args)
+                if world > 1:
+                    buf = buf.clone()
+                    dist.broadcast(buf, src=root, group=group)
+            else:
+                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+                dist.broadcast(buf, src=root, group=group)
+            if tamper is not None:
+                tamper(i, buf)
+            for e in b.entries:
+                p = params.get(e.name)
+                if p is None:
+                    raise SyncError(f"weight sync: the generator has no parameter {e.name!r}")
+                p.copy_(_shard(_view(buf, b, e), e, rank, world))
+            del buf
+    shares = partial_fingerprints(model, plan, rank, world, dense=True)
+    return SyncOutput(shares, plan.nbytes, len(plan.buckets), time.perf_counter() - t0)
