@@ -5,7 +5,8 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
   gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order
   norm         rmsnorm (+ the ordered column sum of its weight-gradient partials)
   logprob      log_softmax_gather
-  attention    attention_prefill, attention_decode (decode == prefill bitwise)
+  attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
+               split-K over fixed key chunks for few rows)
   elementwise  swiglu, rope
   moe          moe_route, moe_combine
   embed        embedding (backward in position order, no atomics)
@@ -23,7 +24,7 @@ import sys
 import torch
 
 from . import attention, common, elementwise, embed, gemm, logprob, moe, norm
-from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_prefill
+from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, attention_prefill
 from .common import INTERPRET, SUPPORTED
 from .elementwise import rope, swiglu
 from .embed import embedding
@@ -39,18 +40,6 @@ __all__ = [
     "linear", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route", "norm", "rmsnorm",
     "rope", "swiglu",
 ]
-
-
-def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float):
-    """Paged rows through the contiguous decode kernel: keys gathered through the block table into
-    [N, n_keys, Hk, D], then attention_decode (== the prefill row, bitwise)."""
-    from rlalign.kernels.torch_deterministic import gather_pages
-
-    if q.shape[0] == 0:
-        return q.clone()
-    n_keys = int(positions.max()) + 1
-    k, v = (gather_pages(p, block_table, seq_idx, n_keys).contiguous() for p in (k_pages, v_pages))
-    return attention_decode(q, k, v, positions + 1, scale)
 
 
 def for_tensor(x: torch.Tensor):

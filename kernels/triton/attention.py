@@ -1,8 +1,13 @@
-"""Attention: one kernel for causal prefill and for decode. A query row reduces its keys in
-blocks of BLOCK_N, block 0, 1, 2, ..., with the same online-softmax update; blocks past a row's
-position are fully masked and change nothing, so decode == prefill bitwise. Backward (FA2-style,
-no atomics): one program per key block owns dK/dV (summing the GQA heads and query blocks in
-order), one per query block owns dQ.
+"""Attention: one forward kernel for causal prefill, contiguous decode and paged rows. A query row
+reduces its keys in chunks of CHUNK keys (a fixed constant), each chunk in blocks of BLOCK_N, block
+0, 1, 2, ..., with the same online-softmax update from a fresh state; the chunk partials (m, l, acc)
+are then folded in chunk order, 0, 1, 2, ..., by one update (_fold). Where a chunk is computed does
+not change its bits: prefill tiles fold their chunks in registers; decode and paged rows either do
+the same (many rows) or give each chunk its own program and fold the stored partials in a second
+kernel (few rows: split-K, so a long context does not serialise on one program). Blocks past a row's
+position are masked and change nothing, so decode == paged == prefill bitwise. Backward (FA2-style,
+no atomics): one program per key block owns dK/dV (summing the GQA heads and query blocks in order),
+one per query block owns dQ; both recompute p from the stored log-sum-exp.
 """
 
 from __future__ import annotations
@@ -13,17 +18,16 @@ import triton.language as tl
 
 from .common import INTERPRET, _check, _table
 
-# Prefill and decode share BLOCK_N (the key blocks a row reduces over, in order); their tile heights
-# may differ: both use wgmma tiles (BLOCK_M >= 64), measured bitwise equal on the H200 (decode with
-# BLOCK_M=16 takes mma.sync and was NOT: 3-10 of 700 positions differed). Picked by
-# experiments/bench_triton.py --only attention_sweep; fp32 tiles take twice the shared memory: fewer
-# stages. bf16 measured on one H200 (experiments/README.md, History): prefill 0.80x / 0.73x SDPA's
-# speed at T=1024/4096, decode 1.05x / 1.07x SDPA's time at B=64/128, decode == prefill bitwise at
-# 1024 positions.
+# Prefill, decode and paged rows share BLOCK_N and CHUNK (the key blocks and chunks a row reduces
+# over, in order: part of the contract); their tile heights may differ: all use wgmma tiles
+# (BLOCK_M >= 64), measured bitwise equal on the H200 (decode with BLOCK_M=16 takes mma.sync and was
+# NOT: 3-10 of 700 positions differed). CHUNK is a constant, never a function of the batch or the
+# GPU: only where a chunk is computed varies (SPLIT_MAX_PARTIALS), never its bits. fp32 tiles take
+# twice the shared memory: fewer stages. Speeds: experiments/bench_paged_attention.py, README.
 ATTN_FWD = {
-    torch.bfloat16: dict(BLOCK_N=64, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
+    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
                          decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
-    torch.float32: dict(BLOCK_N=64, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
+    torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
 }
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
@@ -37,25 +41,42 @@ ATTN_BWD = {
                         bwd_dq=dict(BLOCK_M=64, BLOCK_N=32, num_stages=2, num_warps=4)),
 }
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
-INTERPRET_ATTN = dict(prefill=dict(BLOCK_M=32, BLOCK_N=16), decode=dict(BLOCK_M=16, BLOCK_N=16),
+# the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
+INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16), decode=dict(BLOCK_M=16, BLOCK_N=16),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
+# Decode / paged rows give each chunk its own program (split-K) while the partials (fp32 m, l and
+# acc [D] per row, head and chunk) number at most this; past it (many rows: enough programs anyway)
+# each row folds its chunks in registers, as prefill does. The same bits either way.
+SPLIT_MAX_PARTIALS = 1 << 17
 
 
 @triton.jit
-def _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc, qk_scale,
-                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_i, l_i, acc, qk_scale,
+                BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
+                IEEE: tl.constexpr, MASKED: tl.constexpr):
     """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
     blocks whose keys are all valid for every tile row: the same values as the masked form (a
     where() that keeps every score), so a row's bits do not depend on which form its block took
-    (the kernel runs without FMA contraction, so both forms round the same operations)."""
+    (the kernel runs without FMA contraction, so both forms round the same operations). PAGED: key j
+    is slot j % PAGE of page bt_ptr[j // PAGE], looked up per key, so a block may span pages or
+    share one (BLOCK_N and PAGE either way round); otherwise key j is row kbase + j * skn."""
     rn = j0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        kmask = rn < n_keys
-        k = tl.load(k_ptr + kbase + rn[:, None] * skn + rd[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + kbase + rn[:, None] * skn + rd[None, :], mask=kmask[:, None], other=0.0)
+    kmask = rn < n_keys
+    if PAGED:
+        if MASKED:
+            page = tl.load(bt_ptr + rn // PAGE, mask=kmask, other=0)
+        else:
+            page = tl.load(bt_ptr + rn // PAGE)
+        koff = kbase + page.to(tl.int64) * skp + (rn % PAGE) * skn
     else:
-        k = tl.load(k_ptr + kbase + rn[:, None] * skn + rd[None, :])
-        v = tl.load(v_ptr + kbase + rn[:, None] * skn + rd[None, :])
+        koff = kbase + rn * skn
+    kp = koff[:, None] + rd[None, :]
+    if MASKED:
+        k = tl.load(k_ptr + kp, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + kp, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kp)
+        v = tl.load(v_ptr + kp)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -77,100 +98,217 @@ def _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, C, sqn, sqh, skn, skh, son, soh, qk_scale,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                 IEEE: tl.constexpr, PACK_HEADS: tl.constexpr):
-    """Work item w = (q_row0, n_q, q_pos0, k_row0, n_keys). Prefill: program axis 0 is the query head
-    and tile rows are positions q_pos0.. of rows q_row0..; decode (PACK_HEADS): axis 0 is the kv head
-    and tile rows are its G query heads at position q_pos0 of row q_row0 (the GQA group shares one
-    K/V stream). Either way each tile row attends keys k_row0.. up to its position, in BLOCK_N
-    blocks, in order, through the same instructions: a row's bits depend neither on the packing nor
-    on BLOCK_M (BLOCK_N is shared by prefill and decode; the tile height is not)."""
-    a0 = tl.program_id(0)
-    w = tl.program_id(1)
-    if PACK_HEADS:  # decode: work_ptr holds the sequence lengths; sequence w's cache rows start at w*C
-        n_keys = tl.load(work_ptr + w).to(tl.int32)
-        q_row0 = w
-        q_pos0 = n_keys - 1
-        k_row0 = w * C
-    else:
+def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, skp, skn, rd, qk_scale,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """The partial (m, l, acc) of keys [c0, c1) from a fresh state, blocks in order; keys below n_full
+    are valid for every tile row (unmasked blocks)."""
+    m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    f_end = tl.minimum(tl.maximum(n_full, c0), c1)
+    for j0 in range(c0, f_end, BLOCK_N):
+        m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
+                                qk_scale, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False)
+    for j0 in range(f_end, c1, BLOCK_N):
+        m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
+                                qk_scale, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True)
+    return m_c, l_c, acc
+
+
+@triton.jit
+def _fold(M, L, A, m_c, l_c, acc, take):
+    """Fold a chunk partial (m_c, l_c, acc) into the running (M, L, A) for the rows in `take`; the one
+    combine of every path (registers or stored partials), in chunk order from (-inf, 0, 0)."""
+    m_new = tl.maximum(M, m_c)
+    a_old = tl.exp2(M - m_new)
+    a_new = tl.exp2(m_c - m_new)
+    L_new = L * a_old + l_c * a_new
+    A_new = A * a_old[:, None] + acc * a_new[:, None]
+    return tl.where(take, m_new, M), tl.where(take, L_new, L), tl.where(take[:, None], A_new, A)
+
+
+@triton.jit
+def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
+    o = A / L[:, None]
+    tl.store(o_ptr + qrow[:, None] * son + qhead[:, None] * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=qmask[:, None])
+    tl.store(lse_ptr + qrow * H + qhead, M + tl.log2(L), mask=qmask)  # log2 units, for the backward
+
+
+@triton.jit
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, NC,
+              sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
+              G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+              PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+              IEEE: tl.constexpr):
+    """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
+    rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
+    (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
+    paged: program (row w, kv head); work = positions, seq_ptr = sequence ids; row w attends keys
+    0..positions[w] of its sequence through block-table row bt_ptr + seq * sbt. Rows modes pack the
+    kv head's G query heads into the tile rows (the GQA group shares one K/V stream). Every tile row
+    reduces its keys in CHUNK chunks of BLOCK_N blocks through the same instructions, so a row's
+    bits depend neither on the mode nor on BLOCK_M. SPLIT (rows modes): program axis 2 is the chunk,
+    whose partial goes to (mp, lp, ap)[row, head, chunk] for _attn_combine; otherwise the chunks are
+    folded here, in order."""
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    bt = bt_ptr
+    if MODE == 0:
+        a0 = tl.program_id(0)
+        w = tl.program_id(1)
         q_row0 = tl.load(work_ptr + w * 5)
         n_q = tl.load(work_ptr + w * 5 + 1)
         q_pos0 = tl.load(work_ptr + w * 5 + 2)
         k_row0 = tl.load(work_ptr + w * 5 + 3)
         n_keys = tl.load(work_ptr + w * 5 + 4)
-    rm = tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, D)
-    if PACK_HEADS:
-        hk = a0
-        qrow = q_row0 + rm * 0
-        qhead = hk * G + rm
-        qpos = q_pos0 + rm * 0
-        qmask = rm < G
-        H = tl.num_programs(0) * G
-    else:
         hk = a0 // G
         qrow = q_row0 + rm
         qhead = a0 + rm * 0
         qpos = q_pos0 + rm
         qmask = rm < n_q
         H = tl.num_programs(0)
+        kbase = k_row0.to(tl.int64) * skn + hk * skh
+    else:
+        w = tl.program_id(0)
+        hk = tl.program_id(1)
+        if MODE == 1:
+            n_keys = tl.load(work_ptr + w).to(tl.int32)
+            kbase = w.to(tl.int64) * skp + hk * skh
+        else:
+            n_keys = tl.load(work_ptr + w).to(tl.int32) + 1
+            kbase = hk.to(tl.int64) * skh
+            bt = bt_ptr + tl.load(seq_ptr + w).to(tl.int64) * sbt
+        q_pos0 = n_keys - 1
+        qrow = w + rm * 0
+        qhead = hk * G + rm
+        qpos = q_pos0 + rm * 0
+        qmask = rm < G
+        H = tl.num_programs(1) * G
     q = tl.load(q_ptr + qrow[:, None] * sqn + qhead[:, None] * sqh + rd[None, :], mask=qmask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    kbase = k_row0 * skn + hk * skh
     n_full = (tl.minimum(q_pos0 + 1, n_keys) // BLOCK_N) * BLOCK_N  # keys every tile row may see
-    for j0 in range(0, n_full, BLOCK_N):
-        m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc, qk_scale,
-                                    BLOCK_N, UPCAST, IEEE, False)
-    for j0 in range(n_full, n_keys, BLOCK_N):
-        m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, kbase, j0, n_keys, qpos, skn, rd, m_i, l_i, acc, qk_scale,
-                                    BLOCK_N, UPCAST, IEEE, True)
-    o = acc / l_i[:, None]
-    tl.store(o_ptr + qrow[:, None] * son + qhead[:, None] * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=qmask[:, None])
-    tl.store(lse_ptr + qrow * H + qhead, m_i + tl.log2(l_i), mask=qmask)  # log2 units, for the backward
+    if SPLIT:
+        c = tl.program_id(2)
+        c0 = c * CHUNK
+        m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, n_keys), n_keys, n_full,
+                                qpos, skp, skn, rd, qk_scale, BLOCK_M, BLOCK_N, D, PAGE, MODE == 2, UPCAST, IEEE)
+        live = qmask & (c0 + rm * 0 < n_keys)
+        idx = (qrow * H + qhead) * NC + c
+        tl.store(mp_ptr + idx, m_c, mask=live)
+        tl.store(lp_ptr + idx, l_c, mask=live)
+        tl.store(ap_ptr + idx[:, None] * D + rd[None, :], acc, mask=live[:, None])
+    else:
+        M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        L = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        A = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        for c0 in range(0, n_keys, CHUNK):
+            m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, n_keys), n_keys, n_full,
+                                    qpos, skp, skn, rd, qk_scale, BLOCK_M, BLOCK_N, D, PAGE, MODE == 2, UPCAST, IEEE)
+            M, L, A = _fold(M, L, A, m_c, l_c, acc, c0 <= qpos)
+        _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd)
+
+
+@triton.jit
+def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr):
+    """Program (row, kv head): fold the row's stored chunk partials in chunk order (split-K's second
+    pass), then normalise: the same _fold and _attn_store as the in-register path."""
+    w = tl.program_id(0)
+    hk = tl.program_id(1)
+    H = tl.num_programs(1) * G
+    n_keys = tl.load(work_ptr + w).to(tl.int32)
+    if MODE == 2:
+        n_keys += 1
+    rg = tl.arange(0, BLOCK_G)
+    rd = tl.arange(0, D)
+    gmask = rg < G
+    qrow = w + rg * 0
+    qhead = hk * G + rg
+    qpos = n_keys - 1 + rg * 0
+    idx0 = (qrow * H + qhead) * NC
+    M = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    L = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    A = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+    for c in range(0, tl.cdiv(n_keys, CHUNK)):
+        m_c = tl.load(mp_ptr + idx0 + c, mask=gmask, other=0.0)
+        l_c = tl.load(lp_ptr + idx0 + c, mask=gmask, other=0.0)
+        acc = tl.load(ap_ptr + (idx0 + c)[:, None] * D + rd[None, :], mask=gmask[:, None], other=0.0)
+        M, L, A = _fold(M, L, A, m_c, l_c, acc, c * CHUNK <= qpos)
+    _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, gmask, H, son, soh, rd)
 
 
 LOG2E = 1.4426950408889634
 
 
 def _attn_cfg(kind: str, dtype) -> dict:
-    """kind: prefill | decode | bwd. Prefill and decode share BLOCK_N (the key blocks, i.e. the
-    reduction order); their tile heights and warps may differ."""
+    """kind: prefill | decode | bwd | bwd_dq. Forward kinds share BLOCK_N and CHUNK (the reduction
+    order); their tile heights and warps may differ."""
     if INTERPRET:
-        return dict(INTERPRET_ATTN[kind])
+        cfg = dict(INTERPRET_ATTN[kind])
+        return cfg if kind.startswith("bwd") else dict(cfg, CHUNK=INTERPRET_ATTN["CHUNK"])
     if kind in ("bwd", "bwd_dq"):
         return dict(ATTN_BWD[dtype][kind])
-    return dict(BLOCK_N=ATTN_FWD[dtype]["BLOCK_N"], **ATTN_FWD[dtype][kind])
+    return dict(BLOCK_N=ATTN_FWD[dtype]["BLOCK_N"], CHUNK=ATTN_FWD[dtype]["CHUNK"], **ATTN_FWD[dtype][kind])
 
 
 def _no_fma() -> dict:
     return {} if INTERPRET else {"enable_fp_fusion": False}
 
 
-def _attn_launch(q, k, v, work, scale: float, pack_heads: bool = False, cache_len: int = 0):
-    """q [R, H, D]; k, v [Rk, Hk, D] -> (o, lse2 [R, H]). Prefill: work is an int32 table of items
-    (q_row0, n_q, q_pos0, k_row0, n_keys); decode (pack_heads): work is the lengths [B] and sequence
-    b's cache rows start at b * cache_len."""
-    R, H, D = q.shape
+def _head_dim_ok(D: int) -> None:
     if D & (D - 1) or D < 16:
         raise ValueError(f"triton attention: head_dim={D} must be a power of two >= 16")
+
+
+def _attn_prefill_launch(q, k, v, work, scale: float):
+    """q [R, H, D]; k, v [Rk, Hk, D]; work an int32 table of items (q_row0, n_q, q_pos0, k_row0,
+    n_keys) -> (o, lse2 [R, H])."""
+    R, H, D = q.shape
+    _head_dim_ok(D)
     o = torch.empty_like(q)
     lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
     if work.shape[0] == 0:
         return o, lse
-    cfg = _attn_cfg("decode" if pack_heads else "prefill", q.dtype)
-    G = H // k.shape[1]
-    if pack_heads and G > cfg["BLOCK_M"]:
+    cfg = _attn_cfg("prefill", q.dtype)
+    _attn_fwd[(H, work.shape[0], 1)](
+        q, k, v, o, lse, work, work, work, o, o, o, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
+        o.stride(0), o.stride(1), 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
+        UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg, **_no_fma())
+    return o, lse
+
+
+def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strides, n_keys_max: int, scale: float):
+    """Rows modes (1 decode, 2 paged) of _attn_fwd: one query row per item, its G heads in the tile.
+    Few rows: split-K (a program per chunk, then _attn_combine); many: chunks folded in registers."""
+    N, H, D = q.shape
+    _head_dim_ok(D)
+    Hk = k.shape[-2]
+    G = H // Hk
+    o = torch.empty_like(q)
+    lse = torch.empty(N, H, dtype=torch.float32, device=q.device)
+    if N == 0:
+        return o, lse
+    cfg = _attn_cfg("decode", q.dtype)
+    if G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
-    _attn_kernel[(k.shape[1] if pack_heads else H, work.shape[0])](
-        q, k, v, o, lse, work, cache_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0),
-        o.stride(1), scale * LOG2E, G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32,
-        PACK_HEADS=pack_heads, **cfg, **_no_fma())
+    chunk = cfg["CHUNK"]
+    nc = triton.cdiv(max(n_keys_max, 1), chunk)
+    split = N * H * nc <= SPLIT_MAX_PARTIALS
+    skp, skn, skh = key_strides
+    flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
+    args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
+    if not split:
+        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, nc, *args, SPLIT=False, **flags, **cfg)
+        return o, lse
+    mp = torch.empty(N * H * nc, dtype=torch.float32, device=q.device)
+    lp = torch.empty_like(mp)
+    ap = torch.empty(N * H * nc, D, dtype=torch.float32, device=q.device)
+    _attn_fwd[(N, Hk, nc)](q, k, v, o, lse, work, seq, table, mp, lp, ap, nc, *args, SPLIT=True, **flags, **cfg)
+    _attn_combine[(N, Hk)](mp, lp, ap, o, lse, work, nc, o.stride(0), o.stride(1), G=G, D=D,
+                           BLOCK_G=triton.next_power_of_2(G), CHUNK=chunk, MODE=mode, **_no_fma())
     return o, lse
 
 
@@ -311,7 +449,7 @@ class _Attention(torch.autograd.Function):
             return sorted(work, key=lambda t: -t[4]) or torch.zeros(0, 5).tolist(), torch.int32
 
         work = _table(("attn", tuple(cu_seqlens), bm), items, q.device)
-        o, lse = _attn_launch(q, k, v, work, scale)
+        o, lse = _attn_prefill_launch(q, k, v, work, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
@@ -355,13 +493,43 @@ def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
     return _Attention.apply(q, k, v, list(cu_seqlens), scale)
 
 
-def attention_decode(q, k_cache, v_cache, lengths, scale: float):
-    """One query per sequence; the same kernel and key blocks as prefill, its tile rows holding the
-    GQA group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
-    _check("attention_decode", q, k_cache, v_cache)
-    B, C = k_cache.shape[0], k_cache.shape[1]
-    kc = k_cache.reshape(B * C, *k_cache.shape[2:])
-    vc = v_cache.reshape(B * C, *v_cache.shape[2:])
-    # the lengths stay on the device (no host sync): the kernel derives each item from them
-    return _attn_launch(q.contiguous(), kc, vc, lengths.to(q.device), scale, pack_heads=True, cache_len=C)[0]
+def _same_layout(k, v):
+    """k and v addressed by one set of strides, the head dim contiguous (views are kept: no copy of
+    a cache unless its layout asks for one)."""
+    if k.stride() == v.stride() and k.stride(-1) == 1:
+        return k, v
+    return k.contiguous(), v.contiguous()
 
+
+def attention_decode(q, k_cache, v_cache, lengths, scale: float):
+    """One query per sequence; the same key blocks, chunks and fold as prefill, its tile rows holding
+    the GQA group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
+    _check("attention_decode", q, k_cache, v_cache)
+    kc, vc = _same_layout(k_cache, v_cache)
+    # the lengths stay on the device (no host sync): the kernel derives each row's keys from them
+    lengths = lengths.to(q.device)
+    return _attn_rows_launch(q.contiguous(), kc, vc, 1, lengths, lengths, lengths, 1, kc.stride()[:3],
+                             kc.shape[1], scale)[0]
+
+
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float):
+    """Rows of any sequences (prefill chunks, chunks after a cached prefix, decode rows, in any mix)
+    against pages [P, page_size, Hk, D] through block_table [S, max_pages]: row n attends keys
+    0..positions[n] of sequence seq_idx[n], key j at slot j % page_size of page
+    block_table[s, j // page_size], in the key blocks, chunks and fold of prefill, so each row's bits
+    equal the prefill row at that position. No host sync: seq_idx and positions are read on the device.
+    Slots past a row's position (unwritten, stale, NaN) are never loaded for it."""
+    _check("attention_paged", q, k_pages, v_pages)
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"triton attention_paged: k_pages {tuple(k_pages.shape)} and v_pages "
+                         f"{tuple(v_pages.shape)} must both be [num_pages, page_size, num_kv_heads, head_dim]")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"triton attention_paged: block_table must be an int32/int64 [S, max_pages] tensor, got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if q.shape[0] == 0:
+        return q.clone()
+    kp, vp = _same_layout(k_pages, v_pages)
+    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    page = kp.shape[1]
+    return _attn_rows_launch(q.contiguous(), kp, vp, 2, positions.to(q.device), seq_idx.to(q.device),
+                             table.to(q.device), page, kp.stride()[:3], table.shape[1] * page, scale)[0]

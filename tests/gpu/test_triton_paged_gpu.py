@@ -1,0 +1,135 @@
+"""GPU: the attention kernels' bitwise promises at real shapes (bf16, head_dim 128, GQA 32/8, up to
+4,096 keys, the pinned tiles and key chunks): paged == decode == prefill at every position, split-K ==
+chunks folded in registers, page sizes 16 and 32 with ragged lengths and shuffled block tables; a
+negative twin (another chunk size moves bits); the backward against fp32 SDPA and run to run."""
+
+import math
+
+import pytest
+import torch
+from conftest import same_bits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+H, HK, D = 32, 8, 128
+SCALE = 1 / math.sqrt(D)
+SPLIT = {"split": 1 << 30, "fused": 0}  # SPLIT_MAX_PARTIALS: every launch split-K / none
+
+
+def _packed(lens, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N = sum(lens)
+    q, k, v = (torch.randn(N, h, D, device="cuda", generator=g).to(dtype) for h in (H, HK, HK))
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return q, k, v, cu
+
+
+def _pages(k, v, lens, page_size, seed):
+    """k, v in shuffled pages (NaN elsewhere), block table with a spare column, seq_idx, positions."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page_size) for n in lens]
+    num_pages = sum(need) + 7
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(len(lens), max(need) + 1, dtype=torch.int32)
+    off = 0
+    for s, c in enumerate(need):
+        table[s, :c] = perm[off : off + c].to(torch.int32)
+        off += c
+    table = table.cuda()
+    seq_idx = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)]).cuda()
+    pos = torch.cat([torch.arange(n) for n in lens]).cuda()
+    slot = table[seq_idx, pos // page_size].long() * page_size + pos % page_size
+    kp = torch.full((num_pages, page_size, HK, D), float("nan"), device="cuda", dtype=k.dtype)
+    vp = torch.full_like(kp, float("nan"))
+    kp.flatten(0, 1)[slot], vp.flatten(0, 1)[slot] = k, v
+    return kp, vp, table, seq_idx, pos
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_decode_equals_prefill_at_every_position(mode, monkeypatch):
+    from rlalign.kernels.triton import attention as attn
+
+    T = 4096
+    q, k, v, cu = _packed([T], 0)
+    pre = attn.attention_prefill(q, k, v, cu, SCALE)
+    kc, vc = k[None], v[None]
+    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", SPLIT[mode])
+    # all 4,096 positions as one batch of rows over a stride-0 view of the one cache
+    dec = attn.attention_decode(q, kc.expand(T, -1, -1, -1), vc.expand(T, -1, -1, -1),
+                                torch.arange(1, T + 1, device="cuda"), SCALE)
+    bad = [t for t in range(T) if not same_bits(dec[t], pre[t])]
+    assert not bad, f"{len(bad)} positions differ, first {bad[:8]}"
+
+
+def test_decode_batch_of_one_around_chunk_boundaries():
+    from rlalign.kernels.triton import attention as attn
+
+    T = 4096
+    q, k, v, cu = _packed([T], 1)
+    pre = attn.attention_prefill(q, k, v, cu, SCALE)
+    kc = torch.zeros(1, T + 100, HK, D, device="cuda", dtype=k.dtype)  # a cache longer than the keys
+    vc = torch.zeros_like(kc)
+    kc[0, :T], vc[0, :T] = k, v
+    chunk = attn.ATTN_FWD[torch.bfloat16]["CHUNK"]
+    for t in sorted({0, 1, 63, 64, chunk - 1, chunk, chunk + 1, 2 * chunk, 1000, 2047, 2048, 3333, T - 1}):
+        dec = attn.attention_decode(q[t : t + 1], kc, vc, torch.tensor([t + 1], device="cuda"), SCALE)
+        assert same_bits(dec[0], pre[t]), t
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_equals_prefill_ragged_shuffled(page_size, mode, monkeypatch):
+    from rlalign.kernels.triton import attention as attn
+
+    lens = [1, 77, 1000, 4096, 255, 2500]
+    q, k, v, cu = _packed(lens, 2)
+    pre = attn.attention_prefill(q, k, v, cu, SCALE)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 3)
+    perm = torch.randperm(len(pos), generator=torch.Generator().manual_seed(4)).cuda()
+    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", SPLIT[mode])
+    out = attn.attention_paged(q[perm], kp, vp, table, seq_idx[perm], pos[perm], SCALE)
+    assert same_bits(out, pre[perm])
+    # decode rows only (the last position of each sequence), a small batch: the default split choice
+    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", 1 << 17)
+    last = torch.tensor(cu[1:], device="cuda") - 1
+    assert same_bits(attn.attention_paged(q[last], kp, vp, table, seq_idx[last], pos[last], SCALE), pre[last])
+
+
+def test_negative_twin_another_chunk_size_moves_bits(monkeypatch):
+    from rlalign.kernels.triton import attention as attn
+
+    T = 4096
+    q, k, v, cu = _packed([T], 5)
+    dec = attn.attention_decode(q, k[None].expand(T, -1, -1, -1), v[None].expand(T, -1, -1, -1),
+                                torch.arange(1, T + 1, device="cuda"), SCALE)
+    chunk = attn.ATTN_FWD[torch.bfloat16]["CHUNK"]
+    monkeypatch.setitem(attn.ATTN_FWD[torch.bfloat16], "CHUNK", chunk * 2)
+    other = attn.attention_prefill(q, k, v, cu, SCALE)
+    assert not same_bits(other, dec)
+    assert same_bits(other[:chunk], dec[:chunk])  # rows in the first chunk of both: unchanged
+
+
+def test_backward_close_to_sdpa_and_identical_run_to_run():
+    from rlalign.kernels.triton import attention as attn
+
+    lens = [700, 1324]
+    q, k, v, cu = _packed(lens, 6)
+    go = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        attn.attention_prefill(qq, kk, vv, cu, SCALE).backward(go)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    assert all(same_bits(a, b) for a, b in zip(*grads))
+    ref = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+    for s0, s1 in zip(cu[:-1], cu[1:]):
+        qq, kk, vv = (t[s0:s1].float().transpose(0, 1).requires_grad_() for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=SCALE, enable_gqa=True)
+        o.transpose(0, 1).backward(go[s0:s1].float())
+        for r, t in zip(ref, (qq, kk, vv)):
+            r[s0:s1] = t.grad.transpose(0, 1)
+    for name, a, b in zip("qkv", grads[0], ref):
+        rel = float((a.float() - b).abs().max() / b.abs().max())
+        assert rel < 2e-2, (name, rel)
