@@ -69,7 +69,10 @@ class _WeightSync:
         return (self._plan.specs(), port) if self.rank == 0 else (None, None)
 
     def join_weight_sync(self, port: int, sync_rank: int, sync_world: int) -> None:
-        """Join the trainer-rank-0 + generator-ranks process group (both sides at once)."""
+        """Join the trainer-rank-0 + generator-ranks process group (both sides at once; sync_rank -1:
+        a trainer rank other than 0, which stays out)."""
+        if sync_rank < 0:
+            return
         backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
         store = getattr(self, "_store", None) if sync_rank == 0 else None
         self._sync = weight_sync.SyncGroup(backend, "127.0.0.1", port, sync_rank, sync_world,

@@ -33,7 +33,9 @@ from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
 from rlalign.monitor.fingerprint import combined, state_fingerprints
+from rlalign.parallel import weight_sync
 from rlalign.parallel.launch import check_world, shard_range
+from rlalign.parallel.weight_sync import SyncError
 from rlalign.tasks import Example, make_task
 from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.losses import grpo_advantages
@@ -45,10 +47,6 @@ class RewardError(RuntimeError):
 
 
 class MismatchError(RuntimeError):
-    pass
-
-
-class SyncError(RuntimeError):
     pass
 
 
@@ -118,22 +116,69 @@ class Job:
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement, threads)
         self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, threads)
-        self.state_ref = None  # the weights the generator holds (for mismatch dumps)
+        self.sync_specs = None  # the weight sync's tensors, once its process group is up
+        self.ipc = cfg.device.startswith("cuda") and cfg.placement.colocate  # NCCL refuses two ranks on one GPU
+        self.last_sync: dict = {}  # sync/bytes, sync/buckets of the latest sync
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
         self.generators.call("open_trace", start_step)
 
     def sync_weights(self, step: int) -> str:
+        """The trainer's weights into the generator group; both sides' fingerprints compared
+        (SyncError names the first tensor that differs). Returns the weights' combined fingerprint."""
+        if self.cfg.sync.method == "object_store":
+            return self._sync_object_store(step)
+        from rlalign.actors.group import call_together
+
+        if self.sync_specs is None:
+            self._open_weight_sync()
+        if self.ipc:
+            t_outs = self.trainers.call("send_weights", True)
+            g_outs = self.generators.call("receive_weights", step, t_outs[0].ipc, t_outs[0].device_uuid)
+            self.trainers.call("release_weights")
+        else:
+            t_outs, g_outs = call_together([(self.trainers, "send_weights", self.trainers.submit("send_weights")),
+                                            (self.generators, "receive_weights",
+                                             self.generators.submit("receive_weights", step))])
+        fps = weight_sync.merge(self.sync_specs, [o.shares for o in t_outs], "trainer", dense_on_all=False)
+        gen = weight_sync.merge(self.sync_specs, [o.shares for o in g_outs], "generator", dense_on_all=True)
+        self.last_sync = {"sync/bytes": t_outs[0].bytes, "sync/buckets": t_outs[0].buckets}
+        return weight_sync.check(fps, gen)
+
+    def _open_weight_sync(self) -> None:
+        """Plans on both sides (compared), then the trainer-rank-0 + generator-ranks process group
+        (not needed colocated on CUDA: CUDA IPC through Ray)."""
+        from rlalign.actors.group import call_together
+
+        bucket_bytes = self.cfg.sync.bucket_mb << 20
+        m = self.generators.world
+        (t_specs, port), *_ = self.trainers.call("prepare_weight_sync", bucket_bytes, 0 if self.ipc else 1 + m)
+        (g_specs, _), *_ = self.generators.call("prepare_weight_sync", bucket_bytes)
+        weight_sync.check_specs(t_specs, g_specs)
+        if not self.ipc:
+            n = self.trainers.world
+            call_together([
+                (self.trainers, "join_weight_sync", self.trainers.submit(
+                    "join_weight_sync", per_rank=[(port, 0 if r == 0 else -1, 1 + m) for r in range(n)])),
+                (self.generators, "join_weight_sync", self.generators.submit(
+                    "join_weight_sync", per_rank=[(port, 1 + g, 1 + m) for g in range(m)])),
+            ])
+        self.sync_specs = t_specs
+
+    def _sync_object_store(self, step: int) -> str:
+        """sync.method=object_store: the unsharded CPU state through Ray's object store, blake2b on
+        the host on both sides (the path before issue 12; for debugging and the benchmark)."""
         import ray
 
         (state, fps), *_ = self.trainers.call("full_state")
-        self.state_ref = ray.put(state)
-        gen_fps = self.generators.call("load_weights", self.state_ref, step)[0]
+        ref = ray.put(state)
+        gen_fps = self.generators.call("load_weights", ref, step)[0]
         if gen_fps != fps:
             bad = next(k for k in fps if fps[k] != gen_fps.get(k))
             raise SyncError(f"weight sync: tensor {bad!r} differs between trainer and generator after re-sharding "
                             f"(trainer {fps[bad]}, generator {gen_fps.get(bad)})")
+        self.last_sync = {"sync/bytes": sum(t.numel() * t.element_size() for t in state.values()), "sync/buckets": 0}
         return combined(fps)
 
     def close(self) -> None:
@@ -261,8 +306,9 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
     t5 = time.perf_counter()
 
     metrics = step_metrics(cfg, rewards, rollouts, cons, stats)
-    metrics.update({"sync/weights_fp": weights_fp, "time/generate_s": t1 - t0, "time/reward_s": t2 - t1,
-                    "time/train_s": t3 - t2, "time/compare_s": t4 - t3, "time/sync_s": t5 - t4})
+    metrics.update({"sync/weights_fp": weights_fp, **job.last_sync, "time/generate_s": t1 - t0,
+                    "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
+                    "time/sync_s": t5 - t4})
     rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": rew}
             for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
     if detail is not None:
@@ -296,12 +342,9 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
 
 def dump_mismatch(job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollout]) -> Path:
     """The offending batch, the generator's weights (a HF directory) and the config, for replay."""
-    import ray
-
-
     out = Path(cfg.run.dir) / f"mismatch-step{step:06d}"
     out.mkdir(parents=True, exist_ok=True)
-    state = ray.get(job.state_ref)
+    state = job.generators.call("full_state")[0]
     model = model_from_config(OmegaConf.merge(cfg, {"device": "cpu"}))
     model.load_state_dict(state)
     save_hf(model, out / "weights")

@@ -90,12 +90,10 @@ class SyncPlan:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
-    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, unsharded shape) of every tensor in plan order: what the two sides compare once."""
-        return [(e.name, str(b.dtype), e.shape) for b in self.buckets for e in b.entries]
-
-    def names(self) -> list[str]:
-        return [e.name for b in self.buckets for e in b.entries]
+    def specs(self) -> list[tuple[str, str, tuple[int, ...], bool]]:
+        """(name, dtype, unsharded shape, is expert) of every tensor in plan order: what the two sides
+        compare once, and what the driver merges fingerprint shares with."""
+        return [(e.name, str(b.dtype), e.shape, e.expert) for b in self.buckets for e in b.entries]
 
 
 def tensor_specs(model: torch.nn.Module, ep_world: int) -> list[tuple[str, torch.dtype, tuple[int, ...], bool]]:
@@ -219,14 +217,14 @@ def _hex(v: int) -> str:
     return f"{v & _M64:016x}"
 
 
-def merge(plan: SyncPlan, shares: list[list[int]], side: str, dense_on_all: bool) -> dict[str, str]:
+def merge(specs: list[tuple], shares: list[list[int]], side: str, dense_on_all: bool) -> dict[str, str]:
     """Full-tensor fingerprints from every rank's shares: expert shares summed over ranks; a dense
     tensor is rank 0's (dense_on_all: every rank hashed its copy, and all must agree; a rank with
     a bad copy is named)."""
     out = {}
-    for i, name in enumerate(plan.names()):
+    for i, (name, _, _, expert) in enumerate(specs):
         vals = [s[i] for s in shares]
-        if plan_expert(plan)[i]:
+        if expert:
             out[name] = _hex(sum(vals))
             continue
         for r, v in enumerate(vals if dense_on_all else vals[:1]):
@@ -235,10 +233,6 @@ def merge(plan: SyncPlan, shares: list[list[int]], side: str, dense_on_all: bool
                                 f"rank 0 {_hex(vals[0])}")
         out[name] = _hex(vals[0])
     return out
-
-
-def plan_expert(plan: SyncPlan) -> list[bool]:
-    return [e.expert for b in plan.buckets for e in b.entries]
 
 
 def check(trainer_fps: dict[str, str], generator_fps: dict[str, str]) -> str:
