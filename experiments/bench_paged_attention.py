@@ -1,0 +1,282 @@
+# ruff: noqa: B023  (the benchmark lambdas run inside the loop iteration that defines them)
+"""Split-K decode and the paged attention kernel on one GPU: bitwise checks (decode == paged ==
+prefill at every position, page sizes 16 and 32, shuffled block tables, split-K == in-register
+folds), then times in the same run: our contiguous decode vs SDPA at B = 1, 8, 64 with 4,096 cached
+keys (target <= 1.2x SDPA's time), the paged kernel vs our contiguous decode (target <= 1.1x), and
+prefill vs SDPA at T = 1024 / 4096 beside the same kernel without key chunks (what split-K costs
+prefill). Times: triton.testing.do_bench medians (the host's launch cost included) and the same
+call replayed from a CUDA graph (kernel time). Prints a table; writes results/paged_attention_<gpu>.json.
+
+    python experiments/bench_paged_attention.py [--quick] [--sweep] [--out DIR]
+
+--quick: tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script, times mean nothing).
+--sweep: instead, time other key-chunk sizes (the constant CHUNK of kernels/triton/attention.py) and
+other decode / prefill tiles (each checked decode == prefill bitwise first); writes ..._sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402
+
+from rlalign.kernels.triton import attention as attn  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS: list[dict] = []
+
+
+def row(section: str, name: str, **kv) -> None:
+    ROWS.append({"section": section, "name": name, **kv})
+    print(f"{section:8} {name:52} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in kv.items()), flush=True)
+
+
+def bench(fn) -> float:
+    """Median ms: do_bench (CUDA events) on GPU, wall clock on CPU."""
+    if DEV == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return 1000 * sorted(ts)[1]
+
+
+def bench_graph(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph; nan on CPU or where capture fails."""
+    if DEV != "cuda":
+        return float("nan")
+    import triton.testing
+
+    try:
+        fn()
+        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    except Exception as e:  # record, go on
+        print("graph capture failed:", type(e).__name__, str(e)[:200])
+        return float("nan")
+
+
+def bits_equal(a, b) -> bool:
+    v = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(v), b.view(v))
+
+
+@contextlib.contextmanager
+def knobs(chunk: int | None = None, split_max: int | None = None):
+    """Another key-chunk size (bits change with it: timing only) or another split-K threshold."""
+    table = attn.INTERPRET_ATTN if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]
+    saved = table["CHUNK"], attn.SPLIT_MAX_PARTIALS
+    if chunk is not None:
+        table["CHUNK"] = chunk
+    if split_max is not None:
+        attn.SPLIT_MAX_PARTIALS = split_max
+    try:
+        yield
+    finally:
+        table["CHUNK"], attn.SPLIT_MAX_PARTIALS = saved
+
+
+def packed(lens, H, Hk, D, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q, k, v = (torch.randn(sum(lens), h, D, device=DEV, generator=g).bfloat16() for h in (H, Hk, Hk))
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return q, k, v, cu
+
+
+def paged_cache(k_rows, lens, page_size, seed, fill=float("nan")):
+    """Rows [sum(lens), Hk, D] into shuffled pages; (pages, block table int32, seq_idx, positions)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page_size) for n in lens]
+    num_pages = sum(need) + 3
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    off = 0
+    for s, c in enumerate(need):
+        table[s, :c] = perm[off : off + c].to(torch.int32)
+        off += c
+    table = table.to(DEV)
+    seq_idx = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)]).to(DEV)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
+    slot = table[seq_idx, pos // page_size].long() * page_size + pos % page_size
+    pages = torch.full((num_pages, page_size, *k_rows.shape[1:]), fill, device=DEV, dtype=k_rows.dtype)
+    pages.flatten(0, 1)[slot] = k_rows
+    return pages, table, seq_idx, pos
+
+
+def check_bits(q: bool) -> None:
+    H, Hk, D = (4, 2, 16) if q else (32, 8, 128)
+    T = 70 if q else 4096
+    scale = 1 / math.sqrt(D)
+    qq, kk, vv, cu = packed([T], H, Hk, D, 0)
+    pre = attn.attention_prefill(qq, kk, vv, cu, scale)
+    lengths = torch.arange(1, T + 1, device=DEV)
+    for mode, split_max in (("split-K", 1 << 30), ("in-register", 0)):
+        with knobs(split_max=split_max):
+            dec = attn.attention_decode(qq, kk[None].expand(T, -1, -1, -1), vv[None].expand(T, -1, -1, -1), lengths,
+                                        scale)
+        bad = sum(not bits_equal(dec[t], pre[t]) for t in range(T))
+        row("bitwise", f"decode ({mode}) vs prefill, every position T={T}", positions_differing=bad)
+    kc, vc = kk[None].contiguous(), vv[None].contiguous()
+    probe = sorted({0, 1, 255, 256, 257, 1000, T // 2, T - 1} & set(range(T)))
+    bad = sum(not bits_equal(attn.attention_decode(qq[t : t + 1], kc, vc, lengths[t : t + 1], scale)[0], pre[t])
+              for t in probe)
+    row("bitwise", f"decode batch of 1 vs prefill at {len(probe)} positions", positions_differing=bad)
+    with knobs(chunk=2 * (attn.INTERPRET_ATTN["CHUNK"] if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]["CHUNK"])):
+        other = attn.attention_prefill(qq, kk, vv, cu, scale)
+    row("bitwise", "negative twin: prefill with 2x the chunk vs decode", positions_differing=sum(
+        not bits_equal(other[t], pre[t]) for t in range(T)))
+    lens = [1, 5, 40, 70] if q else [1, 77, 1000, 4096, 255, 2500]
+    qq, kk, vv, cu = packed(lens, H, Hk, D, 1)
+    pre = attn.attention_prefill(qq, kk, vv, cu, scale)
+    perm = torch.randperm(len(pre), generator=torch.Generator().manual_seed(2)).to(DEV)
+    for ps in (16, 32):
+        kp, table, seq_idx, pos = paged_cache(kk, lens, ps, 3)
+        vp = paged_cache(vv, lens, ps, 3)[0]
+        for mode, split_max in (("split-K", 1 << 30), ("in-register", 0)):
+            with knobs(split_max=split_max):
+                out = attn.attention_paged(qq[perm], kp, vp, table, seq_idx[perm], pos[perm], scale)
+            bad = int((out.view(torch.int16) != pre[perm].view(torch.int16)).flatten(1).any(1).sum())
+            row("bitwise", f"paged page={ps} ({mode}) vs prefill, {len(pre)} rows of {len(lens)} seqs",
+                rows_differing=bad)
+
+
+def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
+    H, Hk, D, C = (4, 2, 16, 64) if q else (32, 8, 128, 4096)
+    scale = 1 / math.sqrt(D)
+    for B in ([2] if q else [1, 8, 64]):
+        g = torch.Generator(device=DEV).manual_seed(B)
+        qd = torch.randn(B, H, D, device=DEV, generator=g).bfloat16()
+        kc, vc = (torch.randn(B, C, Hk, D, device=DEV, generator=g).bfloat16() for _ in range(2))
+        lens = torch.full((B,), C, device=DEV)
+        kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)
+        sdpa = lambda: F.scaled_dot_product_attention(qd[:, :, None], kt, vt, enable_gqa=True)
+        t_sdpa, g_sdpa = bench(sdpa), bench_graph(sdpa)
+        ours = lambda: attn.attention_decode(qd, kc, vc, lens, scale)
+        for chunk in chunks:  # None: the pinned chunk (and the rows after); "pinned": it alone
+            with knobs(chunk=chunk if isinstance(chunk, int) else None):
+                t, gt = bench(ours), bench_graph(ours)
+            tag = f" chunk={chunk}" if isinstance(chunk, int) else ""
+            row("speed", f"decode B={B} H={H}/{Hk} D={D} cache={C}{tag}", ours_ms=t, sdpa_ms=t_sdpa,
+                time_ratio=t / t_sdpa, graph_ours_ms=gt, graph_sdpa_ms=g_sdpa, graph_time_ratio=gt / g_sdpa)
+        if chunks == (None,):
+            with knobs(chunk=1 << 20, split_max=0):  # one chunk, one program per row: the kernel before split-K
+                t, gt = bench(ours), bench_graph(ours)
+            row("speed", f"decode B={B} without key chunks (before split-K)", ours_ms=t, time_ratio=t / t_sdpa,
+                graph_time_ratio=gt / g_sdpa)
+            for ps in (16, 32):
+                kp, table, seq_idx, pos = paged_cache(kc.flatten(0, 1), [C] * B, ps, B)
+                vp = paged_cache(vc.flatten(0, 1), [C] * B, ps, B)[0]
+                rows = torch.arange(1, B + 1, device=DEV) * C - 1  # the last position of each sequence
+                sidx, ppos = seq_idx[rows].contiguous(), pos[rows].contiguous()
+                paged = lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos, scale)
+                same = bits_equal(paged(), ours())
+                tp, gp = bench(paged), bench_graph(paged)
+                t, gt = bench(ours), bench_graph(ours)
+                row("speed", f"paged decode B={B} page={ps} vs our contiguous decode", paged_ms=tp, contiguous_ms=t,
+                    time_ratio=tp / t, graph_paged_ms=gp, graph_contiguous_ms=gt, graph_time_ratio=gp / gt,
+                    bitwise_equal=same)
+
+
+def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
+    D = 16 if q else 128
+    for T in ([32] if q else [1024, 4096]):
+        B, H = (1, 2) if q else (4, 16)
+        qq, kk, vv = (torch.randn(B * T, H, D, device=DEV).bfloat16() for _ in range(3))
+        cu = [i * T for i in range(B + 1)]
+        sq, sk, sv = (t.view(B, T, H, D).transpose(1, 2) for t in (qq, kk, vv))
+        sdpa = lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True)
+        ours = lambda: attn.attention_prefill(qq, kk, vv, cu, 1 / math.sqrt(D))
+        t_sdpa, g_sdpa = bench(sdpa), bench_graph(sdpa)
+        for chunk in chunks + ((1 << 20,) if chunks == (None,) else ()):
+            with knobs(chunk=chunk if isinstance(chunk, int) else None):
+                t, gt = bench(ours), bench_graph(ours)
+            tag = (" without key chunks" if chunk == 1 << 20 else f" chunk={chunk}") if isinstance(chunk, int) else ""
+            row("speed", f"prefill B={B} H={H} T={T} D={D}{tag}", ours_ms=t, sdpa_ms=t_sdpa,
+                speed_vs_sdpa=t_sdpa / t, graph_speed_vs_sdpa=g_sdpa / gt)
+
+
+DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=w) for s, w in ((2, 4), (3, 4), (4, 4), (3, 8))]
+PREFILL_TILES = [dict(BLOCK_M=m, num_stages=s, num_warps=w) for m, s, w in ((128, 3, 8), (128, 2, 8), (128, 4, 8),
+                                                                            (64, 3, 4))]
+
+
+def sweep_tiles(q: bool) -> None:
+    """Each decode / prefill tile with the pinned blocks and chunks: decode == prefill bits over every
+    position of T = 1024 first (a tile that moves bits is out), then the times."""
+    H, Hk, D, T = (4, 2, 16, 40) if q else (32, 8, 128, 1024)  # --quick: the code path only (the interpreter's tiles)
+    qq, kk, vv, cu = packed([T], H, Hk, D, 7)
+    lengths = torch.arange(1, T + 1, device=DEV)
+    table = attn.ATTN_FWD[torch.bfloat16]
+    saved = dict(table["decode"]), dict(table["prefill"])
+
+    def bad():
+        pre = attn.attention_prefill(qq, kk, vv, cu, 0.1)
+        with knobs(split_max=1 << 30):
+            dec = attn.attention_decode(qq, kk[None].expand(T, -1, -1, -1), vv[None].expand(T, -1, -1, -1), lengths,
+                                        0.1)
+        return sum(not bits_equal(dec[t], pre[t]) for t in range(T))
+
+    try:
+        for tile in DECODE_TILES[: 1 if q else None]:
+            table["decode"] = tile
+            row("sweep", f"decode tile {tile}", decode_vs_prefill_bad=bad())
+            speed_decode(q, ("pinned",))
+        table["decode"] = saved[0]
+        for tile in PREFILL_TILES[: 1 if q else None]:
+            table["prefill"] = tile
+            row("sweep", f"prefill tile {tile}", decode_vs_prefill_bad=bad())
+            speed_prefill(q, ("pinned",))
+    finally:
+        table["decode"], table["prefill"] = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.sweep:
+        sizes = (16, 64) if a.quick else (128, 512, 1024)
+        steps = [("decode chunks", lambda q: speed_decode(q, sizes)),
+                 ("prefill chunks", lambda q: speed_prefill(q, sizes)), ("tiles", sweep_tiles)]
+    else:
+        steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill)]
+    for name, step in steps:
+        try:
+            step(a.quick)
+        except Exception as e:  # record and go on: one failing step must not hide the others
+            row("error", name, error=f"{type(e).__name__}: {e}"[:300])
+    gpu = "h200" if DEV == "cuda" and "H200" in torch.cuda.get_device_name(0) else (
+        torch.cuda.get_device_name(0).replace(" ", "_") if DEV == "cuda" else "cpu")
+    cfg = {str(k): v for k, v in attn.ATTN_FWD.items()}
+    name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "")
+    path = _env.write(name, {"config": cfg, "split_max_partials": attn.SPLIT_MAX_PARTIALS, "rows": ROWS}, a.out)
+    print("\n" + "\n".join(f"{r['section']:8} {r['name']:60} " + "  ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k not in ("section", "name"))
+        for r in ROWS))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
