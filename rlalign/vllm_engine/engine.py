@@ -1,0 +1,141 @@
+"""The vLLM generator: the native generator's inputs and outputs (prompts, sample ids,
+SamplingParams -> list[Rollout] with fp32 logprobs) on a vLLM engine.
+
+    gen = VllmGenerator(model_dir, "bfloat16", {"max_num_seqs": 4, ...}, ep_size=2)
+    rollouts = gen.generate(prompts, sample_ids, params)
+    gen.load_weights(state_dict)          # HF or rlalign names; then the prefix cache is reset
+
+generator.ep_size = N runs N vLLM workers (tensor-parallel ranks to vLLM, attention replicated),
+each owning 1/N of the experts. `stock=True` is the negative twin: vLLM's own Qwen3-MoE, attention
+and sampler (its seeded per-request generator), which does not agree with rlalign's trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from rlalign import kernels
+from rlalign.generation import Rollout, SamplingParams
+from rlalign.model import read_args
+from rlalign.vllm_engine import require_vllm
+from rlalign.vllm_engine.plugin import ARCH, register
+from rlalign.vllm_engine.sampler import KEY
+
+# generator.vllm.* keys handed to vllm.LLM under the same names
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+               "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into each of its workers (worker_extension_cls), called by name through
+    collective_rpc: nothing but plain data crosses the process boundary."""
+
+    def rlalign_load_weights(self, state: dict[str, torch.Tensor]) -> int:
+        model = self.model_runner.model
+        model.load_weights(state.items())
+        return len(state)
+
+
+class VllmGenerator:
+    def __init__(self, model_dir: str, dtype: str, options: dict, ep_size: int = 1, stock: bool = False,
+                 device: str = "cpu"):
+        require_vllm()
+        register()
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        unknown = sorted(set(options) - set(ENGINE_KEYS))
+        if unknown:
+            raise ValueError(f"generator.vllm.{unknown[0]}: not an engine option; valid: {', '.join(ENGINE_KEYS)}")
+        self.args = read_args(model_dir)[0]
+        self.stock, self.ep_size = stock, ep_size
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
+        if device == "cpu" and ep_size > 1:
+            cores = os.sched_getaffinity(0)
+            per = max(1, len(cores) // ep_size)
+            ids = sorted(cores)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  "|".join(_cpu_list(ids[r * per : (r + 1) * per]) for r in range(ep_size)))
+        kw = dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=ep_size, seed=0,
+                  max_model_len=self.args.max_position_embeddings, async_scheduling=False,
+                  enable_chunked_prefill=True, worker_extension_cls=f"{__name__}.WorkerExtension",
+                  **{k: v for k, v in options.items() if v is not None})
+        if ep_size > 1:
+            kw["distributed_executor_backend"] = "mp"
+        if stock:
+            kw["logprobs_mode"] = "processed_logprobs"
+        else:
+            kw["logprobs_mode"] = "processed_logits"
+            mode = kernels.current()
+            kw["hf_overrides"] = {"architectures": [ARCH], "rlalign_kernels": [mode["mode"], mode["backend"]]}
+            kw["logits_processors"] = ["rlalign.vllm_engine.sampler:RlalignSampler"]
+        try:  # vLLM checks its options while building the config: errors here are the options'
+            EngineArgs(**kw).create_engine_config()
+        except Exception as e:  # ValueError, pydantic's ValidationError, vLLM's own types
+            raise ValueError(f"vLLM rejected the engine options: {_name_key(str(e), options)}") from None
+        self.llm = LLM(**kw)
+
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params.validate()
+        if len(prompts) != len(sample_ids):
+            raise ValueError(f"{len(prompts)} prompts but {len(sample_ids)} sample ids")
+        if len(set(sample_ids)) != len(sample_ids):
+            raise ValueError("sample ids must be unique: they seed each sample's noise")
+        if not prompts:
+            return []
+        stop = {} if params.eos_token_id is None else {"stop_token_ids": [params.eos_token_id]}
+        common = dict(max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+                      ignore_eos=params.eos_token_id is None, **stop)
+        if self.stock:
+            sps = [VSamplingParams(temperature=0.0 if params.greedy else params.temperature,
+                                   top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p,
+                                   seed=params.seed * 1_000_003 + s, **common) for s in sample_ids]
+        else:
+            spec = {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
+                    "top_p": params.top_p, "greedy": params.greedy}
+            sps = [VSamplingParams(temperature=0.0, extra_args={KEY: {**spec, "sample_id": s}}, **common)
+                   for s in sample_ids]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
+        rollouts = []
+        for s, p, o in zip(sample_ids, prompts, outs):
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob for t, d in zip(toks, c.logprobs)]
+            reason = "eos" if c.finish_reason == "stop" else c.finish_reason
+            rollouts.append(Rollout(s, list(p), toks, torch.tensor(lps, dtype=torch.float32), reason))
+        return rollouts
+
+    def load_weights(self, state: dict[str, torch.Tensor], reset_prefix_cache: bool = True) -> None:
+        """Push a full state dict (HF or rlalign names, CPU tensors) into every vLLM worker, each
+        keeping its experts; then drop the prefix cache (its pages hold the old weights' keys)."""
+        self.llm.collective_rpc("rlalign_load_weights", args=({k: v.detach().cpu() for k, v in state.items()},))
+        if reset_prefix_cache:
+            self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running?)")
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _cpu_list(ids: list[int]) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def _name_key(message: str, options: dict) -> str:
+    """vLLM's message, led by the generator.vllm key it names (if any)."""
+    first = message.strip().splitlines()[0] if message.strip() else message
+    for k in options:
+        if re.search(rf"\b{k}\b", message):
+            return f"generator.vllm.{k}={options[k]!r}: {first}"
+    return first

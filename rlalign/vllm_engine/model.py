@@ -1,0 +1,142 @@
+"""rlalign's Qwen3-MoE as an out-of-tree vLLM model: an rlalign `Transformer` run through
+`Transformer.step` over vLLM's KV pages (rlalign/vllm_engine/attention.py), so every row's
+bits are the trainer's whatever vLLM batched, chunked or took from its prefix cache.
+
+Selected with hf_overrides={"architectures": [ARCH], ...}; the overrides also carry the kernel
+mode (`rlalign_kernels`) because vLLM's workers are separate processes. Under tensor-parallel
+workers (generator.ep_size = N) attention is replicated and each worker owns 1/N of every MoE
+layer's experts: rlalign's expert parallelism (rlalign.parallel.ep) over vLLM's worker group.
+
+vLLM samples only the last row of each request's chunk. `forward` computes logits for exactly
+those rows (the attention metadata names them) and returns, as its "hidden states", each row's
+index into those logits (-1 elsewhere); `compute_logits` gathers by that index, so the LM head
+never runs on rows nobody samples and vLLM's row selection is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tp_group
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+
+from rlalign import kernels
+from rlalign.model import ModelArgs, Transformer
+from rlalign.parallel.ep import apply_ep, is_expert_param
+from rlalign.vllm_engine.attention import RlalignAttentionBackend, VllmPages
+from rlalign.vllm_engine.plugin import ARCH
+
+__all__ = ["ARCH", "RlalignQwen3MoeForCausalLM", "load_named"]
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class RlalignQwen3MoeForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        mode, backend = getattr(hf, "rlalign_kernels", ("deterministic", "torch"))
+        kernels.set_mode(mode, backend)
+        cfg = {k: v for k, v in hf.to_dict().items() if not k.startswith("rlalign_")}
+        cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+        self.args = ModelArgs.from_hf_config(cfg, where=f"vLLM model config ({vllm_config.model_config.model})")
+        self.rl = Transformer(self.args)
+        tp = get_tp_group()
+        self.ep_rank, self.ep_size = tp.rank_in_group, tp.world_size
+        if self.ep_size > 1:
+            apply_ep(self.rl, tp.device_group)
+        a = self.args
+        self.attn = nn.ModuleList(
+            Attention(a.num_heads, a.head_dim, a.head_dim ** -0.5, a.num_kv_heads,
+                      cache_config=vllm_config.cache_config, prefix=f"{prefix}attn.{i}",
+                      attn_backend=RlalignAttentionBackend)
+            for i in range(a.num_layers))
+        self._logits: torch.Tensor | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return kernels.embedding(self.rl.model.embed_tokens.weight, input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds=None, **kwargs) -> torch.Tensor:
+        if inputs_embeds is not None or intermediate_tensors is not None:
+            raise ValueError("rlalign's vLLM model takes token ids only (no embeddings, no pipeline stages)")
+        n_rows = input_ids.shape[0]
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, dict):
+            meta = meta.get(self.attn[0].layer_name)
+        index = torch.full((n_rows, 1), -1, dtype=torch.long, device=input_ids.device)
+        if meta is None:  # vLLM's dummy/profiling run: no pages to read
+            self._logits = None
+            return index
+        n = meta.num_actual_tokens
+        cache = VllmPages([layer.kv_cache for layer in self.attn], self.args.head_dim)
+        self._logits = self.rl.step(input_ids[:n], positions[:n], meta.seq_idx, cache, meta.block_table,
+                                    meta.slot_mapping, logit_rows=meta.logit_rows)
+        index[meta.logit_rows, 0] = torch.arange(meta.logit_rows.numel(), device=index.device)
+        return index
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = hidden_states[:, 0]
+        if self._logits is None:
+            return torch.zeros(rows.numel(), self.args.vocab_size, dtype=self.rl.dtype, device=rows.device)
+        if rows.numel() and int(rows.min()) < 0:
+            raise RuntimeError("vLLM asked for logits of a row that is not the last of its request's chunk")
+        return self._logits.index_select(0, rows)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF-named tensors (experts one by one or fused) or rlalign's names; under EP only this
+        worker's experts are kept. Returns the names of the parameters loaded (vLLM checks them)."""
+        return load_named(self.rl, weights, self.ep_rank, self.ep_size, prefix="rl.")
+
+
+def load_named(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]], rank: int, world: int,
+               prefix: str = "") -> set[str]:
+    """Copy tensors into `model` (this rank's expert shard of each expert tensor); every name must
+    be one of the model's, with its shape. Returns the loaded parameter names, with `prefix`."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, t in weights:
+            m = _EXPERT.match(name)
+            if m:
+                per_expert.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+                continue
+            if name == "lm_head.weight" and model.args.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"weights: unexpected tensor {name!r} for this model")
+            if world > 1 and is_expert_param(name):
+                n = params[name].shape[0]
+                t = t[rank * n : (rank + 1) * n]
+            _copy(params[name], t, name)
+            loaded.add(name)
+        for pre, experts in per_expert.items():
+            gate_up, down = params.get(f"{pre}.gate_up_proj"), params.get(f"{pre}.down_proj")
+            if gate_up is None:
+                raise ValueError(f"weights: unexpected tensor {pre}.*: layer has no experts")
+            n = gate_up.shape[0]
+            for e in range(rank * n, (rank + 1) * n):
+                got = experts.get(e, {})
+                for part in ("gate_proj", "up_proj", "down_proj"):
+                    if part not in got:
+                        raise ValueError(f"weights: missing tensor {pre}.{e}.{part}.weight")
+                _copy(gate_up[e - rank * n], torch.cat([got["gate_proj"], got["up_proj"]], 0), f"{pre}.{e}.gate/up")
+                _copy(down[e - rank * n], got["down_proj"], f"{pre}.{e}.down_proj.weight")
+            loaded.update({f"{pre}.gate_up_proj", f"{pre}.down_proj"})
+    if model.args.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"weights: missing tensor {missing[0]!r} (expected shape {tuple(params[missing[0]].shape)})")
+    return {prefix + n for n in loaded}
+
+
+def _copy(p: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    if tuple(t.shape) != tuple(p.shape):
+        raise ValueError(f"weights: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+    p.copy_(t.to(device=p.device, dtype=p.dtype))

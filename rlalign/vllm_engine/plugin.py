@@ -1,0 +1,18 @@
+"""vLLM general plugin (entry point `vllm.general_plugins`): registers rlalign's model and
+attention backend in every vLLM process, including the workers vLLM spawns. Names only: nothing
+here imports rlalign's vLLM modules, so a plugin load costs nothing."""
+
+from __future__ import annotations
+
+ARCH = "RlalignQwen3MoeForCausalLM"
+BACKEND = "RLALIGN_PAGED"
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCH, "rlalign.vllm_engine.model:RlalignQwen3MoeForCausalLM")
+    if BACKEND not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND, "rlalign.vllm_engine.attention.RlalignAttentionBackend")

@@ -1,0 +1,70 @@
+"""rlalign's sampler and logprob inside vLLM, as a v1 logits processor.
+
+For each request that carries `extra_args["rlalign"]` (seed, sample id, temperature, top-k, top-p,
+greedy), the row's token is `kernels.sample` with noise from (seed, sample id, position), position
+= prompt length + tokens so far, and its logprob is `kernels.token_logprobs`: the native
+generator's two calls. The processor leaves that token finite with its logprob as the value and
+every other entry -inf. The engine asks vLLM for temperature 0, logprobs=0 and
+logprobs_mode="processed_logits": vLLM's greedy pick is then our token and the logprob it returns
+is our fp32 value, untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from rlalign import kernels
+
+KEY = "rlalign"
+
+
+@dataclass
+class _Request:
+    group: tuple  # (seed, temperature, top_k, top_p, greedy): rows sampled together
+    sample_id: int
+    prompt_len: int
+    output: list[int]  # vLLM's live list of the request's generated tokens
+
+
+def _request(params, prompt: list[int] | None, output: list[int]) -> _Request | None:
+    spec = (params.extra_args or {}).get(KEY)
+    if spec is None:
+        return None
+    group = (int(spec["seed"]), float(spec["temperature"]), int(spec["top_k"]), float(spec["top_p"]),
+             bool(spec["greedy"]))
+    return _Request(group, int(spec["sample_id"]), len(prompt or []), output)
+
+
+class RlalignSampler(LogitsProcessor):
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, _Request] = {}  # persistent-batch index -> request
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it decides the token: vLLM must apply it before its greedy pick
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.rows, batch_update, _request)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        groups: dict[tuple, list[int]] = {}
+        for i, r in self.rows.items():
+            groups.setdefault(r.group, []).append(i)
+        for (seed, temperature, top_k, top_p, greedy), idx in groups.items():
+            reqs = [self.rows[i] for i in idx]
+            rows = torch.tensor(idx, dtype=torch.long, device=logits.device)
+            ids = torch.tensor([r.sample_id for r in reqs], dtype=torch.long, device=logits.device)
+            pos = torch.tensor([r.prompt_len + len(r.output) for r in reqs], dtype=torch.long, device=logits.device)
+            z = logits.index_select(0, rows)
+            kw = {"temperature": 1.0 if greedy else temperature, "top_k": top_k, "top_p": top_p}
+            tok = kernels.sample(z, seed, ids, pos, greedy=greedy, **kw)
+            lp = kernels.token_logprobs(z, tok, **kw)
+            out = torch.full_like(z, float("-inf"))
+            out.scatter_(1, tok[:, None], lp[:, None].to(out.dtype))
+            logits.index_copy_(0, rows, out)
+        return logits
