@@ -75,8 +75,10 @@ def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return _impl(weight).embedding(weight, tokens)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows sorted by group, group e times w[e]: [R, K] x [E, N, K] -> [R, N]."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """Rows sorted by group, group e times w[e]: [R, K] x [E, N, K] -> [R, N]. counts [E]: a host
+    list or an integer tensor; on x's device the Triton backend never reads it on the host (no sync),
+    the torch backends do (.tolist()). Same bits either way."""
     return _impl(x).grouped_linear(x, w, counts)
 
 

@@ -21,7 +21,9 @@ def embedding(weight, tokens):
     return weight[tokens]
 
 
-def grouped_linear(x, w, counts: list[int]):
+def grouped_linear(x, w, counts: list[int] | torch.Tensor):
+    if isinstance(counts, torch.Tensor):  # split sizes on the host (a sync on a GPU)
+        counts = counts.tolist()
     if USE_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)
         return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)

@@ -63,9 +63,12 @@ def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return weight[tokens]
 
 
-def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by group; group e uses w[e]: [R, K] x [E, N, K] -> [R, N] through linear_fn,
-    whose rows are batch-invariant, so a row's bits ignore which other rows its group holds."""
+    whose rows are batch-invariant, so a row's bits ignore which other rows its group holds. Counts
+    given as a tensor are read on the host (the reference path; a sync on a GPU)."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     outs, start = [], 0
     for e, c in enumerate(counts):
         if c:
@@ -76,7 +79,7 @@ def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int])
     return torch.cat(outs, 0) if outs else linear_fn(x[:0], w[0])
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     return grouped_with(linear, x, w, counts)
 
 

@@ -1,5 +1,6 @@
-"""Shared by the Triton kernel modules: the interpreter switch, dtype/device checks, the SM count
-and one LRU cache of work tables and launch plans."""
+"""Shared by the Triton kernel modules: the interpreter switch, dtype/device checks, the SM count,
+one LRU cache of work tables and launch plans, and `Launch` (a plan's kernel called without triton's
+per-call dispatch)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,12 @@ _CACHE: OrderedDict = OrderedDict()  # work tables and GEMM launch plans, by con
 
 
 def _cached(key: tuple, build):
-    """build() once per key (LRU of 1024): a training step calls the same shapes layer after layer,
+    """build() once per key (LRU of 4096): a training step calls the same shapes layer after layer,
     so the host work per launch is one lookup and no host-to-device copy."""
     v = _CACHE.get(key)
     if v is None:
         v = _CACHE[key] = build()
-        if len(_CACHE) > 1024:
+        if len(_CACHE) > 4096:
             _CACHE.popitem(last=False)
     else:
         _CACHE.move_to_end(key)
@@ -51,3 +52,63 @@ def _table(key: tuple, build, device) -> torch.Tensor:
         return torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
     return _cached((key, device), make)
 
+
+
+# Off (RLALIGN_TRITON_FAST_LAUNCH=0, or FAST_LAUNCH = False at run time): every launch goes through
+# triton's JIT dispatcher, as before; experiments/bench_launch.py measures both in one run.
+FAST_LAUNCH = os.environ.get("RLALIGN_TRITON_FAST_LAUNCH", "1") != "0"
+_runtime: list = []  # [get_current_device, get_current_stream, knobs.runtime], resolved on first use
+
+
+def _runtime_fns():
+    if not _runtime:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _runtime.extend([driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime])
+    return _runtime
+
+
+class Launch:
+    """A launch plan: one kernel with its grid, scalar arguments and constexprs fixed by the shapes it
+    was built for (the kernels take their tensors first, then scalars, then constexprs), so a call
+    passes only the tensors. The first call per (device, tensor dtypes, 16-byte alignments), the
+    values triton specialises a tensor on, goes through triton's JIT (which compiles); later calls
+    call that compiled kernel directly with the same arguments, skipping the dispatcher's binding,
+    specialisation key and cache lookup. Same compiled kernel, same arguments: same bits. Launch hooks
+    (profilers) or the interpreter take the JIT path every time."""
+
+    __slots__ = ("fn", "grid", "scalars", "meta", "tail", "compiled")
+
+    def __init__(self, fn, grid: tuple, scalars: tuple, meta: dict):
+        self.fn, self.scalars, self.meta = fn, tuple(scalars), meta
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.tail = None  # scalars + constexpr values in signature order, built on the first fast call
+        self.compiled = {}
+
+    def _constexprs(self) -> tuple:
+        code = getattr(self.fn, "fn", self.fn).__code__
+        names = code.co_varnames[: code.co_argcount]
+        consts = [n for n in names if n in self.meta]  # the rest of meta: launch options (num_warps...)
+        if names[len(names) - len(consts):] != tuple(consts):
+            raise TypeError(f"Launch: {code.co_name} must take its constexprs last ({names})")
+        return tuple(self.meta[n] for n in consts)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if INTERPRET or not FAST_LAUNCH:
+            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            return
+        get_device, get_stream, rt = _runtime_fns()
+        device = get_device()
+        key = (device, *[t.dtype for t in tensors], *[t.data_ptr() & 15 == 0 for t in tensors])
+        hit = self.compiled.get(key)
+        if hit is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+            k = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            if self.tail is None:  # triton >= 3.4 passes constexprs to the launcher too (it skips them)
+                with_consts = "constexpr" in getattr(getattr(k, "src", None), "signature", {}).values()
+                self.tail = self.scalars + (self._constexprs() if with_consts else ())
+            self.compiled[key] = (k.run, k.function, k.packed_metadata)
+            return
+        run, function, packed = hit
+        g0, g1, g2 = self.grid
+        run(g0, g1, g2, get_stream(device), function, packed, None, None, None, *tensors, *self.tail)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _check
+from .common import Launch, _cached, _check
 
 _EW_BLOCK = 1024
 
@@ -34,14 +34,20 @@ def _swiglu_bwd(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
     tl.store(dg_ptr + offs, (dy * u * (sig + silu * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=m)
 
 
+def _swiglu(gate, up):
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _cached(("swiglu", n), lambda: Launch(_swiglu_fwd, (triton.cdiv(n, _EW_BLOCK),), (n,),
+                                               dict(BLOCK=_EW_BLOCK)))(gate, up, y)
+    return gate, up, y
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, y, n, BLOCK=_EW_BLOCK)
+        gate, up, y = _swiglu(gate, up)
         ctx.save_for_backward(gate, up)
         return y
 
@@ -58,7 +64,9 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate, up):
     """silu(gate) * up in fp32, one rounding; elementwise, so trivially row-invariant."""
     _check("swiglu", gate, up)
-    return _SwiGLU.apply(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLU.apply(gate, up)
+    return _swiglu(gate, up)[2]
 
 
 # --- RoPE (rotate-half), fwd/bwd ---------------------------------------------------------------------
@@ -95,8 +103,9 @@ def _rope_apply(x, cos, sin, sign: int):
         x = x.contiguous()
     y = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
     if N:
-        _rope_kernel[(N,)](x, cos, sin, y, H, x.stride(0), x.stride(1), y.stride(0), y.stride(1), HALF=D // 2,
-                           BLOCK_H=triton.next_power_of_2(H), SIGN=sign)
+        key = ("rope", N, H, D, x.stride(0), x.stride(1), sign)
+        _cached(key, lambda: Launch(_rope_kernel, (N,), (H, x.stride(0), x.stride(1), y.stride(0), y.stride(1)),
+                                    dict(HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), SIGN=sign)))(x, cos, sin, y)
     return y
 
 
@@ -115,7 +124,10 @@ class _Rope(torch.autograd.Function):
 def rope(x, cos, sin):
     """x [N, H, D] rotated by rows cos/sin [N, D] (fp32) of the shared table; per row, fp32."""
     _check("rope", x)
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if cos.dtype != torch.float32 or not cos.is_contiguous():
+        cos = cos.float().contiguous()
+    if sin.dtype != torch.float32 or not sin.is_contiguous():
+        sin = sin.float().contiguous()
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, cos, sin)
     return _rope_apply(x, cos, sin, 1)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _check
+from .common import Launch, _cached, _check
 
 
 @triton.jit
@@ -43,7 +43,8 @@ class _Embedding(torch.autograd.Function):
         start = torch.searchsorted(flat[order], torch.arange(V + 1, device=flat.device, dtype=flat.dtype))
         dw = torch.empty(V, D, dtype=ctx.wdtype, device=g.device)
         if V and D:
-            _embed_bwd[(V, triton.cdiv(D, 256))](g, order, start, dw, D, BLOCK=256)
+            _cached(("embed_bwd", V, D), lambda: Launch(_embed_bwd, (V, triton.cdiv(D, 256)), (D,), dict(BLOCK=256)))(
+                g, order, start, dw)
         return dw, None
 
 

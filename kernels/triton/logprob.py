@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, _check
+from .common import ROW_BLOCK, Launch, _cached, _check
 
 
 @triton.jit
@@ -44,14 +44,21 @@ def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, V, BLOCK: tl.constexpr):
         tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
 
 
+def _forward(z, tokens):
+    N, V = z.shape
+    out = torch.empty(N, dtype=torch.float32, device=z.device)
+    lse = torch.empty(N, dtype=torch.float32, device=z.device)
+    if N:
+        _cached(("logprob", N, V), lambda: Launch(_logprob_fwd, (N,), (V,),
+                                                  dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
+            z, tokens, out, lse)
+    return out, lse
+
+
 class _LogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, tokens):
-        N, V = z.shape
-        out = torch.empty(N, dtype=torch.float32, device=z.device)
-        lse = torch.empty(N, dtype=torch.float32, device=z.device)
-        if N:
-            _logprob_fwd[(N,)](z, tokens, out, lse, V, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))
+        out, lse = _forward(z, tokens)
         ctx.save_for_backward(z, tokens, lse)
         return out
 
@@ -68,5 +75,8 @@ class _LogProb(torch.autograd.Function):
 def log_softmax_gather(z, tokens):
     """z [N, V] fp32 (tempered/filtered) -> log p(tokens) [N] fp32, one program per row."""
     _check("log_softmax_gather", z)
-    return _LogProb.apply(z.float().contiguous(), tokens.contiguous())
+    z, tokens = z.float().contiguous(), tokens.contiguous()
+    if torch.is_grad_enabled() and z.requires_grad:
+        return _LogProb.apply(z, tokens)
+    return _forward(z, tokens)[0]
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, _check
+from .common import ROW_BLOCK, Launch, _cached, _check
 
 
 @triton.jit
@@ -39,14 +39,21 @@ def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, K, Dm, BLOCK: tl.constexpr
         tl.store(dw_ptr + t * K + j, tl.sum(part, axis=0))
 
 
+def _combine(y, w):
+    y, w = y.contiguous(), w.float().contiguous()
+    T, K, Dm = y.shape
+    out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
+    if T:
+        _cached(("combine", T, K, Dm), lambda: Launch(_combine_fwd, (T,), (K, Dm),
+                                                      dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(
+            y, w, out)
+    return y, w, out
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w):
-        y, w = y.contiguous(), w.float().contiguous()
-        T, K, Dm = y.shape
-        out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
-        if T:
-            _combine_fwd[(T,)](y, w, out, K, Dm, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))
+        y, w, out = _combine(y, w)
         ctx.save_for_backward(y, w)
         return out
 
@@ -63,7 +70,9 @@ class _Combine(torch.autograd.Function):
 def moe_combine(y, weights):
     """y [T, k, D] in top-k slot order, weights [T, k] -> [T, D]: fp32, slot 0 first, per token."""
     _check("moe_combine", y)
-    return _Combine.apply(y, weights)
+    if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        return _Combine.apply(y, weights)
+    return _combine(y, weights)[2]
 
 
 # --- router: softmax + top-k (+ renormalise), fwd/bwd ----------------------------------------------
@@ -117,14 +126,21 @@ def _route_bwd(z_ptr, w_ptr, id_ptr, g_ptr, dz_ptr, E, K: tl.constexpr, RENORM: 
     tl.store(dz_ptr + row * E + e, dz.to(dz_ptr.dtype.element_ty), mask=e < E)
 
 
+def _route(logits, k, renorm):
+    T, E = logits.shape
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        _cached(("route", T, E, k, renorm), lambda: Launch(
+            _route_fwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))))(
+            logits, w, ids)
+    return w, ids
+
+
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, k, renorm):
-        T, E = logits.shape
-        w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
-        ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
-        if T:
-            _route_fwd[(T,)](logits, w, ids, E, K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))
+        w, ids = _route(logits, k, renorm)
         ctx.save_for_backward(logits, w, ids)
         ctx.renorm = renorm
         ctx.mark_non_differentiable(ids)
@@ -146,4 +162,6 @@ def moe_route(logits, top_k: int, renormalize: bool):
     _check("moe_route", logits)
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"triton moe_route: top_k={top_k} with {logits.shape[-1]} experts")
-    return _Route.apply(logits.contiguous(), int(top_k), bool(renormalize))
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _Route.apply(logits.contiguous(), int(top_k), bool(renormalize))
+    return _route(logits.contiguous(), int(top_k), bool(renormalize))

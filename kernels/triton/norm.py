@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, _check
+from .common import ROW_BLOCK, Launch, _cached, _check
 
 
 @triton.jit
@@ -79,18 +79,29 @@ def _colsum_kernel(x_ptr, out_ptr, P, D, BLOCK: tl.constexpr):
 def _colsum(x: torch.Tensor) -> torch.Tensor:
     P, D = x.shape
     out = torch.empty(D, dtype=torch.float32, device=x.device)
-    _colsum_kernel[(triton.cdiv(D, 256),)](x.contiguous(), out, P, D, BLOCK=256)
+    _cached(("colsum", P, D), lambda: Launch(_colsum_kernel, (triton.cdiv(D, 256),), (P, D), dict(BLOCK=256)))(
+        x.contiguous(), out)
     return out
+
+
+def _plan_fwd(R: int, D: int, eps: float) -> Launch:
+    return Launch(_rmsnorm_fwd, (R,), (D, eps), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D))))
+
+
+def _forward(x2, w, eps):
+    R, D = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
+    if R:
+        _cached(("rmsnorm", R, D, eps), lambda: _plan_fwd(R, D, eps))(x2, w if w.dtype == x2.dtype else w.to(x2.dtype),
+                                                                     y, rstd)
+    return y, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w, eps):
-        R, D = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
-        if R:
-            _rmsnorm_fwd[(R,)](x2, w.to(x2.dtype), y, rstd, D, eps, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
+        y, rstd = _forward(x2, w, eps)
         ctx.save_for_backward(x2, w, rstd)
         return y
 
@@ -114,5 +125,7 @@ class _RMSNorm(torch.autograd.Function):
 def rmsnorm(x, w, eps: float):
     _check("rmsnorm", x, w)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    return _RMSNorm.apply(x2, w, eps).reshape(x.shape)
+    if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
+        return _RMSNorm.apply(x2, w, eps).reshape(x.shape)
+    return _forward(x2, w, eps)[0].reshape(x.shape)  # no graph to record: the same kernel, no autograd
 

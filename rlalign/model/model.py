@@ -138,12 +138,14 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, d))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d, inter))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         return expert_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj)
 
 
-def expert_mlp(x_sorted: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts over rows sorted by expert: [R, d] -> [R, d]; each row's bits are its own."""
+def expert_mlp(x_sorted: torch.Tensor, counts: list[int] | torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over rows sorted by expert: [R, d] -> [R, d]; each row's bits are its own.
+    counts [E]: a host list or a tensor on the rows' device (kept there: no host sync)."""
     h = kernels.grouped_linear(x_sorted, gate_up, counts)
     gate, up = h.chunk(2, dim=-1)
     return kernels.grouped_linear(kernels.swiglu(gate, up), down, counts)
@@ -170,8 +172,11 @@ class MoE(nn.Module):
             logits = tap("router", logits)
         weights, ids = kernels.moe_route(logits, k, self.norm_topk_prob)
         flat = ids.reshape(-1)  # [T*k] token-major, slot order within a token
-        order = torch.argsort(flat, stable=True)  # by (expert, token, slot)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        sorted_ids, order = torch.sort(flat, stable=True)  # by (expert, token, slot)
+        # counts [E] stay on the device (searchsorted, not bincount + tolist): no host sync, so a
+        # decode step can be captured in a CUDA graph; EP reads them on the host for its splits
+        bounds = torch.arange(self.num_experts + 1, device=flat.device, dtype=flat.dtype)
+        counts = torch.searchsorted(sorted_ids, bounds).diff()
         x_slots = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
         y_sorted = self.experts(x_slots.index_select(0, order), counts)
         y = y_sorted.index_select(0, torch.argsort(order)).view(T, k, d)

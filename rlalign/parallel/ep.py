@@ -60,10 +60,10 @@ class ExpertParallel(Experts):
             self.gate_up_proj.copy_(full.gate_up_proj[lo:hi])
             self.down_proj.copy_(full.down_proj[lo:hi])
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         W, El = self.world, self.num_local
         # send[r, e]: rows for rank r's local expert e; recv[s, e]: rows from rank s for my expert e
-        send = torch.tensor(counts, dtype=torch.long, device=x_sorted.device).view(W, El)
+        send = torch.as_tensor(counts, dtype=torch.long, device=x_sorted.device).view(W, El)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv.view(-1), send.view(-1).clone(), group=self.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
