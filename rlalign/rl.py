@@ -118,7 +118,7 @@ class Job:
         self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, threads)
         self.sync_specs = None  # the weight sync's tensors, once its process group is up
         self.ipc = cfg.device.startswith("cuda") and cfg.placement.colocate  # NCCL refuses two ranks on one GPU
-        self.last_sync: dict = {}  # sync/bytes, sync/buckets of the latest sync
+        self.last_sync: dict = {}  # the latest sync's bytes, buckets and per-side seconds (step metrics)
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
@@ -143,7 +143,9 @@ class Job:
                                              self.generators.submit("receive_weights", step))])
         fps = weight_sync.merge(self.sync_specs, [o.shares for o in t_outs], "trainer", dense_on_all=False)
         gen = weight_sync.merge(self.sync_specs, [o.shares for o in g_outs], "generator", dense_on_all=True)
-        self.last_sync = {"sync/bytes": t_outs[0].bytes, "sync/buckets": t_outs[0].buckets}
+        self.last_sync = {"sync/bytes": t_outs[0].bytes, "sync/buckets": t_outs[0].buckets,
+                          "time/sync_trainer_s": max(o.seconds for o in t_outs),
+                          "time/sync_generator_s": max(o.seconds for o in g_outs)}
         return weight_sync.check(fps, gen)
 
     def _open_weight_sync(self) -> None:

@@ -284,10 +284,11 @@ class SyncGroup:
         return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=timeout_s))
 
-    def broadcast(self, t: torch.Tensor, root: int = 0) -> None:
+    def broadcast(self, t: torch.Tensor, root: int = 0):
+        """Started, not waited for: the returned work's wait() orders the current stream after it."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        self.pg.broadcast([t], opts).wait()
+        return self.pg.broadcast([t], opts)
 
 
 @dataclass
@@ -324,6 +325,7 @@ def send(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group, s
     device = next(iter(params.values())).device
     root = dist.get_global_rank(group, 0) if group is not None else 0
     kept: list[torch.Tensor] = []
+    works = []  # the buckets' broadcasts run while the next bucket is filled
     with torch.no_grad():
         for b in plan.buckets:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device) if rank == 0 else None
@@ -338,7 +340,9 @@ def send(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group, s
                 if ipc:
                     kept.append(buf)
                 else:
-                    sync.broadcast(buf)
+                    works.append(sync.broadcast(buf))
+    for w in works:
+        w.wait()
     shares = partial_fingerprints(model, plan, rank, world, dense=rank == 0)
     out = SyncOutput(shares, plan.nbytes if rank == 0 else 0, len(plan.buckets) if rank == 0 else 0)
     if ipc and rank == 0:
@@ -369,11 +373,17 @@ def receive(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group
                             f"{ipc_uuid}; CUDA IPC needs the same GPU (placement.colocate puts rank 0 of both groups "
                             f"on bundle 0)")
     root = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def post(i: int):  # bucket i's receive buffer and its broadcast, started
+        buf = torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=device)
+        return buf, sync.broadcast(buf)
+
     with torch.no_grad():
+        nxt = post(0) if not colocated and plan.buckets else None
         for i, b in enumerate(plan.buckets):
-            if not colocated:
-                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-                sync.broadcast(buf)
+            if not colocated:  # two buckets in flight: bucket i + 1 arrives while bucket i is copied
+                (buf, work), nxt = nxt, post(i + 1) if i + 1 < len(plan.buckets) else None
+                work.wait()
             elif rank == 0:
                 fn, args = ipc[i]
                 buf = fn(*args)
