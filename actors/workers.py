@@ -37,6 +37,7 @@ from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
 from rlalign.parallel.launch import any_live_fn, init_group
 from rlalign.training.trainer import Sample, Trainer
+from rlalign.vllm_engine.engine import WorkerGenerator
 
 
 @dataclass
@@ -207,6 +208,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self.group is not None:
             apply_ep(self.model, self.group)
         self._setup_monitor(self.model)
+        # generator.backend=vllm: a vLLM engine samples; self.model stays the copy weight sync writes
+        self.vllm = WorkerGenerator(self.cfg, self.model, world) if self.cfg.generator.backend == "vllm" else None
 
     def pid(self) -> int:
         return os.getpid()
@@ -218,9 +221,12 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self.trace is not None:
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
-        outs = generate(self.model, prompts, sample_ids, params,
-                        any_live=any_live_fn(self.group) if self.group is not None else None,
-                        engine=engine_config(self.cfg))
+        if self.vllm is not None:
+            outs = self.vllm.generate(prompts, sample_ids, params)
+        else:
+            outs = generate(self.model, prompts, sample_ids, params,
+                            any_live=any_live_fn(self.group) if self.group is not None else None,
+                            engine=engine_config(self.cfg))
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))

@@ -81,7 +81,9 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
 
 def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order."""
-    parts = _run_side(cfg, cfg.generator.ep_size, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
+    # generator.backend=vllm: one rank hosts the engine; vLLM starts the generator.ep_size workers
+    world = 1 if cfg.generator.backend == "vllm" else cfg.generator.ep_size
+    parts = _run_side(cfg, world, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
     return [r for part in parts for r in part]
 
 
@@ -122,6 +124,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
         "dtype": cfg.model.dtype,
         "trainer_ep": cfg.trainer.ep_size,
         "generator_ep": cfg.generator.ep_size,
+        "generator_backend": cfg.generator.backend,
         "trainer_micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer_layout": cfg.trainer.layout,
         "sequences": len(rollouts),

@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlalign.generation import EngineConfig, SamplingParams
 from rlalign.model.args import ModelArgs
 from rlalign.model.hf import read_args
+from rlalign.vllm_engine import check_installed
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -40,7 +41,7 @@ if not OmegaConf.has_resolver("now"):
 Dtype = Literal["bfloat16", "float32"]
 KernelMode = Literal["deterministic", "default"]
 KernelBackend = Literal["torch", "triton", "auto"]
-GeneratorBackend = Literal["native"]  # vllm: a later issue
+GeneratorBackend = Literal["native", "vllm"]
 Layout = Literal["packed", "padded"]
 OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
@@ -48,7 +49,7 @@ OnMismatch = Literal["raise", "warn"]
 SyncMethod = Literal["device", "object_store"]  # weight sync: rlalign.parallel.weight_sync | the old host path
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
 
-_NOT_YET = {"generator.backend": {"vllm": "the vLLM generator is not implemented yet"}}
+_NOT_YET: dict[str, dict[str, str]] = {}  # key -> value -> why it is refused for now
 
 
 def _choice(default: str | None, allowed: Any) -> Any:
@@ -74,6 +75,21 @@ class KernelsConfig:
 
 
 @dataclass
+class VllmEngineConfig:
+    """generator.backend=vllm: vLLM's engine options (passed to vllm.LLM under these names); the
+    bits never depend on them (rlalign/vllm_engine)."""
+
+    max_num_seqs: int = 64  # sequences in flight
+    max_num_batched_tokens: int = 2048  # tokens per step; below the prompt length: chunked prefill
+    block_size: int = 16  # tokens per KV page
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.1  # GPU: fraction of device memory; CPU: fraction of host memory
+    kv_cache_memory_bytes: int | None = None  # KV cache size; None: from gpu_memory_utilization
+    enforce_eager: bool = True  # rlalign's model has host syncs (MoE counts): no CUDA graphs / compile
+    stock: bool = False  # negative twin: vLLM's own model, attention and sampler (does not agree)
+
+
+@dataclass
 class GeneratorConfig:
     ep_size: int = 1
     backend: str = _choice("native", GeneratorBackend)
@@ -87,6 +103,7 @@ class GeneratorConfig:
     max_num_batched_tokens: int = 0  # rows per step (decode rows, then prompt chunks); 0 = no limit
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages per rank; 0 = enough for max_num_seqs sequences at their longest
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
 @dataclass
@@ -342,8 +359,29 @@ def validate(cfg: DictConfig) -> None:
         engine_config(cfg).validate()
     except ValueError as e:
         problems.append(str(e))
+    if g.backend == "vllm":
+        problems += _vllm_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
+
+
+def _vllm_problems(cfg: DictConfig) -> list[str]:
+    v, problems = cfg.generator.vllm, []
+    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if v[key] < 1:
+            problems.append(f"generator.vllm.{key}={v[key]}: must be >= 1")
+    if not 0.0 < v.gpu_memory_utilization <= 1.0:
+        problems.append(f"generator.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
+    if v.kv_cache_memory_bytes is not None and v.kv_cache_memory_bytes < 1:
+        problems.append(f"generator.vllm.kv_cache_memory_bytes={v.kv_cache_memory_bytes}: must be >= 1 (or null)")
+    if not v.enforce_eager and not v.stock:
+        problems.append("generator.vllm.enforce_eager=false: rlalign's model syncs with the host in every MoE layer "
+                        "(expert counts), so vLLM cannot capture or compile it; keep it true")
+    try:
+        check_installed()
+    except ImportError as e:
+        problems.append(str(e))
+    return problems
 
 
 def _choices(cls: type, prefix: str = "") -> dict[str, tuple[str | None, ...]]:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import torch
 
 from rlalign import kernels
-from rlalign.generation import Rollout, SamplingParams
-from rlalign.model import read_args
-from rlalign.vllm_engine import require_vllm
-from rlalign.vllm_engine.plugin import ARCH, register
-from rlalign.vllm_engine.sampler import KEY
+from rlalign.generation import Rollout, SamplingParams, check_prompts
+from rlalign.model import Transformer, read_args, save_hf
+from rlalign.vllm_engine import check_installed
+from rlalign.vllm_engine.plugin import ARCH, KEY, SAMPLER, register
 
 # generator.vllm.* keys handed to vllm.LLM under the same names
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
@@ -42,7 +43,7 @@ class WorkerExtension:
 class VllmGenerator:
     def __init__(self, model_dir: str, dtype: str, options: dict, ep_size: int = 1, stock: bool = False,
                  device: str = "cpu"):
-        require_vllm()
+        check_installed()
         register()
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
@@ -71,7 +72,7 @@ class VllmGenerator:
             kw["logprobs_mode"] = "processed_logits"
             mode = kernels.current()
             kw["hf_overrides"] = {"architectures": [ARCH], "rlalign_kernels": [mode["mode"], mode["backend"]]}
-            kw["logits_processors"] = ["rlalign.vllm_engine.sampler:RlalignSampler"]
+            kw["logits_processors"] = [SAMPLER]
         try:  # vLLM checks its options while building the config: errors here are the options'
             EngineArgs(**kw).create_engine_config()
         except Exception as e:  # ValueError, pydantic's ValidationError, vLLM's own types
@@ -126,6 +127,41 @@ class VllmGenerator:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+
+
+class WorkerGenerator:
+    """A generator rank's vLLM engine, kept in step with the rank's rlalign model (the copy that
+    weight sync writes and fingerprints): before generating, the model's weights are pushed into
+    vLLM (and its prefix cache reset) whenever a parameter was written since the last push."""
+
+    def __init__(self, cfg, model: Transformer, world: int):
+        if world > 1:
+            raise ValueError(f"generator.backend=vllm runs one vLLM engine (its generator.ep_size workers own the "
+                             f"experts) on one generator rank, but this group has {world} ranks: the launcher must "
+                             "start one generator rank")
+        self.model, self._tmp = model, None
+        if cfg.model.path:
+            model_dir = cfg.model.path
+        else:  # the named config's random weights, as a HF directory vLLM loads (HF names)
+            self._tmp = tempfile.TemporaryDirectory(prefix="rlalign-vllm-")
+            model_dir = str(Path(self._tmp.name) / "model")
+            save_hf(model, model_dir)
+        v = cfg.generator.vllm
+        self.engine = VllmGenerator(model_dir, cfg.model.dtype, {k: v[k] for k in ENGINE_KEYS},
+                                    ep_size=cfg.generator.ep_size, stock=v.stock, device=cfg.device)
+        self._pushed = _versions(model)
+
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+        check_prompts(self.model, prompts, sample_ids, params.max_new_tokens)
+        if _versions(self.model) != self._pushed:
+            self.engine.load_weights(self.model.state_dict())
+            self._pushed = _versions(self.model)
+        return self.engine.generate(prompts, sample_ids, params)
+
+
+def _versions(model: Transformer) -> tuple[int, ...]:
+    """Every parameter's in-place write counter: changes whenever weights are copied in."""
+    return tuple(p._version for p in model.parameters())
 
 
 def _cpu_list(ids: list[int]) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 ARCH = "RlalignQwen3MoeForCausalLM"
 BACKEND = "RLALIGN_PAGED"
+SAMPLER = "rlalign.vllm_engine.sampler:RlalignSampler"
+KEY = "rlalign"  # SamplingParams.extra_args key of rlalign's per-request sampling
 
 
 def register() -> None:

@@ -18,8 +18,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from rlalign import kernels
-
-KEY = "rlalign"
+from rlalign.vllm_engine.plugin import KEY
 
 
 @dataclass
