@@ -1,13 +1,14 @@
 """Qwen3-MoE-style decoder built only from `kernels` ops; no parallelism in here.
 
 Tokens travel packed: a forward takes tokens [N] of B sequences delimited by cu_seqlens [B+1]
-(the trainer's micro-batches and the generator's prefill), a decode takes one token per live
-sequence [B] plus a KV cache. Parameter names follow Hugging Face's Qwen3MoeForCausalLM, except
-that each MoE layer stores its experts fused: gate_up_proj [E, 2I, d], down_proj [E, d, I].
+(the trainer's micro-batches), an engine step takes rows of any sequences (prompt chunks and
+decode tokens) with their positions and a paged KV cache (the generator's, native or vLLM).
+Parameter names follow Hugging Face's Qwen3MoeForCausalLM, except that each MoE layer stores its
+experts fused: gate_up_proj [E, 2I, d], down_proj [E, d, I].
 `taps`, when set, is called as x = taps(name, x) at every op boundary (embed, layers.{i}.attn_norm,
 .attn, .mlp_norm, .router, .mlp, layers.{i}, norm, logits); rows are the call's tokens in order.
 It returns the tensor to continue with (the monitor records fingerprints, fault injection may
-perturb); the same names fire in the trainer's forward and in the generator's prefill/decode.
+perturb); the same names fire in the trainer's forward and in the generator's steps.
 """
 
 from __future__ import annotations
@@ -41,22 +42,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rmsnorm(x, self.weight, self.eps)
-
-
-class KVCache:
-    """Per-layer keys/values [L, slots, capacity, Hk, D]; slots beyond a sequence's length stay 0."""
-
-    def __init__(self, args: ModelArgs, slots: int, capacity: int, dtype, device=None):
-        shape = (args.num_layers, slots, capacity, args.num_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def update(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
-        self.k[layer, slots, positions] = k
-        self.v[layer, slots, positions] = v
-
-    def get(self, layer: int, slots: torch.Tensor):
-        return self.k[layer, slots], self.v[layer, slots]
 
 
 class PagedKVCache:
@@ -97,20 +82,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, cu_seqlens, cache_write=None):
+    def forward(self, x, cos, sin, cu_seqlens):
         q, k, v = self._qkv(x, cos, sin)
-        if cache_write is not None:
-            cache_write(k, v)
         o = kernels.attention_prefill(q, k, v, cu_seqlens)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
-
-    def decode(self, x, cos, sin, cache: KVCache, layer: int, slots, positions):
-        q, k, v = self._qkv(x, cos, sin)
-        cache.update(layer, slots, positions, k, v)
-        k_cache, v_cache = cache.get(layer, slots)
-        o = kernels.attention_decode(q, k_cache, v_cache, positions + 1)
-        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
-
 
     def paged(self, x, cos, sin, cache, layer: int, block_table, seq_idx, positions, slot_mapping):
         q, k, v = self._qkv(x, cos, sin)
@@ -241,7 +216,7 @@ class Transformer(nn.Module):
         return x if self.taps is None else self.taps(name, x)
 
     def _block(self, i: int, layer: DecoderLayer, h: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer around `attend(x)` (prefill or decode attention), tapped per op."""
+        """One decoder layer around `attend(x)` (packed prefill or paged attention), tapped per op."""
         x = self._tap(f"layers.{i}.attn_norm", layer.input_layernorm(h))
         h = h + self._tap(f"layers.{i}.attn", attend(x))
         x = self._tap(f"layers.{i}.mlp_norm", layer.post_attention_layernorm(h))
@@ -267,36 +242,16 @@ class Transformer(nn.Module):
             self._rope_table = cos, sin = cos.to(positions.device), sin.to(positions.device)
         return cos[positions], sin[positions]
 
-    def forward(self, tokens: torch.Tensor, cu_seqlens: list[int], cache: KVCache | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed causal forward: tokens [N] -> logits [N, V]. With a cache, each sequence b's
-        keys/values are written to cache slot slots[b] at positions 0..len_b-1."""
+    def forward(self, tokens: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """Packed causal forward (the trainer's): tokens [N] -> logits [N, V]."""
         cu_seqlens = [int(c) for c in cu_seqlens]
-        lens = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lens.tolist()]) if len(lens) else lens
-        positions = positions.to(tokens.device)
-        cos, sin = self._rope(positions)
-        h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
-        tok_slots = None if cache is None else torch.repeat_interleave(slots, lens.to(slots.device))
-        for i, layer in enumerate(self.model.layers):
-            write = None
-            if cache is not None:
-                def write(k, v, i=i):
-                    cache.update(i, tok_slots, positions, k.detach(), v.detach())
-            h = self._block(i, layer, h, lambda x, layer=layer, write=write: layer.self_attn(x, cos, sin,
-                                                                                              cu_seqlens, write))
-        return self._head(h)
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               slots: torch.Tensor) -> torch.Tensor:
-        """One new token per live sequence: tokens/positions/slots [B] -> logits [B, V]."""
-        cos, sin = self._rope(positions)
+        lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        positions = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
+        cos, sin = self._rope(positions.to(tokens.device))
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         for i, layer in enumerate(self.model.layers):
-            h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.decode(x, cos, sin, cache, i,
-                                                                                             slots, positions))
+            h = self._block(i, layer, h, lambda x, layer=layer: layer.self_attn(x, cos, sin, cu_seqlens))
         return self._head(h)
-
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache,
              block_table: torch.Tensor, slot_mapping: torch.Tensor,
