@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from rlalign.checkpoint import load_shards, save_shards
+from rlalign.checkpoint import AsyncSaver, load_shards
 from rlalign.config import engine_config
 from rlalign.factory import apply_kernels, model_from_config
 from rlalign.faults import maybe_fail
@@ -130,6 +130,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.cfg, self.group = _init(cfg_dict, rank, world, port, threads, group)
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
+        self.saver = AsyncSaver()
         self._setup_monitor(self.trainer.model)
 
     def pid(self) -> int:
@@ -185,10 +186,17 @@ class TrainerWorker(_Monitored, _WeightSync):
     def release_weights(self) -> None:
         self._kept = []
 
-    def save(self, path: str) -> None:
-        """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint)."""
+    def save(self, path: str, publish: dict | None = None, wait: bool = True) -> None:
+        """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint),
+        staged now and written in the background (wait=False: returns before the write); with
+        `publish` rank 0 completes the checkpoint once all ranks have written."""
+        self.saver.save(self.trainer.checkpoint_state(), path, self.rank, self.group, publish)
+        if wait:
+            self.saver.wait()
 
-        save_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
+    def wait_checkpoint(self) -> None:
+        """Wait for the checkpoint in flight; raises CheckpointError if it could not be written."""
+        self.saver.wait()
 
     def load(self, path: str) -> None:
         """Verify the checkpoint (files, then every tensor's fingerprint), then load it in place;

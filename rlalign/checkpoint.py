@@ -18,6 +18,16 @@ stray `.metadata` or any other file is never opened). The driver's complete() me
 fingerprints with the shard headers into meta.json (written last, atomically) and renames the
 directory into place: a crash or a failed write leaves the previous checkpoint the latest one.
 
+Asynchronous saves. AsyncSaver.save() stages this rank's tensors into CPU copies it owns (the
+trainer may change its own at once), then DCP's async_save writes them in a background thread
+(over a gloo group of the trainer ranks kept for checkpoints, so the training collectives never
+interleave with the checkpoint's), followed by the fingerprints and, on rank 0 once every rank
+reports success, complete(): the checkpoint appears (meta.json, rename) while the RL loop runs on.
+The next save and the end of the run wait for it (AsyncSaver.wait raises what went wrong). The
+files are the bytes a synchronous save_shards writes (the same writer and planner on the same
+values); a crash mid-save leaves a .tmp directory, ignored, and the previous checkpoint the newest
+complete one.
+
 All non-tensor state is JSON: meta.json (python_rng as [version, [state...], gauss_next], torch_rng
 as a list of bytes) and the ranks' fingerprint files, which complete() folds into meta.json.
 
@@ -40,6 +50,7 @@ import re
 import shutil
 import sys
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -381,43 +392,148 @@ def _write_error(path: Path, step: int | None, e: BaseException, rank: int | Non
                                     f"{_previous(path, step)}"))
 
 
+def _prepare_dir(path: Path, rank: int) -> None:
+    """Rank 0 empties `path` of an earlier attempt's leftovers (no rank writes before rank 0 joins
+    DCP's plan)."""
+    if rank == 0:
+        if path.is_dir():
+            for p in path.iterdir():
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+
+
+def _dcp_failed(e: BaseException, path: Path, step: int | None, rank: int) -> CheckpointError:
+    """DCP raised CheckpointException (a BaseException) on every rank: rank 0 removes the .tmp."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    failed, cause = _dcp_cause(e, rank)
+    return _write_error(path, step, cause, failed)
+
+
+def _write_fingerprints(path: Path, step: int | None, rank: int, cpu: dict[str, torch.Tensor]) -> None:
+    try:
+        _write_json_atomic(path / f"fingerprints-rank{rank:05d}.json",
+                           {"rank": rank, "shard": shard_name(rank), "tensors": state_fingerprints(cpu)})
+    except OSError as e:
+        raise _write_error(path, step, e, rank) from None
+
+
 def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None) -> None:
     """One trainer rank's part of a checkpoint (all ranks call it together): its tensors through DCP
     as safetensors, then fingerprints-rank<r>.json. On any failure (e.g. ENOSPC) every rank raises
     CheckpointError naming the step, the path and the cause; rank 0 removes the .tmp directory."""
-
-
     path = Path(path)
     step = _step_of(path)
     try:
-        if rank == 0:  # leftovers of an earlier attempt; no rank writes before rank 0 joins DCP's plan
-            if path.is_dir():
-                for p in path.iterdir():
-                    if p.is_dir() and not p.is_symlink():
-                        shutil.rmtree(p)
-                    else:
-                        p.unlink()
-            path.mkdir(parents=True, exist_ok=True)
+        _prepare_dir(path, rank)
         cpu = {k: v.detach().cpu() for k, v in state.items()}
-        fps = state_fingerprints(cpu)
     except OSError as e:
         raise _write_error(path, step, e, rank) from None
     try:
         with _quiet_single_process():
             dcp.save(cpu, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
                      process_group=group, no_dist=not _dist_on())
-    except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
+    except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        failed, cause = _dcp_cause(e, rank)
-        raise _write_error(path, step, cause, failed) from None
-    try:
-        _write_json_atomic(path / f"fingerprints-rank{rank:05d}.json",
-                           {"rank": rank, "shard": shard_name(rank), "tensors": fps})
-    except OSError as e:
-        raise _write_error(path, step, e, rank) from None
+        raise _dcp_failed(e, path, step, rank) from None
+    _write_fingerprints(path, step, rank, cpu)
+
+
+class _Staged:
+    """DCP's AsyncStager for a state dict that AsyncSaver already copied: nothing more to copy."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncSaver:
+    """One trainer rank's checkpoint writer in the background (module docstring). All trainer
+    ranks call save() together; at most one save is in flight (save() first waits for the last)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlalign-checkpoint")
+        self._pending: Future | None = None
+        self._group = None
+
+    def _gloo_group(self, group):
+        """A gloo group of the trainer ranks for the background thread's collectives, created once
+        (a collective over the default group: every trainer rank is in save())."""
+        if not _dist_on():
+            return None
+        if self._group is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else None
+            self._group = dist.new_group(ranks=ranks, backend="gloo")
+        return self._group
+
+    def save(self, state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,
+             publish: dict | None = None) -> None:
+        """Stage this rank's tensors (CPU copies) and start writing them; returns before the write.
+        publish = {"run_dir", "step", "meta", "keep"}: rank 0 then completes the checkpoint itself
+        (complete()) once every rank has written its part."""
+        self.wait()
+        path = Path(path)
+        step = _step_of(path)
+        try:
+            _prepare_dir(path, rank)
+            cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        except OSError as e:
+            raise _write_error(path, step, e, rank) from None
+        pg = self._gloo_group(group)
+        try:
+            with _quiet_single_process():
+                written = dcp.async_save(cpu, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
+                                         process_group=pg, no_dist=pg is None, async_stager=_Staged())
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise _dcp_failed(e, path, step, rank) from None
+        self._pending = self._pool.submit(self._finish, written, cpu, path, step, rank, pg, publish)
+
+    def _finish(self, written: Future, cpu: dict, path: Path, step: int | None, rank: int, pg,
+                publish: dict | None) -> Path | None:
+        error = None
+        try:
+            written.result()
+        except BaseException as e:
+            error = _dcp_failed(e, path, step, rank)
+        if error is None:
+            try:
+                _write_fingerprints(path, step, rank, cpu)
+            except CheckpointError as e:
+                error = e
+        ok = [error is None]
+        if pg is not None:  # every rank's outcome, so rank 0 publishes only a whole checkpoint
+            everyone = [None] * dist.get_world_size(pg)
+            dist.all_gather_object(everyone, error is None, group=pg)
+            ok = everyone
+        if error is not None:
+            raise error
+        if not all(ok):
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            bad = [r for r, v in enumerate(ok) if not v]
+            raise CheckpointError(f"checkpoint of step {step} not written: rank(s) {bad} failed{_previous(path, step)}")
+        if publish is not None and rank == 0:
+            return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"])
+        return None
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight (if any): the published checkpoint's path (rank 0 with
+        publish), else None; raises its CheckpointError."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
 
 
 def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None) -> dict:

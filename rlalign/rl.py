@@ -383,14 +383,16 @@ def train(cfg: DictConfig) -> dict:
             if (every and (step + 1) % every == 0) or step == cfg.run.steps - 1:
                 tmp = ckpt.tmp_path(run_dir, step)
                 tmp.parent.mkdir(parents=True, exist_ok=True)
-                job.trainers.call("save", str(tmp.resolve()))
-                ckpt.complete(run_dir, step, {"data_position": step + 1, "weights_fp": metrics["sync/weights_fp"]},
-                              cfg.checkpoint.keep)
+                # staged now; written (and published by trainer rank 0) while the next steps run
+                publish = {"run_dir": str(run_dir.resolve()), "step": step, "keep": cfg.checkpoint.keep,
+                           "meta": {"data_position": step + 1, "weights_fp": metrics["sync/weights_fp"]}}
+                job.trainers.call("save", str(tmp.resolve()), publish, not cfg.checkpoint.async_save)
             metrics["time/checkpoint_s"] = time.perf_counter() - t1
             metrics["time/step_s"] = time.perf_counter() - t0
             logger.log(step, metrics)
             logger.log_samples(step, rows)
             last = metrics
+        job.trainers.call("wait_checkpoint")  # the last checkpoint is complete before the run ends
     finally:
         if logger is not None:
             logger.close()
