@@ -179,12 +179,21 @@ def test_reward_error_is_reported_with_the_sample(tmp_path):
         train(cfg)
 
 
-def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path, async_save):
+    from rlalign import checkpoint as ckpt
+
     p = _cli("train", *SMALL, "run.steps=4", f"run.dir={tmp_path}", "checkpoint.every=1",
-             env={"RLALIGN_FAULT": "trainer.train_step:1:3"})
+             f"checkpoint.async_save={str(async_save).lower()}", env={"RLALIGN_FAULT": "trainer.train_step:1:3"})
     assert p.returncode != 0
     assert "trainer rank 1 of 2 failed in train_step()" in p.stderr
     done = sorted(d.name for d in (tmp_path / "checkpoints").iterdir())
-    assert done == ["step_000000", "step_000001"]  # complete; nothing half-written left behind
-    assert (tmp_path / "checkpoints" / "step_000001" / "meta.json").is_file()
+    if async_save:  # step 1's checkpoint was written while step 2 ran: complete, or a .tmp if the crash came first
+        assert done in (["step_000000", "step_000001"], ["step_000000", "step_000001.tmp"]), done
+    else:
+        assert done == ["step_000000", "step_000001"]  # complete; nothing half-written left behind
+    newest = ckpt.checkpoint_dir(tmp_path) / done[-1].removesuffix(".tmp")
+    if not newest.is_dir():
+        newest = ckpt.checkpoint_dir(tmp_path) / "step_000000"
+    assert ckpt.newest_intact(tmp_path, tensors=True) == newest == ckpt.resolve_resume(tmp_path, "auto")
     assert [r["step"] for r in _rows(tmp_path)] == [0, 1]
