@@ -17,6 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from rlalign import kernels
@@ -24,6 +25,7 @@ from rlalign.generation import Rollout, SamplingParams, check_prompts
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.vllm_engine import check_installed
 from rlalign.vllm_engine.plugin import ARCH, KEY, SAMPLER, register
+from rlalign.vllm_engine.weights import load_named
 
 # generator.vllm.* keys handed to vllm.LLM under the same names
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
@@ -32,11 +34,12 @@ ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_p
 
 class WorkerExtension:
     """Methods vLLM mixes into each of its workers (worker_extension_cls), called by name through
-    collective_rpc: nothing but plain data crosses the process boundary."""
+    collective_rpc. Weights travel as one safetensors blob (bytes: no pickled tensors, which vLLM's
+    worker broadcast cannot carry)."""
 
-    def rlalign_load_weights(self, state: dict[str, torch.Tensor]) -> int:
-        model = self.model_runner.model
-        model.load_weights(state.items())
+    def rlalign_load_weights(self, blob: bytes) -> int:
+        state = safetensors.torch.load(blob)
+        self.model_runner.model.load_weights(state.items())
         return len(state)
 
 
@@ -115,7 +118,10 @@ class VllmGenerator:
     def load_weights(self, state: dict[str, torch.Tensor], reset_prefix_cache: bool = True) -> None:
         """Push a full state dict (HF or rlalign names, CPU tensors) into every vLLM worker, each
         keeping its experts; then drop the prefix cache (its pages hold the old weights' keys)."""
-        self.llm.collective_rpc("rlalign_load_weights", args=({k: v.detach().cpu() for k, v in state.items()},))
+        with torch.device("meta"):  # names and shapes checked here, before any worker copies a tensor
+            load_named(Transformer(self.args), state.items(), 0, 1)
+        blob = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()})
+        self.llm.collective_rpc("rlalign_load_weights", args=(blob,))
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
@@ -169,9 +175,8 @@ def _cpu_list(ids: list[int]) -> str:
 
 
 def _name_key(message: str, options: dict) -> str:
-    """vLLM's message, led by the generator.vllm key it names (if any)."""
-    first = message.strip().splitlines()[0] if message.strip() else message
-    for k in options:
-        if re.search(rf"\b{k}\b", message):
-            return f"generator.vllm.{k}={options[k]!r}: {first}"
-    return first
+    """vLLM's message on one line, led by the generator.vllm key it names first (if any)."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+    text = "; ".join(lines[:3])
+    hits = sorted((m.start(), k) for k in options if (m := re.search(rf"\b{k}\b", message)))
+    return f"generator.vllm.{hits[0][1]}={options[hits[0][1]]!r}: {text}" if hits else text

