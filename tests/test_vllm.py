@@ -8,7 +8,11 @@ prefix-cache reset serves stale keys."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +160,22 @@ def test_generator_ep2_agrees_with_trainer_ep1_and_ep2():
         cfg.trainer.ep_size = trainer_ep
         train = score_batch(cfg, [r.prompt for r in rollouts], [r.tokens for r in rollouts], ids)
         assert _mismatched([r.logprobs for r in rollouts], train) == 0, trainer_ep
+
+
+@pytest.mark.slow
+def test_train_with_the_vllm_generator_agrees_every_step(tmp_path):
+    """`rlalign train generator.backend=vllm`: after each update the weights reach vLLM (pushed,
+    prefix cache reset) before the next rollouts, so the trainer's pre-update logprobs equal
+    the generator's at every step."""
+    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "train", "generator.backend=vllm", "run.steps=3",
+                        "trainer.ep_size=2", "generator.ep_size=1", f"run.dir={tmp_path}", "task.num_prompts=4",
+                        "task.samples_per_prompt=4", "trainer.micro_batch_size=4", *SMALL],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["consistency/mismatched_tokens"] == 0 and r["consistency/tokens"] > 0
 
 
 def test_config_refuses_bad_engine_options():

@@ -57,12 +57,14 @@ class VllmGenerator:
         self.args = read_args(model_dir)[0]
         self.stock, self.ep_size = stock, ep_size
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
-        if device == "cpu" and ep_size > 1:
-            cores = os.sched_getaffinity(0)
+        bind = {}
+        if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # each worker's OpenMP threads on its own share of this process's cores (vLLM's "auto"
+            # keeps one core for itself and binds a single worker to one core: 7x slower on 2 cores)
+            cores = sorted(os.sched_getaffinity(0))
             per = max(1, len(cores) // ep_size)
-            ids = sorted(cores)
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                  "|".join(_cpu_list(ids[r * per : (r + 1) * per]) for r in range(ep_size)))
+            bind["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(str(c) for c in cores[r * per : (r + 1) * per] or cores[-1:]) for r in range(ep_size))
         kw = dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=ep_size, seed=0,
                   max_model_len=self.args.max_position_embeddings, async_scheduling=False,
                   enable_chunked_prefill=True, worker_extension_cls=f"{__name__}.WorkerExtension",
@@ -80,7 +82,12 @@ class VllmGenerator:
             EngineArgs(**kw).create_engine_config()
         except Exception as e:  # ValueError, pydantic's ValidationError, vLLM's own types
             raise ValueError(f"vLLM rejected the engine options: {_name_key(str(e), options)}") from None
-        self.llm = LLM(**kw)
+        os.environ.update(bind)  # read by the processes vLLM starts now; this engine's only
+        try:
+            self.llm = LLM(**kw)
+        finally:
+            for k in bind:
+                os.environ.pop(k, None)
 
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
         from vllm import SamplingParams as VSamplingParams
@@ -168,10 +175,6 @@ class WorkerGenerator:
 def _versions(model: Transformer) -> tuple[int, ...]:
     """Every parameter's in-place write counter: changes whenever weights are copied in."""
     return tuple(p._version for p in model.parameters())
-
-
-def _cpu_list(ids: list[int]) -> str:
-    return ",".join(str(i) for i in ids)
 
 
 def _name_key(message: str, options: dict) -> str:
