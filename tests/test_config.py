@@ -113,12 +113,6 @@ def test_every_allowed_value_is_accepted(key, value):
     assert OmegaConf.select(load_config([f"{key}={value}"]), key) == value
 
 
-def test_vllm_is_refused_with_a_clear_message():
-    with pytest.raises(ConfigError, match=r"generator.backend='vllm': the vLLM generator is not implemented yet; "
-                                          r"expected native"):
-        load_config(["generator.backend=vllm"])
-
-
 def test_old_messages_kept():
     with pytest.raises(ConfigError, match=r"kernels.mode='fast': expected deterministic or default"):
         load_config(["kernels.mode=fast"])
