@@ -23,6 +23,7 @@ import torch
 from rlalign import kernels
 from rlalign.generation import Rollout, SamplingParams, check_prompts
 from rlalign.model import Transformer, read_args, save_hf
+from rlalign.model.hf import hf_state_dict
 from rlalign.vllm_engine import check_installed
 from rlalign.vllm_engine.plugin import ARCH, KEY, SAMPLER, register
 from rlalign.vllm_engine.weights import load_named
@@ -117,7 +118,7 @@ class VllmGenerator:
         for s, p, o in zip(sample_ids, prompts, outs):
             c = o.outputs[0]
             toks = list(c.token_ids)
-            lps = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob for t, d in zip(toks, c.logprobs)]
+            lps = [d[t].logprob for t, d in zip(toks, c.logprobs)]  # fp32 values, exact through Python floats
             reason = "eos" if c.finish_reason == "stop" else c.finish_reason
             rollouts.append(Rollout(s, list(p), toks, torch.tensor(lps, dtype=torch.float32), reason))
         return rollouts
@@ -167,7 +168,7 @@ class WorkerGenerator:
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
         check_prompts(self.model, prompts, sample_ids, params.max_new_tokens)
         if _versions(self.model) != self._pushed:
-            self.engine.load_weights(self.model.state_dict())
+            self.engine.load_weights(hf_state_dict(self.model))  # HF names: rlalign's model and vLLM's stock one
             self._pushed = _versions(self.model)
         return self.engine.generate(prompts, sample_ids, params)
 
