@@ -230,7 +230,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
         if self.vllm is not None:
-            outs = self.vllm.generate(prompts, sample_ids, params)
+            outs = self.vllm.generate(prompts, sample_ids, params, self.recorder)
         else:
             outs = generate(self.model, prompts, sample_ids, params,
                             any_live=any_live_fn(self.group) if self.group is not None else None,

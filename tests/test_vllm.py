@@ -23,6 +23,7 @@ from rlalign.config import ConfigError, load_config
 from rlalign.generation import SamplingParams, generate
 from rlalign.model import save_hf
 from rlalign.model.hf import hf_state_dict
+from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
 from rlalign.training.scoring import score
 from rlalign.vllm_engine import check_installed
@@ -85,6 +86,30 @@ def test_same_tokens_and_bits_as_native(engine, model, sampling):
             assert same_bits(o.logprobs, r.logprobs)
     assert sum(len(r.tokens) for r in ref) >= 300
     assert _mismatched([o.logprobs for o in out], _trainer_logprobs(model, out, params)) == 0
+
+
+def test_row_fingerprints_inside_vllm_equal_the_native_generators(engine, model):
+    """monitor.fingerprints=layers from inside vLLM: every op's row, keyed (sample id, position),
+    has the native generator's fingerprint (rows vLLM took from its prefix cache are not recomputed)."""
+    prompts, ids = _prompts(6, seed=2), [50 + i for i in range(6)]
+    params = SamplingParams(max_new_tokens=10, seed=4)
+    rows: dict = {}
+    engine.generate(prompts, ids, params, rows=rows)
+    recorder = TapRecorder(rows=True, trace=None)
+    model.taps = recorder
+    try:
+        generate(model, prompts, ids, params)
+    finally:
+        model.taps = None
+    native = recorder.pop_table()
+    assert len(rows) >= 6 * 10 and set(rows) <= set(native)
+    compared = 0
+    for key, fps in rows.items():
+        assert {"embed", "layers.0.attn", "layers.1.mlp"} <= set(fps), key
+        for name, fp in fps.items():
+            assert fp == native[key][name], (key, name)
+            compared += 1
+    assert compared > 1000
 
 
 def test_weight_push_needs_the_prefix_cache_reset(engine, model):

@@ -24,6 +24,7 @@ from rlalign import kernels
 from rlalign.generation import Rollout, SamplingParams, check_prompts
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
+from rlalign.monitor.taps import TapRecorder
 from rlalign.vllm_engine import check_installed
 from rlalign.vllm_engine.plugin import ARCH, KEY, SAMPLER, register
 from rlalign.vllm_engine.weights import load_named
@@ -43,10 +44,17 @@ class WorkerExtension:
         self.model_runner.model.load_weights(state.items())
         return len(state)
 
+    def rlalign_record_rows(self, on: bool) -> None:
+        self.model_runner.model.recorder.rows = on
+
+    def rlalign_pop_rows(self) -> list:
+        """The recorded row fingerprints as [sample id, position, {tap: fingerprint}] (msgpack-able)."""
+        return [[sid, pos, fps] for (sid, pos), fps in self.model_runner.model.recorder.pop_table().items()]
+
 
 class VllmGenerator:
     def __init__(self, model_dir: str, dtype: str, options: dict, ep_size: int = 1, stock: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", inject: str | None = None):
         check_installed()
         register()
         from vllm import LLM
@@ -77,7 +85,8 @@ class VllmGenerator:
         else:
             kw["logprobs_mode"] = "processed_logits"
             mode = kernels.current()
-            kw["hf_overrides"] = {"architectures": [ARCH], "rlalign_kernels": [mode["mode"], mode["backend"]]}
+            kw["hf_overrides"] = {"architectures": [ARCH], "rlalign_kernels": [mode["mode"], mode["backend"]],
+                                  "rlalign_inject": inject}
             kw["logits_processors"] = [SAMPLER]
         try:  # vLLM checks its options while building the config: errors here are the options'
             EngineArgs(**kw).create_engine_config()
@@ -90,7 +99,23 @@ class VllmGenerator:
             for k in bind:
                 os.environ.pop(k, None)
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                 rows: dict | None = None) -> list[Rollout]:
+        """Rollouts in input order. `rows` (a dict): filled with the per-token row fingerprints
+        {(sample id, position): {tap: fingerprint}} recorded inside vLLM (the first EP worker's)."""
+        if rows is not None:
+            if self.stock:
+                raise ValueError("row fingerprints need rlalign's model inside vLLM (generator.vllm.stock=false)")
+            self.llm.collective_rpc("rlalign_record_rows", args=(True,))
+        try:
+            return self._generate(prompts, sample_ids, params)
+        finally:
+            if rows is not None:
+                table = self.llm.collective_rpc("rlalign_pop_rows")[0]
+                self.llm.collective_rpc("rlalign_record_rows", args=(False,))
+                rows.update({(sid, pos): fps for sid, pos, fps in table})
+
+    def _generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -162,15 +187,23 @@ class WorkerGenerator:
             save_hf(model, model_dir)
         v = cfg.generator.vllm
         self.engine = VllmGenerator(model_dir, cfg.model.dtype, {k: v[k] for k in ENGINE_KEYS},
-                                    ep_size=cfg.generator.ep_size, stock=v.stock, device=cfg.device)
+                                    ep_size=cfg.generator.ep_size, stock=v.stock, device=cfg.device,
+                                    inject=cfg.monitor.get("inject"))
         self._pushed = _versions(model)
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                 recorder: TapRecorder | None = None) -> list[Rollout]:
+        """`recorder`: the rank's monitor recorder; with rows on, it gets vLLM's row fingerprints."""
         check_prompts(self.model, prompts, sample_ids, params.max_new_tokens)
         if _versions(self.model) != self._pushed:
             self.engine.load_weights(hf_state_dict(self.model))  # HF names: rlalign's model and vLLM's stock one
             self._pushed = _versions(self.model)
-        return self.engine.generate(prompts, sample_ids, params)
+        rows = {} if recorder is not None and recorder.rows else None
+        outs = self.engine.generate(prompts, sample_ids, params, rows)
+        if rows:
+            for key, fps in rows.items():
+                recorder.table.setdefault(key, {}).update(fps)
+        return outs
 
 
 def _versions(model: Transformer) -> tuple[int, ...]:

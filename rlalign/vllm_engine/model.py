@@ -26,7 +26,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from rlalign import kernels
 from rlalign.model import ModelArgs, Transformer
+from rlalign.monitor.taps import Injection, TapRecorder, set_rows
 from rlalign.parallel.ep import apply_ep
+from rlalign.vllm_engine import sampler
 from rlalign.vllm_engine.attention import RlalignAttentionBackend, VllmPages
 from rlalign.vllm_engine.plugin import ARCH
 from rlalign.vllm_engine.weights import load_named
@@ -40,10 +42,17 @@ class RlalignQwen3MoeForCausalLM(nn.Module):
         hf = vllm_config.model_config.hf_config
         mode, backend = getattr(hf, "rlalign_kernels", ("deterministic", "torch"))
         kernels.set_mode(mode, backend)
+        inject = getattr(hf, "rlalign_inject", None)
         cfg = {k: v for k, v in hf.to_dict().items() if not k.startswith("rlalign_")}
         cfg["architectures"] = ["Qwen3MoeForCausalLM"]
         self.args = ModelArgs.from_hf_config(cfg, where=f"vLLM model config ({vllm_config.model_config.model})")
         self.rl = Transformer(self.args)
+        # the monitor's taps, as in the native generator: per-token row fingerprints keyed by
+        # (sample id, position) when switched on (rows), fault injection (monitor.inject)
+        injection = Injection(inject, "generator")
+        injection.wrap_modules(self.rl)
+        self.recorder = TapRecorder(rows=False, trace=None, injection=injection)
+        self.rl.taps = self.recorder
         tp = get_tp_group()
         self.ep_rank, self.ep_size = tp.rank_in_group, tp.world_size
         if self.ep_size > 1:
@@ -72,6 +81,9 @@ class RlalignQwen3MoeForCausalLM(nn.Module):
             self._logits = None
             return index
         n = meta.num_actual_tokens
+        if self.recorder.rows:
+            ids = torch.tensor(sampler.sample_ids(meta.query_start_loc.numel() - 1), dtype=torch.long)
+            set_rows(self.rl, "gen.", list(zip(ids[meta.seq_idx.cpu()].tolist(), positions[:n].tolist())))
         cache = VllmPages([layer.kv_cache for layer in self.attn], self.args.head_dim)
         self._logits = self.rl.step(input_ids[:n], positions[:n], meta.seq_idx, cache, meta.block_table,
                                     meta.slot_mapping, logit_rows=meta.logit_rows)

@@ -38,9 +38,18 @@ def _request(params, prompt: list[int] | None, output: list[int]) -> _Request | 
     return _Request(group, int(spec["sample_id"]), len(prompt or []), output)
 
 
+_LIVE: dict[int, _Request] = {}  # this worker's persistent-batch index -> request (the model names its rows by it)
+
+
+def sample_ids(num_reqs: int) -> list[int]:
+    """The sample id of each of the step's requests (-1: not rlalign's)."""
+    return [_LIVE[i].sample_id if i in _LIVE else -1 for i in range(num_reqs)]
+
+
 class RlalignSampler(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, _Request] = {}  # persistent-batch index -> request
+        self.rows = _LIVE  # persistent-batch index -> request; one processor per worker process
+        self.rows.clear()
 
     def is_argmax_invariant(self) -> bool:
         return False  # it decides the token: vLLM must apply it before its greedy pick
