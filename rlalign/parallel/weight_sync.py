@@ -20,7 +20,8 @@ their slice of it), broadcasts it; each generator rank copies its EP shard (expe
 dim 0 into m parts) into its parameters. Colocated on CUDA (trainer rank 0 and generator rank 0
 on one GPU, where NCCL refuses two ranks) rank 0 keeps the filled buckets and hands CUDA IPC
 handles (torch.multiprocessing.reductions.reduce_tensor) to generator rank 0 through Ray, which
-copies from them device to device and broadcasts to its peers over the generator group.
+copies from them device to device and broadcasts to its peers over the generator group (the
+trainer then holds one copy of the weights in buckets until the generator has read them).
 
 How it is checked. `partial_fingerprints`: per tensor, the sum mod 2^64 of
 mix64(word_i + i * K + salt) over its words (i = the word's index in the unsharded tensor; the
