@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import TINY, same_bits, tiny_model
 
+from rlalign import kernels
 from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
 from rlalign.generation import SamplingParams, generate
@@ -27,6 +28,7 @@ from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
 from rlalign.training.scoring import score
 from rlalign.vllm_engine import check_installed
+from rlalign.vllm_engine.attention import RlalignAttentionImpl, RlalignAttentionMetadata
 from rlalign.vllm_engine.engine import VllmGenerator
 from rlalign.vllm_engine.weights import load_named
 
@@ -201,6 +203,31 @@ def test_train_with_the_vllm_generator_agrees_every_step(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["consistency/mismatched_tokens"] == 0 and r["consistency/tokens"] > 0
+
+
+def test_backend_impl_over_vllm_shaped_pages_equals_prefill_rows():
+    """The attention backend alone: keys/values written through a slot mapping into a cache of
+    vLLM's per-layer shape [P, Hk, page, 2D] (garbage elsewhere), then each row of a chunk after a
+    cached prefix and of a decode row equals attention_prefill's row."""
+    torch.manual_seed(0)
+    H, Hk, D, page, P = 4, 2, 16, 16, 8
+    lens = [37, 21]
+    q, k, v = (torch.randn(sum(lens), h, D).bfloat16() for h in (H, Hk, Hk))
+    ref = kernels.attention_prefill(q, k, v, [0, lens[0], sum(lens)])
+    kv = torch.full((P, Hk, page, 2 * D), float("nan")).bfloat16()
+    table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
+    seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    slots = table[seq, pos // page].long() * page + pos % page
+    impl = RlalignAttentionImpl(H, D, D ** -0.5, Hk)
+    first = torch.cat([torch.arange(30), lens[0] + torch.arange(20)])  # seq 0: 0..29, seq 1: 0..19
+    rest = torch.tensor([30, 31, 32, 33, 34, 35, 36, lens[0] + 20])  # a chunk after a cached prefix, a decode row
+    for rows in (first, rest):
+        out = torch.empty(len(rows), H, D, dtype=torch.bfloat16)
+        meta = RlalignAttentionMetadata(len(rows), seq[rows], pos[rows], table, slots[rows], torch.zeros(0),
+                                        torch.zeros(0))
+        impl.forward(None, q[rows], k[rows], v[rows], kv, meta, out)
+        assert same_bits(out, ref[rows])
 
 
 def test_config_refuses_bad_engine_options():
