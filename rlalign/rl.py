@@ -32,7 +32,7 @@ from rlalign.logger import RunLogger
 from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
-from rlalign.monitor.fingerprint import combined, state_fingerprints
+from rlalign.monitor.fingerprint import combined
 from rlalign.parallel import weight_sync
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.parallel.weight_sync import SyncError
@@ -119,6 +119,7 @@ class Job:
         self.sync_specs = None  # the weight sync's tensors, once its process group is up
         self.ipc = cfg.device.startswith("cuda") and cfg.placement.colocate  # NCCL refuses two ranks on one GPU
         self.last_sync: dict = {}  # the latest sync's bytes, buckets and per-side seconds (step metrics)
+        self.weights_fp: str | None = None
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
@@ -127,8 +128,11 @@ class Job:
     def sync_weights(self, step: int) -> str:
         """The trainer's weights into the generator group; both sides' fingerprints compared
         (SyncError names the first tensor that differs). Returns the weights' combined fingerprint."""
-        if self.cfg.sync.method == "object_store":
-            return self._sync_object_store(step)
+        sync = self._sync_object_store if self.cfg.sync.method == "object_store" else self._sync_device
+        self.weights_fp = sync(step)  # what the generator holds now (mismatch dumps name it)
+        return self.weights_fp
+
+    def _sync_device(self, step: int) -> str:
         from rlalign.actors.group import call_together
 
         if self.sync_specs is None:
@@ -353,7 +357,7 @@ def dump_mismatch(job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollo
     record = {"step": step, "sampling": dataclasses.asdict(batch.params), "prompts": batch.prompts,
               "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
               "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
-              "weights_fp": combined(state_fingerprints(state)), **detail}
+              "weights_fp": job.weights_fp, **detail}
     (out / "batch.json").write_text(json.dumps(record) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return out
