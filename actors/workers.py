@@ -165,13 +165,13 @@ class TrainerWorker(_Monitored, _WeightSync):
             tr.flush()
         return TrainOutput(lps, stats, self.recorder.pop_table())
 
-    def full_state(self) -> tuple[dict | None, dict | None]:
-        """All ranks take part; rank 0 returns (CPU state dict, its fingerprints)."""
+    def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
+        """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
         full = self.trainer.full_state_dict()
         if self.rank != 0:
             return None, None
         cpu = {k: v.detach().cpu() for k, v in full.items()}
-        return cpu, state_fingerprints(cpu)
+        return cpu, state_fingerprints(cpu) if fingerprints else None
 
     def _sync_model(self):
         return self.trainer.model

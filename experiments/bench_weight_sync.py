@@ -124,7 +124,7 @@ def bench_one(model: str, mode: str, a) -> dict:
         log(f"{model} {mode}: device sync median {res['device']['median_s'] * 1e3:.1f} ms over {a.reps} "
             f"({res['bytes'] / 1e9:.2f} GB, {res['buckets']} buckets)")
         t = time.perf_counter()
-        (trainer_state, _), *_ = job.trainers.call("full_state")
+        (trainer_state, _), *_ = job.trainers.call("full_state", False)
         gen_state = job.generators.call("full_state")[0]
         res["bits_equal"], res["first_differing_tensor"] = _bits_equal(trainer_state, gen_state)
         res["bit_check_s"] = time.perf_counter() - t
