@@ -5,7 +5,9 @@ whether they sampled the same tokens with the same logprob bits (they must).
 
 Both sides get the same tiny MoE, seeded prompts of 4-16 tokens (as `rlalign agree`), sample ids
 and sampling; each is timed after a warm-up call (vLLM's engine start is reported separately).
-Writes experiments/results/vllm_cpu_tokens_per_s[_epN].json.
+Writes experiments/results/vllm_cpu_tokens_per_s[_epN][_TAG].json. The native generator runs
+in this process at EP 1 with its own schedule (generator.max_num_seqs etc.: pass them as overrides
+to give both engines the same one).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("overrides", nargs="*", help="config overrides (generator.vllm.*, generator.*, model.*)")
     a = ap.parse_args()
     cfg = load_config(["generator.backend=vllm", f"agree.num_prompts={a.prompts}",
@@ -84,7 +87,7 @@ def main() -> None:
         "same_tokens": same_tokens, "same_logprob_bits": same_bits,
         "vllm_version": check_installed(),
     }
-    name = "vllm_cpu_tokens_per_s" + (f"_ep{a.ep_size}" if a.ep_size > 1 else "")
+    name = "vllm_cpu_tokens_per_s" + (f"_ep{a.ep_size}" if a.ep_size > 1 else "") + (f"_{a.tag}" if a.tag else "")
     command = shlex.join(["python", "experiments/bench_vllm.py", *sys.argv[1:]])
     print(result)
     print("wrote", _env.write(name, {"result": result}, a.out, command))
