@@ -9,6 +9,8 @@ prefix-cache reset serves stale keys."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from importlib import metadata
@@ -264,3 +266,11 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda name: "0.31.2")
     with pytest.raises(ImportError, match=r"vLLM 0\.31\.2 is not supported.*>=0\.32\.0,<0\.33"):
         check_installed()
+
+
+def test_a_dead_vllm_worker_stops_generation_with_an_error(engine, model):
+    """Last user of the module's engine: its worker process is killed."""
+    (pid,) = engine.worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="the vLLM engine died"):
+        engine.generate(_prompts(2), [0, 1], SamplingParams(max_new_tokens=4))

@@ -44,6 +44,9 @@ class WorkerExtension:
         self.model_runner.model.load_weights(state.items())
         return len(state)
 
+    def rlalign_pid(self) -> int:
+        return os.getpid()
+
     def rlalign_record_rows(self, on: bool) -> None:
         self.model_runner.model.recorder.rows = on
 
@@ -103,17 +106,22 @@ class VllmGenerator:
                  rows: dict | None = None) -> list[Rollout]:
         """Rollouts in input order. `rows` (a dict): filled with the per-token row fingerprints
         {(sample id, position): {tap: fingerprint}} recorded inside vLLM (the first EP worker's)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         if rows is not None:
             if self.stock:
                 raise ValueError("row fingerprints need rlalign's model inside vLLM (generator.vllm.stock=false)")
             self.llm.collective_rpc("rlalign_record_rows", args=(True,))
         try:
-            return self._generate(prompts, sample_ids, params)
-        finally:
-            if rows is not None:
-                table = self.llm.collective_rpc("rlalign_pop_rows")[0]
-                self.llm.collective_rpc("rlalign_record_rows", args=(False,))
-                rows.update({(sid, pos): fps for sid, pos, fps in table})
+            outs = self._generate(prompts, sample_ids, params)
+        except EngineDeadError as e:  # a worker process died: vLLM cannot recover
+            raise RuntimeError(f"the vLLM engine died (one of its {self.ep_size} worker process(es) exited; vLLM's "
+                               "log above names it): generation stopped") from e
+        if rows is not None:
+            table = self.llm.collective_rpc("rlalign_pop_rows")[0]
+            self.llm.collective_rpc("rlalign_record_rows", args=(False,))
+            rows.update({(sid, pos): fps for sid, pos, fps in table})
+        return outs
 
     def _generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
         from vllm import SamplingParams as VSamplingParams
@@ -158,6 +166,10 @@ class VllmGenerator:
         self.llm.collective_rpc("rlalign_load_weights", args=(blob,))
         if reset_prefix_cache:
             self.reset_prefix_cache()
+
+    def worker_pids(self) -> list[int]:
+        """The processes running the model (vLLM's workers, in rank order)."""
+        return self.llm.collective_rpc("rlalign_pid")
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
