@@ -232,6 +232,21 @@ def test_backend_impl_over_vllm_shaped_pages_equals_prefill_rows():
         assert same_bits(out, ref[rows])
 
 
+@pytest.mark.slow
+def test_train_fault_inside_vllm_is_reported_at_its_layer(tmp_path):
+    """Negative twin through the monitor: layers.0.mlp inside vLLM runs the default kernels
+    (monitor.inject); the step reports mismatches and the row fingerprints recorded inside vLLM
+    name layers.0.mlp as the first divergent op."""
+    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "train", "generator.backend=vllm", "run.steps=1",
+                        "trainer.ep_size=1", f"run.dir={tmp_path}", "task.num_prompts=4", "task.samples_per_prompt=4",
+                        "monitor.fingerprints=layers", "monitor.inject=generator:layers.0.mlp:default",
+                        "monitor.on_mismatch=warn", *SMALL], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert row["consistency/mismatched_tokens"] > 0
+    assert row["consistency/first_divergent_op"] == "layers.0.mlp"
+
+
 def test_config_refuses_bad_engine_options():
     with pytest.raises(ConfigError, match=r"generator\.vllm\.block_size=0: must be >= 1"):
         load_config(["generator.backend=vllm", "generator.vllm.block_size=0"])
