@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from rlalign.monitor.fingerprint import combined
 from rlalign.parallel.ep import is_expert_param
@@ -326,7 +327,7 @@ def send(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group, s
     device = next(iter(params.values())).device
     root = dist.get_global_rank(group, 0) if group is not None else 0
     kept: list[torch.Tensor] = []
-    works = []  # the buckets' broadcasts run while the next bucket is filled
+    works = []  # a bucket's broadcast runs while the next one is filled; two buckets alive at most
     with torch.no_grad():
         for b in plan.buckets:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device) if rank == 0 else None
@@ -342,13 +343,13 @@ def send(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group, s
                     kept.append(buf)
                 else:
                     works.append(sync.broadcast(buf))
+                    if len(works) > 1:
+                        works.pop(0).wait()
     for w in works:
         w.wait()
     shares = partial_fingerprints(model, plan, rank, world, dense=rank == 0)
     out = SyncOutput(shares, plan.nbytes if rank == 0 else 0, len(plan.buckets) if rank == 0 else 0)
     if ipc and rank == 0:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         _sync_device(device)  # the buckets are written before the generator reads them
         out.ipc = [reduce_tensor(buf) for buf in kept]
         out.device_uuid = device_uuid(device)
