@@ -98,6 +98,9 @@ class VllmGenerator:
         os.environ.update(bind)  # read by the processes vLLM starts now; this engine's only
         try:
             self.llm = LLM(**kw)
+        except RuntimeError as e:  # startup failures come back as one generic message; the cause is in vLLM's log
+            raise RuntimeError(f"vLLM's engine failed to start (its log above has the cause) with generator.vllm "
+                               f"{options}, ep_size={ep_size}, stock={stock}: {e}") from e
         finally:
             for k in bind:
                 os.environ.pop(k, None)
