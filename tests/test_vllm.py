@@ -26,6 +26,7 @@ from rlalign.config import ConfigError, load_config
 from rlalign.generation import SamplingParams, generate
 from rlalign.model import save_hf
 from rlalign.model.hf import hf_state_dict
+from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
 from rlalign.training.scoring import score
@@ -68,6 +69,10 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def _trainer_logprobs(model, rollouts, params: SamplingParams) -> list[torch.Tensor]:
     return score(model, [r.prompt for r in rollouts], [r.tokens for r in rollouts], micro_batch_size=5,
                  **params.logprob_kwargs())
+
+
+def _fingerprints(model) -> dict[str, str]:
+    return state_fingerprints({k: v.detach() for k, v in model.state_dict().items()})
 
 
 def _mismatched(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
@@ -122,6 +127,7 @@ def test_weight_push_needs_the_prefix_cache_reset(engine, model):
     engine.generate(prompts, ids, params)  # fills the prefix cache under the old weights
     new = tiny_model(seed=5)
     engine.load_weights(new.state_dict(), reset_prefix_cache=False)  # rlalign names, fused experts
+    assert engine.fingerprints() == _fingerprints(new) != _fingerprints(model)
     stale = engine.generate(prompts, ids, params)
     assert _mismatched([o.logprobs for o in stale], _trainer_logprobs(new, stale, params)) > 0
     engine.reset_prefix_cache()
@@ -130,6 +136,7 @@ def test_weight_push_needs_the_prefix_cache_reset(engine, model):
     assert [o.tokens for o in fresh] == [r.tokens for r in ref]
     assert all(same_bits(o.logprobs, r.logprobs) for o, r in zip(fresh, ref))
     engine.load_weights(hf_state_dict(model))  # HF names, experts one by one; back to the module's weights
+    assert engine.fingerprints() == _fingerprints(model)
     back = engine.generate(prompts, ids, params)
     assert all(same_bits(o.logprobs, r.logprobs) for o, r in zip(back, generate(model, prompts, ids, params)))
 

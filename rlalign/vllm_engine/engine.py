@@ -24,7 +24,9 @@ from rlalign import kernels
 from rlalign.generation import Rollout, SamplingParams, check_prompts
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
+from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import TapRecorder
+from rlalign.parallel.ep import full_state_dict
 from rlalign.vllm_engine import check_installed
 from rlalign.vllm_engine.plugin import ARCH, KEY, SAMPLER, register
 from rlalign.vllm_engine.weights import load_named
@@ -43,6 +45,13 @@ class WorkerExtension:
         state = safetensors.torch.load(blob)
         self.model_runner.model.load_weights(state.items())
         return len(state)
+
+    def rlalign_fingerprints(self) -> dict[str, str] | None:
+        """Every worker takes part (experts gathered over the EP group); the first returns the
+        fingerprints of the full state it now computes with (rlalign names)."""
+        model = self.model_runner.model
+        full = full_state_dict(model.rl, model.ep_group)
+        return state_fingerprints({k: v.cpu() for k, v in full.items()}) if model.ep_rank == 0 else None
 
     def rlalign_pid(self) -> int:
         return os.getpid()
@@ -66,6 +75,10 @@ class VllmGenerator:
         unknown = sorted(set(options) - set(ENGINE_KEYS))
         if unknown:
             raise ValueError(f"generator.vllm.{unknown[0]}: not an engine option; valid: {', '.join(ENGINE_KEYS)}")
+        if not stock and options.get("enforce_eager") is False:
+            raise ValueError("generator.vllm.enforce_eager=False: rlalign's model in vLLM runs eagerly only "
+                             "(host syncs in the MoE layers; its forward returns row indices, not hidden states)")
+        options = {"enforce_eager": True, **options}
         self.args = read_args(model_dir)[0]
         self.stock, self.ep_size = stock, ep_size
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
@@ -170,6 +183,10 @@ class VllmGenerator:
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
+    def fingerprints(self) -> dict[str, str]:
+        """Fingerprints of the weights vLLM's workers hold (full state, rlalign names)."""
+        return next(fp for fp in self.llm.collective_rpc("rlalign_fingerprints") if fp is not None)
+
     def worker_pids(self) -> list[int]:
         """The processes running the model (vLLM's workers, in rank order)."""
         return self.llm.collective_rpc("rlalign_pid")
@@ -212,14 +229,28 @@ class WorkerGenerator:
         """`recorder`: the rank's monitor recorder; with rows on, it gets vLLM's row fingerprints."""
         check_prompts(self.model, prompts, sample_ids, params.max_new_tokens)
         if _versions(self.model) != self._pushed:
-            self.engine.load_weights(hf_state_dict(self.model))  # HF names: rlalign's model and vLLM's stock one
-            self._pushed = _versions(self.model)
+            self.push_weights()
         rows = {} if recorder is not None and recorder.rows else None
         outs = self.engine.generate(prompts, sample_ids, params, rows)
         if rows:
             for key, fps in rows.items():
                 recorder.table.setdefault(key, {}).update(fps)
         return outs
+
+
+    def push_weights(self) -> None:
+        """The rank's weights into every vLLM worker, then the prefix-cache reset; verified by
+        comparing the fingerprints of what the workers hold with the rank's own."""
+        self.engine.load_weights(hf_state_dict(self.model))  # HF names: rlalign's model and vLLM's stock one
+        self._pushed = _versions(self.model)
+        if self.engine.stock:
+            return
+        want = state_fingerprints({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        got = self.engine.fingerprints()
+        bad = [k for k in want if got.get(k) != want[k]] or sorted(set(got) - set(want))
+        if bad:
+            raise RuntimeError(f"weight push into vLLM: tensor {bad[0]!r} differs between the generator rank "
+                               f"({want.get(bad[0])}) and vLLM's workers ({got.get(bad[0])})")
 
 
 def _versions(model: Transformer) -> tuple[int, ...]:

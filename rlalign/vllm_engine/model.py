@@ -55,8 +55,9 @@ class RlalignQwen3MoeForCausalLM(nn.Module):
         self.rl.taps = self.recorder
         tp = get_tp_group()
         self.ep_rank, self.ep_size = tp.rank_in_group, tp.world_size
-        if self.ep_size > 1:
-            apply_ep(self.rl, tp.device_group)
+        self.ep_group = tp.device_group if self.ep_size > 1 else None
+        if self.ep_group is not None:
+            apply_ep(self.rl, self.ep_group)
         a = self.args
         self.attn = nn.ModuleList(
             Attention(a.num_heads, a.head_dim, a.head_dim ** -0.5, a.num_kv_heads,
