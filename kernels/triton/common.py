@@ -15,12 +15,12 @@ SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check(name: str, *ts: torch.Tensor) -> None:
+    device = ts[0].device
     for t in ts:
         if t.dtype not in SUPPORTED:
             raise TypeError(f"triton {name}: dtype {t.dtype} is not supported ({', '.join(map(str, SUPPORTED))})")
-    devs = {t.device for t in ts}
-    if len(devs) > 1:
-        raise ValueError(f"triton {name}: tensors on different devices {sorted(map(str, devs))}")
+        if t.device != device:
+            raise ValueError(f"triton {name}: tensors on different devices {sorted({str(u.device) for u in ts})}")
 
 
 def _num_sms(device) -> int:
@@ -57,7 +57,7 @@ def _table(key: tuple, build, device) -> torch.Tensor:
 # Off (RLALIGN_TRITON_FAST_LAUNCH=0, or FAST_LAUNCH = False at run time): every launch goes through
 # triton's JIT dispatcher, as before; experiments/bench_launch.py measures both in one run.
 FAST_LAUNCH = os.environ.get("RLALIGN_TRITON_FAST_LAUNCH", "1") != "0"
-_runtime: list = []  # [get_current_device, get_current_stream, knobs.runtime], resolved on first use
+_runtime: list = []  # [current device, current raw stream, knobs.runtime], resolved on first use
 
 
 def _runtime_fns():
@@ -65,8 +65,15 @@ def _runtime_fns():
         from triton import knobs
         from triton.runtime import driver
 
-        _runtime.extend([driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime])
+        device = getattr(torch._C, "_cuda_getDevice", None) or driver.active.get_current_device
+        stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or driver.active.get_current_stream
+        _runtime.extend([device, stream, knobs.runtime])
     return _runtime
+
+
+def _no_hook(hook) -> bool:
+    """None, or an empty HookChain (triton >= 3.5): nothing to call, so none is passed."""
+    return not getattr(hook, "calls", hook)
 
 
 class Launch:
@@ -76,7 +83,8 @@ class Launch:
     values triton specialises a tensor on, goes through triton's JIT (which compiles); later calls
     call that compiled kernel directly with the same arguments, skipping the dispatcher's binding,
     specialisation key and cache lookup. Same compiled kernel, same arguments: same bits. Launch hooks
-    (profilers) or the interpreter take the JIT path every time."""
+    (profilers) or the interpreter take the JIT path every time. The plan's cache key must fix every
+    tensor's dtype (a call keys only on the device and the alignments)."""
 
     __slots__ = ("fn", "grid", "scalars", "meta", "tail", "compiled")
 
@@ -100,9 +108,9 @@ class Launch:
             return
         get_device, get_stream, rt = _runtime_fns()
         device = get_device()
-        key = (device, *[t.dtype for t in tensors], *[t.data_ptr() & 15 == 0 for t in tensors])
+        key = (device, *[t.data_ptr() & 15 == 0 for t in tensors])
         hit = self.compiled.get(key)
-        if hit is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+        if hit is None or not (_no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)):
             k = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
             if self.tail is None:  # triton >= 3.4 passes constexprs to the launcher too (it skips them)
                 with_consts = "constexpr" in getattr(getattr(k, "src", None), "signature", {}).values()

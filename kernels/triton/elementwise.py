@@ -39,7 +39,7 @@ def _swiglu(gate, up):
     y = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _cached(("swiglu", n), lambda: Launch(_swiglu_fwd, (triton.cdiv(n, _EW_BLOCK),), (n,),
+        _cached(("swiglu", n, gate.dtype, up.dtype), lambda: Launch(_swiglu_fwd, (triton.cdiv(n, _EW_BLOCK),), (n,),
                                                dict(BLOCK=_EW_BLOCK)))(gate, up, y)
     return gate, up, y
 
@@ -103,7 +103,7 @@ def _rope_apply(x, cos, sin, sign: int):
         x = x.contiguous()
     y = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
     if N:
-        key = ("rope", N, H, D, x.stride(0), x.stride(1), sign)
+        key = ("rope", N, H, D, x.stride(0), x.stride(1), sign, x.dtype)
         _cached(key, lambda: Launch(_rope_kernel, (N,), (H, x.stride(0), x.stride(1), y.stride(0), y.stride(1)),
                                     dict(HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), SIGN=sign)))(x, cos, sin, y)
     return y

@@ -43,7 +43,8 @@ class _Embedding(torch.autograd.Function):
         start = torch.searchsorted(flat[order], torch.arange(V + 1, device=flat.device, dtype=flat.dtype))
         dw = torch.empty(V, D, dtype=ctx.wdtype, device=g.device)
         if V and D:
-            _cached(("embed_bwd", V, D), lambda: Launch(_embed_bwd, (V, triton.cdiv(D, 256)), (D,), dict(BLOCK=256)))(
+            key = ("embed_bwd", V, D, g.dtype, start.dtype, dw.dtype)
+            _cached(key, lambda: Launch(_embed_bwd, (V, triton.cdiv(D, 256)), (D,), dict(BLOCK=256)))(
                 g, order, start, dw)
         return dw, None
 

@@ -220,7 +220,7 @@ def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int
     (see the kernel). The grid is a bound known on the host, so nothing is read back: no sync."""
     numels = (a.numel(), b.numel(), c.numel())
     key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
-           a.device, numels)
+           a.device, numels, counts.dtype)
     launch = _cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg))
     if launch is not None:
         launch(a, b, c, counts)
@@ -279,10 +279,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[M, K] @ [K, N] -> [M, N] in a's dtype, fp32 accumulation; any strides. Bits of a row of
     the result are independent of M (fixed config, no split-K). Host work per call: one plan lookup
     (the plan: checks, config, layout flags, launch, all decided by shapes/strides/dtypes once)."""
-    key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
+    return _matmul(a, b, False)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, b_transposed: bool) -> torch.Tensor:
+    """matmul(a, b), or matmul(a, b.t()) when b_transposed (a linear's weight, read through its
+    strides: no transposed view to build)."""
+    key = (b_transposed, a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
     plan = _MATMUL_PLANS.get(key)
     if plan is None:
-        plan = _matmul_plan(a, b)
+        plan = _matmul_plan(a, b.t() if b_transposed else b)
         if len(_MATMUL_PLANS) >= 4096:
             _MATMUL_PLANS.clear()
         _MATMUL_PLANS[key] = plan
@@ -290,7 +296,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if launch is None:
         return c.zero_() if K == 0 else c
-    launch(a.contiguous() if copy_a else a, b.contiguous() if copy_b else b, c, a)
+    if copy_b:
+        b = b.t().contiguous() if b_transposed else b.contiguous()
+    launch(a.contiguous() if copy_a else a, b, c, a)
     return c
 
 
@@ -298,7 +306,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w):
         ctx.save_for_backward(x2, w)
-        return matmul(x2, w.t())
+        return _matmul(x2, w, True)
 
     @staticmethod
     def backward(ctx, g):
@@ -312,12 +320,12 @@ class _Linear(torch.autograd.Function):
 def linear(x, w, bias=None):
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
-        y = _Linear.apply(x2, w)
-    else:  # no graph to record: the same kernel without autograd's bookkeeping
-        y = matmul(x2, w.t())
-    y = y.reshape(*x.shape[:-1], w.shape[0])
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        y = _Linear.apply(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    elif x.dim() == 2:  # no graph to record: the same kernel without autograd's bookkeeping
+        y = _matmul(x, w, True)
+    else:
+        y = _matmul(x.reshape(-1, x.shape[-1]), w, True).reshape(*x.shape[:-1], w.shape[0])
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 

@@ -49,7 +49,7 @@ def _forward(z, tokens):
     out = torch.empty(N, dtype=torch.float32, device=z.device)
     lse = torch.empty(N, dtype=torch.float32, device=z.device)
     if N:
-        _cached(("logprob", N, V), lambda: Launch(_logprob_fwd, (N,), (V,),
+        _cached(("logprob", N, V, tokens.dtype), lambda: Launch(_logprob_fwd, (N,), (V,),
                                                   dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
             z, tokens, out, lse)
     return out, lse

@@ -44,7 +44,7 @@ def _combine(y, w):
     T, K, Dm = y.shape
     out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
     if T:
-        _cached(("combine", T, K, Dm), lambda: Launch(_combine_fwd, (T,), (K, Dm),
+        _cached(("combine", T, K, Dm, y.dtype), lambda: Launch(_combine_fwd, (T,), (K, Dm),
                                                       dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(
             y, w, out)
     return y, w, out
@@ -131,7 +131,7 @@ def _route(logits, k, renorm):
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T:
-        _cached(("route", T, E, k, renorm), lambda: Launch(
+        _cached(("route", T, E, k, renorm, logits.dtype), lambda: Launch(
             _route_fwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))))(
             logits, w, ids)
     return w, ids

@@ -93,8 +93,8 @@ def _forward(x2, w, eps):
     y = torch.empty_like(x2)
     rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
     if R:
-        _cached(("rmsnorm", R, D, eps), lambda: _plan_fwd(R, D, eps))(x2, w if w.dtype == x2.dtype else w.to(x2.dtype),
-                                                                     y, rstd)
+        _cached(("rmsnorm", R, D, eps, x2.dtype), lambda: _plan_fwd(R, D, eps))(
+            x2, w if w.dtype == x2.dtype else w.to(x2.dtype), y, rstd)
     return y, rstd
 
 
@@ -124,8 +124,10 @@ class _RMSNorm(torch.autograd.Function):
 
 def rmsnorm(x, w, eps: float):
     _check("rmsnorm", x, w)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
-        return _RMSNorm.apply(x2, w, eps).reshape(x.shape)
-    return _forward(x2, w, eps)[0].reshape(x.shape)  # no graph to record: the same kernel, no autograd
+        y = _RMSNorm.apply(x2, w, eps)
+    else:  # no graph to record: the same kernel without autograd's bookkeeping
+        y = _forward(x2, w, eps)[0]
+    return y if x2 is x else y.reshape(x.shape)
 
