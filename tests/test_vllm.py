@@ -50,7 +50,7 @@ def model():
 def engine(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm") / "model"
     save_hf(model, path)
-    gen = VllmGenerator(str(path), "bfloat16", OPTIONS)
+    gen = VllmGenerator(str(path), "bfloat16", OPTIONS, log_stats=True)
     yield gen
     gen.shutdown()
 
@@ -86,6 +86,7 @@ def test_same_tokens_and_bits_as_native(engine, model, sampling):
     ids = [1000 + 7 * i for i in range(16)]
     params = SamplingParams(max_new_tokens=24, eos_token_id=1, seed=3, **sampling)
     ref = generate(model, prompts, ids, params)
+    hits = engine.prefix_cache_hits()
     for _ in range(2):  # the second pass finds every prompt's full blocks in the prefix cache
         out = engine.generate(prompts, ids, params)
         assert [o.sample_id for o in out] == ids
@@ -93,6 +94,7 @@ def test_same_tokens_and_bits_as_native(engine, model, sampling):
         assert [o.finish_reason for o in out] == [r.finish_reason for r in ref]
         for o, r in zip(out, ref):
             assert same_bits(o.logprobs, r.logprobs)
+    assert engine.prefix_cache_hits() - hits >= 16 * 24  # chunks after a cached prefix were computed
     assert sum(len(r.tokens) for r in ref) >= 300
     assert _mismatched([o.logprobs for o in out], _trainer_logprobs(model, out, params)) == 0
 

@@ -66,7 +66,7 @@ class WorkerExtension:
 
 class VllmGenerator:
     def __init__(self, model_dir: str, dtype: str, options: dict, ep_size: int = 1, stock: bool = False,
-                 device: str = "cpu", inject: str | None = None):
+                 device: str = "cpu", inject: str | None = None, log_stats: bool = False):
         check_installed()
         register()
         from vllm import LLM
@@ -93,6 +93,7 @@ class VllmGenerator:
         kw = dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=ep_size, seed=0,
                   max_model_len=self.args.max_position_embeddings, async_scheduling=False,
                   enable_chunked_prefill=True, worker_extension_cls=f"{__name__}.WorkerExtension",
+                  disable_log_stats=not log_stats,
                   **{k: v for k, v in options.items() if v is not None})
         if ep_size > 1:
             kw["distributed_executor_backend"] = "mp"
@@ -186,6 +187,10 @@ class VllmGenerator:
     def fingerprints(self) -> dict[str, str]:
         """Fingerprints of the weights vLLM's workers hold (full state, rlalign names)."""
         return next(fp for fp in self.llm.collective_rpc("rlalign_fingerprints") if fp is not None)
+
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens vLLM took from its prefix cache so far (needs log_stats=True)."""
+        return int(sum(m.value for m in self.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
 
     def worker_pids(self) -> list[int]:
         """The processes running the model (vLLM's workers, in rank order)."""
