@@ -374,6 +374,10 @@ def _vllm_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"generator.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
     if v.kv_cache_memory_bytes is not None and v.kv_cache_memory_bytes < 1:
         problems.append(f"generator.vllm.kv_cache_memory_bytes={v.kv_cache_memory_bytes}: must be >= 1 (or null)")
+    if cfg.generator.ep_size > 1 and str(cfg.device).startswith("cuda"):
+        problems.append(f"generator.backend=vllm with generator.ep_size={cfg.generator.ep_size} on CUDA: the one "
+                        "generator actor would need that many GPUs for its vLLM workers; not supported yet "
+                        "(CPU: any size)")
     if not v.enforce_eager and not v.stock:
         problems.append("generator.vllm.enforce_eager=false: rlalign's model syncs with the host in every MoE layer "
                         "(expert counts), so vLLM cannot capture or compile it; keep it true")

@@ -109,6 +109,8 @@ class Job:
         self.cfg = cfg
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
         n, m = cfg.trainer.ep_size, cfg.generator.ep_size
+        if cfg.generator.backend == "vllm":  # one actor hosts the engine; vLLM starts the m workers (experts)
+            m = 1
         self.placement = Placement.create(cfg.device, [("trainer", n), ("generator", m)],
                                           cfg.placement.colocate)  # the cluster's own CPUs
         cpus = int(cfg.placement.num_cpus or os.cpu_count() or 1)

@@ -201,12 +201,14 @@ def test_generator_ep2_agrees_with_trainer_ep1_and_ep2():
 
 
 @pytest.mark.slow
-def test_train_with_the_vllm_generator_agrees_every_step(tmp_path):
+@pytest.mark.parametrize("gen_ep", [1, 2])
+def test_train_with_the_vllm_generator_agrees_every_step(tmp_path, gen_ep):
     """`rlalign train generator.backend=vllm`: after each update the weights reach vLLM (pushed,
     prefix cache reset) before the next rollouts, so the trainer's pre-update logprobs equal
-    the generator's at every step."""
+    the generator's at every step; generator EP 2 = one actor whose two vLLM workers own half the
+    experts each, against trainer EP 2."""
     p = subprocess.run([sys.executable, "-m", "rlalign.cli", "train", "generator.backend=vllm", "run.steps=3",
-                        "trainer.ep_size=2", "generator.ep_size=1", f"run.dir={tmp_path}", "task.num_prompts=4",
+                        "trainer.ep_size=2", f"generator.ep_size={gen_ep}", f"run.dir={tmp_path}", "task.num_prompts=4",
                         "task.samples_per_prompt=4", "trainer.micro_batch_size=4", *SMALL],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -214,8 +214,7 @@ class WorkerGenerator:
     def __init__(self, cfg, model: Transformer, world: int):
         if world > 1:
             raise ValueError(f"generator.backend=vllm: this generator group has {world} ranks, but one rank hosts the "
-                             "vLLM engine (vLLM starts the generator.ep_size workers that own the experts); "
-                             "rlalign train supports generator.ep_size=1 with vLLM for now (rlalign agree: any size)")
+                             "vLLM engine (vLLM starts the generator.ep_size workers that own the experts)")
         self.model, self._tmp = model, None
         if cfg.model.path:
             model_dir = cfg.model.path
