@@ -79,8 +79,9 @@ def _no_hook(hook) -> bool:
 class Launch:
     """A launch plan: one kernel with its grid, scalar arguments and constexprs fixed by the shapes it
     was built for (the kernels take their tensors first, then scalars, then constexprs), so a call
-    passes only the tensors. The first call per (device, tensor dtypes, 16-byte alignments), the
-    values triton specialises a tensor on, goes through triton's JIT (which compiles); later calls
+    passes only the tensors. The first call per (device, 16-byte alignment of each tensor; with the
+    dtypes, fixed by the plan's key, what triton specialises a tensor on) goes through triton's JIT
+    (which compiles); later calls
     call that compiled kernel directly with the same arguments, skipping the dispatcher's binding,
     specialisation key and cache lookup. Same compiled kernel, same arguments: same bits. Launch hooks
     (profilers) or the interpreter take the JIT path every time. The plan's cache key must fix every
