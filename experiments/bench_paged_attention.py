@@ -80,18 +80,22 @@ def bits_equal(a, b) -> bool:
 
 
 @contextlib.contextmanager
-def knobs(chunk: int | None = None, split_max: int | None = None):
-    """Another key-chunk size (bits change with it: timing only) or another split-K threshold."""
+def knobs(chunk: int | None = None, spp: int | None = -1, flat: bool | None = None):
+    """Another key-chunk size (bits change with it: timing only), split-K schedule (CHUNKS_PER_PROGRAM:
+    0 = in registers, k = k chunks per program, None = the size-based schedule; -1 leaves it) or loop
+    structure (the same bits)."""
     table = attn.INTERPRET_ATTN if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]
-    saved = table["CHUNK"], attn.SPLIT_MAX_PARTIALS
+    saved = table["CHUNK"], attn.CHUNKS_PER_PROGRAM, dict(table["prefill"]), dict(table["decode"])
     if chunk is not None:
         table["CHUNK"] = chunk
-    if split_max is not None:
-        attn.SPLIT_MAX_PARTIALS = split_max
+    if spp != -1:
+        attn.CHUNKS_PER_PROGRAM = spp
+    if flat is not None:
+        table["prefill"], table["decode"] = dict(saved[2], FLAT=flat), dict(saved[3], FLAT=flat)
     try:
         yield
     finally:
-        table["CHUNK"], attn.SPLIT_MAX_PARTIALS = saved
+        table["CHUNK"], attn.CHUNKS_PER_PROGRAM, table["prefill"], table["decode"] = saved
 
 
 def packed(lens, H, Hk, D, seed):
@@ -130,8 +134,8 @@ def check_bits(q: bool) -> None:
     qq, kk, vv, cu = packed([T], H, Hk, D, 0)
     pre = attn.attention_prefill(qq, kk, vv, cu, scale)
     lengths = torch.arange(1, T + 1, device=DEV)
-    for mode, split_max in (("split-K", 1 << 30), ("in-register", 0)):
-        with knobs(split_max=split_max):
+    for mode, spp in (("split-K, 1 chunk a program", 1), ("split-K, 4 chunks a program", 4), ("in registers", 0)):
+        with knobs(spp=spp):
             dec = attn.attention_decode(qq, kk[None].expand(T, -1, -1, -1), vv[None].expand(T, -1, -1, -1), lengths,
                                         scale)
         bad = sum(not bits_equal(dec[t], pre[t]) for t in range(T))
@@ -152,8 +156,8 @@ def check_bits(q: bool) -> None:
     for ps in (16, 32):
         kp, table, seq_idx, pos = paged_cache(kk, lens, ps, 3)
         vp = paged_cache(vv, lens, ps, 3)[0]
-        for mode, split_max in (("split-K", 1 << 30), ("in-register", 0)):
-            with knobs(split_max=split_max):
+        for mode, spp in (("split-K", 1), ("in registers", 0)):
+            with knobs(spp=spp):
                 out = attn.attention_paged(qq[perm], kp, vp, table, seq_idx[perm], pos[perm], scale)
             bad = int((out.view(torch.int16) != pre[perm].view(torch.int16)).flatten(1).any(1).sum())
             row("bitwise", f"paged page={ps} ({mode}) vs prefill, {len(pre)} rows of {len(lens)} seqs",
@@ -179,7 +183,7 @@ def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
             row("speed", f"decode B={B} H={H}/{Hk} D={D} cache={C}{tag}", ours_ms=t, sdpa_ms=t_sdpa,
                 time_ratio=t / t_sdpa, graph_ours_ms=gt, graph_sdpa_ms=g_sdpa, graph_time_ratio=gt / g_sdpa)
         if chunks == (None,):
-            with knobs(chunk=1 << 20, split_max=0):  # one chunk, one program per row: the kernel before split-K
+            with knobs(chunk=1 << 20, spp=0):  # one chunk, one program per row: the kernel before split-K
                 t, gt = bench(ours), bench_graph(ours)
             row("speed", f"decode B={B} without key chunks (before split-K)", ours_ms=t, time_ratio=t / t_sdpa,
                 graph_time_ratio=gt / g_sdpa)
@@ -215,9 +219,32 @@ def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
                 speed_vs_sdpa=t_sdpa / t, graph_speed_vs_sdpa=g_sdpa / gt)
 
 
-DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=w) for s, w in ((2, 4), (3, 4), (4, 4), (3, 8))]
-PREFILL_TILES = [dict(BLOCK_M=m, num_stages=s, num_warps=w) for m, s, w in ((128, 3, 8), (128, 2, 8), (128, 4, 8),
-                                                                            (64, 3, 4))]
+DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=4, FLAT=True) for s in (2, 4)]
+PREFILL_TILES = [dict(BLOCK_M=m, num_stages=s, num_warps=w, FLAT=True) for m, s, w in ((128, 4, 8), (64, 3, 4))]
+
+
+def sweep_schedules(q: bool) -> None:
+    """Decode times per split-K schedule (chunks per program; 0 = in registers) and loop structure:
+    the same bits, so the fastest is free to pick."""
+    H, Hk, D, C = (4, 2, 16, 64) if q else (32, 8, 128, 4096)
+    for B in ([2] if q else [1, 8, 64]):
+        g = torch.Generator(device=DEV).manual_seed(B)
+        qd = torch.randn(B, H, D, device=DEV, generator=g).bfloat16()
+        kc, vc = (torch.randn(B, C, Hk, D, device=DEV, generator=g).bfloat16() for _ in range(2))
+        lens = torch.full((B,), C, device=DEV)
+        kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)
+        g_sdpa = bench_graph(lambda: F.scaled_dot_product_attention(qd[:, :, None], kt, vt, enable_gqa=True))
+        ours = lambda: attn.attention_decode(qd, kc, vc, lens, 1 / math.sqrt(D))
+        ref = ours()
+        for flat in (True, False):
+            for spp in (None, 1, 2, 4, 8, 0):
+                with knobs(spp=spp, flat=flat):
+                    same = bits_equal(ours(), ref)
+                    t, gt = bench(ours), bench_graph(ours)
+                row("sched", f"decode B={B} chunks/program={'auto' if spp is None else spp} flat={flat}", ours_ms=t,
+                    graph_ours_ms=gt, graph_time_ratio=gt / g_sdpa, bitwise_equal=same)
+    with knobs(flat=False):
+        speed_prefill(q, ("pinned",))
 
 
 def sweep_tiles(q: bool) -> None:
@@ -231,7 +258,7 @@ def sweep_tiles(q: bool) -> None:
 
     def bad():
         pre = attn.attention_prefill(qq, kk, vv, cu, 0.1)
-        with knobs(split_max=1 << 30):
+        with knobs(spp=1):
             dec = attn.attention_decode(qq, kk[None].expand(T, -1, -1, -1), vv[None].expand(T, -1, -1, -1), lengths,
                                         0.1)
         return sum(not bits_equal(dec[t], pre[t]) for t in range(T))
@@ -257,8 +284,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.sweep:
-        sizes = (16, 64) if a.quick else (128, 512, 1024)
-        steps = [("decode chunks", lambda q: speed_decode(q, sizes)),
+        sizes = (16, 64) if a.quick else (128, 512)
+        steps = [("schedules", sweep_schedules), ("decode chunks", lambda q: speed_decode(q, sizes)),
                  ("prefill chunks", lambda q: speed_prefill(q, sizes)), ("tiles", sweep_tiles)]
     else:
         steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill)]
@@ -271,7 +298,8 @@ def main() -> None:
         torch.cuda.get_device_name(0).replace(" ", "_") if DEV == "cuda" else "cpu")
     cfg = {str(k): v for k, v in attn.ATTN_FWD.items()}
     name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "")
-    path = _env.write(name, {"config": cfg, "split_max_partials": attn.SPLIT_MAX_PARTIALS, "rows": ROWS}, a.out)
+    schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM}
+    path = _env.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)
     print("\n" + "\n".join(f"{r['section']:8} {r['name']:60} " + "  ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k not in ("section", "name"))
         for r in ROWS))

@@ -17,7 +17,9 @@ from rlalign.kernels import triton as tb  # noqa: E402
 from rlalign.kernels.triton import attention as attn  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SPLIT = {"split": 1 << 30, "fused": 0}  # SPLIT_MAX_PARTIALS: every launch split-K / none
+# CHUNKS_PER_PROGRAM: split-K with a program per chunk / per two chunks, chunks folded in registers, the
+# size-based schedule
+SCHEDULE = {"split1": 1, "split2": 2, "registers": 0, "auto": None}
 
 
 def _packed(lens, H=4, Hk=2, D=16, seed=0, dtype=torch.bfloat16):
@@ -51,21 +53,23 @@ def _pages(k, v, lens, page_size, num_pages, seed=0):
     return kp.to(DEV), vp.to(DEV), table.to(DEV), seq_idx.to(DEV), pos.to(DEV)
 
 
-@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("mode", ["split1", "registers"])
 @pytest.mark.parametrize("page_size", [8, 16, 32])  # smaller than, equal to and larger than the 16-key block
 def test_paged_rows_equal_prefill_rows(page_size, mode, monkeypatch):
-    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", SPLIT[mode])
-    lens = [5, 40, 1, 70]  # ragged; 40 and 70 cross the 32-key chunks
+    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
+    lens = [5, 37, 1, 20]  # ragged; 37 crosses the 32-key chunk
     q, k, v, cu = _packed(lens)
     pre = tb.attention_prefill(q, k, v, cu, 0.25)
-    kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 24)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 16)
     perm = torch.randperm(len(pos), generator=torch.Generator().manual_seed(1)).to(DEV)  # rows in any order
     out = tb.attention_paged(q[perm], kp, vp, table, seq_idx[perm], pos[perm], 0.25)
     assert same_bits(out, pre[perm])
 
 
-def test_paged_mixed_step_of_prefill_chunks_and_decode_rows():
-    """One engine step: a fresh prefill chunk, a chunk after a cached prefix and two decode rows."""
+def test_paged_mixed_step_of_prefill_chunks_and_decode_rows(monkeypatch):
+    """One engine step: a fresh prefill chunk, a chunk after a cached prefix and two decode rows; split-K
+    with two chunks per program."""
+    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", 2)
     lens = [37, 50, 9, 66]
     q, k, v, cu = _packed(lens, seed=3)
     pre = tb.attention_prefill(q, k, v, cu, 0.25)
@@ -77,23 +81,40 @@ def test_paged_mixed_step_of_prefill_chunks_and_decode_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_equals_prefill_at_every_position_split_and_fused(dtype, monkeypatch):
-    T = 70
+def test_decode_equals_prefill_at_every_position_every_schedule(dtype, monkeypatch):
+    T = 40
     q, k, v, cu = _packed([T], seed=5, dtype=dtype)
     pre = tb.attention_prefill(q, k, v, cu, 0.25)
-    kc = torch.zeros(1, 80, 2, 16, dtype=dtype, device=DEV)
+    kc = torch.zeros(1, 70, 2, 16, dtype=dtype, device=DEV)  # 3 chunks of capacity
     vc = torch.zeros_like(kc)
     kc[0, :T], vc[0, :T] = k, v
     # one decode batch of T rows, row t at position t, over a stride-0 view of the one cache
     kb, vb = kc.expand(T, -1, -1, -1), vc.expand(T, -1, -1, -1)
     lengths = torch.arange(1, T + 1, device=DEV)
-    for mode in SPLIT:
-        monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", SPLIT[mode])
+    for mode in SCHEDULE:
+        monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
         assert same_bits(tb.attention_decode(q, kb, vb, lengths, 0.25), pre), mode
-    # a batch of one at a few positions (other rows never change a row's bits)
-    for t in (0, 31, 32, 33, 63, 64, 69):
+    # a batch of one at a few positions (other rows never change a row's bits), split-K
+    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", 1)
+    for t in (0, 31, 32, 39):
         dec = tb.attention_decode(q[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV), 0.25)
         assert same_bits(dec[0], pre[t]), t
+
+
+def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
+    """FLAT (chunk ends inside one block loop) and a loop per chunk are the same operations."""
+    lens = [70, 9]
+    q, k, v, cu = _packed(lens, seed=8, dtype=torch.float32)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 8, seed=9)
+    rows = torch.tensor([cu[1] - 1, 33, 64, cu[2] - 1], device=DEV)
+    outs = []
+    for flat in (True, False):
+        for kind in ("prefill", "decode"):
+            monkeypatch.setitem(attn.INTERPRET_ATTN, kind, dict(attn.INTERPRET_ATTN[kind], FLAT=flat))
+        pre = tb.attention_prefill(q, k, v, cu, 0.25)
+        outs.append((pre, tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)))
+    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1])
+    assert same_bits(outs[0][1], outs[0][0][rows])
 
 
 def test_negative_twin_another_chunk_size_moves_bits(monkeypatch):

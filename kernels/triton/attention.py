@@ -16,19 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, _check, _table
+from .common import INTERPRET, _check, _num_sms, _table
 
 # Prefill, decode and paged rows share BLOCK_N and CHUNK (the key blocks and chunks a row reduces
 # over, in order: part of the contract); their tile heights may differ: all use wgmma tiles
 # (BLOCK_M >= 64), measured bitwise equal on the H200 (decode with BLOCK_M=16 takes mma.sync and was
 # NOT: 3-10 of 700 positions differed). CHUNK is a constant, never a function of the batch or the
-# GPU: only where a chunk is computed varies (SPLIT_MAX_PARTIALS), never its bits. fp32 tiles take
-# twice the shared memory: fewer stages. Speeds: experiments/bench_paged_attention.py, README.
+# GPU: only where a chunk is computed (_chunks_per_program, FLAT) varies with them, never its bits.
+# fp32 tiles take twice the shared memory: fewer stages. Speeds: experiments/bench_paged_attention.py.
 ATTN_FWD = {
-    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
-                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
-    torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
-                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4)),
+    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
+                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True)),
+    torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True),
+                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True)),
 }
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
@@ -42,12 +42,18 @@ ATTN_BWD = {
 }
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
-INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16), decode=dict(BLOCK_M=16, BLOCK_N=16),
+INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
+                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
-# Decode / paged rows give each chunk its own program (split-K) while the partials (fp32 m, l and
-# acc [D] per row, head and chunk) number at most this; past it (many rows: enough programs anyway)
-# each row folds its chunks in registers, as prefill does. The same bits either way.
+# The split-K schedule of decode / paged rows (_chunks_per_program; the same bits whatever it picks):
+# while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
+# programs take 1, 2, 4, ... chunks each, the fewest that keeps the programs under
+# SPLIT_PROGRAMS_PER_SM per SM; when one program would take a whole row, or past the cap, each row
+# folds its chunks in registers, as prefill does. CHUNKS_PER_PROGRAM (tests, benchmarks) forces a
+# schedule: 0 = in registers, k = k chunks per program.
 SPLIT_MAX_PARTIALS = 1 << 17
+SPLIT_PROGRAMS_PER_SM = 4
+CHUNKS_PER_PROGRAM: int | None = None
 
 
 @triton.jit
@@ -129,6 +135,22 @@ def _fold(M, L, A, m_c, l_c, acc, take):
 
 
 @triton.jit
+def _chunk_end(j, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr, rd,
+               BLOCK_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    """The chunk holding key j is done: store its partial at [row, head, chunk] (SPLIT) or fold it
+    into (M, L, A); then a fresh partial, (-inf, 0, 0)."""
+    c = j // CHUNK
+    if SPLIT:
+        tl.store(mp_ptr + idx0 + c, m_c, mask=qmask)
+        tl.store(lp_ptr + idx0 + c, l_c, mask=qmask)
+        tl.store(ap_ptr + (idx0 + c)[:, None] * D + rd[None, :], acc, mask=qmask[:, None])
+    else:
+        M, L, A = _fold(M, L, A, m_c, l_c, acc, c * CHUNK <= qpos)
+    return (M, L, A, tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32), tl.zeros((BLOCK_M,), dtype=tl.float32),
+            tl.zeros((BLOCK_M, D), dtype=tl.float32))
+
+
+@triton.jit
 def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
     o = A / L[:, None]
     tl.store(o_ptr + qrow[:, None] * son + qhead[:, None] * soh + rd[None, :], o.to(o_ptr.dtype.element_ty),
@@ -137,10 +159,10 @@ def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
 
 
 @triton.jit
-def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, NC,
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, NC, SPP,
               sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-              PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+              PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr, UPCAST: tl.constexpr,
               IEEE: tl.constexpr):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
@@ -149,9 +171,11 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     0..positions[w] of its sequence through block-table row bt_ptr + seq * sbt. Rows modes pack the
     kv head's G query heads into the tile rows (the GQA group shares one K/V stream). Every tile row
     reduces its keys in CHUNK chunks of BLOCK_N blocks through the same instructions, so a row's
-    bits depend neither on the mode nor on BLOCK_M. SPLIT (rows modes): program axis 2 is the chunk,
-    whose partial goes to (mp, lp, ap)[row, head, chunk] for _attn_combine; otherwise the chunks are
-    folded here, in order."""
+    bits depend neither on the mode nor on BLOCK_M. SPLIT (rows modes): program z takes chunks
+    [z * SPP, z * SPP + SPP) and stores each one's partial at (mp, lp, ap)[row, head, chunk] for
+    _attn_combine; otherwise the program folds all its row's chunks here, in order. FLAT: one loop over
+    the blocks with the chunk ends inside it, else a loop per chunk (the same operations: a speed
+    choice)."""
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     bt = bt_ptr
@@ -190,30 +214,53 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     if UPCAST:
         q = q.to(tl.float32)
     n_full = (tl.minimum(q_pos0 + 1, n_keys) // BLOCK_N) * BLOCK_N  # keys every tile row may see
-    if SPLIT:
-        c = tl.program_id(2)
-        c0 = c * CHUNK
-        m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, n_keys), n_keys, n_full,
-                                qpos, skp, skn, rd, qk_scale, BLOCK_M, BLOCK_N, D, PAGE, MODE == 2, UPCAST, IEEE)
-        live = qmask & (c0 + rm * 0 < n_keys)
-        idx = (qrow * H + qhead) * NC + c
-        tl.store(mp_ptr + idx, m_c, mask=live)
-        tl.store(lp_ptr + idx, l_c, mask=live)
-        tl.store(ap_ptr + idx[:, None] * D + rd[None, :], acc, mask=live[:, None])
-    else:
+    if SPLIT:  # chunks [c_lo, c_lo + SPP) of the row, each partial stored
+        c_lo = tl.program_id(2) * SPP
+        k_hi = tl.minimum((c_lo + SPP) * CHUNK, n_keys)
+        idx0 = (qrow * H + qhead) * NC
+        M = tl.zeros((1,), dtype=tl.float32)  # unused: the fold is _attn_combine's
+        L = M
+        A = M
+    else:  # every chunk of the row, folded here
+        c_lo = 0
+        k_hi = n_keys
+        idx0 = qrow * 0
         M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         L = tl.zeros((BLOCK_M,), dtype=tl.float32)
         A = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        for c0 in range(0, n_keys, CHUNK):
-            m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, n_keys), n_keys, n_full,
-                                    qpos, skp, skn, rd, qk_scale, BLOCK_M, BLOCK_N, D, PAGE, MODE == 2, UPCAST, IEEE)
-            M, L, A = _fold(M, L, A, m_c, l_c, acc, c0 <= qpos)
+    k_lo = c_lo * CHUNK
+    if FLAT:  # one loop over the blocks (one software pipeline), a chunk's end handled inside it
+        m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        f_end = tl.minimum(tl.maximum(n_full, k_lo), k_hi)
+        for j0 in range(k_lo, f_end, BLOCK_N):
+            m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
+                                        qk_scale, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False)
+            if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
+                M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
+                                                    ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
+        for j0 in range(f_end, k_hi, BLOCK_N):
+            m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
+                                        qk_scale, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True)
+            if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
+                M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
+                                                    ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
+    else:  # a loop per chunk
+        for c0 in range(k_lo, k_hi, CHUNK):
+            m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, k_hi), n_keys, n_full,
+                                        qpos, skp, skn, rd, qk_scale, BLOCK_M, BLOCK_N, D, PAGE, MODE == 2, UPCAST,
+                                        IEEE)
+            M, L, A, m_c, l_c, acc = _chunk_end(c0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr,
+                                                rd, BLOCK_M, D, CHUNK, SPLIT)
+    if not SPLIT:
         _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd)
 
 
 @triton.jit
 def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr):
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr,
+                  UNROLL: tl.constexpr):
     """Program (row, kv head): fold the row's stored chunk partials in chunk order (split-K's second
     pass), then normalise: the same _fold and _attn_store as the in-register path."""
     w = tl.program_id(0)
@@ -232,11 +279,15 @@ def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh
     M = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     L = tl.zeros((BLOCK_G,), dtype=tl.float32)
     A = tl.zeros((BLOCK_G, D), dtype=tl.float32)
-    for c in range(0, tl.cdiv(n_keys, CHUNK)):
-        m_c = tl.load(mp_ptr + idx0 + c, mask=gmask, other=0.0)
-        l_c = tl.load(lp_ptr + idx0 + c, mask=gmask, other=0.0)
-        acc = tl.load(ap_ptr + (idx0 + c)[:, None] * D + rd[None, :], mask=gmask[:, None], other=0.0)
-        M, L, A = _fold(M, L, A, m_c, l_c, acc, c * CHUNK <= qpos)
+    n_c = tl.cdiv(n_keys, CHUNK)
+    for c0 in range(0, n_c, UNROLL):  # UNROLL chunks' loads in flight at once; chunks past n_c not taken
+        for i in tl.static_range(UNROLL):
+            c = c0 + i
+            ok = gmask & (c + rg * 0 < n_c)
+            m_c = tl.load(mp_ptr + idx0 + c, mask=ok, other=0.0)
+            l_c = tl.load(lp_ptr + idx0 + c, mask=ok, other=0.0)
+            acc = tl.load(ap_ptr + (idx0 + c)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+            M, L, A = _fold(M, L, A, m_c, l_c, acc, c * CHUNK <= qpos)
     _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, gmask, H, son, soh, rd)
 
 
@@ -274,15 +325,31 @@ def _attn_prefill_launch(q, k, v, work, scale: float):
         return o, lse
     cfg = _attn_cfg("prefill", q.dtype)
     _attn_fwd[(H, work.shape[0], 1)](
-        q, k, v, o, lse, work, work, work, o, o, o, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
+        q, k, v, o, lse, work, work, work, o, o, o, 1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
         o.stride(0), o.stride(1), 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
         UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg, **_no_fma())
     return o, lse
 
 
+def _chunks_per_program(N: int, H: int, Hk: int, nc: int, device) -> int:
+    """The split-K schedule of N rows with nc key chunks: 0 = each program folds its row's chunks in
+    registers; k >= 1 = each program stores the partials of k chunks and _attn_combine folds them.
+    Only where chunks are computed depends on this (bits never do): enough programs to fill the GPU,
+    few enough that each streams several chunks."""
+    if CHUNKS_PER_PROGRAM is not None:
+        return CHUNKS_PER_PROGRAM
+    if N * H * nc > SPLIT_MAX_PARTIALS:
+        return 0
+    target = SPLIT_PROGRAMS_PER_SM * _num_sms(device)
+    spp = 1
+    while spp < nc and N * Hk * triton.cdiv(nc, spp) > target:
+        spp *= 2
+    return 0 if spp >= nc else spp
+
+
 def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strides, n_keys_max: int, scale: float):
     """Rows modes (1 decode, 2 paged) of _attn_fwd: one query row per item, its G heads in the tile.
-    Few rows: split-K (a program per chunk, then _attn_combine); many: chunks folded in registers."""
+    Few rows: split-K (programs over chunks, then _attn_combine); many: chunks folded in registers."""
     N, H, D = q.shape
     _head_dim_ok(D)
     Hk = k.shape[-2]
@@ -296,19 +363,21 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     chunk = cfg["CHUNK"]
     nc = triton.cdiv(max(n_keys_max, 1), chunk)
-    split = N * H * nc <= SPLIT_MAX_PARTIALS
+    spp = _chunks_per_program(N, H, Hk, nc, q.device)
     skp, skn, skh = key_strides
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
     args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
-    if not split:
-        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, nc, *args, SPLIT=False, **flags, **cfg)
+    if not spp:
+        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, nc, 1, *args, SPLIT=False, **flags, **cfg)
         return o, lse
-    mp = torch.empty(N * H * nc, dtype=torch.float32, device=q.device)
-    lp = torch.empty_like(mp)
-    ap = torch.empty(N * H * nc, D, dtype=torch.float32, device=q.device)
-    _attn_fwd[(N, Hk, nc)](q, k, v, o, lse, work, seq, table, mp, lp, ap, nc, *args, SPLIT=True, **flags, **cfg)
+    R = N * H * nc
+    part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
+    ap, mp, lp = part[: R * D], part[R * D : R * (D + 1)], part[R * (D + 1) :]
+    _attn_fwd[(N, Hk, triton.cdiv(nc, spp))](q, k, v, o, lse, work, seq, table, mp, lp, ap, nc, spp, *args,
+                                              SPLIT=True, **flags, **cfg)
     _attn_combine[(N, Hk)](mp, lp, ap, o, lse, work, nc, o.stride(0), o.stride(1), G=G, D=D,
-                           BLOCK_G=triton.next_power_of_2(G), CHUNK=chunk, MODE=mode, **_no_fma())
+                           BLOCK_G=triton.next_power_of_2(G), CHUNK=chunk, MODE=mode, UNROLL=1 if INTERPRET else 4,
+                           **_no_fma())
     return o, lse
 
 

@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 H, HK, D = 32, 8, 128
 SCALE = 1 / math.sqrt(D)
-SPLIT = {"split": 1 << 30, "fused": 0}  # SPLIT_MAX_PARTIALS: every launch split-K / none
+# CHUNKS_PER_PROGRAM: split-K with 1 / 4 chunks per program, chunks folded in registers, the size-based schedule
+SCHEDULE = {"split1": 1, "split4": 4, "registers": 0, "auto": None}
 
 
 def _packed(lens, seed, dtype=torch.bfloat16):
@@ -47,7 +48,7 @@ def _pages(k, v, lens, page_size, seed):
     return kp, vp, table, seq_idx, pos
 
 
-@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("mode", list(SCHEDULE))
 def test_decode_equals_prefill_at_every_position(mode, monkeypatch):
     from rlalign.kernels.triton import attention as attn
 
@@ -55,7 +56,7 @@ def test_decode_equals_prefill_at_every_position(mode, monkeypatch):
     q, k, v, cu = _packed([T], 0)
     pre = attn.attention_prefill(q, k, v, cu, SCALE)
     kc, vc = k[None], v[None]
-    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", SPLIT[mode])
+    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
     # all 4,096 positions as one batch of rows over a stride-0 view of the one cache
     dec = attn.attention_decode(q, kc.expand(T, -1, -1, -1), vc.expand(T, -1, -1, -1),
                                 torch.arange(1, T + 1, device="cuda"), SCALE)
@@ -78,7 +79,7 @@ def test_decode_batch_of_one_around_chunk_boundaries():
         assert same_bits(dec[0], pre[t]), t
 
 
-@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("mode", ["split1", "registers"])
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_paged_equals_prefill_ragged_shuffled(page_size, mode, monkeypatch):
     from rlalign.kernels.triton import attention as attn
@@ -88,13 +89,29 @@ def test_paged_equals_prefill_ragged_shuffled(page_size, mode, monkeypatch):
     pre = attn.attention_prefill(q, k, v, cu, SCALE)
     kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 3)
     perm = torch.randperm(len(pos), generator=torch.Generator().manual_seed(4)).cuda()
-    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", SPLIT[mode])
+    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
     out = attn.attention_paged(q[perm], kp, vp, table, seq_idx[perm], pos[perm], SCALE)
     assert same_bits(out, pre[perm])
-    # decode rows only (the last position of each sequence), a small batch: the default split choice
-    monkeypatch.setattr(attn, "SPLIT_MAX_PARTIALS", 1 << 17)
+    # decode rows only (the last position of each sequence), a small batch: the size-based schedule
+    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", None)
     last = torch.tensor(cu[1:], device="cuda") - 1
     assert same_bits(attn.attention_paged(q[last], kp, vp, table, seq_idx[last], pos[last], SCALE), pre[last])
+
+
+def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
+    from rlalign.kernels.triton import attention as attn
+
+    lens = [3000, 1100]
+    q, k, v, cu = _packed(lens, 8)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 9)
+    outs, cfg = [], attn.ATTN_FWD[torch.bfloat16]
+    for flat in (True, False):
+        for kind in ("prefill", "decode"):
+            monkeypatch.setitem(cfg, kind, dict(cfg[kind], FLAT=flat))
+        outs.append((attn.attention_prefill(q, k, v, cu, SCALE),
+                     attn.attention_paged(q, kp, vp, table, seq_idx, pos, SCALE)))
+    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1])
+    assert same_bits(outs[0][1], outs[0][0])
 
 
 def test_negative_twin_another_chunk_size_moves_bits(monkeypatch):
