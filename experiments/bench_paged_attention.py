@@ -91,7 +91,7 @@ def knobs(chunk: int | None = None, spp: int | None = -1, flat: bool | None = No
     if spp != -1:
         attn.CHUNKS_PER_PROGRAM = spp
     if flat is not None:
-        table["prefill"], table["decode"] = dict(saved[2], FLAT=flat), dict(saved[3], FLAT=flat)
+        table["prefill"], table["decode"] = dict(saved[2], FLAT=flat), dict(saved[3], FLAT=flat, SPLIT_FLAT=flat)
     try:
         yield
     finally:
@@ -219,13 +219,14 @@ def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
                 speed_vs_sdpa=t_sdpa / t, graph_speed_vs_sdpa=g_sdpa / gt)
 
 
-DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=4, FLAT=True) for s in (2, 4)]
+DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=4, FLAT=True, SPLIT_FLAT=False) for s in (2, 4)]
 PREFILL_TILES = [dict(BLOCK_M=m, num_stages=s, num_warps=w, FLAT=True) for m, s, w in ((128, 4, 8), (64, 3, 4))]
 
 
 def sweep_schedules(q: bool) -> None:
-    """Decode times per split-K schedule (chunks per program; 0 = in registers) and loop structure:
-    the same bits, so the fastest is free to pick."""
+    """Decode times per split-K schedule (chunks per program; 0 = in registers) and loop form (flat: one
+    loop over the blocks, else a loop per chunk; for every schedule): the same bits, so the fastest is
+    free to pick."""
     H, Hk, D, C = (4, 2, 16, 64) if q else (32, 8, 128, 4096)
     for B in ([2] if q else [1, 8, 64]):
         g = torch.Generator(device=DEV).manual_seed(B)

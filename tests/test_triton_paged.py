@@ -111,9 +111,12 @@ def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
     for flat in (True, False):
         for kind in ("prefill", "decode"):
             monkeypatch.setitem(attn.INTERPRET_ATTN, kind, dict(attn.INTERPRET_ATTN[kind], FLAT=flat))
+        monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(attn.INTERPRET_ATTN["decode"], SPLIT_FLAT=flat))
         pre = tb.attention_prefill(q, k, v, cu, 0.25)
-        outs.append((pre, tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)))
-    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1])
+        for spp in (2, 0):  # split-K and in registers
+            monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+            outs.append((pre, tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)))
+    assert all(same_bits(o[0], outs[0][0]) and same_bits(o[1], outs[0][1]) for o in outs)
     assert same_bits(outs[0][1], outs[0][0][rows])
 
 

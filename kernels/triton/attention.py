@@ -22,13 +22,19 @@ from .common import INTERPRET, _check, _num_sms, _table
 # over, in order: part of the contract); their tile heights may differ: all use wgmma tiles
 # (BLOCK_M >= 64), measured bitwise equal on the H200 (decode with BLOCK_M=16 takes mma.sync and was
 # NOT: 3-10 of 700 positions differed). CHUNK is a constant, never a function of the batch or the
-# GPU: only where a chunk is computed (_chunks_per_program, FLAT) varies with them, never its bits.
-# fp32 tiles take twice the shared memory: fewer stages. Speeds: experiments/bench_paged_attention.py.
+# GPU: only where a chunk is computed (_chunks_per_program, the loop form) varies with them, never
+# its bits. FLAT: one loop over the key blocks with the chunk ends inside it (prefill, and decode
+# rows folded in registers); SPLIT_FLAT: the same for split-K programs, where a loop per chunk was
+# faster. bf16 on one H200 (experiments/results/paged_attention_h200*.json; graph times, 32/8 heads,
+# D 128, 4,096 keys): decode 1.19x / 1.26x / 1.02x SDPA's time at B = 1 / 8 / 64 with this choice
+# of loop forms, prefill 0.65x / 0.63x SDPA's speed at T = 1024 / 4096 (0.68x / 0.67x without key
+# chunks); CHUNK 128 and 512 measured slower at B = 1 and 8, 512 faster for prefill. fp32 tiles
+# take twice the shared memory: fewer stages.
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
-                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True)),
+                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True, SPLIT_FLAT=False)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True),
-                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True)),
+                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True, SPLIT_FLAT=False)),
 }
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
@@ -43,7 +49,7 @@ ATTN_BWD = {
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
 INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
-                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True),
+                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
 # The split-K schedule of decode / paged rows (_chunks_per_program; the same bits whatever it picks):
 # while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
@@ -359,6 +365,7 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     if N == 0:
         return o, lse
     cfg = _attn_cfg("decode", q.dtype)
+    split_flat = cfg.pop("SPLIT_FLAT")
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     chunk = cfg["CHUNK"]
@@ -370,6 +377,7 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     if not spp:
         _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, nc, 1, *args, SPLIT=False, **flags, **cfg)
         return o, lse
+    cfg["FLAT"] = split_flat
     R = N * H * nc
     part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
     ap, mp, lp = part[: R * D], part[R * D : R * (D + 1)], part[R * (D + 1) :]

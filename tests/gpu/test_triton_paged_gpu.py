@@ -108,6 +108,7 @@ def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
     for flat in (True, False):
         for kind in ("prefill", "decode"):
             monkeypatch.setitem(cfg, kind, dict(cfg[kind], FLAT=flat))
+        monkeypatch.setitem(cfg, "decode", dict(cfg["decode"], SPLIT_FLAT=flat))
         outs.append((attn.attention_prefill(q, k, v, cu, SCALE),
                      attn.attention_paged(q, kp, vp, table, seq_idx, pos, SCALE)))
     assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1])
