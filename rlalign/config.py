@@ -100,7 +100,7 @@ class GeneratorConfig:
     greedy: bool = False
     # the native engine's schedule (rlalign.generation.EngineConfig); none of it changes a bit
     max_num_seqs: int = 0  # sequences in flight per generator rank; 0 = all of the rank's requests
-    max_num_batched_tokens: int = 0  # rows per step (decode rows, then prompt chunks); 0 = no limit
+    max_num_batched_tokens: int = 8192  # rows per step (decode rows, then prompt chunks); 0 = no limit
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages per rank; 0 = enough for max_num_seqs sequences at their longest
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)

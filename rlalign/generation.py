@@ -72,7 +72,7 @@ class EngineConfig:
     """The native engine's schedule (generator.* keys). None of it changes a token or a bit."""
 
     max_num_seqs: int = 0  # sequences in flight at once; 0 = every request at once
-    max_num_batched_tokens: int = 0  # rows per step (decode rows first, then prompt chunks); 0 = no limit
+    max_num_batched_tokens: int = 8192  # rows per step (decode rows first, then prompt chunks); 0 = no limit
     page_size: int = 16  # token slots per KV page
     num_pages: int = 0  # KV pages; 0 = enough for max_num_seqs sequences at their longest
     cuda_graphs: bool = True  # on CUDA, decode-only steps replay graphs captured per batch-size bucket
