@@ -67,8 +67,9 @@ def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = Tr
         outs = generate(model, prompts, list(range(len(prompts))), params, engine=engine)
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
-        lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=16,
-                    **params.logprob_kwargs())
+        with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
+            lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=16,
+                        **params.logprob_kwargs())
     toks = sum(len(r.tokens) for r in outs)
     diff = [(r.logprobs - lp.float().cpu()).abs() for r, lp in zip(outs, lps)]
     return outs, {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs,
