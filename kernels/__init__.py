@@ -63,6 +63,12 @@ def _impl(x: torch.Tensor) -> ModuleType:
     return _det
 
 
+def capturable(x: torch.Tensor) -> bool:
+    """Whether the ops on x's device run without host syncs (a CUDA graph can capture them): the
+    Triton op set on CUDA. The torch backends read MoE group sizes on the host."""
+    return x.is_cuda and _state["mode"] == "deterministic" and _state["backend"] in ("triton", "auto")
+
+
 # --- the op API -----------------------------------------------------------------------------
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[..., K] x [N, K] -> [..., N]. Deterministic: fixed K order, bits of a row independent of M."""

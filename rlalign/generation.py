@@ -152,10 +152,12 @@ class _DecodeGraphs:
 
 
 def graphs_allowed(model: Transformer, engine: EngineConfig, dev: torch.device) -> bool:
-    """Graphs replay kernels, not Python: only on CUDA and when no tap does host work (row
-    fingerprints, per-op traces and injected faults run eagerly)."""
+    """Graphs replay kernels, not Python: only with an op set that never syncs with the host (the
+    Triton kernels on CUDA) and when no tap does host work (row fingerprints, per-op traces and
+    injected faults run eagerly)."""
     taps = getattr(model, "taps", None)
-    return engine.cuda_graphs and dev.type == "cuda" and (taps is None or getattr(taps, "inert", False))
+    return (engine.cuda_graphs and kernels.capturable(model.lm_head.weight)
+            and (taps is None or getattr(taps, "inert", False)))
 
 
 def check_prompts(model: Transformer, prompts: list[list[int]], sample_ids: list[int], max_new: int) -> None:
