@@ -119,7 +119,7 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path):
     ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
                      "monitor.inject=generator:layers.1.mlp:noise")
     assert not ok and "FAIL" in text
-    assert "first divergence: gen.prefill.layers.1.mlp" in text
+    assert "first divergence: gen.step.layers.1.mlp" in text
 
 
 @pytest.mark.slow
@@ -128,7 +128,7 @@ def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path):
     assert ok, text
     ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",
                      'gate.candidate=["monitor.inject=both:layers.1.attn:default"]')
-    assert not ok and "first divergence: gen.prefill.layers.1.attn" in text
+    assert not ok and "first divergence: gen.step.layers.1.attn" in text
 
 
 @pytest.mark.slow
@@ -137,7 +137,7 @@ def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path):
     assert ok, text
     ok, text = _gate("replay", tmp_path / "rng", "run.steps=3",
                      'gate.b_overrides=["monitor.inject=generator:sampling:seed"]')
-    assert not ok and "first divergence: gen.prefill.sample" in text
+    assert not ok and "first divergence: gen.step.sample" in text
 
 
 @pytest.mark.slow
