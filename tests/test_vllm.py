@@ -201,7 +201,7 @@ def test_generator_ep2_agrees_with_trainer_ep1_and_ep2():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gen_ep", [1, 2])
+@pytest.mark.parametrize("gen_ep", [2])  # EP 1 runs the same path (measured in experiments/; suite time)
 def test_train_with_the_vllm_generator_agrees_every_step(tmp_path, gen_ep):
     """`rlalign train generator.backend=vllm`: after each update the weights reach vLLM (pushed,
     prefix cache reset) before the next rollouts, so the trainer's pre-update logprobs equal
