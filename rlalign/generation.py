@@ -151,7 +151,7 @@ class _DecodeGraphs:
         return out[:n]
 
 
-def graphs_allowed(model: Transformer, engine: EngineConfig, dev: torch.device) -> bool:
+def graphs_allowed(model: Transformer, engine: EngineConfig) -> bool:
     """Graphs replay kernels, not Python: only with an op set that never syncs with the host (the
     Triton kernels on CUDA) and when no tap does host work (row fingerprints, per-op traces and
     injected faults run eagerly)."""
@@ -177,6 +177,18 @@ def check_prompts(model: Transformer, prompts: list[list[int]], sample_ids: list
         bad = [t for t in p if not 0 <= t < a.vocab_size]
         if bad:
             raise ValueError(f"prompt of sample {sid} has token id {bad[0]} outside [0, {a.vocab_size})")
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, sample_ids: torch.Tensor, positions: torch.Tensor,
+                tap_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens at absolute `positions` [B] drawn from logits [B, V], and their fp32 logprobs
+    under the distribution they were drawn from: the one sampling step of both engines (this one
+    and vLLM's logits processor, rlalign/vllm_engine/sampler.py)."""
+    kw = params.logprob_kwargs()
+    tok = kernels.sample(logits, params.seed, sample_ids, positions, greedy=params.greedy, **kw)
+    if tap_fn is not None:
+        tok = tap_fn(tok)
+    return tok, kernels.token_logprobs(logits, tok, **kw)
 
 
 def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -228,13 +240,12 @@ def generate(
     table_host = torch.full((max_seqs + 1, width), num_pages, dtype=torch.int32)
     block_table = table_host.to(dev)
     graphs = _DecodeGraphs(model, cache, block_table, max_seqs, num_pages * ps) if graphs_allowed(
-        model, engine, dev) and any_live is None else None
+        model, engine) and any_live is None else None
     free_pages, free_slots = list(range(num_pages - 1, -1, -1)), list(range(max_seqs - 1, -1, -1))
     queue, running = deque(range(B)), []
     out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
     ids_all = torch.tensor(sample_ids, dtype=torch.long, device=dev)
     lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each
-    lp_kw = params.logprob_kwargs()
     record_all = isinstance(getattr(model, "taps", None), TapRecorder) and model.taps.rows
     while True:
         while queue and free_slots and len(free_pages) >= pages_of[queue[0]]:  # admit in order
@@ -280,9 +291,8 @@ def generate(
         if not sample_at:
             continue
         b_dev = _to(torch.tensor(b_idx, dtype=torch.long), dev)
-        tok = tap(model, "sample", kernels.sample(logits, params.seed, ids_all[b_dev], positions + 1,
-                                                  greedy=params.greedy, **lp_kw))
-        lps.append(kernels.token_logprobs(logits, tok, **lp_kw))
+        tok, lp = sample_next(logits, params, ids_all[b_dev], positions + 1, lambda t: tap(model, "sample", t))
+        lps.append(lp)
         lp_rows.append(b_idx)
         finished = []
         for (seq, _), t in zip(sample_at, tok.tolist()):  # the step's one host sync

@@ -1,10 +1,10 @@
 """rlalign's sampler and logprob inside vLLM, as a v1 logits processor.
 
 For each request that carries `extra_args["rlalign"]` (seed, sample id, temperature, top-k, top-p,
-greedy), the row's token is `kernels.sample` with noise from (seed, sample id, position), position
-= prompt length + tokens so far, and its logprob is `kernels.token_logprobs`: the native
-generator's two calls. The processor leaves that token finite with its logprob as the value and
-every other entry -inf. The engine asks vLLM for temperature 0, logprobs=0 and
+greedy), the row's token and its logprob are `rlalign.generation.sample_next` (kernels.sample
+with noise from (seed, sample id, position), position = prompt length + tokens so far, and
+kernels.token_logprobs): the native engine's own sampling step. The processor leaves that token
+finite with its logprob as the value and every other entry -inf. The engine asks vLLM for temperature 0, logprobs=0 and
 logprobs_mode="processed_logits": vLLM's greedy pick is then our token and the logprob it returns
 is our fp32 value, untouched.
 """
@@ -17,7 +17,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from rlalign import kernels
+from rlalign.generation import SamplingParams, sample_next
 from rlalign.vllm_engine.plugin import KEY
 
 
@@ -69,9 +69,8 @@ class RlalignSampler(LogitsProcessor):
             ids = torch.tensor([r.sample_id for r in reqs], dtype=torch.long, device=logits.device)
             pos = torch.tensor([r.prompt_len + len(r.output) for r in reqs], dtype=torch.long, device=logits.device)
             z = logits.index_select(0, rows)
-            kw = {"temperature": 1.0 if greedy else temperature, "top_k": top_k, "top_p": top_p}
-            tok = kernels.sample(z, seed, ids, pos, greedy=greedy, **kw)
-            lp = kernels.token_logprobs(z, tok, **kw)
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, seed=seed)
+            tok, lp = sample_next(z, params, ids, pos)
             out = torch.full_like(z, float("-inf"))
             out.scatter_(1, tok[:, None], lp[:, None].to(out.dtype))
             logits.index_copy_(0, rows, out)
