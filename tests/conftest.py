@@ -27,6 +27,27 @@ def _deterministic_mode():
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_cluster_per_module(request):
+    """A module's in-process runs (train, gates) share one private Ray cluster: the first run's
+    connect() starts it, the later ones find Ray up and attach, and the shutdown is deferred to the
+    module's end. Starting and stopping a cluster costs ~5 s here, once per run otherwise.
+    test_cluster checks connect/disconnect themselves and keeps the real ones."""
+    from rlalign import cluster
+
+    if request.module.__name__.rsplit(".", 1)[-1] == "test_cluster":
+        yield
+        return
+    real, started = cluster.disconnect, []
+    cluster.disconnect = lambda initialized: started.append(True) if initialized else None
+    try:
+        yield
+    finally:
+        cluster.disconnect = real
+        if started:
+            real(True)
+
+
 def tiny_model(dtype="bfloat16", seed=0, **over):
     return build_model(ModelArgs(**{**TINY, **over}), dtype, seed=seed)
 

@@ -90,11 +90,17 @@ def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
 
 
 def _fails_fast(overrides, match, exc=(ConfigError, ValueError, FileNotFoundError)):
-    import ray
+    from rlalign import cluster
 
-    with pytest.raises(exc, match=match):
-        train(load_config(overrides))
-    assert not ray.is_initialized()  # failed before any actor started
+    def refuse(*a, **k):
+        raise AssertionError("train() reached the Ray cluster: the bad input was not caught first")
+
+    real, cluster.connect = cluster.connect, refuse  # failed before any cluster or actor started
+    try:
+        with pytest.raises(exc, match=match):
+            train(load_config(overrides))
+    finally:
+        cluster.connect = real
 
 
 def test_bad_input_fails_before_any_actor(tmp_path):

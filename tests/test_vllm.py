@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -207,11 +205,11 @@ def test_train_with_the_vllm_generator_agrees_every_step(tmp_path, gen_ep):
     prefix cache reset) before the next rollouts, so the trainer's pre-update logprobs equal
     the generator's at every step; generator EP 2 = one actor whose two vLLM workers own half the
     experts each, against trainer EP 2."""
-    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "train", "generator.backend=vllm", "run.steps=3",
-                        "trainer.ep_size=2", f"generator.ep_size={gen_ep}", f"run.dir={tmp_path}", "task.num_prompts=4",
-                        "task.samples_per_prompt=4", "trainer.micro_batch_size=4", *SMALL],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    from rlalign.rl import train  # in-process: the module's Ray cluster (tests/conftest.py); the CLI: test_cli
+
+    train(load_config(["generator.backend=vllm", "run.steps=3", "trainer.ep_size=2", f"generator.ep_size={gen_ep}",
+                       f"run.dir={tmp_path}", "task.num_prompts=4", "task.samples_per_prompt=4",
+                       "trainer.micro_batch_size=4", "logger.console=false", *SMALL]))
     rows = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -248,11 +246,12 @@ def test_train_fault_inside_vllm_is_reported_at_its_layer(tmp_path):
     """Negative twin through the monitor: layers.0.mlp inside vLLM runs the default kernels
     (monitor.inject); the step reports mismatches and the row fingerprints recorded inside vLLM
     name layers.0.mlp as the first divergent op."""
-    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "train", "generator.backend=vllm", "run.steps=1",
-                        "trainer.ep_size=1", f"run.dir={tmp_path}", "task.num_prompts=4", "task.samples_per_prompt=4",
-                        "monitor.fingerprints=layers", "monitor.inject=generator:layers.0.mlp:default",
-                        "monitor.on_mismatch=warn", *SMALL], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    from rlalign.rl import train
+
+    train(load_config(["generator.backend=vllm", "run.steps=1", "trainer.ep_size=1", f"run.dir={tmp_path}",
+                       "task.num_prompts=4", "task.samples_per_prompt=4", "monitor.fingerprints=layers",
+                       "monitor.inject=generator:layers.0.mlp:default", "monitor.on_mismatch=warn",
+                       "logger.console=false", *SMALL]))
     (row,) = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert row["consistency/mismatched_tokens"] > 0
     assert row["consistency/first_divergent_op"] == "layers.0.mlp"
