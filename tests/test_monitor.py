@@ -109,13 +109,15 @@ def _gate(kind, tmp_path, *over):
 
 
 @pytest.mark.slow
-def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path):
+def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys):
+    from rlalign import cli
+
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "gate", "repeatability", "run.steps=2",
-                        f"run.dir={tmp_path}/cli"], capture_output=True, text=True, timeout=300)
+    rc = cli.main(["gate", "repeatability", "run.steps=2", f"run.dir={tmp_path}/cli"])  # in-process: this module's Ray
+    out, err = capsys.readouterr()
     print(f"rlalign gate repeatability run.steps=2: {time.perf_counter() - t:.1f}s")
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "gate repeatability: PASS" in p.stdout
+    assert rc == 0, err[-2000:]
+    assert "gate repeatability: PASS" in out
     ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
                      "monitor.inject=generator:layers.1.mlp:noise")
     assert not ok and "FAIL" in text
