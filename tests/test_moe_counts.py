@@ -128,3 +128,32 @@ def test_moe_layer_output_and_gradients_unchanged(backend):
             outs.append((y, *torch.autograd.grad(y, [xr, *params], gy)))
     assert all(same_bits(a, b) for a, b in zip(*outs))
     assert not same_bits(outs[0][0], outs[0][0].flip(0))  # the rows differ: the comparison can fail
+
+
+def test_dispatch_is_the_stable_sort_by_expert_and_its_inverse():
+    """The counting sort of the MoE layer (no comparison sort, no host sync) puts rows where a stable
+    sort by expert does; its negative twin: an unstable order of the same ids is a different
+    permutation, which the comparison sees."""
+    from rlalign.model.model import dispatch
+
+    g = torch.Generator().manual_seed(0)
+    for n, e in ((0, 8), (1, 8), (7, 4), (2048, 64), (513, 128), (300, 3)):
+        flat = torch.randint(0, e, (n,), generator=g).to(DEV)
+        order, dest, counts = dispatch(flat, e)
+        ref = torch.sort(flat, stable=True).indices
+        assert torch.equal(order, ref) and torch.equal(dest, torch.argsort(ref))
+        assert torch.equal(counts, torch.bincount(flat, minlength=e))
+    flat = torch.zeros(64, dtype=torch.long, device=DEV)  # one expert: every order sorts these ids,
+    unstable = torch.arange(63, -1, -1, device=DEV)  # e.g. last row first (a valid but unstable sort)
+    assert torch.equal(flat[unstable], flat.sort().values) and not torch.equal(dispatch(flat, 4)[0], unstable)
+
+
+def test_moe_layer_inference_rows_equal_the_training_rows():
+    """Without autograd the layer gathers token rows directly (no [T*k, d] copy): the same bits."""
+    model = tiny_model().to(DEV)
+    moe = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE))
+    x = torch.randn(13, model.args.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEV)
+    with torch.no_grad():
+        a = moe(x)
+    b = moe(x.clone().requires_grad_())
+    assert same_bits(a, b.detach())

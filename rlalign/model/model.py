@@ -146,16 +146,30 @@ class MoE(nn.Module):
         if tap is not None:
             logits = tap("router", logits)
         weights, ids = kernels.moe_route(logits, k, self.norm_topk_prob)
-        flat = ids.reshape(-1)  # [T*k] token-major, slot order within a token
-        sorted_ids, order = torch.sort(flat, stable=True)  # by (expert, token, slot)
-        # counts [E] stay on the device (searchsorted, not bincount + tolist): no host sync, so a
-        # decode step can be captured in a CUDA graph; EP reads them on the host for its splits
-        bounds = torch.arange(self.num_experts + 1, device=flat.device, dtype=flat.dtype)
-        counts = torch.searchsorted(sorted_ids, bounds).diff()
-        x_slots = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
-        y_sorted = self.experts(x_slots.index_select(0, order), counts)
-        y = y_sorted.index_select(0, torch.argsort(order)).view(T, k, d)
+        order, dest, counts = dispatch(ids.reshape(-1), self.num_experts)
+        if x.requires_grad and torch.is_grad_enabled():  # backward: one row per slot, summed over slots
+            x_in = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d).index_select(0, order)
+        else:  # the same rows without the [T*k, d] copy (an index_select backward would add with atomics)
+            x_in = x.index_select(0, order // k)  # row j: token order[j] // k
+        y_sorted = self.experts(x_in, counts)
+        y = y_sorted.index_select(0, dest).view(T, k, d)
         return kernels.moe_combine(y, weights)
+
+
+def dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) rows `flat` [N] (expert ids, token-major) grouped by expert: `order` [N]
+    lists them expert by expert, in (token, slot) order within an expert (what a stable sort by
+    expert gives), `dest` is its inverse (where each row went) and `counts` [E] the group sizes.
+    A counting sort with no host sync (a decode step can be captured in a CUDA graph; EP reads
+    the counts on the host for its splits) and no comparison sort: a row's place is its expert's
+    start plus the number of earlier rows with the same expert (an integer prefix sum, exact)."""
+    hits = flat[:, None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)[None]  # [N, E]
+    seen = torch.cumsum(hits, 0, dtype=torch.int32)  # rows up to and including this one, per expert
+    counts = seen[-1].long() if flat.numel() else torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    start = torch.cumsum(counts, 0) - counts
+    dest = start.index_select(0, flat) + seen.gather(1, flat[:, None])[:, 0] - 1
+    order = torch.empty_like(dest).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+    return order, dest, counts
 
 
 class DecoderLayer(nn.Module):
