@@ -108,47 +108,54 @@ class _Seq:
 
 
 class _DecodeGraphs:
-    """CUDA graphs of decode-only `Transformer.step`s, one per batch-size bucket (powers of two),
-    captured on first use. A step of n rows runs the smallest bucket >= n; the padding rows read and
-    write only a spare page through a spare block-table row, and batch invariance means they change
-    no bit of the real rows (tests/gpu checks graphs == eager bitwise). Sampling stays eager."""
+    """CUDA graphs of decode-only engine steps — `Transformer.step` and `sample_next` — one per
+    batch-size bucket (powers of two), captured on first use. A step of n rows runs the smallest
+    bucket >= n; the padding rows read and write only a spare page through a spare block-table row
+    and sample from zeroed logits, and batch invariance means they change no bit of the real rows
+    (tests/gpu checks graphs == eager bitwise). Inputs per row: token, position, block-table row,
+    cache slot, sample id (-1: padding)."""
 
     def __init__(self, model: Transformer, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int,
-                 pad_slot: int):
-        self.model, self.cache, self.block_table = model, cache, block_table
+                 pad_slot: int, params: SamplingParams):
+        self.model, self.cache, self.block_table, self.params = model, cache, block_table, params
         self.pad_row, self.pad_slot = pad_row, pad_slot
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def _pad(self, meta: torch.Tensor, size: int) -> torch.Tensor:
-        pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot]], dtype=torch.long)
-        pad = pad.expand(4, size - meta.shape[1])
+        pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot], [-1]], dtype=torch.long)
+        pad = pad.expand(5, size - meta.shape[1])
         return torch.cat([meta, pad], 1)
 
+    def _run(self, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, seq_idx, slots, ids = static
+        logits = self.model.step(tokens, positions, seq_idx, self.cache, self.block_table, slots)
+        logits = torch.where((ids >= 0)[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        return sample_next(logits, self.params, ids.clamp_min(0), positions + 1)
+
     def _capture(self, size: int):
-        dev = self.block_table.device
-        static = self._pad(torch.zeros(4, 0, dtype=torch.long), size).to(dev)
-        run = lambda: self.model.step(static[0], static[1], static[2], self.cache, self.block_table,  # noqa: E731
-                                      static[3])
+        static = self._pad(torch.zeros(5, 0, dtype=torch.long), size).to(self.block_table.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            run()  # warm-up (Triton compiles, launch plans fill) outside the capture
+            self._run(static)  # warm-up (Triton compiles, launch plans fill) outside the capture
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
+            out = self._run(static)
         return graph, static, out
 
-    def __call__(self, meta: torch.Tensor) -> torch.Tensor:
+    def __call__(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """meta [5, n] (rows as above) -> this step's tokens and logprobs [n] (the logprobs copied
+        out of the graph's memory, which the next replay overwrites)."""
         n = meta.shape[1]
         size = 1 << max(0, (n - 1).bit_length())
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
-        graph, static, out = self.graphs[size]
+        graph, static, (tok, lp) = self.graphs[size]
         static.copy_(self._pad(meta, size).pin_memory(), non_blocking=True)
         graph.replay()
-        return out[:n]
+        return tok[:n], lp[:n].clone()
 
 
 def graphs_allowed(model: Transformer, engine: EngineConfig) -> bool:
@@ -239,7 +246,7 @@ def generate(
         ) from e
     table_host = torch.full((max_seqs + 1, width), num_pages, dtype=torch.int32)
     block_table = table_host.to(dev)
-    graphs = _DecodeGraphs(model, cache, block_table, max_seqs, num_pages * ps) if graphs_allowed(
+    graphs = _DecodeGraphs(model, cache, block_table, max_seqs, num_pages * ps, params) if graphs_allowed(
         model, engine) and any_live is None else None
     free_pages, free_slots = list(range(num_pages - 1, -1, -1)), list(range(max_seqs - 1, -1, -1))
     queue, running = deque(range(B)), []
@@ -277,21 +284,21 @@ def generate(
              [seq.pages[p // ps] * ps + p % ps for seq, p in rows]], dtype=torch.long).reshape(4, len(rows))
         b_idx = [seq.b for seq, _ in sample_at]
         if graphs is not None and len(sample_at) == len(rows):  # decode only: rows are the samples, in order
-            logits = graphs(meta)
-            positions = torch.tensor([p for _, p in rows], dtype=torch.long).pin_memory().to(dev, non_blocking=True)
+            ids = torch.tensor([sample_ids[b] for b in b_idx], dtype=torch.long)
+            tok, lp = graphs(torch.cat([meta, ids[None]]))
         else:
             tokens, positions, seq_idx, slot_mapping = _to(meta, dev)
             pick = _to(torch.tensor([r for _, r in sample_at], dtype=torch.long), dev)
             set_rows(model, "gen.step.", [(sample_ids[seq.b], p) for seq, p in rows])
             logits = model.step(tokens, positions, seq_idx, cache, block_table, slot_mapping,
                                 logit_rows=None if record_all else pick)
+            if not sample_at:
+                continue
             if record_all:
                 logits = logits.index_select(0, pick)
-            positions = positions[pick]
-        if not sample_at:
-            continue
-        b_dev = _to(torch.tensor(b_idx, dtype=torch.long), dev)
-        tok, lp = sample_next(logits, params, ids_all[b_dev], positions + 1, lambda t: tap(model, "sample", t))
+            b_dev = _to(torch.tensor(b_idx, dtype=torch.long), dev)
+            tok, lp = sample_next(logits, params, ids_all[b_dev], positions[pick] + 1,
+                                  lambda t: tap(model, "sample", t))
         lps.append(lp)
         lp_rows.append(b_idx)
         finished = []
