@@ -120,6 +120,12 @@ class TrainerConfig:
     # gradients summed in one tree over global micro-batches: the same bits at every trainer EP
     # size (false: per rank, then over ranks in rank order; the same bits run to run only)
     topology_invariant: bool = True
+    # ZeRO-1/2 style: the dense (non-expert) fp32 masters, AdamW moments and, once the grad norm is
+    # taken, gradients split across the trainer ranks in units of rows of at most shard_unit_numel
+    # elements (a multiple of 64; the units and so the bits never depend on the number of ranks);
+    # updated weights all-gathered. Same bits as false (rlalign/training/trainer.py)
+    shard_dense: bool = False
+    shard_unit_numel: int = 4 * 1024 * 1024
 
 
 @dataclass
@@ -335,6 +341,7 @@ def validate(cfg: DictConfig) -> None:
                 f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
                 f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
             )
+    problems += _trainer_problems(cfg)
     for key in ("ppo_epochs", "num_minibatches"):
         if cfg.algorithm[key] < 1:
             problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
@@ -363,6 +370,15 @@ def validate(cfg: DictConfig) -> None:
         problems += _vllm_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
+
+
+def _trainer_problems(cfg: DictConfig) -> list[str]:
+    t, problems = cfg.trainer, []
+    unit = t.shard_unit_numel
+    if unit < 64 or unit % 64:
+        problems.append(f"trainer.shard_unit_numel={unit}: must be a positive multiple of 64 (dense-sharding units "
+                        "start at 64-element offsets so that vectorised kernels see them as in the whole tensor)")
+    return problems
 
 
 def _vllm_problems(cfg: DictConfig) -> list[str]:

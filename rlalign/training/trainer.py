@@ -7,10 +7,20 @@ non-expert gradients are summed over ranks in rank order; global-norm clipping w
 reduced in a fixed order; AdamW (foreach=False: plain elementwise math) on the fp32 masters,
 which are then rounded into the model. Every rank runs the same number of micro-batches (empty
 ones included) so that the MoE all-to-alls of forward and backward stay in lockstep.
+
+trainer.shard_dense (ZeRO-1/2 style): the dense (non-expert) fp32 masters and AdamW moments are
+split across the ranks in units (`dense_units`: row blocks of at most trainer.shard_unit_numel
+elements, starting at 64-element offsets; their identity depends on the shapes and that budget,
+never on the number of ranks), contiguous runs of units per rank (`assign_units`). The dense
+gradient total is finished on every rank as without sharding and the grad norm is computed from
+it exactly as before; then each rank keeps copies of its own units' gradients only, runs AdamW
+(the same elementwise math on a slice as on the whole tensor: tests/test_shard.py) on its units,
+and the compute-dtype weights are all-gathered so that every rank's model is the same bits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,6 +69,68 @@ def step_plan(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[
     return out
 
 
+DEFAULT_UNIT_NUMEL = 4 * 1024 * 1024  # trainer.shard_unit_numel's default (16 MiB of fp32)
+UNIT_ALIGN = 64  # every unit starts at a multiple of this many elements of its parameter
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Rows [lo, hi) of dense parameter `name` (elements of a 1-d one): the unit of dense sharding.
+    `key` names it in checkpoints and traces: the parameter's own name when one unit covers the
+    whole parameter, else 'NAME/rows{lo}-{hi}'."""
+
+    name: str
+    lo: int
+    hi: int
+    numel: int
+    key: str
+
+
+def dense_units(shapes: list[tuple[str, tuple[int, ...]]], budget: int) -> list[Unit]:
+    """Every parameter of `shapes` (in that order) cut into row blocks of at most `budget`
+    elements (at least one row), each block a whole number of UNIT_ALIGN-element groups except a
+    parameter's last: a unit's elements sit at the same offsets, modulo the vector width, as in
+    the whole tensor, so a vectorised kernel with a scalar tail treats them alike. Depends only on
+    the shapes and the budget, never on the number of ranks."""
+    out = []
+    for name, shape in shapes:
+        rows = shape[0] if shape else 1
+        row = math.prod(shape[1:]) if shape else 1
+        step = UNIT_ALIGN // math.gcd(row, UNIT_ALIGN) if row else 1
+        per = max(step, (budget // max(1, row)) // step * step)
+        cuts = list(range(0, rows, per)) + [rows]
+        for lo, hi in zip(cuts, cuts[1:]):
+            key = name if (lo, hi) == (0, rows) else f"{name}/rows{lo}-{hi}"
+            out.append(Unit(name, lo, hi, (hi - lo) * row, key))
+    return out
+
+
+def assign_units(sizes: list[int], world: int) -> list[int]:
+    """The owner rank of each unit: contiguous runs in unit order, unit i to the rank whose
+    1/world of the total its midpoint falls in (integer arithmetic; balanced to within one unit
+    at each boundary)."""
+    total, off, out = sum(sizes), 0, []
+    for s in sizes:
+        out.append(min(world - 1, (2 * off + s) * world // (2 * total)) if total else 0)
+        off += s
+    return out
+
+
+def _rows(t: torch.Tensor, u: Unit) -> torch.Tensor:
+    return (t if t.dim() else t.reshape(1))[u.lo : u.hi]
+
+
+def _adam_state(opt, m: torch.Tensor) -> dict:
+    """AdamW's state of master `m`, created (step 0, zero moments) if it has none yet, so that a
+    checkpoint can be loaded into it in place."""
+    st = opt.state[m]
+    if not st:
+        st["step"] = torch.zeros((), dtype=torch.float32)
+        st["exp_avg"] = torch.zeros_like(m)
+        st["exp_avg_sq"] = torch.zeros_like(m)
+    return st
+
+
 def _max_over_ranks(n: int, group, device) -> int:
     if group is None:
         return n
@@ -88,11 +160,29 @@ class Trainer:
         self.device = self.model.lm_head.weight.device
         t = cfg.trainer
         self.names = [n for n, p in self.model.named_parameters()]
-        self.master = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        self.dense_names = [n for n in self.names if not is_expert_param(n)]
+        self.expert_names = [n for n in self.names if is_expert_param(n)]
+        # dense sharding (module docstring): every rank knows every unit and its owner
+        self.shard = bool(t.get("shard_dense", False))
+        self.units = dense_units([(n, tuple(params[n].shape)) for n in self.dense_names],
+                                 int(t.get("shard_unit_numel", DEFAULT_UNIT_NUMEL)))
+        self.owners = assign_units([u.numel for u in self.units], self.world) if self.shard else None
+        self.units_of: dict[str, list[Unit]] = {}
+        for u in self.units:
+            self.units_of.setdefault(u.name, []).append(u)
+        # fp32 masters: whole parameters, or (sharded) experts whole + this rank's dense units by key
+        if self.shard:
+            self.master = {n: torch.nn.Parameter(params[n].detach().float().clone()) for n in self.expert_names}
+            for u in self.my_units():
+                self.master[u.key] = torch.nn.Parameter(_rows(params[u.name].detach(), u).float().clone())
+        else:
+            self.master = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in params.items()}
         self.opt = torch.optim.AdamW(
             list(self.master.values()), lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
             foreach=False, fused=False,
-        )
+        ) if self.master else None  # (a rank of a dense-only model may own no unit)
+        self.grads: dict[str, torch.Tensor] = {}  # fp32, by parameter name (sharded, after a step: unit key)
         self.ref_model = None
         if cfg.get("algorithm") is not None and cfg.algorithm.kl_coef > 0:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
@@ -102,8 +192,6 @@ class Trainer:
         self.invariant = bool(t.get("topology_invariant", True))
         inject = Injection(cfg.monitor.get("inject"), "trainer") if cfg.get("monitor") else None
         self.reorder = inject.site if inject is not None and inject.kind == "reorder" else None
-        self.dense_names = [n for n in self.names if not is_expert_param(n)]
-        self.expert_names = [n for n in self.names if is_expert_param(n)]
         modules = dict(self.model.named_modules())
         self.expert_modules = {}  # expert param name -> (its ExpertParallel module or None, attribute)
         for n in self.expert_names:
@@ -120,6 +208,34 @@ class Trainer:
     @property
     def world(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def my_units(self) -> list[Unit]:
+        """The dense units whose fp32 master, AdamW state and (after the grad norm) gradient this
+        rank holds: its own when sharded, every unit (views of whole tensors) otherwise."""
+        if not self.shard:
+            return list(self.units)
+        return [u for u, r in zip(self.units, self.owners) if r == self.rank]
+
+    def _held(self, u: Unit) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """(fp32 master, gradient or None, AdamW state or {}) of unit u on this rank (views)."""
+        if self.shard:
+            m = self.master[u.key]
+            return m.data, self.grads.get(u.key), (self.opt.state.get(m, {}) if self.opt else {})
+        m, g = self.master[u.name], self.grads.get(u.name)
+        st = self.opt.state.get(m, {})
+        return _rows(m.data, u), None if g is None else _rows(g, u), {
+            k: (_rows(v, u) if k != "step" else v) for k, v in st.items()}
+
+    def dense_state_numel(self) -> dict[str, int]:
+        """Elements of dense fp32 state this rank holds: masters, AdamW moments, gradients (the
+        memory record of dense sharding; the compute-dtype model copy is whole on every rank)."""
+        out = {"master": 0, "adamw": 0, "grad": 0}
+        for u in self.my_units():
+            m, g, st = self._held(u)
+            out["master"] += m.numel()
+            out["adamw"] += sum(st[k].numel() for k in ("exp_avg", "exp_avg_sq") if k in st)
+            out["grad"] += 0 if g is None else g.numel()
+        return out
 
     # --- scoring and gradients -------------------------------------------------------------
     @torch.no_grad()
@@ -200,7 +316,9 @@ class Trainer:
         B, W = len(mbs), self.world
         share, mine = self.my_micro_batches(mbs)
         starts = [shard_range(B, W, r) for r in range(W)]
-        self.grads = {n: torch.zeros_like(m) for n, m in self.master.items()}
+        # fp32 gradients by parameter name (the topology-invariant path fills them after the loop)
+        self.grads = {} if self.invariant and B else {
+            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.model.named_parameters()}
         trees = {n: TreeSum(reorder=n == self.reorder) for n in self.expert_names} if self.invariant else {}
         dense_tree = TreeSum()
         stats: dict[int, dict[str, float]] = {}
@@ -224,10 +342,10 @@ class Trainer:
                 p.grad = None
         if self.invariant and B:
             total = reduce_nodes(dense_tree, B, self.group)
-            off = 0
+            params, off = dict(self.model.named_parameters()), 0
             for n in self.dense_names:
-                k = self.grads[n].numel()
-                self.grads[n] = total[off : off + k].view_as(self.grads[n])
+                k = params[n].numel()
+                self.grads[n] = total[off : off + k].view(params[n].shape)
                 off += k
             for n, tree in trees.items():
                 self.grads[n] = tree.total(B)
@@ -288,67 +406,127 @@ class Trainer:
 
     def optimizer_step(self) -> dict[str, float]:
         self.reduce_grads()
-        norm = self.grad_norm()
+        norm = self.grad_norm()  # from the whole dense gradient, sharded or not: the same bits
+        if self.shard:
+            self._keep_own_grads()
         clip = self.cfg.trainer.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
         for n, m in self.master.items():
             m.grad = self.grads[n] * coef if coef < 1.0 else self.grads[n]
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
+            if self.shard:
+                self._gather_dense()
             for n, p in self.model.named_parameters():
-                p.copy_(self.master[n].to(p.dtype))
+                if n in self.master:  # unsharded: all; sharded: the experts (dense: _gather_dense)
+                    p.copy_(self.master[n].to(p.dtype))
         return {"grad_norm": norm, "grad_clip_coef": coef}
 
+    def _keep_own_grads(self) -> None:
+        """Sharded: the dense gradients become copies of this rank's units (by unit key); the whole
+        dense total (one flat buffer that every dense gradient is a view of) is released."""
+        dense = {n: self.grads.pop(n) for n in self.dense_names}
+        for u in self.my_units():
+            self.grads[u.key] = _rows(dense[u.name], u).clone()
+
+    def _gather_dense(self) -> None:
+        """Sharded: every rank's updated dense units, rounded to the model's dtype on their owner,
+        all-gathered as bytes (one buffer per rank, padded to the largest) into every rank's model:
+        the same bits as rounding the whole master on every rank."""
+        params = dict(self.model.named_parameters())
+
+        def raw(u: Unit) -> torch.Tensor:
+            return self.master[u.key].detach().to(params[u.name].dtype).reshape(-1).view(torch.uint8)
+
+        def put(u: Unit, data: torch.Tensor) -> None:
+            p = params[u.name]
+            dst = _rows(p.data, u)
+            dst.copy_(data.view(p.dtype).view(dst.shape))
+
+        mine = self.my_units()
+        if self.world == 1:
+            for u in mine:
+                put(u, raw(u))
+            return
+        nbytes = lambda u: u.numel * params[u.name].element_size()  # noqa: E731
+        per_rank = [[u for u, r in zip(self.units, self.owners) if r == k] for k in range(self.world)]
+        size = max(sum(nbytes(u) for u in us) for us in per_rank)
+        local = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        off = 0
+        for u in mine:
+            local[off : off + nbytes(u)] = raw(u)
+            off += nbytes(u)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local, group=self.group)
+        for k, us in enumerate(per_rank):
+            off = 0
+            for u in us:
+                put(u, parts[k][off : off + nbytes(u)])
+                off += nbytes(u)
+
     def topology_records(self) -> dict[str, torch.Tensor]:
-        """Gradients, AdamW moments and weights under names that do not depend on the EP size:
-        non-expert tensors on rank 0 only, expert tensors per global expert ('NAME/expert{e}') on
-        their owner; the union over ranks is the same set at every trainer EP size (the gates
-        compare it across EP sizes)."""
+        """Gradients, AdamW moments and weights under names that depend neither on the EP size nor
+        on dense sharding: the compute-dtype weights of non-expert parameters on rank 0; their
+        gradients and moments per dense unit ('NAME', or 'NAME/rows{lo}-{hi}' for a parameter cut
+        into several units) on rank 0, or (sharded) on the unit's owner; expert tensors per global
+        expert ('NAME/expert{e}') on their owner. The union over ranks is the same set at every
+        trainer EP size, sharded or not (the gates compare it across EP sizes)."""
         out: dict[str, torch.Tensor] = {}
         params = dict(self.model.named_parameters())
+        held = {u.key: self._held(u) for u in self.my_units()} if self.shard or self.rank == 0 else {}
         for n in self.names:
-            st = self.opt.state.get(self.master[n], {})
-            tensors = {"grad": self.grads.get(n), "optim/exp_avg": st.get("exp_avg"),
-                       "optim/exp_avg_sq": st.get("exp_avg_sq"), "weights": params[n].data}
-            for prefix, t in tensors.items():
-                if t is None:
-                    continue
-                if is_expert_param(n):
-                    off = self.rank * t.shape[0]
-                    out.update({f"{prefix}/{n}/expert{off + e}": t[e] for e in range(t.shape[0])})
-                elif self.rank == 0:
-                    out[f"{prefix}/{n}"] = t
+            if is_expert_param(n):
+                st = self.opt.state.get(self.master[n], {})
+                tensors = {"grad": self.grads.get(n), "optim/exp_avg": st.get("exp_avg"),
+                           "optim/exp_avg_sq": st.get("exp_avg_sq"), "weights": params[n].data}
+                for prefix, t in tensors.items():
+                    if t is not None:
+                        off = self.rank * t.shape[0]
+                        out.update({f"{prefix}/{n}/expert{off + e}": t[e] for e in range(t.shape[0])})
+                continue
+            mine = [u.key for u in self.units_of[n] if u.key in held]
+            for prefix, get in (("grad", lambda h: h[1]), ("optim/exp_avg", lambda h: h[2].get("exp_avg")),
+                                ("optim/exp_avg_sq", lambda h: h[2].get("exp_avg_sq"))):
+                for key in mine:
+                    if get(held[key]) is not None:
+                        out[f"{prefix}/{key}"] = get(held[key])
+            if self.rank == 0:
+                out[f"weights/{n}"] = params[n].data
         return out
 
     # --- checkpoint state (torch.distributed.checkpoint) -----------------------------------------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Flat {key: tensor} of model, fp32 masters and AdamW state. Expert tensors are split per
-        global expert id ('.../expert{e}'), so the keys don't depend on the EP size; the values
-        are views, so loading in place restores the trainer."""
+        """Flat {key: tensor} of model, fp32 masters and AdamW state. Keys depend neither on the EP
+        size nor on dense sharding: expert tensors per global expert ('.../expert{e}'); dense
+        masters and AdamW state per dense unit ('master/KEY', 'optim/KEY/exp_avg', ...; KEY is the
+        parameter's name unless it is cut into several units), held by every rank (unsharded: views
+        of the whole tensors) or by the unit's owner (sharded); the compute-dtype model whole on
+        every rank. The values are views, so loading in place restores the trainer."""
         flat: dict[str, torch.Tensor] = {}
-
-        def put(key: str, name: str, t: torch.Tensor) -> None:
-            if is_expert_param(name):
-                off = self.rank * t.shape[0]
+        params = dict(self.model.named_parameters())
+        for n in self.dense_names:
+            flat[f"model/{n}"] = params[n].data
+        for n in self.expert_names:
+            st = _adam_state(self.opt, self.master[n])
+            off = self.rank * params[n].shape[0]
+            for key, t in ((f"model/{n}", params[n].data), (f"master/{n}", self.master[n].data),
+                           (f"optim/{n}/exp_avg", st["exp_avg"]), (f"optim/{n}/exp_avg_sq", st["exp_avg_sq"])):
                 for i in range(t.shape[0]):
                     flat[f"{key}/expert{off + i}"] = t[i]
-            else:
-                flat[key] = t
-
-        params = dict(self.model.named_parameters())
-        for n in self.names:
-            put(f"model/{n}", n, params[n].data)
-            put(f"master/{n}", n, self.master[n].data)
-            st = self.opt.state.get(self.master[n])
-            if not st:  # before the first step: create AdamW's state so it can be loaded into
-                st = self.opt.state[self.master[n]]
-                st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(self.master[n])
-                st["exp_avg_sq"] = torch.zeros_like(self.master[n])
-            put(f"optim/{n}/exp_avg", n, st["exp_avg"])
-            put(f"optim/{n}/exp_avg_sq", n, st["exp_avg_sq"])
             flat[f"optim/{n}/step"] = st["step"]
+        if not self.shard:  # before the first step: create AdamW's state so it can be loaded into
+            for n in self.dense_names:
+                _adam_state(self.opt, self.master[n])
+        for u in self.my_units():
+            if self.shard:
+                _adam_state(self.opt, self.master[u.key])
+            m, _, st = self._held(u)
+            flat[f"master/{u.key}"] = m
+            flat[f"optim/{u.key}/exp_avg"] = st["exp_avg"]
+            flat[f"optim/{u.key}/exp_avg_sq"] = st["exp_avg_sq"]
+            flat[f"optim/{u.key}/step"] = st["step"]  # unsharded: the parameter's one step, per unit
         return flat
 
     # --- weights -------------------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""Dense sharding (trainer.shard_dense): the dense fp32 masters, AdamW moments and (after the grad
+norm) gradients split across the trainer ranks in units whose identity does not depend on the
+number of ranks. Gradients, AdamW state and weights are the same bits as without sharding and at
+every trainer EP size; checkpoints reshard (sharded EP 2 -> unsharded EP 1, sharded EP 4); each
+rank holds ~1/W of the dense state."""
+
+import pytest
+import torch
+from conftest import same_bits
+from omegaconf import OmegaConf
+
+from rlalign import checkpoint as ckpt
+from rlalign.config import ConfigError, load_config
+from rlalign.training.trainer import UNIT_ALIGN, assign_units, dense_units
+
+UNIT = 1024  # elements per unit for the tiny model (34,176 dense elements: 43 units)
+STEPS = 2  # train_step calls (2 minibatches each: 4 AdamW updates)
+
+
+# --- the elementwise premise and the unit rule (no processes) ---------------------------------------
+def _adamw(params, grads, steps=3):
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, foreach=False, fused=False)
+    for s in range(steps):
+        for p, g in zip(ps, grads):
+            p.grad = g[s].clone()
+        opt.step()
+    return [(p.data, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]) for p in ps]
+
+
+def test_adamw_on_slices_is_bitwise_adamw_on_the_whole_tensor():
+    """The premise of sharding by slices: torch's single-tensor AdamW (foreach=False, fused=False)
+    gives every element the same bits whether it runs on the whole tensor or on a slice, also at
+    offsets that are not multiples of the vector width (the units are 64-aligned anyway) and across
+    the intra-op parallel split of a large tensor."""
+    g = torch.Generator().manual_seed(0)
+    for n in (200_003, 4_099, 77):
+        p = torch.randn(n, generator=g)
+        grads = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 3, (n,), generator=g) for _ in range(3)]
+        (whole,) = _adamw([p], [grads])
+        every13 = [[*range(0, n, 13), n]] if n < 10_000 else []  # many unaligned pieces (small n: fast)
+        for cuts in ([0, 7, n // 3, n // 2 + 5, n], [0, 64, n - n % 64, n], *every13):
+            cuts = sorted(set(cuts))
+            pieces = _adamw([p[a:b] for a, b in zip(cuts, cuts[1:])],
+                            [[x[a:b] for x in grads] for a, b in zip(cuts, cuts[1:])])
+            for i in range(3):  # weights, exp_avg, exp_avg_sq
+                assert same_bits(torch.cat([t[i] for t in pieces]), whole[i]), (n, cuts[:4], i)
+
+
+def test_units_are_fixed_by_shapes_and_budget_and_balanced_at_every_world_size():
+    shapes = [("a", (151, 2048)), ("b", (2048,)), ("c", (7, 3)), ("d", (5000, 6)), ("e", (1,))]
+    units = dense_units(shapes, 4096)
+    for name, shape in shapes:  # each parameter covered exactly, in order, 64-aligned starts
+        mine = [u for u in units if u.name == name]
+        assert mine[0].lo == 0 and mine[-1].hi == shape[0] and all(a.hi == b.lo for a, b in zip(mine, mine[1:]))
+        row = shape[1] if len(shape) > 1 else 1
+        assert all(u.lo * row % UNIT_ALIGN == 0 for u in mine)
+        assert all(u.numel <= max(4096, row * UNIT_ALIGN) for u in mine)
+        assert (len(mine) == 1) == (mine[0].key == name)
+    assert [u.key for u in units[:2]] == ["a/rows0-2", "a/rows2-4"]
+    total, biggest = sum(u.numel for u in units), max(u.numel for u in units)
+    for world in range(1, 9):
+        owner = assign_units([u.numel for u in units], world)
+        assert owner == sorted(owner) and owner[0] == 0  # contiguous runs in unit order
+        share = [sum(u.numel for u, r in zip(units, owner) if r == k) for k in range(world)]
+        assert sum(share) == total and all(abs(s - total / world) <= biggest for s in share), (world, share)
+
+
+def test_a_bad_shard_unit_is_refused_naming_the_key():
+    for bad in (0, 100, -64):
+        with pytest.raises(ConfigError, match=rf"trainer.shard_unit_numel={bad}: must be a positive multiple of 64"):
+            load_config(["trainer.shard_dense=true", f"trainer.shard_unit_numel={bad}"])
+    with pytest.raises(ConfigError, match="trainer.shard_dense=maybe"):
+        load_config(["trainer.shard_dense=maybe"])
+    assert load_config(["trainer.shard_dense=true", "trainer.shard_unit_numel=64"]).trainer.shard_dense is True
+
+
+# --- spawned gloo ranks ----------------------------------------------------------------------------
+def _samples():
+    g = torch.Generator().manual_seed(3)
+    from rlalign.training.trainer import Sample
+
+    out = []
+    for i in range(8):
+        prompt = torch.randint(2, 64, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        resp = torch.randint(2, 64, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(prompt, resp, torch.full((len(resp),), -2.0), (-1.0) ** i * (1 + i / 10), i))
+    return out
+
+
+def _cfg(ep: int, shard: bool) -> dict:
+    # fp32 (bf16 gradients often sum exactly in any order); a small clip: the norm's bits reach the weights
+    cfg = load_config(["model.dtype=float32", f"trainer.ep_size={ep}", "trainer.micro_batch_size=2",
+                       "trainer.weight_decay=0.01", "trainer.grad_clip=0.05", f"trainer.shard_unit_numel={UNIT}",
+                       f"trainer.shard_dense={str(shard).lower()}", "dist.timeout_s=60"])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _partial_sum_norm(tr):
+    """Negative twin of Trainer.grad_norm: each rank adds its own units' sums of squares one after
+    the other, then the ranks' partial sums are added in rank order (what a sharded norm without
+    the whole gradient would do; its grouping depends on the units and the EP size)."""
+    import torch.distributed as dist
+
+    from rlalign.kernels import fixed_order as fo
+    from rlalign.training.trainer import _rows
+
+    sq = [fo.tree_sum(_rows(tr.grads[u.name], u).reshape(-1) ** 2, 0) for u in tr.my_units()]
+    dense = sum(sq[1:], sq[0]) if sq else torch.zeros(())
+    if tr.world > 1:
+        parts = [torch.empty_like(dense) for _ in range(tr.world)]
+        dist.all_gather(parts, dense, group=tr.group)
+        dense = parts[0]
+        for p in parts[1:]:
+            dense = dense + p
+    expert = torch.cat([fo.tree_sum(tr.grads[n].reshape(tr.grads[n].shape[0], -1) ** 2, 1) for n in tr.expert_names])
+    if tr.world > 1:
+        parts = [torch.empty_like(expert) for _ in range(tr.world)]
+        dist.all_gather(parts, expert, group=tr.group)
+        expert = torch.stack([p.view(len(tr.expert_names), -1) for p in parts], 1).reshape(-1)
+    return float(torch.sqrt(dense + fo.tree_sum(expert, 0)))
+
+
+def _state(tr) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint state and trace records (world- and sharding-independent keys)."""
+    out = {f"ckpt/{k}": v.detach().clone() for k, v in tr.checkpoint_state().items()}
+    out.update({f"trace/{k}": v.detach().clone() for k, v in tr.topology_records().items()})
+    return out
+
+
+def _job(rank, world, group, jobs, ckpt_path=None):
+    """Each job: (cfg dict, what) with what in {'train', 'twin', 'save', 'load'}. 'train'/'twin':
+    STEPS train_steps from the initial weights; 'save': the same, writing a checkpoint after the
+    first step; 'load': the checkpoint of ckpt_path, then the remaining STEPS - 1. Returns per job
+    (this rank's state, stat records, dense numel after the run, dense numel after construction)."""
+    from rlalign.factory import apply_kernels
+    from rlalign.training.trainer import Trainer
+
+    out = []
+    for cfg_dict, what in jobs:
+        cfg = OmegaConf.create(cfg_dict)
+        apply_kernels(cfg)
+        tr = Trainer(cfg, group)
+        built = tr.dense_state_numel()
+        if what == "twin":
+            tr.grad_norm = lambda tr=tr: _partial_sum_norm(tr)
+        alg = OmegaConf.create({**cfg_dict["algorithm"], "num_minibatches": 2})
+        steps = range(STEPS)
+        if what == "load":
+            ckpt.load_shards(tr.checkpoint_state(), ckpt_path, rank, group)
+            steps = range(1, STEPS)
+        records = []
+        for step in steps:
+            _, rec = tr.train_step(_samples(), alg)
+            records += [((step, *k), v) for k, v in rec]
+            if what == "save" and step == 0:
+                ckpt.save_shards(tr.checkpoint_state(), ckpt_path, rank, group)
+        out.append((_state(tr), sorted(records), tr.dense_state_numel(), built))
+    return out
+
+
+def _run(ep, jobs, ckpt_path=None):
+    from rlalign.parallel import launch
+
+    if ep == 1:
+        return [_job(0, 1, None, jobs, ckpt_path)]
+    return launch.run_workers(ep, _job, (jobs, ckpt_path), timeout_s=180)
+
+
+def _union(ranks: list, j: int) -> dict[str, torch.Tensor]:
+    """Job j's state over all ranks; a key held by several ranks (replicated) must be equal bits."""
+    out = {}
+    for r in ranks:
+        for k, v in r[j][0].items():
+            assert k not in out or same_bits(out[k], v), k
+            out[k] = v
+    return out
+
+
+def _records(ranks: list, j: int) -> list:
+    return sorted({rec[0]: rec for r in ranks for rec in r[j][1]}.values(), key=lambda rec: rec[0])
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
+    return [k for k in a if not same_bits(a[k], b[k])]
+
+
+@pytest.mark.slow
+def test_sharded_dense_is_bitwise_unsharded_across_ep_1_2_4_reshards_checkpoints_and_holds_1_over_w(tmp_path):
+    tmp = ckpt.tmp_path(tmp_path, 0)
+    ep2 = _run(2, [(_cfg(2, False), "train"), (_cfg(2, True), "save"), (_cfg(2, True), "twin")], str(tmp))
+    path = ckpt.complete(tmp_path, 0, {}, keep=0)
+    ep1 = _run(1, [(_cfg(1, False), "train"), (_cfg(1, True), "train"), (_cfg(1, False), "load")], str(path))
+    ep4 = _run(4, [(_cfg(4, True), "load")], str(path))  # step 1 (2 updates) sharded at EP 4
+    ref, ref_records = _union(ep1, 0), _records(ep1, 0)
+    assert any("/rows" in k for k in ref) and any("/expert" in k for k in ref)  # units and experts both keyed
+
+    # bits: sharded == unsharded at the same EP size and at EP 1, 2 (weights, AdamW, grads, masters);
+    # EP 4 below (it resumes the EP-2 checkpoint)
+    for name, ranks, j in (("unsharded ep2", ep2, 0), ("sharded ep1", ep1, 1), ("sharded ep2", ep2, 1)):
+        assert _differing(ref, _union(ranks, j)) == [], name
+        assert _records(ranks, j) == ref_records, name  # grad norms and per-micro-batch stats
+    # negative twin: a norm from per-rank partial sums (EP-size-dependent grouping) changes the bits
+    twin = _differing(ref, _union(ep2, 2))
+    assert any(k.startswith("ckpt/master/") for k in twin), twin
+    norms = lambda rec: [v["grad_norm_last"] for _, v in rec if "grad_norm_last" in v]  # noqa: E731
+    assert norms(_records(ep2, 2)) != norms(ref_records)
+
+    # checkpoint: saved sharded at EP 2 after step 0, loaded unsharded at EP 1 and sharded at EP 4,
+    # one more step == the uninterrupted run (the same keys at every EP size, sharded or not)
+    assert ckpt.read_meta(path)["world"] == 2
+    assert _differing(ref, _union(ep1, 2)) == [], "resumed unsharded ep1"
+    assert _differing(ref, _union(ep4, 0)) == [], "resumed sharded ep4"
+    assert _records(ep1, 2) == _records(ep4, 0) == [r for r in ref_records if r[0][0] >= 1]
+
+    # memory: each sharded rank holds ~1/W of the dense masters, AdamW moments and gradients
+    total = ep1[0][0][2]["master"]
+    assert ep1[0][0][2] == {"master": total, "adamw": 2 * total, "grad": total}  # unsharded: everything
+    assert ep2[0][0][2] == ep2[1][0][2] == ep1[0][0][2]
+    for ranks, j in ((ep2, 1), (ep4, 0)):
+        world = len(ranks)
+        held = [r[j][2] for r in ranks]
+        assert sum(h["master"] for h in held) == total
+        for h, r in zip(held, ranks):
+            assert abs(h["master"] / total - 1 / world) <= UNIT / total, (world, h)
+            assert h["adamw"] == 2 * h["master"] and h["grad"] == h["master"]
+            assert r[j][3]["master"] == h["master"]  # from construction on, not only after a step
