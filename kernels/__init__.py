@@ -185,6 +185,9 @@ def sample(
 ) -> torch.Tensor:
     """Next tokens [B] from logits [B, V]; noise from (seed, sample id, position) only."""
     z = _tempered(logits, 1.0 if greedy else temperature, top_k, top_p)
-    if not greedy:
-        z = z + sampling.gumbel(seed, sample_ids, positions, z.shape[-1])
-    return sampling.first_argmax(z)
+    if greedy:
+        return sampling.first_argmax(z)
+    fused = getattr(_impl(z), "gumbel_argmax", None)  # the Triton backend: one kernel, the same tokens
+    if fused is not None:
+        return fused(z, seed, sample_ids, positions)
+    return sampling.first_argmax(z + sampling.gumbel(seed, sample_ids, positions, z.shape[-1]))

@@ -9,6 +9,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                split-K over fixed key chunks for few rows)
   elementwise  swiglu, rope
   moe          moe_route, moe_combine
+  sampling     gumbel_argmax (the Gumbel-max draw of kernels.sample, fused)
   embed        embedding (backward in position order, no atomics)
   common       _check, _num_sms, the launch-plan cache, INTERPRET
 
@@ -23,7 +24,7 @@ import sys
 
 import torch
 
-from . import attention, common, elementwise, embed, gemm, logprob, moe, norm
+from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, sampling
 from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, attention_prefill
 from .common import INTERPRET, SUPPORTED
 from .elementwise import rope, swiglu
@@ -32,13 +33,14 @@ from .gemm import MATMUL_CONFIGS, grouped_linear, linear, matmul
 from .logprob import log_softmax_gather
 from .moe import moe_combine, moe_route
 from .norm import rmsnorm
+from .sampling import gumbel_argmax
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
     "attention_paged",
     "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm", "grouped_linear",
-    "linear", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route", "norm", "rmsnorm",
-    "rope", "swiglu",
+    "gumbel_argmax", "linear", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route", "norm",
+    "rmsnorm", "rope", "sampling", "swiglu",
 ]
 
 

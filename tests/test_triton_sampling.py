@@ -1,0 +1,68 @@
+"""The fused Triton Gumbel-max draw (kernels/triton/sampling.py) is the torch formulation's draw,
+bit for bit: the same tokens as first_argmax(z + gumbel(seed, ids, positions)) for every row. CPU:
+the Triton interpreter (its numpy arithmetic rounds every op like torch's CPU kernels); on CUDA:
+tests/gpu/test_sampling_gpu.py (the same checks plus the distribution test)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
+
+from rlalign import kernels  # noqa: E402
+from rlalign.kernels import sampling  # noqa: E402
+from rlalign.kernels.triton.sampling import gumbel_argmax  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(rows, vocab, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(rows, vocab, generator=g) * scale).to(DEV)
+    ids = torch.randint(0, 2**40, (rows,), generator=g).to(DEV)
+    pos = torch.randint(0, 4096, (rows,), generator=g).to(DEV)
+    return z, ids, pos
+
+
+def _torch_draw(z, seed, ids, pos):
+    return sampling.first_argmax(z + sampling.gumbel(seed, ids, pos, z.shape[-1]))
+
+
+@pytest.mark.parametrize("rows,vocab,scale,seed", [(48, 2500, 0.01, 12345), (6, 64, 1.0, 2**63 + 5),
+                                                   (3, 1024, 3.0, 0), (5, 1025, 0.5, 2**64 - 1)])
+def test_fused_draw_equals_the_torch_draw(rows, vocab, scale, seed):
+    """Small logit scales make the noise decide (any noise bit off would move some argmax);
+    vocabularies one block, one block + 1, and under a block; seeds past 2**63."""
+    z, ids, pos = _case(rows, vocab, scale)
+    z[0, : vocab // 2] = float("-inf")  # filtered tokens (top-k / top-p) are never drawn
+    assert torch.equal(gumbel_argmax(z, seed, ids, pos), _torch_draw(z, seed, ids, pos))
+
+
+def test_kernels_sample_uses_it_under_the_triton_backend_with_the_same_tokens():
+    z, ids, pos = _case(16, 700, 0.1)
+    with kernels.use(backend="torch"):
+        ref = kernels.sample(z, 7, ids, pos, temperature=0.8, top_k=50)
+    with kernels.use(backend="triton"):
+        assert torch.equal(kernels.sample(z, 7, ids, pos, temperature=0.8, top_k=50), ref)
+
+
+def test_negative_twin_another_seed_or_position_draws_other_tokens():
+    z, ids, pos = _case(48, 2500, 0.01)
+    ref = gumbel_argmax(z, 1, ids, pos)
+    assert (gumbel_argmax(z, 2, ids, pos) != ref).sum() > 40
+    assert (gumbel_argmax(z, 1, ids, pos + 1) != ref).sum() > 40
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="a device-side assert would end the CUDA context")
+def test_a_row_without_a_finite_maximum_is_an_error():
+    z, ids, pos = _case(3, 100, 1.0)
+    nan_row, inf_row = z.clone(), z.clone()
+    nan_row[1, 7] = float("nan")  # one NaN spoils the row
+    inf_row[1] = float("-inf")  # nothing kept
+    for y in (nan_row, inf_row):
+        with pytest.raises(RuntimeError, match="no finite maximum"):
+            gumbel_argmax(y, 0, ids, pos)
+    gumbel_argmax(z, 0, ids, pos)  # twin: the clean rows draw
