@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from rlalign import checkpoint as ckpt
 from rlalign.config import ConfigError, load_config
-from rlalign.training.trainer import UNIT_ALIGN, assign_units, dense_units
+from rlalign.kernels import fixed_order as fo
+from rlalign.training.trainer import UNIT_ALIGN, assign_units, dense_units, sum_of_squares
 
 UNIT = 1024  # elements per unit for the tiny model (34,176 dense elements: 43 units)
 STEPS = 2  # train_step calls (2 minibatches each: 4 AdamW updates)
@@ -45,6 +46,21 @@ def test_adamw_on_slices_is_bitwise_adamw_on_the_whole_tensor():
                             [[x[a:b] for x in grads] for a, b in zip(cuts, cuts[1:])])
             for i in range(3):  # weights, exp_avg, exp_avg_sq
                 assert same_bits(torch.cat([t[i] for t in pieces]), whole[i]), (n, cuts[:4], i)
+
+
+def test_the_chunked_sum_of_squares_is_bitwise_the_tree_of_squares():
+    """Trainer.grad_norm's dense part without a second full-size copy: the same bits as
+    fo.tree_sum(x ** 2) (the norm of the unsharded trainer), whatever the chunk; the twin (another
+    grouping: chunks summed one after the other) differs."""
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 2, 3, 64, 1000, 1024, 1025, 77_777):
+        x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 4, (n,), generator=g)
+        want = fo.tree_sum(x**2, 0)
+        for chunk in (1, 7, 64, 1 << 24):
+            assert same_bits(sum_of_squares(x, chunk), want), (n, chunk)
+    y = torch.randn(77_777, generator=g)
+    pieces = [fo.tree_sum(y[a : a + 1000] ** 2, 0) for a in range(0, len(y), 1000)]
+    assert not same_bits(sum(pieces[1:], pieces[0]), sum_of_squares(y, 1000))
 
 
 def test_units_are_fixed_by_shapes_and_budget_and_balanced_at_every_world_size():

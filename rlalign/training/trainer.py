@@ -131,6 +131,25 @@ def _adam_state(opt, m: torch.Tensor) -> dict:
     return st
 
 
+def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """fo.tree_sum(x ** 2, 0) of a 1-d x, the same bits, without x ** 2 in memory: the tree's first
+    level (element i + element i + h, h = next_pow2(n) / 2) is built chunk by chunk from squares of
+    at most `chunk` elements; the rest of the tree is tree_sum's own loop on that level (n = h)."""
+    n = x.shape[0]
+    if n <= 1:
+        return fo.tree_sum(x**2, 0)
+    h = fo.next_pow2(n) // 2
+    m = n - h  # elements i < m have a partner i + h; m <= i < h pass up alone
+    level = torch.empty(h, dtype=x.dtype, device=x.device)
+    for a in range(0, h, chunk):
+        b = min(h, a + chunk)
+        level[a:b] = x[a:b] ** 2
+        if a < m:
+            e = min(b, m)
+            level[a:e] += x[a + h : e + h] ** 2
+    return fo.tree_sum(level, 0)
+
+
 def _max_over_ranks(n: int, group, device) -> int:
     if group is None:
         return n
@@ -183,6 +202,7 @@ class Trainer:
             foreach=False, fused=False,
         ) if self.master else None  # (a rank of a dense-only model may own no unit)
         self.grads: dict[str, torch.Tensor] = {}  # fp32, by parameter name (sharded, after a step: unit key)
+        self._dense_flat: torch.Tensor | None = None  # the dense gradients, flat (they are views of it)
         self.ref_model = None
         if cfg.get("algorithm") is not None and cfg.algorithm.kl_coef > 0:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
@@ -317,6 +337,7 @@ class Trainer:
         share, mine = self.my_micro_batches(mbs)
         starts = [shard_range(B, W, r) for r in range(W)]
         # fp32 gradients by parameter name (the topology-invariant path fills them after the loop)
+        self._dense_flat = None
         self.grads = {} if self.invariant and B else {
             n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.model.named_parameters()}
         trees = {n: TreeSum(reorder=n == self.reorder) for n in self.expert_names} if self.invariant else {}
@@ -341,7 +362,7 @@ class Trainer:
             for p in self.model.parameters():
                 p.grad = None
         if self.invariant and B:
-            total = reduce_nodes(dense_tree, B, self.group)
+            total = self._dense_flat = reduce_nodes(dense_tree, B, self.group)
             params, off = dict(self.model.named_parameters()), 0
             for n in self.dense_names:
                 k = params[n].numel()
@@ -376,7 +397,7 @@ class Trainer:
         if self.world == 1 or self.invariant:
             return
         flat = torch.cat([self.grads[n].reshape(-1) for n in self.dense_names])
-        total = _sum_in_rank_order(flat, self.group)
+        total = self._dense_flat = _sum_in_rank_order(flat, self.group)
         off = 0
         for n in self.dense_names:
             k = self.grads[n].numel()
@@ -387,8 +408,10 @@ class Trainer:
         """Global L2 norm. Topology-invariant: dense squares in one fixed tree, plus one sum of
         squares per global expert (computed by its owner), all gathered in global expert order
         and summed in one tree; else expert shards' sums added over ranks in rank order."""
-        shared = torch.cat([self.grads[n].reshape(-1) for n in self.dense_names])
-        total = fo.tree_sum(shared**2, 0) if shared.numel() else torch.zeros((), device=self.device)
+        shared = self._dense_flat
+        if shared is None:
+            shared = torch.cat([self.grads[n].reshape(-1) for n in self.dense_names])
+        total = sum_of_squares(shared) if shared.numel() else torch.zeros((), device=self.device)
         expert = [self.grads[n] for n in self.expert_names]
         if not expert:
             return float(torch.sqrt(total))
@@ -428,6 +451,7 @@ class Trainer:
         """Sharded: the dense gradients become copies of this rank's units (by unit key); the whole
         dense total (one flat buffer that every dense gradient is a view of) is released."""
         dense = {n: self.grads.pop(n) for n in self.dense_names}
+        self._dense_flat = None
         for u in self.my_units():
             self.grads[u.key] = _rows(dense[u.name], u).clone()
 

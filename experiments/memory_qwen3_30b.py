@@ -1,0 +1,147 @@
+"""Per-GPU memory of the trainer for the Qwen3-30B-A3B shape at trainer EP 8, computed (not
+measured) from the parameter shapes, with and without trainer.shard_dense.
+
+    python experiments/memory_qwen3_30b.py [--ep 8] [--tokens 2048] [--micro-batches 1]
+
+The shapes come from configs/model/qwen3-30b-a3b-shape.yaml built on the meta device (no memory);
+the dense share of the most loaded rank from the trainer's own unit rule (dense_units,
+assign_units at the default trainer.shard_unit_numel). Writes results/memory_qwen3_30b.json.
+
+What is counted, per rank (bytes):
+  persistent   bf16 model (dense whole, this rank's experts), fp32 masters, AdamW exp_avg and
+               exp_avg_sq, fp32 gradients kept between steps (sharded: dense only for own units)
+  step peak    at the grad norm: the whole dense fp32 gradient total (every rank finishes it) +
+               the first level of the norm's tree (sum_of_squares) ; at AdamW: the clipped copy of
+               every held gradient (grads * coef) ; sharded: the all-gather buffers (W x the largest
+               share, bf16)
+  backward     (the same with or without dense sharding; NOT addressed by it) during the backward:
+               activations (bf16 tensors saved for `tokens` tokens on this rank, no activation
+               checkpointing (the model has none), expert rows at balanced routing (T*k), fp32
+               logits) + bf16 autograd gradients (the per-source expert path gives every source
+               rank its own view, so its own gradient, of this rank's experts); after it: the dense
+               gradient tree (a rank's nodes, and in reduce_nodes every rank's, fp32) and the expert
+               gradient tree (one fp32 leaf per source rank and micro-batch node of own experts)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _env  # noqa: E402
+
+from rlalign.config import load_config, model_args  # noqa: E402
+from rlalign.model.model import build_model  # noqa: E402
+from rlalign.parallel.ep import is_expert_param  # noqa: E402
+from rlalign.training.trainer import DEFAULT_UNIT_NUMEL, assign_units, dense_units  # noqa: E402
+
+GIB = 1024**3
+H200_GIB = 139.0  # usable device memory the device tool reports for one H200 (about 139 GiB)
+
+
+def activations_per_token(a) -> dict[str, int]:
+    """bf16 elements saved for backward per token and layer (a rough, stated count)."""
+    d, q, kv, m, k = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.moe_intermediate_size, a.top_k
+    return {
+        "attention (norm in/out, q/k/v, q/k norm, rope, attention out, o_proj out)": 2 * d + (q + 2 * kv) + 2 * (q + kv)
+        + q + d,
+        "moe (norm in/out, fp32 router logits+probs, output)": 2 * d + 4 * a.num_experts + d,
+        "experts per routed row x top_k (row in, gate_up out, swiglu out, fp32 combine input)": k * (d + 3 * m + 2 * d),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens of one micro-batch on one rank")
+    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per optimizer step")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cfg = load_config(["model=qwen3-30b-a3b-shape", f"trainer.ep_size={a.ep}"])
+    args = model_args(cfg)
+    model = build_model(args, "bfloat16", seed=None, device="meta")
+    params = dict(model.named_parameters())
+    dense = [n for n in params if not is_expert_param(n)]
+    D = sum(params[n].numel() for n in dense)
+    E = sum(p.numel() for n, p in params.items() if is_expert_param(n))
+    W = a.ep
+    E_loc = E // W
+    units = dense_units([(n, tuple(params[n].shape)) for n in dense], DEFAULT_UNIT_NUMEL)
+    owners = assign_units([u.numel for u in units], W)
+    shares = [sum(u.numel for u, r in zip(units, owners) if r == k) for k in range(W)]
+    D_share = max(shares)
+
+    per_tok = activations_per_token(args)
+    act_layer = sum(per_tok.values())
+    act_bytes = a.tokens * (act_layer * args.num_layers * 2 + args.vocab_size * 4)
+
+    def budget(shard: bool) -> dict:
+        held = D_share if shard else D
+        persistent = {
+            "bf16 model (dense whole + own experts)": (D + E_loc) * 2,
+            "fp32 masters": (held + E_loc) * 4,
+            "AdamW exp_avg + exp_avg_sq (fp32)": (held + E_loc) * 8,
+            "fp32 gradients kept between steps": (held + E_loc) * 4,
+        }
+        step = {
+            "whole dense fp32 gradient total until the norm": (D - held) * 4,  # the held part is counted above
+            "first level of the norm's tree (sum_of_squares)": (1 << (D - 1).bit_length()) // 2 * 4,
+            "clipped gradient copies at AdamW (grads * coef)": (held + E_loc) * 4,
+            "all-gather of updated dense weights (bf16)": (W + 1) * D_share * 2 if shard else 0,
+        }
+        nodes = bin(a.micro_batches).count("1")  # tree nodes a rank holds for its micro-batches
+        backward = {
+            "during backward: bf16 autograd gradients (dense + one per-source copy of own experts per rank)":
+                D * 2 + W * E_loc * 2,
+            "during backward: activations": act_bytes,
+            "after backward: dense gradient tree (own nodes + every rank's nodes in reduce_nodes, fp32)":
+                (nodes + W * nodes) * D * 4,
+            "after backward: expert gradient tree (per-source fp32 leaves/nodes of own experts)": W * nodes * E_loc * 4,
+        }
+        p = sum(persistent.values())
+        base = p - persistent["fp32 gradients kept between steps"]  # replaced at the next forward_backward
+        during = sum(v for k, v in backward.items() if k.startswith("during"))
+        after = sum(v for k, v in backward.items() if k.startswith("after"))
+        out = {"persistent": persistent, "step_transient": step, "backward_transient": backward,
+               "persistent_gib": p / GIB,
+               "peak_at_optimizer_step_gib": (p + max(step["whole dense fp32 gradient total until the norm"]
+                                                      + step["first level of the norm's tree (sum_of_squares)"],
+                                                      step["clipped gradient copies at AdamW (grads * coef)"]
+                                                      + step["all-gather of updated dense weights (bf16)"])) / GIB,
+               "peak_in_backward_gib": (base + max(during, after)) / GIB}
+        out["fits_h200"] = max(out["peak_at_optimizer_step_gib"], out["peak_in_backward_gib"]) <= H200_GIB
+        return out
+
+    result = {
+        "model": "configs/model/qwen3-30b-a3b-shape.yaml",
+        "trainer_ep": W,
+        "params": {"total": D + E, "dense": D, "expert": E, "expert_per_rank": E_loc},
+        "dense_sharding": {"unit_numel": DEFAULT_UNIT_NUMEL, "units": len(units), "share_per_rank": shares,
+                           "max_share_fraction": D_share / D, "ideal_fraction": 1 / W},
+        "micro_batch": {"tokens_per_rank": a.tokens, "micro_batches_per_rank": a.micro_batches,
+                        "activation_elements_per_token_per_layer": per_tok,
+                        "activation_gib": act_bytes / GIB},
+        "unsharded": budget(False),
+        "sharded": budget(True),
+        "h200_usable_gib": H200_GIB,
+        "note": "computed from shapes, not measured; bytes per rank of the most loaded rank. Dense sharding "
+                "saves 16 bytes per dense parameter held elsewhere (master, 2 moments, kept gradient); the "
+                "backward's gradient trees (per-source expert leaves, reduce_nodes holding every rank's dense "
+                "nodes) are unchanged by it and dominate at EP 8",
+    }
+    for k in ("unsharded", "sharded"):
+        b = result[k]
+        print(f"{k:10s} persistent {b['persistent_gib']:7.1f} GiB  optimizer-step peak "
+              f"{b['peak_at_optimizer_step_gib']:7.1f} GiB  backward peak {b['peak_in_backward_gib']:7.1f} GiB  "
+              f"fits one H200 ({H200_GIB:.0f} GiB): {b['fits_h200']}")
+    print(f"dense {D / 1e9:.3f} B params, experts {E / 1e9:.2f} B ({E_loc / 1e9:.2f} B per rank); max dense share "
+          f"{D_share / D:.4f} of the dense state (ideal {1 / W:.4f}) in {len(units)} units")
+    print("wrote", _env.write("memory_qwen3_30b", {"result": result}, a.out))
+
+
+if __name__ == "__main__":
+    main()
