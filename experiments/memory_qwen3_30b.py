@@ -26,7 +26,6 @@ What is counted, per rank (bytes):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -45,7 +44,8 @@ H200_GIB = 139.0  # usable device memory the device tool reports for one H200 (a
 
 def activations_per_token(a) -> dict[str, int]:
     """bf16 elements saved for backward per token and layer (a rough, stated count)."""
-    d, q, kv, m, k = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.moe_intermediate_size, a.top_k
+    d, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    m, k = a.moe_intermediate_size, a.top_k
     return {
         "attention (norm in/out, q/k/v, q/k norm, rope, attention out, o_proj out)": 2 * d + (q + 2 * kv) + 2 * (q + kv)
         + q + d,
