@@ -213,3 +213,52 @@ def test_embedding_backward_sums_each_tokens_rows_in_order_without_atomics():
         backwards[tok[i]] += go[i]
     assert not same_bits(a.grad, backwards)
     assert same_bits(tb.embedding(w, tok), w[tok])
+
+
+def test_rmsnorm_dw_column_sum_is_the_chunked_order_of_the_partials():
+    # the weight gradient's partials [P, D] are summed in chunks of _COLSUM_CHUNK rows in order, then
+    # the chunk sums the same way: an order fixed by P alone (the same at every EP size), parallel
+    # over the chunks (one program walking all P rows was 10% of a bench-moe train step's GPU time)
+    from rlalign.kernels.triton import norm
+
+    g = torch.Generator().manual_seed(9)
+    for P in (1, 5, norm._COLSUM_CHUNK, norm._COLSUM_CHUNK + 1, 100, 1100):
+        x = torch.randn(P, 70, generator=g).to(DEV)
+        expect = x.clone()
+        while expect.shape[0] > 1:  # the promised order, in plain fp32 adds
+            parts = []
+            for c0 in range(0, expect.shape[0], norm._COLSUM_CHUNK):
+                acc = expect[c0].clone()
+                for r in range(c0 + 1, min(expect.shape[0], c0 + norm._COLSUM_CHUNK)):
+                    acc = acc + expect[r]
+                parts.append(acc)
+            expect = torch.stack(parts)
+        assert same_bits(norm._colsum(x), expect[0]), P
+
+
+def test_weight_gradient_keeps_the_k_mask_for_every_token_count_with_the_same_bits():
+    # a linear's dW = g^T x reduces over the tokens; the plan keeps the masked K loop whatever the
+    # token count (no compiled variant per count), and its bits equal the plain matmul's (unmasked
+    # when the count is a multiple of BLOCK_K); the grouped dW with host-list counts equals the one
+    # with device counts
+    from rlalign.kernels.triton import gemm
+
+    g = torch.Generator().manual_seed(10)
+    bk = gemm._config(torch.float32)["BLOCK_K"]
+    for T in (4 * bk, 4 * bk + 3):
+        x = torch.randn(T, 24, generator=g).to(DEV).requires_grad_()
+        w = torch.randn(40, 24, generator=g).to(DEV).requires_grad_()
+        go = torch.randn(T, 40, generator=g).to(DEV)
+        tb.linear(x, w).backward(go)
+        assert same_bits(w.grad, tb.matmul(go.t(), x.detach())), T
+    counts = [bk, 0, 2 * bk + 5, 7]
+    xg = torch.randn(sum(counts), 24, generator=g).to(DEV)
+    gg = torch.randn(sum(counts), 40, generator=g).to(DEV)
+    host = gemm._grouped_wgrad(gg, xg, counts)
+    dev = gemm._grouped_wgrad(gg, xg, torch.tensor(counts, device=DEV))
+    assert same_bits(host, dev) and not host[1].any()
+    s = 0
+    for e, c in enumerate(counts):
+        if c:
+            assert same_bits(host[e], tb.matmul(gg[s : s + c].t(), xg[s : s + c])), e
+        s += c

@@ -45,11 +45,20 @@ def _cached(key: tuple, build):
     return v
 
 
+def _host_table(rows: list, dtype, device) -> torch.Tensor:
+    """rows as a tensor on device, copied from pinned memory: the copy stays asynchronous (one from
+    pageable memory first waits for the stream to drain, a host sync per new table)."""
+    t = torch.tensor(rows, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _table(key: tuple, build, device) -> torch.Tensor:
     """The device tensor of build() -> (list of int rows, dtype), cached by key."""
     def make():
         rows, dtype = build()
-        return torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
+        return _host_table(rows, dtype, device)
     return _cached((key, device), make)
 
 

@@ -11,6 +11,9 @@ from .common import Launch, _cached, _check
 _EW_BLOCK = 1024
 
 
+# n stays specialised (unlike the GEMM's shape ints): n % 16 lets triton vectorise the masked loads;
+# without it the backward took 4.5 ms instead of 1.6 ms per bench-moe train step (H200). n = rows x
+# the intermediate size, a multiple of 16 whenever that size is.
 @triton.jit
 def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -57,7 +60,9 @@ class _SwiGLU(torch.autograd.Function):
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
-            _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, dy.contiguous(), dg, du, n, BLOCK=_EW_BLOCK)
+            dy = dy.contiguous()
+            _cached(("swiglu_bwd", n, gate.dtype, up.dtype, dy.dtype), lambda: Launch(
+                _swiglu_bwd, (triton.cdiv(n, _EW_BLOCK),), (n,), dict(BLOCK=_EW_BLOCK)))(gate, up, dy, dg, du)
         return dg, du
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, Launch, _cached, _check, _num_sms
+from .common import INTERPRET, Launch, _cached, _check, _host_table, _num_sms
 
 # The contract: one config per dtype (and one for the interpreter), never autotuned.
 # bf16/fp16 main config, measured on one H200 (experiments/README.md, results/triton_NVIDIA_H200_v10.json):
@@ -35,7 +35,11 @@ _SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6
 MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
 
 
-@triton.jit
+# Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
+# otherwise compile a new variant whenever one of them turns divisible by 16 (or equals 1), i.e.
+# in the middle of a run, each new batch composition adding seconds of compilation. The layout
+# hints that matter are the constexpr flags below, decided by the host.
+@triton.jit(do_not_specialize=["num_tiles", "M1", "K1", "R"])
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
                  R, a_step, b_step, b_e, c_step, c_e,
                  P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,13 +171,16 @@ def _config(dtype, m: int | None = None) -> dict:
     return dict(MATMUL_CONFIGS[dtype])
 
 
-def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict) -> None:
+def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict,
+          even_k: bool = True) -> None:
     """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
     scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index. The plan
-    (tile table on the device, grid, layout flags) is cached: the host work per call is one lookup."""
+    (tile table on the device, grid, layout flags) is cached: the host work per call is one lookup.
+    even_k=False: K runs over tokens (a weight gradient), whose count changes with the batch: the
+    K loop stays masked whatever the count (one compiled variant; the same bits, see _gemm_plan)."""
     numels = (a.numel(), b.numel(), c.numel())
-    key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device, numels)
-    plan = _cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg))
+    key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device, numels, even_k)
+    plan = _cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k))
     if plan is not None:
         launch, table = plan
         launch(a, b, c, a if table is None else table)
@@ -184,8 +191,9 @@ def _check_numel(numels: tuple) -> None:
         raise ValueError(f"triton matmul: operands of {max(numels)} elements exceed the kernel's 32-bit tile offsets")
 
 
-def _gemm_plan(a, numels, problems, N, strides, cfg):
-    """(Launch, tile table or None) for these problems, or None when there is no tile."""
+def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
+    """(Launch, tile table or None) for these problems, or None when there is no tile. EVEN_K only
+    drops the K mask (the loads read the same values): even_k=False keeps it, with the same bits."""
     _check_numel(numels)
     rows, first = [], 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
@@ -197,14 +205,14 @@ def _gemm_plan(a, numels, problems, N, strides, cfg):
     sam, sak, sbk, sbn = strides[:4]
     flags = dict(
         ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:]),
-        EVEN_K=all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
+        EVEN_K=even_k and all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
         B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
     )
     single = len(rows) == 1 and rows[0][3:] == (0, 0, 0)
     # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
     # then takes any tensor, never read)
-    table = None if single else torch.tensor(rows, dtype=torch.int64).to(a.device, non_blocking=True)
+    table = None if single else _host_table(rows, torch.int64, a.device)
     sms = _num_sms(a.device)
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg)
@@ -257,7 +265,7 @@ def _needs_copy(t: torch.Tensor) -> bool:
 _MATMUL_PLANS: dict = {}  # (shapes, strides, dtypes, devices) -> (M, N, K, copy a, copy b, Launch)
 
 
-def _matmul_plan(a, b):
+def _matmul_plan(a, b, even_k: bool = True):
     """Everything about a matmul that its shapes, strides, dtypes and devices decide, checked once."""
     _check("matmul", a, b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -271,7 +279,8 @@ def _matmul_plan(a, b):
         return M, N, K, copy_a, copy_b, None
     sa = (K, 1) if copy_a else a.stride()  # read in place: K-, M- or N-contiguous operands, same bits
     sb = (N, 1) if copy_b else b.stride()
-    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1), _config(a.dtype, M))
+    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1), _config(a.dtype, M),
+                      even_k)
     return M, N, K, copy_a, copy_b, plan[0]
 
 
@@ -282,13 +291,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _matmul(a, b, False)
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, b_transposed: bool) -> torch.Tensor:
+def _matmul(a: torch.Tensor, b: torch.Tensor, b_transposed: bool, token_k: bool = False) -> torch.Tensor:
     """matmul(a, b), or matmul(a, b.t()) when b_transposed (a linear's weight, read through its
-    strides: no transposed view to build)."""
-    key = (b_transposed, a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
+    strides: no transposed view to build). token_k: K is the batch's token count (a weight
+    gradient): the masked K loop for every count (same bits as the unmasked one)."""
+    key = (b_transposed, a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, token_k)
     plan = _MATMUL_PLANS.get(key)
     if plan is None:
-        plan = _matmul_plan(a, b.t() if b_transposed else b)
+        plan = _matmul_plan(a, b.t() if b_transposed else b, not token_k)
         if len(_MATMUL_PLANS) >= 4096:
             _MATMUL_PLANS.clear()
         _MATMUL_PLANS[key] = plan
@@ -313,7 +323,8 @@ class _Linear(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         g = g.to(x2.dtype)
         gx = matmul(g, w) if ctx.needs_input_grad[0] else None
-        gw = matmul(g.t(), x2).to(w.dtype) if ctx.needs_input_grad[1] else None  # K = tokens, in order
+        # K = tokens, in order; the K mask kept for every token count: one compiled variant
+        gw = _matmul(g.t(), x2, False, token_k=True).to(w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw
 
 
@@ -375,7 +386,7 @@ def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.T
                      _config(x.dtype))
         return dw
     probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
-    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype))
+    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype), even_k=False)
     return dw
 
 

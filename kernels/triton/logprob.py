@@ -66,9 +66,11 @@ class _LogProb(torch.autograd.Function):
     def backward(ctx, g):
         z, tokens, lse = ctx.saved_tensors
         dz = torch.empty_like(z)
-        if z.shape[0]:
-            _logprob_bwd[(z.shape[0],)](z, tokens, lse, g.contiguous().float(), dz, z.shape[1],
-                                        BLOCK=min(ROW_BLOCK, triton.next_power_of_2(z.shape[1])))
+        N, V = z.shape
+        if N:
+            _cached(("logprob_bwd", N, V, tokens.dtype), lambda: Launch(
+                _logprob_bwd, (N,), (V,), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
+                z, tokens, lse, g.contiguous().float(), dz)
         return dz, None
 
 

@@ -63,7 +63,9 @@ class _Combine(torch.autograd.Function):
         T, K, Dm = y.shape
         dy, dw = torch.empty_like(y), torch.empty_like(w)
         if T:
-            _combine_bwd[(T,)](y, w, g.contiguous(), dy, dw, K, Dm, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))
+            g = g.contiguous()
+            _cached(("combine_bwd", T, K, Dm, y.dtype, g.dtype), lambda: Launch(
+                _combine_bwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(y, w, g, dy, dw)
         return dy, dw
 
 
@@ -152,8 +154,10 @@ class _Route(torch.autograd.Function):
         T, E = logits.shape
         dz = torch.empty_like(logits)
         if T:
-            _route_bwd[(T,)](logits, w, ids, g.float().contiguous(), dz, E, K=ids.shape[1], RENORM=ctx.renorm,
-                             BLOCK_E=max(16, triton.next_power_of_2(E)))
+            k, renorm = ids.shape[1], ctx.renorm
+            _cached(("route_bwd", T, E, k, renorm, logits.dtype), lambda: Launch(
+                _route_bwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))))(
+                logits, w, ids, g.float().contiguous(), dz)
         return dz, None, None
 
 

@@ -30,7 +30,7 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, BLOCK: tl.constexpr):
         tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=cols < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Program p: dx for rows [p*ROWS, (p+1)*ROWS) and its private partial of dw (no atomics), summed
     over its rows in order in registers, one column chunk at a time."""
@@ -64,24 +64,38 @@ def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: 
 
 
 _NORM_ROWS = 16  # rows per backward program: fixes the grouping of the dw partial sums
+_COLSUM_CHUNK = 32  # partial rows per program of one pass of the column sum
+_COLSUM_BLOCK = 128  # columns per program
 
 
-@triton.jit
-def _colsum_kernel(x_ptr, out_ptr, P, D, BLOCK: tl.constexpr):
-    """out[d] = x[0, d] + x[1, d] + ... + x[P-1, d], in that order (fp32)."""
+@triton.jit(do_not_specialize=["P"])
+def _colsum_kernel(x_ptr, out_ptr, P, D, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (column block, chunk c): out[c, d] = x[c*CHUNK, d] + x[c*CHUNK + 1, d] + ... over the
+    chunk's rows below P, in that order (fp32; rows past P are not read)."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(P):
-        acc = acc + tl.load(x_ptr + p * D + cols, mask=cols < D, other=0.0)
-    tl.store(out_ptr + cols, acc, mask=cols < D)
+    first = tl.program_id(1) * CHUNK
+    n = tl.minimum(P - first, CHUNK)
+    acc = tl.load(x_ptr + first * D + cols, mask=cols < D, other=0.0)
+    for i in range(1, n):
+        acc = acc + tl.load(x_ptr + (first + i) * D + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + tl.program_id(1) * D + cols, acc, mask=cols < D)
 
 
 def _colsum(x: torch.Tensor) -> torch.Tensor:
+    """Column sums of the fp32 partials x [P >= 1, D] in a fixed order that depends on P alone: rows
+    summed in order within consecutive chunks of _COLSUM_CHUNK, then the chunk sums the same way,
+    until one row is left (a chunked tree, one pass per level: every pass runs cdiv(P, CHUNK)
+    column-block programs in parallel instead of one program walking all P rows)."""
+    x = x.contiguous()
     P, D = x.shape
-    out = torch.empty(D, dtype=torch.float32, device=x.device)
-    _cached(("colsum", P, D), lambda: Launch(_colsum_kernel, (triton.cdiv(D, 256),), (P, D), dict(BLOCK=256)))(
-        x.contiguous(), out)
-    return out
+    while P > 1:
+        n = triton.cdiv(P, _COLSUM_CHUNK)
+        out = torch.empty(n, D, dtype=torch.float32, device=x.device)
+        _cached(("colsum", P, D), lambda P=P, n=n: Launch(
+            _colsum_kernel, (triton.cdiv(D, _COLSUM_BLOCK), n), (P, D),
+            dict(CHUNK=_COLSUM_CHUNK, BLOCK=_COLSUM_BLOCK)))(x, out)
+        x, P = out, n
+    return x.reshape(D)
 
 
 def _plan_fwd(R: int, D: int, eps: float) -> Launch:
@@ -114,8 +128,11 @@ class _RMSNorm(torch.autograd.Function):
         partial = torch.empty(max(progs, 1), D, dtype=torch.float32, device=x2.device)
         if R:
             cbuf = torch.empty(R, dtype=torch.float32, device=x2.device)
-            _rmsnorm_bwd[(progs,)](x2, w.float(), g.contiguous(), rstd, cbuf, dx, partial, R, D, ROWS=_NORM_ROWS,
-                                   BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))
+            g = g.contiguous()
+            key = ("rmsnorm_bwd", R, D, x2.dtype, g.dtype)
+            _cached(key, lambda: Launch(_rmsnorm_bwd, (progs,), (R, D), dict(
+                ROWS=_NORM_ROWS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))))(
+                x2, w.float(), g, rstd, cbuf, dx, partial)
         else:
             partial.zero_()
         dw = _colsum(partial)  # one ordered reduction of the private partials

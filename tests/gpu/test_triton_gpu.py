@@ -41,3 +41,87 @@ def test_grouped_rows_equal_matmul_rows_and_decode_equals_prefill():
     for t in range(T):
         dec = tb.attention_decode(q[t : t + 1], kc, vc, torch.tensor([t + 1], device="cuda"), 1 / math.sqrt(D))
         assert same_bits(dec[0], pre[t]), t
+
+
+def _colsum_reference(x, chunk):
+    while x.shape[0] > 1:
+        parts = []
+        for c0 in range(0, x.shape[0], chunk):
+            acc = x[c0].clone()
+            for r in range(c0 + 1, min(x.shape[0], c0 + chunk)):
+                acc = acc + x[r]
+            parts.append(acc)
+        x = torch.stack(parts)
+    return x[0]
+
+
+def test_weight_gradients_at_train_sizes_have_the_promised_bits():
+    # bench-moe's shapes at micro-batch sizes: a linear's dW (masked K loop for every token count)
+    # equals the plain matmul g^T x (unmasked when the count is a multiple of BLOCK_K); the grouped
+    # dW with host-list counts (the per-source EP path) equals the device-counts one; rmsnorm's dw
+    # partials are summed in the chunked order of kernels/triton/norm.py
+    from rlalign.kernels import triton as tb
+    from rlalign.kernels.triton import gemm, norm
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for T in (8192, 8203):
+        x = torch.randn(T, 1024, device="cuda", generator=g).bfloat16().requires_grad_()
+        for n_out in (1024, 256, 32):
+            w = (torch.randn(n_out, 1024, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+            go = torch.randn(T, n_out, device="cuda", generator=g).bfloat16()
+            tb.linear(x, w).backward(go)
+            assert same_bits(w.grad, tb.matmul(go.t(), x.detach())), (T, n_out)
+    counts = [int(c) for c in torch.randint(0, 1400, (16,), generator=torch.Generator().manual_seed(3))]
+    counts[5] = 0
+    xg = torch.randn(sum(counts), 1024, device="cuda", generator=g).bfloat16()
+    gg = torch.randn(sum(counts), 1024, device="cuda", generator=g).bfloat16()
+    host = gemm._grouped_wgrad(gg, xg, counts)
+    assert same_bits(host, gemm._grouped_wgrad(gg, xg, torch.tensor(counts, device="cuda")))
+    assert not host[5].any()
+    for P, D in ((4600, 128), (575, 1024), (1, 1024), (33, 128)):
+        part = torch.randn(P, D, device="cuda", generator=g)
+        assert same_bits(norm._colsum(part), _colsum_reference(part, norm._COLSUM_CHUNK)), (P, D)
+
+
+def test_new_token_counts_compile_nothing_after_the_first():
+    # shape ints that change with the batch are not specialised (do_not_specialize), and a weight
+    # gradient's K mask does not depend on the token count: after one micro-batch, other token
+    # counts (divisible by 16, by 64, or neither) and other expert counts reuse the compiled kernels
+    from triton.runtime.jit import JITFunction
+
+    from rlalign.kernels import triton as tb
+    from rlalign.kernels.triton import gemm
+
+    if not hasattr(JITFunction, "_do_compile"):
+        pytest.skip("this triton has no JITFunction._do_compile to count compilations")
+    compiled = []
+    orig = JITFunction._do_compile
+
+    def counting(self, *a, **k):
+        compiled.append(self.__name__)
+        return orig(self, *a, **k)
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w = (torch.randn(1024, 1024, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    nw = torch.ones(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    we = (torch.randn(16, 1024, 1024, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    gen = torch.Generator().manual_seed(5)
+
+    def step(T):
+        x = torch.randn(T, 1024, device="cuda", generator=g).bfloat16().requires_grad_()
+        h = tb.rmsnorm(tb.linear(x, w), nw, 1e-6)
+        y = tb.swiglu(h, h)
+        counts = [int(c) for c in torch.randint(1, 2 * T // 16, (16,), generator=gen)]
+        xe = torch.randn(sum(counts), 1024, device="cuda", generator=g).bfloat16().requires_grad_()
+        (y.float().sum() + tb.grouped_linear(xe, we, counts).float().sum()).backward()
+        torch.cuda.synchronize()
+
+    step(8203)
+    JITFunction._do_compile = counting
+    try:
+        for T in (8192, 8208, 8256, 8001, 8017, 12345):
+            step(T)
+    finally:
+        JITFunction._do_compile = orig
+    assert compiled == [], compiled
+    assert gemm._gemm_kernel.do_not_specialize  # the switch this test is about
