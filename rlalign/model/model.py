@@ -163,11 +163,12 @@ def dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     A counting sort with no host sync (a decode step can be captured in a CUDA graph; EP reads
     the counts on the host for its splits) and no comparison sort: a row's place is its expert's
     start plus the number of earlier rows with the same expert (an integer prefix sum, exact)."""
-    hits = flat[:, None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)[None]  # [N, E]
-    seen = torch.cumsum(hits, 0, dtype=torch.int32)  # rows up to and including this one, per expert
-    counts = seen[-1].long() if flat.numel() else torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    hits = flat[None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)[:, None]  # [E, N]
+    seen = torch.cumsum(hits, 1, dtype=torch.int32)  # per expert, rows up to and including this one (a scan
+    # along the contiguous dim: along dim 0 it took 224 ms of a 40k-token training step on the H200)
+    counts = seen[:, -1].long() if flat.numel() else torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     start = torch.cumsum(counts, 0) - counts
-    dest = start.index_select(0, flat) + seen.gather(1, flat[:, None])[:, 0] - 1
+    dest = start.index_select(0, flat) + seen.gather(0, flat[None])[0] - 1
     order = torch.empty_like(dest).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
     return order, dest, counts
 
