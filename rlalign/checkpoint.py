@@ -7,8 +7,9 @@ meta.json. Nothing in a checkpoint directory is ever unpickled.
 A checkpoint at step k holds the state after step k: model, fp32 masters and AdamW state, keyed
 as Trainer.checkpoint_state keys them (expert tensors per global expert, dense masters and AdamW
 state per dense unit, so any EP size, with trainer.shard_dense or without, can load them; a
-sharded rank writes and reads only its own units), and meta.json with the step, the data position, RNG states, the weights fingerprint and an
-index of every tensor: its file, dtype, shape and fingerprint (rlalign.monitor.fingerprint).
+sharded rank writes and reads only its own units), and meta.json with the step, the data
+position, RNG states, the weights fingerprint and an index of every tensor: its file, dtype,
+shape and fingerprint (rlalign.monitor.fingerprint).
 
 Format. Each trainer rank writes through DCP's HuggingFaceStorageWriter (save_distributed=True):
 one `shard-<rank+1>-model-00001-of-00001.safetensors` per rank (DCP's planner writes a tensor held

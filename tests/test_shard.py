@@ -242,3 +242,20 @@ def test_sharded_dense_is_bitwise_unsharded_across_ep_1_2_4_reshards_checkpoints
             assert abs(h["master"] / total - 1 / world) <= UNIT / total, (world, h)
             assert h["adamw"] == 2 * h["master"] and h["grad"] == h["master"]
             assert r[j][3]["master"] == h["master"]  # from construction on, not only after a step
+
+
+@pytest.mark.slow
+def test_baseline_gate_unsharded_ep1_vs_sharded_ep2_through_the_ray_job(tmp_path):
+    """The whole job (Ray actors, traces, the gate's trainer-state comparison by name): every
+    metric, trace stream and trainer-state record of a sharded EP-2 run equals an unsharded EP-1 run."""
+    from rlalign.monitor.gates import run_gate
+
+    over = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=3", "generator.ep_size=1",
+            "model.dtype=float32", f"trainer.shard_unit_numel={UNIT}", "trainer.grad_clip=0.05", "trainer.ep_size=1",
+            "run.steps=2", "checkpoint.every=0", 'gate.candidate=["trainer.ep_size=2","trainer.shard_dense=true"]']
+    ok, text = run_gate("baseline", over, load_config([*over, f"run.dir={tmp_path}"]))
+    assert ok, text
+    assert "trainer state (gradients, AdamW moments, weights per global expert): identical" in text
+    traces = tmp_path / "gate-baseline" / "b" / "traces"
+    assert "embed_tokens.weight/rows0-16" in (traces / "trainer-rank0.jsonl").read_text()  # units on their owner
+    assert "lm_head.weight/rows0-16" in (traces / "trainer-rank1.jsonl").read_text()
