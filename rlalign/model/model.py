@@ -245,13 +245,15 @@ class Transformer(nn.Module):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self._tap("logits", self.lm_head(self._tap("norm", self.model.norm(h))))
 
-    def _rope(self, positions: torch.Tensor, check: bool = True):
-        """cos/sin rows [N, D] for positions, after checking the context length."""
-        if check and positions.numel() and int(positions.max()) >= self.args.max_position_embeddings:
+    def _check_positions(self, last: int) -> None:
+        if last >= self.args.max_position_embeddings:
             raise ValueError(
-                f"position {int(positions.max())} exceeds the model's context "
+                f"position {last} exceeds the model's context "
                 f"(max_position_embeddings={self.args.max_position_embeddings})"
             )
+
+    def _rope(self, positions: torch.Tensor):
+        """cos/sin rows [N, D] for positions (lengths are checked by the callers, on the host)."""
         cos, sin = self._rope_table
         if cos.device != positions.device:
             self._rope_table = cos, sin = cos.to(positions.device), sin.to(positions.device)
@@ -262,6 +264,7 @@ class Transformer(nn.Module):
         cu_seqlens = [int(c) for c in cu_seqlens]
         lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         positions = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
+        self._check_positions(max(lens, default=0) - 1)  # on the host: no device read
         cos, sin = self._rope(positions.to(tokens.device))
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         for i, layer in enumerate(self.model.layers):
@@ -276,7 +279,7 @@ class Transformer(nn.Module):
         `cache` has write(layer, slot_mapping, k, v) and pages(layer) (PagedKVCache, or an engine's
         view of its own pages). Returns logits of `logit_rows` (default: every row). Each row's
         bits equal the trainer's forward row at that position (batch invariance)."""
-        cos, sin = self._rope(positions, check=False)  # engines check lengths at admission: no host sync
+        cos, sin = self._rope(positions)  # engines check lengths at admission: no host sync
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         for i, layer in enumerate(self.model.layers):
             h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.paged(

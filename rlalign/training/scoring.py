@@ -55,17 +55,17 @@ def score_micro_batch(
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-    rows, targets = [], []
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        start = cu[b] + len(p) - 1  # logits at position j predict token j + 1
-        rows.append(torch.arange(start, start + len(r), device=dev))
-        targets.append(torch.tensor(list(r), dtype=torch.long, device=dev))
+    # logits at position j predict token j + 1: response rows start at the prompt's last token
+    rows = [i for b, (p, r) in enumerate(zip(prompts, responses)) for i in range(cu[b] + len(p) - 1,
+                                                                                cu[b] + len(p) - 1 + len(r))]
+    flat = [t for s in seqs for t in s] + rows + [t for r in responses for t in r]
+    host = torch.tensor(flat, dtype=torch.long)  # one host-to-device copy (pinned: no wait) for all three
+    host = host.pin_memory() if dev.type == "cuda" else host
+    tokens, rows_t, targets = host.to(dev, non_blocking=True).split([len(flat) - 2 * len(rows), len(rows), len(rows)])
     if sample_ids is not None:
         set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
-    rows_t = torch.cat(rows)
-    lp = kernels.token_logprobs(logits[rows_t], torch.cat(targets), temperature, top_k, top_p)
+    lp = kernels.token_logprobs(logits[rows_t], targets, temperature, top_k, top_p)
     return list(torch.split(lp, [len(r) for r in responses]))
 
 
