@@ -6,8 +6,11 @@ keys (target <= 1.2x SDPA's time), the paged kernel vs our contiguous decode (ta
 prefill vs SDPA at T = 1024 / 4096 beside the same kernel without key chunks (what split-K costs
 prefill). Times: triton.testing.do_bench medians (the host's launch cost included) and the same
 call replayed from a CUDA graph (kernel time). Prints a table; writes results/paged_attention_<gpu>.json.
+The rows settings before the paged kernel's deeper pipeline and the fused split-K fold
+(attn.ROWS_BEFORE) are timed beside the pinned ones in the same run ("OLD" rows), and each change
+alone on the paged kernel.
 
-    python experiments/bench_paged_attention.py [--quick] [--sweep] [--out DIR]
+    python experiments/bench_paged_attention.py [--quick] [--sweep] [--only bits,decode,prefill] [--out DIR]
 
 --quick: tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script, times mean nothing).
 --sweep: instead, time other key-chunk sizes (the constant CHUNK of kernels/triton/attention.py) and
@@ -80,10 +83,10 @@ def bits_equal(a, b) -> bool:
 
 
 @contextlib.contextmanager
-def knobs(chunk: int | None = None, spp: int | None = -1, flat: bool | None = None):
+def knobs(chunk: int | None = None, spp: int | None = -1, flat: bool | None = None, rows: dict | None = None):
     """Another key-chunk size (bits change with it: timing only), split-K schedule (CHUNKS_PER_PROGRAM:
-    0 = in registers, k = k chunks per program, None = the size-based schedule; -1 leaves it) or loop
-    structure (the same bits)."""
+    0 = in registers, k = k chunks per program, None = the size-based schedule; -1 leaves it), loop
+    structure or rows settings (FUSED, COMBINE_UNROLL, PAGED_STAGES: the same bits)."""
     table = attn.INTERPRET_ATTN if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]
     saved = table["CHUNK"], attn.CHUNKS_PER_PROGRAM, dict(table["prefill"]), dict(table["decode"])
     if chunk is not None:
@@ -92,6 +95,8 @@ def knobs(chunk: int | None = None, spp: int | None = -1, flat: bool | None = No
         attn.CHUNKS_PER_PROGRAM = spp
     if flat is not None:
         table["prefill"], table["decode"] = dict(saved[2], FLAT=flat), dict(saved[3], FLAT=flat, SPLIT_FLAT=flat)
+    if rows is not None:
+        table["decode"] = dict(table["decode"], **rows)
     try:
         yield
     finally:
@@ -164,6 +169,12 @@ def check_bits(q: bool) -> None:
                 rows_differing=bad)
 
 
+OLD = dict(attn.ROWS_BEFORE)
+# each change alone on the paged kernel: (name, rows settings)
+PAGED_ALONE = [("num_stages 3", dict(PAGED_STAGES=None)), ("num_stages 4", dict(PAGED_STAGES=4)),
+               ("num_stages 7", dict(PAGED_STAGES=7)), ("two-kernel fold", dict(FUSED=False, COMBINE_UNROLL=4))]
+
+
 def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
     H, Hk, D, C = (4, 2, 16, 64) if q else (32, 8, 128, 4096)
     scale = 1 / math.sqrt(D)
@@ -183,22 +194,43 @@ def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
             row("speed", f"decode B={B} H={H}/{Hk} D={D} cache={C}{tag}", ours_ms=t, sdpa_ms=t_sdpa,
                 time_ratio=t / t_sdpa, graph_ours_ms=gt, graph_sdpa_ms=g_sdpa, graph_time_ratio=gt / g_sdpa)
         if chunks == (None,):
-            with knobs(chunk=1 << 20, spp=0):  # one chunk, one program per row: the kernel before split-K
-                t, gt = bench(ours), bench_graph(ours)
-            row("speed", f"decode B={B} without key chunks (before split-K)", ours_ms=t, time_ratio=t / t_sdpa,
-                graph_time_ratio=gt / g_sdpa)
+            ref = ours()
+            with knobs(rows=OLD):  # the rows settings before (two-kernel split-K fold)
+                same = bits_equal(ours(), ref)
+                t_old, g_old = bench(ours), bench_graph(ours)
+            row("speed", f"decode B={B} OLD rows settings", ours_ms=t_old, time_ratio=t_old / t_sdpa,
+                graph_ours_ms=g_old, graph_time_ratio=g_old / g_sdpa, bitwise_equal_new=same)
+            if not q and B < 64:
+                for spp in (1, 2, 4):  # the fused fold under each split-K schedule
+                    with knobs(spp=spp):
+                        same = bits_equal(ours(), ref)
+                        gt = bench_graph(ours)
+                    row("sched", f"decode B={B} chunks/program={spp}", graph_ours_ms=gt, graph_time_ratio=gt / g_sdpa,
+                        bitwise_equal_new=same)
             for ps in (16, 32):
                 kp, table, seq_idx, pos = paged_cache(kc.flatten(0, 1), [C] * B, ps, B)
                 vp = paged_cache(vc.flatten(0, 1), [C] * B, ps, B)[0]
                 rows = torch.arange(1, B + 1, device=DEV) * C - 1  # the last position of each sequence
                 sidx, ppos = seq_idx[rows].contiguous(), pos[rows].contiguous()
                 paged = lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos, scale)
-                same = bits_equal(paged(), ours())
+                same = bits_equal(paged(), ref)
                 tp, gp = bench(paged), bench_graph(paged)
                 t, gt = bench(ours), bench_graph(ours)
                 row("speed", f"paged decode B={B} page={ps} vs our contiguous decode", paged_ms=tp, contiguous_ms=t,
                     time_ratio=tp / t, graph_paged_ms=gp, graph_contiguous_ms=gt, graph_time_ratio=gp / gt,
                     bitwise_equal=same)
+                with knobs(rows=OLD):
+                    same = bits_equal(paged(), ref)
+                    gpo, gto = bench_graph(paged), bench_graph(ours)
+                row("speed", f"paged decode B={B} page={ps} OLD rows settings", graph_paged_ms=gpo,
+                    graph_contiguous_ms=gto, graph_time_ratio=gpo / gto, bitwise_equal=same,
+                    new_paged_vs_old_contiguous=gp / gto)
+                for name, alone in PAGED_ALONE if ps == 16 and not q else ():
+                    with knobs(rows=alone):
+                        same = bits_equal(paged(), ref)
+                        gpa = bench_graph(paged)
+                    row("speed", f"paged decode B={B} page={ps} {name}", graph_paged_ms=gpa,
+                        graph_time_ratio_vs_new_contiguous=gpa / gt, bitwise_equal=same)
 
 
 def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
@@ -282,6 +314,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated steps: bits, decode, prefill")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.sweep:
@@ -290,6 +323,8 @@ def main() -> None:
                  ("prefill chunks", lambda q: speed_prefill(q, sizes)), ("tiles", sweep_tiles)]
     else:
         steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill)]
+        if a.only:
+            steps = [s for s in steps if s[0] in a.only.split(",")]
     for name, step in steps:
         try:
             step(a.quick)
@@ -299,7 +334,8 @@ def main() -> None:
         torch.cuda.get_device_name(0).replace(" ", "_") if DEV == "cuda" else "cpu")
     cfg = {str(k): v for k, v in attn.ATTN_FWD.items()}
     name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "")
-    schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM}
+    schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM,
+                "rows_before": attn.ROWS_BEFORE}
     path = _env.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)
     print("\n" + "\n".join(f"{r['section']:8} {r['name']:60} " + "  ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k not in ("section", "name"))

@@ -120,6 +120,31 @@ def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
     assert same_bits(outs[0][1], outs[0][0][rows])
 
 
+@pytest.mark.parametrize("page_size", [8, 32])
+def test_fused_fold_leaves_bits_alone(page_size, monkeypatch):
+    """Split-K folded by the last split program (ticket counters, left zero), by a second kernel or in
+    registers: the same bits."""
+    lens = [70, 9, 33]
+    q, k, v, cu = _packed(lens, seed=10)
+    pre = tb.attention_prefill(q, k, v, cu, 0.25)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 16, seed=11)
+    rows = torch.tensor([69, 31, 32, 0, 75, 78, 111, 100], device=DEV)  # ragged, both sides of chunk ends
+    kc = torch.zeros(len(lens), 80, 2, 16, dtype=k.dtype, device=DEV)
+    vc = torch.zeros_like(kc)
+    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        kc[s, : b - a], vc[s, : b - a] = k[a:b], v[a:b]
+    last = torch.tensor(cu[1:], device=DEV) - 1
+    base = dict(attn.INTERPRET_ATTN["decode"])
+    for fused, spp in ((True, 1), (False, 2), (True, 2), (True, 0)):
+        monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, FUSED=fused))
+        monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+        out = tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)
+        assert same_bits(out, pre[rows]), (fused, spp)
+        dec = tb.attention_decode(q[last], kc, vc, torch.tensor(lens, device=DEV), 0.25)
+        assert same_bits(dec, pre[last]), (fused, spp)
+    assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())  # every launch reset its counters
+
+
 def test_negative_twin_another_chunk_size_moves_bits(monkeypatch):
     """The chunk size is part of the contract: prefill reduced with 16- or 64-key chunks (the same
     blocks, folded at other points) differs from the 32-key chunks the decode rows use (fp32: a bf16

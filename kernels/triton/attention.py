@@ -27,15 +27,30 @@ from .common import INTERPRET, _check, _num_sms, _table
 # rows folded in registers); SPLIT_FLAT: the same for split-K programs, where a loop per chunk was
 # faster. bf16 on one H200 (experiments/results/paged_attention_h200*.json; graph times, 32/8 heads,
 # D 128, 4,096 keys): decode 1.19x / 1.26x / 1.02x SDPA's time at B = 1 / 8 / 64 with this choice
-# of loop forms, prefill 0.65x / 0.63x SDPA's speed at T = 1024 / 4096 (0.68x / 0.67x without key
-# chunks); CHUNK 128 and 512 measured slower at B = 1 and 8, 512 faster for prefill. fp32 tiles
-# take twice the shared memory: fewer stages.
+# of loop forms before the fused fold (below), prefill 0.65x / 0.63x SDPA's speed at T = 1024 /
+# 4096 (0.68x / 0.67x without key chunks); CHUNK 128 and 512 measured slower at B = 1 and 8, 512
+# faster for prefill. fp32 tiles take twice the shared memory: fewer stages.
+#
+# Rows modes only, none of them moves a bit: PAGED_STAGES, the paged kernel's num_stages (its K/V loads
+# hang off a block-table load, and triton splits the stages between the two levels of loads:
+# (num_stages - 1) // 2 blocks ahead each, so 5 prefetches K/V 2 blocks ahead as 3 does for
+# contiguous rows); FUSED, split-K's last program per (row, kv head) folds the partials (a ticket
+# counter) instead of a second kernel; COMBINE_UNROLL, chunk partials loaded at once by that fold.
+# Measured (experiments/results/paged_attention_h200_fused.json, graph times): decode 0.85x / 1.11x /
+# 1.03x SDPA's time at B = 1 / 8 / 64 (1.24x / 1.27x / 1.02x before); paged 1.24x / 1.24x / 1.05x our
+# contiguous decode (page 16; the contiguous kernel got faster: paged alone went 13.3 -> 9.7, 55.3 ->
+# 50.2, 294 -> 262 us).
+_ROWS = dict(FUSED=True, COMBINE_UNROLL=16)
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
-                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True, SPLIT_FLAT=False)),
+                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True, SPLIT_FLAT=False,
+                                     PAGED_STAGES=5, **_ROWS)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True),
-                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True, SPLIT_FLAT=False)),
+                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True, SPLIT_FLAT=False,
+                                    PAGED_STAGES=2, **_ROWS)),
 }
+# the rows settings before this (experiments/bench_paged_attention.py --old compares them in one run)
+ROWS_BEFORE = dict(PAGED_STAGES=None, FUSED=False, COMBINE_UNROLL=4)
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
 # config is deterministic; bf16 measured on one H200 (--only attention_bwd_sweep,attention_bwd):
@@ -49,7 +64,7 @@ ATTN_BWD = {
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
 INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
-                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False),
+                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False, FUSED=True, COMBINE_UNROLL=2),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
 # The split-K schedule of decode / paged rows (_chunks_per_program; the same bits whatever it picks):
 # while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
@@ -58,7 +73,7 @@ INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
 # folds its chunks in registers, as prefill does. CHUNKS_PER_PROGRAM (tests, benchmarks) forces a
 # schedule: 0 = in registers, k = k chunks per program.
 SPLIT_MAX_PARTIALS = 1 << 17
-SPLIT_PROGRAMS_PER_SM = 4
+SPLIT_PROGRAMS_PER_SM = 2  # two 96 KB bf16 programs fit an SM
 CHUNKS_PER_PROGRAM: int | None = None
 
 
@@ -71,7 +86,8 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     where() that keeps every score), so a row's bits do not depend on which form its block took
     (the kernel runs without FMA contraction, so both forms round the same operations). PAGED: key j
     is slot j % PAGE of page bt_ptr[j // PAGE], looked up per key, so a block may span pages or
-    share one (BLOCK_N and PAGE either way round); otherwise key j is row kbase + j * skn."""
+    share one (BLOCK_N and PAGE either way round; one lookup per page, addresses built as [pages,
+    PAGE] and flattened, measured 1.7-2x slower on the H200); otherwise key j is row kbase + j * skn."""
     rn = j0 + tl.arange(0, BLOCK_N)
     kmask = rn < n_keys
     if PAGED:
@@ -165,11 +181,11 @@ def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
 
 
 @triton.jit
-def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, NC, SPP,
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, cnt_ptr, NC, SPP,
               sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
               PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr, UPCAST: tl.constexpr,
-              IEEE: tl.constexpr):
+              IEEE: tl.constexpr, FUSED: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
     (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
@@ -178,10 +194,11 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     kv head's G query heads into the tile rows (the GQA group shares one K/V stream). Every tile row
     reduces its keys in CHUNK chunks of BLOCK_N blocks through the same instructions, so a row's
     bits depend neither on the mode nor on BLOCK_M. SPLIT (rows modes): program z takes chunks
-    [z * SPP, z * SPP + SPP) and stores each one's partial at (mp, lp, ap)[row, head, chunk] for
-    _attn_combine; otherwise the program folds all its row's chunks here, in order. FLAT: one loop over
-    the blocks with the chunk ends inside it, else a loop per chunk (the same operations: a speed
-    choice)."""
+    [z * SPP, z * SPP + SPP) and stores each one's partial at (mp, lp, ap)[row, head, chunk]; FUSED: the
+    last of the row's programs to finish (a ticket counter per (row, kv head) at cnt_ptr, zero between
+    launches) folds them in chunk order, else _attn_combine does; otherwise the program folds all its
+    row's chunks here, in order. FLAT: one loop over the blocks with the chunk ends inside it, else a
+    loop per chunk (the same operations: a speed choice)."""
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     bt = bt_ptr
@@ -261,20 +278,21 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
                                                 rd, BLOCK_M, D, CHUNK, SPLIT)
     if not SPLIT:
         _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd)
+    elif FUSED:  # the program that stores the row's last partial folds them all (no second kernel)
+        tl.debug_barrier()  # every thread's partial stores precede the release below (CTA barrier + gpu release)
+        done = tl.atomic_add(cnt_ptr + w * tl.num_programs(1) + hk, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(2) - 1:
+            _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, H, son, soh, G, D, BLOCK_G,
+                          CHUNK, UNROLL)
+            tl.store(cnt_ptr + w * tl.num_programs(1) + hk, 0)  # reset for the next launch (or graph replay)
 
 
 @triton.jit
-def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr,
-                  UNROLL: tl.constexpr):
-    """Program (row, kv head): fold the row's stored chunk partials in chunk order (split-K's second
-    pass), then normalise: the same _fold and _attn_store as the in-register path."""
-    w = tl.program_id(0)
-    hk = tl.program_id(1)
-    H = tl.num_programs(1) * G
-    n_keys = tl.load(work_ptr + w).to(tl.int32)
-    if MODE == 2:
-        n_keys += 1
+def _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, H, son, soh, G: tl.constexpr,
+                  D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
+    """Fold row w's stored chunk partials of kv head hk's G heads in chunk order, then normalise: the
+    same _fold and _attn_store as the in-register path. Loads bypass L1 (.cg): other programs wrote
+    them within this launch when a split program folds (FUSED)."""
     rg = tl.arange(0, BLOCK_G)
     rd = tl.arange(0, D)
     gmask = rg < G
@@ -290,11 +308,26 @@ def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh
         for i in tl.static_range(UNROLL):
             c = c0 + i
             ok = gmask & (c + rg * 0 < n_c)
-            m_c = tl.load(mp_ptr + idx0 + c, mask=ok, other=0.0)
-            l_c = tl.load(lp_ptr + idx0 + c, mask=ok, other=0.0)
-            acc = tl.load(ap_ptr + (idx0 + c)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+            m_c = tl.load(mp_ptr + idx0 + c, mask=ok, other=0.0, cache_modifier=".cg")
+            l_c = tl.load(lp_ptr + idx0 + c, mask=ok, other=0.0, cache_modifier=".cg")
+            acc = tl.load(ap_ptr + (idx0 + c)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0,
+                          cache_modifier=".cg")
             M, L, A = _fold(M, L, A, m_c, l_c, acc, c * CHUNK <= qpos)
     _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, gmask, H, son, soh, rd)
+
+
+@triton.jit
+def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr,
+                  UNROLL: tl.constexpr):
+    """Program (row, kv head): split-K's second pass where the split programs do not fold (FUSED off)."""
+    w = tl.program_id(0)
+    hk = tl.program_id(1)
+    n_keys = tl.load(work_ptr + w).to(tl.int32)
+    if MODE == 2:
+        n_keys += 1
+    _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, tl.num_programs(1) * G, son, soh, G, D,
+                  BLOCK_G, CHUNK, UNROLL)
 
 
 LOG2E = 1.4426950408889634
@@ -331,7 +364,7 @@ def _attn_prefill_launch(q, k, v, work, scale: float):
         return o, lse
     cfg = _attn_cfg("prefill", q.dtype)
     _attn_fwd[(H, work.shape[0], 1)](
-        q, k, v, o, lse, work, work, work, o, o, o, 1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
+        q, k, v, o, lse, work, work, work, o, o, o, o, 1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
         o.stride(0), o.stride(1), 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
         UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg, **_no_fma())
     return o, lse
@@ -365,7 +398,10 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     if N == 0:
         return o, lse
     cfg = _attn_cfg("decode", q.dtype)
-    split_flat = cfg.pop("SPLIT_FLAT")
+    split_flat, fused, unroll = cfg.pop("SPLIT_FLAT"), cfg.pop("FUSED"), cfg.pop("COMBINE_UNROLL")
+    paged_stages = cfg.pop("PAGED_STAGES", None)
+    if mode == 2 and paged_stages:
+        cfg["num_stages"] = paged_stages
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     chunk = cfg["CHUNK"]
@@ -375,18 +411,39 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
     args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
-        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, nc, 1, *args, SPLIT=False, **flags, **cfg)
+        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
+                              **cfg)
         return o, lse
     cfg["FLAT"] = split_flat
     R = N * H * nc
     part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
     ap, mp, lp = part[: R * D], part[R * D : R * (D + 1)], part[R * (D + 1) :]
-    _attn_fwd[(N, Hk, triton.cdiv(nc, spp))](q, k, v, o, lse, work, seq, table, mp, lp, ap, nc, spp, *args,
-                                              SPLIT=True, **flags, **cfg)
-    _attn_combine[(N, Hk)](mp, lp, ap, o, lse, work, nc, o.stride(0), o.stride(1), G=G, D=D,
-                           BLOCK_G=triton.next_power_of_2(G), CHUNK=chunk, MODE=mode, UNROLL=1 if INTERPRET else 4,
-                           **_no_fma())
+    grid = (N, Hk, triton.cdiv(nc, spp))
+    bg = triton.next_power_of_2(G)
+    if fused:
+        _attn_fwd[grid](q, k, v, o, lse, work, seq, table, mp, lp, ap, _tickets(N * Hk, q.device), nc, spp, *args,
+                        SPLIT=True, FUSED=True, BLOCK_G=bg, UNROLL=unroll, **flags, **cfg)
+        return o, lse
+    _attn_fwd[grid](q, k, v, o, lse, work, seq, table, mp, lp, ap, o, nc, spp, *args, SPLIT=True, **flags, **cfg)
+    _attn_combine[(N, Hk)](mp, lp, ap, o, lse, work, nc, o.stride(0), o.stride(1), G=G, D=D, BLOCK_G=bg, CHUNK=chunk,
+                           MODE=mode, UNROLL=unroll, **_no_fma())
     return o, lse
+
+
+_TICKETS: dict = {}  # device -> int32 counters of the fused split-K, zero between launches (each one resets its own)
+
+
+def _tickets(n: int, device) -> torch.Tensor:
+    """n zeroed int32 counters for one fused split-K launch: a buffer kept per device, grown outside graph
+    capture; a capture that needs more than it holds gets its own zeroed counters (a memset node of
+    that graph). Launches that share the buffer must not run at once on two streams."""
+    buf = _TICKETS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    buf = _TICKETS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return buf
 
 
 @triton.jit

@@ -151,3 +151,67 @@ def test_backward_close_to_sdpa_and_identical_run_to_run():
     for name, a, b in zip("qkv", grads[0], ref):
         rel = float((a.float() - b).abs().max() / b.abs().max())
         assert rel < 2e-2, (name, rel)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_rows_settings_leave_bits_alone(page_size, monkeypatch):
+    """The paged pipeline depth, the fused split-K fold vs a second kernel: the same bits as prefill (paged
+    rows of ragged, shuffled sequences; decode rows)."""
+    from rlalign.kernels.triton import attention as attn
+
+    lens = [1, 300, 4096, 1000]
+    q, k, v, cu = _packed(lens, 10)
+    pre = attn.attention_prefill(q, k, v, cu, SCALE)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 11)
+    rows = torch.randperm(len(pos), generator=torch.Generator().manual_seed(12))[:700].cuda()
+    last = torch.tensor(cu[1:], device="cuda") - 1
+    kc = torch.zeros(len(lens), 4096, HK, D, device="cuda", dtype=k.dtype)
+    vc = torch.zeros_like(kc)
+    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        kc[s, : b - a], vc[s, : b - a] = k[a:b], v[a:b]
+    cfg = attn.ATTN_FWD[torch.bfloat16]
+    base = dict(cfg["decode"])
+    for rows_cfg in (dict(), attn.ROWS_BEFORE, dict(PAGED_STAGES=7), dict(FUSED=False)):
+        monkeypatch.setitem(cfg, "decode", dict(base, **rows_cfg))
+        for spp in (1, 0):
+            monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+            out = attn.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], SCALE)
+            assert same_bits(out, pre[rows]), (rows_cfg, spp)
+        monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", None)
+        assert same_bits(attn.attention_paged(q[last], kp, vp, table, seq_idx[last], pos[last], SCALE), pre[last])
+        dec = attn.attention_decode(q[last], kc, vc, torch.tensor(lens, device="cuda"), SCALE)
+        assert same_bits(dec, pre[last]), rows_cfg
+    assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())
+
+
+def test_fused_split_k_in_a_cuda_graph():
+    """The fused fold's ticket counters reset themselves: a captured decode (split-K, no host sync)
+    replayed several times on new queries equals eager calls bitwise."""
+    from rlalign.kernels.triton import attention as attn
+
+    T = 4096
+    q, k, v, cu = _packed([T], 13)
+    kc, vc = k[None].expand(8, -1, -1, -1), v[None].expand(8, -1, -1, -1)
+    lengths = torch.tensor([T, 1, 256, 257, 2048, 3000, 4095, 64], device="cuda")
+    qs = q[lengths - 1].clone()
+    eager = attn.attention_decode(qs, kc, vc, lengths, SCALE)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        attn.attention_decode(qs, kc, vc, lengths, SCALE)
+        with torch.cuda.graph(g, stream=s):
+            out = attn.attention_decode(qs, kc, vc, lengths, SCALE)
+    torch.cuda.current_stream().wait_stream(s)
+    pre = attn.attention_prefill(q, k, v, cu, SCALE)
+    for i in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert same_bits(out, eager), i
+    qs.copy_(q[lengths - 2].clone())  # other queries at the same lengths
+    lengths.sub_(1).clamp_(min=1)
+    g.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, attn.attention_decode(qs, kc, vc, lengths, SCALE))
+    assert same_bits(out[1:], pre[lengths[1:] - 1])
+    assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())
