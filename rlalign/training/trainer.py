@@ -267,7 +267,10 @@ class Trainer:
         for i in range(_max_over_ranks(len(mbs), self.group, self.device)):
             mb = [samples[j] for j in mbs[i]] if i < len(mbs) else []
             out += score_micro_batch(model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
-        return [x.float().cpu() for x in out]
+        if not out:
+            return []
+        flat = torch.cat([x.float() for x in out]).cpu()  # one device-to-host copy
+        return [x.clone() for x in flat.split([x.numel() for x in out])]
 
     def _kw(self, mb: list[Sample]) -> dict:
         ids = [s.sample_id for s in mb]
@@ -294,9 +297,11 @@ class Trainer:
             for k, mbs in enumerate(plan):
 
                 def loss_fn(lps, idx):
-                    for lp, j in zip(lps, idx):
-                        if j not in captured:  # single update: this forward is pre-update
-                            captured[j] = lp.detach().float().cpu()
+                    new = [(lp, j) for lp, j in zip(lps, idx) if j not in captured]  # single update: pre-update
+                    if new:  # one device-to-host copy per micro-batch (each sample's own tensor: Ray pickles
+                        flat = torch.cat([lp.detach().float() for lp, _ in new]).cpu()  # whole storages)
+                        for (_, j), x in zip(new, flat.split([lp.numel() for lp, _ in new])):
+                            captured[j] = x.clone()
                     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
                     return policy_loss(
                         torch.cat(lps),
@@ -349,7 +354,8 @@ class Trainer:
             if mb:
                 lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
                 loss, st = loss_fn(lps, idx)
-                stats[share[i]] = {k: float(v) for k, v in st.items()}
+                vals = [torch.as_tensor(v, device=self.device).float().reshape(()) for v in st.values()]
+                stats[share[i]] = dict(zip(st, torch.stack(vals).tolist() if vals else []))  # one host read
             else:  # still runs forward and backward through the MoE collectives
                 loss = self.model(torch.zeros(0, dtype=torch.long, device=self.device), [0]).float().sum() * 0.0
             (loss / max(1, global_tokens)).backward()
@@ -376,9 +382,10 @@ class Trainer:
         """The just-finished backward's gradients as tree leaves: dense ones under this rank's
         micro-batch g; each expert weight's per source rank s under s's micro-batch of this step."""
         params = dict(self.model.named_parameters())
-        grad = lambda t: (t.grad if t.grad is not None else torch.zeros_like(t)).float()  # noqa: E731
-        if g is not None:
-            dense_tree.add(g, torch.cat([grad(params[n]).reshape(-1) for n in self.dense_names]))
+        raw = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
+        grad = lambda t: raw(t).float()  # noqa: E731
+        if g is not None:  # one fp32 conversion of the concatenation (the same values)
+            dense_tree.add(g, torch.cat([raw(params[n]).reshape(-1) for n in self.dense_names]).float())
         for n in self.expert_names:
             module, attr = self.expert_modules[n]
             if module is None:  # EP 1: the whole gradient is this micro-batch's
