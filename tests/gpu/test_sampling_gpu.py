@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("rows,vocab,scale,seed", [(4096, 32000, 0.01, 3), (256, 151936, 0.05, 2**63 + 11),
-                                                   (1000, 4097, 1.0, 0)])
+                                                   (1000, 4097, 1.0, 0), (64, 1000, 0.01, 1)])  # 1: not a constant
 def test_fused_draw_equals_the_torch_draw_on_the_device(rows, vocab, scale, seed):
     g = torch.Generator().manual_seed(rows)
     z = (torch.randn(rows, vocab, generator=g) * scale).cuda()
