@@ -1,0 +1,53 @@
+"""The gradient tree of rlalign/training/reduce.py: the root over B leaves is the same bits however
+the leaves are split over ranks (contiguous shares, as the trainer deals them) and whatever order
+the ranks' nodes arrive in — including reduce_nodes' merging of sibling pairs as they arrive, which
+keeps O(log B) nodes alive instead of one per rank."""
+
+import pytest
+import torch
+from conftest import same_bits
+
+from rlalign.parallel.launch import shard_range
+from rlalign.training.reduce import TreeSum, _merge, _root
+
+
+def _leaves(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(33, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_leaves", [1, 2, 5, 8, 13, 32])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_streamed_merge_of_rank_nodes_is_the_one_tree(num_leaves, world):
+    leaves = _leaves(num_leaves)
+    whole = TreeSum()
+    for i, x in enumerate(leaves):
+        whole.add(i, x)
+    ref = whole.total(num_leaves)
+    ranks = []
+    for r in range(world):
+        t = TreeSum()
+        for i in shard_range(num_leaves, world, r):
+            t.add(i, leaves[i])
+        ranks.append(t)
+    union = {k: v for t in ranks for k, v in t.nodes.items()}
+    assert same_bits(_root(union, num_leaves), ref)  # all nodes at once (the old reduce_nodes)
+    for order in (range(world), reversed(range(world))):
+        nodes, peak = {}, 0
+        for r in order:
+            for key in sorted(ranks[r].nodes):
+                _merge(nodes, key[0], key[1], ranks[r].nodes[key])
+                peak = max(peak, len(nodes))
+        assert same_bits(_root(nodes, num_leaves), ref)
+        assert peak <= max(1, num_leaves).bit_length() + 1
+
+
+def test_negative_twin_a_running_sum_is_other_bits():
+    leaves = _leaves(13, seed=1)
+    tree = TreeSum()
+    for i, x in enumerate(leaves):
+        tree.add(i, x)
+    running = leaves[0]
+    for x in leaves[1:]:
+        running = running + x
+    assert not same_bits(running, tree.total(13))
