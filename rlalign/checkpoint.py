@@ -58,10 +58,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 from rlalign.monitor.fingerprint import fingerprint, state_fingerprints
 
@@ -370,9 +367,18 @@ def _quiet_single_process():
         yield
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: ~1 s of imports (sympy among them) that
+    a process which never saves or loads (a generator actor) does not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def _dcp_cause(e: BaseException, rank: int) -> tuple[int, BaseException]:
     """(rank, exception) inside DCP's CheckpointException (an OSError first): the rank that failed,
     which every rank reports."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(e, CheckpointException) and e.failures:
         inner = sorted((r, x[0] if isinstance(x, tuple) else x) for r, x in e.failures.items())
@@ -436,7 +442,8 @@ def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
         raise _write_error(path, step, e, rank) from None
     try:
         with _quiet_single_process():
-            dcp.save(cpu, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
+            dcp = _dcp()
+            dcp.save(cpu, storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True),
                      process_group=group, no_dist=not _dist_on())
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -495,8 +502,10 @@ class AsyncSaver:
         pg = self._gloo_group(group)
         try:
             with _quiet_single_process():
-                written = dcp.async_save(cpu, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
-                                         process_group=pg, no_dist=pg is None, async_stager=_Staged())
+                dcp = _dcp()
+                writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
+                written = dcp.async_save(cpu, storage_writer=writer, process_group=pg, no_dist=pg is None,
+                                         async_stager=_Staged())
         except BaseException as e:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -559,7 +568,8 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
         buf[k] = torch.empty(t.shape, dtype=t.dtype)
     try:
         with _quiet_single_process():
-            dcp.load(buf, storage_reader=HuggingFaceStorageReader(str(path)), process_group=group,
+            dcp = _dcp()
+            dcp.load(buf, storage_reader=dcp.HuggingFaceStorageReader(str(path)), process_group=group,
                      no_dist=not _dist_on())
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):

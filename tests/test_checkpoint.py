@@ -315,12 +315,14 @@ def test_async_save_returns_before_the_write_and_writes_the_synchronous_bytes(tm
     want = _save(trained, tmp_path / "sync", 1)
     gate = threading.Event()
 
-    class Held(ckpt.HuggingFaceStorageWriter):  # the write waits until the test lets it go
+    import torch.distributed.checkpoint as dcp
+
+    class Held(dcp.HuggingFaceStorageWriter):  # the write waits until the test lets it go
         def write_data(self, plan, planner):
             assert gate.wait(60)
             return super().write_data(plan, planner)
 
-    monkeypatch.setattr(ckpt, "HuggingFaceStorageWriter", Held)
+    monkeypatch.setattr(dcp, "HuggingFaceStorageWriter", Held)  # what rlalign.checkpoint writes through
     tr, run = _trainer(steps=1), tmp_path / "async"
     saver = ckpt.AsyncSaver()
     saver.save(tr.checkpoint_state(), ckpt.tmp_path(run, 1), publish=_publish(run, 1))
