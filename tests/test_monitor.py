@@ -113,9 +113,9 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys
     from rlalign import cli
 
     t = time.perf_counter()
-    rc = cli.main(["gate", "repeatability", "run.steps=2", f"run.dir={tmp_path}/cli"])  # in-process: this module's Ray
+    rc = cli.main(["gate", "repeatability", "run.steps=1", f"run.dir={tmp_path}/cli"])  # in-process: this module's Ray
     out, err = capsys.readouterr()
-    print(f"rlalign gate repeatability run.steps=2: {time.perf_counter() - t:.1f}s")
+    print(f"rlalign gate repeatability run.steps=1: {time.perf_counter() - t:.1f}s")
     assert rc == 0, err[-2000:]
     assert "gate repeatability: PASS" in out
     ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
