@@ -15,7 +15,8 @@ from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
 from rlalign.monitor.gates import GateRefused, compare_runs, run_gate
 from rlalign.monitor.trace import TraceError, read_trace
 
-SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4"]
+SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4",
+         "trainer.ep_size=1"]  # one trainer actor: what these tests check does not depend on the EP size
 
 
 # --- fingerprints ---------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp
 
     from rlalign.rl import train
 
-    base = [*SMALL, "checkpoint.every=2", "logger.console=false"]
+    base = [*SMALL, "trainer.ep_size=2", "checkpoint.every=2", "logger.console=false"]  # two trainer traces
 
     def run(d, *over):
         train(load_config([*base, f"run.dir={tmp_path / d}", *over]))
