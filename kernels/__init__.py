@@ -158,11 +158,19 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return _impl(y).moe_combine(y, weights)
 
 
-def _tempered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """fp32 filter(logits / temperature) [B, V]: what `sample` draws from and `token_logprobs`
+    scores under (computed once per step by a sampler that needs both: `sample_tempered`,
+    `tempered_logprobs`)."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     return sampling.filter_logits(z, top_k, top_p)
+
+
+def tempered_logprobs(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(z)[tokens] [N] fp32 for z = tempered(logits, ...)."""
+    return _impl(z).log_softmax_gather(z, tokens)
 
 
 def token_logprobs(
@@ -170,7 +178,7 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log p(tokens) [N] fp32 under log_softmax(filter(logits / temperature)): the one logprob
     function of both the generator and the trainer."""
-    return _impl(logits).log_softmax_gather(_tempered(logits, temperature, top_k, top_p), tokens)
+    return tempered_logprobs(tempered(logits, temperature, top_k, top_p), tokens)
 
 
 def sample(
@@ -184,7 +192,13 @@ def sample(
     greedy: bool = False,
 ) -> torch.Tensor:
     """Next tokens [B] from logits [B, V]; noise from (seed, sample id, position) only."""
-    z = _tempered(logits, 1.0 if greedy else temperature, top_k, top_p)
+    z = tempered(logits, 1.0 if greedy else temperature, top_k, top_p)
+    return sample_tempered(z, seed, sample_ids, positions, greedy)
+
+
+def sample_tempered(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
+                    greedy: bool = False) -> torch.Tensor:
+    """`sample` from z = tempered(logits, ...) (temperature 1.0 when greedy)."""
     if greedy:
         return sampling.first_argmax(z)
     fused = getattr(_impl(z), "gumbel_argmax", None)  # the Triton backend: one kernel, the same tokens

@@ -191,11 +191,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, sample_ids: torch.
     """The tokens at absolute `positions` [B] drawn from logits [B, V], and their fp32 logprobs
     under the distribution they were drawn from: the one sampling step of both engines (this one
     and vLLM's logits processor, rlalign/vllm_engine/sampler.py)."""
-    kw = params.logprob_kwargs()
-    tok = kernels.sample(logits, params.seed, sample_ids, positions, greedy=params.greedy, **kw)
+    z = kernels.tempered(logits, **params.logprob_kwargs())  # once: the tokens' distribution
+    tok = kernels.sample_tempered(z, params.seed, sample_ids, positions, greedy=params.greedy)
     if tap_fn is not None:
         tok = tap_fn(tok)
-    return tok, kernels.token_logprobs(logits, tok, **kw)
+    return tok, kernels.tempered_logprobs(z, tok)
 
 
 def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

@@ -99,3 +99,20 @@ def test_generation_bad_input_is_named():
         generate(m, [[3, 99]], [0], ok)
     with pytest.raises(ValueError, match="unique"):
         generate(m, [[3], [4]], [0, 0], ok)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, top_k=20, top_p=0.9), dict(greedy=True, temperature=0.5)])
+def test_sample_next_is_sample_then_token_logprobs(kw):
+    """The engines' sampling step (tempered logits computed once) = the public kernels.sample and
+    the trainer's kernels.token_logprobs, bit for bit; a twin scored at another temperature differs."""
+    from rlalign.generation import sample_next
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    ids, pos = torch.arange(6) * 3 + 1, torch.arange(6) + 4
+    params = SamplingParams(seed=5, max_new_tokens=4, **kw)
+    tok, lp = sample_next(logits, params, ids, pos)
+    lk = params.logprob_kwargs()
+    assert same_bits(tok, kernels.sample(logits, 5, ids, pos, greedy=params.greedy, **lk))
+    assert same_bits(lp, kernels.token_logprobs(logits, tok, **lk))
+    assert not same_bits(lp, kernels.token_logprobs(logits, tok, **{**lk, "temperature": 1.3}))
