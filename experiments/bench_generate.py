@@ -57,16 +57,21 @@ def roofline(args, model, rollouts, peak: float) -> dict:
             "weights_bytes": (n_dense + n_expert) * el}
 
 
-def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True):
+def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True, score_it: bool = True):
     backend = "triton" if mode == "deterministic" else "torch"
     with kernels.use(mode=mode, backend=backend):
-        if warm:  # compile kernels, capture the small buckets
+        if warm:  # compile kernels, capture the small buckets, then the full batch's (its prefill chunks and
+            # decode bucket: compiling them inside the timed run cost the first of two runs ~4 s)
             generate(model, prompts[:8], list(range(8)), SamplingParams(max_new_tokens=8, seed=1), engine=engine)
+            generate(model, prompts, list(range(len(prompts))), SamplingParams(max_new_tokens=2, seed=1), engine=engine)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = generate(model, prompts, list(range(len(prompts))), params, engine=engine)
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
+        if not score_it:
+            toks = sum(len(r.tokens) for r in outs)
+            return outs, {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs}
         with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
             lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=16,
                         **params.logprob_kwargs())
@@ -88,6 +93,8 @@ def main() -> None:
                     help="graphs last: a failed capture cannot spoil the others")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--max-batched", type=int, default=4096, help="generator.max_num_batched_tokens")
+    ap.add_argument("--no-score", action="store_true", help="skip the trainer's rescoring (speed only)")
+    ap.add_argument("--dump", default="", help="torch.save each mode's tokens and logprobs here (to compare runs)")
     a = ap.parse_args()
     cfg = load_config([f"model={a.model}"])
     args = model_args(cfg)
@@ -99,16 +106,18 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=a.new, eos_token_id=args.eos_token_id, seed=7)
     gpu = torch.cuda.get_device_name(0)
     peak = next((v for k, v in HBM_PEAK.items() if k in gpu), 4.8e12)
-    results, ref, ref_mode = {}, None, None
+    results, ref, ref_mode, dumps = {}, None, None, {}
     for mode in a.modes.split(","):
         torch.cuda.empty_cache()
         engine = EngineConfig(cuda_graphs=mode == "graphs", max_num_batched_tokens=a.max_batched)
         try:
-            outs, r = run(model, prompts, params, "default" if mode == "default" else "deterministic", engine)
+            outs, r = run(model, prompts, params, "default" if mode == "default" else "deterministic", engine,
+                          score_it=not a.no_score)
         except Exception as e:  # noqa: BLE001 - recorded, the other modes still run
             results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(mode, "FAILED", results[mode]["error"], flush=True)
             continue
+        dumps[mode] = [(r.tokens, r.logprobs) for r in outs]
         if "roofline" not in results:
             results["roofline"] = roofline(args, model, outs, peak)
         if mode != "default":
@@ -121,13 +130,16 @@ def main() -> None:
         r["fraction_of_roofline"] = r["tokens_per_s"] / results["roofline"]["roofline_tokens_per_s"]
         results[mode] = r
         print(f"{mode:8s} {r['tokens']:7d} tok {r['seconds']:7.2f} s {r['tokens_per_s']:9.0f} tok/s "
-              f"{100 * r['fraction_of_roofline']:5.1f}% roofline  mismatched {r['mismatched_tokens']}", flush=True)
+              f"{100 * r['fraction_of_roofline']:5.1f}% roofline  mismatched {r.get('mismatched_tokens', '-')}",
+              flush=True)
     for m in ("graphs", "eager"):
         if "tokens_per_s" in results.get(m, {}) and "tokens_per_s" in results.get("default", {}):
             results[f"{m}_over_default_speed"] = results[m]["tokens_per_s"] / results["default"]["tokens_per_s"]
     out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
            "prompt_len": [a.prompt_min, a.prompt_max],
            "max_num_batched_tokens": a.max_batched, "baseline_tokens_per_s_issue12": 2700, "results": results}
+    if a.dump:
+        torch.save(dumps, a.dump)
     path = Path(a.out) / f"generate_{a.model}_{gpu.replace(' ', '_')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

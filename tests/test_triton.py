@@ -262,3 +262,49 @@ def test_weight_gradient_keeps_the_k_mask_for_every_token_count_with_the_same_bi
         if c:
             assert same_bits(host[e], tb.matmul(gg[s : s + c].t(), xg[s : s + c])), e
         s += c
+
+
+def test_gemm_small_m_configs_pick_by_rows_and_columns_and_keep_the_k_chunks(monkeypatch):
+    # the pinned configs are a pure function of (dtype, rows, columns): decode's narrow linears
+    # (M <= 256, N <= 4096) take 64-wide tiles, wider N 128-wide, the grouped GEMM at few rows per
+    # expert 128-wide with its tile loop flattened; every small-M config keeps BLOCK_K 128
+    from rlalign.kernels.triton import gemm
+
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    bf = torch.bfloat16
+    assert gemm._config(bf, 64, 2048)["BLOCK_N"] == 32
+    assert gemm._config(bf, 256, 2048)["BLOCK_N"] == 64 and gemm._config(bf, 256, 2048)["FLATTEN"]
+    assert gemm._config(bf, 256, 32000)["BLOCK_N"] == 128 and gemm._config(bf, 100)["BLOCK_N"] == 128
+    assert gemm._config(bf, 257, 2048) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
+    assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["FLATTEN"]
+    assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf]
+    for entry in [*gemm._SMALL, *gemm._GROUPED_SMALL]:
+        assert entry[-1]["BLOCK_K"] == 128 and entry[-1]["BLOCK_M"] == 64
+
+
+def test_gemm_flattened_tile_loop_and_two_programs_per_sm_change_no_bit():
+    # FLATTEN (the tile loop and the K loop as one) and OCC (programs per SM) schedule the same tiles:
+    # plain matmul, the host-table grouped GEMM and the device-counts one give the same bits
+    from rlalign.kernels.triton import gemm
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 64, generator=g).to(DEV)
+    w = torch.randn(4, 48, 64, generator=g).to(DEV)
+    counts = [10, 0, 25, 5]
+    ref_g = gemm._grouped_mm(x, w, counts)
+    ref_m = tb.matmul(x, w[0].t().contiguous())
+    base = {**gemm._config(torch.float32), "num_stages": 2, "num_warps": 4}
+    for extra in ({"FLATTEN": True}, {"OCC": 2}, {"FLATTEN": True, "OCC": 2}):
+        cfg = {**base, **extra}
+        out = torch.empty(40, 48, device=DEV)
+        gemm._gemm_counts(x, w, out, torch.tensor(counts, device=DEV), 40, 48, 0, 64, (64, 1, 1, 64, 48, 1),
+                          (64, 0, 48 * 64, 48, 0), False, cfg)
+        assert same_bits(out, ref_g), extra
+        out = torch.empty(40, 48, device=DEV)
+        probs = [(c, 64, s * 64, e * 48 * 64, s * 48) for e, (c, s) in enumerate(zip(counts, gemm._starts(counts)))
+                 if c]
+        gemm._gemm(x, w, out, probs, 48, (64, 1, 1, 64, 48, 1), cfg)
+        assert same_bits(out, ref_g), extra
+        out = torch.empty(40, 48, device=DEV)
+        gemm._gemm(x, w[0].t().contiguous(), out, [(40, 64, 0, 0, 0)], 48, (64, 1, 48, 1, 48, 1), cfg)
+        assert same_bits(out, ref_m), extra

@@ -30,9 +30,27 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # (experiments/bench_triton.py --only matmul_sweep,matmul). Measured on H200: 0 rows differing for
 # every candidate; these two: M=64 1.01x, M=256 0.87x cuBLAS (CUDA graphs 0.82x / 1.02x), against
 # 0.17x / 0.31x with the main config.
+# Decode (issue 12, experiments/gemm_decode_sweep.py, results/gemm_decode_sweep_H200.json): at
+# 64 < M <= 256 the linears with N <= 4096 (q, k, v, o, router: too few 128-wide tiles for 132 SMs)
+# take 64-wide tiles, 4 stages, the tile loop flattened (16 layers of them at M = 256: 1.29x); wider N
+# (the lm head) 128-wide tiles with 4 stages instead of 3 (1.16x); M <= 64 unchanged. Entries: (max M, config) or
+# (max M, max N, config); the first that fits. Same BLOCK_K (128), same wgmma chain: measured bitwise
+# equal to the previous configs (results/gemm_decode_check_H200.json).
 _SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
-          (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=4))]
+          (256, 4096, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
+          (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4))]
 MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
+# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in
+# COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
+# rows on each of 64 experts: the plain small-M config (64 x 32 tiles) read each expert's weights in
+# 32-column slices, twice as many A bytes as B bytes per tile and a 6-deep pipeline refilled for
+# every 16-chunk (gate_up) or 6-chunk (down) tile: 40 % / 30 % of the HBM peak. 64 x 128 tiles, 4
+# stages, the tile loop flattened (the next tile's loads issued under the current one): 79 % / 72 %,
+# 1.96x / 2.39x (16 layers of bench-moe-large from a CUDA graph, results/gemm_decode_check_H200.json;
+# bitwise equal to the old configs at R = 8..32768, host and device counts, forward and dX).
+_GROUPED_SMALL = [(256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
+                             FLATTEN=True))]
+GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 
 
 # Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
@@ -45,7 +63,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
                  P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
-                 B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr):
+                 B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
+                 FLATTEN: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -60,7 +79,11 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
     sorted by group; R rows in all, sizes clamped to them): group p starts at row s_p = c_0 + ... +
     c_{p-1}; M_p = c_p, K_p = K1 (GROUP_K: M_p = M1, K_p = c_p, the weight gradient), a_off = s_p a_step,
     b_off = s_p b_step + p b_e, c_off = s_p c_step + p c_e. The tiles run up to their total, computed
-    here; the grid is a bound the host knows without reading the sizes (no host sync)."""
+    here; the grid is a bound the host knows without reading the sizes (no host sync).
+
+    Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid; OCC
+    programs per SM), FLATTEN lets triton pipeline the loads of a program's next tile under its
+    current one (one loop over (tile, K chunk)); each tile still runs its own K chunks in order."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
@@ -79,7 +102,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
     elif not SINGLE:
         pr = tl.arange(0, P2)
         firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
-    for tile in tl.range(pid, num_tiles, NUM_SMS):
+    for tile in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         if COUNTS:
             p = tl.sum((firsts <= tile).to(tl.int32), 0) - 1  # the last group starting at or before it
             here = pr == p
@@ -161,12 +184,34 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         tl.store(c_base + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype, m: int | None = None) -> dict:
-    """The pinned config for dtype; m (rows, or rows per problem) picks a small-M one if any."""
+def _config(dtype, m: int | None = None, n: int | None = None) -> dict:
+    """The pinned config for dtype; m (rows, or rows per problem) and n (columns) pick a small-M one
+    if any."""
     if INTERPRET:
         return dict(INTERPRET_MATMUL)
-    for max_m, cfg in MATMUL_SMALL_M.get(dtype, ()):
-        if m is not None and m <= max_m:
+    for entry in MATMUL_SMALL_M.get(dtype, ()):
+        max_m, cfg = entry[0], entry[-1]
+        max_n = entry[1] if len(entry) == 3 else None
+        if m is not None and m <= max_m and (max_n is None or (n is not None and n <= max_n)):
+            return dict(cfg)
+    return dict(MATMUL_CONFIGS[dtype])
+
+
+def _launch_cfg(cfg: dict) -> tuple[dict, int]:
+    """A config's kernel constexprs and launch options (FLATTEN off unless set), and its programs per
+    SM (OCC, 1 unless set): both scheduling only, the tiles and their K order stay the config's."""
+    cfg = dict(cfg)
+    occ = cfg.pop("OCC", 1)
+    cfg.setdefault("FLATTEN", False)
+    return cfg, occ
+
+
+def _grouped_config(dtype, rows: int) -> dict:
+    """The pinned config of the grouped GEMM (forward, dX) at `rows` rows per group."""
+    if INTERPRET:
+        return dict(INTERPRET_MATMUL)
+    for max_m, cfg in GROUPED_SMALL_M.get(dtype, ()):
+        if rows <= max_m:
             return dict(cfg)
     return dict(MATMUL_CONFIGS[dtype])
 
@@ -213,7 +258,8 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
     # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
     # then takes any tensor, never read)
     table = None if single else _host_table(rows, torch.int64, a.device)
-    sms = _num_sms(a.device)
+    cfg, occ = _launch_cfg(cfg)
+    sms = _num_sms(a.device) * occ
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg)
     M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0)
@@ -244,7 +290,8 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg):
     if bound == 0:
         return None
     sam, sak, sbk, sbn = strides[:4]
-    sms = _num_sms(a.device)
+    cfg, occ = _launch_cfg(cfg)
+    sms = _num_sms(a.device) * occ
     meta = dict(P=P, P2=max(2, triton.next_power_of_2(P)), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
                 ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
@@ -279,7 +326,7 @@ def _matmul_plan(a, b, even_k: bool = True):
         return M, N, K, copy_a, copy_b, None
     sa = (K, 1) if copy_a else a.stride()  # read in place: K-, M- or N-contiguous operands, same bits
     sb = (N, 1) if copy_b else b.stride()
-    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1), _config(a.dtype, M),
+    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1), _config(a.dtype, M, N),
                       even_k)
     return M, N, K, copy_a, copy_b, plan[0]
 
@@ -362,12 +409,12 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tens
         w = w.contiguous()
     x = _usable(x)
     if isinstance(counts, torch.Tensor):  # the sizes are unknown here: rows per group guessed as R / min(E, R)
-        cfg = _config(x.dtype, -(-R // min(w.shape[0], R)))
+        cfg = _grouped_config(x.dtype, -(-R // min(w.shape[0], R)))
         _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1], (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1),
                      (x.stride(0), 0, w.stride(0), N, 0), False, cfg)
         return out
     groups = sum(1 for c in counts if c)
-    cfg = _config(x.dtype, -(-R // max(groups, 1)))
+    cfg = _grouped_config(x.dtype, -(-R // max(groups, 1)))
     st = _starts(counts)
     probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
     _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1), cfg)

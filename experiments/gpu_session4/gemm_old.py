@@ -1,0 +1,435 @@
+# kernels/triton/gemm.py as of a8724b3 (before issue 12 session 4), kept as the "old" side of
+# experiments/gemm_decode_check.py and experiments/gpu_session4_*.sh (loaded as a second module).
+"""Matmul, linear and the grouped (expert) GEMM: ONE persistent kernel over a table of problems.
+
+Every output element reduces K in BLOCK_K chunks, in order, with the same tl.dot for every M: a
+pinned config per dtype and M bucket, never autotuned. Linear forward, both backward GEMMs and the
+grouped expert GEMMs (forward, dX, dW: one launch each, no atomics) use it. Backward operands are
+read in place (M- or N-contiguous), never transposed copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, Launch, _cached, _check, _host_table, _num_sms
+
+# The contract: one config per dtype (and one for the interpreter), never autotuned.
+# bf16/fp16 main config, measured on one H200 (experiments/README.md, results/triton_NVIDIA_H200_v10.json):
+# 0.99x cuBLAS at 4096^3, 0.96x at 8192^3; rows bitwise equal for M = 1..8192.
+MATMUL_CONFIGS = {
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
+}
+INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
+# Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
+# A config may join only if every element still reduces K in the same order through the same chain
+# of k16 MMAs into one fp32 accumulator (BLOCK_K 64 or 128 cut that chain at different points, not
+# reorder it), and its rows measured bitwise equal to the main config's for M = 1..8192 on the GPU
+# (experiments/bench_triton.py --only matmul_sweep,matmul). Measured on H200: 0 rows differing for
+# every candidate; these two: M=64 1.01x, M=256 0.87x cuBLAS (CUDA graphs 0.82x / 1.02x), against
+# 0.17x / 0.31x with the main config.
+_SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
+          (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=4))]
+MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
+
+
+# Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
+# otherwise compile a new variant whenever one of them turns divisible by 16 (or equals 1), i.e.
+# in the middle of a run, each new batch composition adding seconds of compilation. The layout
+# hints that matter are the constexpr flags below, decided by the host.
+@triton.jit(do_not_specialize=["num_tiles", "M1", "K1", "R"])
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
+                 R, a_step, b_step, b_e, c_step, c_e,
+                 P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
+                 IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
+                 B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr):
+    """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
+    Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
+    C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
+    in BLOCK_K chunks, in order, with the same tl.dot: a row's bits depend on its own data only,
+    never on M_p, on the other problems or on which program computed it. Operands come in any
+    strides (K-, M- or N-contiguous); the host says which hints hold (EVEN_K: every K_p is a multiple
+    of BLOCK_K, so K needs no mask; A_M_CONTIG / B_N_CONTIG: that dim is contiguous and a multiple of
+    16 long, so clamped rows never split a vector). SINGLE: one problem given as M1, K1 (no table);
+    the same tiles and instructions.
+
+    COUNTS: the problem table is built here, on the device, from prob_ptr = the P group sizes (rows
+    sorted by group; R rows in all, sizes clamped to them): group p starts at row s_p = c_0 + ... +
+    c_{p-1}; M_p = c_p, K_p = K1 (GROUP_K: M_p = M1, K_p = c_p, the weight gradient), a_off = s_p a_step,
+    b_off = s_p b_step + p b_e, c_off = s_p c_step + p c_e. The tiles run up to their total, computed
+    here; the grid is a bound the host knows without reading the sizes (no host sync)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    if COUNTS:
+        pr = tl.arange(0, P2)
+        cnt = tl.maximum(tl.load(prob_ptr + pr, mask=pr < P, other=0).to(tl.int32), 0)
+        ends = tl.minimum(tl.cumsum(cnt, 0), R)
+        starts = ends - tl.minimum(cnt, ends)
+        cnt = ends - starts
+        if GROUP_K:
+            tiles = tl.where(pr < P, tl.cdiv(M1, BLOCK_M) * num_pid_n, 0)
+        else:
+            tiles = tl.cdiv(cnt, BLOCK_M) * num_pid_n
+        firsts = tl.cumsum(tiles, 0) - tiles  # past P: the total, beyond every tile
+        num_tiles = tl.sum(tiles, 0)
+    elif not SINGLE:
+        pr = tl.arange(0, P2)
+        firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
+    for tile in tl.range(pid, num_tiles, NUM_SMS):
+        if COUNTS:
+            p = tl.sum((firsts <= tile).to(tl.int32), 0) - 1  # the last group starting at or before it
+            here = pr == p
+            local = tile - tl.sum(tl.where(here, firsts, 0), 0)
+            s_p = tl.sum(tl.where(here, starts, 0), 0)
+            c_p = tl.sum(tl.where(here, cnt, 0), 0)
+            if GROUP_K:
+                M = M1
+                K = c_p
+            else:
+                M = c_p
+                K = K1
+            a_off = s_p * a_step
+            b_off = s_p * b_step + p * b_e
+            c_off = s_p * c_step + p * c_e
+            if ALIGNED:  # the host checked: every step is a multiple of 16 elements
+                a_off = tl.multiple_of(a_off, 16)
+                b_off = tl.multiple_of(b_off, 16)
+                c_off = tl.multiple_of(c_off, 16)
+            a_base = a_ptr + a_off
+            b_base = b_ptr + b_off
+            c_base = c_ptr + c_off
+        elif SINGLE:
+            local = tile
+            M = M1
+            K = K1
+            a_base = a_ptr
+            b_base = b_ptr
+            c_base = c_ptr
+        else:
+            p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
+            row = prob_ptr + p * 6
+            local = (tile - tl.load(row)).to(tl.int32)
+            M = tl.load(row + 1).to(tl.int32)
+            K = tl.load(row + 2).to(tl.int32)
+            a_off = tl.load(row + 3)
+            b_off = tl.load(row + 4)
+            c_off = tl.load(row + 5)
+            if ALIGNED:  # the host checked: every offset is a multiple of 16 elements
+                a_off = tl.multiple_of(a_off, 16)
+                b_off = tl.multiple_of(b_off, 16)
+                c_off = tl.multiple_of(c_off, 16)
+            a_base = a_ptr + a_off
+            b_base = b_ptr + b_off
+            c_base = c_ptr + c_off
+        if EVEN_K:
+            K = tl.multiple_of(K, BLOCK_K)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        group = local // in_group
+        first_m = group * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (local % size_m)
+        pid_n = (local % in_group) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
+        rbn = tl.where(rn < N, rn, 0)
+        if A_M_CONTIG:
+            ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
+        if B_N_CONTIG:
+            rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
+            rk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
+            else:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(c_base + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(dtype, m: int | None = None) -> dict:
+    """The pinned config for dtype; m (rows, or rows per problem) picks a small-M one if any."""
+    if INTERPRET:
+        return dict(INTERPRET_MATMUL)
+    for max_m, cfg in MATMUL_SMALL_M.get(dtype, ()):
+        if m is not None and m <= max_m:
+            return dict(cfg)
+    return dict(MATMUL_CONFIGS[dtype])
+
+
+def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict,
+          even_k: bool = True) -> None:
+    """Launch _gemm_kernel over problems (M_p, K_p, a_off, b_off, c_off); strides (sam, sak, sbk, sbn,
+    scm, scn) are shared by all problems; a, b, c are the base tensors the offsets index. The plan
+    (tile table on the device, grid, layout flags) is cached: the host work per call is one lookup.
+    even_k=False: K runs over tokens (a weight gradient), whose count changes with the batch: the
+    K loop stays masked whatever the count (one compiled variant; the same bits, see _gemm_plan)."""
+    numels = (a.numel(), b.numel(), c.numel())
+    key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device, numels, even_k)
+    plan = _cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k))
+    if plan is not None:
+        launch, table = plan
+        launch(a, b, c, a if table is None else table)
+
+
+def _check_numel(numels: tuple) -> None:
+    if max(numels) >= 2**31:
+        raise ValueError(f"triton matmul: operands of {max(numels)} elements exceed the kernel's 32-bit tile offsets")
+
+
+def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
+    """(Launch, tile table or None) for these problems, or None when there is no tile. EVEN_K only
+    drops the K mask (the loads read the same values): even_k=False keeps it, with the same bits."""
+    _check_numel(numels)
+    rows, first = [], 0
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    for M_p, K_p, ao, bo, co in problems:
+        rows.append((first, M_p, K_p, ao, bo, co))
+        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * n_tiles
+    if first == 0:
+        return None
+    sam, sak, sbk, sbn = strides[:4]
+    flags = dict(
+        ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:]),
+        EVEN_K=even_k and all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
+        A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
+        B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
+    )
+    single = len(rows) == 1 and rows[0][3:] == (0, 0, 0)
+    # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
+    # then takes any tensor, never read)
+    table = None if single else _host_table(rows, torch.int64, a.device)
+    sms = _num_sms(a.device)
+    meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
+                IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg)
+    M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0)
+    scalars = (first, N, M1, K1, *strides, 0, 0, 0, 0, 0, 0)
+    return Launch(_gemm_kernel, (min(sms, first),), scalars, meta), table
+
+
+def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int, strides: tuple, steps: tuple,
+                 group_k: bool, cfg: dict) -> None:
+    """Launch _gemm_kernel over P = len(counts) groups whose sizes stay on the device (COUNTS mode):
+    rows sorted by group, R in all; steps (a_step, b_step, b_e, c_step, c_e) place group p at row s_p
+    (see the kernel). The grid is a bound known on the host, so nothing is read back: no sync."""
+    numels = (a.numel(), b.numel(), c.numel())
+    key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
+           a.device, numels, counts.dtype)
+    launch = _cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg))
+    if launch is not None:
+        launch(a, b, c, counts)
+
+
+def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg):
+    _check_numel(numels)
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    if group_k:  # every group owns all tiles of its [M1, N] output
+        bound = P * triton.cdiv(M1, cfg["BLOCK_M"]) * n_tiles
+    else:  # sum_p cdiv(c_p, BLOCK_M) <= cdiv(R, BLOCK_M) + (groups holding a row)
+        bound = (triton.cdiv(R, cfg["BLOCK_M"]) + min(P, R)) * n_tiles
+    if bound == 0:
+        return None
+    sam, sak, sbk, sbn = strides[:4]
+    sms = _num_sms(a.device)
+    meta = dict(P=P, P2=max(2, triton.next_power_of_2(P)), NUM_SMS=sms, UPCAST=INTERPRET,
+                IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
+                ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
+                A_M_CONTIG=group_k and sam == 1 and sak != 1 and M1 % 16 == 0,
+                B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0, **cfg)
+    return Launch(_gemm_kernel, (min(sms, bound),), (0, N, M1, K1, *strides, R, *steps), meta)
+
+
+def _usable(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D operand the kernel can read in place: one of its dims contiguous (else a copy)."""
+    return t if 1 in t.stride() or t.numel() <= 1 else t.contiguous()
+
+
+def _needs_copy(t: torch.Tensor) -> bool:
+    return not (1 in t.stride() or t.numel() <= 1)
+
+
+_MATMUL_PLANS: dict = {}  # (shapes, strides, dtypes, devices) -> (M, N, K, copy a, copy b, Launch)
+
+
+def _matmul_plan(a, b, even_k: bool = True):
+    """Everything about a matmul that its shapes, strides, dtypes and devices decide, checked once."""
+    _check("matmul", a, b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"triton matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
+    if a.dtype != b.dtype:
+        raise TypeError(f"triton matmul: dtypes differ ({a.dtype} vs {b.dtype})")
+    M, K = a.shape
+    N = b.shape[1]
+    copy_a, copy_b = _needs_copy(a), _needs_copy(b)
+    if M == 0 or N == 0 or K == 0:
+        return M, N, K, copy_a, copy_b, None
+    sa = (K, 1) if copy_a else a.stride()  # read in place: K-, M- or N-contiguous operands, same bits
+    sb = (N, 1) if copy_b else b.stride()
+    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1), _config(a.dtype, M),
+                      even_k)
+    return M, N, K, copy_a, copy_b, plan[0]
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] @ [K, N] -> [M, N] in a's dtype, fp32 accumulation; any strides. Bits of a row of
+    the result are independent of M (fixed config, no split-K). Host work per call: one plan lookup
+    (the plan: checks, config, layout flags, launch, all decided by shapes/strides/dtypes once)."""
+    return _matmul(a, b, False)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, b_transposed: bool, token_k: bool = False) -> torch.Tensor:
+    """matmul(a, b), or matmul(a, b.t()) when b_transposed (a linear's weight, read through its
+    strides: no transposed view to build). token_k: K is the batch's token count (a weight
+    gradient): the masked K loop for every count (same bits as the unmasked one)."""
+    key = (b_transposed, a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, token_k)
+    plan = _MATMUL_PLANS.get(key)
+    if plan is None:
+        plan = _matmul_plan(a, b.t() if b_transposed else b, not token_k)
+        if len(_MATMUL_PLANS) >= 4096:
+            _MATMUL_PLANS.clear()
+        _MATMUL_PLANS[key] = plan
+    M, N, K, copy_a, copy_b, launch = plan
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if launch is None:
+        return c.zero_() if K == 0 else c
+    if copy_b:
+        b = b.t().contiguous() if b_transposed else b.contiguous()
+    launch(a.contiguous() if copy_a else a, b, c, a)
+    return c
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(x2, w)
+        return _matmul(x2, w, True)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        g = g.to(x2.dtype)
+        gx = matmul(g, w) if ctx.needs_input_grad[0] else None
+        # K = tokens, in order; the K mask kept for every token count: one compiled variant
+        gw = _matmul(g.t(), x2, False, token_k=True).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def linear(x, w, bias=None):
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        y = _Linear.apply(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    elif x.dim() == 2:  # no graph to record: the same kernel without autograd's bookkeeping
+        y = _matmul(x, w, True)
+    else:
+        y = _matmul(x.reshape(-1, x.shape[-1]), w, True).reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """First row of each group of rows sorted by group."""
+    out, s = [], 0
+    for c in counts:
+        out.append(s)
+        s += c
+    return out
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """Rows of x [R, K] sorted by group, group e times w[e]^T (w [E, N, K], any strides) -> [R, N],
+    ONE launch. Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order.
+    counts: a host list (problem table built on the host) or a device tensor (table built in the
+    kernel; no host sync)."""
+    R, N = x.shape[0], w.shape[1]
+    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0:
+        return out
+    if w.stride(2) != 1 and w.stride(1) != 1:
+        w = w.contiguous()
+    x = _usable(x)
+    if isinstance(counts, torch.Tensor):  # the sizes are unknown here: rows per group guessed as R / min(E, R)
+        cfg = _config(x.dtype, -(-R // min(w.shape[0], R)))
+        _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1], (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1),
+                     (x.stride(0), 0, w.stride(0), N, 0), False, cfg)
+        return out
+    groups = sum(1 for c in counts if c)
+    cfg = _config(x.dtype, -(-R // max(groups, 1)))
+    st = _starts(counts)
+    probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
+    _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1), cfg)
+    return out
+
+
+def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
+    owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
+    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B."""
+    E, N, K = len(counts), g.shape[1], x.shape[1]
+    dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
+    g, x = g.contiguous(), x.contiguous()
+    if isinstance(counts, torch.Tensor):  # group sizes on the device: K_p = c_p, read in the kernel
+        _gemm_counts(g, x, dw, counts, g.shape[0], K, N, 0, (1, N, K, 1, K, 1), (N, K, 0, 0, N * K), True,
+                     _config(x.dtype))
+        return dw
+    probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
+    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype), even_k=False)
+    return dw
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts):
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        return _grouped_mm(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous().to(x.dtype)
+        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+        gw = _grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def grouped_linear(x, w, counts: list[int] | torch.Tensor):
+    """Expert GEMMs over rows sorted by expert ([R, K] x [E, N, K] -> [R, N]): one launch forward,
+    one for dX, one for dW (plus the layout copies). counts: a host list, or an integer tensor on x's
+    device whose values are never read on the host (no sync: the path a CUDA graph can capture; the
+    caller promises they sum to R, the kernel clamps them to R so a wrong tensor cannot write out of
+    bounds). Same bits either way."""
+    _check("grouped_linear", x, w)
+    if isinstance(counts, torch.Tensor) and counts.device != x.device:
+        counts = counts.tolist()
+    if isinstance(counts, torch.Tensor):
+        if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],) \
+                or counts.is_floating_point() or counts.is_complex():
+            raise ValueError(f"triton grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and counts "
+                             f"(tensor {tuple(counts.shape)} {counts.dtype}) do not fit")
+    elif x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or len(counts) != w.shape[0] \
+            or sum(counts) != x.shape[0]:
+        raise ValueError(f"triton grouped_linear: x {tuple(x.shape)}, w {tuple(w.shape)} and counts "
+                         f"(len {len(counts)}, sum {sum(counts)}) do not fit")
+    else:
+        counts = [int(c) for c in counts]
+    w = w.to(x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _GroupedLinear.apply(x, w, counts)
+    return _grouped_mm(x, w, counts)
+

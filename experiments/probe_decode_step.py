@@ -1,0 +1,108 @@
+"""Where a CUDA-graph decode step's wall time goes (issue 12): bench-moe-large, 256 prompts, deterministic
+Triton kernels. Wraps the engine's graph call to time each step on the host and on the GPU (CUDA
+events around copy-in + replay + copy-out), then replays the 256-row graph alone, plain and under
+torch.profiler (kernel time vs replay time: the gaps between the graph's kernels).
+
+    python experiments/probe_decode_step.py [--new 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import RESULTS, write  # noqa: E402
+
+from rlalign import generation, kernels  # noqa: E402
+from rlalign.config import load_config, model_args  # noqa: E402
+from rlalign.generation import EngineConfig, SamplingParams, generate  # noqa: E402
+from rlalign.model import build_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args()
+    args = model_args(load_config(["model=bench-moe-large"]))
+    model = build_model(args, "bfloat16", seed=0, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 129, (256,), generator=g)]
+    ids = list(range(256))
+    eng = EngineConfig(max_num_batched_tokens=4096)
+    orig = generation._DecodeGraphs.__call__
+    rec, keep = [], []
+
+    def timed(self, meta):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        out = orig(self, meta)
+        e1.record()
+        rec.append((t0, time.perf_counter(), e0, e1, meta.shape[1]))
+        if not keep:
+            keep.append(self)
+        return out
+
+    generation._DecodeGraphs.__call__ = timed
+    with kernels.use(mode="deterministic", backend="triton"):
+        generate(model, prompts, ids, SamplingParams(max_new_tokens=4, seed=1), engine=eng)  # compile, capture
+        rec.clear()
+        keep.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate(model, prompts, ids, SamplingParams(max_new_tokens=a.new, seed=1), engine=eng)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        first = rec[0][0] - t0  # prefill (eager steps) until the first graph step is called
+        steps = [r for r in rec if r[4] == 256]
+        gpu = [s[2].elapsed_time(s[3]) / 1e3 for s in steps]
+        interval = [steps[i + 1][0] - steps[i][0] for i in range(len(steps) - 1)]
+        enqueue = [s[1] - s[0] for s in steps]
+        idle = [steps[i][3].elapsed_time(steps[i + 1][2]) / 1e3 for i in range(len(steps) - 1)]
+        graph, static, _ = keep[0].graphs[256]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(10):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        replay = e0.elapsed_time(e1) / 10 / 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+        kern = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 3 / 1e6, e.count / 3)
+                for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kern.sort(key=lambda r: -r[1])
+    ksum = sum(k[1] for k in kern)
+    nk = sum(k[2] for k in kern)
+
+    def med(v):
+        return sorted(v)[len(v) // 2] if v else float("nan")
+
+    res = {"new_tokens": a.new, "wall_s": wall, "prefill_until_first_graph_step_s": first,
+           "graph_steps_256": len(steps),
+           "step_interval_median_s": med(interval), "step_gpu_median_s": med(gpu), "enqueue_median_s": med(enqueue),
+           "gpu_idle_between_steps_median_s": med(idle), "replay_alone_s": replay, "replay_kernel_sum_s": ksum,
+           "kernels_per_replay": nk, "top_kernels_per_replay": [(k[:90], s, c) for k, s, c in kern[:25]]}
+    for k, v in res.items():
+        if k != "top_kernels_per_replay":
+            print(f"{k:34s} {v:.6f}" if isinstance(v, float) else f"{k:34s} {v}")
+    for k, s, c in kern[:25]:
+        print(f"  {s * 1e3:8.3f} ms {c:6.0f}  {k[:90]}")
+    print("wrote", write("probe_decode_step_bench-moe-large_H200", res, a.out))
+
+
+if __name__ == "__main__":
+    main()
