@@ -17,10 +17,15 @@ What is counted, per rank (bytes):
   backward     (the same with or without dense sharding; NOT addressed by it) during the backward:
                activations (bf16 tensors saved for `tokens` tokens on this rank, no activation
                checkpointing (the model has none), expert rows at balanced routing (T*k), fp32
-               logits) + bf16 autograd gradients (the per-source expert path gives every source
-               rank its own view, so its own gradient, of this rank's experts); after it: the dense
-               gradient tree (a rank's nodes, and in reduce_nodes every rank's, fp32) and the expert
-               gradient tree (one fp32 leaf per source rank and micro-batch node of own experts)
+               logits) + bf16 autograd gradients (dense; the per-source expert path gives every source
+               rank its own view, so its own gradient, of this rank's experts, but a hook moves each
+               into the expert tree as autograd produces it: one layer's leaves at a time) + the
+               expert tree's nodes; after it: the dense gradient tree (a rank's nodes, plus the
+               O(log) nodes reduce_nodes holds while it merges the ranks' nodes as they arrive, fp32)
+               and the expert tree (one micro-batch per rank: the W source leaves of a layer are
+               siblings of one subtree and merge into one fp32 node, i.e. the gradient itself; more
+               micro-batches per rank: the sources' leaves of one step are not siblings, so up to
+               W x (nodes per source) wait, counted as fp32 — an upper bound, size-1 leaves wait in bf16)
 """
 
 from __future__ import annotations
@@ -94,13 +99,18 @@ def main() -> None:
             "all-gather of updated dense weights (bf16)": (W + 1) * D_share * 2 if shard else 0,
         }
         nodes = bin(a.micro_batches).count("1")  # tree nodes a rank holds for its micro-batches
+        streamed = (W * a.micro_batches).bit_length() + 1  # reduce_nodes: maximal subtrees + the one arriving
+        expert_tree = E_loc * 4 if a.micro_batches == 1 else W * a.micro_batches.bit_length() * E_loc * 4
+        layer_leaves = W * (E_loc // args.num_layers) * 2  # one MoE layer's per-source bf16 gradients
         backward = {
-            "during backward: bf16 autograd gradients (dense + one per-source copy of own experts per rank)":
-                D * 2 + W * E_loc * 2,
+            "during backward: bf16 autograd gradients (dense + one layer's per-source expert leaves)":
+                D * 2 + layer_leaves,
             "during backward: activations": act_bytes,
-            "after backward: dense gradient tree (own nodes + every rank's nodes in reduce_nodes, fp32)":
-                (nodes + W * nodes) * D * 4,
-            "after backward: expert gradient tree (per-source fp32 leaves/nodes of own experts)": W * nodes * E_loc * 4,
+            "during backward: expert gradient tree (fp32 nodes of the layers done)": expert_tree,
+            "after backward: dense gradient tree (own nodes + reduce_nodes' streamed nodes, fp32)":
+                (nodes + streamed) * D * 4,
+            "after backward: expert gradient tree (fp32; = the expert gradients at 1 micro-batch per rank)":
+                expert_tree,
         }
         p = sum(persistent.values())
         base = p - persistent["fp32 gradients kept between steps"]  # replaced at the next forward_backward
@@ -130,8 +140,8 @@ def main() -> None:
         "h200_usable_gib": H200_GIB,
         "note": "computed from shapes, not measured; bytes per rank of the most loaded rank. Dense sharding "
                 "saves 16 bytes per dense parameter held elsewhere (master, 2 moments, kept gradient); the "
-                "backward's gradient trees (per-source expert leaves, reduce_nodes holding every rank's dense "
-                "nodes) are unchanged by it and dominate at EP 8",
+                "backward's gradient trees are unchanged by it (per-source expert leaves enter the tree during "
+                "the backward, one layer at a time; reduce_nodes streams the ranks' dense nodes)",
     }
     for k in ("unsharded", "sharded"):
         b = result[k]

@@ -51,3 +51,42 @@ def test_negative_twin_a_running_sum_is_other_bits():
     for x in leaves[1:]:
         running = running + x
     assert not same_bits(running, tree.total(13))
+
+
+@pytest.mark.parametrize("num_leaves", [1, 2, 3, 5, 8])
+def test_bf16_leaves_sum_in_fp32_as_their_conversions_do(num_leaves):
+    """Leaves may wait in bf16 (the expert gradients' own dtype): every addition is in fp32, so the
+    root is the fp32 tree of their exact conversions, in any arrival order. Twin: the same tree
+    added in bf16 is other bits."""
+    g = torch.Generator().manual_seed(num_leaves)
+    leaves = [(torch.randn(257, generator=g) * 10 ** torch.randn(257, generator=g)).bfloat16()
+              for _ in range(num_leaves)]
+    ref = TreeSum()
+    for i, v in enumerate(leaves):
+        ref.add(i, v.float())
+    want = ref.total(num_leaves)
+    for order in (range(num_leaves), reversed(range(num_leaves))):
+        t = TreeSum()
+        for i in order:
+            t.add(i, leaves[i])
+            assert t.has(i) and not t.has(num_leaves)
+        got = t.total(num_leaves)
+        assert got.dtype == torch.float32 and same_bits(got, want)
+    if num_leaves > 2:
+        low = TreeSum()
+        for i, v in enumerate(leaves):
+            low.nodes[(i, 1)] = v  # bypass add: a tree summed in bf16 throughout
+        assert not same_bits(_root_bf16(low.nodes, num_leaves).float(), want)
+
+
+def _root_bf16(nodes, n):
+    out = nodes[(0, 1)]
+    size = 1
+    while size < n:  # the same pairing, bf16 additions
+        level = {}
+        for a in range(0, n, 2 * size):
+            left, right = nodes.get((a, size)), nodes.get((a + size, size))
+            level[(a, 2 * size)] = left if right is None else left + right
+        nodes, size = level, size * 2
+        out = nodes[(0, size)]
+    return out

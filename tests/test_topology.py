@@ -86,6 +86,59 @@ def test_gradients_adamw_state_and_weights_are_bitwise_equal_at_trainer_ep_1_2_4
     assert any(k.startswith("grad/") for k in _differing(ref, twin))
 
 
+def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
+    """One forward_backward at this EP size; records, whenever a per-source expert leaf's gradient
+    enters its tree, how many per-source leaves of this rank hold a gradient, and how many do
+    once the backward has finished. hooks=False: the leaves are only collected afterwards."""
+    from rlalign.factory import apply_kernels
+    from rlalign.parallel.ep import ExpertParallel
+    from rlalign.training import trainer as trainer_mod
+    from rlalign.training.trainer import Sample, Trainer
+
+    cfg = OmegaConf.create(cfg_dict)
+    apply_kernels(cfg)
+    tr = Trainer(cfg, group)
+    eps = [m for m in tr.model.modules() if isinstance(m, ExpertParallel)]
+    holding = lambda: sum(t.grad is not None for m in eps for lv in m.leaves for t in lv.values())  # noqa: E731
+    seen, after = [], []
+    into = trainer_mod._into_tree
+
+    def probe(tree, index, leaf):
+        seen.append(holding())
+        into(tree, index, leaf)
+
+    trainer_mod._into_tree = probe
+    if not hooks:
+        tr._hook_expert_leaves = lambda *a: None
+    collect = tr._collect_leaves
+
+    def collect_probe(*a):
+        after.append(holding())
+        collect(*a)
+
+    tr._collect_leaves = collect_probe
+    samples = [Sample(p, r, torch.full((len(r),), -2.0), 1.0, i) for i, (p, r) in enumerate(zip(prompts, responses))]
+    tr.forward_backward(samples, lambda lps, idx: (torch.cat(lps).sum(), {}))
+    grads = {n: tr.grads[n].clone() for n in tr.expert_names}
+    return seen, after, grads, len(eps)
+
+
+def test_per_source_expert_gradients_enter_the_tree_during_backward_not_all_at_its_end():
+    """Issue 15's memory: at trainer EP > 1 each source rank's rows get their own leaf view of the
+    rank's experts; their gradients go into the tree as autograd produces them (one leaf's
+    gradient alive at a time), not all layers x sources at once after the backward. Twin: without
+    the hooks every leaf holds its gradient when the backward ends — and the sums are the same bits."""
+    cfg = load_config(["trainer.ep_size=2", "trainer.micro_batch_size=5"])
+    args = (OmegaConf.to_container(cfg, resolve=True), *_batch())
+    hooked = launch.run_workers(2, _backward_rank, (*args, True))
+    plain = launch.run_workers(2, _backward_rank, (*args, False))
+    for (seen, after, grads, n_moe), (seen0, after0, grads0, _) in zip(hooked, plain):
+        # 2 micro-batches, one per rank: each rank's leaves for 2 sources x 2 weights per MoE layer
+        assert len(seen) == 2 * 2 * n_moe and max(seen) == 1 and after == [0]
+        assert seen0 == [] and after0 == [2 * 2 * n_moe]
+        assert all(torch.equal(grads[n], grads0[n]) for n in grads)
+
+
 def _rows(run_dir):
     rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]

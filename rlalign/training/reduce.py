@@ -17,7 +17,10 @@ import torch.distributed as dist
 
 
 class TreeSum:
-    """Leaves by global index; complete sibling pairs are merged as soon as both exist.
+    """Leaves by global index; complete sibling pairs are merged as soon as both exist. A leaf may
+    come in a narrower float dtype (a bf16 autograd gradient): it is kept as it is until it is
+    added, in fp32 (the conversion is exact: the same sums as fp32 leaves, half the memory while
+    a leaf waits for its sibling); every node and the root are fp32.
     reorder=True (fault injection, monitor.inject='trainer:<param>:reorder') keeps the leaves and
     sums them last to first instead: another grouping, which the baseline gate must catch."""
 
@@ -34,12 +37,16 @@ class TreeSum:
             return
         _merge(self.nodes, a, size, v)
 
+    def has(self, index: int) -> bool:
+        """Whether leaf `index` has been added (merged nodes count for the leaves they hold)."""
+        return any(a <= index < a + size for a, size in self.nodes)
+
     def total(self, num_leaves: int) -> torch.Tensor | None:
         """The root over leaves 0..num_leaves-1 (every one of them must have been added)."""
         if self.reorder:
             out = None
             for key in sorted(self.nodes, reverse=True):
-                out = self.nodes[key] if out is None else out + self.nodes[key]
+                out = self.nodes[key].float() if out is None else out + self.nodes[key].float()
             return out
         return _root(self.nodes, num_leaves)
 
@@ -52,7 +59,8 @@ def _merge(nodes: dict[tuple[int, int], torch.Tensor], a: int, size: int, v: tor
         if sibling not in nodes:
             nodes[(a, size)] = v
             return
-        other = nodes.pop(sibling)
+        other = nodes.pop(sibling).float()
+        v = v.float()
         v = v + other if a < sibling[0] else other + v  # left child + right child
         a, size = min(a, sibling[0]), size * 2
 
@@ -72,9 +80,10 @@ def _root(nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int) -> torch.
         if s == 1:
             raise ValueError(f"gradient of global micro-batch {a} is missing")
         left, right = node(a, s // 2), node(a + s // 2, s // 2)
-        return left if right is None else left + right
+        return left if right is None else left.float() + right.float()
 
-    return node(0, size)
+    out = node(0, size)
+    return None if out is None else out.float()
 
 
 def reduce_nodes(tree: TreeSum, num_leaves: int, group) -> torch.Tensor | None:

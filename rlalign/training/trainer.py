@@ -20,6 +20,7 @@ and the compute-dtype weights are all-gathered so that every rank's model is the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -168,6 +169,12 @@ def _sum_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
     for p in parts[1:]:
         total = total + p
     return total
+
+
+def _into_tree(tree: TreeSum, index: int, leaf: torch.Tensor) -> None:
+    """post-accumulate-grad hook of a per-source expert leaf: its gradient becomes leaf `index`."""
+    tree.add(index, leaf.grad)
+    leaf.grad = None
 
 
 class Trainer:
@@ -358,6 +365,8 @@ class Trainer:
                 stats[share[i]] = dict(zip(st, torch.stack(vals).tolist() if vals else []))  # one host read
             else:  # still runs forward and backward through the MoE collectives
                 loss = self.model(torch.zeros(0, dtype=torch.long, device=self.device), [0]).float().sum() * 0.0
+            if self.invariant:
+                self._hook_expert_leaves(i, starts, trees)
             (loss / max(1, global_tokens)).backward()
             if self.invariant:
                 self._collect_leaves(share[i] if mb else None, i, starts, dense_tree, trees)
@@ -378,23 +387,39 @@ class Trainer:
                 self.grads[n] = tree.total(B)
         return stats
 
+    def _hook_expert_leaves(self, i: int, starts: list[range], trees: dict) -> None:
+        """Before the backward of step i: each per-source expert leaf (ExpertParallel under EP > 1)
+        goes into its tree the moment autograd has accumulated its gradient, and that gradient is
+        dropped. The tree merges sibling leaves as they come, so a backward holds one layer's
+        per-source gradients at a time instead of every layer's for every source rank (issue 15:
+        8 x 7.2 GB of bf16 expert gradients at the 30B shape, EP 8). The same leaves at the same
+        indices, hence the same sums; `_collect_leaves` adds the ones no gradient reached."""
+        for n in self.expert_names:
+            module, attr = self.expert_modules[n]
+            if module is None:
+                continue
+            for s, leaves in enumerate(module.leaves):
+                if i < len(starts[s]):
+                    leaves[attr].register_post_accumulate_grad_hook(
+                        functools.partial(_into_tree, trees[n], starts[s][i]))
+
     def _collect_leaves(self, g: int | None, i: int, starts: list[range], dense_tree: TreeSum, trees: dict) -> None:
         """The just-finished backward's gradients as tree leaves: dense ones under this rank's
-        micro-batch g; each expert weight's per source rank s under s's micro-batch of this step."""
+        micro-batch g; each expert weight's per source rank s under s's micro-batch of this step
+        (those the backward's hooks have not added: leaves that no gradient reached, as zeros)."""
         params = dict(self.model.named_parameters())
         raw = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
-        grad = lambda t: raw(t).float()  # noqa: E731
         if g is not None:  # one fp32 conversion of the concatenation (the same values)
             dense_tree.add(g, torch.cat([raw(params[n]).reshape(-1) for n in self.dense_names]).float())
         for n in self.expert_names:
             module, attr = self.expert_modules[n]
             if module is None:  # EP 1: the whole gradient is this micro-batch's
                 if g is not None:
-                    trees[n].add(g, grad(params[n]))
+                    trees[n].add(g, raw(params[n]))
                 continue
             for s, leaves in enumerate(module.leaves):
-                if i < len(starts[s]):
-                    trees[n].add(starts[s][i], grad(leaves[attr]))
+                if i < len(starts[s]) and not trees[n].has(starts[s][i]):
+                    trees[n].add(starts[s][i], raw(leaves[attr]))
         for module in {id(m): m for m, _ in self.expert_modules.values() if m is not None}.values():
             module.leaves = []
 
