@@ -44,6 +44,7 @@ from rlalign.vllm_engine.engine import WorkerGenerator
 class GenerateOutput:
     rollouts: list[Rollout]  # this rank's, in input order; logprobs fp32 (the generator's)
     rows: dict = field(default_factory=dict)  # (sample id, position) -> per-op row fingerprints
+    peak_bytes: int | None = None  # CUDA: this process's peak allocated memory during the call
 
 
 @dataclass
@@ -51,6 +52,17 @@ class TrainOutput:
     logprobs: dict[int, torch.Tensor]  # step sample index -> the trainer's pre-update logprobs, fp32
     stats: list[tuple[tuple, dict]]  # ((epoch, minibatch, micro-batch), stats): merged in key order
     rows: dict = field(default_factory=dict)
+    peak_bytes: int | None = None
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: str) -> int | None:
+    """torch's peak allocated bytes on this process's GPU since _reset_peak (None on the CPU)."""
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
 
 
 class _WeightSync:
@@ -148,6 +160,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         maybe_fail("trainer.train_step", self.rank)
         if self.trace is not None:
             self.trace.step = step
+        _reset_peak(self.cfg.device)
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         if self.trace is not None:
             tr, t = self.trace, self.trainer
@@ -163,7 +176,7 @@ class TrainerWorker(_Monitored, _WeightSync):
                             tr.record(f"optim/{n}/{key}", st[key])
                 tr.record_state("weights", dict(t.model.named_parameters()))
             tr.flush()
-        return TrainOutput(lps, stats, self.recorder.pop_table())
+        return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device))
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
@@ -229,6 +242,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self.trace is not None:
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
+        _reset_peak(self.cfg.device)
         if self.vllm is not None:
             outs = self.vllm.generate(prompts, sample_ids, params, self.recorder)
         else:
@@ -240,7 +254,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
-        return GenerateOutput(outs, self.recorder.pop_table())
+        return GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device))
 
     def _sync_model(self):
         return self.model

@@ -43,8 +43,9 @@ def environment(command: str | None = None) -> dict:
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "git_describe": git_describe(),
+        # a copied checkout (the GPU machine's) may carry a stale .git: the caller then names the code
+        "git_commit": os.environ.get("RLALIGN_GIT_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+        "git_describe": os.environ.get("RLALIGN_GIT_COMMIT") or git_describe(),
     }
     try:
         import triton

@@ -122,6 +122,7 @@ class Job:
         self.ipc = cfg.device.startswith("cuda") and cfg.placement.colocate  # NCCL refuses two ranks on one GPU
         self.last_sync: dict = {}  # the latest sync's bytes, buckets and per-side seconds (step metrics)
         self.weights_fp: str | None = None
+        self.peaks: dict[str, float | None] = {}  # role -> the step's peak GPU memory of its busiest rank, GiB
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
@@ -225,7 +226,14 @@ def generate_rollouts(job: Job, batch: StepBatch, step: int) -> tuple[list[Rollo
     parts = [list(shard_range(len(batch.prompts), m, r)) for r in range(m)]
     outs = job.generators.call("generate", per_rank=[
         ([batch.prompts[i] for i in p], [batch.sample_ids[i] for i in p], batch.params, step) for p in parts])
+    job.peaks["generator"] = _max_peak(outs)
     return [r for o in outs for r in o.rollouts], {k: v for o in outs for k, v in o.rows.items()}
+
+
+def _max_peak(outs) -> float | None:
+    """The largest of a group's per-rank peak allocated GPU memory, GiB (None on the CPU)."""
+    peaks = [o.peak_bytes for o in outs if o.peak_bytes is not None]
+    return max(peaks) / 2**30 if peaks else None
 
 
 def score_rewards(task, tok, batch: StepBatch, rollouts: list[Rollout], step: int) -> tuple[list[float], list[str]]:
@@ -246,6 +254,7 @@ def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
     outs = job.trainers.call("train_step", samples, alg, step)
+    job.peaks["trainer"] = _max_peak(outs)
     lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
     stats: dict[str, float] = {}
     for _, st in sorted((rec for o in outs for rec in o.stats), key=lambda rec: rec[0]):
@@ -317,6 +326,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
     metrics.update({"sync/weights_fp": weights_fp, **job.last_sync, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
                     "time/sync_s": t5 - t4})
+    metrics.update({f"memory/{role}_peak_gib": v for role, v in job.peaks.items() if v is not None})
     rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": rew}
             for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
     if detail is not None:
