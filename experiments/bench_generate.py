@@ -2,7 +2,14 @@
 and agreement with the trainer, for the deterministic Triton kernels (CUDA graphs on and off)
 and the default kernels in the same engine, same prompts, same run.
 
-    python experiments/bench_generate.py [--model bench-moe-large] [--prompts 256] [--new 256]
+    python experiments/bench_generate.py [--model bench-moe-large] [--prompts 256] [--new 256] [--calls 2]
+
+Modes: default (torch kernels), eager (Triton, no graphs), graphs (CUDA graphs captured in every
+generate() call: EngineConfig.keep_state=False, the engine before graph reuse), kept (graphs, KV
+cache and block table kept on the model across calls); a mode+tdisp runs the MoE dispatch as torch
+ops (~12 launches per MoE layer) instead of kernels/triton/dispatch.py's one launch. Each mode starts
+from a cleared engine state, warms up, then times --calls consecutive generate() calls (seeds 7, 8, ...: what an RL run
+does once per step); tokens_per_s is the last call's (steady state), every call's time is recorded.
 
 Roofline: a decode step must read the weights it uses (dense weights, the lm head, and the experts
 that the step's rows route to: E * (1 - (1 - k/E)^B) per layer at batch B if routing is uniform)
@@ -18,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +35,8 @@ from _env import RESULTS, environment  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
-from rlalign.generation import EngineConfig, SamplingParams, generate  # noqa: E402
+from rlalign.generation import EngineConfig, SamplingParams, clear_engine_state, engine_state, generate  # noqa: E402
+from rlalign.kernels.triton import dispatch as fused_dispatch  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 from rlalign.training.scoring import score  # noqa: E402
 
@@ -57,29 +66,50 @@ def roofline(args, model, rollouts, peak: float) -> dict:
             "weights_bytes": (n_dense + n_expert) * el}
 
 
-def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True, score_it: bool = True):
+def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True, score_it: bool = True,
+        calls: int = 1):
+    """Warm up, then `calls` timed generate() calls (seeds params.seed, +1, ...): (every call's rollouts,
+    the last call's numbers with every call's seconds and decode-graph captures)."""
     backend = "triton" if mode == "deterministic" else "torch"
+    clear_engine_state(model)
     with kernels.use(mode=mode, backend=backend):
         if warm:  # compile kernels, capture the small buckets, then the full batch's (its prefill chunks and
             # decode bucket: compiling them inside the timed run cost the first of two runs ~4 s)
             generate(model, prompts[:8], list(range(8)), SamplingParams(max_new_tokens=8, seed=1), engine=engine)
             generate(model, prompts, list(range(len(prompts))), SamplingParams(max_new_tokens=2, seed=1), engine=engine)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = generate(model, prompts, list(range(len(prompts))), params, engine=engine)
-        torch.cuda.synchronize()
-        secs = time.perf_counter() - t0
+        all_outs, times, captures = [], [], []
+        for c in range(calls):
+            st = engine_state(model)
+            g0 = st.graphs if st is not None else None
+            n0 = g0.captures if g0 is not None else 0
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = generate(model, prompts, list(range(len(prompts))), replace(params, seed=params.seed + c),
+                            engine=engine)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            st = engine_state(model)  # None when the engine keeps nothing (keep_state=False)
+            g1 = st.graphs if st is not None else None
+            captures.append(None if g1 is None else g1.captures - (n0 if g1 is g0 else 0))
+            all_outs.append(outs)
+        secs = times[-1]
+        toks = sum(len(r.tokens) for r in outs)
+        res = {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs, "calls_seconds": times,
+               "calls_tokens_per_s": [sum(len(r.tokens) for r in o) / t for o, t in zip(all_outs, times)],
+               "calls_graph_captures": captures}
         if not score_it:
-            toks = sum(len(r.tokens) for r in outs)
-            return outs, {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs}
+            return all_outs, res
         with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
             lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=16,
                         **params.logprob_kwargs())
-    toks = sum(len(r.tokens) for r in outs)
     diff = [(r.logprobs - lp.float().cpu()).abs() for r, lp in zip(outs, lps)]
-    return outs, {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs,
-                  "mismatched_tokens": int(sum(int((d != 0).sum()) for d in diff)),
-                  "max_abs_diff": float(max(float(d.max()) for d in diff if d.numel()))}
+    return all_outs, {**res, "mismatched_tokens": int(sum(int((d != 0).sum()) for d in diff)),
+                      "max_abs_diff": float(max(float(d.max()) for d in diff if d.numel()))}
+
+
+def _same(a, b) -> bool:
+    return all(x.tokens == y.tokens and torch.equal(x.logprobs.view(torch.int32), y.logprobs.view(torch.int32))
+               for x, y in zip(a, b, strict=True))
 
 
 def main() -> None:
@@ -89,8 +119,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prompt-min", type=int, default=16)
     ap.add_argument("--prompt-max", type=int, default=128)
-    ap.add_argument("--modes", default="default,eager,graphs",
+    ap.add_argument("--modes", default="default,eager,graphs,kept",
                     help="graphs last: a failed capture cannot spoil the others")
+    ap.add_argument("--calls", type=int, default=2, help="timed generate() calls per mode (seeds 7, 8, ...)")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--max-batched", type=int, default=4096, help="generator.max_num_batched_tokens")
     ap.add_argument("--no-score", action="store_true", help="skip the trainer's rescoring (speed only)")
@@ -109,38 +141,49 @@ def main() -> None:
     results, ref, ref_mode, dumps = {}, None, None, {}
     for mode in a.modes.split(","):
         torch.cuda.empty_cache()
-        engine = EngineConfig(cuda_graphs=mode == "graphs", max_num_batched_tokens=a.max_batched)
+        base, _, opt = mode.partition("+")  # +tdisp: the torch MoE dispatch (~12 launches) instead of the Triton one
+        fused_dispatch.ENABLED = opt != "tdisp"
+        engine = EngineConfig(cuda_graphs=base in ("graphs", "kept"), keep_state=base != "graphs",
+                              max_num_batched_tokens=a.max_batched)
         try:
-            outs, r = run(model, prompts, params, "default" if mode == "default" else "deterministic", engine,
-                          score_it=not a.no_score)
+            outs, r = run(model, prompts, params, "default" if base == "default" else "deterministic", engine,
+                          score_it=not a.no_score, calls=a.calls)
         except Exception as e:  # noqa: BLE001 - recorded, the other modes still run
             results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(mode, "FAILED", results[mode]["error"], flush=True)
             continue
-        dumps[mode] = [(r.tokens, r.logprobs) for r in outs]
+        finally:
+            clear_engine_state(model)
+            fused_dispatch.ENABLED = True
+        dumps[mode] = [[(r.tokens, r.logprobs) for r in o] for o in outs]
         if "roofline" not in results:
-            results["roofline"] = roofline(args, model, outs, peak)
-        if mode != "default":
+            results["roofline"] = roofline(args, model, outs[-1], peak)
+        if base != "default":
             if ref is None:
                 ref, ref_mode = outs, mode
-            else:
-                r["same_tokens_and_bits_as_" + ref_mode] = all(
-                    x.tokens == y.tokens and torch.equal(x.logprobs.view(torch.int32), y.logprobs.view(torch.int32))
-                    for x, y in zip(outs, ref))
+            else:  # every timed call: the same tokens and logprob bits
+                r["same_tokens_and_bits_as_" + ref_mode] = all(_same(x, y) for x, y in zip(outs, ref, strict=True))
         r["fraction_of_roofline"] = r["tokens_per_s"] / results["roofline"]["roofline_tokens_per_s"]
         results[mode] = r
-        print(f"{mode:8s} {r['tokens']:7d} tok {r['seconds']:7.2f} s {r['tokens_per_s']:9.0f} tok/s "
-              f"{100 * r['fraction_of_roofline']:5.1f}% roofline  mismatched {r.get('mismatched_tokens', '-')}",
-              flush=True)
-    for m in ("graphs", "eager"):
+        calls = " ".join(f"{t:.3f}" for t in r["calls_seconds"])
+        print(f"{mode:8s} {r['tokens']:7d} tok {r['seconds']:7.3f} s {r['tokens_per_s']:9.0f} tok/s "
+              f"{100 * r['fraction_of_roofline']:5.1f}% roofline  calls [{calls}] s  captures "
+              f"{r['calls_graph_captures']}  mismatched {r.get('mismatched_tokens', '-')}  "
+              f"same bits {r.get('same_tokens_and_bits_as_' + str(ref_mode), '-')}", flush=True)
+    for new, old in (("kept+tdisp", "graphs+tdisp"), ("kept", "kept+tdisp"), ("kept", "graphs+tdisp"),
+                     ("kept", "graphs"), ("graphs", "graphs+tdisp")):  # graph reuse, the dispatch kernel, both
+        if "tokens_per_s" in results.get(new, {}) and "tokens_per_s" in results.get(old, {}):
+            results[f"{new}_over_{old}_speed"] = results[new]["tokens_per_s"] / results[old]["tokens_per_s"]
+    for m in ("kept", "graphs", "eager"):
         if "tokens_per_s" in results.get(m, {}) and "tokens_per_s" in results.get("default", {}):
             results[f"{m}_over_default_speed"] = results[m]["tokens_per_s"] / results["default"]["tokens_per_s"]
     out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
            "prompt_len": [a.prompt_min, a.prompt_max],
-           "max_num_batched_tokens": a.max_batched, "baseline_tokens_per_s_issue12": 2700, "results": results}
+           "max_num_batched_tokens": a.max_batched, "calls": a.calls, "baseline_tokens_per_s_issue12": 2700,
+           "results": results}
     if a.dump:
         torch.save(dumps, a.dump)
-    path = Path(a.out) / f"generate_{a.model}_{gpu.replace(' ', '_')}.json"
+    path = Path(a.out) / f"generate_{a.model}_{gpu.replace(' ', '_')}{'_' + a.tag if a.tag else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "roofline"}, indent=1))

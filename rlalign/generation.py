@@ -14,6 +14,8 @@ applies when it rescores the finished sequence.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +78,9 @@ class EngineConfig:
     page_size: int = 16  # token slots per KV page
     num_pages: int = 0  # KV pages; 0 = enough for max_num_seqs sequences at their longest
     cuda_graphs: bool = True  # on CUDA, decode-only steps replay graphs captured per batch-size bucket
+    # keep the KV cache, block table and captured decode graphs on the model between generate() calls (reused while
+    # they fit; an RL run calls generate() once per step); clear_engine_state(model) releases them
+    keep_state: bool = True
 
     def validate(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "num_pages"):
@@ -107,55 +112,205 @@ class _Seq:
         return self.n_cached >= self.n_prompt
 
 
+_M64 = (1 << 64) - 1
+GRAPH_SEED = 0  # the seed the decode graphs are captured with; a call's own seed enters through rekeyed sample ids
+
+
+def rekey_sample_ids(sample_ids: torch.Tensor, seed: int, base: int = GRAPH_SEED) -> torch.Tensor:
+    """Sample ids that draw, under seed `base`, exactly the noise `sample_ids` draw under `seed`. The noise
+    hash starts h = mix64(mix64(seed) ^ sample_id) (kernels.sampling.uniform, the Triton gumbel_argmax):
+    with id' = id ^ mix64(seed) ^ mix64(base), mix64(base) ^ id' = mix64(seed) ^ id bit for bit. So a graph
+    captured once with `base` as a kernel argument samples any seed from ids copied in each step
+    (tests/test_engine.py checks the identity on the hash and on the sampled tokens)."""
+    s64 = [(c & _M64) - (1 << 64) if c & _M64 >= 1 << 63 else c & _M64 for c in (seed, base)]  # the kernels' int64 seed
+    mix = kernels.sampling.mix64(torch.tensor(s64, dtype=torch.long))
+    return sample_ids.long() ^ (mix[0] ^ mix[1]).to(sample_ids.device)
+
+
+def _graph_inputs(model: Transformer) -> tuple:
+    """What a captured step reads by address or has baked in, apart from the engine's own buffers:
+    every parameter and buffer (address, shape, strides, dtype), the rope table and the op set.
+    Weight sync copies into the same tensors (GeneratorWorker.load_weights, weight_sync.receive):
+    the signature holds and the graphs replay with the new values; a rebound or moved parameter
+    changes it and the graphs are captured again."""
+    ts = itertools.chain(model.named_parameters(), model.named_buffers(),
+                         enumerate(getattr(model, "_rope_table", ())))
+    return (tuple(sorted(kernels.current().items())),
+            *((n, t.data_ptr(), t.device, t.dtype, tuple(t.shape), t.stride()) for n, t in ts))
+
+
+def _kernel_buffers() -> list:
+    """Device buffers that the Triton wrappers keep in module-level caches (work tables, launch
+    plans, the split-K ticket counters): a graph reads them by address, so the graphs hold a
+    reference to each, and an LRU eviction or a regrown buffer cannot free memory a graph still reads."""
+    try:
+        from rlalign.kernels.triton import attention, common
+    except ImportError:  # no Triton: no graphs either
+        return []
+    return [*common._CACHE.values(), *attention._TICKETS.values()]
+
+
 class _DecodeGraphs:
     """CUDA graphs of decode-only engine steps — `Transformer.step` and `sample_next` — one per
-    batch-size bucket (powers of two), captured on first use. A step of n rows runs the smallest
-    bucket >= n; the padding rows read and write only a spare page through a spare block-table row
-    and sample from zeroed logits, and batch invariance means they change no bit of the real rows
-    (tests/gpu checks graphs == eager bitwise). Inputs per row: token, position, block-table row,
-    cache slot, sample id (-1: padding)."""
+    batch-size bucket (powers of two) and sampling distribution, captured on first use and kept
+    with the engine state across generate() calls. A step of n rows runs the smallest bucket >= n;
+    the padding rows read and write only a spare page through a spare block-table row and sample
+    from zeroed logits, and batch invariance means they change no bit of the real rows (tests/gpu
+    checks graphs == eager bitwise). Inputs per row: token, position, block-table row, cache slot,
+    valid flag, sample id rekeyed to GRAPH_SEED (rekey_sample_ids), so the seed is not baked in.
+    `begin(model, params)` starts a call; its first decode step re-checks what the graphs read
+    (`_graph_inputs`) and drops them all if that changed."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int,
-                 pad_slot: int, params: SamplingParams):
-        self.model, self.cache, self.block_table, self.params = model, cache, block_table, params
+    def __init__(self, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int, pad_slot: int):
+        self.cache, self.block_table = cache, block_table
         self.pad_row, self.pad_slot = pad_row, pad_slot
+        self.by_params: dict[tuple, dict] = {}  # (temperature, top_k, top_p, greedy) -> {bucket: entry}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.inputs: tuple | None = None
+        self.keep: dict[int, object] = {}
+        self.model: Transformer | None = None  # during a call only (the state must not keep the model alive)
+        self.params = SamplingParams()
+        self.captures = 0  # graphs captured so far (tests, benchmarks)
+        self.pool = None
+        self._checked, self._key = False, torch.zeros(1, dtype=torch.long)
+
+    def begin(self, model: Transformer, params: SamplingParams) -> None:
+        self.model, self.params, self._checked = model, params, False
+        self._key = rekey_sample_ids(torch.zeros(1, dtype=torch.long), params.seed)
+
+    def _check(self) -> None:
+        """At a call's first decode step (after its prefill moved the rope table to the device):
+        drop every graph if what they read changed since they were captured, then pick this call's
+        sampling distribution's graphs."""
+        inputs = _graph_inputs(self.model)
+        if inputs != self.inputs:  # new weights' addresses, a moved model, another op set: capture again
+            self.by_params.clear()
+            self.keep.clear()
+            self.pool = None  # a new memory pool with the next capture
+            self.inputs = inputs
+        p = self.params
+        self.graphs = self.by_params.setdefault((p.logprob_temperature, p.top_k, p.top_p, p.greedy), {})
+        self._checked = True
+
+    def end(self) -> None:
+        self.model = None
 
     def _pad(self, meta: torch.Tensor, size: int) -> torch.Tensor:
-        pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot], [-1]], dtype=torch.long)
-        pad = pad.expand(5, size - meta.shape[1])
+        pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot], [0], [0]], dtype=torch.long)
+        pad = pad.expand(6, size - meta.shape[1])
         return torch.cat([meta, pad], 1)
 
     def _run(self, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, positions, seq_idx, slots, ids = static
+        tokens, positions, seq_idx, slots, valid, ids = static
         logits = self.model.step(tokens, positions, seq_idx, self.cache, self.block_table, slots)
-        logits = torch.where((ids >= 0)[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-        return sample_next(logits, self.params, ids.clamp_min(0), positions + 1)
+        logits = torch.where((valid > 0)[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        params = SamplingParams(temperature=self.params.temperature, top_k=self.params.top_k, top_p=self.params.top_p,
+                                greedy=self.params.greedy, seed=GRAPH_SEED)
+        return sample_next(logits, params, ids, positions + 1)
 
     def _capture(self, size: int):
-        static = self._pad(torch.zeros(5, 0, dtype=torch.long), size).to(self.block_table.device)
+        static = self._pad(torch.zeros(6, 0, dtype=torch.long), size).to(self.block_table.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._run(static)  # warm-up (Triton compiles, launch plans fill) outside the capture
         torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._run(static)
+        self.keep.update((id(v), v) for v in _kernel_buffers())
+        self.captures += 1
         return graph, static, out
 
     def __call__(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """meta [5, n] (rows as above) -> this step's tokens and logprobs [n] (the logprobs copied
-        out of the graph's memory, which the next replay overwrites)."""
+        """meta [5, n] (token, position, block-table row, slot, sample id) -> this step's tokens and
+        logprobs [n] (the logprobs copied out of the graph's memory, which the next replay overwrites)."""
+        if not self._checked:
+            self._check()
         n = meta.shape[1]
         size = 1 << max(0, (n - 1).bit_length())
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, static, (tok, lp) = self.graphs[size]
-        static.copy_(self._pad(meta, size).pin_memory(), non_blocking=True)
+        rows = torch.cat([meta[:4], torch.ones(1, n, dtype=torch.long), meta[4:] ^ self._key])
+        static.copy_(self._pad(rows, size).pin_memory(), non_blocking=True)
         graph.replay()
         return tok[:n], lp[:n].clone()
+
+
+class _EngineState:
+    """What generate() keeps between calls on one model (EngineConfig.keep_state): the paged KV cache
+    (`num_pages` pages and one spare), the block table (`rows` slot rows and one spare, `width`
+    pages per row) on the device with its host mirror, and the decode graphs captured over them.
+    A call reuses it when its pages, slots, width, page size, dtype and device fit; else it is
+    replaced (its graphs with it). Stale keys and table entries left by earlier calls are never
+    read: a row attends only positions its own sequence wrote in this call."""
+
+    def __init__(self, args, num_pages: int, page_size: int, rows: int, width: int, dtype, dev):
+        self.cache = PagedKVCache(args, num_pages + 1, page_size, dtype, dev)
+        self.num_pages, self.page_size, self.rows, self.width = num_pages, page_size, rows, width
+        self.table_host = torch.full((rows + 1, width), num_pages, dtype=torch.int32)
+        self.block_table = self.table_host.to(dev)
+        self.graphs: _DecodeGraphs | None = None
+        self.busy = False
+
+    def fits(self, num_pages: int, page_size: int, rows: int, width: int, dtype, dev) -> bool:
+        return (not self.busy and self.page_size == page_size and self.num_pages >= num_pages and self.rows >= rows
+                and self.width >= width and self.cache.k.dtype == dtype and self.cache.k.device == torch.device(dev))
+
+    def decode_graphs(self) -> _DecodeGraphs:
+        if self.graphs is None:
+            self.graphs = _DecodeGraphs(self.cache, self.block_table, self.rows, self.num_pages * self.page_size)
+        return self.graphs
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _EngineState
+
+
+def engine_state(model: Transformer) -> _EngineState | None:
+    """The engine state generate() keeps on `model` (None if none)."""
+    return _STATES.get(model)
+
+
+def clear_engine_state(model: Transformer) -> None:
+    """Release the KV cache and decode graphs kept on `model` (the next generate() allocates and captures again)."""
+    _STATES.pop(model, None)
+
+
+def _grow(need: int, have: int) -> int:
+    """Capacity for `need` when `have` is too small: `need` rounded up to 1/16 of its power of two
+    (at most ~6 % spare), so that calls that need a little more than the last one reuse the state."""
+    if need <= have:
+        return have
+    step = max(1, (1 << max(0, need.bit_length() - 1)) // 16)
+    return -(-need // step) * step
+
+
+def _state_for(model: Transformer, engine: EngineConfig, num_pages: int, rows: int, width: int,
+               dev) -> _EngineState:
+    """This call's engine state: the kept one if it fits, else a new one (kept if engine.keep_state)."""
+    ps, dtype = engine.page_size, model.dtype
+    old = _STATES.get(model) if engine.keep_state else None
+    if old is not None and old.fits(num_pages, ps, rows, width, dtype, dev):
+        return old
+    if engine.keep_state and old is not None and not old.busy:
+        del _STATES[model]  # free the old cache and graphs before allocating the new ones
+        same = old.page_size == ps and old.cache.k.dtype == dtype
+        num_pages = _grow(num_pages, old.num_pages if same else 0)
+        rows, width = max(rows, old.rows if same else 0), max(width, old.width if same else 0)
+        del old
+    try:
+        state = _EngineState(model.args, num_pages, ps, rows, width, dtype, dev)
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"KV cache of {num_pages} pages x {ps} tokens does not fit on {dev}: lower generator.num_pages or "
+            "generator.max_num_seqs"
+        ) from e
+    if engine.keep_state and model not in _STATES:
+        _STATES[model] = state
+    return state
 
 
 def graphs_allowed(model: Transformer, engine: EngineConfig) -> bool:
@@ -236,18 +391,28 @@ def generate(
                 f"needs {n} KV pages of {ps} tokens; the cache has {num_pages} (raise generator.num_pages or "
                 "lower generator.max_new_tokens)"
             )
+    # the paged KV cache (one spare page and block-table row: where CUDA-graph padding rows read and write),
+    # kept on the model between calls (EngineConfig.keep_state)
+    state = _state_for(model, engine, num_pages, max_seqs, width, dev)
+    cache, block_table, table_host = state.cache, state.block_table, state.table_host
+    graphs = state.decode_graphs() if graphs_allowed(model, engine) and any_live is None else None
+    state.busy = True
+    try:
+        if graphs is not None:
+            graphs.begin(model, params)
+        return _generate(model, prompts, sample_ids, params, any_live, engine, cache, block_table, table_host, graphs,
+                         num_pages, max_seqs, pages_of)
+    finally:
+        state.busy = False
+        if graphs is not None:
+            graphs.end()
+
+
+def _generate(model, prompts, sample_ids, params, any_live, engine, cache, block_table, table_host, graphs,
+              num_pages, max_seqs, pages_of) -> list[Rollout]:
+    dev = model.lm_head.weight.device
+    B, ps = len(prompts), engine.page_size
     budget = engine.max_num_batched_tokens or float("inf")
-    try:  # one spare page and block-table row: where CUDA-graph padding rows read and write
-        cache = PagedKVCache(model.args, num_pages + 1, ps, model.dtype, dev)
-    except torch.OutOfMemoryError as e:
-        raise RuntimeError(
-            f"KV cache of {num_pages} pages x {ps} tokens does not fit on {dev}: lower generator.num_pages or "
-            "generator.max_num_seqs"
-        ) from e
-    table_host = torch.full((max_seqs + 1, width), num_pages, dtype=torch.int32)
-    block_table = table_host.to(dev)
-    graphs = _DecodeGraphs(model, cache, block_table, max_seqs, num_pages * ps, params) if graphs_allowed(
-        model, engine) and any_live is None else None
     free_pages, free_slots = list(range(num_pages - 1, -1, -1)), list(range(max_seqs - 1, -1, -1))
     queue, running = deque(range(B)), []
     out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]

@@ -3,12 +3,23 @@ prompt chunks sharing steps with decode rows, tiny pages, a cache too small for 
 once (requests wait for pages), all sample what the all-at-once schedule samples, and every
 logprob equals the trainer's rescoring of the finished sequence."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import same_bits, tiny_model
 
-from rlalign import kernels
-from rlalign.generation import EngineConfig, SamplingParams, generate
+from rlalign import generation, kernels
+from rlalign.generation import (
+    GRAPH_SEED,
+    EngineConfig,
+    SamplingParams,
+    clear_engine_state,
+    engine_state,
+    generate,
+    rekey_sample_ids,
+)
+from rlalign.kernels import sampling
 from rlalign.training.scoring import score
 
 
@@ -71,3 +82,98 @@ def test_a_request_that_cannot_fit_the_cache_is_named(model):
         generate(model, [[3]], [0], PARAMS, engine=EngineConfig(max_num_seqs=3, max_num_batched_tokens=2))
     with pytest.raises(ValueError, match="page_size=0"):
         generate(model, [[3]], [0], PARAMS, engine=EngineConfig(page_size=0))
+
+
+# --- the engine state kept between calls (KV cache, block table, decode graphs) --------------------------------
+
+
+def test_rekeyed_sample_ids_draw_the_seeds_noise():
+    """Decode graphs are captured with GRAPH_SEED baked in; a call's seed enters through rekeyed ids:
+    the same uniforms bit for bit, the same tokens (torch sampler and the Triton kernel, interpreted)."""
+    ids = torch.tensor([0, 1, 5, 2**40 + 7, 123_456])
+    pos = torch.tensor([0, 3, 7, 100, 9])
+    z = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    for seed in (0, 5, 2**63 + 3, -7, 2**64 - 1, 1_000_003 * 17 + 4):
+        k = rekey_sample_ids(ids, seed)
+        assert torch.equal(sampling.uniform(seed, ids, pos, 64), sampling.uniform(GRAPH_SEED, k, pos, 64))
+        assert torch.equal(kernels.sample_tempered(z, seed, ids, pos), kernels.sample_tempered(z, GRAPH_SEED, k, pos))
+    triton_backend = pytest.importorskip("rlalign.kernels.triton")
+    k = rekey_sample_ids(ids, 99)
+    fused = triton_backend.gumbel_argmax
+    assert torch.equal(fused(z, 99, ids, pos), fused(z, GRAPH_SEED, k, pos))
+    # twin: without the rekeying, the graph's seed draws other noise
+    assert not torch.equal(sampling.uniform(99, ids, pos, 64), sampling.uniform(GRAPH_SEED, ids, pos, 64))
+
+
+def test_kept_state_is_reused_across_calls_and_changes_no_bit(model, reference):
+    """generate() keeps its KV cache and block table on the model: a later call that fits reuses
+    them (stale keys of earlier calls in its pages) with the same tokens and bits as a fresh cache;
+    one that does not fit replaces them (grown with headroom); keep_state=False leaves them alone."""
+    clear_engine_state(model)
+    generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS, engine=EngineConfig(keep_state=False))
+    assert engine_state(model) is None
+    big = _prompts(16, seed=3, lo=15, hi=30)
+    generate(model, big, list(range(16)), SamplingParams(max_new_tokens=20, seed=9))  # fills pages with other keys
+    kept = engine_state(model)
+    assert kept is not None and kept.rows == 16 and kept.page_size == 16
+    got = generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS)
+    assert engine_state(model) is kept  # fits: reused
+    for r, ref in zip(got, reference):
+        assert r.tokens == ref.tokens and same_bits(r.logprobs, ref.logprobs), f"sample {r.sample_id}"
+    generate(model, big + big, list(range(32)), SamplingParams(max_new_tokens=20, seed=9))  # 32 rows: replaced
+    grown = engine_state(model)
+    assert grown is not kept and grown.rows == 32 and grown.num_pages >= 2 * kept.num_pages
+    generate(model, [[3, 4]], [0], PARAMS, engine=EngineConfig(page_size=4))  # another page size: replaced
+    assert engine_state(model).page_size == 4
+    clear_engine_state(model)
+    assert engine_state(model) is None
+
+
+def test_kept_state_does_not_keep_the_model_alive():
+    import gc
+
+    m = tiny_model(seed=3)
+    generate(m, [[3, 4, 5]], [0], PARAMS)
+    assert engine_state(m) is not None
+    n = len(generation._STATES)
+    del m
+    gc.collect()
+    assert len(generation._STATES) == n - 1
+
+
+def test_grow_leaves_headroom():
+    assert generation._grow(10, 12) == 12 and generation._grow(7, 0) == 7
+    assert generation._grow(1000, 900) == 1024 and generation._grow(1025, 1024) == 1088
+    assert all(n <= generation._grow(n, 0) <= n * 1.07 + 1 for n in range(1, 5000, 37))
+
+
+def test_decode_graphs_follow_weight_addresses_not_values(model):
+    """What decides whether kept decode graphs are valid (no CUDA needed to check the logic): weight
+    sync copies new values into the same tensors (GeneratorWorker.load_weights, weight_sync.receive)
+    and keeps them; a rebound parameter, another op set or another sampling distribution does not;
+    the seed never does (rekeyed ids)."""
+    m = tiny_model(seed=4)
+    g = generation._DecodeGraphs(None, None, 0, 0)
+
+    def graphs_for(params):
+        g.begin(m, params)
+        g._check()
+        g.end()
+        return g.graphs
+
+    graphs_for(PARAMS)[4] = "captured"
+    assert graphs_for(dataclasses.replace(PARAMS, seed=77)) == {4: "captured"}
+    assert graphs_for(dataclasses.replace(PARAMS, temperature=0.5)) == {}  # another distribution: its own graphs
+    assert graphs_for(PARAMS) == {4: "captured"}
+    with torch.no_grad():  # weight sync: in place
+        for p in m.parameters():
+            p.copy_(p * 2 + 1)
+    assert graphs_for(PARAMS) == {4: "captured"}
+    with kernels.use(mode="default"):
+        assert graphs_for(PARAMS) == {}  # another op set: dropped
+    graphs_for(PARAMS)[4] = "captured"
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())  # rebound: the graph reads the old one
+    assert graphs_for(PARAMS) == {}
+    graphs_for(PARAMS)[4] = "captured"
+    m.model.layers[0].self_attn.q_proj.weight.data = torch.zeros_like(m.model.layers[0].self_attn.q_proj.weight)
+    assert graphs_for(PARAMS) == {}

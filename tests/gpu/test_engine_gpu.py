@@ -1,12 +1,16 @@
 """GPU: the native engine with the Triton kernels — CUDA-graph decode steps (padded buckets) give
 the same tokens and bits as eager steps, every schedule gives the same bits, and the logprobs
-equal the trainer's rescoring."""
+equal the trainer's rescoring. Decode graphs kept across generate() calls are replayed, not
+captured again, with any seed; after an in-place weight update they sample what eager steps
+sample with the new weights; a rebound parameter drops them (twin: kept stale, they differ)."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from rlalign import kernels
-from rlalign.generation import EngineConfig, SamplingParams, generate
+from rlalign import generation, kernels
+from rlalign.generation import EngineConfig, SamplingParams, clear_engine_state, engine_state, generate
 from rlalign.model import ModelArgs, build_model
 from rlalign.training.scoring import score
 
@@ -60,3 +64,99 @@ def test_negative_twin_default_kernels_disagree_with_the_trainer(model):
         lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=8,
                     **PARAMS.logprob_kwargs())
     assert sum(int((r.logprobs.cuda() != lp.float()).sum()) for r, lp in zip(outs, lps)) > 0
+
+
+EAGER = EngineConfig(cuda_graphs=False, keep_state=False)
+
+
+def _same(a, b) -> bool:
+    return all(x.tokens == y.tokens and torch.equal(x.logprobs.view(torch.int32), y.logprobs.view(torch.int32))
+               for x, y in zip(a, b, strict=True))
+
+
+def test_kept_graphs_are_replayed_in_later_calls_with_the_same_bits(model, eager):
+    prompts, ids, other = _prompts(37), list(range(37)), dataclasses.replace(PARAMS, seed=2**63 + 11)
+    with kernels.use(mode="deterministic", backend="triton"):
+        clear_engine_state(model)
+        first = generate(model, prompts, ids, PARAMS)
+        g = engine_state(model).graphs
+        captured, n = dict(g.graphs), g.captures
+        assert n > 0
+        second = generate(model, prompts, ids, other)  # another seed: the same graphs (rekeyed ids)
+        assert engine_state(model).graphs is g and all(g.graphs[k] is v for k, v in captured.items())
+        n2 = g.captures
+        third = generate(model, prompts, ids, PARAMS)
+        assert g.captures == n2  # the same buckets as the first call: nothing captured
+        ref_other = generate(model, prompts, ids, other, engine=EAGER)
+    assert _same(first, eager) and _same(third, eager) and _same(second, ref_other)
+    assert not _same(second, eager)  # the seed is not baked into the graphs
+
+
+@pytest.fixture(scope="module")
+def model2():
+    return build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
+
+
+def test_kept_graphs_after_an_in_place_weight_update_sample_the_new_weights(model2):
+    """Weight sync copies into the generator's parameters (GeneratorWorker.load_weights, weight_sync.receive):
+    the kept graphs read the new values."""
+    prompts, ids = _prompts(37, seed=1), list(range(37))
+    new = build_model(ModelArgs(**ARGS), "bfloat16", seed=1, device="cuda").state_dict()
+    with kernels.use(mode="deterministic", backend="triton"):
+        clear_engine_state(model2)
+        before = generate(model2, prompts, ids, PARAMS)
+        g = engine_state(model2).graphs
+        captured = dict(g.graphs)
+        with torch.no_grad():
+            for name, p in model2.named_parameters():
+                p.copy_(new[name])
+        after = generate(model2, prompts, ids, PARAMS)
+        assert engine_state(model2).graphs is g and all(g.graphs[k] is v for k, v in captured.items())
+        ref = generate(model2, prompts, ids, PARAMS, engine=EAGER)
+    assert _same(after, ref)
+    assert not _same(after, before)  # the update changed what is sampled
+
+
+def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, monkeypatch):
+    prompts, ids = _prompts(37, seed=2), list(range(37))
+    g0 = torch.Generator(device="cuda").manual_seed(5)
+    old = model2.lm_head.weight
+    with kernels.use(mode="deterministic", backend="triton"):
+        clear_engine_state(model2)
+        monkeypatch.setattr(generation, "_graph_inputs", lambda m: ("frozen",))  # the twin: no invalidation
+        generate(model2, prompts, ids, PARAMS)
+        model2.lm_head.weight = torch.nn.Parameter(
+            (torch.randn(old.shape, generator=g0, device="cuda") * 0.02).to(old.dtype))  # `old` stays alive
+        stale = generate(model2, prompts, ids, PARAMS)  # the graphs still read the old lm head
+        ref = generate(model2, prompts, ids, PARAMS, engine=EAGER)
+        monkeypatch.undo()
+        n = engine_state(model2).graphs.captures
+        fresh = generate(model2, prompts, ids, PARAMS)
+        assert engine_state(model2).graphs.captures > n  # the new address: captured again
+        model2.lm_head.weight = old
+    assert not _same(stale, ref)
+    assert _same(fresh, ref)
+
+
+@pytest.mark.parametrize("n,e", [(1, 64), (148, 16), (2048, 64), (2048, 128), (16384, 64), (999, 7)])
+def test_triton_dispatch_equals_the_torch_counting_sort(n, e):
+    from rlalign.kernels.triton.dispatch import moe_dispatch
+    from rlalign.model.model import dispatch_torch
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    for flat in (torch.randint(0, e, (n,), generator=g, device="cuda"),
+                 torch.randint(0, 2, (n,), generator=g, device="cuda") * (e - 1)):  # skewed: two experts
+        for w, got in zip(dispatch_torch(flat, e), moe_dispatch(flat, e), strict=True):
+            assert torch.equal(got, w)
+
+
+def test_engine_bits_do_not_depend_on_the_dispatch_kernel(model, eager):
+    from rlalign.kernels.triton import dispatch
+
+    with kernels.use(mode="deterministic", backend="triton"):
+        dispatch.ENABLED = False
+        try:
+            torch_dispatch = generate(model, _prompts(37), list(range(37)), PARAMS, engine=EAGER)
+        finally:
+            dispatch.ENABLED = True
+    assert _same(torch_dispatch, eager)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 12: decode graphs kept across generate() calls + the one-launch MoE dispatch, in one device call:
+#   1. tests/gpu/test_engine_gpu.py (graphs == eager bits, kept graphs replayed across calls and seeds, after an
+#      in-place weight update they sample the new weights, a rebound parameter drops them (twin: stale graphs
+#      differ), Triton dispatch == torch dispatch, engine bits independent of the dispatch kernel)
+#   2. experiments/bench_dispatch.py: the dispatch alone, inside CUDA graphs
+#   3. experiments/bench_generate.py, bench-moe-large 256 x 256, same run: graphs+tdisp (the engine before:
+#      graphs captured in every call, torch dispatch), kept+tdisp (graphs kept), kept (graphs kept + Triton
+#      dispatch); 2 timed calls each (seeds 7, 8), every call's tokens and logprob bits compared across modes.
+# Run: source .gpu/activate && RLALIGN_GIT_COMMIT=<sha> OUT=$OUT bash experiments/gpu_graph_cache.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+OUT=${OUT:-experiments/results}
+mkdir -p "$OUT"
+t0=$(date +%s)
+timeout "${T_TEST:-110}" python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -30
+echo "== tests done at $(( $(date +%s) - t0 )) s"
+timeout "${T_DISP:-30}" python3 experiments/bench_dispatch.py --out "$OUT" 2>&1 | grep -v -i warn
+echo "== dispatch bench done at $(( $(date +%s) - t0 )) s"
+timeout "${T_GEN:-130}" python3 experiments/bench_generate.py --modes graphs+tdisp,kept+tdisp,kept --calls 2 \
+  --no-score --tag graph_cache --out "$OUT" 2>&1 | grep -v -i warn | grep -v '^ '
+echo "== all done at $(( $(date +%s) - t0 )) s"

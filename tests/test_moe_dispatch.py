@@ -1,0 +1,35 @@
+"""The one-launch MoE dispatch (kernels/triton/dispatch.py, the Triton interpreter here) gives the same
+integers as the torch counting sort (rlalign.model.model.dispatch_torch): order, dest and counts, for
+decode-sized row counts, skewed and empty experts, expert counts that are not powers of two."""
+
+import pytest
+import torch
+
+from rlalign.model.model import dispatch_torch
+
+dispatch = pytest.importorskip("rlalign.kernels.triton.dispatch")
+
+
+def _ids(n, e, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    if skew:  # most rows to two experts, most experts empty
+        return torch.where(torch.rand(n, generator=g) < 0.9, torch.randint(0, 2, (n,), generator=g) * (e - 1),
+                           torch.randint(0, e, (n,), generator=g))
+    return torch.randint(0, e, (n,), generator=g)
+
+
+@pytest.mark.parametrize("n,e,skew", [(0, 8, False), (1, 8, False), (7, 8, False), (130, 5, False),
+                                      (2048, 64, False), (2048, 64, True), (300, 128, True), (513, 3, True)])
+def test_triton_dispatch_equals_the_torch_counting_sort(n, e, skew):
+    flat = _ids(n, e, seed=n + e, skew=skew)
+    want = dispatch_torch(flat, e)
+    got = dispatch.moe_dispatch(flat, e)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    order, dest, counts = got
+    assert torch.equal(order[dest], torch.arange(n))  # dest inverts order
+
+
+def test_triton_dispatch_refuses_more_rows_than_one_program_takes():
+    with pytest.raises(ValueError, match="exceed MAX_ROWS"):
+        dispatch.moe_dispatch(torch.zeros(dispatch.MAX_ROWS + 1, dtype=torch.long), 8)
