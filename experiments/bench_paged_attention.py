@@ -10,7 +10,13 @@ The rows settings before the paged kernel's deeper pipeline and the fused split-
 (attn.ROWS_BEFORE) are timed beside the pinned ones in the same run ("OLD" rows), and each change
 alone on the paged kernel.
 
-    python experiments/bench_paged_attention.py [--quick] [--sweep] [--only bits,decode,prefill] [--out DIR]
+    python experiments/bench_paged_attention.py [--quick] [--sweep] [--only bits,decode,prefill,paged] [--out DIR]
+        [--name SUFFIX] [--variants 0,2,...] [--batches 1,8,64] [--warm]
+
+The paged step times PAGED_VARIANTS, how the paged kernel finds its pages (a table load per key
+block, or the entries preloaded and picked by tl.gather / a one-hot sum) and its pipeline settings,
+each checked bitwise against prefill first. --warm calls everything once and times nothing: a few
+such runs in parallel (--variants) fill triton's cache before the timed run.
 
 --quick: tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script, times mean nothing).
 --sweep: instead, time other key-chunk sizes (the constant CHUNK of kernels/triton/attention.py) and
@@ -48,8 +54,14 @@ def row(section: str, name: str, **kv) -> None:
                                                for k, v in kv.items()), flush=True)
 
 
+WARM = False  # --warm: every call once, no timing (fills triton's cache; a few such runs go in parallel)
+
+
 def bench(fn) -> float:
     """Median ms: do_bench (CUDA events) on GPU, wall clock on CPU."""
+    if WARM:
+        fn()
+        return float("nan")
     if DEV == "cuda":
         import triton.testing
 
@@ -65,7 +77,9 @@ def bench(fn) -> float:
 
 def bench_graph(fn) -> float:
     """Median ms of fn replayed from a CUDA graph; nan on CPU or where capture fails."""
-    if DEV != "cuda":
+    if DEV != "cuda" or WARM:
+        if WARM:
+            fn()
         return float("nan")
     import triton.testing
 
@@ -171,8 +185,10 @@ def check_bits(q: bool) -> None:
 
 OLD = dict(attn.ROWS_BEFORE)
 # each change alone on the paged kernel: (name, rows settings)
-PAGED_ALONE = [("num_stages 3", dict(PAGED_STAGES=None)), ("num_stages 4", dict(PAGED_STAGES=4)),
-               ("num_stages 7", dict(PAGED_STAGES=7)), ("two-kernel fold", dict(FUSED=False, COMBINE_UNROLL=4))]
+PAGED_ALONE = [("table load per block, num_stages 3", dict(PAGED_PRE=0, PAGED_STAGES=None)),
+               ("table load per block, num_stages 5", dict(PAGED_PRE=0)),
+               ("table load per block, num_stages 7", dict(PAGED_PRE=0, PAGED_STAGES=7)),
+               ("two-kernel fold", dict(FUSED=False, COMBINE_UNROLL=4))]
 
 
 def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
@@ -231,6 +247,88 @@ def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
                         gpa = bench_graph(paged)
                     row("speed", f"paged decode B={B} page={ps} {name}", graph_paged_ms=gpa,
                         graph_time_ratio_vs_new_contiguous=gpa / gt, bitwise_equal=same)
+
+
+# How the paged kernel finds its keys' pages and pipelines their loads (issue 13; every one the same bits):
+# name, rows settings, split-K only (the setting changes nothing for rows folded in registers)
+PAGED_VARIANTS = [
+    ("old: table loads per key block, stages 5", dict(PAGED_PRE=0, PAGED_STAGES=5, PAGED_SPLIT_FLAT=None), False),
+    ("table loads per block, one loop per split program", dict(PAGED_PRE=0, PAGED_STAGES=5, PAGED_SPLIT_FLAT=True),
+     True),
+    ("pages preloaded + gather, stages 3", dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
+                                                PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=256), False),
+    ("pages preloaded + gather, stages 3, one loop", dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
+                                                          PAGED_SPLIT_FLAT=True, PAGED_PRE_MAX=256), True),
+    ("pages preloaded + one-hot, stages 3", dict(PAGED_PRE=2, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
+                                                 PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64), True),
+    ("pages preloaded + gather, stages 4", dict(PAGED_PRE=1, PAGED_PRE_STAGES=4, PAGED_STAGES=5,
+                                                PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64), True),
+    ("pages preloaded + gather, stages 2", dict(PAGED_PRE=1, PAGED_PRE_STAGES=2, PAGED_STAGES=5,
+                                                PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64), True),
+    ("pages preloaded + gather, stages 3, 8 warps", dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
+                                                         PAGED_PRE_WARPS=8, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64),
+     True),
+]
+SELECT: list[int] | None = None  # --variants: a subset of PAGED_VARIANTS (the parallel --warm runs)
+BATCHES = [1, 8, 64]  # --batches
+
+
+def paged_variants(split: bool = True):
+    return [(i, *v) for i, v in enumerate(PAGED_VARIANTS) if (SELECT is None or i in SELECT) and (split or not v[2])]
+
+
+def speed_paged(q: bool) -> None:
+    """Each paged variant: bits vs prefill (ragged, shuffled pages 16 / 32, split-K and in registers), then
+    CUDA-graph times vs our contiguous decode at B = 1, 8, 64 (the contiguous kernel timed before and
+    after each B's paged rows: its drift)."""
+    H, Hk, D = (4, 2, 16) if q else (32, 8, 128)
+    scale = 1 / math.sqrt(D)
+    lens = [1, 5, 40, 70] if q else [1, 77, 1000, 4096, 255, 2500]
+    qq, kk, vv, cu = packed(lens, H, Hk, D, 1)
+    pre = attn.attention_prefill(qq, kk, vv, cu, scale)
+    perm = torch.randperm(len(pre), generator=torch.Generator().manual_seed(2)).to(DEV)
+    for ps in (16, 32):
+        kp, table, seq_idx, pos = paged_cache(kk, lens, ps, 3)
+        vp = paged_cache(vv, lens, ps, 3)[0]
+        for i, name, rows_cfg, split_only in paged_variants():
+            for spp in (1, 4) if split_only else (1, 4, 0):
+                try:
+                    with knobs(spp=spp, rows=rows_cfg):
+                        out = attn.attention_paged(qq[perm], kp, vp, table, seq_idx[perm], pos[perm], scale)
+                    bad = int((out.view(torch.int16) != pre[perm].view(torch.int16)).flatten(1).any(1).sum())
+                except Exception as e:
+                    bad = f"{type(e).__name__}: {e}"[:200]
+                row("pbits", f"v{i} page={ps} chunks/program={spp}: {name}", rows_differing=bad)
+    C = 64 if q else 4096
+    for B in ([2] if q else BATCHES):
+        g = torch.Generator(device=DEV).manual_seed(B)
+        qd = torch.randn(B, H, D, device=DEV, generator=g).bfloat16()
+        kc, vc = (torch.randn(B, C, Hk, D, device=DEV, generator=g).bfloat16() for _ in range(2))
+        lens_b = torch.full((B,), C, device=DEV)
+        ours = lambda: attn.attention_decode(qd, kc, vc, lens_b, scale)
+        ref = ours()
+        g_cont = bench_graph(ours)
+        split = attn._chunks_per_program(B, H, Hk, C // attn._attn_cfg("decode", torch.bfloat16)["CHUNK"],
+                                         torch.device(DEV)) > 0
+        for ps in (16, 32):
+            kp, table, seq_idx, pos = paged_cache(kc.flatten(0, 1), [C] * B, ps, B)
+            vp = paged_cache(vc.flatten(0, 1), [C] * B, ps, B)[0]
+            rows = torch.arange(1, B + 1, device=DEV) * C - 1
+            sidx, ppos = seq_idx[rows].contiguous(), pos[rows].contiguous()
+            paged = lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos, scale)
+            for i, name, rows_cfg, _ in paged_variants(split):
+                try:
+                    with knobs(rows=rows_cfg):
+                        same = bits_equal(paged(), ref)
+                        gp = bench_graph(paged)
+                except Exception as e:
+                    row("paged", f"B={B} page={ps} v{i}: {name}", error=f"{type(e).__name__}: {e}"[:200])
+                    continue
+                row("paged", f"B={B} page={ps} v{i}: {name}", graph_paged_ms=gp, graph_contiguous_ms=g_cont,
+                    graph_time_ratio=gp / g_cont, bitwise_equal_contiguous=same)
+        g_after = bench_graph(ours)
+        row("paged", f"B={B} contiguous decode again (drift)", graph_contiguous_ms=g_after,
+            vs_first=g_after / g_cont)
 
 
 def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
@@ -316,13 +414,21 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated steps: bits, decode, prefill")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="", help="suffix of the results file name")
+    ap.add_argument("--variants", default=None, help="paged step: indices into PAGED_VARIANTS")
+    ap.add_argument("--batches", default=None, help="paged step: batch sizes timed (1,8,64)")
+    ap.add_argument("--warm", action="store_true", help="call everything once, time nothing, write nothing")
     a = ap.parse_args()
+    global WARM, SELECT, BATCHES
+    WARM = a.warm
+    BATCHES = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES
+    SELECT = [int(x) for x in a.variants.split(",")] if a.variants else None
     if a.sweep:
         sizes = (16, 64) if a.quick else (128, 512)
         steps = [("schedules", sweep_schedules), ("decode chunks", lambda q: speed_decode(q, sizes)),
                  ("prefill chunks", lambda q: speed_prefill(q, sizes)), ("tiles", sweep_tiles)]
     else:
-        steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill)]
+        steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill), ("paged", speed_paged)]
         if a.only:
             steps = [s for s in steps if s[0] in a.only.split(",")]
     for name, step in steps:
@@ -333,7 +439,9 @@ def main() -> None:
     gpu = "h200" if DEV == "cuda" and "H200" in torch.cuda.get_device_name(0) else (
         torch.cuda.get_device_name(0).replace(" ", "_") if DEV == "cuda" else "cpu")
     cfg = {str(k): v for k, v in attn.ATTN_FWD.items()}
-    name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "")
+    if WARM:
+        return
+    name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "") + a.name
     schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM,
                 "rows_before": attn.ROWS_BEFORE}
     path = _env.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)

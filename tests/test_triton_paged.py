@@ -145,6 +145,25 @@ def test_fused_fold_leaves_bits_alone(page_size, monkeypatch):
     assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())  # every launch reset its counters
 
 
+@pytest.mark.parametrize("pre", [0, 1, 2])
+def test_preloaded_pages_leave_bits_alone(pre, monkeypatch):
+    """A program's table entries loaded per key block (0) or all at once before its key loop and picked by
+    tl.gather (1) or a one-hot sum (2), pages smaller than, equal to and not dividing the 32-key chunk,
+    split-K and in registers: the bits of prefill."""
+    lens = [70, 9, 33]
+    q, k, v, cu = _packed(lens, seed=14)
+    pre_out = tb.attention_prefill(q, k, v, cu, 0.25)
+    rows = torch.tensor([69, 31, 32, 0, 75, 78, 111, 100, 47], device=DEV)
+    base = dict(attn.INTERPRET_ATTN["decode"])
+    monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, PAGED_PRE=pre, PAGED_PRE_MAX=256))
+    for page_size in (8, 16, 48):
+        kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 24, seed=15)
+        for spp in (1, 2, 0):
+            monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+            out = tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)
+            assert same_bits(out, pre_out[rows]), (page_size, spp)
+
+
 def test_negative_twin_another_chunk_size_moves_bits(monkeypatch):
     """The chunk size is part of the contract: prefill reduced with 16- or 64-key chunks (the same
     blocks, folded at other points) differs from the 32-key chunks the decode rows use (fp32: a bf16

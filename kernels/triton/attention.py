@@ -40,17 +40,29 @@ from .common import INTERPRET, _check, _num_sms, _table
 # 1.03x SDPA's time at B = 1 / 8 / 64 (1.24x / 1.27x / 1.02x before); paged 1.24x / 1.24x / 1.05x our
 # contiguous decode (page 16; the contiguous kernel got faster: paged alone went 13.3 -> 9.7, 55.3 ->
 # 50.2, 294 -> 262 us).
+# Paged only (issue 13): PAGED_PRE 1, a program loads the block-table entries of all its keys in one
+# vector load before its key loop (a split program's chunks: spp * CHUNK / page entries; a row folded in
+# registers: its whole table row, while that is at most PAGED_PRE_MAX entries, else a load per key block
+# as before) and each block picks its keys' pages from them with tl.gather, so the K/V loads hang off
+# registers, not off a table load, and pipeline as contiguous rows do (PAGED_PRE_STAGES 3 = the
+# contiguous kernel's; PAGED_STAGES 5 stays for rows with a table load per block). Measured
+# (experiments/results/paged_attention_h200_session4.json, two runs, graph times, pages 16 / 32): paged
+# 1.11-1.12x / 1.09-1.10x our contiguous decode at B = 1, 1.09x / 1.08x at B = 8, 1.02-1.03x / 1.01-1.02x
+# at B = 64 (a table load per block, same runs: 1.23-1.25x / 1.22-1.23x, 1.23-1.24x / 1.22x,
+# 1.05-1.06x / 1.02-1.04x). Slower, same bits: a one-hot sum instead of tl.gather (1.26x / 1.16x at B
+# = 1), 2 or 4 stages, 8 warps, one loop per split program, int64 key offsets preloaded (1.75x).
 _ROWS = dict(FUSED=True, COMBINE_UNROLL=16)
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True, SPLIT_FLAT=False,
-                                     PAGED_STAGES=5, **_ROWS)),
+                                     PAGED_STAGES=5, PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_PRE_MAX=256,
+                                     **_ROWS)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True, SPLIT_FLAT=False,
                                     PAGED_STAGES=2, **_ROWS)),
 }
 # the rows settings before this (experiments/bench_paged_attention.py --old compares them in one run)
-ROWS_BEFORE = dict(PAGED_STAGES=None, FUSED=False, COMBINE_UNROLL=4)
+ROWS_BEFORE = dict(PAGED_STAGES=None, FUSED=False, COMBINE_UNROLL=4, PAGED_PRE=0)
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
 # config is deterministic; bf16 measured on one H200 (--only attention_bwd_sweep,attention_bwd):
@@ -64,7 +76,8 @@ ATTN_BWD = {
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
 INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
-                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False, FUSED=True, COMBINE_UNROLL=2),
+                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False, FUSED=True, COMBINE_UNROLL=2,
+                                  PAGED_PRE=1, PAGED_PRE_MAX=256),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
 # The split-K schedule of decode / paged rows (_chunks_per_program; the same bits whatever it picks):
 # while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
@@ -78,23 +91,43 @@ CHUNKS_PER_PROGRAM: int | None = None
 
 
 @triton.jit
-def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_i, l_i, acc, qk_scale,
-                BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
-                IEEE: tl.constexpr, MASKED: tl.constexpr):
-    """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
-    blocks whose keys are all valid for every tile row: the same values as the masked form (a
-    where() that keeps every score), so a row's bits do not depend on which form its block took
-    (the kernel runs without FMA contraction, so both forms round the same operations). PAGED: key j
-    is slot j % PAGE of page bt_ptr[j // PAGE], looked up per key, so a block may span pages or
-    share one (BLOCK_N and PAGE either way round; one lookup per page, addresses built as [pages,
-    PAGE] and flattened, measured 1.7-2x slower on the H200); otherwise key j is row kbase + j * skn."""
-    rn = j0 + tl.arange(0, BLOCK_N)
-    kmask = rn < n_keys
-    if PAGED:
+def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
+             MASKED: tl.constexpr):
+    """The page of each key rn: a table load per key (NPRE 0), or picked from the NPRE table entries
+    p_lo.. that the program loaded before its loop (`pages`): PRE 1 tl.gather, 2 a one-hot sum (exact
+    integers). Masked keys may get any page: their loads are masked."""
+    if NPRE == 0:
         if MASKED:
             page = tl.load(bt_ptr + rn // PAGE, mask=kmask, other=0)
         else:
             page = tl.load(bt_ptr + rn // PAGE)
+    else:
+        i = rn // PAGE - p_lo
+        if MASKED:
+            i = tl.minimum(tl.maximum(i, 0), NPRE - 1)
+        if PRE == 1:
+            page = tl.gather(pages, i, 0)
+        else:
+            page = tl.sum(tl.where(i[:, None] == tl.arange(0, NPRE)[None, :], pages[None, :], 0), axis=1)
+    return page
+
+
+@triton.jit
+def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_i, l_i, acc, qk_scale,
+                pages, p_lo, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
+                IEEE: tl.constexpr, MASKED: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr):
+    """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
+    blocks whose keys are all valid for every tile row: the same values as the masked form (a
+    where() that keeps every score), so a row's bits do not depend on which form its block took
+    (the kernel runs without FMA contraction, so both forms round the same operations). PAGED: key j
+    is slot j % PAGE of page bt_ptr[j // PAGE], looked up per key (_page_of: loaded, or picked from
+    the program's preloaded entries), so a block may span pages or share one (BLOCK_N and PAGE either
+    way round; one lookup per page, addresses built as [pages, PAGE] and flattened, measured 1.7-2x
+    slower on the H200); otherwise key j is row kbase + j * skn."""
+    rn = j0 + tl.arange(0, BLOCK_N)
+    kmask = rn < n_keys
+    if PAGED:
+        page = _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE, NPRE, PRE, MASKED)
         koff = kbase + page.to(tl.int64) * skp + (rn % PAGE) * skn
     else:
         koff = kbase + rn * skn
@@ -126,9 +159,9 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
 
 
 @triton.jit
-def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, skp, skn, rd, qk_scale,
+def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, skp, skn, rd, qk_scale, pages, p_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr):
     """The partial (m, l, acc) of keys [c0, c1) from a fresh state, blocks in order; keys below n_full
     are valid for every tile row (unmasked blocks)."""
     m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -137,10 +170,10 @@ def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, sk
     f_end = tl.minimum(tl.maximum(n_full, c0), c1)
     for j0 in range(c0, f_end, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, PRE)
     for j0 in range(f_end, c1, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, PRE)
     return m_c, l_c, acc
 
 
@@ -185,7 +218,8 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
               sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
               PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr, UPCAST: tl.constexpr,
-              IEEE: tl.constexpr, FUSED: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
+              IEEE: tl.constexpr, FUSED: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
+              NPRE: tl.constexpr = 0, PRE: tl.constexpr = 0):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
     (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
@@ -197,8 +231,10 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     [z * SPP, z * SPP + SPP) and stores each one's partial at (mp, lp, ap)[row, head, chunk]; FUSED: the
     last of the row's programs to finish (a ticket counter per (row, kv head) at cnt_ptr, zero between
     launches) folds them in chunk order, else _attn_combine does; otherwise the program folds all its
-    row's chunks here, in order. FLAT: one loop over the blocks with the chunk ends inside it, else a
-    loop per chunk (the same operations: a speed choice)."""
+    row's chunks here, in order. NPRE > 0 (paged): the table entries of the program's keys, NPRE from
+    page k_lo // PAGE, loaded before the key loop; PRE picks a key's page from them (_page_of). FLAT:
+    one loop over the blocks with the chunk ends inside it, else a loop per chunk (the same
+    operations: a speed choice)."""
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     bt = bt_ptr
@@ -252,6 +288,12 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         L = tl.zeros((BLOCK_M,), dtype=tl.float32)
         A = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     k_lo = c_lo * CHUNK
+    p_lo = k_lo // PAGE
+    if NPRE > 0:  # paged: the table entries of keys [k_lo, k_hi) in one load, before the key loop
+        pi = p_lo + tl.arange(0, NPRE)
+        pages = tl.load(bt + pi, mask=pi * PAGE < k_hi, other=0)
+    else:
+        pages = p_lo
     if FLAT:  # one loop over the blocks (one software pipeline), a chunk's end handled inside it
         m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -259,21 +301,23 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         f_end = tl.minimum(tl.maximum(n_full, k_lo), k_hi)
         for j0 in range(k_lo, f_end, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                        qk_scale, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False)
+                                        qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False, NPRE,
+                                        PRE)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
         for j0 in range(f_end, k_hi, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                        qk_scale, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True)
+                                        qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True, NPRE,
+                                        PRE)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
     else:  # a loop per chunk
         for c0 in range(k_lo, k_hi, CHUNK):
             m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, k_hi), n_keys, n_full,
-                                        qpos, skp, skn, rd, qk_scale, BLOCK_M, BLOCK_N, D, PAGE, MODE == 2, UPCAST,
-                                        IEEE)
+                                        qpos, skp, skn, rd, qk_scale, pages, p_lo, BLOCK_M, BLOCK_N, D, PAGE,
+                                        MODE == 2, UPCAST, IEEE, NPRE, PRE)
             M, L, A, m_c, l_c, acc = _chunk_end(c0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr,
                                                 rd, BLOCK_M, D, CHUNK, SPLIT)
     if not SPLIT:
@@ -400,8 +444,12 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     cfg = _attn_cfg("decode", q.dtype)
     split_flat, fused, unroll = cfg.pop("SPLIT_FLAT"), cfg.pop("FUSED"), cfg.pop("COMBINE_UNROLL")
     paged_stages = cfg.pop("PAGED_STAGES", None)
+    pre, pre_max, pre_stages = cfg.pop("PAGED_PRE", 0), cfg.pop("PAGED_PRE_MAX", 0), cfg.pop("PAGED_PRE_STAGES", None)
+    paged_flat, pre_warps = cfg.pop("PAGED_SPLIT_FLAT", None), cfg.pop("PAGED_PRE_WARPS", None)
     if mode == 2 and paged_stages:
         cfg["num_stages"] = paged_stages
+    if mode == 2 and paged_flat is not None:
+        split_flat = paged_flat
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     chunk = cfg["CHUNK"]
@@ -409,6 +457,15 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     spp = _chunks_per_program(N, H, Hk, nc, q.device)
     skp, skn, skh = key_strides
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
+    if mode == 2 and pre:  # the table entries a program's keys need, loaded at once before its key loop
+        span = spp * chunk if spp else n_keys_max  # a split program's keys, else the whole row
+        npre = triton.next_power_of_2(triton.cdiv(span, page) + (0 if spp == 0 or chunk % page == 0 else 1))
+        if npre <= pre_max:
+            flags.update(NPRE=npre, PRE=pre)
+            if pre_stages:
+                cfg["num_stages"] = pre_stages
+            if pre_warps:
+                cfg["num_warps"] = pre_warps
     args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
         _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
