@@ -6,8 +6,9 @@ and the default kernels in the same engine, same prompts, same run.
 
 Modes: default (torch kernels), eager (Triton, no graphs), graphs (CUDA graphs captured in every
 generate() call: EngineConfig.keep_state=False, the engine before graph reuse), kept (graphs, KV
-cache and block table kept on the model across calls); a mode+tdisp runs the MoE dispatch as torch
-ops (~12 launches per MoE layer) instead of kernels/triton/dispatch.py's one launch. Each mode starts
+cache and block table kept on the model across calls); +tdisp: the MoE dispatch as torch ops (~12
+launches per MoE layer) instead of kernels/triton/dispatch.py's one launch; +nola: no lookahead (each
+step's tokens read back before the next step is enqueued). Each mode starts
 from a cleared engine state, warms up, then times --calls consecutive generate() calls (seeds 7, 8, ...: what an RL run
 does once per step); tokens_per_s is the last call's (steady state), every call's time is recorded.
 
@@ -139,22 +140,27 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0)
     peak = next((v for k, v in HBM_PEAK.items() if k in gpu), 4.8e12)
     results, ref, ref_mode, dumps = {}, None, None, {}
+    dispatch_on = fused_dispatch.ENABLED  # RLALIGN_TRITON_DISPATCH=0 keeps it off in every mode
     for mode in a.modes.split(","):
         torch.cuda.empty_cache()
-        base, _, opt = mode.partition("+")  # +tdisp: the torch MoE dispatch (~12 launches) instead of the Triton one
-        fused_dispatch.ENABLED = opt != "tdisp"
+        base, *opts = mode.split("+")  # +tdisp: the torch MoE dispatch; +nola: no lookahead
+        if set(opts) - {"tdisp", "nola"}:
+            raise SystemExit(f"mode {mode!r}: options are +tdisp and +nola")
+        fused_dispatch.ENABLED = dispatch_on and "tdisp" not in opts
         engine = EngineConfig(cuda_graphs=base in ("graphs", "kept"), keep_state=base != "graphs",
-                              max_num_batched_tokens=a.max_batched)
+                              lookahead="nola" not in opts, max_num_batched_tokens=a.max_batched)
         try:
             outs, r = run(model, prompts, params, "default" if base == "default" else "deterministic", engine,
                           score_it=not a.no_score, calls=a.calls)
+            st = engine_state(model)
+            r["last_call_stats"] = dict(st.stats) if st is not None else None
         except Exception as e:  # noqa: BLE001 - recorded, the other modes still run
             results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(mode, "FAILED", results[mode]["error"], flush=True)
             continue
         finally:
             clear_engine_state(model)
-            fused_dispatch.ENABLED = True
+            fused_dispatch.ENABLED = dispatch_on
         dumps[mode] = [[(r.tokens, r.logprobs) for r in o] for o in outs]
         if "roofline" not in results:
             results["roofline"] = roofline(args, model, outs[-1], peak)
@@ -170,16 +176,17 @@ def main() -> None:
               f"{100 * r['fraction_of_roofline']:5.1f}% roofline  calls [{calls}] s  captures "
               f"{r['calls_graph_captures']}  mismatched {r.get('mismatched_tokens', '-')}  "
               f"same bits {r.get('same_tokens_and_bits_as_' + str(ref_mode), '-')}", flush=True)
-    for new, old in (("kept+tdisp", "graphs+tdisp"), ("kept", "kept+tdisp"), ("kept", "graphs+tdisp"),
-                     ("kept", "graphs"), ("graphs", "graphs+tdisp")):  # graph reuse, the dispatch kernel, both
-        if "tokens_per_s" in results.get(new, {}) and "tokens_per_s" in results.get(old, {}):
+    ok = [m for m in results if "tokens_per_s" in results[m]]
+    for i, old in enumerate(ok):  # every later mode over every earlier one (the first: the engine before)
+        for new in ok[i + 1:]:
             results[f"{new}_over_{old}_speed"] = results[new]["tokens_per_s"] / results[old]["tokens_per_s"]
     for m in ("kept", "graphs", "eager"):
         if "tokens_per_s" in results.get(m, {}) and "tokens_per_s" in results.get("default", {}):
             results[f"{m}_over_default_speed"] = results[m]["tokens_per_s"] / results["default"]["tokens_per_s"]
     out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
            "prompt_len": [a.prompt_min, a.prompt_max],
-           "max_num_batched_tokens": a.max_batched, "calls": a.calls, "baseline_tokens_per_s_issue12": 2700,
+           "max_num_batched_tokens": a.max_batched, "calls": a.calls, "triton_dispatch": dispatch_on,
+           "baseline_tokens_per_s_issue12": 2700,
            "results": results}
     if a.dump:
         torch.save(dumps, a.dump)

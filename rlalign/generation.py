@@ -10,6 +10,12 @@ the same logprob bits, equal to the trainer's rescoring. The token at absolute p
 sample s is drawn with noise that depends only on (seed, s, p) (kernels.sampling), and its
 logprob is `kernels.token_logprobs` of the logits it was sampled from: the function the trainer
 applies when it rescores the finished sequence.
+
+On CUDA with the Triton op set, decode-only steps replay CUDA graphs (_DecodeGraphs). The KV cache,
+block table and graphs stay on the model between calls (_EngineState; an RL run calls generate()
+once per step and captures nothing after its first), valid while the parameters keep their
+addresses (weight sync copies into them). With lookahead the next decode step is enqueued before
+this step's tokens are read back, so the GPU does not wait for the host's bookkeeping.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlalign import kernels
@@ -81,6 +88,8 @@ class EngineConfig:
     # keep the KV cache, block table and captured decode graphs on the model between generate() calls (reused while
     # they fit; an RL run calls generate() once per step); clear_engine_state(model) releases them
     keep_state: bool = True
+    # enqueue the next decode step before reading this one's tokens back (no GPU idle for the host's bookkeeping)
+    lookahead: bool = True
 
     def validate(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "num_pages"):
@@ -106,6 +115,7 @@ class _Seq:
     slot: int
     pages: list[int]
     n_cached: int = 0
+    done: bool = False  # ended (EOS or length): its slot and pages are free
 
     @property
     def decoding(self) -> bool:
@@ -224,9 +234,11 @@ class _DecodeGraphs:
         self.captures += 1
         return graph, static, out
 
-    def __call__(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, meta: torch.Tensor, follow: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """meta [5, n] (token, position, block-table row, slot, sample id) -> this step's tokens and
-        logprobs [n] (the logprobs copied out of the graph's memory, which the next replay overwrites)."""
+        logprobs [n] on the device (copied out of the graph's memory, which a later replay overwrites).
+        follow = (tokens, index [n]): the rows' input tokens are tokens[index], already on the device."""
         if not self._checked:
             self._check()
         n = meta.shape[1]
@@ -236,8 +248,10 @@ class _DecodeGraphs:
         graph, static, (tok, lp) = self.graphs[size]
         rows = torch.cat([meta[:4], torch.ones(1, n, dtype=torch.long), meta[4:] ^ self._key])
         static.copy_(self._pad(rows, size).pin_memory(), non_blocking=True)
+        if follow is not None:
+            static[0, :n] = follow[0].index_select(0, follow[1])
         graph.replay()
-        return tok[:n], lp[:n].clone()
+        return tok[:n].clone(), lp[:n].clone()
 
 
 class _EngineState:
@@ -255,6 +269,7 @@ class _EngineState:
         self.block_table = self.table_host.to(dev)
         self.graphs: _DecodeGraphs | None = None
         self.busy = False
+        self.stats: dict = {}  # the last call's: steps, lookahead_steps, discarded_rows
 
     def fits(self, num_pages: int, page_size: int, rows: int, width: int, dtype, dev) -> bool:
         return (not self.busy and self.page_size == page_size and self.num_pages >= num_pages and self.rows >= rows
@@ -358,6 +373,18 @@ def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
 
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """t's copy to the host, started now: (pinned host tensor, the event to wait on; None off CUDA).
+    Waiting on the event rather than reading t waits for this step alone, not for steps enqueued after it."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -400,8 +427,9 @@ def generate(
     try:
         if graphs is not None:
             graphs.begin(model, params)
+        state.stats = {"steps": 0, "lookahead_steps": 0, "discarded_rows": 0}
         return _generate(model, prompts, sample_ids, params, any_live, engine, cache, block_table, table_host, graphs,
-                         num_pages, max_seqs, pages_of)
+                         num_pages, max_seqs, pages_of, state.stats)
     finally:
         state.busy = False
         if graphs is not None:
@@ -409,7 +437,7 @@ def generate(
 
 
 def _generate(model, prompts, sample_ids, params, any_live, engine, cache, block_table, table_host, graphs,
-              num_pages, max_seqs, pages_of) -> list[Rollout]:
+              num_pages, max_seqs, pages_of, stats: dict) -> list[Rollout]:
     dev = model.lm_head.weight.device
     B, ps = len(prompts), engine.page_size
     budget = engine.max_num_batched_tokens or float("inf")
@@ -417,9 +445,112 @@ def _generate(model, prompts, sample_ids, params, any_live, engine, cache, block
     queue, running = deque(range(B)), []
     out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
     ids_all = torch.tensor(sample_ids, dtype=torch.long, device=dev)
-    lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each
-    record_all = isinstance(getattr(model, "taps", None), TapRecorder) and model.taps.rows
+    lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each (-1: discarded)
+    taps = getattr(model, "taps", None)
+    record_all = isinstance(taps, TapRecorder) and taps.rows
+    # lookahead: the next decode step is enqueued before this one's tokens are read back (see _ahead)
+    ahead_ok = engine.lookahead and any_live is None and (taps is None or getattr(taps, "inert", False))
+
+    def slot(seq: _Seq, p: int) -> int:
+        return seq.pages[p // ps] * ps + p % ps
+
+    def step(rows: list, sample_at: list, follow: tuple | None = None):
+        """Enqueue one engine step over `rows` (seq, position); -> (sample_at, tokens, logprobs on the
+        device, the tokens' host copy in flight), or None when it samples nothing. follow = (previous
+        step's tokens, index [n]): a decode step whose input tokens are the previous step's, still on
+        the device."""
+        n = len(rows)
+        stats["steps"] += 1
+        stats["lookahead_steps"] += follow is not None
+        tok_host = [0] * n if follow is not None else [seq.tokens[p] for seq, p in rows]
+        meta = torch.tensor([tok_host, [p for _, p in rows], [seq.slot for seq, _ in rows],
+                             [slot(seq, p) for seq, p in rows]], dtype=torch.long).reshape(4, n)
+        b_idx = [seq.b for seq, _ in sample_at]
+        src = None if follow is None else _to(torch.tensor(follow[1], dtype=torch.long), dev)
+        if graphs is not None and len(sample_at) == n:  # decode only: rows are the samples, in order
+            ids = torch.tensor([sample_ids[b] for b in b_idx], dtype=torch.long)
+            meta = torch.cat([meta, ids[None]])
+            tok, lp = graphs(meta) if follow is None else graphs(meta, (follow[0], src))
+            return sample_at, tok, lp, _to_host(tok)
+        tokens, positions, seq_idx, slot_mapping = _to(meta, dev)
+        if follow is not None:
+            tokens = follow[0].index_select(0, src)
+        pick = _to(torch.tensor([r for _, r in sample_at], dtype=torch.long), dev)
+        set_rows(model, "gen.step.", [(sample_ids[seq.b], p) for seq, p in rows])
+        logits = model.step(tokens, positions, seq_idx, cache, block_table, slot_mapping,
+                            logit_rows=None if record_all else pick)
+        if not sample_at:
+            return None
+        if record_all:
+            logits = logits.index_select(0, pick)
+        b_dev = _to(torch.tensor(b_idx, dtype=torch.long), dev)
+        tok, lp = sample_next(logits, params, ids_all[b_dev], positions[pick] + 1, lambda t: tap(model, "sample", t))
+        return sample_at, tok, lp, _to_host(tok)
+
+    def _ahead(pending):
+        """The decode step after `pending`, enqueued before pending's tokens are read back (the GPU
+        never waits for the host's bookkeeping): the rows of pending's samples whose sequences go
+        on, each at the position of the token pending samples for it, that token taken on the device.
+        Only when the next step could hold nothing else: no request could be admitted and no prompt
+        is still being prefilled. A sequence that pending ends with EOS (not known yet) still gets a
+        row here: it reads and writes only its own pages at a position below its length limit, and
+        its sample is discarded (its pages are freed after this step in stream order). Sequences that
+        pending ends by length are left out. Every kept row computes what the step after reading
+        pending back would compute for it: the same tokens and logprob bits (batch invariance)."""
+        if not ahead_ok or (queue and free_slots and len(free_pages) >= pages_of[queue[0]]):
+            return None
+        if any(not seq.decoding for seq in running):
+            return None
+        sample_at, tok, _, _ = pending
+        rows, src = [], []
+        for j, (seq, _) in enumerate(sample_at):
+            if seq.done or len(out[seq.b].tokens) + 1 >= params.max_new_tokens:
+                continue
+            rows.append((seq, len(seq.tokens)))
+            src.append(j)
+        if not rows:
+            return None
+        return step(rows, [(seq, i) for i, (seq, _) in enumerate(rows)], (tok, src))
+
+    def read_back(pending) -> None:
+        """Pending's tokens to the host (the step's one host sync) and the bookkeeping: tokens appended,
+        finished sequences' slots and pages freed (the next step admits from the queue)."""
+        sample_at, _, lp, (tok_host, copied) = pending
+        if copied is not None:
+            copied.synchronize()  # this step's tokens only: the step enqueued after it keeps the GPU busy
+        finished, b_idx = [], []
+        for (seq, _), t in zip(sample_at, tok_host.tolist()):
+            if seq.done:  # a lookahead row of a sequence that had already ended: discarded
+                stats["discarded_rows"] += 1
+                b_idx.append(-1)
+                continue
+            b_idx.append(seq.b)
+            seq.tokens.append(t)
+            o = out[seq.b]
+            o.tokens.append(t)
+            if params.eos_token_id is not None and t == params.eos_token_id:
+                o.finish_reason = "eos"
+            elif len(o.tokens) == params.max_new_tokens:
+                o.finish_reason = "length"
+            else:
+                continue
+            seq.done = True
+            finished.append(seq)
+        lps.append(lp)
+        lp_rows.append(b_idx)
+        for seq in finished:
+            running.remove(seq)
+            free_slots.append(seq.slot)
+            free_pages.extend(reversed(seq.pages))
+
+    pending = None  # a step enqueued whose tokens are not read back yet
     while True:
+        if pending is not None:
+            nxt = _ahead(pending)
+            read_back(pending)
+            pending = nxt
+            if pending is not None:
+                continue
         while queue and free_slots and len(free_pages) >= pages_of[queue[0]]:  # admit in order
             b = queue.popleft()
             seq = _Seq(b, list(prompts[b]), len(prompts[b]), free_slots.pop(),
@@ -444,51 +575,19 @@ def _generate(model, prompts, sample_ids, params, any_live, engine, cache, block
                 break
         elif not rows:
             break
-        meta = torch.tensor(
-            [[seq.tokens[p] for seq, p in rows], [p for _, p in rows], [seq.slot for seq, _ in rows],
-             [seq.pages[p // ps] * ps + p % ps for seq, p in rows]], dtype=torch.long).reshape(4, len(rows))
-        b_idx = [seq.b for seq, _ in sample_at]
-        if graphs is not None and len(sample_at) == len(rows):  # decode only: rows are the samples, in order
-            ids = torch.tensor([sample_ids[b] for b in b_idx], dtype=torch.long)
-            tok, lp = graphs(torch.cat([meta, ids[None]]))
-        else:
-            tokens, positions, seq_idx, slot_mapping = _to(meta, dev)
-            pick = _to(torch.tensor([r for _, r in sample_at], dtype=torch.long), dev)
-            set_rows(model, "gen.step.", [(sample_ids[seq.b], p) for seq, p in rows])
-            logits = model.step(tokens, positions, seq_idx, cache, block_table, slot_mapping,
-                                logit_rows=None if record_all else pick)
-            if not sample_at:
-                continue
-            if record_all:
-                logits = logits.index_select(0, pick)
-            b_dev = _to(torch.tensor(b_idx, dtype=torch.long), dev)
-            tok, lp = sample_next(logits, params, ids_all[b_dev], positions[pick] + 1,
-                                  lambda t: tap(model, "sample", t))
-        lps.append(lp)
-        lp_rows.append(b_idx)
-        finished = []
-        for (seq, _), t in zip(sample_at, tok.tolist()):  # the step's one host sync
-            seq.tokens.append(t)
-            o = out[seq.b]
-            o.tokens.append(t)
-            if params.eos_token_id is not None and t == params.eos_token_id:
-                o.finish_reason = "eos"
-            elif len(o.tokens) == params.max_new_tokens:
-                o.finish_reason = "length"
-            else:
-                continue
-            finished.append(seq)
-        for seq in finished:  # free the slot and pages at once; the next step admits from the queue
-            running.remove(seq)
-            free_slots.append(seq.slot)
-            free_pages.extend(reversed(seq.pages))
-    flat = torch.cat(lps).float().cpu() if lps else torch.zeros(0)  # one copy to the host
-    per_row: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    off = 0
-    for b_idx in lp_rows:
-        for j, b in enumerate(b_idx):
-            per_row[b].append(flat[off + j : off + j + 1])
-        off += len(b_idx)
-    for b in range(B):
-        out[b].logprobs = torch.cat(per_row[b]) if per_row[b] else torch.zeros(0)
+        pending = step(rows, sample_at)
+    return _assemble(out, lps, lp_rows)
+
+
+def _assemble(out: list[Rollout], lps: list[torch.Tensor], lp_rows: list[list[int]]) -> list[Rollout]:
+    """Each request's logprobs, in step order, from the steps' device tensors (one copy to the host)."""
+    B = len(out)
+    flat = torch.cat(lps).float().cpu().numpy() if lps else np.zeros(0, np.float32)
+    rows = np.fromiter(itertools.chain.from_iterable(lp_rows), dtype=np.int64, count=len(flat))
+    keep = rows >= 0
+    rows, flat = rows[keep], flat[keep]
+    order = np.argsort(rows, kind="stable")  # by request, step order within one
+    parts = np.split(flat[order], np.cumsum(np.bincount(rows, minlength=B))[:-1])
+    for o, part in zip(out, parts):
+        o.logprobs = torch.from_numpy(part.copy())  # its own storage (a view would pickle the whole batch)
     return out

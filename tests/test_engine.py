@@ -177,3 +177,22 @@ def test_decode_graphs_follow_weight_addresses_not_values(model):
     graphs_for(PARAMS)[4] = "captured"
     m.model.layers[0].self_attn.q_proj.weight.data = torch.zeros_like(m.model.layers[0].self_attn.q_proj.weight)
     assert graphs_for(PARAMS) == {}
+
+
+def test_lookahead_changes_no_token_and_no_bit(model, reference):
+    """The next decode step enqueued before this one's tokens are read back (EngineConfig.lookahead):
+    rows of sequences that this step ends with EOS run once more and are discarded; every schedule
+    samples the same tokens with the same bits as without it, and as the reference."""
+    discarded = 0
+    for engine in SCHEDULES:
+        off = generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS,
+                       engine=dataclasses.replace(engine, lookahead=False))
+        assert engine_state(model).stats["lookahead_steps"] == 0
+        on = generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS, engine=engine)
+        stats = engine_state(model).stats
+        assert stats["lookahead_steps"] > 0
+        discarded += stats["discarded_rows"]
+        for a, b, ref in zip(off, on, reference):
+            assert a.tokens == b.tokens == ref.tokens and a.finish_reason == b.finish_reason == ref.finish_reason
+            assert same_bits(a.logprobs, ref.logprobs) and same_bits(b.logprobs, ref.logprobs), f"sample {a.sample_id}"
+    assert discarded > 0  # sequences ended by EOS while their next row was already enqueued

@@ -9,6 +9,8 @@ tests/gpu/test_engine_gpu.py)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -16,7 +18,9 @@ import triton.language as tl
 from .common import Launch, _cached
 
 MAX_ROWS = 16384  # one program: beyond this (prefill, training) the torch version's parallel launches win
-ENABLED = True  # model.dispatch takes this kernel (experiments/bench_generate.py compares both in one run)
+# model.dispatch takes this kernel (off: RLALIGN_TRITON_DISPATCH=0, or ENABLED = False at run time;
+# experiments/bench_generate.py compares both in one run)
+ENABLED = os.environ.get("RLALIGN_TRITON_DISPATCH", "1") != "0"
 
 
 @triton.jit

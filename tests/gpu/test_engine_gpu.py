@@ -5,6 +5,7 @@ captured again, with any seed; after an in-place weight update they sample what 
 sample with the new weights; a rebound parameter drops them (twin: kept stale, they differ)."""
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -33,15 +34,20 @@ def model():
     return build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
 
 
+PLAIN = EngineConfig(cuda_graphs=False, keep_state=False, lookahead=False)  # eager, one step at a time
+
+
 @pytest.fixture(scope="module")
 def eager(model):
     with kernels.use(mode="deterministic", backend="triton"):
-        return generate(model, _prompts(37), list(range(37)), PARAMS, engine=EngineConfig(cuda_graphs=False))
+        return generate(model, _prompts(37), list(range(37)), PARAMS, engine=PLAIN)
 
 
 @pytest.mark.parametrize("engine", [EngineConfig(), EngineConfig(max_num_seqs=5, max_num_batched_tokens=64),
-                                    EngineConfig(max_num_seqs=16, page_size=32, num_pages=40)],
-                         ids=["graphs", "graphs-chunked", "graphs-page-limited"])
+                                    EngineConfig(max_num_seqs=16, page_size=32, num_pages=40),
+                                    EngineConfig(lookahead=False), EngineConfig(cuda_graphs=False)],
+                         ids=["graphs", "graphs-chunked", "graphs-page-limited", "graphs-no-lookahead",
+                              "eager-lookahead"])
 def test_graphs_and_schedules_change_no_bit(model, eager, engine):
     with kernels.use(mode="deterministic", backend="triton"):
         got = generate(model, _prompts(37), list(range(37)), PARAMS, engine=engine)
@@ -66,7 +72,7 @@ def test_negative_twin_default_kernels_disagree_with_the_trainer(model):
     assert sum(int((r.logprobs.cuda() != lp.float()).sum()) for r, lp in zip(outs, lps)) > 0
 
 
-EAGER = EngineConfig(cuda_graphs=False, keep_state=False)
+EAGER = EngineConfig(cuda_graphs=False, keep_state=False)  # eager, lookahead
 
 
 def _same(a, b) -> bool:
@@ -153,10 +159,27 @@ def test_triton_dispatch_equals_the_torch_counting_sort(n, e):
 def test_engine_bits_do_not_depend_on_the_dispatch_kernel(model, eager):
     from rlalign.kernels.triton import dispatch
 
+    was = dispatch.ENABLED
     with kernels.use(mode="deterministic", backend="triton"):
         dispatch.ENABLED = False
         try:
             torch_dispatch = generate(model, _prompts(37), list(range(37)), PARAMS, engine=EAGER)
         finally:
-            dispatch.ENABLED = True
+            dispatch.ENABLED = was
     assert _same(torch_dispatch, eager)
+
+
+def test_lookahead_rows_of_sequences_ended_by_eos_are_discarded(model, eager):
+    """EOS = the token that most sequences sample before their last one: they end at different steps while
+    their next row is already enqueued (lookahead); graph and eager steps with lookahead == one step at a
+    time, bit for bit."""
+    seqs_with = Counter(t for r in eager for t in set(r.tokens[:-1]))
+    p = dataclasses.replace(PARAMS, eos_token_id=max(seqs_with, key=lambda t: (seqs_with[t], -t)))
+    with kernels.use(mode="deterministic", backend="triton"):
+        ref = generate(model, _prompts(37), list(range(37)), p, engine=PLAIN)
+        assert any(r.finish_reason == "eos" for r in ref)
+        for engine in (EngineConfig(), EngineConfig(cuda_graphs=False)):
+            got = generate(model, _prompts(37), list(range(37)), p, engine=engine)
+            stats = engine_state(model).stats
+            assert stats["lookahead_steps"] > 0 and stats["discarded_rows"] > 0
+            assert _same(got, ref) and [r.finish_reason for r in got] == [r.finish_reason for r in ref]
