@@ -139,6 +139,28 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=a.new, eos_token_id=args.eos_token_id, seed=7)
     gpu = torch.cuda.get_device_name(0)
     peak = next((v for k, v in HBM_PEAK.items() if k in gpu), 4.8e12)
+
+    def write(results: dict) -> Path:
+        res = dict(results)
+        ok = [m for m in res if "tokens_per_s" in res[m]]
+        for i, old in enumerate(ok):  # every later mode over every earlier one (the first: the engine before)
+            for new in ok[i + 1:]:
+                res[f"{new}_over_{old}_speed"] = res[new]["tokens_per_s"] / res[old]["tokens_per_s"]
+        for m in ("kept", "graphs", "eager"):
+            if "tokens_per_s" in res.get(m, {}) and "tokens_per_s" in res.get("default", {}):
+                res[f"{m}_over_default_speed"] = res[m]["tokens_per_s"] / res["default"]["tokens_per_s"]
+        out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
+               "prompt_len": [a.prompt_min, a.prompt_max],
+               "max_num_batched_tokens": a.max_batched, "calls": a.calls, "triton_dispatch": dispatch_on,
+               "baseline_tokens_per_s_issue12": 2700,
+               "results": res}
+        if a.dump:
+            torch.save(dumps, a.dump)
+        path = Path(a.out) / f"generate_{a.model}_{gpu.replace(' ', '_')}{'_' + a.tag if a.tag else ''}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        return path
+
     results, ref, ref_mode, dumps = {}, None, None, {}
     dispatch_on = fused_dispatch.ENABLED  # RLALIGN_TRITON_DISPATCH=0 keeps it off in every mode
     for mode in a.modes.split(","):
@@ -176,23 +198,8 @@ def main() -> None:
               f"{100 * r['fraction_of_roofline']:5.1f}% roofline  calls [{calls}] s  captures "
               f"{r['calls_graph_captures']}  mismatched {r.get('mismatched_tokens', '-')}  "
               f"same bits {r.get('same_tokens_and_bits_as_' + str(ref_mode), '-')}", flush=True)
-    ok = [m for m in results if "tokens_per_s" in results[m]]
-    for i, old in enumerate(ok):  # every later mode over every earlier one (the first: the engine before)
-        for new in ok[i + 1:]:
-            results[f"{new}_over_{old}_speed"] = results[new]["tokens_per_s"] / results[old]["tokens_per_s"]
-    for m in ("kept", "graphs", "eager"):
-        if "tokens_per_s" in results.get(m, {}) and "tokens_per_s" in results.get("default", {}):
-            results[f"{m}_over_default_speed"] = results[m]["tokens_per_s"] / results["default"]["tokens_per_s"]
-    out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
-           "prompt_len": [a.prompt_min, a.prompt_max],
-           "max_num_batched_tokens": a.max_batched, "calls": a.calls, "triton_dispatch": dispatch_on,
-           "baseline_tokens_per_s_issue12": 2700,
-           "results": results}
-    if a.dump:
-        torch.save(dumps, a.dump)
-    path = Path(a.out) / f"generate_{a.model}_{gpu.replace(' ', '_')}{'_' + a.tag if a.tag else ''}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+        write(results)  # after every mode: a run stopped later keeps what it measured
+    path = write(results)
     print(json.dumps({k: v for k, v in results.items() if k != "roofline"}, indent=1))
     print("wrote", path)
 
