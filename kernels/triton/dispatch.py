@@ -57,8 +57,8 @@ def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     dest = torch.empty(N, dtype=torch.long, device=flat.device)
     counts = torch.empty(num_experts, dtype=torch.long, device=flat.device)
     e_p2 = max(16, triton.next_power_of_2(num_experts))
-    block = max(16, min(256, 8192 // e_p2))  # the one-hot block: BLOCK x E_P2 int32 in registers
+    block = max(16, min(256, 16384 // e_p2))  # the one-hot block: BLOCK x E_P2 int32, 64 per thread of 8 warps
     _cached(("moe_dispatch", N, num_experts, flat.dtype), lambda: Launch(
-        _dispatch_kernel, (1,), (N,), dict(E=num_experts, E_P2=e_p2, BLOCK=block, num_warps=4)))(
+        _dispatch_kernel, (1,), (N,), dict(E=num_experts, E_P2=e_p2, BLOCK=block, num_warps=8)))(
         flat, order, dest, counts)
     return order, dest, counts
