@@ -17,18 +17,18 @@ t0=$(date +%s)
 [ -f .gpu_graph_cache/attention.py ] && cp .gpu_graph_cache/attention.py kernels/triton/attention.py \
   && echo "kernels/triton/attention.py <- the committed one (.gpu_graph_cache/attention.py)"
 # the dispatch kernel first: if it does not compile or differs, the rest runs on the torch dispatch
-if ! timeout 60 python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore -k dispatch_equals \
+if ! timeout "${T_PRE:-40}" python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore -k dispatch_equals \
     > "$OUT/gpu_dispatch_tests.log" 2>&1; then
   tail -20 "$OUT/gpu_dispatch_tests.log"; echo "== Triton dispatch FAILED: RLALIGN_TRITON_DISPATCH=0 from here"
   export RLALIGN_TRITON_DISPATCH=0
 fi
-timeout "${T_TEST:-110}" python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
+timeout "${T_TEST:-100}" python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -30
 echo "== tests done at $(( $(date +%s) - t0 )) s"
 if [ "${T_DISP:-0}" -gt 0 ]; then
   timeout "$T_DISP" python3 experiments/bench_dispatch.py --out "$OUT" 2>&1 | grep -v -i warn
   echo "== dispatch bench done at $(( $(date +%s) - t0 )) s"
 fi
-timeout "${T_GEN:-120}" python3 experiments/bench_generate.py --modes "${MODES:-graphs+tdisp+nola,kept+tdisp+nola,kept+nola,kept}" \
+timeout "${T_GEN:-100}" python3 experiments/bench_generate.py --modes "${MODES:-graphs+tdisp+nola,kept+tdisp+nola,kept+nola,kept}" \
   --calls 2 --no-score --tag graph_cache --out "$OUT" 2>&1 | grep -v -i warn | grep -v '^ '
 echo "== all done at $(( $(date +%s) - t0 )) s"
