@@ -1,7 +1,7 @@
 """Per-GPU memory of the trainer for the Qwen3-30B-A3B shape at trainer EP 8, computed (not
 measured) from the parameter shapes, with and without trainer.shard_dense.
 
-    python experiments/memory_qwen3_30b.py [--ep 8] [--tokens 2048] [--micro-batches 1]
+    python experiments/memory_qwen3_30b.py [--model qwen3-30b-a3b-shape] [--ep 8] [--tokens 2048] [--micro-batches 1]
 
 The shapes come from configs/model/qwen3-30b-a3b-shape.yaml built on the meta device (no memory);
 the dense share of the most loaded rank from the trainer's own unit rule (dense_units,
@@ -61,12 +61,13 @@ def activations_per_token(a) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b-shape", help="a configs/model option")
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of one micro-batch on one rank")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per optimizer step")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    cfg = load_config(["model=qwen3-30b-a3b-shape", f"trainer.ep_size={a.ep}"])
+    cfg = load_config([f"model={a.model}", f"trainer.ep_size={a.ep}"])
     args = model_args(cfg)
     model = build_model(args, "bfloat16", seed=None, device="meta")
     params = dict(model.named_parameters())
@@ -127,7 +128,7 @@ def main() -> None:
         return out
 
     result = {
-        "model": "configs/model/qwen3-30b-a3b-shape.yaml",
+        "model": f"configs/model/{a.model}.yaml",
         "trainer_ep": W,
         "params": {"total": D + E, "dense": D, "expert": E, "expert_per_rank": E_loc},
         "dense_sharding": {"unit_numel": DEFAULT_UNIT_NUMEL, "units": len(units), "share_per_rank": shares,
@@ -150,7 +151,8 @@ def main() -> None:
               f"fits one H200 ({H200_GIB:.0f} GiB): {b['fits_h200']}")
     print(f"dense {D / 1e9:.3f} B params, experts {E / 1e9:.2f} B ({E_loc / 1e9:.2f} B per rank); max dense share "
           f"{D_share / D:.4f} of the dense state (ideal {1 / W:.4f}) in {len(units)} units")
-    print("wrote", _env.write("memory_qwen3_30b", {"result": result}, a.out))
+    name = "memory_qwen3_30b" if a.model == "qwen3-30b-a3b-shape" else f"memory_{a.model}_ep{W}"
+    print("wrote", _env.write(name, {"result": result}, a.out))
 
 
 if __name__ == "__main__":
