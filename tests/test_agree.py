@@ -4,19 +4,28 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from conftest import same_bits
 
-from rlalign.agree import run_agree
+from rlalign.agree import run_agree, score_batch
 from rlalign.config import load_config
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("mb", [1, 3, 0])
-def test_agree_deterministic_is_bitwise(dtype, mb):
-    cfg = load_config([f"model.dtype={dtype}", f"trainer.micro_batch_size={mb}", "trainer.ep_size=1"])
-    res, _ = run_agree(cfg)
+def test_agree_deterministic_is_bitwise(dtype):
+    """`rlalign agree` at micro-batch 3, then the same rollouts rescored by the trainer at
+    micro-batch 1 and all-at-once, each in another shuffled order: every token's logprob is the
+    generator's, bit for bit (one generation serves the three trainer batchings)."""
+    cfg = load_config([f"model.dtype={dtype}", "trainer.micro_batch_size=3", "trainer.ep_size=1"])
+    res, rollouts = run_agree(cfg)
     assert res["tokens"] >= 2000
     assert res["mismatched_tokens"] == 0 and res["max_abs_diff"] == 0.0 and res["mean_abs_diff"] == 0.0
     assert res["dtype"] == dtype and res["kernels"] == "deterministic"
+    for mb, seed in ((1, 11), (0, 12)):
+        cfg.trainer.micro_batch_size = mb
+        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed)).tolist()
+        lps = score_batch(cfg, [rollouts[i].prompt for i in order], [rollouts[i].tokens for i in order], order)
+        assert all(same_bits(lp, rollouts[i].logprobs) for lp, i in zip(lps, order)), mb
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
