@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 15's scale proof as one script whose numbers scale: `rlalign agree` (trainer EP $TEP vs each
 # generator EP in $GEPS, deterministic Triton kernels; default kernels as the twin) and a 5-step
-# `rlalign train` (trainer EP $TEP with dense sharding, generator EP $GEP_TRAIN colocated), summarised
+# `rlalign train` (trainer EP $TEP with dense sharding, each generator EP in $GEP_TRAIN colocated), summarised
 # into results JSON (mismatches, median phase breakdown, peak GPU memory per role).
 #   2xH200 rehearsal (default):  bash experiments/gpu_rehearsal.sh
 #   8xH200 (when lent):          MODEL=qwen3-30b-a3b-shape TEP=8 GEPS="4 8" TAG=8xh200 bash experiments/gpu_rehearsal.sh
+#   AGREE=0 skips the agree runs; SUFFIX names a repeat's train JSONs.
 #   CPU (tiny, the same path):   MODEL=tiny-moe DEVICE=cpu BACKEND=torch PROMPTS=4 NEW=8 TRAIN_PROMPTS=2 \
 #                                TAG=cpu bash experiments/gpu_rehearsal.sh
 set -u
@@ -34,21 +35,25 @@ keys = ("tokens", "mismatched_tokens", "max_abs_diff", "kernels", "trainer_ep", 
 print({k: r.get(k) for k in keys})
 PY
 }
-for g in $GEPS; do
-  agree "agree_${MODEL}_tep${TEP}_gep${g}_${TAG}" generator.ep_size=$g
-done
-set -- $GEPS
-agree "agree_${MODEL}_tep${TEP}_gep$1_${TAG}_default" generator.ep_size=$1 kernels.mode=default
+if [ "${AGREE:-1}" = 1 ]; then
+  for g in $GEPS; do
+    agree "agree_${MODEL}_tep${TEP}_gep${g}_${TAG}" generator.ep_size=$g
+  done
+  set -- $GEPS
+  agree "agree_${MODEL}_tep${TEP}_gep$1_${TAG}_default" generator.ep_size=$1 kernels.mode=default
+fi
 
-run=/tmp/rehearsal_train
-rm -rf $run
-cmd="rlalign train $common generator.ep_size=$GEP_TRAIN placement.colocate=true trainer.shard_dense=true \
+for gep in $GEP_TRAIN; do  # one train run per generator EP size listed
+  run=/tmp/rehearsal_train_gep$gep
+  rm -rf $run
+  cmd="rlalign train $common generator.ep_size=$gep placement.colocate=true trainer.shard_dense=true \
 run.steps=$STEPS task.num_prompts=$TRAIN_PROMPTS task.samples_per_prompt=$SPP task.max_new_tokens=$NEW \
 checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run"
-echo "== $cmd"
-timeout "${T_TRAIN:-600}" python3 -m rlalign.cli train $common generator.ep_size=$GEP_TRAIN placement.colocate=true \
-  trainer.shard_dense=true run.steps=$STEPS task.num_prompts=$TRAIN_PROMPTS task.samples_per_prompt=$SPP \
-  task.max_new_tokens=$NEW checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run 2>&1 \
-  | grep -E "^step|Error|error" | tail -8
-python3 experiments/gpu_rl_summary.py $run "train_${MODEL}_tep${TEP}_gep${GEP_TRAIN}_${TAG}" --out "$OUT" --warmup 1 \
-  --command "$cmd"
+  echo "== $cmd"
+  timeout "${T_TRAIN:-600}" python3 -m rlalign.cli train $common generator.ep_size=$gep placement.colocate=true \
+    trainer.shard_dense=true run.steps=$STEPS task.num_prompts=$TRAIN_PROMPTS task.samples_per_prompt=$SPP \
+    task.max_new_tokens=$NEW checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run 2>&1 \
+    | grep -E "^step|Error|error" | tail -8
+  python3 experiments/gpu_rl_summary.py $run "train_${MODEL}_tep${TEP}_gep${gep}_${TAG}${SUFFIX:-}" --out "$OUT" \
+    --warmup 1 --command "$cmd"
+done

@@ -20,12 +20,13 @@ What is counted, per rank (bytes):
                logits) + bf16 autograd gradients (dense; the per-source expert path gives every source
                rank its own view, so its own gradient, of this rank's experts, but a hook moves each
                into the expert tree as autograd produces it: one layer's leaves at a time) + the
-               expert tree's nodes; after it: the dense gradient tree (a rank's nodes, plus the
-               O(log) nodes reduce_nodes holds while it merges the ranks' nodes as they arrive, fp32)
-               and the expert tree (one micro-batch per rank: the W source leaves of a layer are
-               siblings of one subtree and merge into one fp32 node, i.e. the gradient itself; more
-               micro-batches per rank: the sources' leaves of one step are not siblings, so up to
-               W x (nodes per source) wait, counted as fp32 — an upper bound, size-1 leaves wait in bf16)
+               expert tree's nodes; after it: the dense gradient tree (a rank's own leaves, one per
+               micro-batch it ran, waiting in bf16 — the trainer deals micro-batches strided, so a
+               rank's own are never siblings — plus the O(log) fp32 nodes reduce_nodes holds while it
+               merges all ranks' nodes in leaf order) and the expert tree (the ranks' i-th
+               micro-batches are consecutive indices, so the W source leaves of one lockstep step
+               merge at once: one fp32 node per set bit of the steps done, at most
+               max popcount(1..M) copies of the rank's experts, M = micro-batches per rank)
 """
 
 from __future__ import annotations
@@ -99,17 +100,18 @@ def main() -> None:
             "clipped gradient copies at AdamW (grads * coef)": (held + E_loc) * 4,
             "all-gather of updated dense weights (bf16)": (W + 1) * D_share * 2 if shard else 0,
         }
-        nodes = bin(a.micro_batches).count("1")  # tree nodes a rank holds for its micro-batches
-        streamed = (W * a.micro_batches).bit_length() + 1  # reduce_nodes: maximal subtrees + the one arriving
-        expert_tree = E_loc * 4 if a.micro_batches == 1 else W * a.micro_batches.bit_length() * E_loc * 4
+        M = a.micro_batches
+        streamed = (W * M).bit_length() + 1  # reduce_nodes: maximal subtrees + the one arriving
+        expert_tree = max(bin(i).count("1") for i in range(1, M + 1)) * E_loc * 4
         layer_leaves = W * (E_loc // args.num_layers) * 2  # one MoE layer's per-source bf16 gradients
         backward = {
             "during backward: bf16 autograd gradients (dense + one layer's per-source expert leaves)":
                 D * 2 + layer_leaves,
             "during backward: activations": act_bytes,
-            "during backward: expert gradient tree (fp32 nodes of the layers done)": expert_tree,
-            "after backward: dense gradient tree (own nodes + reduce_nodes' streamed nodes, fp32)":
-                (nodes + streamed) * D * 4,
+            "during backward: expert gradient tree (fp32 nodes of the steps and layers done)": expert_tree,
+            "during backward: dense gradient tree (own bf16 leaves of the earlier micro-batches)": (M - 1) * D * 2,
+            "after backward: dense gradient tree (own bf16 leaves + reduce_nodes' streamed fp32 nodes)":
+                M * D * 2 + streamed * D * 4,
             "after backward: expert gradient tree (fp32; = the expert gradients at 1 micro-batch per rank)":
                 expert_tree,
         }

@@ -1,7 +1,7 @@
 """The gradient tree of rlalign/training/reduce.py: the root over B leaves is the same bits however
-the leaves are split over ranks (contiguous shares, as the trainer deals them) and whatever order
-the ranks' nodes arrive in — including reduce_nodes' merging of sibling pairs as they arrive, which
-keeps O(log B) nodes alive instead of one per rank."""
+the leaves are dealt to ranks (strided, as the trainer deals micro-batches, or contiguous) and
+whatever order the ranks' nodes arrive in — including reduce_nodes' merging of sibling pairs as
+they arrive in leaf order, which keeps O(log B) nodes alive instead of one per rank."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from conftest import same_bits
 
 from rlalign.parallel.launch import shard_range
 from rlalign.training.reduce import TreeSum, _merge, _root
+from rlalign.training.trainer import micro_batch_share
 
 
 def _leaves(n, seed=0):
@@ -16,9 +17,10 @@ def _leaves(n, seed=0):
     return [torch.randn(33, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g)) for _ in range(n)]
 
 
+@pytest.mark.parametrize("deal", [micro_batch_share, shard_range])
 @pytest.mark.parametrize("num_leaves", [1, 2, 5, 8, 13, 32])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_streamed_merge_of_rank_nodes_is_the_one_tree(num_leaves, world):
+def test_streamed_merge_of_rank_nodes_is_the_one_tree(num_leaves, world, deal):
     leaves = _leaves(num_leaves)
     whole = TreeSum()
     for i, x in enumerate(leaves):
@@ -27,19 +29,40 @@ def test_streamed_merge_of_rank_nodes_is_the_one_tree(num_leaves, world):
     ranks = []
     for r in range(world):
         t = TreeSum()
-        for i in shard_range(num_leaves, world, r):
+        for i in deal(num_leaves, world, r):
             t.add(i, leaves[i])
         ranks.append(t)
     union = {k: v for t in ranks for k, v in t.nodes.items()}
     assert same_bits(_root(union, num_leaves), ref)  # all nodes at once (the old reduce_nodes)
-    for order in (range(world), reversed(range(world))):
+    arrivals = sorted((k, r) for r in range(world) for k in ranks[r].nodes)  # reduce_nodes: leaf order
+    for order in (arrivals, arrivals[::-1], sorted(arrivals, key=lambda kr: kr[1])):  # + rank-major
         nodes, peak = {}, 0
-        for r in order:
-            for key in sorted(ranks[r].nodes):
-                _merge(nodes, key[0], key[1], ranks[r].nodes[key])
-                peak = max(peak, len(nodes))
+        for key, r in order:
+            _merge(nodes, key[0], key[1], ranks[r].nodes[key])
+            peak = max(peak, len(nodes))
         assert same_bits(_root(nodes, num_leaves), ref)
-        assert peak <= max(1, num_leaves).bit_length() + 1
+        if order is arrivals:
+            assert peak <= max(1, num_leaves).bit_length() + 1
+
+
+def test_strided_shares_merge_each_lockstep_step_at_once():
+    """The trainer's deal (micro_batch_share): the ranks' i-th micro-batches are consecutive
+    indices, so an expert owner's tree, fed one lockstep step at a time by every source rank, holds
+    one node per set bit of the number of steps done (at most 2 over 4 steps). Twin: contiguous
+    shares hold that many per source rank (8 at 4 ranks)."""
+    B, W = 16, 4
+
+    def peak(deal):
+        t, most = TreeSum(), 0
+        for i in range(len(deal(B, W, 0))):
+            for s in range(W):
+                t.add(deal(B, W, s)[i], torch.ones(3))
+            most = max(most, len(t.nodes))
+        assert same_bits(t.total(B), torch.full((3,), float(B)))
+        return most
+
+    assert peak(micro_batch_share) == 2
+    assert peak(shard_range) == 2 * W
 
 
 def test_negative_twin_a_running_sum_is_other_bits():

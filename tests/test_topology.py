@@ -123,19 +123,21 @@ def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
     return seen, after, grads, len(eps)
 
 
-def test_per_source_expert_gradients_enter_the_tree_during_backward_not_all_at_its_end():
+@pytest.mark.parametrize("mb", [5, 3])  # one and two micro-batches per rank
+def test_per_source_expert_gradients_enter_the_tree_during_backward_not_all_at_its_end(mb):
     """Issue 15's memory: at trainer EP > 1 each source rank's rows get their own leaf view of the
     rank's experts; their gradients go into the tree as autograd produces them (one leaf's
     gradient alive at a time), not all layers x sources at once after the backward. Twin: without
     the hooks every leaf holds its gradient when the backward ends — and the sums are the same bits."""
-    cfg = load_config(["trainer.ep_size=2", "trainer.micro_batch_size=5"])
+    cfg = load_config(["trainer.ep_size=2", f"trainer.micro_batch_size={mb}"])
     args = (OmegaConf.to_container(cfg, resolve=True), *_batch())
     hooked = launch.run_workers(2, _backward_rank, (*args, True))
     plain = launch.run_workers(2, _backward_rank, (*args, False))
+    steps = -(-10 // mb) // 2  # 10 sequences in micro-batches of mb, dealt to 2 ranks
     for (seen, after, grads, n_moe), (seen0, after0, grads0, _) in zip(hooked, plain):
-        # 2 micro-batches, one per rank: each rank's leaves for 2 sources x 2 weights per MoE layer
-        assert len(seen) == 2 * 2 * n_moe and max(seen) == 1 and after == [0]
-        assert seen0 == [] and after0 == [2 * 2 * n_moe]
+        # per lockstep step, each rank's leaves for 2 sources x 2 weights per MoE layer
+        assert len(seen) == steps * 2 * 2 * n_moe and max(seen) == 1 and after == [0] * steps
+        assert seen0 == [] and after0 == [2 * 2 * n_moe] * steps
         assert all(torch.equal(grads[n], grads0[n]) for n in grads)
 
 

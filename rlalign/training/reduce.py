@@ -87,27 +87,26 @@ def _root(nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int) -> torch.
 
 
 def reduce_nodes(tree: TreeSum, num_leaves: int, group) -> torch.Tensor | None:
-    """Finish the tree on every rank of `group` from all ranks' nodes (each rank's nodes are
-    broadcast in rank order; a node is computed by exactly one rank). Complete sibling pairs are
-    merged as they arrive, so a rank holds O(log num_leaves) received nodes at a time, not one per
-    rank (at trainer EP 8 the dense nodes of a 30B model are 6 GB each); the sums are the tree's."""
+    """Finish the tree on every rank of `group` from all ranks' nodes (a node is computed by
+    exactly one rank and broadcast, in fp32, by it; nodes go in the order of their first leaf,
+    whichever rank holds them). Complete sibling pairs are merged as they arrive, so a rank holds
+    O(log num_leaves) received nodes at a time however the leaves are dealt to the ranks (at
+    trainer EP 8 the dense nodes of a 30B model are 6 GB each); the sums are the tree's."""
     if group is None or dist.get_world_size(group) == 1:
         return tree.total(num_leaves)
-    world = dist.get_world_size(group)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     keys: list = [None] * world
     dist.all_gather_object(keys, sorted(tree.nodes), group=group)
     like = next(iter(tree.nodes.values()), None)
     shapes = [None] * world
-    dist.all_gather_object(shapes, None if like is None else (tuple(like.shape), str(like.dtype)), group=group)
-    shape, dtype = next(s for s in shapes if s is not None)
+    dist.all_gather_object(shapes, None if like is None else tuple(like.shape), group=group)
+    shape = next(s for s in shapes if s is not None)
     dev = like.device if like is not None else _device(group)
     nodes: dict[tuple[int, int], torch.Tensor] = {}
-    for r in range(world):
-        for key in keys[r]:
-            t = tree.nodes[tuple(key)] if r == dist.get_rank(group) else torch.empty(
-                shape, dtype=getattr(torch, dtype.split(".")[-1]), device=dev)
-            dist.broadcast(t, src=dist.get_global_rank(group, r), group=group)
-            _merge(nodes, key[0], key[1], t)
+    for key, r in sorted((tuple(k), src) for src in range(world) for k in keys[src]):
+        t = tree.nodes[key].float() if r == me else torch.empty(shape, dtype=torch.float32, device=dev)
+        dist.broadcast(t, src=dist.get_global_rank(group, r), group=group)
+        _merge(nodes, key[0], key[1], t)
     return _root(nodes, num_leaves)
 
 

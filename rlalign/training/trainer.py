@@ -171,6 +171,17 @@ def _sum_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
     return total
 
 
+def micro_batch_share(num_micro_batches: int, world: int, rank: int) -> range:
+    """Rank r runs global micro-batches r, r + W, r + 2W, ... (W = world): the ranks' i-th
+    micro-batches, run in lockstep, are the consecutive indices iW .. iW + W - 1, so the expert
+    gradient leaves that an owner receives from every source rank in one lockstep step are
+    siblings in the gradient tree (rlalign.training.reduce) and merge at once — with contiguous
+    shares they would wait for their siblings, one fp32 copy of the rank's experts per source rank
+    (issue 15: 8 x 14.5 GB at the 30B shape). Which rank runs a micro-batch changes no sum: the
+    tree is over global indices."""
+    return range(rank, num_micro_batches, world)
+
+
 def _into_tree(tree: TreeSum, index: int, leaf: torch.Tensor) -> None:
     """post-accumulate-grad hook of a per-source expert leaf: its gradient becomes leaf `index`."""
     tree.add(index, leaf.grad)
@@ -286,7 +297,7 @@ class Trainer:
     def train_step(self, samples: list[Sample], alg) -> tuple[dict[int, torch.Tensor], list[tuple[tuple, dict]]]:
         """PPO epochs over the step's minibatches. `samples` is the WHOLE step (every rank gets
         the same list) so that minibatches and micro-batches are a fixed partition of it (see
-        step_plan); this rank runs its contiguous share of each minibatch's micro-batches.
+        step_plan); this rank runs its share of each minibatch's micro-batches (micro_batch_share).
         Returns this rank's samples' pre-update logprobs by global index (what the monitor
         compares with the generator's) and stat records keyed (epoch, minibatch, micro-batch),
         which the driver merges in key order: the same bits at every trainer EP size."""
@@ -327,8 +338,9 @@ class Trainer:
         return {i: captured[i] for i in mine}, records
 
     def my_micro_batches(self, mbs: list[list[int]]) -> tuple[range, list[list[int]]]:
-        """This rank's contiguous share of a minibatch's global micro-batches (indices, contents)."""
-        share = shard_range(len(mbs), self.world, self.rank)
+        """This rank's share of a minibatch's global micro-batches (indices, contents): every
+        world-th one (micro_batch_share)."""
+        share = micro_batch_share(len(mbs), self.world, self.rank)
         return share, [mbs[g] for g in share]
 
     def forward_backward(self, samples: Sequence[Sample], loss_fn: LossFn, global_tokens: int | None = None,
@@ -347,7 +359,7 @@ class Trainer:
             global_tokens = sum(len(samples[j].response) for mb in mbs for j in mb)
         B, W = len(mbs), self.world
         share, mine = self.my_micro_batches(mbs)
-        starts = [shard_range(B, W, r) for r in range(W)]
+        starts = [micro_batch_share(B, W, r) for r in range(W)]
         # fp32 gradients by parameter name (the topology-invariant path fills them after the loop)
         self._dense_flat = None
         self.grads = {} if self.invariant and B else {
@@ -409,8 +421,8 @@ class Trainer:
         (those the backward's hooks have not added: leaves that no gradient reached, as zeros)."""
         params = dict(self.model.named_parameters())
         raw = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
-        if g is not None:  # one fp32 conversion of the concatenation (the same values)
-            dense_tree.add(g, torch.cat([raw(params[n]).reshape(-1) for n in self.dense_names]).float())
+        if g is not None:  # waits in the compute dtype; the tree adds in fp32 (the same values)
+            dense_tree.add(g, torch.cat([raw(params[n]).reshape(-1) for n in self.dense_names]))
         for n in self.expert_names:
             module, attr = self.expert_modules[n]
             if module is None:  # EP 1: the whole gradient is this micro-batch's
