@@ -103,6 +103,9 @@ class GeneratorConfig:
     max_num_batched_tokens: int = 8192  # rows per step (decode rows, then prompt chunks); 0 = no limit
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages per rank; 0 = enough for max_num_seqs sequences at their longest
+    cuda_graphs: bool = True  # CUDA: decode-only steps replay graphs captured per batch-size bucket
+    keep_state: bool = True  # KV cache + graphs kept between steps' generate() calls (false: freed each call)
+    lookahead: bool = True  # the next decode step is enqueued before this one's tokens are read back
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
@@ -434,7 +437,8 @@ def _num_experts(cfg: DictConfig) -> int:
 def engine_config(cfg: DictConfig) -> EngineConfig:
     g = cfg.generator
     return EngineConfig(max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
-                        page_size=g.page_size, num_pages=g.num_pages)
+                        page_size=g.page_size, num_pages=g.num_pages, cuda_graphs=g.cuda_graphs,
+                        keep_state=g.keep_state, lookahead=g.lookahead)
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:

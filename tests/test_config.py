@@ -124,3 +124,25 @@ def test_more_minibatches_than_sequences_is_refused():
     with pytest.raises(ConfigError, match=r"algorithm.num_minibatches=17: more minibatches than the step's 16"):
         load_config(["task.num_prompts=4", "task.samples_per_prompt=4", "algorithm.num_minibatches=17"])
     load_config(["task.num_prompts=4", "task.samples_per_prompt=4", "algorithm.num_minibatches=16"])  # twin
+
+
+def test_engine_keys_reach_the_native_engine():
+    """generator.{cuda_graphs, keep_state, lookahead} become the engine's settings; keep_state=false
+    leaves no KV cache or graphs on the model after a call (twin: the default keeps them)."""
+    from conftest import tiny_model
+
+    from rlalign.config import engine_config
+    from rlalign.generation import SamplingParams, clear_engine_state, engine_state, generate
+
+    off = engine_config(load_config(["generator.cuda_graphs=false", "generator.keep_state=false",
+                                     "generator.lookahead=false"]))
+    on = engine_config(load_config([]))
+    assert (off.cuda_graphs, off.keep_state, off.lookahead) == (False, False, False)
+    assert (on.cuda_graphs, on.keep_state, on.lookahead) == (True, True, True)
+    model = tiny_model()
+    params = SamplingParams(seed=1, max_new_tokens=3)
+    generate(model, [[3, 4, 5]], [0], params, engine=off)
+    assert engine_state(model) is None
+    generate(model, [[3, 4, 5]], [0], params, engine=on)
+    assert engine_state(model) is not None
+    clear_engine_state(model)
