@@ -375,8 +375,32 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("invalid config: " + "; ".join(problems))
 
 
+def _ranges(cfg: DictConfig) -> list[str]:
+    """Numbers outside their meaning's range (each would otherwise run and mean something else:
+    a negative micro_batch_size trained with one odd partition, a negative lr ascends)."""
+    t, a = cfg.trainer, cfg.algorithm
+    checks = [
+        ("trainer.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 0, ">= 0 (0 = all at once)"),
+        ("trainer.lr", t.lr, t.lr >= 0, ">= 0"),
+        ("trainer.eps", t.eps, t.eps > 0, "> 0"),
+        ("trainer.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("trainer.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0 = no clipping)"),
+        ("trainer.betas", list(t.betas), len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
+         "two values in [0, 1)"),
+        ("algorithm.clip_low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
+        ("algorithm.clip_high", a.clip_high, a.clip_high >= 0, ">= 0"),
+        ("algorithm.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0 (0 = off)"),
+        ("algorithm.tis.cap", a.tis.cap, a.tis.cap > 0, "> 0"),
+        ("algorithm.icepop.low", a.icepop.low, 0 <= a.icepop.low < a.icepop.high, "in [0, algorithm.icepop.high)"),
+        ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every >= 0, ">= 0 (0 = at the end only)"),
+        ("checkpoint.keep", cfg.checkpoint.keep, cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
+        ("dist.timeout_s", cfg.dist.timeout_s, cfg.dist.timeout_s > 0, "> 0"),
+    ]
+    return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
+
+
 def _trainer_problems(cfg: DictConfig) -> list[str]:
-    t, problems = cfg.trainer, []
+    t, problems = cfg.trainer, _ranges(cfg)
     unit = t.shard_unit_numel
     if unit < 64 or unit % 64:
         problems.append(f"trainer.shard_unit_numel={unit}: must be a positive multiple of 64 (dense-sharding units "

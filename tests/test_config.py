@@ -146,3 +146,27 @@ def test_engine_keys_reach_the_native_engine():
     generate(model, [[3, 4, 5]], [0], params, engine=on)
     assert engine_state(model) is not None
     clear_engine_state(model)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.micro_batch_size=-1", r"trainer\.micro_batch_size=-1: must be >= 0"),
+    ("trainer.lr=-0.1", r"trainer\.lr=-0\.1: must be >= 0"),
+    ("trainer.eps=0", r"trainer\.eps=0(\.0)?: must be > 0"),
+    ("trainer.grad_clip=-1", r"trainer\.grad_clip=-1(\.0)?: must be >= 0"),
+    ("trainer.betas=[0.9,1.0]", r"trainer\.betas=\[0\.9, 1\.0\]: must be two values in \[0, 1\)"),
+    ("trainer.betas=[0.9]", r"trainer\.betas=\[0\.9\]: must be two values"),
+    ("algorithm.clip_low=1.5", r"algorithm\.clip_low=1\.5: must be in \[0, 1\)"),
+    ("algorithm.kl_coef=-1", r"algorithm\.kl_coef=-1(\.0)?: must be >= 0"),
+    ("algorithm.icepop.low=3", r"algorithm\.icepop\.low=3(\.0)?: must be in \[0, algorithm\.icepop\.high\)"),
+    ("checkpoint.keep=-1", r"checkpoint\.keep=-1: must be >= 0"),
+    ("checkpoint.every=-2", r"checkpoint\.every=-2: must be >= 0"),
+    ("dist.timeout_s=0", r"dist\.timeout_s=0(\.0)?: must be > 0"),
+])
+def test_numbers_outside_their_range_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([override])
+
+
+def test_numbers_at_the_edges_of_their_range_are_accepted():
+    load_config(["trainer.micro_batch_size=0", "trainer.lr=0", "trainer.grad_clip=0", "trainer.betas=[0.0,0.999]",
+                 "algorithm.clip_low=0", "checkpoint.keep=0", "checkpoint.every=0"])
