@@ -395,6 +395,9 @@ def _ranges(cfg: DictConfig) -> list[str]:
         ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every >= 0, ">= 0 (0 = at the end only)"),
         ("checkpoint.keep", cfg.checkpoint.keep, cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("dist.timeout_s", cfg.dist.timeout_s, cfg.dist.timeout_s > 0, "> 0"),
+        ("logger.wandb.num_samples", cfg.logger.wandb.num_samples, cfg.logger.wandb.num_samples >= 0, ">= 0"),
+        ("logger.wandb.sample_table_every", cfg.logger.wandb.sample_table_every,
+         cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
     ]
     return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
 

@@ -161,6 +161,7 @@ def test_engine_keys_reach_the_native_engine():
     ("checkpoint.keep=-1", r"checkpoint\.keep=-1: must be >= 0"),
     ("checkpoint.every=-2", r"checkpoint\.every=-2: must be >= 0"),
     ("dist.timeout_s=0", r"dist\.timeout_s=0(\.0)?: must be > 0"),
+    ("logger.wandb.sample_table_every=0", r"logger\.wandb\.sample_table_every=0: must be >= 1"),
 ])
 def test_numbers_outside_their_range_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -170,3 +171,15 @@ def test_numbers_outside_their_range_are_refused_naming_the_key(override, messag
 def test_numbers_at_the_edges_of_their_range_are_accepted():
     load_config(["trainer.micro_batch_size=0", "trainer.lr=0", "trainer.grad_clip=0", "trainer.betas=[0.0,0.999]",
                  "algorithm.clip_low=0", "checkpoint.keep=0", "checkpoint.every=0"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.rms_norm_eps=-1", r"model \(tiny-moe\): invalid model arguments: rms_norm_eps=-1(\.0)? must be positive"),
+    ("model.rope_theta=0", r"rope_theta=0(\.0)? must be positive"),  # ran, then failed deep in the router
+    ("model.num_kv_heads=0", r"num_kv_heads=0 must be positive"),  # was a ZeroDivisionError
+])
+def test_model_numbers_outside_their_range_are_named(override, message):
+    from rlalign.config import model_args
+
+    with pytest.raises(ValueError, match=message):
+        model_args(load_config([override]))

@@ -86,6 +86,11 @@ class ModelArgs:
 
     def validate(self, where: str = "model") -> None:
         problems = []
+        for name in ("num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta"):  # divisors, logs and epsilons
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:
+            raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
         if self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
