@@ -111,6 +111,9 @@ def test_bad_input_fails_before_any_actor(tmp_path):
     shape = tmp_path / "shape.jsonl"
     shape.write_text('{"prompt": "a:", "answer": "aa"}\n{"question": "b:"}\n')
     _fails_fast(["task=jsonl", f"task.path={shape}"], r"shape.jsonl:2: expected an object")
+    _fails_fast(["task.name=jsonl", f"task.path={shape}"],  # the repeat option's kwargs kept: named, with the fix
+                r"task.kwargs=\{'letters': 'abcdefgh', 'length': 4\} for task 'jsonl': got an unexpected keyword "
+                r"argument 'letters' \(.*choose it with task=jsonl, not task.name=jsonl")
     _fails_fast(["task.reward=nosuchpkg.rewards:score"], r"cannot import module 'nosuchpkg.rewards'")
     _fails_fast(["task.reward=rlalign.tasks.rewards:nope"], r"has no function 'nope'")
     with pytest.raises(ConfigError, match="trainer.ep_size=3 does not divide"):

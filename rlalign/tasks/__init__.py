@@ -167,12 +167,12 @@ def make_task(name: str, seed: int, reward: str | None = None, path: str | None 
     if name not in TASKS:
         raise ValueError(f"task.name={name!r}: unknown task; built-in: {sorted(TASKS)}")
     cls = TASKS[name]
-    if cls is JsonlTask:
-        return cls(seed, reward, path=path, **kwargs)
     try:
-        return cls(seed, reward, **kwargs)
+        return cls(seed, reward, path=path, **kwargs) if cls is JsonlTask else cls(seed, reward, **kwargs)
     except TypeError as e:
-        raise ValueError(f"task.kwargs for {name!r}: {e}") from None
+        raise ValueError(f"task.kwargs={kwargs} for task {name!r}: {str(e).split('__init__() ')[-1]} (a task's "
+                         f"kwargs come with its option: choose it with task={name}, not task.name={name}, which "
+                         "keeps the previous task's kwargs)") from None
 
 
 __all__ = ["Example", "Task", "make_task", "load_reward", "read_jsonl", "rewards"]
