@@ -334,6 +334,8 @@ def validate(cfg: DictConfig) -> None:
         if value not in allowed:
             why = _NOT_YET.get(key, {}).get(value)
             problems.append(f"{key}={value!r}: " + (f"{why}; " if why else "") + f"expected {_or(allowed)}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.device)):
+        problems.append(f"device={cfg.device!r}: expected cpu, cuda or cuda:N")
     num_experts = _num_experts(cfg)
     for side in ("trainer", "generator"):
         ep = cfg[side].ep_size

@@ -161,6 +161,7 @@ def test_engine_keys_reach_the_native_engine():
     ("checkpoint.keep=-1", r"checkpoint\.keep=-1: must be >= 0"),
     ("checkpoint.every=-2", r"checkpoint\.every=-2: must be >= 0"),
     ("dist.timeout_s=0", r"dist\.timeout_s=0(\.0)?: must be > 0"),
+    ("device=tpu", r"device='tpu': expected cpu, cuda or cuda:N"),
     ("logger.wandb.sample_table_every=0", r"logger\.wandb\.sample_table_every=0: must be >= 1"),
 ])
 def test_numbers_outside_their_range_are_refused_naming_the_key(override, message):
