@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlalign.parallel.launch import free_port
+from rlalign.parallel.launch import host_store
 
 
 class ActorFailed(RuntimeError):
@@ -70,7 +70,8 @@ class Placement:
 class ActorGroup:
     def __init__(self, name: str, worker_cls, world: int, cfg_dict: dict, placement: Placement, threads: int = 1):
         self.name, self.world = name, world
-        port = free_port()
+        self.store = host_store(float(cfg_dict["dist"]["timeout_s"]))  # the group's rendezvous, job-long
+        port = self.store.port
         remote_cls = ray.remote(worker_cls)
         self.actors = []
         for rank, (bundle, res) in enumerate(placement.slots[name]):

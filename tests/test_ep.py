@@ -185,3 +185,21 @@ def test_ranks_whose_experts_get_no_rows_stay_in_lockstep():
     norms = launch.run_workers(2, _train_with_all_tokens_on_rank0_experts,
                                (OmegaConf.to_container(cfg, resolve=True),), timeout_s=30)
     assert norms[0] == norms[1] and norms[0] > 0
+
+
+def test_the_launchers_store_holds_its_port_from_the_start():
+    """A group's rendezvous store binds a port the OS picks and holds it: no other process can bind
+    it before the ranks join. Twin: the old way (probe a free port, release it, let rank 0 bind it
+    later) leaves a window in which anyone can take it."""
+    import socket
+
+    from rlalign.parallel.launch import host_store
+
+    store = host_store(5.0)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        probed = s.getsockname()[1]
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", probed))  # taken by another job before rank 0 binds it

@@ -12,7 +12,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -34,10 +33,14 @@ def shard_range(n: int, world: int, rank: int) -> range:
     return range(lo, lo + base + (1 if rank < extra else 0))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a group whose ranks are other processes, served by this one
+    on a port the OS picks (store.port) and holds from the start: no other job can take the port
+    between choosing it and binding it (a port probed free, released and bound later by rank 0 can
+    be, and then a rank may join another job's store). Keep it alive as long as the group: the ranks
+    use it for communicators (NCCL's, lazily) and subgroups."""
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def check_world(world: int, device: str, what: str) -> None:
@@ -50,14 +53,16 @@ def check_world(world: int, device: str, what: str) -> None:
 
 
 def init_group(device: str, rank: int, world: int, port: int, timeout_s: float, local_gpu: int) -> None:
-    """Join a process group: gloo on CPU, NCCL on GPU (this process on GPU local_gpu), with a
-    collective timeout so a dead peer fails the others instead of hanging them."""
+    """Join a process group through the store at `port` (host_store, served by the launcher): gloo
+    on CPU, NCCL on GPU (this process on GPU local_gpu), with a collective timeout so a dead peer
+    fails the others instead of hanging them."""
     backend = "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(local_gpu)
         backend = "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
@@ -95,7 +100,8 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     fn must be importable (module level) and return picklable data (dataclasses, tensors)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    store = host_store(timeout_s)  # lives until the ranks are done (this frame)
+    port = store.port
     threads = max(1, (os.cpu_count() or 1) // world)
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, device, timeout_s, threads, fn, args, q), daemon=True)
