@@ -17,9 +17,16 @@ t0=$(date +%s)
 [ -f .gpu_graph_cache/attention.py ] && cp .gpu_graph_cache/attention.py kernels/triton/attention.py \
   && echo "kernels/triton/attention.py <- the committed one (.gpu_graph_cache/attention.py)"
 # the dispatch kernel first: if it does not compile or differs, the rest runs on the torch dispatch
-if ! timeout "${T_PRE:-40}" python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore -k dispatch_equals \
-    > "$OUT/gpu_dispatch_tests.log" 2>&1; then
-  tail -20 "$OUT/gpu_dispatch_tests.log"; echo "== Triton dispatch FAILED: RLALIGN_TRITON_DISPATCH=0 from here"
+pre=$(timeout "${T_PRE:-30}" python3 -c "
+import torch
+from rlalign.kernels.triton.dispatch import moe_dispatch
+from rlalign.model.model import dispatch_torch
+f = torch.randint(0, 64, (2048,), device='cuda')
+assert all(torch.equal(a, b) for a, b in zip(dispatch_torch(f, 64), moe_dispatch(f, 64)))
+print('dispatch pre-check ok')" 2>&1); rc=$?
+echo "$pre" | grep -v -i warn | tail -5
+if [ $rc -ne 0 ]; then
+  echo "== Triton dispatch FAILED: RLALIGN_TRITON_DISPATCH=0 from here"
   export RLALIGN_TRITON_DISPATCH=0
 fi
 timeout "${T_TEST:-100}" python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
