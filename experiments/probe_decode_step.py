@@ -40,11 +40,11 @@ def main() -> None:
     orig = generation._DecodeGraphs.__call__
     rec, keep = [], []
 
-    def timed(self, meta):
+    def timed(self, meta, *args, **kw):  # (meta, follow=...) since the lookahead engine
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         e0.record()
-        out = orig(self, meta)
+        out = orig(self, meta, *args, **kw)
         e1.record()
         rec.append((t0, time.perf_counter(), e0, e1, meta.shape[1]))
         if not keep:
