@@ -48,6 +48,7 @@ _KEYS = {
         ("task.num_prompts", "prompts per step"),
         ("task.samples_per_prompt", "GRPO group size"),
         ("generator.max_new_tokens", "completion length"),
+        ("generator.backend", "native | vllm (vLLM schedules, rlalign computes; pip install -e '.[vllm]')"),
     ],
     "train": [
         ("run.steps", "steps to run"),
@@ -57,6 +58,9 @@ _KEYS = {
         ("trainer.lr", "learning rate"),
         ("monitor.on_mismatch", "raise | warn (deterministic mode)"),
         ("placement.num_cpus", "CPUs of the private Ray cluster (ignored with RAY_ADDRESS)"),
+        ("placement.colocate", "trainer and generator ranks share the GPUs"),
+        ("trainer.shard_dense", "dense fp32 masters + AdamW state split over the trainer ranks (same bits)"),
+        ("generator.keep_state", "keep the engine's KV cache and graphs between steps (false: free them)"),
     ],
     "agree": [
         ("agree.num_prompts", "prompts in the batch"),
