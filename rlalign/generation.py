@@ -20,6 +20,7 @@ this step's tokens are read back, so the GPU does not wait for the host's bookke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections import deque
@@ -214,9 +215,8 @@ class _DecodeGraphs:
         tokens, positions, seq_idx, slots, valid, ids = static
         logits = self.model.step(tokens, positions, seq_idx, self.cache, self.block_table, slots)
         logits = torch.where((valid > 0)[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-        params = SamplingParams(temperature=self.params.temperature, top_k=self.params.top_k, top_p=self.params.top_p,
-                                greedy=self.params.greedy, seed=GRAPH_SEED)
-        return sample_next(logits, params, ids, positions + 1)
+        # the call's own distribution (every field the eager path uses), the seed moved into the ids
+        return sample_next(logits, dataclasses.replace(self.params, seed=GRAPH_SEED), ids, positions + 1)
 
     def _capture(self, size: int):
         static = self._pad(torch.zeros(6, 0, dtype=torch.long), size).to(self.block_table.device)

@@ -184,12 +184,12 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         tl.store(c_base + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype, m: int | None = None, n: int | None = None) -> dict:
-    """The pinned config for dtype; m (rows, or rows per problem) and n (columns) pick a small-M one
-    if any."""
+def _config(dtype, m: int | None = None, n: int | None = None, small: dict | None = None) -> dict:
+    """The pinned config for dtype; m (rows, or rows per problem) and n (columns) pick the first
+    entry of the small-M table (`small`, default MATMUL_SMALL_M) that fits, else the main config."""
     if INTERPRET:
         return dict(INTERPRET_MATMUL)
-    for entry in MATMUL_SMALL_M.get(dtype, ()):
+    for entry in (MATMUL_SMALL_M if small is None else small).get(dtype, ()):
         max_m, cfg = entry[0], entry[-1]
         max_n = entry[1] if len(entry) == 3 else None
         if m is not None and m <= max_m and (max_n is None or (n is not None and n <= max_n)):
@@ -208,12 +208,7 @@ def _launch_cfg(cfg: dict) -> tuple[dict, int]:
 
 def _grouped_config(dtype, rows: int) -> dict:
     """The pinned config of the grouped GEMM (forward, dX) at `rows` rows per group."""
-    if INTERPRET:
-        return dict(INTERPRET_MATMUL)
-    for max_m, cfg in GROUPED_SMALL_M.get(dtype, ()):
-        if rows <= max_m:
-            return dict(cfg)
-    return dict(MATMUL_CONFIGS[dtype])
+    return _config(dtype, rows, small=GROUPED_SMALL_M)
 
 
 def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict,
