@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="")
     a = ap.parse_args()
     args = model_args(load_config(["model=bench-moe-large"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")
@@ -84,6 +85,20 @@ def main() -> None:
             torch.cuda.synchronize()
         kern = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 3 / 1e6, e.count / 3)
                 for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        # the prefill (eager chunks of max_num_batched_tokens rows) alone: generate() sampling one token
+        one = SamplingParams(max_new_tokens=1, seed=1)
+        generate(model, prompts, ids, one, engine=eng)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate(model, prompts, ids, one, engine=eng)
+        torch.cuda.synchronize()
+        prefill_wall = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(model, prompts, ids, one, engine=eng)
+            torch.cuda.synchronize()
+        pk = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e6, e.count)
+              for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    pk.sort(key=lambda r: -r[1])
     kern.sort(key=lambda r: -r[1])
     ksum = sum(k[1] for k in kern)
     nk = sum(k[2] for k in kern)
@@ -95,13 +110,18 @@ def main() -> None:
            "graph_steps_256": len(steps),
            "step_interval_median_s": med(interval), "step_gpu_median_s": med(gpu), "enqueue_median_s": med(enqueue),
            "gpu_idle_between_steps_median_s": med(idle), "replay_alone_s": replay, "replay_kernel_sum_s": ksum,
-           "kernels_per_replay": nk, "top_kernels_per_replay": [(k[:90], s, c) for k, s, c in kern[:25]]}
+           "kernels_per_replay": nk, "top_kernels_per_replay": [(k[:90], s, c) for k, s, c in kern[:25]],
+           "prefill_wall_s": prefill_wall, "prefill_kernel_sum_s": sum(k[1] for k in pk),
+           "prefill_prompt_tokens": sum(len(p) for p in prompts),
+           "prefill_top_kernels": [(k[:90], s, c) for k, s, c in pk[:20]]}
     for k, v in res.items():
-        if k != "top_kernels_per_replay":
+        if k not in ("top_kernels_per_replay", "prefill_top_kernels"):
             print(f"{k:34s} {v:.6f}" if isinstance(v, float) else f"{k:34s} {v}")
     for k, s, c in kern[:25]:
         print(f"  {s * 1e3:8.3f} ms {c:6.0f}  {k[:90]}")
-    print("wrote", write("probe_decode_step_bench-moe-large_H200", res, a.out))
+    for k, s, c in pk[:20]:
+        print(f"  prefill {s * 1e3:8.3f} ms {c:6.0f}  {k[:90]}")
+    print("wrote", write("probe_decode_step_bench-moe-large_H200" + (f"_{a.tag}" if a.tag else ""), res, a.out))
 
 
 if __name__ == "__main__":
