@@ -75,6 +75,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return _impl(x).linear(x, w, bias)
 
 
+def linears(x: torch.Tensor, ws: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:
+    """[linear(x, w_i, b_i) for each i], bit for bit (every column reduces K exactly as `linear`
+    does); the Triton backend computes them in one launch where it can (q, k, v of a decode step)."""
+    biases = list(biases) if biases is not None else [None] * len(ws)
+    if len(biases) != len(ws):
+        raise ValueError(f"kernels.linears: {len(ws)} weights but {len(biases)} biases")
+    return _impl(x).linears(x, list(ws), biases)
+
+
 def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Rows weight[tokens]. Its backward sums each token's gradient rows in position order (the
     Triton backend without atomics; torch's index backward on CPU)."""

@@ -17,6 +17,10 @@ def linear(x, w, bias=None):
 USE_GROUPED_MM = False
 
 
+def linears(x, ws, biases):
+    return [linear(x, w, b) for w, b in zip(ws, biases)]
+
+
 def embedding(weight, tokens):
     return weight[tokens]
 

@@ -58,6 +58,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
+def linears(x, ws, biases):
+    return [linear(x, w, b) for w, b in zip(ws, biases)]
+
+
 def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """weight[tokens]; the backward is torch's index backward (sequential, in order, on CPU)."""
     return weight[tokens]

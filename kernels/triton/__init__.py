@@ -29,7 +29,7 @@ from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, at
 from .common import INTERPRET, SUPPORTED
 from .elementwise import rope, swiglu
 from .embed import embedding
-from .gemm import MATMUL_CONFIGS, grouped_linear, linear, matmul
+from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
 from .logprob import log_softmax_gather
 from .moe import moe_combine, moe_route
 from .norm import rmsnorm
@@ -39,8 +39,8 @@ __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
     "attention_paged",
     "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm", "grouped_linear",
-    "gumbel_argmax", "linear", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route", "norm",
-    "rmsnorm", "rope", "sampling", "swiglu",
+    "gumbel_argmax", "linear", "linears", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route",
+    "norm", "rmsnorm", "rope", "sampling", "swiglu",
 ]
 
 

@@ -382,6 +382,11 @@ def linear(x, w, bias=None):
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
+def linears(x, ws, biases):
+    """[linear(x, w_i, b_i)], the same bits."""
+    return [linear(x, w, b) for w, b in zip(ws, biases)]
+
+
 def _starts(counts: list[int]) -> list[int]:
     """First row of each group of rows sorted by group."""
     out, s = [], 0

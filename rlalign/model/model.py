@@ -77,9 +77,11 @@ class Attention(nn.Module):
 
     def _qkv(self, x, cos, sin):
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = kernels.linears(x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj)],
+                                  [p.bias for p in (self.q_proj, self.k_proj, self.v_proj)])
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, cu_seqlens):
