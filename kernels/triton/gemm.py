@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, Launch, _cached, _check, _host_table, _num_sms
+from .common import INTERPRET, SUPPORTED, Launch, _cached, _check, _host_table, _num_sms
 
 # The contract: one config per dtype (and one for the interpreter), never autotuned.
 # bf16/fp16 main config, measured on one H200 (experiments/README.md, results/triton_NVIDIA_H200_v10.json):
@@ -64,7 +64,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
-                 FLATTEN: tl.constexpr):
+                 FLATTEN: tl.constexpr, PER_N: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -80,6 +80,10 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
     c_{p-1}; M_p = c_p, K_p = K1 (GROUP_K: M_p = M1, K_p = c_p, the weight gradient), a_off = s_p a_step,
     b_off = s_p b_step + p b_e, c_off = s_p c_step + p c_e. The tiles run up to their total, computed
     here; the grid is a bound the host knows without reading the sizes (no host sync).
+
+    PER_N (table mode): each row also holds the problem's own N_p and C row stride ldc_p (rows of 8:
+    first tile, M_p, K_p, a_off, b_off, c_off, N_p, ldc_p); N and scm are then unused. Several
+    linears of one input (q, k, v) in one launch: b_off places each weight relative to b_ptr.
 
     Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid; OCC
     programs per SM), FLATTEN lets triton pipeline the loads of a program's next tile under its
@@ -101,7 +105,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         num_tiles = tl.sum(tiles, 0)
     elif not SINGLE:
         pr = tl.arange(0, P2)
-        firsts = tl.load(prob_ptr + pr * 6, mask=pr < P, other=num_tiles)
+        firsts = tl.load(prob_ptr + pr * (8 if PER_N else 6), mask=pr < P, other=num_tiles)
     for tile in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         if COUNTS:
             p = tl.sum((firsts <= tile).to(tl.int32), 0) - 1  # the last group starting at or before it
@@ -125,6 +129,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
             a_base = a_ptr + a_off
             b_base = b_ptr + b_off
             c_base = c_ptr + c_off
+            N_t = N
+            ldc = scm
         elif SINGLE:
             local = tile
             M = M1
@@ -132,10 +138,18 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
             a_base = a_ptr
             b_base = b_ptr
             c_base = c_ptr
+            N_t = N
+            ldc = scm
         else:
             p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
-            row = prob_ptr + p * 6
+            row = prob_ptr + p * (8 if PER_N else 6)
             local = (tile - tl.load(row)).to(tl.int32)
+            if PER_N:
+                N_t = tl.load(row + 6).to(tl.int32)
+                ldc = tl.load(row + 7).to(tl.int32)
+            else:
+                N_t = N
+                ldc = scm
             M = tl.load(row + 1).to(tl.int32)
             K = tl.load(row + 2).to(tl.int32)
             a_off = tl.load(row + 3)
@@ -151,6 +165,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         if EVEN_K:
             K = tl.multiple_of(K, BLOCK_K)
         num_pid_m = tl.cdiv(M, BLOCK_M)
+        if PER_N:
+            num_pid_n = tl.cdiv(N_t, BLOCK_N)
+            in_group = GROUP_M * num_pid_n
         group = local // in_group
         first_m = group * GROUP_M
         size_m = min(num_pid_m - first_m, GROUP_M)
@@ -159,7 +176,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
-        rbn = tl.where(rn < N, rn, 0)
+        rbn = tl.where(rn < N_t, rn, 0)
         if A_M_CONTIG:
             ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
         if B_N_CONTIG:
@@ -180,8 +197,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(c_base + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        mask = (rm[:, None] < M) & (rn[None, :] < N_t)
+        tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(dtype, m: int | None = None, n: int | None = None, small: dict | None = None) -> dict:
@@ -233,30 +250,37 @@ def _check_numel(numels: tuple) -> None:
 
 def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
     """(Launch, tile table or None) for these problems, or None when there is no tile. EVEN_K only
-    drops the K mask (the loads read the same values): even_k=False keeps it, with the same bits."""
+    drops the K mask (the loads read the same values): even_k=False keeps it, with the same bits.
+    N None: every problem carries its own N_p and C row stride, (M_p, K_p, a_off, b_off, c_off, N_p,
+    ldc_p) (the kernel's PER_N table; strides' scm unused)."""
     _check_numel(numels)
+    per_n = N is None
     rows, first = [], 0
-    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    for M_p, K_p, ao, bo, co in problems:
-        rows.append((first, M_p, K_p, ao, bo, co))
-        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * n_tiles
+    for prob in problems:
+        M_p, K_p, ao, bo, co = prob[:5]
+        rows.append((first, M_p, K_p, ao, bo, co, *prob[5:7]) if per_n else (first, M_p, K_p, ao, bo, co))
+        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * triton.cdiv(prob[5] if per_n else N, cfg["BLOCK_N"])
     if first == 0:
         return None
     sam, sak, sbk, sbn = strides[:4]
+    ns = [r[6] for r in rows] if per_n else [N]
     flags = dict(
-        ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:]),
+        ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:6]),
         EVEN_K=even_k and all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
-        B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0,
+        B_N_CONTIG=sbn == 1 and sbk != 1 and all(n % 16 == 0 for n in ns),
     )
-    single = len(rows) == 1 and rows[0][3:] == (0, 0, 0)
+    if per_n:
+        N = max(ns)  # the scalar slot: unused under PER_N
+    single = not per_n and len(rows) == 1 and rows[0][3:] == (0, 0, 0)
     # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
     # then takes any tensor, never read)
     table = None if single else _host_table(rows, torch.int64, a.device)
     cfg, occ = _launch_cfg(cfg)
     sms = _num_sms(a.device) * occ
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
-                IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg)
+                IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg,
+                PER_N=per_n)
     M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0)
     scalars = (first, N, M1, K1, *strides, 0, 0, 0, 0, 0, 0)
     return Launch(_gemm_kernel, (min(sms, first),), scalars, meta), table
@@ -291,7 +315,7 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg):
                 IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
                 ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
                 A_M_CONTIG=group_k and sam == 1 and sak != 1 and M1 % 16 == 0,
-                B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0, **cfg)
+                B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0, **cfg, PER_N=False)
     return Launch(_gemm_kernel, (min(sms, bound),), (0, N, M1, K1, *strides, R, *steps), meta)
 
 
@@ -382,9 +406,75 @@ def linear(x, w, bias=None):
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
+# linears: several weights at one input in ONE launch (q, k, v of a decode step: three launches of
+# a few microseconds each, latency bound, become one). The config is picked by M and the widest N
+# like a lone linear's (any config of the family reduces K through the same k16 MMA chain into one
+# fp32 accumulator, so the bits are the separate linears'; tests/gpu/test_linears_gpu.py checks them);
+# its tiles only schedule.
+LINEARS_SMALL_M: dict = MATMUL_SMALL_M
+
+
+def _linears_config(dtype, m: int, ns: list[int]) -> dict:
+    return _config(dtype, m, max(ns), small=LINEARS_SMALL_M)
+
+
+def _linears_plan(x2, ws, ns, cfg):
+    """(Launch, table, index of the base weight) for x2 [M, K] against weights ws ([N_i, K], one layout): weight
+    i's offset from the lowest-addressed one (b_ptr) in elements, outputs packed one after another
+    (output i is [M, N_i], contiguous, at M * (N_0 + ... + N_{i-1}))."""
+    M, K = x2.shape
+    size = x2.element_size()
+    i0 = min(range(len(ws)), key=lambda i: ws[i].data_ptr())
+    base = ws[i0]
+    probs, co = [], 0
+    for w, n in zip(ws, ns):
+        probs.append((M, K, 0, (w.data_ptr() - base.data_ptr()) // size, co, n, n))
+        co += M * n
+    w0 = ws[0]
+    strides = (x2.stride(0), x2.stride(1), w0.stride(1), w0.stride(0), 0, 1)
+    plan = _gemm_plan(x2, (x2.numel(), max(w.numel() for w in ws), max(ns) * M), probs, None, strides, cfg)
+    return None if plan is None else (*plan, i0)  # no weight kept alive by the cache
+
+
+def _linears_ok(x2, ws) -> bool:
+    """One launch reads every weight through the first one's strides at an element offset from the
+    lowest address: same dtype, device, K and strides (one of them 1), element-aligned addresses."""
+    w0 = ws[0]
+    if x2.dtype not in SUPPORTED or 1 not in w0.stride() or x2.numel() == 0:
+        return False
+    size = x2.element_size()
+    return all(w.dim() == 2 and w.dtype == x2.dtype and w.device == x2.device and w.shape[1] == x2.shape[1]
+               and w.shape[0] > 0 and w.stride() == w0.stride() and (w.data_ptr() - w0.data_ptr()) % size == 0
+               for w in ws)
+
+
 def linears(x, ws, biases):
-    """[linear(x, w_i, b_i)], the same bits."""
-    return [linear(x, w, b) for w, b in zip(ws, biases)]
+    """[linear(x, w_i, b_i)], the same bits: one launch of _gemm_kernel for all weights (a PER_N
+    problem table, one row per weight) when no autograd graph is recorded; outputs are contiguous
+    views of one buffer. Under autograd (or weights it cannot read in place): the separate linears.
+    The plan's table holds the weights' offsets from each other, so its key holds their addresses
+    (an engine's CUDA graphs are captured against fixed weight addresses anyway)."""
+    ws = list(ws)
+    if len(ws) < 2 or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws))):
+        return [linear(x, w, b) for w, b in zip(ws, biases)]
+    x2 = _usable(x.reshape(-1, x.shape[-1]))
+    if not _linears_ok(x2, ws):
+        return [linear(x, w, b) for w, b in zip(ws, biases)]
+    M, ns = x2.shape[0], [w.shape[0] for w in ws]
+    cfg = _linears_config(x2.dtype, M, ns)
+    key = ("linears", M, x2.stride(), tuple((w.data_ptr(), w.shape[0]) for w in ws), ws[0].stride(), x2.shape[1],
+           tuple(cfg.values()), x2.dtype, x2.device)
+    plan = _cached(key, lambda: _linears_plan(x2, ws, ns, cfg))
+    buf = torch.empty(M * sum(ns), dtype=x.dtype, device=x.device)
+    if plan is not None:
+        launch, table, i0 = plan
+        launch(x2, ws[i0], buf, table)
+    outs, o = [], 0
+    for n, b in zip(ns, biases):
+        y = buf[o:o + M * n].view(*x.shape[:-1], n)
+        o += M * n
+        outs.append(y if b is None else (y.float() + b.float()).to(x.dtype))
+    return outs
 
 
 def _starts(counts: list[int]) -> list[int]:
