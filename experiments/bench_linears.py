@@ -3,7 +3,7 @@
     python experiments/bench_linears.py [--out DIR] [--old OLD_GEMM_PY] [--candidates]
 
 Shapes: bench-moe-large (K 2048, N 2048/512/512) and the 30B one (K 2048, N 4096/512/512), M = 1, 8,
-64, 256, 512, 4096. Each variant runs 16 layers of distinct weights (the decode step's 16 layers; the
+16, 32, 64, 128, 256, 512, 4096. Each variant runs 16 layers of distinct weights (the decode step's 16 layers; the
 weights do not fit in L2) captured in one CUDA graph; times are medians of triton.testing.do_bench of
 the replay, per layer, the variants alternating (two rounds, the faster kept). Bits: every output of
 `linears` (eager and replayed) torch.equal to the separate linears'. --candidates: also other configs
@@ -32,13 +32,16 @@ BF = torch.bfloat16
 PEAK = 4.8e12
 LAYERS = 16
 SHAPES = {"bench-moe-large": (2048, (2048, 512, 512)), "qwen3-30b": (2048, (4096, 512, 512))}
-MS = (1, 8, 64, 256, 512, 4096)
+MS = (1, 8, 16, 32, 64, 128, 256, 512, 4096)
+_64x32 = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)
+_64x64f = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)
+_64x128f = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)
+# name -> (config, rows it is tried at); "m": rows past M masked instead of reads of row 0 (MASK_M)
 CANDIDATES = {
-    "64x32s6": dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
-    "64x64s4f": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
-    "64x128s4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
-    "64x128s4f": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
-    "main": dict(gemm.MATMUL_CONFIGS[BF]),
+    "64x32s6": (_64x32, (1, 512)), "64x32s6m": (dict(_64x32, MASK_M=True), (1, 512)),
+    "64x64s4f": (_64x64f, (1, 512)), "64x64s4fm": (dict(_64x64f, MASK_M=True), (1, 512)),
+    "64x128s4f": (_64x128f, (1, 512)), "64x128s4fm": (dict(_64x128f, MASK_M=True), (1, 512)),
+    "main": (dict(gemm.MATMUL_CONFIGS[BF]), (256, 1 << 20)),
 }
 
 
@@ -104,7 +107,8 @@ def make_variants(x, layers, candidates: dict) -> dict:
             gemm._linears_config = auto
 
     out = {"separate": separate, "one": one}
-    out.update({name: (lambda cfg=cfg: one(cfg)) for name, cfg in candidates.items()})
+    m = x.shape[0]
+    out.update({name: (lambda cfg=cfg: one(cfg)) for name, (cfg, (lo, hi)) in candidates.items() if lo <= m <= hi})
     return out
 
 

@@ -106,3 +106,21 @@ def test_linears_negative_twin_other_k_order_differs():
         flipped = gemm.linears(x.flip(1), [w.flip(1) for w in ws], [None] * 3)
     assert not any(same_bits(a, b) for a, b in zip(ys, flipped))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(ys, flipped))
+
+
+def test_linears_configs_keep_the_k_chunks_and_masked_rows_change_no_bit(monkeypatch):
+    # the one launch's table (by rows and widest N) keeps BLOCK_K 128 (the k16 MMA chain of linear's
+    # small-M configs) and the main config past 256 rows; MASK_M (rows past M masked, not read) is scheduling only
+    x, ws, _ = _data(torch.bfloat16, seed=4, m=37)
+    with torch.no_grad():
+        ref = [gemm.linear(x, w) for w in ws]
+        monkeypatch.setattr(gemm, "_linears_config", lambda dtype, m, ns: dict(gemm.INTERPRET_MATMUL, MASK_M=True))
+        assert all(same_bits(y, r) for y, r in zip(gemm.linears(x, ws, [None] * 3), ref))
+        assert all(same_bits(y, r[:5]) for y, r in zip(gemm.linears(x[:5], ws, [None] * 3), ref))
+    monkeypatch.undo()
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    bf = torch.bfloat16
+    for m in (1, 8, 16, 64, 100, 256):
+        for ns in ([2048, 512, 512], [4096, 512, 512]):
+            assert gemm._linears_config(bf, m, ns)["BLOCK_K"] == 128
+    assert gemm._linears_config(bf, 257, [2048, 512]) == gemm.MATMUL_CONFIGS[bf]

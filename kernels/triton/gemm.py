@@ -64,7 +64,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
-                 FLATTEN: tl.constexpr, PER_N: tl.constexpr):
+                 FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -84,6 +84,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
     PER_N (table mode): each row also holds the problem's own N_p and C row stride ldc_p (rows of 8:
     first tile, M_p, K_p, a_off, b_off, c_off, N_p, ldc_p); N and scm are then unused. Several
     linears of one input (q, k, v) in one launch: b_off places each weight relative to b_ptr.
+    MASK_M: A rows past M are masked loads (zeros) instead of reads of row 0 (scheduling only: those
+    rows are never stored, a row's MMAs ignore the other rows).
 
     Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid; OCC
     programs per SM), FLATTEN lets triton pipeline the loads of a program's next tile under its
@@ -185,10 +187,17 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
             rk = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
+                if MASK_M:
+                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
+                else:
+                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
                 b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
             else:
-                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+                if MASK_M:
+                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak,
+                                mask=(rk[None, :] < K) & (rm[:, None] < M), other=0.0)
+                else:
+                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
                 b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
@@ -215,11 +224,12 @@ def _config(dtype, m: int | None = None, n: int | None = None, small: dict | Non
 
 
 def _launch_cfg(cfg: dict) -> tuple[dict, int]:
-    """A config's kernel constexprs and launch options (FLATTEN off unless set), and its programs per
+    """A config's kernel constexprs and launch options (FLATTEN, MASK_M off unless set), and its programs per
     SM (OCC, 1 unless set): both scheduling only, the tiles and their K order stay the config's."""
     cfg = dict(cfg)
     occ = cfg.pop("OCC", 1)
     cfg.setdefault("FLATTEN", False)
+    cfg.setdefault("MASK_M", False)
     return cfg, occ
 
 
@@ -411,7 +421,12 @@ def linear(x, w, bias=None):
 # like a lone linear's (any config of the family reduces K through the same k16 MMA chain into one
 # fp32 accumulator, so the bits are the separate linears'; tests/gpu/test_linears_gpu.py checks them);
 # its tiles only schedule.
-LINEARS_SMALL_M: dict = MATMUL_SMALL_M
+_LINEARS_SMALL = [(8, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
+                  (64, 2048, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
+                  (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
+                  (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
+                             FLATTEN=True))]
+LINEARS_SMALL_M: dict = {torch.bfloat16: _LINEARS_SMALL, torch.float16: _LINEARS_SMALL}
 
 
 def _linears_config(dtype, m: int, ns: list[int]) -> dict:
