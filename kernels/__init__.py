@@ -157,14 +157,30 @@ def attention_paged(
     return _impl(q).attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale)
 
 
+def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """The KV-cache write of an engine step: rows k, v [N, Hk, D] into the flat slots [N] of
+    k_pages / v_pages [P, page_size, Hk, D] (slot = page * page_size + offset). A copy (no bit
+    changes); the Triton backend writes both in one launch."""
+    _impl(k).paged_write(k_pages, v_pages, slots, k, v)
+
+
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
     """Router logits [T, E] -> (weights [T, k] fp32, experts [T, k]); ties to the lowest id."""
     return _impl(logits).moe_route(logits, top_k, renormalize)
 
 
-def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [T, k, D] in top-k slot order -> [T, D]; deterministic: fp32, slot 0 first."""
-    return _impl(y).moe_combine(y, weights)
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, k, D] in top-k slot order -> [T, D]; deterministic: fp32, slot 0 first.
+    rows [T*k] (optional): y is [R, D] (the experts' outputs in dispatch order) and slot j of token t
+    is y[rows[t*k + j]]; the Triton backend reads them in place (no gathered copy), the same bits."""
+    impl = _impl(y)
+    if rows is None:
+        return impl.moe_combine(y, weights)
+    fused = getattr(impl, "moe_combine_rows", None)
+    if fused is not None:
+        return fused(y, weights, rows)
+    return impl.moe_combine(y.index_select(0, rows).view(*weights.shape, y.shape[-1]), weights)
 
 
 def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -100,6 +100,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale:
     return attention_decode(q, k, v, positions + 1, scale)
 
 
+def paged_write(k_pages, v_pages, slots, k, v) -> None:
+    k_pages.flatten(0, 1).index_copy_(0, slots, k)
+    v_pages.flatten(0, 1).index_copy_(0, slots, v)
+
+
 def moe_route(logits, top_k: int, renormalize: bool):
     probs = torch.softmax(logits.float(), -1)
     weights, experts = torch.topk(probs, top_k, dim=-1)

@@ -208,6 +208,11 @@ def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(-1, ind), ind
 
 
+def paged_write(k_pages, v_pages, slots, k, v) -> None:
+    k_pages.flatten(0, 1).index_copy_(0, slots, k)
+    v_pages.flatten(0, 1).index_copy_(0, slots, v)
+
+
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
     """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]); softmax then top-k."""
     probs = softmax(logits)

@@ -19,7 +19,8 @@ def _ids(n, e, seed, skew=False):
 
 
 @pytest.mark.parametrize("n,e,skew", [(0, 8, False), (1, 8, False), (7, 8, False), (130, 5, False),
-                                      (2048, 64, False), (2048, 64, True), (300, 128, True), (513, 3, True)])
+                                      (2048, 64, False), (2048, 64, True), (300, 128, True), (513, 3, True),
+                                      (5000, 16, False)])
 def test_triton_dispatch_equals_the_torch_counting_sort(n, e, skew):
     flat = _ids(n, e, seed=n + e, skew=skew)
     want = dispatch_torch(flat, e)
@@ -30,6 +31,6 @@ def test_triton_dispatch_equals_the_torch_counting_sort(n, e, skew):
     assert torch.equal(order[dest], torch.arange(n))  # dest inverts order
 
 
-def test_triton_dispatch_refuses_more_rows_than_one_program_takes():
+def test_triton_dispatch_refuses_more_rows_than_a_launch_takes():
     with pytest.raises(ValueError, match="exceed MAX_ROWS"):
         dispatch.moe_dispatch(torch.zeros(dispatch.MAX_ROWS + 1, dtype=torch.long), 8)

@@ -27,20 +27,19 @@ import torch
 from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, sampling
 from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, attention_prefill
 from .common import INTERPRET, SUPPORTED
-from .elementwise import rope, swiglu
+from .elementwise import paged_write, rope, swiglu
 from .embed import embedding
 from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
 from .logprob import log_softmax_gather
-from .moe import moe_combine, moe_route
+from .moe import moe_combine, moe_combine_rows, moe_route
 from .norm import rmsnorm
 from .sampling import gumbel_argmax
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
-    "attention_paged",
-    "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm", "grouped_linear",
-    "gumbel_argmax", "linear", "linears", "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_route",
-    "norm", "rmsnorm", "rope", "sampling", "swiglu",
+    "attention_paged", "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm",
+    "grouped_linear", "gumbel_argmax", "linear", "linears", "log_softmax_gather", "logprob", "matmul", "moe",
+    "moe_combine", "moe_combine_rows", "moe_route", "norm", "paged_write", "rmsnorm", "rope", "sampling", "swiglu",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Elementwise and row-local fused kernels: SwiGLU and RoPE (rotate-half), forward and backward."""
+"""Elementwise and row-local fused kernels: SwiGLU and RoPE (rotate-half), forward and backward; the
+paged KV-cache write."""
 
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ def _swiglu_bwd(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
     tl.store(dg_ptr + offs, (dy * u * (sig + silu * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _swiglu_rows(g_ptr, u_ptr, y_ptr, width, sg, su, BLOCK: tl.constexpr):
+    """_swiglu_fwd over rows of column views (gate and up: the halves of one [R, 2I] GEMM output, read
+    in place): the same fp32 formula, one rounding, into a contiguous [R, I]."""
+    r = tl.program_id(0).to(tl.int64)  # rows on the grid's first axis (the others stop at 65,535)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < width
+    g = tl.load(g_ptr + r * sg + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * su + cols, mask=m, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + r * width + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
 def _swiglu(gate, up):
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate)
@@ -45,6 +59,23 @@ def _swiglu(gate, up):
         _cached(("swiglu", n, gate.dtype, up.dtype), lambda: Launch(_swiglu_fwd, (triton.cdiv(n, _EW_BLOCK),), (n,),
                                                dict(BLOCK=_EW_BLOCK)))(gate, up, y)
     return gate, up, y
+
+
+def _row_views(gate, up) -> bool:
+    """gate and up are 2-D with contiguous rows (e.g. the two halves of a [R, 2I] tensor): read in place."""
+    return (gate.dim() == 2 and up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
+            and not (gate.is_contiguous() and up.is_contiguous()))
+
+
+def _swiglu_strided(gate, up):
+    R, inner = gate.shape
+    y = torch.empty(R, inner, dtype=gate.dtype, device=gate.device)
+    if R and inner:
+        block = min(1024, triton.next_power_of_2(inner))
+        _cached(("swiglu_rows", R, inner, gate.stride(0), up.stride(0), gate.dtype, up.dtype), lambda: Launch(
+            _swiglu_rows, (R, triton.cdiv(inner, block)), (inner, gate.stride(0), up.stride(0)),
+            dict(BLOCK=block)))(gate, up, y)
+    return y
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -71,6 +102,8 @@ def swiglu(gate, up):
     _check("swiglu", gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SwiGLU.apply(gate, up)
+    if _row_views(gate, up):  # no copies of the halves (two launches per MoE layer at decode)
+        return _swiglu_strided(gate, up)
     return _swiglu(gate, up)[2]
 
 
@@ -136,3 +169,34 @@ def rope(x, cos, sin):
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, cos, sin)
     return _rope_apply(x, cos, sin, 1)
+
+
+# --- the KV-cache write of an engine step -----------------------------------------------------------------
+@triton.jit
+def _paged_write(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, W, skn, svn, BLOCK: tl.constexpr):
+    """Row n of k and v (W = Hk * D contiguous elements each) into slot slots[n] of the flat pages."""
+    n = tl.program_id(0).to(tl.int64)
+    s = tl.load(slot_ptr + n).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < W
+    tl.store(kp_ptr + s * W + offs, tl.load(k_ptr + n * skn + offs, mask=m), mask=m)
+    tl.store(vp_ptr + s * W + offs, tl.load(v_ptr + n * svn + offs, mask=m), mask=m)
+
+
+def paged_write(k_pages, v_pages, slots, k, v) -> None:
+    """k, v [N, Hk, D] into the flat slots of k_pages / v_pages [P, page_size, Hk, D]: one launch (two
+    index_copy_ before). Pages must be contiguous (the engine's are); rows are read in place when each
+    row's Hk x D elements are contiguous."""
+    _check("paged_write", k, v)
+    N = k.shape[0]
+    W = k.shape[1] * k.shape[2]
+    if not (k_pages.is_contiguous() and v_pages.is_contiguous()) or k_pages.shape[2:] != k.shape[1:] \
+            or v.shape != k.shape or slots.shape != (N,) or k_pages.dtype != k.dtype or v_pages.dtype != v.dtype:
+        raise ValueError(f"triton paged_write: pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)} (contiguous "
+                         f"{k_pages.is_contiguous()}), rows {tuple(k.shape)} / {tuple(v.shape)} {k.dtype}, "
+                         f"slots {tuple(slots.shape)} do not fit")
+    k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
+    if N:
+        _cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype), lambda: Launch(
+            _paged_write, (N,), (W, k.stride(0), v.stride(0)), dict(BLOCK=triton.next_power_of_2(W))))(
+            k, v, k_pages, v_pages, slots.contiguous())

@@ -11,15 +11,20 @@ from .common import ROW_BLOCK, Launch, _cached, _check
 
 
 @triton.jit
-def _combine_fwd(y_ptr, w_ptr, o_ptr, K, Dm, BLOCK: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[t, j] in fp32, slot 0 first."""
+def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t, j] in fp32, slot 0 first. ROWS: y[t, j] is row rows[t * K + j]
+    of y [R, Dm] (the expert outputs in dispatch order, read in place)."""
     t = tl.program_id(0)
     for d0 in range(0, Dm, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for j in range(K):
             wj = tl.load(w_ptr + t * K + j)
-            yj = tl.load(y_ptr + (t * K + j) * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            if ROWS:
+                row = tl.load(rows_ptr + t * K + j)
+            else:
+                row = t * K + j
+            yj = tl.load(y_ptr + row * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
             acc = acc + yj * wj
         tl.store(o_ptr + t * Dm + cols, acc.to(o_ptr.dtype.element_ty), mask=cols < Dm)
 
@@ -45,8 +50,8 @@ def _combine(y, w):
     out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
     if T:
         _cached(("combine", T, K, Dm, y.dtype), lambda: Launch(_combine_fwd, (T,), (K, Dm),
-                                                      dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(
-            y, w, out)
+                                                      dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)),
+                                                           ROWS=False)))(y, w, out, w)
     return y, w, out
 
 
@@ -67,6 +72,26 @@ class _Combine(torch.autograd.Function):
             _cached(("combine_bwd", T, K, Dm, y.dtype, g.dtype), lambda: Launch(
                 _combine_bwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(y, w, g, dy, dw)
         return dy, dw
+
+
+def moe_combine_rows(y, weights, rows):
+    """moe_combine(y[rows].view(T, k, D), weights) without the gathered copy (inference); with autograd
+    the gather and the plain combine (the same kernel body: the same bits)."""
+    T, K = weights.shape
+    Dm = y.shape[-1]
+    _check("moe_combine", y)
+    if rows.shape != (T * K,) or y.dim() != 2:
+        raise ValueError(f"triton moe_combine: rows {tuple(rows.shape)} and y {tuple(y.shape)} do not fit "
+                         f"weights {tuple(weights.shape)}")
+    if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        return moe_combine(y.index_select(0, rows).view(T, K, Dm), weights)
+    y, w, rows = y.contiguous(), weights.float().contiguous(), rows.contiguous()
+    out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
+    if T:
+        _cached(("combine_rows", T, K, Dm, y.dtype, rows.dtype), lambda: Launch(
+            _combine_fwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)), ROWS=True)))(
+            y, w, out, rows)
+    return out
 
 
 def moe_combine(y, weights):

@@ -55,9 +55,7 @@ class PagedKVCache:
         self.num_pages, self.page_size = num_pages, page_size
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kf, vf = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # views [P * page_size, Hk, D]
-        kf.index_copy_(0, slot_mapping, k)
-        vf.index_copy_(0, slot_mapping, v)
+        kernels.paged_write(self.k[layer], self.v[layer], slot_mapping, k, v)
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
@@ -154,8 +152,7 @@ class MoE(nn.Module):
         else:  # the same rows without the [T*k, d] copy (an index_select backward would add with atomics)
             x_in = x.index_select(0, order // k)  # row j: token order[j] // k
         y_sorted = self.experts(x_in, counts)
-        y = y_sorted.index_select(0, dest).view(T, k, d)
-        return kernels.moe_combine(y, weights)
+        return kernels.moe_combine(y_sorted, weights, rows=dest)  # slot j of token t: y_sorted[dest[t*k + j]]
 
 
 def dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,97 @@
+"""The decode step's fused launches (issue 12), each the same bits as what it replaces: SwiGLU reading
+the halves of the gate_up output in place, the MoE combine gathering expert rows through `dest`, the
+paged KV write of k and v in one launch — on the Triton backend (interpreter on CPU, tiny shapes) and
+through the op API on the torch backend. GPU bits at real shapes: tests/gpu/test_engine_gpu.py."""
+
+import os
+
+import pytest
+import torch
+from conftest import same_bits
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
+
+from rlalign import kernels  # noqa: E402
+from rlalign.kernels import triton as tb  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("rows,inner", [(1, 24), (37, 24), (5, 1100)])
+def test_swiglu_reads_the_halves_in_place_with_the_same_bits(rows, inner):
+    h = _randn(rows, 2 * inner, seed=rows)
+    gate, up = h.chunk(2, dim=-1)
+    assert rows == 1 or tb.elementwise._row_views(gate, up)  # one row: the halves are contiguous already
+    want = tb.swiglu(gate.contiguous(), up.contiguous())  # the copies the strided kernel saves
+    got = tb.swiglu(gate, up)
+    assert got.is_contiguous() and same_bits(got, want)
+    # negative twin: the halves swapped are other values (the comparison can fail)
+    assert not same_bits(tb.swiglu(up, gate), want)
+    # with autograd: the flat kernel on copies, the same forward bits
+    g2, u2 = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    assert same_bits(tb.swiglu(g2, u2), want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_moe_combine_through_rows_equals_the_gathered_combine(backend):
+    T, k, d = 9, 3, 40
+    y_sorted = _randn(T * k, d, seed=1)
+    w = torch.softmax(_randn(T, k, seed=2, dtype=torch.float32), -1)
+    dest = torch.randperm(T * k, generator=torch.Generator().manual_seed(3)).to(DEV)
+    with kernels.use(mode="deterministic", backend=backend):
+        want = kernels.moe_combine(y_sorted.index_select(0, dest).view(T, k, d), w)
+        got = kernels.moe_combine(y_sorted, w, rows=dest)
+        assert same_bits(got, want)
+        other = kernels.moe_combine(y_sorted, w, rows=dest.flip(0))  # negative twin: other rows, other sums
+        assert not same_bits(other, want)
+        # with autograd (the trainer): the gather then the combine, gradients flow to y and w
+        ys, wg = y_sorted.clone().requires_grad_(), w.clone().requires_grad_()
+        out = kernels.moe_combine(ys, wg, rows=dest)
+        assert same_bits(out.detach(), want)
+        out.float().sum().backward()
+        assert ys.grad is not None and wg.grad is not None
+
+
+def test_moe_combine_rows_refuses_rows_that_do_not_fit():
+    with pytest.raises(ValueError, match="rows"):
+        tb.moe_combine_rows(_randn(6, 8), torch.ones(2, 3, device=DEV), torch.arange(5, device=DEV))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_write_equals_index_copy(backend):
+    P, ps, hk, d, n = 5, 4, 2, 16, 7
+    kp = torch.zeros(P, ps, hk, d, dtype=torch.bfloat16, device=DEV)
+    vp = torch.zeros_like(kp)
+    k, v = _randn(n, hk, d, seed=4), _randn(n, hk * d, seed=5).view(n, hk, d)
+    slots = torch.tensor([19, 0, 3, 7, 8, 12, 2], device=DEV)
+    want_k, want_v = kp.clone(), vp.clone()
+    want_k.flatten(0, 1).index_copy_(0, slots, k)
+    want_v.flatten(0, 1).index_copy_(0, slots, v)
+    with kernels.use(mode="deterministic", backend=backend):
+        kernels.paged_write(kp, vp, slots, k, v)
+    assert same_bits(kp, want_k) and same_bits(vp, want_v)
+    # then fewer rows (the next decode step): each call writes its own rows only (a launch plan per row count)
+    k3, v3 = _randn(3, hk, d, seed=6), _randn(3, hk, d, seed=7)
+    with kernels.use(mode="deterministic", backend=backend):
+        kernels.paged_write(kp, vp, slots[:3], k3, v3)
+    want_k.flatten(0, 1).index_copy_(0, slots[:3], k3)
+    want_v.flatten(0, 1).index_copy_(0, slots[:3], v3)
+    assert same_bits(kp, want_k) and same_bits(vp, want_v)
+    # negative twin: another slot mapping writes other places
+    kp2 = torch.zeros_like(kp)
+    with kernels.use(mode="deterministic", backend=backend):
+        kernels.paged_write(kp2, torch.zeros_like(vp), slots.roll(1), k, v)
+    assert not same_bits(kp2, want_k)
+
+
+def test_paged_write_refuses_pages_of_another_shape():
+    kp = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="paged_write"):
+        tb.paged_write(kp, kp.clone(), torch.arange(3, device=DEV), _randn(3, 4, 8), _randn(3, 4, 8))
