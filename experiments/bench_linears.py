@@ -100,7 +100,7 @@ def make_variants(x, layers, candidates: dict) -> dict:
         return [[gemm.linear(x, w) for w in ws] for ws in layers]
 
     def one(cfg=None):
-        gemm._linears_config = auto if cfg is None else (lambda dtype, m, n: dict(cfg))
+        gemm._linears_config = auto if cfg is None else (lambda dtype, m, n, sms: dict(cfg))
         try:
             return [gemm.linears(x, ws, [None] * 3) for ws in layers]
         finally:
@@ -153,7 +153,8 @@ def main() -> None:
                         times.setdefault(name, []).append(t)
                 best = {k: min(v) for k, v in times.items()}
                 base = best["separate"]
-                row = {"shape": shape, "M": M, "K": K, "N": list(ns), "config_one": auto(BF, M, list(ns)),
+                row = {"shape": shape, "M": M, "K": K, "N": list(ns),
+                       "config_one": auto(BF, M, list(ns), gemm._num_sms(x.device)),
                        "per_layer_s": best, "rounds_s": times, "bits_equal": same,
                        "speedup_vs_separate": {k: base / v for k, v in best.items()},
                        "fraction_of_hbm_peak": {k: (wbytes / LAYERS + M * K * 2 + M * sum(ns) * 2) / v / PEAK

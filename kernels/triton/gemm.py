@@ -417,20 +417,30 @@ def linear(x, w, bias=None):
 
 
 # linears: several weights at one input in ONE launch (q, k, v of a decode step: three launches of
-# a few microseconds each, latency bound, become one). The config is picked by M and the widest N
-# like a lone linear's (any config of the family reduces K through the same k16 MMA chain into one
-# fp32 accumulator, so the bits are the separate linears'; tests/gpu/test_linears_gpu.py checks them);
-# its tiles only schedule.
-_LINEARS_SMALL = [(8, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
-                  (64, 2048, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
-                  (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
-                  (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
-                             FLATTEN=True))]
-LINEARS_SMALL_M: dict = {torch.bfloat16: _LINEARS_SMALL, torch.float16: _LINEARS_SMALL}
+# a few microseconds each, latency bound, become one). Any config of the family reduces K through the
+# same k16 MMA chain into one fp32 accumulator, so the bits are the separate linears' whatever the
+# tiles (tests/gpu/test_linears_gpu.py, experiments/bench_linears.py: 178/178 outputs equal, M = 1..4096,
+# every candidate). Up to 256 rows the tiles are 64 rows high and the narrowest of 32 / 64 / 128 columns
+# whose tiles fit in one wave (<= one per SM), else 128: on H200 that rule picked the fastest measured
+# config at every (M, shape) of results/linears_H200.json (bench-moe-large q, k, v and the 30B ones).
+# At M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program reading the
+# same row is an L2 hot spot (M = 1: 21 -> 9.6 us per q, k, v of bench-moe-large). Past 256 rows: the
+# main config.
+_LINEARS_SMALL = [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
+                  dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
+                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)]
+LINEARS_SMALL_M: dict = {torch.bfloat16: (256, 32, _LINEARS_SMALL), torch.float16: (256, 32, _LINEARS_SMALL)}
 
 
-def _linears_config(dtype, m: int, ns: list[int]) -> dict:
-    return _config(dtype, m, max(ns), small=LINEARS_SMALL_M)
+def _linears_config(dtype, m: int, ns: list[int], sms: int) -> dict:
+    """The one launch's config at m rows and output widths ns on sms SMs (scheduling only, see above)."""
+    if INTERPRET or dtype not in LINEARS_SMALL_M or m > LINEARS_SMALL_M[dtype][0]:
+        return _config(dtype, m, max(ns))
+    _, mask_m, cfgs = LINEARS_SMALL_M[dtype]
+    for cfg in cfgs:
+        if triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns) <= sms:
+            break
+    return dict(cfg, MASK_M=True) if m <= mask_m else dict(cfg)
 
 
 def _linears_plan(x2, ws, ns, cfg):
@@ -476,7 +486,7 @@ def linears(x, ws, biases):
     if not _linears_ok(x2, ws):
         return [linear(x, w, b) for w, b in zip(ws, biases)]
     M, ns = x2.shape[0], [w.shape[0] for w in ws]
-    cfg = _linears_config(x2.dtype, M, ns)
+    cfg = _linears_config(x2.dtype, M, ns, _num_sms(x2.device))
     key = ("linears", M, x2.stride(), tuple((w.data_ptr(), w.shape[0]) for w in ws), ws[0].stride(), x2.shape[1],
            tuple(cfg.values()), x2.dtype, x2.device)
     plan = _cached(key, lambda: _linears_plan(x2, ws, ns, cfg))
