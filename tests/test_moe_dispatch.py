@@ -34,3 +34,13 @@ def test_triton_dispatch_equals_the_torch_counting_sort(n, e, skew):
 def test_triton_dispatch_refuses_more_rows_than_a_launch_takes():
     with pytest.raises(ValueError, match="exceed MAX_ROWS"):
         dispatch.moe_dispatch(torch.zeros(dispatch.MAX_ROWS + 1, dtype=torch.long), 8)
+
+
+def test_triton_dispatch_gives_an_id_outside_the_experts_no_group_and_a_safe_dest():
+    # NaN router logits can give an id == num_experts: that row is in no group (counts miss it) and
+    # its dest is 0 (a row the combine may read), never uninitialised memory; the others are placed as usual
+    flat = torch.tensor([3, 8, 1, 3, 0, 8, 2])
+    order, dest, counts = dispatch.moe_dispatch(flat, 8)
+    assert counts.tolist() == [1, 1, 1, 2, 0, 0, 0, 0]
+    assert dest[1] == 0 and dest[5] == 0
+    assert order[:5].tolist() == [4, 2, 6, 0, 3] and dest[[0, 2, 3, 4, 6]].tolist() == [3, 1, 4, 0, 2]

@@ -41,7 +41,7 @@ def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, N, E, BLOCK: tl.c
     tl.store(counts_ptr + e, count.to(tl.int64))
     run = tl.sum(below, axis=0)  # the group's first place, then its next free one
     for n0 in range(0, N, BLOCK):
-        if count > 0:
+        if count > 0 or e == 0:
             rows = n0 + tl.arange(0, BLOCK)
             x = tl.load(ids_ptr + rows, mask=rows < N, other=E).to(tl.int32)
             hit = (x == e).to(tl.int32)
@@ -49,6 +49,8 @@ def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, N, E, BLOCK: tl.c
             tl.store(dest_ptr + rows, place.to(tl.int64), mask=hit > 0)
             tl.store(order_ptr + place, rows.to(tl.int64), mask=hit > 0)
             run += tl.sum(hit, axis=0)
+            if e == 0:  # an id outside [0, E) (NaN router logits) is in no group: dest 0, never memory it does not own
+                tl.store(dest_ptr + rows, tl.zeros((BLOCK,), dtype=tl.int64), mask=(rows < N) & ((x < 0) | (x >= E)))
 
 
 def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
