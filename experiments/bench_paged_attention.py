@@ -10,13 +10,17 @@ The rows settings before the paged kernel's deeper pipeline and the fused split-
 (attn.ROWS_BEFORE) are timed beside the pinned ones in the same run ("OLD" rows), and each change
 alone on the paged kernel.
 
-    python experiments/bench_paged_attention.py [--quick] [--sweep] [--only bits,decode,prefill,paged] [--out DIR]
-        [--name SUFFIX] [--variants 0,2,...] [--batches 1,8,64] [--warm]
+    python experiments/bench_paged_attention.py [--quick] [--sweep] [--only bits,decode,prefill,paged,engine]
+        [--out DIR] [--name SUFFIX] [--variants 0,2,...] [--batches 1,8,64] [--warm] [--rounds N] [--asm]
 
 The paged step times PAGED_VARIANTS, how the paged kernel finds its pages (a table load per key
 block, or the entries preloaded and picked by tl.gather / a one-hot sum) and its pipeline settings,
 each checked bitwise against prefill first. --warm calls everything once and times nothing: a few
-such runs in parallel (--variants) fill triton's cache before the timed run.
+such runs in parallel (--variants) fill triton's cache before the timed run. --rounds N times the paged
+(and engine) rows N times, interleaved, and reports medians and each round's ratio. The engine step (only
+when named in --only) is the engine's 256-row decode step (issue 12: 16 / 4 heads, page 16, ragged
+contexts 16..384). --asm writes every compiled forward kernel's registers / spills / shared memory and its
+TTGIR / PTX (a tarball) beside the results.
 
 --quick: tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script, times mean nothing).
 --sweep: instead, time other key-chunk sizes (the constant CHUNK of kernels/triton/attention.py) and
@@ -269,6 +273,19 @@ PAGED_VARIANTS = [
                                                          PAGED_PRE_WARPS=8, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64),
      True),
 ]
+# session 5 (issue 13, B=1): the address math and the table load of the preloaded-pages kernel (same bits)
+_S4 = dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=256)
+PAGED_VARIANTS += [
+    ("gather, int32 key offsets", dict(_S4, PAGED_OFF32=True), False),
+    ("gather of page offsets (page * stride), int32", dict(_S4, PAGED_OFF32=True, PAGED_PBASE=True), False),
+    ("gather, table load masked by its width (hangs off the sequence id only)", dict(_S4, PAGED_TBLW=True), False),
+    ("gather of page offsets, int32, table masked by width", dict(_S4, PAGED_OFF32=True, PAGED_PBASE=True,
+                                                                   PAGED_TBLW=True), False),
+    ("DIAGNOSTIC no table load (identity pages: wrong bits, timing only)", dict(_S4, PAGED_DIAG=1), False),
+]
+_NEW_OFF = dict(PAGED_OFF32=False, PAGED_PBASE=False, PAGED_TBLW=False, PAGED_DIAG=0)
+PAGED_VARIANTS = [(n, {**_NEW_OFF, **c}, so) for n, c, so in PAGED_VARIANTS]
+ROUNDS = 1  # --rounds: timed rows interleaved this many times (medians reported)
 SELECT: list[int] | None = None  # --variants: a subset of PAGED_VARIANTS (the parallel --warm runs)
 BATCHES = [1, 8, 64]  # --batches
 
@@ -307,28 +324,130 @@ def speed_paged(q: bool) -> None:
         lens_b = torch.full((B,), C, device=DEV)
         ours = lambda: attn.attention_decode(qd, kc, vc, lens_b, scale)
         ref = ours()
-        g_cont = bench_graph(ours)
         split = attn._chunks_per_program(B, H, Hk, C // attn._attn_cfg("decode", torch.bfloat16)["CHUNK"],
                                          torch.device(DEV)) > 0
+        cases = []  # (ps, variant index, name, rows settings, call, bits equal to contiguous)
         for ps in (16, 32):
             kp, table, seq_idx, pos = paged_cache(kc.flatten(0, 1), [C] * B, ps, B)
             vp = paged_cache(vc.flatten(0, 1), [C] * B, ps, B)[0]
             rows = torch.arange(1, B + 1, device=DEV) * C - 1
             sidx, ppos = seq_idx[rows].contiguous(), pos[rows].contiguous()
-            paged = lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos, scale)
+            paged = (lambda kp, vp, table, sidx, ppos: lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos,
+                                                                                    scale))(kp, vp, table, sidx, ppos)
             for i, name, rows_cfg, _ in paged_variants(split):
                 try:
                     with knobs(rows=rows_cfg):
                         same = bits_equal(paged(), ref)
-                        gp = bench_graph(paged)
                 except Exception as e:
                     row("paged", f"B={B} page={ps} v{i}: {name}", error=f"{type(e).__name__}: {e}"[:200])
                     continue
-                row("paged", f"B={B} page={ps} v{i}: {name}", graph_paged_ms=gp, graph_contiguous_ms=g_cont,
-                    graph_time_ratio=gp / g_cont, bitwise_equal_contiguous=same)
+                cases.append((ps, i, name, rows_cfg, paged, same))
+        # rounds: the contiguous kernel, then every case; a round after another (drift and noise show as spread)
+        t_cont, t_case = [], [[] for _ in cases]
+        for _ in range(ROUNDS):
+            t_cont.append(bench_graph(ours))
+            for c, case in enumerate(cases):
+                with knobs(rows=case[3]):
+                    t_case[c].append(bench_graph(case[4]))
+        g_cont = _median(t_cont)
+        for (ps, i, name, _, _, same), ts in zip(cases, t_case):
+            gp = _median(ts)
+            row("paged", f"B={B} page={ps} v{i}: {name}", graph_paged_ms=gp, graph_contiguous_ms=g_cont,
+                graph_time_ratio=gp / g_cont, bitwise_equal_contiguous=same,
+                **({"ratios_per_round": [round(a / b, 4) for a, b in zip(ts, t_cont)]} if ROUNDS > 1 else {}))
         g_after = bench_graph(ours)
         row("paged", f"B={B} contiguous decode again (drift)", graph_contiguous_ms=g_after,
-            vs_first=g_after / g_cont)
+            vs_first=g_after / g_cont, **({"contiguous_ms_per_round": t_cont} if ROUNDS > 1 else {}))
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+# issue 12: the engine's decode step; (name, rows settings, chunks per program: None = the size-based schedule)
+ENGINE_VARIANTS = [
+    ("pinned settings, size-based schedule", {}, None),
+    ("split-K, 1 chunk a program", {}, 1),
+    ("int32 key offsets + gathered page offsets", dict(PAGED_OFF32=True, PAGED_PBASE=True), None),
+    ("stages 4", dict(PAGED_PRE_STAGES=4), None),
+    ("stages 2", dict(PAGED_PRE_STAGES=2), None),
+]
+
+
+def speed_engine(q: bool) -> None:
+    """The engine's decode step at 256 rows (issue 12; bench-moe-large: 16 / 4 heads, D 128, page 16), every
+    row its own sequence at its last position, contexts uniform in 16..384 (the table 24 pages wide):
+    bits vs prefill, then graph times of ENGINE_VARIANTS beside our contiguous decode over the same keys,
+    and the time the K/V bytes take at 4.8 TB/s."""
+    H, Hk, D, B, lo, hi, ps = (4, 2, 16, 8, 1, 40, 16) if q else (16, 4, 128, 256, 16, 384, 16)
+    scale = 1 / math.sqrt(D)
+    lens = torch.randint(lo, hi + 1, (B,), generator=torch.Generator().manual_seed(12)).tolist()
+    qq, kk, vv, cu = packed(lens, H, Hk, D, 12)
+    pre = attn.attention_prefill(qq, kk, vv, cu, scale)
+    last = torch.tensor(cu[1:], device=DEV) - 1
+    kp, table, seq_idx, pos = paged_cache(kk, lens, ps, 13)
+    vp = paged_cache(vv, lens, ps, 13)[0]
+    qd, sidx, ppos, ref = qq[last].contiguous(), seq_idx[last].contiguous(), pos[last].contiguous(), pre[last]
+    kc = torch.zeros(B, hi, Hk, D, device=DEV, dtype=kk.dtype)
+    vc = torch.zeros_like(kc)
+    for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
+        kc[b, : e - a], vc[b, : e - a] = kk[a:e], vv[a:e]
+    lens_t = torch.tensor(lens, device=DEV)
+    cont = lambda: attn.attention_decode(qd, kc, vc, lens_t, scale)
+    paged = lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos, scale)
+    kv_bytes = sum(lens) * Hk * D * 2 * kk.element_size()
+    row("engine", f"B={B} H={H}/{Hk} D={D} page={ps} contexts {lo}..{hi} (mean {sum(lens) / B:.0f})",
+        kv_mb=kv_bytes / 1e6, hbm_us_at_4_8_tb_s=kv_bytes / 4.8e6, contiguous_equal_prefill=bits_equal(cont(), ref))
+    cases = []
+    for name, rows_cfg, spp in ENGINE_VARIANTS:
+        with knobs(rows=rows_cfg, spp=spp):
+            same = bits_equal(paged(), ref)
+        cases.append((name, rows_cfg, spp, same))
+    t_cont, t_case = [], [[] for _ in cases]
+    for _ in range(ROUNDS):
+        t_cont.append(bench_graph(cont))
+        for c, case in enumerate(cases):
+            with knobs(rows=case[1], spp=case[2]):
+                t_case[c].append(bench_graph(paged))
+    g_cont = _median(t_cont)
+    row("engine", f"B={B} contiguous decode (same keys)", graph_ms=g_cont)
+    for (name, _, _, same), ts in zip(cases, t_case):
+        gp = _median(ts)
+        row("engine", f"B={B} paged: {name}", graph_ms=gp, vs_contiguous=gp / g_cont,
+            vs_pinned=gp / _median(t_case[0]), bitwise_equal_prefill=same, ms_per_round=ts)
+
+
+def dump_kernels(out: str) -> None:
+    """--asm: registers, spills, shared memory of every compiled _attn_fwd, and its TTGIR / PTX in a tarball."""
+    import io
+    import json
+    import tarfile
+
+    info, files = [], {}
+    for entry in attn._attn_fwd.device_caches.values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        for n, (key, k) in enumerate(cache.items()):
+            try:
+                k._init_handles()
+            except Exception:
+                pass
+            md = k.metadata
+            info.append({"i": n, "key": str(key)[:3000], "n_regs": getattr(k, "n_regs", None),
+                         "n_spills": getattr(k, "n_spills", None), "shared": getattr(md, "shared", None),
+                         "num_warps": getattr(md, "num_warps", None), "num_stages": getattr(md, "num_stages", None)})
+            for ext in ("ttgir", "ptx"):
+                if ext in k.asm:
+                    files[f"k{n}.{ext}"] = k.asm[ext] if isinstance(k.asm[ext], str) else k.asm[ext].decode()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "attn_fwd_kernels.json").write_text(json.dumps(info, indent=1))
+    with tarfile.open(Path(out, "attn_fwd_asm.tar.gz"), "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    print("kernels:", [(d["i"], d["n_regs"], d["n_spills"], d["shared"]) for d in info])
 
 
 def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
@@ -418,9 +537,11 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="paged step: indices into PAGED_VARIANTS")
     ap.add_argument("--batches", default=None, help="paged step: batch sizes timed (1,8,64)")
     ap.add_argument("--warm", action="store_true", help="call everything once, time nothing, write nothing")
+    ap.add_argument("--rounds", type=int, default=1, help="paged / engine steps: timed rounds, interleaved")
+    ap.add_argument("--asm", action="store_true", help="also write the compiled kernels' registers and TTGIR/PTX")
     a = ap.parse_args()
-    global WARM, SELECT, BATCHES
-    WARM = a.warm
+    global WARM, SELECT, BATCHES, ROUNDS
+    WARM, ROUNDS = a.warm, a.rounds
     BATCHES = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES
     SELECT = [int(x) for x in a.variants.split(",")] if a.variants else None
     if a.sweep:
@@ -428,7 +549,10 @@ def main() -> None:
         steps = [("schedules", sweep_schedules), ("decode chunks", lambda q: speed_decode(q, sizes)),
                  ("prefill chunks", lambda q: speed_prefill(q, sizes)), ("tiles", sweep_tiles)]
     else:
-        steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill), ("paged", speed_paged)]
+        steps = [("bits", check_bits), ("decode", speed_decode), ("prefill", speed_prefill), ("paged", speed_paged),
+                 ("engine", speed_engine)]
+        if not a.only:
+            steps = steps[:-1]  # the engine step runs when named (--only ...,engine)
         if a.only:
             steps = [s for s in steps if s[0] in a.only.split(",")]
     for name, step in steps:
@@ -445,6 +569,8 @@ def main() -> None:
     schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM,
                 "rows_before": attn.ROWS_BEFORE}
     path = _env.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)
+    if a.asm:
+        dump_kernels(a.out or str(_env.RESULTS))
     print("\n" + "\n".join(f"{r['section']:8} {r['name']:60} " + "  ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k not in ("section", "name"))
         for r in ROWS))

@@ -115,7 +115,8 @@ def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.conste
 @triton.jit
 def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_i, l_i, acc, qk_scale,
                 pages, p_lo, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
-                IEEE: tl.constexpr, MASKED: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr):
+                IEEE: tl.constexpr, MASKED: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
+                OFF32: tl.constexpr = False, PBASE: tl.constexpr = False):
     """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
     blocks whose keys are all valid for every tile row: the same values as the masked form (a
     where() that keeps every score), so a row's bits do not depend on which form its block took
@@ -128,7 +129,12 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     kmask = rn < n_keys
     if PAGED:
         page = _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE, NPRE, PRE, MASKED)
-        koff = kbase + page.to(tl.int64) * skp + (rn % PAGE) * skn
+        if PBASE:  # the program's pages preloaded as offsets (page * skp), in the width of kbase
+            koff = kbase + page + (rn % PAGE) * skn
+        elif OFF32:
+            koff = kbase + page * skp + (rn % PAGE) * skn
+        else:
+            koff = kbase + page.to(tl.int64) * skp + (rn % PAGE) * skn
     else:
         koff = kbase + rn * skn
     kp = koff[:, None] + rd[None, :]
@@ -161,7 +167,8 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
 @triton.jit
 def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, skp, skn, rd, qk_scale, pages, p_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr):
+                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
+                OFF32: tl.constexpr = False, PBASE: tl.constexpr = False):
     """The partial (m, l, acc) of keys [c0, c1) from a fresh state, blocks in order; keys below n_full
     are valid for every tile row (unmasked blocks)."""
     m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -170,10 +177,12 @@ def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, sk
     f_end = tl.minimum(tl.maximum(n_full, c0), c1)
     for j0 in range(c0, f_end, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, PRE)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, PRE, OFF32,
+                                PBASE)
     for j0 in range(f_end, c1, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, PRE)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, PRE, OFF32,
+                                PBASE)
     return m_c, l_c, acc
 
 
@@ -215,11 +224,12 @@ def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
 
 @triton.jit
 def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, cnt_ptr, NC, SPP,
-              sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
+              sqn, sqh, skp, skn, skh, son, soh, sbt, NPG, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
               PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr, UPCAST: tl.constexpr,
               IEEE: tl.constexpr, FUSED: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
-              NPRE: tl.constexpr = 0, PRE: tl.constexpr = 0):
+              NPRE: tl.constexpr = 0, PRE: tl.constexpr = 0, OFF32: tl.constexpr = False, PBASE: tl.constexpr = False,
+              TBLW: tl.constexpr = False, DIAG: tl.constexpr = 0):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
     (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
@@ -260,9 +270,12 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
             n_keys = tl.load(work_ptr + w).to(tl.int32)
             kbase = w.to(tl.int64) * skp + hk * skh
         else:
-            n_keys = tl.load(work_ptr + w).to(tl.int32) + 1
-            kbase = hk.to(tl.int64) * skh
             bt = bt_ptr + tl.load(seq_ptr + w).to(tl.int64) * sbt
+            n_keys = tl.load(work_ptr + w).to(tl.int32) + 1
+            if OFF32:
+                kbase = hk * skh
+            else:
+                kbase = hk.to(tl.int64) * skh
         q_pos0 = n_keys - 1
         qrow = w + rm * 0
         qhead = hk * G + rm
@@ -291,7 +304,17 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     p_lo = k_lo // PAGE
     if NPRE > 0:  # paged: the table entries of keys [k_lo, k_hi) in one load, before the key loop
         pi = p_lo + tl.arange(0, NPRE)
-        pages = tl.load(bt + pi, mask=pi * PAGE < k_hi, other=0)
+        if DIAG:  # timing diagnostic only (wrong pages, wrong bits): no table load at all
+            pages = pi
+        elif TBLW:  # masked by the table's width, not by the row's keys: the load waits on the sequence id only
+            pages = tl.load(bt + pi, mask=pi < NPG, other=0)
+        else:
+            pages = tl.load(bt + pi, mask=pi * PAGE < k_hi, other=0)
+        if PBASE:
+            if OFF32:
+                pages = pages * skp
+            else:
+                pages = pages.to(tl.int64) * skp
     else:
         pages = p_lo
     if FLAT:  # one loop over the blocks (one software pipeline), a chunk's end handled inside it
@@ -302,14 +325,14 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for j0 in range(k_lo, f_end, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
                                         qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False, NPRE,
-                                        PRE)
+                                        PRE, OFF32, PBASE)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
         for j0 in range(f_end, k_hi, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
                                         qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True, NPRE,
-                                        PRE)
+                                        PRE, OFF32, PBASE)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
@@ -317,7 +340,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for c0 in range(k_lo, k_hi, CHUNK):
             m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, k_hi), n_keys, n_full,
                                         qpos, skp, skn, rd, qk_scale, pages, p_lo, BLOCK_M, BLOCK_N, D, PAGE,
-                                        MODE == 2, UPCAST, IEEE, NPRE, PRE)
+                                        MODE == 2, UPCAST, IEEE, NPRE, PRE, OFF32, PBASE)
             M, L, A, m_c, l_c, acc = _chunk_end(c0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr,
                                                 rd, BLOCK_M, D, CHUNK, SPLIT)
     if not SPLIT:
@@ -409,7 +432,7 @@ def _attn_prefill_launch(q, k, v, work, scale: float):
     cfg = _attn_cfg("prefill", q.dtype)
     _attn_fwd[(H, work.shape[0], 1)](
         q, k, v, o, lse, work, work, work, o, o, o, o, 1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
-        o.stride(0), o.stride(1), 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
+        o.stride(0), o.stride(1), 0, 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
         UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg, **_no_fma())
     return o, lse
 
@@ -430,6 +453,11 @@ def _chunks_per_program(N: int, H: int, Hk: int, nc: int, device) -> int:
     return 0 if spp >= nc else spp
 
 
+def _max_offset(t: torch.Tensor) -> int:
+    """One past the largest element offset a view addresses (0 when empty)."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
 def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strides, n_keys_max: int, scale: float):
     """Rows modes (1 decode, 2 paged) of _attn_fwd: one query row per item, its G heads in the tile.
     Few rows: split-K (programs over chunks, then _attn_combine); many: chunks folded in registers."""
@@ -446,6 +474,8 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     paged_stages = cfg.pop("PAGED_STAGES", None)
     pre, pre_max, pre_stages = cfg.pop("PAGED_PRE", 0), cfg.pop("PAGED_PRE_MAX", 0), cfg.pop("PAGED_PRE_STAGES", None)
     paged_flat, pre_warps = cfg.pop("PAGED_SPLIT_FLAT", None), cfg.pop("PAGED_PRE_WARPS", None)
+    off32, pbase = cfg.pop("PAGED_OFF32", False), cfg.pop("PAGED_PBASE", False)
+    tblw, diag = cfg.pop("PAGED_TBLW", False), cfg.pop("PAGED_DIAG", 0)
     if mode == 2 and paged_stages:
         cfg["num_stages"] = paged_stages
     if mode == 2 and paged_flat is not None:
@@ -457,16 +487,21 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     spp = _chunks_per_program(N, H, Hk, nc, q.device)
     skp, skn, skh = key_strides
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
+    if mode == 2 and off32 and _max_offset(k) < 2**31:  # every key offset fits int32: cheaper address math
+        flags["OFF32"] = True
+    if mode == 2 and tblw:
+        flags["TBLW"] = True
     if mode == 2 and pre:  # the table entries a program's keys need, loaded at once before its key loop
         span = spp * chunk if spp else n_keys_max  # a split program's keys, else the whole row
         npre = triton.next_power_of_2(triton.cdiv(span, page) + (0 if spp == 0 or chunk % page == 0 else 1))
         if npre <= pre_max:
-            flags.update(NPRE=npre, PRE=pre)
+            flags.update(NPRE=npre, PRE=pre, PBASE=bool(pbase), DIAG=diag)
             if pre_stages:
                 cfg["num_stages"] = pre_stages
             if pre_warps:
                 cfg["num_warps"] = pre_warps
-    args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
+    args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), table.shape[-1],
+            scale * LOG2E)
     if not spp:
         _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
                               **cfg)
