@@ -273,18 +273,13 @@ PAGED_VARIANTS = [
                                                          PAGED_PRE_WARPS=8, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64),
      True),
 ]
-# session 5 (issue 13, B=1): the address math and the table load of the preloaded-pages kernel (same bits)
+# session 5 (issue 13, B=1): int32 key offsets (the pinned setting since). Variants 0-7 keep int64 offsets
+# (as measured before). Measured in session 5's exploration run and dropped (results/..._session5_explore.json,
+# variants 9-12 there): gathered page offsets instead of page ids (1.7x), the table load masked by the
+# table's width (no change), and a timing-only diagnostic without the table load (wrong bits).
 _S4 = dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=256)
-PAGED_VARIANTS += [
-    ("gather, int32 key offsets", dict(_S4, PAGED_OFF32=True), False),
-    ("gather of page offsets (page * stride), int32", dict(_S4, PAGED_OFF32=True, PAGED_PBASE=True), False),
-    ("gather, table load masked by its width (hangs off the sequence id only)", dict(_S4, PAGED_TBLW=True), False),
-    ("gather of page offsets, int32, table masked by width", dict(_S4, PAGED_OFF32=True, PAGED_PBASE=True,
-                                                                   PAGED_TBLW=True), False),
-    ("DIAGNOSTIC no table load (identity pages: wrong bits, timing only)", dict(_S4, PAGED_DIAG=1), False),
-]
-_NEW_OFF = dict(PAGED_OFF32=False, PAGED_PBASE=False, PAGED_TBLW=False, PAGED_DIAG=0)
-PAGED_VARIANTS = [(n, {**_NEW_OFF, **c}, so) for n, c, so in PAGED_VARIANTS]
+PAGED_VARIANTS = [(n, {"PAGED_OFF32": False, **c}, so) for n, c, so in PAGED_VARIANTS]
+PAGED_VARIANTS += [("gather, int32 key offsets", dict(_S4, PAGED_OFF32=True), False)]
 ROUNDS = 1  # --rounds: timed rows interleaved this many times (medians reported)
 SELECT: list[int] | None = None  # --variants: a subset of PAGED_VARIANTS (the parallel --warm runs)
 BATCHES = [1, 8, 64]  # --batches
@@ -366,12 +361,13 @@ def _median(xs):
 
 
 # issue 12: the engine's decode step; (name, rows settings, chunks per program: None = the size-based schedule)
+# (session 5's exploration, with int64 offsets, 1.0 = its pinned row: split-K 1 chunk a program 1.17x, stages 4
+# 1.52x (one 148 KB program per SM), stages 2 1.05x (83 KB, two per SM; stages 3 takes 116 KB: one per SM))
 ENGINE_VARIANTS = [
     ("pinned settings, size-based schedule", {}, None),
-    ("split-K, 1 chunk a program", {}, 1),
-    ("int32 key offsets + gathered page offsets", dict(PAGED_OFF32=True, PAGED_PBASE=True), None),
-    ("stages 4", dict(PAGED_PRE_STAGES=4), None),
-    ("stages 2", dict(PAGED_PRE_STAGES=2), None),
+    ("int64 key offsets (session 4)", dict(PAGED_OFF32=False), None),
+    ("8 warps", dict(PAGED_PRE_WARPS=8), None),
+    ("8 warps, stages 2", dict(PAGED_PRE_WARPS=8, PAGED_PRE_STAGES=2), None),
 ]
 
 

@@ -51,18 +51,27 @@ from .common import INTERPRET, _check, _num_sms, _table
 # at B = 64 (a table load per block, same runs: 1.23-1.25x / 1.22-1.23x, 1.23-1.24x / 1.22x,
 # 1.05-1.06x / 1.02-1.04x). Slower, same bits: a one-hot sum instead of tl.gather (1.26x / 1.16x at B
 # = 1), 2 or 4 stages, 8 warps, one loop per split program, int64 key offsets preloaded (1.75x).
+# PAGED_OFF32 (session 5): a paged program's key offsets in int32 when every offset of the page pool fits
+# (the host checks the view's extent; else int64 as before): the per-key page * stride and the adds of
+# each block's addresses are 32-bit. Measured (experiments/results/paged_attention_h200_session5*.json,
+# graph times, same runs; int64 offsets beside): B = 1 1.05x / 1.05x our contiguous decode (pages 16 /
+# 32; 1.11-1.12x / 1.10x), B = 8 1.09x / 1.08x (1.09x / 1.09x), B = 64 1.03x / 1.01x (1.03x / 1.01x).
+# Without any table load at all (a timing-only diagnostic, wrong pages) B = 1 still took 1.07-1.08x with
+# int64 offsets: the gap was mostly address math, not the table load's latency. Slower, same bits:
+# gathering page offsets (page * stride) instead of page ids (1.7x at B = 1, 2.1x at B = 64); masking the
+# table load by the table width (so it waits on the sequence id only) changed nothing.
 _ROWS = dict(FUSED=True, COMBINE_UNROLL=16)
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True, SPLIT_FLAT=False,
                                      PAGED_STAGES=5, PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_PRE_MAX=256,
-                                     **_ROWS)),
+                                     PAGED_OFF32=True, **_ROWS)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True, SPLIT_FLAT=False,
                                     PAGED_STAGES=2, **_ROWS)),
 }
 # the rows settings before this (experiments/bench_paged_attention.py --old compares them in one run)
-ROWS_BEFORE = dict(PAGED_STAGES=None, FUSED=False, COMBINE_UNROLL=4, PAGED_PRE=0)
+ROWS_BEFORE = dict(PAGED_STAGES=None, FUSED=False, COMBINE_UNROLL=4, PAGED_PRE=0, PAGED_OFF32=False)
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
 # config is deterministic; bf16 measured on one H200 (--only attention_bwd_sweep,attention_bwd):
@@ -77,7 +86,7 @@ ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
 INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
                       decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False, FUSED=True, COMBINE_UNROLL=2,
-                                  PAGED_PRE=1, PAGED_PRE_MAX=256),
+                                  PAGED_PRE=1, PAGED_PRE_MAX=256, PAGED_OFF32=True),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
 # The split-K schedule of decode / paged rows (_chunks_per_program; the same bits whatever it picks):
 # while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
@@ -116,7 +125,7 @@ def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.conste
 def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_i, l_i, acc, qk_scale,
                 pages, p_lo, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
                 IEEE: tl.constexpr, MASKED: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
-                OFF32: tl.constexpr = False, PBASE: tl.constexpr = False):
+                OFF32: tl.constexpr = False):
     """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
     blocks whose keys are all valid for every tile row: the same values as the masked form (a
     where() that keeps every score), so a row's bits do not depend on which form its block took
@@ -129,9 +138,7 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     kmask = rn < n_keys
     if PAGED:
         page = _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE, NPRE, PRE, MASKED)
-        if PBASE:  # the program's pages preloaded as offsets (page * skp), in the width of kbase
-            koff = kbase + page + (rn % PAGE) * skn
-        elif OFF32:
+        if OFF32:  # every offset in the pool fits int32 (the host checks): 32-bit address math
             koff = kbase + page * skp + (rn % PAGE) * skn
         else:
             koff = kbase + page.to(tl.int64) * skp + (rn % PAGE) * skn
@@ -168,7 +175,7 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
 def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, skp, skn, rd, qk_scale, pages, p_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                 PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
-                OFF32: tl.constexpr = False, PBASE: tl.constexpr = False):
+                OFF32: tl.constexpr = False):
     """The partial (m, l, acc) of keys [c0, c1) from a fresh state, blocks in order; keys below n_full
     are valid for every tile row (unmasked blocks)."""
     m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -177,12 +184,10 @@ def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, sk
     f_end = tl.minimum(tl.maximum(n_full, c0), c1)
     for j0 in range(c0, f_end, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, PRE, OFF32,
-                                PBASE)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, PRE, OFF32)
     for j0 in range(f_end, c1, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, PRE, OFF32,
-                                PBASE)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, PRE, OFF32)
     return m_c, l_c, acc
 
 
@@ -224,12 +229,11 @@ def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
 
 @triton.jit
 def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, cnt_ptr, NC, SPP,
-              sqn, sqh, skp, skn, skh, son, soh, sbt, NPG, qk_scale,
+              sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
               PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr, UPCAST: tl.constexpr,
               IEEE: tl.constexpr, FUSED: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
-              NPRE: tl.constexpr = 0, PRE: tl.constexpr = 0, OFF32: tl.constexpr = False, PBASE: tl.constexpr = False,
-              TBLW: tl.constexpr = False, DIAG: tl.constexpr = 0):
+              NPRE: tl.constexpr = 0, PRE: tl.constexpr = 0, OFF32: tl.constexpr = False):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
     (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
@@ -304,17 +308,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     p_lo = k_lo // PAGE
     if NPRE > 0:  # paged: the table entries of keys [k_lo, k_hi) in one load, before the key loop
         pi = p_lo + tl.arange(0, NPRE)
-        if DIAG:  # timing diagnostic only (wrong pages, wrong bits): no table load at all
-            pages = pi
-        elif TBLW:  # masked by the table's width, not by the row's keys: the load waits on the sequence id only
-            pages = tl.load(bt + pi, mask=pi < NPG, other=0)
-        else:
-            pages = tl.load(bt + pi, mask=pi * PAGE < k_hi, other=0)
-        if PBASE:
-            if OFF32:
-                pages = pages * skp
-            else:
-                pages = pages.to(tl.int64) * skp
+        pages = tl.load(bt + pi, mask=pi * PAGE < k_hi, other=0)
     else:
         pages = p_lo
     if FLAT:  # one loop over the blocks (one software pipeline), a chunk's end handled inside it
@@ -325,14 +319,14 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for j0 in range(k_lo, f_end, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
                                         qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False, NPRE,
-                                        PRE, OFF32, PBASE)
+                                        PRE, OFF32)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
         for j0 in range(f_end, k_hi, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
                                         qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True, NPRE,
-                                        PRE, OFF32, PBASE)
+                                        PRE, OFF32)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
@@ -340,7 +334,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for c0 in range(k_lo, k_hi, CHUNK):
             m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, k_hi), n_keys, n_full,
                                         qpos, skp, skn, rd, qk_scale, pages, p_lo, BLOCK_M, BLOCK_N, D, PAGE,
-                                        MODE == 2, UPCAST, IEEE, NPRE, PRE, OFF32, PBASE)
+                                        MODE == 2, UPCAST, IEEE, NPRE, PRE, OFF32)
             M, L, A, m_c, l_c, acc = _chunk_end(c0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr,
                                                 rd, BLOCK_M, D, CHUNK, SPLIT)
     if not SPLIT:
@@ -432,7 +426,7 @@ def _attn_prefill_launch(q, k, v, work, scale: float):
     cfg = _attn_cfg("prefill", q.dtype)
     _attn_fwd[(H, work.shape[0], 1)](
         q, k, v, o, lse, work, work, work, o, o, o, o, 1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
-        o.stride(0), o.stride(1), 0, 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
+        o.stride(0), o.stride(1), 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
         UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg, **_no_fma())
     return o, lse
 
@@ -474,8 +468,7 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     paged_stages = cfg.pop("PAGED_STAGES", None)
     pre, pre_max, pre_stages = cfg.pop("PAGED_PRE", 0), cfg.pop("PAGED_PRE_MAX", 0), cfg.pop("PAGED_PRE_STAGES", None)
     paged_flat, pre_warps = cfg.pop("PAGED_SPLIT_FLAT", None), cfg.pop("PAGED_PRE_WARPS", None)
-    off32, pbase = cfg.pop("PAGED_OFF32", False), cfg.pop("PAGED_PBASE", False)
-    tblw, diag = cfg.pop("PAGED_TBLW", False), cfg.pop("PAGED_DIAG", 0)
+    off32 = cfg.pop("PAGED_OFF32", False)
     if mode == 2 and paged_stages:
         cfg["num_stages"] = paged_stages
     if mode == 2 and paged_flat is not None:
@@ -489,19 +482,16 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
     if mode == 2 and off32 and _max_offset(k) < 2**31:  # every key offset fits int32: cheaper address math
         flags["OFF32"] = True
-    if mode == 2 and tblw:
-        flags["TBLW"] = True
     if mode == 2 and pre:  # the table entries a program's keys need, loaded at once before its key loop
         span = spp * chunk if spp else n_keys_max  # a split program's keys, else the whole row
         npre = triton.next_power_of_2(triton.cdiv(span, page) + (0 if spp == 0 or chunk % page == 0 else 1))
         if npre <= pre_max:
-            flags.update(NPRE=npre, PRE=pre, PBASE=bool(pbase), DIAG=diag)
+            flags.update(NPRE=npre, PRE=pre)
             if pre_stages:
                 cfg["num_stages"] = pre_stages
             if pre_warps:
                 cfg["num_warps"] = pre_warps
-    args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), table.shape[-1],
-            scale * LOG2E)
+    args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
         _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
                               **cfg)

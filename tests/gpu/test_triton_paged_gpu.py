@@ -156,7 +156,8 @@ def test_backward_close_to_sdpa_and_identical_run_to_run():
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_rows_settings_leave_bits_alone(page_size, monkeypatch):
     """The paged pipeline depth, the fused split-K fold vs a second kernel, how a program finds its pages,
-    the loop form: the same bits as prefill (paged rows of ragged, shuffled sequences; decode rows)."""
+    the loop form, 32- or 64-bit key offsets: the same bits as prefill (paged rows of ragged, shuffled
+    sequences; decode rows)."""
     from rlalign.kernels.triton import attention as attn
 
     lens = [1, 300, 4096, 1000]
@@ -173,8 +174,10 @@ def test_rows_settings_leave_bits_alone(page_size, monkeypatch):
     base = dict(cfg["decode"])
     # PAGED_PRE: the pages of a program's keys preloaded (1 gather, 2 one-hot) or a table load per key block
     # (0); PAGED_PRE_MAX 512: rows folded in registers preload the whole (257-entry) table row too
+    # PAGED_OFF32: int32 key offsets (pinned) or int64
     for rows_cfg in (dict(), attn.ROWS_BEFORE, dict(PAGED_STAGES=7), dict(FUSED=False), dict(PAGED_PRE=0),
-                     dict(PAGED_PRE=2, PAGED_PRE_MAX=64), dict(PAGED_PRE_MAX=512), dict(PAGED_SPLIT_FLAT=True)):
+                     dict(PAGED_PRE=2, PAGED_PRE_MAX=64), dict(PAGED_PRE_MAX=512), dict(PAGED_SPLIT_FLAT=True),
+                     dict(PAGED_OFF32=False), dict(PAGED_OFF32=False, PAGED_PRE=0)):
         monkeypatch.setitem(cfg, "decode", dict(base, **rows_cfg))
         for spp in (1, 0):
             monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
