@@ -24,6 +24,7 @@ from _env import RESULTS, write  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import triton as tb  # noqa: E402
+from rlalign.kernels.triton import dispatch as fused_dispatch  # noqa: E402
 from rlalign.model.model import dispatch_torch  # noqa: E402
 
 
@@ -70,12 +71,12 @@ def main() -> None:
             if skew:
                 ids = torch.where(torch.rand(N, device=dev, generator=g) < 0.9, ids % 2, ids)
             want = dispatch_torch(ids, E)
-            got = tb.dispatch.moe_dispatch(ids, E)
+            got = fused_dispatch.moe_dispatch(ids, E)
             ok = all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
             row = {"equal": ok}
             if not skew:
                 row["torch_s"] = graph_time(lambda ids=ids: dispatch_torch(ids, E))
-                row["triton_s"] = graph_time(lambda ids=ids: tb.dispatch.moe_dispatch(ids, E))
+                row["triton_s"] = graph_time(lambda ids=ids: fused_dispatch.moe_dispatch(ids, E))
                 row["speedup"] = row["torch_s"] / row["triton_s"]
             res[f"dispatch_rows{N}{'_skew' if skew else ''}"] = row
     for R in (2048, 32768):  # a decode step's expert rows; a prefill chunk's
