@@ -54,12 +54,13 @@ from .common import INTERPRET, _check, _num_sms, _table
 # PAGED_OFF32 (session 5): a paged program's key offsets in int32 when every offset of the page pool fits
 # (the host checks the view's extent; else int64 as before): the per-key page * stride and the adds of
 # each block's addresses are 32-bit. Measured (experiments/results/paged_attention_h200_session5*.json,
-# graph times, same runs; int64 offsets beside): B = 1 1.05x / 1.05x our contiguous decode (pages 16 /
-# 32; 1.11-1.12x / 1.10x), B = 8 1.09x / 1.08x (1.09x / 1.09x), B = 64 1.03x / 1.01x (1.03x / 1.01x).
-# Without any table load at all (a timing-only diagnostic, wrong pages) B = 1 still took 1.07-1.08x with
-# int64 offsets: the gap was mostly address math, not the table load's latency. Slower, same bits:
-# gathering page offsets (page * stride) instead of page ids (1.7x at B = 1, 2.1x at B = 64); masking the
-# table load by the table width (so it waits on the sequence id only) changed nothing.
+# graph times, two runs of 3 interleaved rounds; int64 offsets in the same runs): paged / our contiguous
+# decode B = 1 1.05x / 1.04-1.05x (pages 16 / 32; int64 1.10-1.11x / 1.10x), B = 8 1.09-1.10x / 1.08x
+# (1.09x / 1.09x: page 16 ~0.3 % slower), B = 64 1.03x / 1.01x (1.03x / 1.02x); the engine's 256-row step
+# (bench --only engine) 44.0 vs 46.3 us. Without any table load (a timing-only diagnostic, wrong pages)
+# B = 1 still took 1.07-1.08x with int64 offsets: the gap was mostly address math, not the table load's
+# latency. Slower, same bits: gathering page offsets (page * stride) instead of page ids (1.7x at B = 1,
+# 2.1x at B = 64); masking the table load by the table's width (waits on the sequence id only): no change.
 _ROWS = dict(FUSED=True, COMBINE_UNROLL=16)
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
