@@ -14,7 +14,7 @@ from .common import ROW_BLOCK, Launch, _cached, _check
 def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[t, j] in fp32, slot 0 first. ROWS: y[t, j] is row rows[t * K + j]
     of y [R, Dm] (the expert outputs in dispatch order, read in place)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # (t * K + j) * Dm passes 2**31 for large token counts
     for d0 in range(0, Dm, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -31,7 +31,7 @@ def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS
 
 @triton.jit
 def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, K, Dm, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     for j in range(K):
         wj = tl.load(w_ptr + t * K + j)
         part = tl.zeros((BLOCK,), dtype=tl.float32)
