@@ -81,7 +81,11 @@ def linears(x: torch.Tensor, ws: list[torch.Tensor], biases: list | None = None)
     biases = list(biases) if biases is not None else [None] * len(ws)
     if len(biases) != len(ws):
         raise ValueError(f"kernels.linears: {len(ws)} weights but {len(biases)} biases")
-    return _impl(x).linears(x, list(ws), biases)
+    impl = _impl(x)
+    fused = getattr(impl, "linears", None)
+    if fused is not None:
+        return fused(x, list(ws), biases)
+    return [impl.linear(x, w, b) for w, b in zip(ws, biases)]
 
 
 def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -159,10 +163,19 @@ def attention_paged(
 
 def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> None:
-    """The KV-cache write of an engine step: rows k, v [N, Hk, D] into the flat slots [N] of
-    k_pages / v_pages [P, page_size, Hk, D] (slot = page * page_size + offset). A copy (no bit
-    changes); the Triton backend writes both in one launch."""
-    _impl(k).paged_write(k_pages, v_pages, slots, k, v)
+    """The KV-cache write of an engine step (the native engine's and vLLM's): rows k, v [N, Hk, D]
+    into slots [N] of k_pages / v_pages [P, page_size, Hk, D] (slot = page * page_size + offset; the
+    views may be strided, as vLLM's are). A copy (no bit changes); the Triton backend writes contiguous
+    pages in one launch."""
+    k, v = k.to(k_pages.dtype), v.to(v_pages.dtype)
+    fused = getattr(_impl(k), "paged_write", None)
+    if fused is not None and k_pages.is_contiguous() and v_pages.is_contiguous():
+        fused(k_pages, v_pages, slots, k, v)
+        return
+    slots = slots.long()
+    page, off = slots // k_pages.shape[1], slots % k_pages.shape[1]
+    k_pages[page, off] = k
+    v_pages[page, off] = v
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):

@@ -17,10 +17,6 @@ def linear(x, w, bias=None):
 USE_GROUPED_MM = False
 
 
-def linears(x, ws, biases):
-    return [linear(x, w, b) for w, b in zip(ws, biases)]
-
-
 def embedding(weight, tokens):
     return weight[tokens]
 
@@ -98,11 +94,6 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale:
     n_keys = int(positions.max()) + 1
     k, v = (gather_pages(p, block_table, seq_idx, n_keys) for p in (k_pages, v_pages))
     return attention_decode(q, k, v, positions + 1, scale)
-
-
-def paged_write(k_pages, v_pages, slots, k, v) -> None:
-    k_pages.flatten(0, 1).index_copy_(0, slots, k)
-    v_pages.flatten(0, 1).index_copy_(0, slots, v)
 
 
 def moe_route(logits, top_k: int, renormalize: bool):

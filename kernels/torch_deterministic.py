@@ -58,10 +58,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
-def linears(x, ws, biases):
-    return [linear(x, w, b) for w, b in zip(ws, biases)]
-
-
 def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """weight[tokens]; the backward is torch's index backward (sequential, in order, on CPU)."""
     return weight[tokens]
@@ -206,11 +202,6 @@ def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         work.scatter_(-1, i[..., None], float("-inf"))
     ind = torch.stack(picks, -1)
     return x.gather(-1, ind), ind
-
-
-def paged_write(k_pages, v_pages, slots, k, v) -> None:
-    k_pages.flatten(0, 1).index_copy_(0, slots, k)
-    v_pages.flatten(0, 1).index_copy_(0, slots, v)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):

@@ -44,14 +44,16 @@ def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, K, Dm, BLOCK: tl.constexpr
         tl.store(dw_ptr + t * K + j, tl.sum(part, axis=0))
 
 
-def _combine(y, w):
+def _combine(y, w, rows=None):
+    """(y, w, out) as the kernel read them: y [T, K, Dm], or y [R, Dm] read through rows [T * K]."""
     y, w = y.contiguous(), w.float().contiguous()
-    T, K, Dm = y.shape
+    (T, K), Dm = w.shape, y.shape[-1]
     out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
     if T:
-        _cached(("combine", T, K, Dm, y.dtype), lambda: Launch(_combine_fwd, (T,), (K, Dm),
-                                                      dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)),
-                                                           ROWS=False)))(y, w, out, w)
+        rows = w if rows is None else rows.contiguous()  # the pointer slot, unread without ROWS
+        _cached(("combine", T, K, Dm, y.dtype, rows.dtype, rows is w), lambda: Launch(
+            _combine_fwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)), ROWS=rows is not w)))(
+            y, w, out, rows)
     return y, w, out
 
 
@@ -85,13 +87,7 @@ def moe_combine_rows(y, weights, rows):
                          f"weights {tuple(weights.shape)}")
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
         return moe_combine(y.index_select(0, rows).view(T, K, Dm), weights)
-    y, w, rows = y.contiguous(), weights.float().contiguous(), rows.contiguous()
-    out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
-    if T:
-        _cached(("combine_rows", T, K, Dm, y.dtype, rows.dtype), lambda: Launch(
-            _combine_fwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)), ROWS=True)))(
-            y, w, out, rows)
-    return out
+    return _combine(y, weights, rows)[2]
 
 
 def moe_combine(y, weights):

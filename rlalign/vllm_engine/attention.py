@@ -36,16 +36,6 @@ def page_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, tor
     return pages[..., :head_dim], pages[..., head_dim:]
 
 
-def write_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> None:
-    """Store rows' keys/values [N, Hk, D] at their slots, in place (the views may be strided)."""
-    page_size = k_pages.shape[1]
-    slot = slot_mapping.long()
-    page, off = slot // page_size, slot % page_size
-    k_pages[page, off] = k.to(k_pages.dtype)
-    v_pages[page, off] = v.to(v_pages.dtype)
-
-
 class VllmPages:
     """The `cache` of Transformer.step over vLLM's per-layer KV tensors (write/pages, like
     rlalign.model.PagedKVCache)."""
@@ -54,7 +44,7 @@ class VllmPages:
         self.views = [page_views(t, head_dim) for t in kv_caches]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        write_slots(*self.views[layer], slot_mapping, k, v)
+        kernels.paged_write(*self.views[layer], slot_mapping, k, v)
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.views[layer]
@@ -106,7 +96,7 @@ class RlalignAttentionImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         k_pages, v_pages = page_views(kv_cache, self.head_size)
-        write_slots(k_pages, v_pages, attn_metadata.slot_mapping, key[:n], value[:n])
+        kernels.paged_write(k_pages, v_pages, attn_metadata.slot_mapping, key[:n], value[:n])
         output[:n] = kernels.attention_paged(query[:n], k_pages, v_pages, attn_metadata.block_table,
                                              attn_metadata.seq_idx, attn_metadata.positions, self.scale)
         return output
