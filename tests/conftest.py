@@ -11,6 +11,20 @@ import pytest  # noqa: E402
 from rlalign import kernels  # noqa: E402
 from rlalign.model import ModelArgs, build_model  # noqa: E402
 
+
+def _refuse_host_blas_dot(self, *args, **kwargs):
+    raise AssertionError(
+        "tl.dot ran under TRITON_INTERPRET: the interpreter computes it with the host's BLAS, whose bits "
+        "change with the CPU's kernel (OPENBLAS_CORETYPE), so a bit test through it passes or fails by "
+        "machine. Kernels take the UPCAST branch there (kernels/triton/common.py host_free_dot).")
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # every in-process interpreter test proves it stays off BLAS
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    InterpreterBuilder.create_dot = _refuse_host_blas_dot
+
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

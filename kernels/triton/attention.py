@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, _check, _num_sms, _table
+from .common import INTERPRET, _check, _num_sms, _table, host_free_dot
 
 # Prefill, decode and paged rows share BLOCK_N and CHUNK (the key blocks and chunks a row reduces
 # over, in order: part of the contract); their tile heights may differ: all use wgmma tiles
@@ -155,7 +155,9 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    if IEEE:
+    if UPCAST:
+        s = host_free_dot(q, tl.trans(k)) * qk_scale
+    elif IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -165,7 +167,9 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
+    if UPCAST:
+        acc = acc * alpha[:, None] + host_free_dot(p, v)
+    elif IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -564,20 +568,27 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
                 do = do.to(tl.float32)
             lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
             delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
-            if IEEE:
+            if UPCAST:
+                st = host_free_dot(k, tl.trans(q)) * qk_scale  # [BN, BM], log2 units
+            elif IEEE:
                 st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale  # [BN, BM], log2 units
             else:
                 st = tl.dot(k, tl.trans(q)) * qk_scale
             valid = kmask[:, None] & qmask[None, :] & (rn[:, None] <= rm[None, :])
             pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
-            if IEEE:
+            if UPCAST:
+                dv += host_free_dot(pt, do)
+                dpt = host_free_dot(v, tl.trans(do))
+            elif IEEE:
                 dv += tl.dot(pt, do, input_precision="ieee")
                 dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
             else:
                 dv += tl.dot(pt.to(do.dtype), do)
                 dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
-            if IEEE:
+            if UPCAST:
+                dk += host_free_dot(dst, q)
+            elif IEEE:
                 dk += tl.dot(dst, q, input_precision="ieee")
             else:
                 dk += tl.dot(dst.to(q.dtype), q)
@@ -619,7 +630,10 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_p
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        if IEEE:
+        if UPCAST:
+            s = host_free_dot(q, tl.trans(k)) * qk_scale
+            dp = host_free_dot(do, tl.trans(v))
+        elif IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         else:
@@ -628,7 +642,9 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_p
         valid = qmask[:, None] & kmask[None, :] & (rn[None, :] <= rm[:, None])
         p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
-        if IEEE:
+        if UPCAST:
+            dq += host_free_dot(ds, k)
+        elif IEEE:
             dq += tl.dot(ds, k, input_precision="ieee")
         else:
             dq += tl.dot(ds.to(k.dtype), k)

@@ -1,6 +1,6 @@
 """Shared by the Triton kernel modules: the interpreter switch, dtype/device checks, the SM count,
-one LRU cache of work tables and launch plans, and `Launch` (a plan's kernel called without triton's
-per-call dispatch)."""
+one LRU cache of work tables and launch plans, `Launch` (a plan's kernel called without triton's
+per-call dispatch) and the interpreter's matrix product."""
 
 from __future__ import annotations
 
@@ -8,10 +8,23 @@ import os
 from collections import OrderedDict
 
 import torch
+import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_BLOCK = 1024  # rmsnorm / logprob / combine chunk along the row
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def host_free_dot(a, b):
+    """a @ b in fp32 for the interpreter (the kernels' UPCAST branch), with bits that do not depend on
+    the host. The interpreter's tl.dot is numpy's matmul, i.e. the host's BLAS, whose summation order
+    follows the kernel it picks for the CPU (OpenBLAS: Haswell and Sandybridge kernels give other bits
+    for one row as the matrix around it changes). Here every product is exact in fp64 (two 24-bit
+    significands fit in 53), numpy's add sums them along K in an order fixed by the shape alone, and
+    the sum is rounded to fp32 once. A tile's bits stay a function of its own row and column."""
+    return tl.sum(a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :], axis=1).to(tl.float32)
 
 
 def _check(name: str, *ts: torch.Tensor) -> None:
