@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
                      "train_speed_ratio_det_over_default": d["train_tokens_per_s"] / f["train_tokens_per_s"]})
     setup = {"model": "tiny-moe", "prompts": a.prompts, "max_new_tokens": a.new_tokens,
              "micro_batch_size": a.micro_batch, "repeats": a.repeats, "timing": "median wall-clock after 1 warm-up"}
-    path = _env.write("core_cpu_tokens_per_s", {"setup": setup, "rows": rows}, a.out)
+    path = record.write("core_cpu_tokens_per_s", {"setup": setup, "rows": rows}, a.out)
     print(f"{'dtype':9} {'gen det tok/s':>14} {'gen def tok/s':>14} {'ratio':>6} {'train det tok/s':>16} "
           f"{'train def tok/s':>16} {'ratio':>6}")
     for r in rows:

@@ -1,4 +1,4 @@
-"""MoE dispatch of one decode step's rows (issue 12): the torch counting sort (~12 launches) vs the
+"""MoE dispatch of one decode step's rows: the torch counting sort (~12 launches) vs the
 one-launch Triton kernel (kernels/triton/dispatch.py), timed inside CUDA graphs (as the decode
 step replays them) with triton.testing.do_bench_cudagraph (median), and checked equal.
 
@@ -18,7 +18,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, environment  # noqa: E402
+from record import RESULTS, environment  # noqa: E402
 
 from rlalign.kernels.triton.dispatch import moe_dispatch  # noqa: E402
 from rlalign.model.model import dispatch_torch  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign.agree import random_prompts  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> None:
                   f"default {f['train_step_s']:.2f}s (x{row['train_time_ratio_det_over_default']:.2f})", flush=True)
     setup = {"prompts": 64, "max_new_tokens": 32, "micro_batch_size": 8, "repeats": a.repeats,
              "overrides": a.overrides, "timing": "median inside ranks after 1 warm-up, slowest rank"}
-    print("wrote", _env.write(a.name or f"ep_bench_{a.device.split(':')[0]}", {"setup": setup, "rows": rows}, a.out))
+    print("wrote", record.write(a.name or f"ep_bench_{a.device.split(':')[0]}", {"setup": setup, "rows": rows}, a.out))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rollout speed of the native engine (issue 12): tokens/s, the fraction of the HBM roofline,
+"""Rollout speed of the native engine: tokens/s, the fraction of the HBM roofline,
 and agreement with the trainer, for the deterministic Triton kernels (CUDA graphs on and off)
 and the default kernels in the same engine, same prompts, same run.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, environment  # noqa: E402
+from record import RESULTS, environment  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> None:
         out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
                "prompt_len": [a.prompt_min, a.prompt_max],
                "max_num_batched_tokens": a.max_batched, "calls": a.calls, "triton_dispatch": dispatch_on,
-               "baseline_tokens_per_s_issue12": 2700,
+               "baseline_tokens_per_s": 2700,
                "results": res}
         if a.dump:
             torch.save(dumps, a.dump)

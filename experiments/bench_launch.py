@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import environment  # noqa: E402
+from record import environment  # noqa: E402
 
 from rlalign.kernels import torch_default  # noqa: E402
 from rlalign.kernels import triton as tb  # noqa: E402

@@ -1,4 +1,4 @@
-"""q, k, v as three `linear` launches vs one `linears` launch (issue 12), bits and speed in one run.
+"""q, k, v as three `linear` launches vs one `linears` launch, bits and speed in one run.
 
     python experiments/bench_linears.py [--out DIR] [--old OLD_GEMM_PY] [--candidates]
 
@@ -23,7 +23,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, write  # noqa: E402
+from record import RESULTS, write  # noqa: E402
 
 import rlalign.kernels.triton  # noqa: E402,F401
 from rlalign.kernels.triton import gemm  # noqa: E402

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 LEVELS = ("off", "default", "layers")
 
@@ -55,7 +55,7 @@ def main() -> None:
         print(f"{lv:8} mean step {mean[lv]:.3f}s  overhead vs off {100 * res[lv]['overhead_vs_off']:+.1f}%")
     setup = {"steps_per_run": a.steps, "warmup_steps_dropped": a.warmup, "reps": a.reps, "overrides": a.overrides,
              "config": "embedded default (tiny MoE, repeat task, trainer EP 2, generator EP 1, CPU)"}
-    print("wrote", _env.write("monitor_overhead_cpu", {"setup": setup, "levels": res}, a.out))
+    print("wrote", record.write("monitor_overhead_cpu", {"setup": setup, "levels": res}, a.out))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign.kernels.triton import attention as attn  # noqa: E402
 
@@ -564,9 +564,9 @@ def main() -> None:
     name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "") + a.name
     schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM,
                 "rows_before": attn.ROWS_BEFORE}
-    path = _env.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)
+    path = record.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)
     if a.asm:
-        dump_kernels(a.out or str(_env.RESULTS))
+        dump_kernels(a.out or str(record.RESULTS))
     print("\n" + "\n".join(f"{r['section']:8} {r['name']:60} " + "  ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k not in ("section", "name"))
         for r in ROWS))

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, environment  # noqa: E402
+from record import RESULTS, environment  # noqa: E402
 
 from rlalign.config import load_config  # noqa: E402
 from rlalign.parallel import launch  # noqa: E402

@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (the benchmark lambdas run inside the loop iteration that defines them)
 """Triton backend on the GPU: bitwise checks, accuracy against fp64, and speed against the
 default path (cuBLAS / SDPA / plain torch) measured in the same run. Prints a table; writes
-results/triton_<gpu>[_<name>].json (experiments/gpu_session.sh passes --name "$(git describe)").
+results/triton_<gpu>[_<name>].json.
 
     python experiments/bench_triton.py [--quick] [--only STEP,...] [--name SUFFIX] [--out DIR]
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import torch_deterministic  # noqa: E402
@@ -532,7 +532,7 @@ def main() -> None:
             row("error", name, error=f"{type(e).__name__}: {e}"[:300])
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") if DEV == "cuda" else "cpu"
     name = f"triton_{gpu}" + ("_quick" if a.quick else "") + (f"_{a.name}" if a.name else "")
-    print("wrote", _env.write(name, {"rows": ROWS}, a.out))
+    print("wrote", record.write(name, {"rows": ROWS}, a.out))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign.agree import random_prompts  # noqa: E402
 from rlalign.config import engine_config, load_config, model_args  # noqa: E402
@@ -90,7 +90,7 @@ def main() -> None:
     name = "vllm_cpu_tokens_per_s" + (f"_ep{a.ep_size}" if a.ep_size > 1 else "") + (f"_{a.tag}" if a.tag else "")
     command = shlex.join(["python", "experiments/bench_vllm.py", *sys.argv[1:]])
     print(result)
-    print("wrote", _env.write(name, {"result": result}, a.out, command))
+    print("wrote", record.write(name, {"result": result}, a.out, command))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ set-up, NCCL init); a trainer update on random tokens; `old_reps` timed object-s
 came by the device path); `reps` timed device syncs (driver wall time of Job.sync_weights, each
 checked by the device fingerprints); then an independent bitwise check: both sides' unsharded
 weights on the host, compared tensor by tensor. Prints a table; writes
-DIR/weight_sync_<machine>.json (after every model and mode, so a timeout keeps what was measured).
+DIR/weight_sync_<models>_<machine>.json (after every model and mode, so a timeout keeps what was measured).
 `--device cpu --models tiny-moe` is the CPU rehearsal (gloo).
 """
 
@@ -31,14 +31,14 @@ import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, environment  # noqa: E402
+from record import RESULTS, environment  # noqa: E402
 
 from rlalign import cluster  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
 from rlalign.rl import Job  # noqa: E402
 from rlalign.training.trainer import Sample  # noqa: E402
 
-TARGETS_S = {"bench-moe": 0.2, "bench-moe-large": 2.0}  # issue 12, 2xH200
+TARGETS_S = {"bench-moe": 0.2, "bench-moe-large": 2.0}  # seconds per sync, 2xH200
 MODES = {"separate": ["trainer.ep_size=1", "generator.ep_size=1", "placement.colocate=false"],
          "colocated": ["trainer.ep_size=2", "generator.ep_size=1", "placement.colocate=true"]}
 
@@ -163,7 +163,7 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip the old path once this much time has passed")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
-    ap.add_argument("--name", default=None, help="result file name (default weight_sync_<gpu>x<count>.json)")
+    ap.add_argument("--name", default=None, help="result file name (default weight_sync_<models>_<gpu>x<count>.json)")
     a = ap.parse_args()
     a.t_start = time.perf_counter()
     ngpu = torch.cuda.device_count() if a.device == "cuda" else 0
@@ -171,7 +171,7 @@ def main() -> int:
         print(f"bench_weight_sync: needs 2 GPUs (found {ngpu})", file=sys.stderr)
         return 2
     machine = f"{torch.cuda.get_device_name(0).split()[-1].lower()}x{ngpu}" if ngpu else "cpu"
-    name = a.name or f"weight_sync_{machine}"
+    name = a.name or f"weight_sync_{a.models.replace(',', '+')}_{machine}"
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {**environment(), "what": __doc__.strip().splitlines()[0], "reps": a.reps, "old_reps": a.old_reps,

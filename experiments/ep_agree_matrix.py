@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 
 def agree(overrides: list[str]) -> dict:
@@ -49,7 +49,7 @@ def main() -> None:
                           f"mismatched {r['mismatched_tokens']:5d} max|d| {r['max_abs_diff']:.3g}  {r['wall_s']:.1f}s",
                           flush=True)
     name = a.name or f"ep_agree_{a.device.split(':')[0]}"
-    print("wrote", _env.write(name, {"rows": rows}, a.out))
+    print("wrote", record.write(name, {"rows": rows}, a.out))
 
 
 if __name__ == "__main__":

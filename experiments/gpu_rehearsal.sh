@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 15's scale proof as one script whose numbers scale: `rlalign agree` (trainer EP $TEP vs each
+# The scale proof as one script whose numbers scale: `rlalign agree` (trainer EP $TEP vs each
 # generator EP in $GEPS, deterministic Triton kernels; default kernels as the twin) and a 5-step
 # `rlalign train` (trainer EP $TEP with dense sharding, each generator EP in $GEP_TRAIN colocated), summarised
 # into results JSON (mismatches, median phase breakdown, peak GPU memory per role).
 #   2xH200 rehearsal (default):  bash experiments/gpu_rehearsal.sh
 #   8xH200 (when lent):          MODEL=qwen3-30b-a3b-shape TEP=8 GEPS="4 8" TAG=8xh200 bash experiments/gpu_rehearsal.sh
-#   AGREE=0 skips the agree runs; SUFFIX names a repeat's train JSONs.
+#   AGREE=0 skips the agree runs.
 #   CPU (tiny, the same path):   MODEL=tiny-moe DEVICE=cpu BACKEND=torch PROMPTS=4 NEW=8 TRAIN_PROMPTS=2 \
 #                                TAG=cpu bash experiments/gpu_rehearsal.sh
 set -u
@@ -24,7 +24,7 @@ agree() {  # $1 name, rest: overrides
   echo "== $cmd"
   timeout "${T_AGREE:-300}" python3 -m rlalign.cli agree $common agree.num_prompts=$PROMPTS \
     generator.max_new_tokens=$NEW "$@" 2>/tmp/agree_$name.err | tail -1 \
-    | python3 experiments/_env.py "$name" --out "$OUT" --command "$cmd" || tail -5 /tmp/agree_$name.err
+    | python3 experiments/record.py "$name" --out "$OUT" --command "$cmd" || tail -5 /tmp/agree_$name.err
   python3 - "$OUT/$name.json" <<'PY'
 import json, sys
 try:
@@ -54,6 +54,6 @@ checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run"
     trainer.shard_dense=true run.steps=$STEPS task.num_prompts=$TRAIN_PROMPTS task.samples_per_prompt=$SPP \
     task.max_new_tokens=$NEW checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run 2>&1 \
     | grep -E "^step|Error|error" | tail -8
-  python3 experiments/gpu_rl_summary.py $run "train_${MODEL}_tep${TEP}_gep${gep}_${TAG}${SUFFIX:-}" --out "$OUT" \
+  python3 experiments/gpu_rl_summary.py $run "train_${MODEL}_tep${TEP}_gep${gep}_${TAG}" --out "$OUT" \
     --warmup 1 --command "$cmd"
 done

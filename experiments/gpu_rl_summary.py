@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     for k, v in out["peak_memory_gib_max"].items():
         print(f"{k:24} {v:.1f} GiB")
     print(f"mismatched {out['mismatched_tokens_total']} / {out['tokens_total']} tokens over {len(rows)} steps")
-    print("wrote", _env.write(a.name, out, a.out, a.command))
+    print("wrote", record.write(a.name, out, a.out, a.command))
 
 
 if __name__ == "__main__":

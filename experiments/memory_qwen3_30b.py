@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model.model import build_model  # noqa: E402
@@ -154,7 +154,7 @@ def main() -> None:
     print(f"dense {D / 1e9:.3f} B params, experts {E / 1e9:.2f} B ({E_loc / 1e9:.2f} B per rank); max dense share "
           f"{D_share / D:.4f} of the dense state (ideal {1 / W:.4f}) in {len(units)} units")
     name = "memory_qwen3_30b" if a.model == "qwen3-30b-a3b-shape" else f"memory_{a.model}_ep{W}"
-    print("wrote", _env.write(name, {"result": result}, a.out))
+    print("wrote", record.write(name, {"result": result}, a.out))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a CUDA-graph decode step's wall time goes (issue 12): bench-moe-large, 256 prompts, deterministic
+"""Where a CUDA-graph decode step's wall time goes: bench-moe-large, 256 prompts, deterministic
 Triton kernels. Wraps the engine's graph call to time each step on the host and on the GPU (CUDA
 events around copy-in + replay + copy-out), then replays the 256-row graph alone, plain and under
 torch.profiler (kernel time vs replay time: the gaps between the graph's kernels).
@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, write  # noqa: E402
+from record import RESULTS, write  # noqa: E402
 
 from rlalign import generation, kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402

@@ -1,4 +1,4 @@
-"""Where a rollout's time goes (issue 12): the native engine on bench-moe-large, deterministic
+"""Where a rollout's time goes: the native engine on bench-moe-large, deterministic
 Triton kernels, CUDA graphs on. Runs `generate` under torch.profiler (kernels inside graph replays
 included) and splits the wall time into GPU kernel time by kernel family and the rest (host).
 
@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import RESULTS, environment  # noqa: E402
+from record import RESULTS, environment  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402

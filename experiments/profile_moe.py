@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--model", default="bench-moe")
-    ap.add_argument("--name", default="", help="suffix of the result name (gpu_session.sh: git describe)")
+    ap.add_argument("--name", default="", help="suffix of the result name")
     a = ap.parse_args()
     from rlalign.kernels import torch_default
 
@@ -68,7 +68,7 @@ def main() -> None:
                 print(f"  {r['self_cpu_ms']:8.2f} ms  {r['calls']:6d}x  {r['name']}")
             del cuda
     gpu = torch.cuda.get_device_name(0).replace(" ", "_")
-    print("wrote", _env.write(f"profile_moe_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), out, a.out))
+    print("wrote", record.write(f"profile_moe_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), out, a.out))
 
 
 if __name__ == "__main__":

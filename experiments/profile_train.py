@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402
+import record  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
@@ -343,7 +343,7 @@ def main() -> None:
                "variants": results, "churn": churn_rec}
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu"
     out = a.out or os.environ.get("OUT")
-    print("wrote", _env.write(f"train_profile_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), payload, out))
+    print("wrote", record.write(f"train_profile_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), payload, out))
 
 
 if __name__ == "__main__":

@@ -14,40 +14,30 @@ import triton.language as tl
 
 from .common import INTERPRET, SUPPORTED, Launch, _cached, _check, _host_table, _num_sms, host_free_dot
 
-# The contract: one config per dtype (and one for the interpreter), never autotuned.
-# bf16/fp16 main config, measured on one H200 (experiments/README.md, results/triton_NVIDIA_H200_v10.json):
-# 0.99x cuBLAS at 4096^3, 0.96x at 8192^3; rows bitwise equal for M = 1..8192.
+# The contract: one config per dtype (and one for the interpreter), never autotuned. How each
+# config was chosen and measured (H200): experiments/README.md (results/triton_NVIDIA_H200.json, History).
 MATMUL_CONFIGS = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
     torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
 }
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
-# Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype: [(max M, config)].
-# A config may join only if every element still reduces K in the same order through the same chain
-# of k16 MMAs into one fp32 accumulator (BLOCK_K 64 or 128 cut that chain at different points, not
-# reorder it), and its rows measured bitwise equal to the main config's for M = 1..8192 on the GPU
-# (experiments/bench_triton.py --only matmul_sweep,matmul). Measured on H200: 0 rows differing for
-# every candidate; these two: M=64 1.01x, M=256 0.87x cuBLAS (CUDA graphs 0.82x / 1.02x), against
-# 0.17x / 0.31x with the main config.
-# Decode (issue 12, experiments/gemm_decode_sweep.py, results/gemm_decode_sweep_H200.json): at
-# 64 < M <= 256 the linears with N <= 4096 (q, k, v, o, router: too few 128-wide tiles for 132 SMs)
-# take 64-wide tiles, 4 stages, the tile loop flattened (16 layers of them at M = 256: 1.29x); wider N
-# (the lm head) 128-wide tiles with 4 stages instead of 3 (1.16x); M <= 64 unchanged. Entries: (max M, config) or
-# (max M, max N, config); the first that fits. Same BLOCK_K (128), same wgmma chain: measured bitwise
-# equal to the previous configs (results/gemm_decode_check_H200.json).
+# Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype. A config may join
+# only if every element still reduces K in the same order through the same chain of k16 MMAs into one
+# fp32 accumulator (BLOCK_K 64 or 128 cut that chain at different points, not reorder it), and its
+# rows measured bitwise equal to the main config's for M = 1..8192 on the GPU (experiments/bench_triton.py
+# --only matmul_sweep,matmul). At 64 < M <= 256 the linears with N <= 4096 (q, k, v, o, router: too few
+# 128-wide tiles for 132 SMs) take 64-wide tiles, the tile loop flattened; wider N (the lm head)
+# 128-wide tiles. Entries: (max M, config) or (max M, max N, config); the first that fits.
 _SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
           (256, 4096, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
           (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4))]
 MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
 # The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in
 # COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
-# rows on each of 64 experts: the plain small-M config (64 x 32 tiles) read each expert's weights in
-# 32-column slices, twice as many A bytes as B bytes per tile and a 6-deep pipeline refilled for
-# every 16-chunk (gate_up) or 6-chunk (down) tile: 40 % / 30 % of the HBM peak. 64 x 128 tiles, 4
-# stages, the tile loop flattened (the next tile's loads issued under the current one): 79 % / 72 %,
-# 1.96x / 2.39x (16 layers of bench-moe-large from a CUDA graph, results/gemm_decode_check_H200.json;
-# bitwise equal to the old configs at R = 8..32768, host and device counts, forward and dX).
+# rows on each of 64 experts: 64 x 128 tiles, 4 stages, the tile loop flattened (the next tile's loads
+# issued under the current one) read each expert's weights at 79 % / 72 % of the HBM peak (gate_up /
+# down), where the plain small-M config's 64 x 32 tiles reached 40 % / 30 %.
 _GROUPED_SMALL = [(256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
                              FLATTEN=True))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}

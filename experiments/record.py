@@ -1,6 +1,6 @@
 """Environment record attached to every benchmark result (date, machine, versions, command, git describe).
 
-    python experiments/_env.py NAME [--out DIR] [--command CMD] < result.json
+    python experiments/record.py NAME [--out DIR] [--command CMD] < result.json
 
 wraps a JSON result printed by another tool (the last line of its stdout, e.g. `rlalign agree`) in
 the same record and writes DIR/NAME.json.
@@ -78,7 +78,7 @@ def main() -> None:
     a = ap.parse_args()
     lines = [x for x in sys.stdin.read().splitlines() if x.strip()]
     if not lines:
-        sys.exit("_env.py: no result on stdin")
+        sys.exit("record.py: no result on stdin")
     print("wrote", write(a.name, {"result": json.loads(lines[-1])}, a.out, a.command))
 
 
