@@ -59,11 +59,11 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 # --- exp ------------------------------------------------------------------------------------
 # exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 split Cody-Waite style so that
-# n * _LN2_HI is exact; exp(r) by a degree-7 Taylor polynomial in Horner form (|r| <= 0.347,
+# n * LN2_HI is exact; exp(r) by a degree-7 Taylor polynomial in Horner form (|r| <= 0.347,
 # truncation < 6e-9 relative). Accuracy ~1-2 ulp of fp32.
 _LOG2E = 1.4426950408889634
-_LN2_HI = 0.693145751953125  # 0x3f317200: 16 significant bits
-_LN2_LO = 1.4286068203094172e-06
+LN2_HI = 0.693145751953125  # 0x3f317200: 16 significant bits
+LN2_LO = 1.4286068203094172e-06
 _EXP_COEFFS = [1.0 / math.factorial(i) for i in range(7, 1, -1)]  # r^7 .. r^2 coefficients
 
 
@@ -76,7 +76,7 @@ def _exp_fwd(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     xc = x.clamp(-104.0, 89.0)
     n = torch.round(xc * _LOG2E)
-    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    r = (xc - n * LN2_HI) - n * LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[0])
     for c in _EXP_COEFFS[1:]:
         p = p * r + c
@@ -110,8 +110,8 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 # --- log ------------------------------------------------------------------------------------
 # x = m * 2^e with m in [sqrt(1/2), sqrt(2)); log(m) = 2 atanh(s), s = (m-1)/(m+1), |s| < 0.172,
 # series to s^11 (truncation < 2e-11). Accuracy ~1-2 ulp of fp32.
-_ATANH_COEFFS = [2.0 / 11, 2.0 / 9, 2.0 / 7, 2.0 / 5, 2.0 / 3]
-_SQRT2 = 1.4142135623730951
+ATANH_COEFFS = [2.0 / 11, 2.0 / 9, 2.0 / 7, 2.0 / 5, 2.0 / 3]
+SQRT2 = 1.4142135623730951
 
 
 def _log_fwd(x: torch.Tensor) -> torch.Tensor:
@@ -121,16 +121,16 @@ def _log_fwd(x: torch.Tensor) -> torch.Tensor:
     bits = xs.view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 24, 0).to(torch.int32)
     m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)  # [1, 2)
-    big = m > _SQRT2
+    big = m > SQRT2
     m = torch.where(big, m * 0.5, m)
     e = (e + big.to(torch.int32)).float()
     s = (m - 1.0) / (m + 1.0)
     s2 = s * s
-    p = torch.full_like(s, _ATANH_COEFFS[0])
-    for c in _ATANH_COEFFS[1:]:
+    p = torch.full_like(s, ATANH_COEFFS[0])
+    for c in ATANH_COEFFS[1:]:
         p = p * s2 + c
     log_m = (p * s2) * s + 2.0 * s
-    y = e * _LN2_HI + (log_m + e * _LN2_LO)
+    y = e * LN2_HI + (log_m + e * LN2_LO)
     y = torch.where(x == 0, torch.full_like(y, -math.inf), y)
     y = torch.where(x == math.inf, torch.full_like(y, math.inf), y)
     return torch.where(x < 0, torch.full_like(y, math.nan), y)

@@ -12,21 +12,14 @@ def linear(x, w, bias=None):
     return F.linear(x, w, bias)
 
 
-# torch._grouped_mm (one cuBLAS/CUTLASS grouped launch, TorchTitan's MoE path) on CUDA when True;
-# the per-expert F.linear loop otherwise. experiments/bench_triton.py measures against both.
-USE_GROUPED_MM = False
-
-
 def embedding(weight, tokens):
     return weight[tokens]
 
 
 def grouped_linear(x, w, counts: list[int] | torch.Tensor):
+    """The per-expert F.linear loop (experiments/bench_triton.py also measures torch._grouped_mm)."""
     if isinstance(counts, torch.Tensor):  # split sizes on the host (a sync on a GPU)
         counts = counts.tolist()
-    if USE_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)
-        return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)
     outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts)) if xe.shape[0]]
     return torch.cat(outs, 0) if outs else F.linear(x[:0], w[0])  # stays in the autograd graph
 

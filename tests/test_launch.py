@@ -42,7 +42,6 @@ class _Jit:
 def fake_gpu(monkeypatch):
     rt = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
     monkeypatch.setattr(common, "INTERPRET", False)
-    monkeypatch.setattr(common, "FAST_LAUNCH", True)
     monkeypatch.setattr(common, "_runtime", [lambda: 0, lambda dev: 1234, rt])
     return rt
 
@@ -86,11 +85,3 @@ def test_negative_twin_constexprs_not_last_are_refused(fake_gpu):
     with pytest.raises(TypeError, match="must take its constexprs last"):
         plan(torch.zeros(2))
 
-
-def test_switched_off_every_launch_goes_through_the_dispatcher(fake_gpu, monkeypatch):
-    monkeypatch.setattr(common, "FAST_LAUNCH", False)
-    jit = _Jit()
-    plan = common.Launch(jit, (2, 3), (5, 0.5), dict(BLOCK=64, SIGN=1))
-    for _ in range(3):
-        plan(torch.zeros(4), torch.zeros(4))
-    assert [e[0] for e in jit.log] == ["jit"] * 3 and jit.log[0][1] == (2, 3, 1)

@@ -17,9 +17,17 @@ from rlalign.kernels import triton as tb  # noqa: E402
 from rlalign.kernels.triton import attention as attn  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# CHUNKS_PER_PROGRAM: split-K with a program per chunk / per two chunks, chunks folded in registers, the
-# size-based schedule
+# the split-K schedule (attention.chunks_per_program): a program per chunk / per two chunks, chunks folded in
+# registers, the size-based schedule
 SCHEDULE = {"split1": 1, "split2": 2, "registers": 0, "auto": None}
+
+
+SIZE_BASED = attn.chunks_per_program
+
+
+def _schedule(monkeypatch, spp):
+    """Every rows launch takes spp chunks per program (None: the size-based schedule)."""
+    monkeypatch.setattr(attn, "chunks_per_program", SIZE_BASED if spp is None else lambda *a: spp)
 
 
 def _packed(lens, H=4, Hk=2, D=16, seed=0, dtype=torch.bfloat16):
@@ -56,7 +64,7 @@ def _pages(k, v, lens, page_size, num_pages, seed=0):
 @pytest.mark.parametrize("mode", ["split1", "registers"])
 @pytest.mark.parametrize("page_size", [8, 16, 32])  # smaller than, equal to and larger than the 16-key block
 def test_paged_rows_equal_prefill_rows(page_size, mode, monkeypatch):
-    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
+    _schedule(monkeypatch, SCHEDULE[mode])
     lens = [5, 37, 1, 20]  # ragged; 37 crosses the 32-key chunk
     q, k, v, cu = _packed(lens)
     pre = tb.attention_prefill(q, k, v, cu, 0.25)
@@ -69,7 +77,7 @@ def test_paged_rows_equal_prefill_rows(page_size, mode, monkeypatch):
 def test_paged_mixed_step_of_prefill_chunks_and_decode_rows(monkeypatch):
     """One engine step: a fresh prefill chunk, a chunk after a cached prefix and two decode rows; split-K
     with two chunks per program."""
-    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", 2)
+    _schedule(monkeypatch, 2)
     lens = [37, 50, 9, 66]
     q, k, v, cu = _packed(lens, seed=3)
     pre = tb.attention_prefill(q, k, v, cu, 0.25)
@@ -92,38 +100,19 @@ def test_decode_equals_prefill_at_every_position_every_schedule(dtype, monkeypat
     kb, vb = kc.expand(T, -1, -1, -1), vc.expand(T, -1, -1, -1)
     lengths = torch.arange(1, T + 1, device=DEV)
     for mode in SCHEDULE:
-        monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
+        _schedule(monkeypatch, SCHEDULE[mode])
         assert same_bits(tb.attention_decode(q, kb, vb, lengths, 0.25), pre), mode
     # a batch of one at a few positions (other rows never change a row's bits), split-K
-    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", 1)
+    _schedule(monkeypatch, 1)
     for t in (0, 31, 32, 39):
         dec = tb.attention_decode(q[t : t + 1], kc, vc, torch.tensor([t + 1], device=DEV), 0.25)
         assert same_bits(dec[0], pre[t]), t
 
 
-def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
-    """FLAT (chunk ends inside one block loop) and a loop per chunk are the same operations."""
-    lens = [70, 9]
-    q, k, v, cu = _packed(lens, seed=8, dtype=torch.float32)
-    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 8, seed=9)
-    rows = torch.tensor([cu[1] - 1, 33, 64, cu[2] - 1], device=DEV)
-    outs = []
-    for flat in (True, False):
-        for kind in ("prefill", "decode"):
-            monkeypatch.setitem(attn.INTERPRET_ATTN, kind, dict(attn.INTERPRET_ATTN[kind], FLAT=flat))
-        monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(attn.INTERPRET_ATTN["decode"], SPLIT_FLAT=flat))
-        pre = tb.attention_prefill(q, k, v, cu, 0.25)
-        for spp in (2, 0):  # split-K and in registers
-            monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
-            outs.append((pre, tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)))
-    assert all(same_bits(o[0], outs[0][0]) and same_bits(o[1], outs[0][1]) for o in outs)
-    assert same_bits(outs[0][1], outs[0][0][rows])
-
-
 @pytest.mark.parametrize("page_size", [8, 32])
-def test_fused_fold_leaves_bits_alone(page_size, monkeypatch):
-    """Split-K folded by the last split program (ticket counters, left zero), by a second kernel or in
-    registers: the same bits."""
+def test_split_k_fold_leaves_bits_alone(page_size, monkeypatch):
+    """Split-K folded by the last split program of a row (ticket counters, left zero) or in registers:
+    the same bits."""
     lens = [70, 9, 33]
     q, k, v, cu = _packed(lens, seed=10)
     pre = tb.attention_prefill(q, k, v, cu, 0.25)
@@ -134,32 +123,31 @@ def test_fused_fold_leaves_bits_alone(page_size, monkeypatch):
     for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         kc[s, : b - a], vc[s, : b - a] = k[a:b], v[a:b]
     last = torch.tensor(cu[1:], device=DEV) - 1
-    base = dict(attn.INTERPRET_ATTN["decode"])
-    for fused, spp in ((True, 1), (False, 2), (True, 2), (True, 0)):
-        monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, FUSED=fused))
-        monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+    for spp in (1, 2, 0):
+        _schedule(monkeypatch, spp)
         out = tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)
-        assert same_bits(out, pre[rows]), (fused, spp)
+        assert same_bits(out, pre[rows]), spp
         dec = tb.attention_decode(q[last], kc, vc, torch.tensor(lens, device=DEV), 0.25)
-        assert same_bits(dec, pre[last]), (fused, spp)
-    assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())  # every launch reset its counters
+        assert same_bits(dec, pre[last]), spp
+    assert attn.ticket_buffers()
+    assert all(int(t.abs().sum()) == 0 for t in attn.ticket_buffers())  # every launch reset its counters
 
 
-@pytest.mark.parametrize("pre", [0, 1, 2])
-def test_preloaded_pages_leave_bits_alone(pre, monkeypatch):
-    """A program's table entries loaded per key block (0) or all at once before its key loop and picked by
-    tl.gather (1) or a one-hot sum (2), pages smaller than, equal to and not dividing the 32-key chunk,
-    split-K and in registers: the bits of prefill."""
+@pytest.mark.parametrize("pre_max,off32", [(256, True), (0, False)])  # the bf16 and the fp32 configs' settings
+def test_preloaded_pages_leave_bits_alone(pre_max, off32, monkeypatch):
+    """A program's table entries loaded all at once before its key loop and picked by tl.gather (up to
+    PAGED_PRE_MAX of them) or loaded per key block, with int32 or int64 key offsets; pages smaller than,
+    equal to and not dividing the 32-key chunk, split-K and in registers: the bits of prefill."""
     lens = [70, 9, 33]
     q, k, v, cu = _packed(lens, seed=14)
     pre_out = tb.attention_prefill(q, k, v, cu, 0.25)
     rows = torch.tensor([69, 31, 32, 0, 75, 78, 111, 100, 47], device=DEV)
     base = dict(attn.INTERPRET_ATTN["decode"])
-    monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, PAGED_PRE=pre, PAGED_PRE_MAX=256))
+    monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, PAGED_PRE_MAX=pre_max, PAGED_OFF32=off32))
     for page_size in (8, 16, 48):
         kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 24, seed=15)
         for spp in (1, 2, 0):
-            monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+            _schedule(monkeypatch, spp)
             out = tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)
             assert same_bits(out, pre_out[rows]), (page_size, spp)
 

@@ -11,7 +11,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
   moe          moe_route, moe_combine
   sampling     gumbel_argmax (the Gumbel-max draw of kernels.sample, fused)
   embed        embedding (backward in position order, no atomics)
-  common       _check, _num_sms, the launch-plan cache, INTERPRET
+  common       input checks, the SM count, the launch-plan cache, INTERPRET
 
 Under the interpreter, tl.dot on bf16 operands returns garbage (triton 3.6/3.9), so operands are
 upcast to fp32 there, and smaller tiles are used; interpreted bits are not comparable to GPU bits.
@@ -37,10 +37,18 @@ from .sampling import gumbel_argmax
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
-    "attention_paged", "attention_prefill", "common", "elementwise", "embed", "embedding", "for_tensor", "gemm",
-    "grouped_linear", "gumbel_argmax", "linear", "linears", "log_softmax_gather", "logprob", "matmul", "moe",
-    "moe_combine", "moe_combine_rows", "moe_route", "norm", "paged_write", "rmsnorm", "rope", "sampling", "swiglu",
+    "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed", "embedding",
+    "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears", "log_softmax_gather", "logprob",
+    "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route", "norm", "paged_write", "rmsnorm", "rope",
+    "sampling", "swiglu",
 ]
+
+
+def cached_state() -> list:
+    """What the wrappers keep in module-level caches: work tables, launch plans and their tables, the
+    split-K fold's counters. A CUDA graph reads those tensors by address: whoever keeps graphs keeps a
+    reference to each, so an LRU eviction or a regrown buffer cannot free memory a graph still reads."""
+    return [*common.cached_entries(), *attention.ticket_buffers()]
 
 
 def for_tensor(x: torch.Tensor):

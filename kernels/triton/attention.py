@@ -16,67 +16,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, _check, _num_sms, _table, host_free_dot
+from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 
-# Prefill, decode and paged rows share BLOCK_N and CHUNK (the key blocks and chunks a row reduces
-# over, in order: part of the contract); their tile heights may differ: all use wgmma tiles
-# (BLOCK_M >= 64), measured bitwise equal on the H200 (decode with BLOCK_M=16 takes mma.sync and was
-# NOT: 3-10 of 700 positions differed). CHUNK is a constant, never a function of the batch or the
-# GPU: only where a chunk is computed (_chunks_per_program, the loop form) varies with them, never
-# its bits. FLAT: one loop over the key blocks with the chunk ends inside it (prefill, and decode
-# rows folded in registers); SPLIT_FLAT: the same for split-K programs, where a loop per chunk was
-# faster. bf16 on one H200 (experiments/results/paged_attention_h200*.json; graph times, 32/8 heads,
-# D 128, 4,096 keys): decode 1.19x / 1.26x / 1.02x SDPA's time at B = 1 / 8 / 64 with this choice
-# of loop forms before the fused fold (below), prefill 0.65x / 0.63x SDPA's speed at T = 1024 /
-# 4096 (0.68x / 0.67x without key chunks); CHUNK 128 and 512 measured slower at B = 1 and 8, 512
-# faster for prefill. fp32 tiles take twice the shared memory: fewer stages.
-#
-# Rows modes only, none of them moves a bit: PAGED_STAGES, the paged kernel's num_stages (its K/V loads
-# hang off a block-table load, and triton splits the stages between the two levels of loads:
-# (num_stages - 1) // 2 blocks ahead each, so 5 prefetches K/V 2 blocks ahead as 3 does for
-# contiguous rows); FUSED, split-K's last program per (row, kv head) folds the partials (a ticket
-# counter) instead of a second kernel; COMBINE_UNROLL, chunk partials loaded at once by that fold.
-# Measured (experiments/results/paged_attention_h200_fused.json, graph times): decode 0.85x / 1.11x /
-# 1.03x SDPA's time at B = 1 / 8 / 64 (1.24x / 1.27x / 1.02x before); paged 1.24x / 1.24x / 1.05x our
-# contiguous decode (page 16; the contiguous kernel got faster: paged alone went 13.3 -> 9.7, 55.3 ->
-# 50.2, 294 -> 262 us).
-# Paged only (issue 13): PAGED_PRE 1, a program loads the block-table entries of all its keys in one
-# vector load before its key loop (a split program's chunks: spp * CHUNK / page entries; a row folded in
-# registers: its whole table row, while that is at most PAGED_PRE_MAX entries, else a load per key block
-# as before) and each block picks its keys' pages from them with tl.gather, so the K/V loads hang off
-# registers, not off a table load, and pipeline as contiguous rows do (PAGED_PRE_STAGES 3 = the
-# contiguous kernel's; PAGED_STAGES 5 stays for rows with a table load per block). Measured
-# (experiments/results/paged_attention_h200_session4.json, two runs, graph times, pages 16 / 32): paged
-# 1.11-1.12x / 1.09-1.10x our contiguous decode at B = 1, 1.09x / 1.08x at B = 8, 1.02-1.03x / 1.01-1.02x
-# at B = 64 (a table load per block, same runs: 1.23-1.25x / 1.22-1.23x, 1.23-1.24x / 1.22x,
-# 1.05-1.06x / 1.02-1.04x). Slower, same bits: a one-hot sum instead of tl.gather (1.26x / 1.16x at B
-# = 1), 2 or 4 stages, 8 warps, one loop per split program, int64 key offsets preloaded (1.75x).
-# PAGED_OFF32 (session 5): a paged program's key offsets in int32 when every offset of the page pool fits
-# (the host checks the view's extent; else int64 as before): the per-key page * stride and the adds of
-# each block's addresses are 32-bit. Measured (experiments/results/paged_attention_h200_session5*.json,
-# graph times, two runs of 3 interleaved rounds; int64 offsets in the same runs): paged / our contiguous
-# decode B = 1 1.05x / 1.04-1.05x (pages 16 / 32; int64 1.10-1.11x / 1.10x), B = 8 1.09-1.10x / 1.08x
-# (1.09x / 1.09x: page 16 ~0.3 % slower), B = 64 1.03x / 1.01x (1.03x / 1.02x); the engine's 256-row step
-# (bench --only engine) 44.0 vs 46.3 us. Without any table load (a timing-only diagnostic, wrong pages)
-# B = 1 still took 1.07-1.08x with int64 offsets: the gap was mostly address math, not the table load's
-# latency. Slower, same bits: gathering page offsets (page * stride) instead of page ids (1.7x at B = 1,
-# 2.1x at B = 64); masking the table load by the table's width (waits on the sequence id only): no change.
-_ROWS = dict(FUSED=True, COMBINE_UNROLL=16)
+# The pinned configs (how each was measured on the H200: experiments/README.md). Prefill, decode and
+# paged rows share BLOCK_N and CHUNK, the key blocks and chunks a row reduces over in order: part of the
+# contract. CHUNK is a constant, never a function of the batch or the GPU: only where a chunk is computed
+# (chunks_per_program) varies with them, never its bits. Tile heights may differ between the kinds: all
+# are wgmma tiles (BLOCK_M >= 64; decode with BLOCK_M=16 takes mma.sync and was not bitwise equal to
+# prefill). fp32 tiles take twice the shared memory: fewer stages.
+# decode (rows modes), none of them moves a bit: COMBINE_UNROLL, the chunk partials the split-K fold
+# loads at once; PAGED_PRE_MAX, a paged program loads the block-table entries of its keys in one vector
+# load before its key loop while they number at most this many (0: never), and picks each block's pages
+# from them with tl.gather (num_stages PAGED_PRE_STAGES), else it loads a table entry per key
+# (num_stages PAGED_STAGES: triton splits the stages between the table load and the K/V loads it feeds);
+# PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
+# checks the view's extent; else int64).
 ATTN_FWD = {
-    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8, FLAT=True),
-                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, FLAT=True, SPLIT_FLAT=False,
-                                     PAGED_STAGES=5, PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_PRE_MAX=256,
-                                     PAGED_OFF32=True, **_ROWS)),
-    torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True),
-                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, FLAT=True, SPLIT_FLAT=False,
-                                    PAGED_STAGES=2, **_ROWS)),
+    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
+                         decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=256,
+                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True)),
+    torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
+                        decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=0,
+                                    PAGED_STAGES=2, PAGED_OFF32=False)),
 }
-# the rows settings before this (experiments/bench_paged_attention.py --old compares them in one run)
-ROWS_BEFORE = dict(PAGED_STAGES=None, FUSED=False, COMBINE_UNROLL=4, PAGED_PRE=0, PAGED_OFF32=False)
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
-# config is deterministic; bf16 measured on one H200 (--only attention_bwd_sweep,attention_bwd):
-# identical run to run, prefill fwd+bwd 0.69x / 0.65x SDPA's speed at T=1024/4096.
+# config is deterministic.
 ATTN_BWD = {
     torch.bfloat16: dict(bwd=dict(BLOCK_M=32, BLOCK_N=64, num_stages=3, num_warps=4),
                          bwd_dq=dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=4)),
@@ -85,27 +50,23 @@ ATTN_BWD = {
 }
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
-INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16, FLAT=True),
-                      decode=dict(BLOCK_M=16, BLOCK_N=16, FLAT=True, SPLIT_FLAT=False, FUSED=True, COMBINE_UNROLL=2,
-                                  PAGED_PRE=1, PAGED_PRE_MAX=256, PAGED_OFF32=True),
+INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16),
+                      decode=dict(BLOCK_M=16, BLOCK_N=16, COMBINE_UNROLL=2, PAGED_PRE_MAX=256, PAGED_OFF32=True),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
-# The split-K schedule of decode / paged rows (_chunks_per_program; the same bits whatever it picks):
+# The split-K schedule of decode / paged rows (chunks_per_program; the same bits whatever it picks):
 # while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
 # programs take 1, 2, 4, ... chunks each, the fewest that keeps the programs under
 # SPLIT_PROGRAMS_PER_SM per SM; when one program would take a whole row, or past the cap, each row
-# folds its chunks in registers, as prefill does. CHUNKS_PER_PROGRAM (tests, benchmarks) forces a
-# schedule: 0 = in registers, k = k chunks per program.
+# folds its chunks in registers, as prefill does.
 SPLIT_MAX_PARTIALS = 1 << 17
 SPLIT_PROGRAMS_PER_SM = 2  # two 96 KB bf16 programs fit an SM
-CHUNKS_PER_PROGRAM: int | None = None
 
 
 @triton.jit
-def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
-             MASKED: tl.constexpr):
-    """The page of each key rn: a table load per key (NPRE 0), or picked from the NPRE table entries
-    p_lo.. that the program loaded before its loop (`pages`): PRE 1 tl.gather, 2 a one-hot sum (exact
-    integers). Masked keys may get any page: their loads are masked."""
+def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.constexpr, MASKED: tl.constexpr):
+    """The page of each key rn: a table load per key (NPRE 0), or picked with tl.gather from the NPRE
+    table entries p_lo.. that the program loaded before its loop (`pages`). Masked keys may get any page:
+    their loads are masked."""
     if NPRE == 0:
         if MASKED:
             page = tl.load(bt_ptr + rn // PAGE, mask=kmask, other=0)
@@ -115,18 +76,14 @@ def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.conste
         i = rn // PAGE - p_lo
         if MASKED:
             i = tl.minimum(tl.maximum(i, 0), NPRE - 1)
-        if PRE == 1:
-            page = tl.gather(pages, i, 0)
-        else:
-            page = tl.sum(tl.where(i[:, None] == tl.arange(0, NPRE)[None, :], pages[None, :], 0), axis=1)
+        page = tl.gather(pages, i, 0)
     return page
 
 
 @triton.jit
 def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_i, l_i, acc, qk_scale,
                 pages, p_lo, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
-                IEEE: tl.constexpr, MASKED: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
-                OFF32: tl.constexpr = False):
+                IEEE: tl.constexpr, MASKED: tl.constexpr, NPRE: tl.constexpr, OFF32: tl.constexpr = False):
     """One key block's online-softmax update (scores in log2 units). MASKED=False is taken only for
     blocks whose keys are all valid for every tile row: the same values as the masked form (a
     where() that keeps every score), so a row's bits do not depend on which form its block took
@@ -138,7 +95,7 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     rn = j0 + tl.arange(0, BLOCK_N)
     kmask = rn < n_keys
     if PAGED:
-        page = _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE, NPRE, PRE, MASKED)
+        page = _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE, NPRE, MASKED)
         if OFF32:  # every offset in the pool fits int32 (the host checks): 32-bit address math
             koff = kbase + page * skp + (rn % PAGE) * skn
         else:
@@ -179,7 +136,7 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
 @triton.jit
 def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, skp, skn, rd, qk_scale, pages, p_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, NPRE: tl.constexpr, PRE: tl.constexpr,
+                PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, NPRE: tl.constexpr,
                 OFF32: tl.constexpr = False):
     """The partial (m, l, acc) of keys [c0, c1) from a fresh state, blocks in order; keys below n_full
     are valid for every tile row (unmasked blocks)."""
@@ -189,10 +146,10 @@ def _attn_chunk(q, k_ptr, v_ptr, kbase, bt_ptr, c0, c1, n_keys, n_full, qpos, sk
     f_end = tl.minimum(tl.maximum(n_full, c0), c1)
     for j0 in range(c0, f_end, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, PRE, OFF32)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, False, NPRE, OFF32)
     for j0 in range(f_end, c1, BLOCK_N):
         m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, PRE, OFF32)
+                                qk_scale, pages, p_lo, BLOCK_N, PAGE, PAGED, UPCAST, IEEE, True, NPRE, OFF32)
     return m_c, l_c, acc
 
 
@@ -236,9 +193,8 @@ def _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd):
 def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp_ptr, lp_ptr, ap_ptr, cnt_ptr, NC, SPP,
               sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-              PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr, UPCAST: tl.constexpr,
-              IEEE: tl.constexpr, FUSED: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
-              NPRE: tl.constexpr = 0, PRE: tl.constexpr = 0, OFF32: tl.constexpr = False):
+              PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1, NPRE: tl.constexpr = 0, OFF32: tl.constexpr = False):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
     (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
@@ -247,13 +203,12 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     kv head's G query heads into the tile rows (the GQA group shares one K/V stream). Every tile row
     reduces its keys in CHUNK chunks of BLOCK_N blocks through the same instructions, so a row's
     bits depend neither on the mode nor on BLOCK_M. SPLIT (rows modes): program z takes chunks
-    [z * SPP, z * SPP + SPP) and stores each one's partial at (mp, lp, ap)[row, head, chunk]; FUSED: the
-    last of the row's programs to finish (a ticket counter per (row, kv head) at cnt_ptr, zero between
-    launches) folds them in chunk order, else _attn_combine does; otherwise the program folds all its
-    row's chunks here, in order. NPRE > 0 (paged): the table entries of the program's keys, NPRE from
-    page k_lo // PAGE, loaded before the key loop; PRE picks a key's page from them (_page_of). FLAT:
-    one loop over the blocks with the chunk ends inside it, else a loop per chunk (the same
-    operations: a speed choice)."""
+    [z * SPP, z * SPP + SPP), a loop per chunk, and stores each one's partial at (mp, lp, ap)[row, head,
+    chunk]; the last of the row's programs to finish (a ticket counter per (row, kv head) at cnt_ptr, zero
+    between launches) folds them in chunk order. Otherwise the program folds all its row's chunks here,
+    in order, in one loop over the blocks with the chunk ends inside it (the same operations as a loop
+    per chunk: a speed choice). NPRE > 0 (paged): the table entries of the program's keys, NPRE from page
+    k_lo // PAGE, loaded before the key loop; a key's page is picked from them (_page_of)."""
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     bt = bt_ptr
@@ -299,7 +254,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         c_lo = tl.program_id(2) * SPP
         k_hi = tl.minimum((c_lo + SPP) * CHUNK, n_keys)
         idx0 = (qrow * H + qhead) * NC
-        M = tl.zeros((1,), dtype=tl.float32)  # unused: the fold is _attn_combine's
+        M = tl.zeros((1,), dtype=tl.float32)  # unused: the fold is _combine_rows'
         L = M
         A = M
     else:  # every chunk of the row, folded here
@@ -316,7 +271,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         pages = tl.load(bt + pi, mask=pi * PAGE < k_hi, other=0)
     else:
         pages = p_lo
-    if FLAT:  # one loop over the blocks (one software pipeline), a chunk's end handled inside it
+    if not SPLIT:  # one loop over the blocks (one software pipeline), a chunk's end handled inside it
         m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
@@ -324,14 +279,14 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for j0 in range(k_lo, f_end, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
                                         qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False, NPRE,
-                                        PRE, OFF32)
+                                        OFF32)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
         for j0 in range(f_end, k_hi, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
                                         qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True, NPRE,
-                                        PRE, OFF32)
+                                        OFF32)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
@@ -339,12 +294,12 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for c0 in range(k_lo, k_hi, CHUNK):
             m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, k_hi), n_keys, n_full,
                                         qpos, skp, skn, rd, qk_scale, pages, p_lo, BLOCK_M, BLOCK_N, D, PAGE,
-                                        MODE == 2, UPCAST, IEEE, NPRE, PRE, OFF32)
+                                        MODE == 2, UPCAST, IEEE, NPRE, OFF32)
             M, L, A, m_c, l_c, acc = _chunk_end(c0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr,
                                                 rd, BLOCK_M, D, CHUNK, SPLIT)
     if not SPLIT:
         _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd)
-    elif FUSED:  # the program that stores the row's last partial folds them all (no second kernel)
+    else:  # the program that stores the row's last partial folds them all (no second kernel)
         tl.debug_barrier()  # every thread's partial stores precede the release below (CTA barrier + gpu release)
         done = tl.atomic_add(cnt_ptr + w * tl.num_programs(1) + hk, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(2) - 1:
@@ -357,8 +312,8 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
 def _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, H, son, soh, G: tl.constexpr,
                   D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
     """Fold row w's stored chunk partials of kv head hk's G heads in chunk order, then normalise: the
-    same _fold and _attn_store as the in-register path. Loads bypass L1 (.cg): other programs wrote
-    them within this launch when a split program folds (FUSED)."""
+    same _fold and _attn_store as the in-register path. Loads bypass L1 (.cg): other programs of this
+    launch wrote them."""
     rg = tl.arange(0, BLOCK_G)
     rd = tl.arange(0, D)
     gmask = rg < G
@@ -380,20 +335,6 @@ def _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, H, 
                           cache_modifier=".cg")
             M, L, A = _fold(M, L, A, m_c, l_c, acc, c * CHUNK <= qpos)
     _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, gmask, H, son, soh, rd)
-
-
-@triton.jit
-def _attn_combine(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, work_ptr, NC, son, soh,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr,
-                  UNROLL: tl.constexpr):
-    """Program (row, kv head): split-K's second pass where the split programs do not fold (FUSED off)."""
-    w = tl.program_id(0)
-    hk = tl.program_id(1)
-    n_keys = tl.load(work_ptr + w).to(tl.int32)
-    if MODE == 2:
-        n_keys += 1
-    _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, tl.num_programs(1) * G, son, soh, G, D,
-                  BLOCK_G, CHUNK, UNROLL)
 
 
 LOG2E = 1.4426950408889634
@@ -436,16 +377,14 @@ def _attn_prefill_launch(q, k, v, work, scale: float):
     return o, lse
 
 
-def _chunks_per_program(N: int, H: int, Hk: int, nc: int, device) -> int:
+def chunks_per_program(N: int, H: int, Hk: int, nc: int, device) -> int:
     """The split-K schedule of N rows with nc key chunks: 0 = each program folds its row's chunks in
-    registers; k >= 1 = each program stores the partials of k chunks and _attn_combine folds them.
-    Only where chunks are computed depends on this (bits never do): enough programs to fill the GPU,
-    few enough that each streams several chunks."""
-    if CHUNKS_PER_PROGRAM is not None:
-        return CHUNKS_PER_PROGRAM
+    registers; k >= 1 = each program stores the partials of k chunks and the row's last program folds
+    them. Only where chunks are computed depends on this (bits never do): enough programs to fill the
+    GPU, few enough that each streams several chunks."""
     if N * H * nc > SPLIT_MAX_PARTIALS:
         return 0
-    target = SPLIT_PROGRAMS_PER_SM * _num_sms(device)
+    target = SPLIT_PROGRAMS_PER_SM * num_sms(device)
     spp = 1
     while spp < nc and N * Hk * triton.cdiv(nc, spp) > target:
         spp *= 2
@@ -457,9 +396,31 @@ def _max_offset(t: torch.Tensor) -> int:
     return 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
+_PAGED = ("PAGED_PRE_MAX", "PAGED_PRE_STAGES", "PAGED_STAGES", "PAGED_OFF32")  # decode config keys of paged rows
+
+
+def _paged_flags(paged: dict, cfg: dict, k, page: int, spp: int, n_keys_max: int) -> dict:
+    """The kernel flags of paged rows from their settings `paged` (see ATTN_FWD): NPRE (table entries
+    preloaded) and OFF32 (int32 key offsets); sets cfg's num_stages for them."""
+    chunk = cfg["CHUNK"]
+    flags = {}
+    if paged["PAGED_OFF32"] and _max_offset(k) < 2**31:  # every key offset fits int32: cheaper address math
+        flags["OFF32"] = True
+    span = spp * chunk if spp else n_keys_max  # a split program's keys, else the whole row
+    npre = triton.next_power_of_2(triton.cdiv(span, page) + (0 if spp == 0 or chunk % page == 0 else 1))
+    stages = paged["PAGED_STAGES"]
+    if npre <= paged["PAGED_PRE_MAX"]:  # the table entries a program's keys need, loaded at once before its key loop
+        flags["NPRE"] = npre
+        stages = paged["PAGED_PRE_STAGES"]
+    if stages:
+        cfg["num_stages"] = stages
+    return flags
+
+
 def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strides, n_keys_max: int, scale: float):
     """Rows modes (1 decode, 2 paged) of _attn_fwd: one query row per item, its G heads in the tile.
-    Few rows: split-K (programs over chunks, then _attn_combine); many: chunks folded in registers."""
+    Few rows: split-K (programs over chunks, the last one of a row folds them); many: chunks folded in
+    registers."""
     N, H, D = q.shape
     _head_dim_ok(D)
     Hk = k.shape[-2]
@@ -469,59 +430,39 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     if N == 0:
         return o, lse
     cfg = _attn_cfg("decode", q.dtype)
-    split_flat, fused, unroll = cfg.pop("SPLIT_FLAT"), cfg.pop("FUSED"), cfg.pop("COMBINE_UNROLL")
-    paged_stages = cfg.pop("PAGED_STAGES", None)
-    pre, pre_max, pre_stages = cfg.pop("PAGED_PRE", 0), cfg.pop("PAGED_PRE_MAX", 0), cfg.pop("PAGED_PRE_STAGES", None)
-    paged_flat, pre_warps = cfg.pop("PAGED_SPLIT_FLAT", None), cfg.pop("PAGED_PRE_WARPS", None)
-    off32 = cfg.pop("PAGED_OFF32", False)
-    if mode == 2 and paged_stages:
-        cfg["num_stages"] = paged_stages
-    if mode == 2 and paged_flat is not None:
-        split_flat = paged_flat
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
-    chunk = cfg["CHUNK"]
-    nc = triton.cdiv(max(n_keys_max, 1), chunk)
-    spp = _chunks_per_program(N, H, Hk, nc, q.device)
-    skp, skn, skh = key_strides
+    unroll = cfg.pop("COMBINE_UNROLL")
+    paged = {key: cfg.pop(key, None) for key in _PAGED}
+    nc = triton.cdiv(max(n_keys_max, 1), cfg["CHUNK"])
+    spp = chunks_per_program(N, H, Hk, nc, q.device)
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
-    if mode == 2 and off32 and _max_offset(k) < 2**31:  # every key offset fits int32: cheaper address math
-        flags["OFF32"] = True
-    if mode == 2 and pre:  # the table entries a program's keys need, loaded at once before its key loop
-        span = spp * chunk if spp else n_keys_max  # a split program's keys, else the whole row
-        npre = triton.next_power_of_2(triton.cdiv(span, page) + (0 if spp == 0 or chunk % page == 0 else 1))
-        if npre <= pre_max:
-            flags.update(NPRE=npre, PRE=pre)
-            if pre_stages:
-                cfg["num_stages"] = pre_stages
-            if pre_warps:
-                cfg["num_warps"] = pre_warps
-    args = (q.stride(0), q.stride(1), skp, skn, skh, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
+    if mode == 2:
+        flags.update(_paged_flags(paged, cfg, k, page, spp, n_keys_max))
+    args = (q.stride(0), q.stride(1), *key_strides, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
         _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
                               **cfg)
         return o, lse
-    cfg["FLAT"] = split_flat
     R = N * H * nc
     part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
     ap, mp, lp = part[: R * D], part[R * D : R * (D + 1)], part[R * (D + 1) :]
-    grid = (N, Hk, triton.cdiv(nc, spp))
-    bg = triton.next_power_of_2(G)
-    if fused:
-        _attn_fwd[grid](q, k, v, o, lse, work, seq, table, mp, lp, ap, _tickets(N * Hk, q.device), nc, spp, *args,
-                        SPLIT=True, FUSED=True, BLOCK_G=bg, UNROLL=unroll, **flags, **cfg)
-        return o, lse
-    _attn_fwd[grid](q, k, v, o, lse, work, seq, table, mp, lp, ap, o, nc, spp, *args, SPLIT=True, **flags, **cfg)
-    _attn_combine[(N, Hk)](mp, lp, ap, o, lse, work, nc, o.stride(0), o.stride(1), G=G, D=D, BLOCK_G=bg, CHUNK=chunk,
-                           MODE=mode, UNROLL=unroll, **_no_fma())
+    _attn_fwd[(N, Hk, triton.cdiv(nc, spp))](q, k, v, o, lse, work, seq, table, mp, lp, ap, _tickets(N * Hk, q.device),
+                                             nc, spp, *args, SPLIT=True, BLOCK_G=triton.next_power_of_2(G),
+                                             UNROLL=unroll, **flags, **cfg)
     return o, lse
 
 
-_TICKETS: dict = {}  # device -> int32 counters of the fused split-K, zero between launches (each one resets its own)
+_TICKETS: dict = {}  # device -> int32 counters of the split-K fold, zero between launches (each one resets its own)
+
+
+def ticket_buffers() -> list[torch.Tensor]:
+    """The split-K fold's counter buffers, one per device (a CUDA graph reads them by address)."""
+    return list(_TICKETS.values())
 
 
 def _tickets(n: int, device) -> torch.Tensor:
-    """n zeroed int32 counters for one fused split-K launch: a buffer kept per device, grown outside graph
+    """n zeroed int32 counters for one split-K launch: a buffer kept per device, grown outside graph
     capture; a capture that needs more than it holds gets its own zeroed counters (a memset node of
     that graph). Launches that share the buffer must not run at once on two streams."""
     buf = _TICKETS.get(device)
@@ -681,7 +622,7 @@ class _Attention(torch.autograd.Function):
             # longest first: the last wave is the short items; rows [0, 5) keep an empty table 2-D
             return sorted(work, key=lambda t: -t[4]) or torch.zeros(0, 5).tolist(), torch.int32
 
-        work = _table(("attn", tuple(cu_seqlens), bm), items, q.device)
+        work = work_table(("attn", tuple(cu_seqlens), bm), items, q.device)
         o, lse = _attn_prefill_launch(q, k, v, work, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
@@ -709,8 +650,8 @@ class _Attention(torch.autograd.Function):
                 return work or torch.zeros(0, 3).tolist(), torch.int32
             return build
 
-        kw = _table(("attn_k", cu, bn), items(bn, "k"), q.device)
-        qw = _table(("attn_q", cu, bm), items(bm, "q"), q.device)
+        kw = work_table(("attn_k", cu, bn), items(bn, "k"), q.device)
+        qw = work_table(("attn_q", cu, bm), items(bm, "q"), q.device)
         G = H // k.shape[1]
         flags = dict(G=G, D=D, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32)
         if kw.shape[0]:
@@ -722,7 +663,7 @@ class _Attention(torch.autograd.Function):
 
 
 def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
-    _check("attention_prefill", q, k, v)
+    check_inputs("attention_prefill", q, k, v)
     return _Attention.apply(q, k, v, list(cu_seqlens), scale)
 
 
@@ -737,7 +678,7 @@ def _same_layout(k, v):
 def attention_decode(q, k_cache, v_cache, lengths, scale: float):
     """One query per sequence; the same key blocks, chunks and fold as prefill, its tile rows holding
     the GQA group's heads, so each row's bits equal the prefill row at position lengths[b] - 1."""
-    _check("attention_decode", q, k_cache, v_cache)
+    check_inputs("attention_decode", q, k_cache, v_cache)
     kc, vc = _same_layout(k_cache, v_cache)
     # the lengths stay on the device (no host sync): the kernel derives each row's keys from them
     lengths = lengths.to(q.device)
@@ -752,7 +693,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale:
     block_table[s, j // page_size], in the key blocks, chunks and fold of prefill, so each row's bits
     equal the prefill row at that position. No host sync: seq_idx and positions are read on the device.
     Slots past a row's position (unwritten, stale, NaN) are never loaded for it."""
-    _check("attention_paged", q, k_pages, v_pages)
+    check_inputs("attention_paged", q, k_pages, v_pages)
     if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"triton attention_paged: k_pages {tuple(k_pages.shape)} and v_pages "
                          f"{tuple(v_pages.shape)} must both be [num_pages, page_size, num_kv_heads, head_dim]")

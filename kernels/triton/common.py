@@ -27,7 +27,8 @@ def host_free_dot(a, b):
     return tl.sum(a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :], axis=1).to(tl.float32)
 
 
-def _check(name: str, *ts: torch.Tensor) -> None:
+def check_inputs(name: str, *ts: torch.Tensor) -> None:
+    """Every tensor of op `name` in a supported dtype, all on one device; else a clear error."""
     device = ts[0].device
     for t in ts:
         if t.dtype not in SUPPORTED:
@@ -36,7 +37,8 @@ def _check(name: str, *ts: torch.Tensor) -> None:
             raise ValueError(f"triton {name}: tensors on different devices {sorted({str(u.device) for u in ts})}")
 
 
-def _num_sms(device) -> int:
+def num_sms(device) -> int:
+    """Streaming multiprocessors of device (4 off the GPU: the interpreter's stand-in)."""
     if INTERPRET or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -45,7 +47,7 @@ def _num_sms(device) -> int:
 _CACHE: OrderedDict = OrderedDict()  # work tables and GEMM launch plans, by content (LRU)
 
 
-def _cached(key: tuple, build):
+def cached(key: tuple, build):
     """build() once per key (LRU of 4096): a training step calls the same shapes layer after layer,
     so the host work per launch is one lookup and no host-to-device copy."""
     v = _CACHE.get(key)
@@ -58,7 +60,13 @@ def _cached(key: tuple, build):
     return v
 
 
-def _host_table(rows: list, dtype, device) -> torch.Tensor:
+def cached_entries() -> list:
+    """Everything the cache holds (work tables, launch plans and their tables): a CUDA graph reads those
+    tensors by address, so a holder of graphs keeps a reference to each."""
+    return list(_CACHE.values())
+
+
+def host_table(rows: list, dtype, device) -> torch.Tensor:
     """rows as a tensor on device, copied from pinned memory: the copy stays asynchronous (one from
     pageable memory first waits for the stream to drain, a host sync per new table)."""
     t = torch.tensor(rows, dtype=dtype)
@@ -67,18 +75,14 @@ def _host_table(rows: list, dtype, device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def _table(key: tuple, build, device) -> torch.Tensor:
+def work_table(key: tuple, build, device) -> torch.Tensor:
     """The device tensor of build() -> (list of int rows, dtype), cached by key."""
     def make():
         rows, dtype = build()
-        return _host_table(rows, dtype, device)
-    return _cached((key, device), make)
+        return host_table(rows, dtype, device)
+    return cached((key, device), make)
 
 
-
-# Off (RLALIGN_TRITON_FAST_LAUNCH=0, or FAST_LAUNCH = False at run time): every launch goes through
-# triton's JIT dispatcher, as before; experiments/bench_launch.py measures both in one run.
-FAST_LAUNCH = os.environ.get("RLALIGN_TRITON_FAST_LAUNCH", "1") != "0"
 _runtime: list = []  # [current device, current raw stream, knobs.runtime], resolved on first use
 
 
@@ -126,7 +130,7 @@ class Launch:
         return tuple(self.meta[n] for n in consts)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        if INTERPRET or not FAST_LAUNCH:
+        if INTERPRET:
             self.fn[self.grid](*tensors, *self.scalars, **self.meta)
             return
         get_device, get_stream, rt = _runtime_fns()

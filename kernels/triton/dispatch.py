@@ -5,26 +5,20 @@ One program per expert e, all independent (no atomics, no grid sync): it counts 
 is below e (its group's first place) and equal to e (its count), then walks the rows again in blocks,
 placing its own rows in order (place = start + rows of e before this one: a running count plus a scan
 of the block). Integers only: the same `order`, `dest`, `counts` as the torch version, exactly
-(tests/test_moe_dispatch.py, tests/gpu/test_engine_gpu.py). The first version was ONE program for all
-experts (a [BLOCK, E] one-hot scanned along rows): 38 us per MoE layer at a 256-row decode step of
-bench-moe-large (0.62 ms of a 5.9 ms step); this one reads the 2,048 ids twice per program from L2."""
+(tests/test_moe_dispatch.py, tests/gpu/test_engine_gpu.py). Each program reads the ids twice from L2
+(2,048 at a 256-row decode step of bench-moe-large)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, _cached
+from .common import Launch, cached
 
 # rows per launch: the ids are read twice by every expert's program (from L2), so the cost grows
 # with rows x experts; beyond this the torch version's parallel launches take over
 MAX_ROWS = 1 << 16
-# model.dispatch takes this kernel (off: RLALIGN_TRITON_DISPATCH=0, or ENABLED = False at run time;
-# experiments/bench_generate.py compares both in one run)
-ENABLED = os.environ.get("RLALIGN_TRITON_DISPATCH", "1") != "0"
 
 
 @triton.jit
@@ -66,7 +60,7 @@ def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     if num_experts == 0:
         return order, dest, counts
     block = max(16, min(2048, triton.next_power_of_2(max(N, 1))))  # a decode step's rows in one block
-    _cached(("moe_dispatch", N, num_experts, flat.dtype), lambda: Launch(
+    cached(("moe_dispatch", N, num_experts, flat.dtype), lambda: Launch(
         _dispatch_kernel, (num_experts,), (N, num_experts), dict(BLOCK=block, num_warps=4)))(
         flat, order, dest, counts)
     return order, dest, counts

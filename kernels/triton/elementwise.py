@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, _cached, _check
+from .common import Launch, cached, check_inputs
 
 _EW_BLOCK = 1024
 
@@ -59,7 +59,7 @@ def _swiglu(gate, up):
     y = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _cached(("swiglu", n, gate.dtype, up.dtype), lambda: Launch(_swiglu_fwd, (triton.cdiv(n, _EW_BLOCK),), (n,),
+        cached(("swiglu", n, gate.dtype, up.dtype), lambda: Launch(_swiglu_fwd, (triton.cdiv(n, _EW_BLOCK),), (n,),
                                                dict(BLOCK=_EW_BLOCK)))(gate, up, y)
     return gate, up, y
 
@@ -75,7 +75,7 @@ def _swiglu_strided(gate, up):
     y = torch.empty(R, inner, dtype=gate.dtype, device=gate.device)
     if R and inner:
         block = min(1024, triton.next_power_of_2(inner))
-        _cached(("swiglu_rows", R, inner, gate.stride(0), up.stride(0), gate.dtype, up.dtype), lambda: Launch(
+        cached(("swiglu_rows", R, inner, gate.stride(0), up.stride(0), gate.dtype, up.dtype), lambda: Launch(
             _swiglu_rows, (R, triton.cdiv(inner, block)), (inner, gate.stride(0), up.stride(0)),
             dict(BLOCK=block)))(gate, up, y)
     return y
@@ -95,14 +95,14 @@ class _SwiGLU(torch.autograd.Function):
         n = gate.numel()
         if n:
             dy = dy.contiguous()
-            _cached(("swiglu_bwd", n, gate.dtype, up.dtype, dy.dtype), lambda: Launch(
+            cached(("swiglu_bwd", n, gate.dtype, up.dtype, dy.dtype), lambda: Launch(
                 _swiglu_bwd, (triton.cdiv(n, _EW_BLOCK),), (n,), dict(BLOCK=_EW_BLOCK)))(gate, up, dy, dg, du)
         return dg, du
 
 
 def swiglu(gate, up):
     """silu(gate) * up in fp32, one rounding; elementwise, so trivially row-invariant."""
-    _check("swiglu", gate, up)
+    check_inputs("swiglu", gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SwiGLU.apply(gate, up)
     if _row_views(gate, up):  # no copies of the halves (two launches per MoE layer at decode)
@@ -145,7 +145,7 @@ def _rope_apply(x, cos, sin, sign: int):
     y = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
     if N:
         key = ("rope", N, H, D, x.stride(0), x.stride(1), sign, x.dtype)
-        _cached(key, lambda: Launch(_rope_kernel, (N,), (H, x.stride(0), x.stride(1), y.stride(0), y.stride(1)),
+        cached(key, lambda: Launch(_rope_kernel, (N,), (H, x.stride(0), x.stride(1), y.stride(0), y.stride(1)),
                                     dict(HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), SIGN=sign)))(x, cos, sin, y)
     return y
 
@@ -164,7 +164,7 @@ class _Rope(torch.autograd.Function):
 
 def rope(x, cos, sin):
     """x [N, H, D] rotated by rows cos/sin [N, D] (fp32) of the shared table; per row, fp32."""
-    _check("rope", x)
+    check_inputs("rope", x)
     if cos.dtype != torch.float32 or not cos.is_contiguous():
         cos = cos.float().contiguous()
     if sin.dtype != torch.float32 or not sin.is_contiguous():
@@ -190,7 +190,7 @@ def paged_write(k_pages, v_pages, slots, k, v) -> None:
     """k, v [N, Hk, D] into the flat slots of k_pages / v_pages [P, page_size, Hk, D]: one launch (two
     index_copy_ before). Pages must be contiguous (the engine's are); rows are read in place when each
     row's Hk x D elements are contiguous."""
-    _check("paged_write", k, v)
+    check_inputs("paged_write", k, v)
     N = k.shape[0]
     W = k.shape[1] * k.shape[2]
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()) or k_pages.shape[2:] != k.shape[1:] \
@@ -200,6 +200,6 @@ def paged_write(k_pages, v_pages, slots, k, v) -> None:
                          f"slots {tuple(slots.shape)} do not fit")
     k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
     if N:
-        _cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype), lambda: Launch(
+        cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype), lambda: Launch(
             _paged_write, (N,), (W, k.stride(0), v.stride(0)), dict(BLOCK=triton.next_power_of_2(W))))(
             k, v, k_pages, v_pages, slots.contiguous())

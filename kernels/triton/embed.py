@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, _cached, _check
+from .common import Launch, cached, check_inputs
 
 
 @triton.jit
@@ -44,13 +44,13 @@ class _Embedding(torch.autograd.Function):
         dw = torch.empty(V, D, dtype=ctx.wdtype, device=g.device)
         if V and D:
             key = ("embed_bwd", V, D, g.dtype, start.dtype, dw.dtype)
-            _cached(key, lambda: Launch(_embed_bwd, (V, triton.cdiv(D, 256)), (D,), dict(BLOCK=256)))(
+            cached(key, lambda: Launch(_embed_bwd, (V, triton.cdiv(D, 256)), (D,), dict(BLOCK=256)))(
                 g, order, start, dw)
         return dw, None
 
 
 def embedding(weight, tokens):
-    _check("embedding", weight)
+    check_inputs("embedding", weight)
     if torch.is_grad_enabled() and weight.requires_grad:
         return _Embedding.apply(weight, tokens)
     return weight[tokens]

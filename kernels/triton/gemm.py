@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, SUPPORTED, Launch, _cached, _check, _host_table, _num_sms, host_free_dot
+from .common import INTERPRET, SUPPORTED, Launch, cached, check_inputs, host_free_dot, host_table, num_sms
 
 # The contract: one config per dtype (and one for the interpreter), never autotuned. How each
 # config was chosen and measured (H200): experiments/README.md (results/triton_NVIDIA_H200.json, History).
@@ -77,9 +77,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
     MASK_M: A rows past M are masked loads (zeros) instead of reads of row 0 (scheduling only: those
     rows are never stored, a row's MMAs ignore the other rows).
 
-    Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid; OCC
-    programs per SM), FLATTEN lets triton pipeline the loads of a program's next tile under its
-    current one (one loop over (tile, K chunk)); each tile still runs its own K chunks in order."""
+    Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid), FLATTEN
+    lets triton pipeline the loads of a program's next tile under its current one (one loop over (tile, K
+    chunk)); each tile still runs its own K chunks in order."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
@@ -212,14 +212,10 @@ def _config(dtype, m: int | None = None, n: int | None = None, small: dict | Non
     return dict(MATMUL_CONFIGS[dtype])
 
 
-def _launch_cfg(cfg: dict) -> tuple[dict, int]:
-    """A config's kernel constexprs and launch options (FLATTEN, MASK_M off unless set), and its programs per
-    SM (OCC, 1 unless set): both scheduling only, the tiles and their K order stay the config's."""
-    cfg = dict(cfg)
-    occ = cfg.pop("OCC", 1)
-    cfg.setdefault("FLATTEN", False)
-    cfg.setdefault("MASK_M", False)
-    return cfg, occ
+def _launch_cfg(cfg: dict) -> dict:
+    """A config's kernel constexprs and launch options (FLATTEN, MASK_M off unless set: scheduling only,
+    the tiles and their K order stay the config's)."""
+    return dict({"FLATTEN": False, "MASK_M": False}, **cfg)
 
 
 def _grouped_config(dtype, rows: int) -> dict:
@@ -236,7 +232,7 @@ def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strid
     K loop stays masked whatever the count (one compiled variant; the same bits, see _gemm_plan)."""
     numels = (a.numel(), b.numel(), c.numel())
     key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device, numels, even_k)
-    plan = _cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k))
+    plan = cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k))
     if plan is not None:
         launch, table = plan
         launch(a, b, c, a if table is None else table)
@@ -274,9 +270,9 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
     single = not per_n and len(rows) == 1 and rows[0][3:] == (0, 0, 0)
     # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
     # then takes any tensor, never read)
-    table = None if single else _host_table(rows, torch.int64, a.device)
-    cfg, occ = _launch_cfg(cfg)
-    sms = _num_sms(a.device) * occ
+    table = None if single else host_table(rows, torch.int64, a.device)
+    cfg = _launch_cfg(cfg)
+    sms = num_sms(a.device)
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg,
                 PER_N=per_n)
@@ -293,7 +289,7 @@ def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int
     numels = (a.numel(), b.numel(), c.numel())
     key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
            a.device, numels, counts.dtype)
-    launch = _cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg))
+    launch = cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg))
     if launch is not None:
         launch(a, b, c, counts)
 
@@ -308,8 +304,8 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg):
     if bound == 0:
         return None
     sam, sak, sbk, sbn = strides[:4]
-    cfg, occ = _launch_cfg(cfg)
-    sms = _num_sms(a.device) * occ
+    cfg = _launch_cfg(cfg)
+    sms = num_sms(a.device)
     meta = dict(P=P, P2=max(2, triton.next_power_of_2(P)), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
                 ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
@@ -332,7 +328,7 @@ _MATMUL_PLANS: dict = {}  # (shapes, strides, dtypes, devices) -> (M, N, K, copy
 
 def _matmul_plan(a, b, even_k: bool = True):
     """Everything about a matmul that its shapes, strides, dtypes and devices decide, checked once."""
-    _check("matmul", a, b)
+    check_inputs("matmul", a, b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"triton matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
     if a.dtype != b.dtype:
@@ -475,10 +471,10 @@ def linears(x, ws, biases):
     if not _linears_ok(x2, ws):
         return [linear(x, w, b) for w, b in zip(ws, biases)]
     M, ns = x2.shape[0], [w.shape[0] for w in ws]
-    cfg = _linears_config(x2.dtype, M, ns, _num_sms(x2.device))
+    cfg = _linears_config(x2.dtype, M, ns, num_sms(x2.device))
     key = ("linears", M, x2.stride(), tuple((w.data_ptr(), w.shape[0]) for w in ws), ws[0].stride(), x2.shape[1],
            tuple(cfg.values()), x2.dtype, x2.device)
-    plan = _cached(key, lambda: _linears_plan(x2, ws, ns, cfg))
+    plan = cached(key, lambda: _linears_plan(x2, ws, ns, cfg))
     buf = torch.empty(M * sum(ns), dtype=x.dtype, device=x.device)
     if plan is not None:
         launch, table, i0 = plan
@@ -563,7 +559,7 @@ def grouped_linear(x, w, counts: list[int] | torch.Tensor):
     device whose values are never read on the host (no sync: the path a CUDA graph can capture; the
     caller promises they sum to R, the kernel clamps them to R so a wrong tensor cannot write out of
     bounds). Same bits either way."""
-    _check("grouped_linear", x, w)
+    check_inputs("grouped_linear", x, w)
     if isinstance(counts, torch.Tensor) and counts.device != x.device:
         counts = counts.tolist()
     if isinstance(counts, torch.Tensor):

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, Launch, _cached, _check
+from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _forward(z, tokens):
     out = torch.empty(N, dtype=torch.float32, device=z.device)
     lse = torch.empty(N, dtype=torch.float32, device=z.device)
     if N:
-        _cached(("logprob", N, V, tokens.dtype), lambda: Launch(_logprob_fwd, (N,), (V,),
+        cached(("logprob", N, V, tokens.dtype), lambda: Launch(_logprob_fwd, (N,), (V,),
                                                   dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
             z, tokens, out, lse)
     return out, lse
@@ -68,7 +68,7 @@ class _LogProb(torch.autograd.Function):
         dz = torch.empty_like(z)
         N, V = z.shape
         if N:
-            _cached(("logprob_bwd", N, V, tokens.dtype), lambda: Launch(
+            cached(("logprob_bwd", N, V, tokens.dtype), lambda: Launch(
                 _logprob_bwd, (N,), (V,), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
                 z, tokens, lse, g.contiguous().float(), dz)
         return dz, None
@@ -76,7 +76,7 @@ class _LogProb(torch.autograd.Function):
 
 def log_softmax_gather(z, tokens):
     """z [N, V] fp32 (tempered/filtered) -> log p(tokens) [N] fp32, one program per row."""
-    _check("log_softmax_gather", z)
+    check_inputs("log_softmax_gather", z)
     z, tokens = z.float().contiguous(), tokens.contiguous()
     if torch.is_grad_enabled() and z.requires_grad:
         return _LogProb.apply(z, tokens)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, Launch, _cached, _check
+from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _combine(y, w, rows=None):
     out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
     if T:
         rows = w if rows is None else rows.contiguous()  # the pointer slot, unread without ROWS
-        _cached(("combine", T, K, Dm, y.dtype, rows.dtype, rows is w), lambda: Launch(
+        cached(("combine", T, K, Dm, y.dtype, rows.dtype, rows is w), lambda: Launch(
             _combine_fwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)), ROWS=rows is not w)))(
             y, w, out, rows)
     return y, w, out
@@ -71,7 +71,7 @@ class _Combine(torch.autograd.Function):
         dy, dw = torch.empty_like(y), torch.empty_like(w)
         if T:
             g = g.contiguous()
-            _cached(("combine_bwd", T, K, Dm, y.dtype, g.dtype), lambda: Launch(
+            cached(("combine_bwd", T, K, Dm, y.dtype, g.dtype), lambda: Launch(
                 _combine_bwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(y, w, g, dy, dw)
         return dy, dw
 
@@ -81,7 +81,7 @@ def moe_combine_rows(y, weights, rows):
     the gather and the plain combine (the same kernel body: the same bits)."""
     T, K = weights.shape
     Dm = y.shape[-1]
-    _check("moe_combine", y)
+    check_inputs("moe_combine", y)
     if rows.shape != (T * K,) or y.dim() != 2:
         raise ValueError(f"triton moe_combine: rows {tuple(rows.shape)} and y {tuple(y.shape)} do not fit "
                          f"weights {tuple(weights.shape)}")
@@ -92,7 +92,7 @@ def moe_combine_rows(y, weights, rows):
 
 def moe_combine(y, weights):
     """y [T, k, D] in top-k slot order, weights [T, k] -> [T, D]: fp32, slot 0 first, per token."""
-    _check("moe_combine", y)
+    check_inputs("moe_combine", y)
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
         return _Combine.apply(y, weights)
     return _combine(y, weights)[2]
@@ -154,7 +154,7 @@ def _route(logits, k, renorm):
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T:
-        _cached(("route", T, E, k, renorm, logits.dtype), lambda: Launch(
+        cached(("route", T, E, k, renorm, logits.dtype), lambda: Launch(
             _route_fwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))))(
             logits, w, ids)
     return w, ids
@@ -176,7 +176,7 @@ class _Route(torch.autograd.Function):
         dz = torch.empty_like(logits)
         if T:
             k, renorm = ids.shape[1], ctx.renorm
-            _cached(("route_bwd", T, E, k, renorm, logits.dtype), lambda: Launch(
+            cached(("route_bwd", T, E, k, renorm, logits.dtype), lambda: Launch(
                 _route_bwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))))(
                 logits, w, ids, g.float().contiguous(), dz)
         return dz, None, None
@@ -184,7 +184,7 @@ class _Route(torch.autograd.Function):
 
 def moe_route(logits, top_k: int, renormalize: bool):
     """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): one program per token."""
-    _check("moe_route", logits)
+    check_inputs("moe_route", logits)
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"triton moe_route: top_k={top_k} with {logits.shape[-1]} experts")
     if torch.is_grad_enabled() and logits.requires_grad:

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, Launch, _cached, _check
+from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _colsum(x: torch.Tensor) -> torch.Tensor:
     while P > 1:
         n = triton.cdiv(P, _COLSUM_CHUNK)
         out = torch.empty(n, D, dtype=torch.float32, device=x.device)
-        _cached(("colsum", P, D), lambda P=P, n=n: Launch(
+        cached(("colsum", P, D), lambda P=P, n=n: Launch(
             _colsum_kernel, (triton.cdiv(D, _COLSUM_BLOCK), n), (P, D),
             dict(CHUNK=_COLSUM_CHUNK, BLOCK=_COLSUM_BLOCK)))(x, out)
         x, P = out, n
@@ -107,7 +107,7 @@ def _forward(x2, w, eps):
     y = torch.empty_like(x2)
     rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
     if R:
-        _cached(("rmsnorm", R, D, eps, x2.dtype), lambda: _plan_fwd(R, D, eps))(
+        cached(("rmsnorm", R, D, eps, x2.dtype), lambda: _plan_fwd(R, D, eps))(
             x2, w if w.dtype == x2.dtype else w.to(x2.dtype), y, rstd)
     return y, rstd
 
@@ -130,7 +130,7 @@ class _RMSNorm(torch.autograd.Function):
             cbuf = torch.empty(R, dtype=torch.float32, device=x2.device)
             g = g.contiguous()
             key = ("rmsnorm_bwd", R, D, x2.dtype, g.dtype)
-            _cached(key, lambda: Launch(_rmsnorm_bwd, (progs,), (R, D), dict(
+            cached(key, lambda: Launch(_rmsnorm_bwd, (progs,), (R, D), dict(
                 ROWS=_NORM_ROWS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))))(
                 x2, w.float(), g, rstd, cbuf, dx, partial)
         else:
@@ -140,7 +140,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rmsnorm(x, w, eps: float):
-    _check("rmsnorm", x, w)
+    check_inputs("rmsnorm", x, w)
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
         y = _RMSNorm.apply(x2, w, eps)

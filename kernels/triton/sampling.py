@@ -86,9 +86,9 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, 
     tl.store(out_ptr + row, tl.where((nan > 0) | (best == float("-inf")), V, best_i))
 
 
-_CONST = dict(SQRT2=fo._SQRT2, C0=fo._ATANH_COEFFS[0], C1=fo._ATANH_COEFFS[1], C2=fo._ATANH_COEFFS[2],
-              C3=fo._ATANH_COEFFS[3], C4=fo._ATANH_COEFFS[4], LN2_HI=fo._LN2_HI, LN2_LO=fo._LN2_LO)
-assert len(fo._ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclose(fo._SQRT2, 2 ** 0.5)
+_CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
+              C3=fo.ATANH_COEFFS[3], C4=fo.ATANH_COEFFS[4], LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO)
+assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclose(fo.SQRT2, 2 ** 0.5)
 
 
 def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -175,7 +175,7 @@ def _fused_dispatch(flat: torch.Tensor):
         return None
     from rlalign.kernels.triton import dispatch as fused
 
-    return fused.moe_dispatch if fused.ENABLED and flat.numel() <= fused.MAX_ROWS else None
+    return fused.moe_dispatch if flat.numel() <= fused.MAX_ROWS else None
 
 
 def dispatch_torch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

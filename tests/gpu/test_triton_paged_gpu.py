@@ -13,8 +13,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 H, HK, D = 32, 8, 128
 SCALE = 1 / math.sqrt(D)
-# CHUNKS_PER_PROGRAM: split-K with 1 / 4 chunks per program, chunks folded in registers, the size-based schedule
+# the split-K schedule (attention.chunks_per_program): 1 / 4 chunks per program, chunks folded in registers, the
+# size-based schedule
 SCHEDULE = {"split1": 1, "split4": 4, "registers": 0, "auto": None}
+
+
+def _schedule(monkeypatch, spp):
+    """Every rows launch takes spp chunks per program (None: the size-based schedule)."""
+    from rlalign.kernels.triton import attention as attn
+
+    if not hasattr(_schedule, "size_based"):
+        _schedule.size_based = attn.chunks_per_program
+    monkeypatch.setattr(attn, "chunks_per_program", _schedule.size_based if spp is None else lambda *a: spp)
 
 
 def _packed(lens, seed, dtype=torch.bfloat16):
@@ -56,7 +66,7 @@ def test_decode_equals_prefill_at_every_position(mode, monkeypatch):
     q, k, v, cu = _packed([T], 0)
     pre = attn.attention_prefill(q, k, v, cu, SCALE)
     kc, vc = k[None], v[None]
-    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
+    _schedule(monkeypatch, SCHEDULE[mode])
     # all 4,096 positions as one batch of rows over a stride-0 view of the one cache
     dec = attn.attention_decode(q, kc.expand(T, -1, -1, -1), vc.expand(T, -1, -1, -1),
                                 torch.arange(1, T + 1, device="cuda"), SCALE)
@@ -89,30 +99,13 @@ def test_paged_equals_prefill_ragged_shuffled(page_size, mode, monkeypatch):
     pre = attn.attention_prefill(q, k, v, cu, SCALE)
     kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 3)
     perm = torch.randperm(len(pos), generator=torch.Generator().manual_seed(4)).cuda()
-    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", SCHEDULE[mode])
+    _schedule(monkeypatch, SCHEDULE[mode])
     out = attn.attention_paged(q[perm], kp, vp, table, seq_idx[perm], pos[perm], SCALE)
     assert same_bits(out, pre[perm])
     # decode rows only (the last position of each sequence), a small batch: the size-based schedule
-    monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", None)
+    _schedule(monkeypatch, None)
     last = torch.tensor(cu[1:], device="cuda") - 1
     assert same_bits(attn.attention_paged(q[last], kp, vp, table, seq_idx[last], pos[last], SCALE), pre[last])
-
-
-def test_one_loop_over_blocks_equals_a_loop_per_chunk(monkeypatch):
-    from rlalign.kernels.triton import attention as attn
-
-    lens = [3000, 1100]
-    q, k, v, cu = _packed(lens, 8)
-    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 9)
-    outs, cfg = [], attn.ATTN_FWD[torch.bfloat16]
-    for flat in (True, False):
-        for kind in ("prefill", "decode"):
-            monkeypatch.setitem(cfg, kind, dict(cfg[kind], FLAT=flat))
-        monkeypatch.setitem(cfg, "decode", dict(cfg["decode"], SPLIT_FLAT=flat))
-        outs.append((attn.attention_prefill(q, k, v, cu, SCALE),
-                     attn.attention_paged(q, kp, vp, table, seq_idx, pos, SCALE)))
-    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1])
-    assert same_bits(outs[0][1], outs[0][0])
 
 
 def test_negative_twin_another_chunk_size_moves_bits(monkeypatch):
@@ -155,9 +148,9 @@ def test_backward_close_to_sdpa_and_identical_run_to_run():
 
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_rows_settings_leave_bits_alone(page_size, monkeypatch):
-    """The paged pipeline depth, the fused split-K fold vs a second kernel, how a program finds its pages,
-    the loop form, 32- or 64-bit key offsets: the same bits as prefill (paged rows of ragged, shuffled
-    sequences; decode rows)."""
+    """How a program finds its pages (table entries preloaded and gathered, or a table load per key block)
+    and 32- or 64-bit key offsets — the pinned bf16 settings and the fp32 config's on bf16 data: the same
+    bits as prefill (paged rows of ragged, shuffled sequences, split-K and in registers; decode rows)."""
     from rlalign.kernels.triton import attention as attn
 
     lens = [1, 300, 4096, 1000]
@@ -172,22 +165,20 @@ def test_rows_settings_leave_bits_alone(page_size, monkeypatch):
         kc[s, : b - a], vc[s, : b - a] = k[a:b], v[a:b]
     cfg = attn.ATTN_FWD[torch.bfloat16]
     base = dict(cfg["decode"])
-    # PAGED_PRE: the pages of a program's keys preloaded (1 gather, 2 one-hot) or a table load per key block
-    # (0); PAGED_PRE_MAX 512: rows folded in registers preload the whole (257-entry) table row too
-    # PAGED_OFF32: int32 key offsets (pinned) or int64
-    for rows_cfg in (dict(), attn.ROWS_BEFORE, dict(PAGED_STAGES=7), dict(FUSED=False), dict(PAGED_PRE=0),
-                     dict(PAGED_PRE=2, PAGED_PRE_MAX=64), dict(PAGED_PRE_MAX=512), dict(PAGED_SPLIT_FLAT=True),
-                     dict(PAGED_OFF32=False), dict(PAGED_OFF32=False, PAGED_PRE=0)):
+    # pinned: pages preloaded up to 256 table entries (the 4,096-key row folded in registers has 257: a table
+    # load per key block), int32 offsets; the fp32 config's settings: a table load per key block, int64 offsets
+    fp32 = attn.ATTN_FWD[torch.float32]["decode"]
+    for rows_cfg in (dict(), dict(PAGED_PRE_MAX=fp32["PAGED_PRE_MAX"], PAGED_OFF32=fp32["PAGED_OFF32"])):
         monkeypatch.setitem(cfg, "decode", dict(base, **rows_cfg))
         for spp in (1, 0):
-            monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", spp)
+            _schedule(monkeypatch, spp)
             out = attn.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], SCALE)
             assert same_bits(out, pre[rows]), (rows_cfg, spp)
-        monkeypatch.setattr(attn, "CHUNKS_PER_PROGRAM", None)
+        _schedule(monkeypatch, None)
         assert same_bits(attn.attention_paged(q[last], kp, vp, table, seq_idx[last], pos[last], SCALE), pre[last])
         dec = attn.attention_decode(q[last], kc, vc, torch.tensor(lens, device="cuda"), SCALE)
         assert same_bits(dec, pre[last]), rows_cfg
-    assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())
+    assert all(int(t.abs().sum()) == 0 for t in attn.ticket_buffers())
 
 
 def test_fused_split_k_in_a_cuda_graph():
@@ -220,4 +211,4 @@ def test_fused_split_k_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert same_bits(out, attn.attention_decode(qs, kc, vc, lengths, SCALE))
     assert same_bits(out[1:], pre[lengths[1:] - 1])
-    assert all(int(t.abs().sum()) == 0 for t in attn._TICKETS.values())
+    assert all(int(t.abs().sum()) == 0 for t in attn.ticket_buffers())
