@@ -7,7 +7,8 @@ and the default kernels in the same engine, same prompts, same run.
 Modes: default (torch kernels), eager (Triton, no graphs), graphs (CUDA graphs captured in every
 generate() call: EngineConfig.keep_state=False, the engine before graph reuse), kept (graphs, KV
 cache and block table kept on the model across calls); +tdisp: the MoE dispatch as torch ops (~12
-launches per MoE layer) instead of kernels/triton/dispatch.py's one launch; +nola: no lookahead (each
+launches per MoE layer) instead of kernels/triton/dispatch.py's one launch (its MAX_ROWS set to -1 for
+the mode); +nola: no lookahead (each
 step's tokens read back before the next step is enqueued). Each mode starts
 from a cleared engine state, warms up, then times --calls consecutive generate() calls (seeds 7, 8, ...: what an RL run
 does once per step); tokens_per_s is the last call's (steady state), every call's time is recorded.
@@ -151,7 +152,7 @@ def main() -> None:
                 res[f"{m}_over_default_speed"] = res[m]["tokens_per_s"] / res["default"]["tokens_per_s"]
         out = {**environment(), "model": a.model, "prompts": a.prompts, "max_new_tokens": a.new,
                "prompt_len": [a.prompt_min, a.prompt_max],
-               "max_num_batched_tokens": a.max_batched, "calls": a.calls, "triton_dispatch": dispatch_on,
+               "max_num_batched_tokens": a.max_batched, "calls": a.calls,
                "baseline_tokens_per_s": 2700,
                "results": res}
         if a.dump:
@@ -162,13 +163,13 @@ def main() -> None:
         return path
 
     results, ref, ref_mode, dumps = {}, None, None, {}
-    dispatch_on = fused_dispatch.ENABLED  # RLALIGN_TRITON_DISPATCH=0 keeps it off in every mode
+    max_rows = fused_dispatch.MAX_ROWS
     for mode in a.modes.split(","):
         torch.cuda.empty_cache()
         base, *opts = mode.split("+")  # +tdisp: the torch MoE dispatch; +nola: no lookahead
         if set(opts) - {"tdisp", "nola"}:
             raise SystemExit(f"mode {mode!r}: options are +tdisp and +nola")
-        fused_dispatch.ENABLED = dispatch_on and "tdisp" not in opts
+        fused_dispatch.MAX_ROWS = -1 if "tdisp" in opts else max_rows  # -1: no step fits the Triton dispatch
         engine = EngineConfig(cuda_graphs=base in ("graphs", "kept"), keep_state=base != "graphs",
                               lookahead="nola" not in opts, max_num_batched_tokens=a.max_batched)
         try:
@@ -182,7 +183,7 @@ def main() -> None:
             continue
         finally:
             clear_engine_state(model)
-            fused_dispatch.ENABLED = dispatch_on
+            fused_dispatch.MAX_ROWS = max_rows
         dumps[mode] = [[(r.tokens, r.logprobs) for r in o] for o in outs]
         if "roofline" not in results:
             results["roofline"] = roofline(args, model, outs[-1], peak)

@@ -1,25 +1,22 @@
-"""Host cost per call of the Triton wrappers before and after the launch plans (issue 12, Build 4),
-and the MoE layer with host vs device expert counts (Build 1), in one run on one GPU.
+"""Host cost per call of the Triton wrappers, and of the MoE layer with host vs device expert counts, in
+one run on one GPU.
 
-    python experiments/bench_launch.py [--before DIR] [--out DIR] [--rounds 7] [--calls 200]
+    python experiments/bench_launch.py [--out DIR] [--rounds 7] [--calls 200]
 
 Variants of each op, same inputs, timed interleaved, median over rounds:
-  before    a copy of kernels/triton from before this change (--before; default
-            experiments/_launch_baseline/triton_before, not committed; make it with
-              mkdir -p experiments/_launch_baseline && git archive 21b7804^ kernels/triton | tar -x -C /tmp \
-                && mv /tmp/kernels/triton experiments/_launch_baseline/triton_before
-            ): shape checks and triton's JIT dispatcher every call
-  dispatch  this tree, plans cached, launches through triton's dispatcher (common.FAST_LAUNCH = False)
-  direct    this tree, the compiled kernel called directly (common.FAST_LAUNCH = True, the default)
+  dispatch  plans cached, every launch through triton's JIT dispatcher (common.Launch.__call__ replaced
+            here by a call of the JIT function: what a launch cost before launch plans called the
+            compiled kernel directly)
+  direct    the wrappers as they run: the compiled kernel called directly (common.Launch)
   torch     the torch / cuBLAS op
 host_us: time to enqueue `calls` calls / calls (one sync at the end); wall_us: including that sync.
-Every op checks that `before` and `direct` give the same bits. Writes launch_overhead_h200.json.
+Every op checks that `dispatch` and `direct` give the same bits and that `direct` reaches no JIT
+dispatch. Writes launch_overhead_<gpu>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -50,10 +47,19 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return 1e6 * (t1 - t0) / calls, 1e6 * (t2 - t0) / calls
 
 
+_DIRECT = common.Launch.__call__
+
+
+def _dispatched(self, *tensors):
+    self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+
+
 def fast(flag: bool):
-    def set_flag():
-        common.FAST_LAUNCH = flag
-    return set_flag
+    """A setup that makes launch plans call the compiled kernel directly (True) or go through triton's
+    JIT dispatcher (False)."""
+    def setup():
+        common.Launch.__call__ = _DIRECT if flag else _dispatched
+    return setup
 
 
 def measure(variants: dict, rounds: int, calls: int) -> dict:
@@ -65,7 +71,7 @@ def measure(variants: dict, rounds: int, calls: int) -> dict:
             h, w = timed(fn, calls)
             samples[name][0].append(h)
             samples[name][1].append(w)
-    common.FAST_LAUNCH = True
+    fast(True)()
     return {name: {"host_us": round(statistics.median(h), 2), "wall_us": round(statistics.median(w), 2)}
             for name, (h, w) in samples.items()}
 
@@ -78,8 +84,8 @@ def same_bits(a, b) -> bool:
 
 
 def moe_forward(ops, gate_w, gate_up, down, x, k: int, device_counts: bool):
-    """The MoE layer of rlalign/model/model.py through an op module: host counts (bincount + tolist,
-    the layer before this change) or device counts (sort + searchsorted, the layer now)."""
+    """The MoE layer of rlalign/model/model.py through an op module: host counts (bincount + tolist: a
+    host sync) or device counts (sort + searchsorted, the layer's path)."""
     T, d = x.shape
     E = gate_up.shape[0]
     weights, ids = ops.moe_route(ops.linear(x, gate_w), k, True)
@@ -126,13 +132,10 @@ def takes_direct_path(fn) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--before", default=str(Path(__file__).resolve().parent / "_launch_baseline" / "triton_before"))
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(args.before).parent))
-    before = importlib.import_module(Path(args.before).name)
 
     dev, bf = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -175,22 +178,24 @@ def main() -> None:
     with torch.no_grad():
         for name, (tri, ref) in ops.items():
             try:
-                same = same_bits(tri(before), tri(tb))
-                rows[name] = measure({"before": (fast(True), lambda tri=tri: tri(before)),
-                                      "dispatch": (fast(False), lambda tri=tri: tri(tb)),
+                fast(False)()
+                dispatched = tri(tb)
+                fast(True)()
+                same = same_bits(dispatched, tri(tb))
+                rows[name] = measure({"dispatch": (fast(False), lambda tri=tri: tri(tb)),
                                       "direct": (fast(True), lambda tri=tri: tri(tb)),
                                       "torch": (fast(True), ref)}, args.rounds, args.calls)
-                rows[name]["same_bits_before_direct"] = same
+                rows[name]["same_bits_dispatch_direct"] = same
                 rows[name]["direct_path_taken"] = takes_direct_path(lambda tri=tri: tri(tb))
             except Exception as e:  # noqa: BLE001 (one broken op must not lose the table)
                 rows[name] = {"error": repr(e)[:300]}
                 print(name, "ERROR", repr(e)[:300])
-        # the grouped GEMM with counts on the device (no equivalent before this change)
-        same = same_bits(tb.grouped_linear(xg, gate_up, counts_t), before.grouped_linear(xg, gate_up, counts_l))
+        # the grouped GEMM with counts on the device
+        same = same_bits(tb.grouped_linear(xg, gate_up, counts_t), tb.grouped_linear(xg, gate_up, counts_l))
         rows["grouped 512x2048->1536 E64 (device counts)"] = measure(
             {"dispatch": (fast(False), lambda: tb.grouped_linear(xg, gate_up, counts_t)),
              "direct": (fast(True), lambda: tb.grouped_linear(xg, gate_up, counts_t))}, args.rounds, args.calls)
-        rows["grouped 512x2048->1536 E64 (device counts)"]["same_bits_before_direct"] = same
+        rows["grouped 512x2048->1536 E64 (device counts)"]["same_bits_host_counts"] = same
         rows["grouped 512x2048->1536 E64 (device counts)"]["direct_path_taken"] = takes_direct_path(
             lambda: tb.grouped_linear(xg, gate_up, counts_t))
 
@@ -198,7 +203,7 @@ def main() -> None:
         moe = {}
         for T in (1, 64):
             x = rnd(T, d)
-            ref_bits = moe_forward(before, gate_w, gate_up, down, x, k, False)
+            ref_bits = moe_forward(tb, gate_w, gate_up, down, x, k, False)
             new_bits = moe_forward(tb, gate_w, gate_up, down, x, k, True)
             static_x = x.clone()
             side = torch.cuda.Stream()
@@ -213,7 +218,6 @@ def main() -> None:
             def layer(m, dc, x=x):
                 return lambda: moe_forward(m, gate_w, gate_up, down, x, k, dc)
             variants = {
-                "before (host counts)": (fast(True), layer(before, False)),
                 "direct, host counts": (fast(True), layer(tb, False)),
                 "direct, device counts": (fast(True), layer(tb, True)),
                 "cuda graph replay": (fast(True), graph.replay),
@@ -221,16 +225,17 @@ def main() -> None:
             }
             moe[f"MoE layer T={T} d={d} E={E} k={k}"] = {
                 **measure(variants, args.rounds, max(20, args.calls // 4)),
-                "same_bits_before_device_counts": same_bits(ref_bits, new_bits),
+                "same_bits_host_device_counts": same_bits(ref_bits, new_bits),
                 "same_bits_graph_replay": same_bits(static_y, new_bits)}
 
     result = {**environment(), "ops": rows, "moe_layer": moe,
               "notes": "host_us: enqueue time per call (one sync after all calls); wall_us: with that sync. "
-                       "before = kernels/triton at 21b7804^ (copy); dispatch/direct = this tree with "
-                       "common.FAST_LAUNCH off/on; bf16 unless named; torch.no_grad()."}
+                       "dispatch = every launch through triton's JIT dispatcher, direct = common.Launch; "
+                       "bf16 unless named; torch.no_grad()."}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "launch_overhead_h200.json").write_text(json.dumps(result, indent=1) + "\n")
+    gpu = torch.cuda.get_device_name(0).split()[-1].lower()
+    (out / f"launch_overhead_{gpu}.json").write_text(json.dumps(result, indent=1) + "\n")
 
     print(f"\n{'op':44} {'variant':28} {'host us':>9} {'wall us':>9}")
     for table in (rows, moe):

@@ -1,21 +1,19 @@
 """q, k, v as three `linear` launches vs one `linears` launch, bits and speed in one run.
 
-    python experiments/bench_linears.py [--out DIR] [--old OLD_GEMM_PY] [--candidates]
+    python experiments/bench_linears.py [--out DIR] [--candidates]
 
 Shapes: bench-moe-large (K 2048, N 2048/512/512) and the 30B one (K 2048, N 4096/512/512), M = 1, 8,
 16, 32, 64, 128, 256, 512, 4096. Each variant runs 16 layers of distinct weights (the decode step's 16 layers; the
 weights do not fit in L2) captured in one CUDA graph; times are medians of triton.testing.do_bench of
 the replay, per layer, the variants alternating (two rounds, the faster kept). Bits: every output of
 `linears` (eager and replayed) torch.equal to the separate linears'. --candidates: also other configs
-of the family (BLOCK_K 64/128, the same MMA chain) for the one launch, to pick its table. --old: the
-previous gemm.py (loaded as a second module): its linear and grouped GEMM against the new module's,
-bitwise (the kernel gained a constexpr path; the old paths must compile to the same bits).
+of the family (BLOCK_K 64/128, the same MMA chain) for the one launch, to pick its table (each set as
+the only entry of gemm.LINEARS_SMALL_M for its variant).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from record import RESULTS, write  # noqa: E402
 
 import rlalign.kernels.triton  # noqa: E402,F401
 from rlalign.kernels.triton import gemm  # noqa: E402
+from rlalign.kernels.triton.common import num_sms  # noqa: E402
 
 BF = torch.bfloat16
 PEAK = 4.8e12
@@ -50,38 +49,6 @@ def bits_equal(a: list, b: list) -> bool:
                                     for x, y in zip(a, b))
 
 
-def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("rlalign.kernels.triton.gemm_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    plans: dict = {}  # its own plan cache (the shared one would hand it the new module's launches)
-    mod._cached = lambda key, build: plans[key] if key in plans else plans.setdefault(key, build())
-    return mod
-
-
-def old_vs_new(old, g) -> list:
-    """The existing paths through the modified kernel: linear (SINGLE), grouped host table and device counts."""
-    cases = []
-    for K, N in ((2048, 2048), (2048, 512), (2048, 64), (768, 2048)):
-        w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(BF)
-        for M in (1, 7, 64, 100, 256, 300, 4096):
-            x = torch.randn(M, K, device="cuda", generator=g).to(BF)
-            cases.append((f"linear M={M} K={K} N={N}", bits_equal([old.linear(x, w)], [gemm.linear(x, w)])))
-    E = 64
-    for K, N in ((2048, 1536), (768, 2048)):
-        w = (torch.randn(E, N, K, device="cuda", generator=g) * 0.02).to(BF)
-        for R in (8, 2048, 8192):
-            x = torch.randn(R, K, device="cuda", generator=g).to(BF)
-            counts = torch.bincount(torch.randint(0, E, (R,), device="cuda", generator=g), minlength=E)
-            host = counts.tolist()
-            cases.append((f"grouped device R={R} K={K} N={N}",
-                          bits_equal([old.grouped_linear(x, w, counts)], [gemm.grouped_linear(x, w, counts)])))
-            cases.append((f"grouped host R={R} K={K} N={N}",
-                          bits_equal([old.grouped_linear(x, w, host)], [gemm.grouped_linear(x, w, host)])))
-    return cases
-
-
 def graph_of(fn):
     fn()  # warm-up outside the capture: compile, plans
     torch.cuda.synchronize()
@@ -93,18 +60,18 @@ def graph_of(fn):
 
 def make_variants(x, layers, candidates: dict) -> dict:
     """name -> fn running the 16 layers: the separate linears, the one launch with its own config
-    ("one"), and with each candidate config."""
-    auto = gemm._linears_config
+    ("one"), and with each candidate config (the only entry of the small-M table, at every M)."""
+    pinned = gemm.LINEARS_SMALL_M[BF]
 
     def separate():
         return [[gemm.linear(x, w) for w in ws] for ws in layers]
 
     def one(cfg=None):
-        gemm._linears_config = auto if cfg is None else (lambda dtype, m, n, sms: dict(cfg))
+        gemm.LINEARS_SMALL_M[BF] = pinned if cfg is None else (1 << 30, 0, [cfg])
         try:
             return [gemm.linears(x, ws, [None] * 3) for ws in layers]
         finally:
-            gemm._linears_config = auto
+            gemm.LINEARS_SMALL_M[BF] = pinned
 
     out = {"separate": separate, "one": one}
     m = x.shape[0]
@@ -115,18 +82,11 @@ def make_variants(x, layers, candidates: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--old", default=None)
     ap.add_argument("--candidates", action="store_true")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    auto = gemm._linears_config
     rows, bad = [], []
-    old_cases = []
     with torch.no_grad():
-        if a.old:
-            old_cases = old_vs_new(load_old(a.old), g)
-            print(f"old vs new: {sum(c[1] for c in old_cases)}/{len(old_cases)} cases equal", flush=True)
-            bad += [c[0] for c in old_cases if not c[1]]
         for shape, (K, ns) in SHAPES.items():
             layers = [[(torch.randn(n, K, device="cuda", generator=g) * 0.02).to(BF) for n in ns]
                       for _ in range(LAYERS)]
@@ -154,7 +114,7 @@ def main() -> None:
                 best = {k: min(v) for k, v in times.items()}
                 base = best["separate"]
                 row = {"shape": shape, "M": M, "K": K, "N": list(ns),
-                       "config_one": auto(BF, M, list(ns), gemm._num_sms(x.device)),
+                       "config_one": gemm.linears_config(BF, M, list(ns), num_sms(x.device)),
                        "per_layer_s": best, "rounds_s": times, "bits_equal": same,
                        "speedup_vs_separate": {k: base / v for k, v in best.items()},
                        "fraction_of_hbm_peak": {k: (wbytes / LAYERS + M * K * 2 + M * sum(ns) * 2) / v / PEAK
@@ -164,11 +124,10 @@ def main() -> None:
                                                             for k, v in best.items()), flush=True)
                 del graphs
                 torch.cuda.empty_cache()
-    n_cases = sum(len(r["bits_equal"]) for r in rows) + len(old_cases)
+    n_cases = sum(len(r["bits_equal"]) for r in rows)
     print(f"bits: {n_cases - len(bad)}/{n_cases} equal" + (f"; DIFF: {bad}" if bad else ""))
     print("wrote", write("linears_H200", {
         "layers": LAYERS, "rows": rows, "candidates": CANDIDATES if a.candidates else {},
-        "old_vs_new": [{"case": c, "bits_equal": s} for c, s in old_cases],
         "bits": {"cases": n_cases, "differing": bad}, "hbm_peak_bytes_per_s": PEAK}, a.out))
     if bad:
         sys.exit(1)

@@ -1,30 +1,25 @@
 # ruff: noqa: B023  (the benchmark lambdas run inside the loop iteration that defines them)
-"""Split-K decode and the paged attention kernel on one GPU: bitwise checks (decode == paged ==
-prefill at every position, page sizes 16 and 32, shuffled block tables, split-K == in-register
-folds), then times in the same run: our contiguous decode vs SDPA at B = 1, 8, 64 with 4,096 cached
-keys (target <= 1.2x SDPA's time), the paged kernel vs our contiguous decode (target <= 1.1x), and
-prefill vs SDPA at T = 1024 / 4096 beside the same kernel without key chunks (what split-K costs
-prefill). Times: triton.testing.do_bench medians (the host's launch cost included) and the same
-call replayed from a CUDA graph (kernel time). Prints a table; writes results/paged_attention_<gpu>.json.
-The rows settings before the paged kernel's deeper pipeline and the fused split-K fold
-(attn.ROWS_BEFORE) are timed beside the pinned ones in the same run ("OLD" rows), and each change
-alone on the paged kernel.
+"""Decode, paged and prefill attention on one GPU, the pinned configs of kernels/triton/attention.py:
+bitwise checks (decode == paged == prefill at every position, page sizes 16 and 32, shuffled block
+tables, split-K == in-register folds, a negative twin with another chunk size), then times in the
+same run: our contiguous decode vs SDPA at B = 1, 8, 64 with 4,096 cached keys (target <= 1.2x SDPA's
+time) and per split-K schedule, the paged kernel vs our contiguous decode (target <= 1.1x), prefill vs
+SDPA at T = 1024 / 4096 beside the same kernel without key chunks (what split-K costs prefill), and
+(when named in --only) the engine's 256-row decode step (16 / 4 heads, page 16, ragged contexts
+16..384) with the paged settings of the pinned config and the fp32 config's (a table load per key
+block, int64 key offsets). Times: triton.testing.do_bench medians (the host's launch cost included)
+and the same call replayed from a CUDA graph (kernel time). Variants are set here, from outside the
+kernels: the config tables (ATTN_FWD) and the split-K schedule (attention.chunks_per_program).
 
     python experiments/bench_paged_attention.py [--quick] [--sweep] [--only bits,decode,prefill,paged,engine]
-        [--out DIR] [--name SUFFIX] [--variants 0,2,...] [--batches 1,8,64] [--warm] [--rounds N] [--asm]
+        [--out DIR] [--batches 1,8,64] [--warm] [--rounds N]
 
-The paged step times PAGED_VARIANTS, how the paged kernel finds its pages (a table load per key
-block, or the entries preloaded and picked by tl.gather / a one-hot sum) and its pipeline settings,
-each checked bitwise against prefill first. --warm calls everything once and times nothing: a few
-such runs in parallel (--variants) fill triton's cache before the timed run. --rounds N times the paged
-(and engine) rows N times, interleaved, and reports medians and each round's ratio. The engine step (only
-when named in --only) is the engine's 256-row decode step (issue 12: 16 / 4 heads, page 16, ragged
-contexts 16..384). --asm writes every compiled forward kernel's registers / spills / shared memory and its
-TTGIR / PTX (a tarball) beside the results.
-
---quick: tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script, times mean nothing).
---sweep: instead, time other key-chunk sizes (the constant CHUNK of kernels/triton/attention.py) and
-other decode / prefill tiles (each checked decode == prefill bitwise first); writes ..._sweep.json.
+--warm calls everything once and times nothing: a few such runs in parallel fill triton's cache
+before the timed run. --rounds N times the paged and engine rows N times, interleaved, and reports
+medians and each round's ratio. --quick: tiny shapes on CPU under TRITON_INTERPRET=1 (checks the
+script, times mean nothing). --sweep: instead, time other key-chunk sizes (the constant CHUNK: bits
+change with it, timing only) and other decode / prefill tiles (each checked decode == prefill
+bitwise first); writes ..._sweep.json. Prints a table; writes results/paged_attention_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -100,25 +95,26 @@ def bits_equal(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(v), b.view(v))
 
 
+SIZE_BASED = attn.chunks_per_program
+
+
 @contextlib.contextmanager
-def knobs(chunk: int | None = None, spp: int | None = -1, flat: bool | None = None, rows: dict | None = None):
-    """Another key-chunk size (bits change with it: timing only), split-K schedule (CHUNKS_PER_PROGRAM:
-    0 = in registers, k = k chunks per program, None = the size-based schedule; -1 leaves it), loop
-    structure or rows settings (FUSED, COMBINE_UNROLL, PAGED_STAGES: the same bits)."""
+def settings(chunk: int | None = None, spp: int | None = -1, decode: dict | None = None):
+    """Within the block: another key-chunk size (bits change with it: timing only), the split-K schedule
+    (0 = in registers, k = k chunks per program, None = the size-based schedule; -1 leaves it) or decode
+    config entries (tiles, paged settings: the same bits)."""
     table = attn.INTERPRET_ATTN if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]
-    saved = table["CHUNK"], attn.CHUNKS_PER_PROGRAM, dict(table["prefill"]), dict(table["decode"])
+    saved = table["CHUNK"], attn.chunks_per_program, dict(table["decode"])
     if chunk is not None:
         table["CHUNK"] = chunk
     if spp != -1:
-        attn.CHUNKS_PER_PROGRAM = spp
-    if flat is not None:
-        table["prefill"], table["decode"] = dict(saved[2], FLAT=flat), dict(saved[3], FLAT=flat, SPLIT_FLAT=flat)
-    if rows is not None:
-        table["decode"] = dict(table["decode"], **rows)
+        attn.chunks_per_program = SIZE_BASED if spp is None else (lambda *a: spp)
+    if decode is not None:
+        table["decode"] = dict(table["decode"], **decode)
     try:
         yield
     finally:
-        table["CHUNK"], attn.CHUNKS_PER_PROGRAM, table["prefill"], table["decode"] = saved
+        table["CHUNK"], attn.chunks_per_program, table["decode"] = saved
 
 
 def packed(lens, H, Hk, D, seed):
@@ -158,7 +154,7 @@ def check_bits(q: bool) -> None:
     pre = attn.attention_prefill(qq, kk, vv, cu, scale)
     lengths = torch.arange(1, T + 1, device=DEV)
     for mode, spp in (("split-K, 1 chunk a program", 1), ("split-K, 4 chunks a program", 4), ("in registers", 0)):
-        with knobs(spp=spp):
+        with settings(spp=spp):
             dec = attn.attention_decode(qq, kk[None].expand(T, -1, -1, -1), vv[None].expand(T, -1, -1, -1), lengths,
                                         scale)
         bad = sum(not bits_equal(dec[t], pre[t]) for t in range(T))
@@ -168,7 +164,8 @@ def check_bits(q: bool) -> None:
     bad = sum(not bits_equal(attn.attention_decode(qq[t : t + 1], kc, vc, lengths[t : t + 1], scale)[0], pre[t])
               for t in probe)
     row("bitwise", f"decode batch of 1 vs prefill at {len(probe)} positions", positions_differing=bad)
-    with knobs(chunk=2 * (attn.INTERPRET_ATTN["CHUNK"] if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]["CHUNK"])):
+    chunk = attn.INTERPRET_ATTN["CHUNK"] if attn.INTERPRET else attn.ATTN_FWD[torch.bfloat16]["CHUNK"]
+    with settings(chunk=2 * chunk):
         other = attn.attention_prefill(qq, kk, vv, cu, scale)
     row("bitwise", "negative twin: prefill with 2x the chunk vs decode", positions_differing=sum(
         not bits_equal(other[t], pre[t]) for t in range(T)))
@@ -180,19 +177,11 @@ def check_bits(q: bool) -> None:
         kp, table, seq_idx, pos = paged_cache(kk, lens, ps, 3)
         vp = paged_cache(vv, lens, ps, 3)[0]
         for mode, spp in (("split-K", 1), ("in registers", 0)):
-            with knobs(spp=spp):
+            with settings(spp=spp):
                 out = attn.attention_paged(qq[perm], kp, vp, table, seq_idx[perm], pos[perm], scale)
             bad = int((out.view(torch.int16) != pre[perm].view(torch.int16)).flatten(1).any(1).sum())
             row("bitwise", f"paged page={ps} ({mode}) vs prefill, {len(pre)} rows of {len(lens)} seqs",
                 rows_differing=bad)
-
-
-OLD = dict(attn.ROWS_BEFORE)
-# each change alone on the paged kernel: (name, rows settings)
-PAGED_ALONE = [("table load per block, num_stages 3", dict(PAGED_PRE=0, PAGED_STAGES=None)),
-               ("table load per block, num_stages 5", dict(PAGED_PRE=0)),
-               ("table load per block, num_stages 7", dict(PAGED_PRE=0, PAGED_STAGES=7)),
-               ("two-kernel fold", dict(FUSED=False, COMBINE_UNROLL=4))]
 
 
 def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
@@ -208,90 +197,34 @@ def speed_decode(q: bool, chunks: tuple = (None,)) -> None:
         t_sdpa, g_sdpa = bench(sdpa), bench_graph(sdpa)
         ours = lambda: attn.attention_decode(qd, kc, vc, lens, scale)
         for chunk in chunks:  # None: the pinned chunk (and the rows after); "pinned": it alone
-            with knobs(chunk=chunk if isinstance(chunk, int) else None):
+            with settings(chunk=chunk if isinstance(chunk, int) else None):
                 t, gt = bench(ours), bench_graph(ours)
             tag = f" chunk={chunk}" if isinstance(chunk, int) else ""
             row("speed", f"decode B={B} H={H}/{Hk} D={D} cache={C}{tag}", ours_ms=t, sdpa_ms=t_sdpa,
                 time_ratio=t / t_sdpa, graph_ours_ms=gt, graph_sdpa_ms=g_sdpa, graph_time_ratio=gt / g_sdpa)
         if chunks == (None,):
             ref = ours()
-            with knobs(rows=OLD):  # the rows settings before (two-kernel split-K fold)
-                same = bits_equal(ours(), ref)
-                t_old, g_old = bench(ours), bench_graph(ours)
-            row("speed", f"decode B={B} OLD rows settings", ours_ms=t_old, time_ratio=t_old / t_sdpa,
-                graph_ours_ms=g_old, graph_time_ratio=g_old / g_sdpa, bitwise_equal_new=same)
             if not q and B < 64:
-                for spp in (1, 2, 4):  # the fused fold under each split-K schedule
-                    with knobs(spp=spp):
+                for spp in (1, 2, 4):  # each split-K schedule
+                    with settings(spp=spp):
                         same = bits_equal(ours(), ref)
                         gt = bench_graph(ours)
                     row("sched", f"decode B={B} chunks/program={spp}", graph_ours_ms=gt, graph_time_ratio=gt / g_sdpa,
-                        bitwise_equal_new=same)
-            for ps in (16, 32):
-                kp, table, seq_idx, pos = paged_cache(kc.flatten(0, 1), [C] * B, ps, B)
-                vp = paged_cache(vc.flatten(0, 1), [C] * B, ps, B)[0]
-                rows = torch.arange(1, B + 1, device=DEV) * C - 1  # the last position of each sequence
-                sidx, ppos = seq_idx[rows].contiguous(), pos[rows].contiguous()
-                paged = lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos, scale)
-                same = bits_equal(paged(), ref)
-                tp, gp = bench(paged), bench_graph(paged)
-                t, gt = bench(ours), bench_graph(ours)
-                row("speed", f"paged decode B={B} page={ps} vs our contiguous decode", paged_ms=tp, contiguous_ms=t,
-                    time_ratio=tp / t, graph_paged_ms=gp, graph_contiguous_ms=gt, graph_time_ratio=gp / gt,
-                    bitwise_equal=same)
-                with knobs(rows=OLD):
-                    same = bits_equal(paged(), ref)
-                    gpo, gto = bench_graph(paged), bench_graph(ours)
-                row("speed", f"paged decode B={B} page={ps} OLD rows settings", graph_paged_ms=gpo,
-                    graph_contiguous_ms=gto, graph_time_ratio=gpo / gto, bitwise_equal=same,
-                    new_paged_vs_old_contiguous=gp / gto)
-                for name, alone in PAGED_ALONE if ps == 16 and not q else ():
-                    with knobs(rows=alone):
-                        same = bits_equal(paged(), ref)
-                        gpa = bench_graph(paged)
-                    row("speed", f"paged decode B={B} page={ps} {name}", graph_paged_ms=gpa,
-                        graph_time_ratio_vs_new_contiguous=gpa / gt, bitwise_equal=same)
+                        bitwise_equal=same)
 
 
-# How the paged kernel finds its keys' pages and pipelines their loads (issue 13; every one the same bits):
-# name, rows settings, split-K only (the setting changes nothing for rows folded in registers)
-PAGED_VARIANTS = [
-    ("old: table loads per key block, stages 5", dict(PAGED_PRE=0, PAGED_STAGES=5, PAGED_SPLIT_FLAT=None), False),
-    ("table loads per block, one loop per split program", dict(PAGED_PRE=0, PAGED_STAGES=5, PAGED_SPLIT_FLAT=True),
-     True),
-    ("pages preloaded + gather, stages 3", dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
-                                                PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=256), False),
-    ("pages preloaded + gather, stages 3, one loop", dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
-                                                          PAGED_SPLIT_FLAT=True, PAGED_PRE_MAX=256), True),
-    ("pages preloaded + one-hot, stages 3", dict(PAGED_PRE=2, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
-                                                 PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64), True),
-    ("pages preloaded + gather, stages 4", dict(PAGED_PRE=1, PAGED_PRE_STAGES=4, PAGED_STAGES=5,
-                                                PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64), True),
-    ("pages preloaded + gather, stages 2", dict(PAGED_PRE=1, PAGED_PRE_STAGES=2, PAGED_STAGES=5,
-                                                PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64), True),
-    ("pages preloaded + gather, stages 3, 8 warps", dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5,
-                                                         PAGED_PRE_WARPS=8, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=64),
-     True),
-]
-# session 5 (issue 13, B=1): int32 key offsets (the pinned setting since). Variants 0-7 keep int64 offsets
-# (as measured before). Measured in session 5's exploration run and dropped (results/..._session5_explore.json,
-# variants 9-12 there): gathered page offsets instead of page ids (1.7x), the table load masked by the
-# table's width (no change), and a timing-only diagnostic without the table load (wrong bits).
-_S4 = dict(PAGED_PRE=1, PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_SPLIT_FLAT=None, PAGED_PRE_MAX=256)
-PAGED_VARIANTS = [(n, {"PAGED_OFF32": False, **c}, so) for n, c, so in PAGED_VARIANTS]
-PAGED_VARIANTS += [("gather, int32 key offsets", dict(_S4, PAGED_OFF32=True), False)]
 ROUNDS = 1  # --rounds: timed rows interleaved this many times (medians reported)
-SELECT: list[int] | None = None  # --variants: a subset of PAGED_VARIANTS (the parallel --warm runs)
 BATCHES = [1, 8, 64]  # --batches
-
-
-def paged_variants(split: bool = True):
-    return [(i, *v) for i, v in enumerate(PAGED_VARIANTS) if (SELECT is None or i in SELECT) and (split or not v[2])]
+# the paged settings timed: the pinned bf16 ones and the fp32 config's (a table load per key block, int64
+# offsets) on the same bf16 data
+_FP32 = attn.ATTN_FWD[torch.float32]["decode"]
+PAGED_SETTINGS = [("pinned", {}), ("table load per key block, int64 key offsets",
+                                   dict(PAGED_PRE_MAX=_FP32["PAGED_PRE_MAX"], PAGED_OFF32=_FP32["PAGED_OFF32"]))]
 
 
 def speed_paged(q: bool) -> None:
-    """Each paged variant: bits vs prefill (ragged, shuffled pages 16 / 32, split-K and in registers), then
-    CUDA-graph times vs our contiguous decode at B = 1, 8, 64 (the contiguous kernel timed before and
+    """Each of PAGED_SETTINGS: bits vs prefill (ragged, shuffled pages 16 / 32, split-K and in registers),
+    then CUDA-graph times vs our contiguous decode at B = 1, 8, 64 (the contiguous kernel timed before and
     after each B's paged rows: its drift)."""
     H, Hk, D = (4, 2, 16) if q else (32, 8, 128)
     scale = 1 / math.sqrt(D)
@@ -302,15 +235,15 @@ def speed_paged(q: bool) -> None:
     for ps in (16, 32):
         kp, table, seq_idx, pos = paged_cache(kk, lens, ps, 3)
         vp = paged_cache(vv, lens, ps, 3)[0]
-        for i, name, rows_cfg, split_only in paged_variants():
-            for spp in (1, 4) if split_only else (1, 4, 0):
+        for name, decode in PAGED_SETTINGS:
+            for spp in (1, 4, 0):
                 try:
-                    with knobs(spp=spp, rows=rows_cfg):
+                    with settings(spp=spp, decode=decode):
                         out = attn.attention_paged(qq[perm], kp, vp, table, seq_idx[perm], pos[perm], scale)
                     bad = int((out.view(torch.int16) != pre[perm].view(torch.int16)).flatten(1).any(1).sum())
                 except Exception as e:
                     bad = f"{type(e).__name__}: {e}"[:200]
-                row("pbits", f"v{i} page={ps} chunks/program={spp}: {name}", rows_differing=bad)
+                row("pbits", f"page={ps} chunks/program={spp}: {name}", rows_differing=bad)
     C = 64 if q else 4096
     for B in ([2] if q else BATCHES):
         g = torch.Generator(device=DEV).manual_seed(B)
@@ -319,9 +252,7 @@ def speed_paged(q: bool) -> None:
         lens_b = torch.full((B,), C, device=DEV)
         ours = lambda: attn.attention_decode(qd, kc, vc, lens_b, scale)
         ref = ours()
-        split = attn._chunks_per_program(B, H, Hk, C // attn._attn_cfg("decode", torch.bfloat16)["CHUNK"],
-                                         torch.device(DEV)) > 0
-        cases = []  # (ps, variant index, name, rows settings, call, bits equal to contiguous)
+        cases = []  # (ps, name, decode settings, call, bits equal to contiguous)
         for ps in (16, 32):
             kp, table, seq_idx, pos = paged_cache(kc.flatten(0, 1), [C] * B, ps, B)
             vp = paged_cache(vc.flatten(0, 1), [C] * B, ps, B)[0]
@@ -329,25 +260,25 @@ def speed_paged(q: bool) -> None:
             sidx, ppos = seq_idx[rows].contiguous(), pos[rows].contiguous()
             paged = (lambda kp, vp, table, sidx, ppos: lambda: attn.attention_paged(qd, kp, vp, table, sidx, ppos,
                                                                                     scale))(kp, vp, table, sidx, ppos)
-            for i, name, rows_cfg, _ in paged_variants(split):
+            for name, decode in PAGED_SETTINGS:
                 try:
-                    with knobs(rows=rows_cfg):
+                    with settings(decode=decode):
                         same = bits_equal(paged(), ref)
                 except Exception as e:
-                    row("paged", f"B={B} page={ps} v{i}: {name}", error=f"{type(e).__name__}: {e}"[:200])
+                    row("paged", f"B={B} page={ps}: {name}", error=f"{type(e).__name__}: {e}"[:200])
                     continue
-                cases.append((ps, i, name, rows_cfg, paged, same))
+                cases.append((ps, name, decode, paged, same))
         # rounds: the contiguous kernel, then every case; a round after another (drift and noise show as spread)
         t_cont, t_case = [], [[] for _ in cases]
         for _ in range(ROUNDS):
             t_cont.append(bench_graph(ours))
             for c, case in enumerate(cases):
-                with knobs(rows=case[3]):
-                    t_case[c].append(bench_graph(case[4]))
+                with settings(decode=case[2]):
+                    t_case[c].append(bench_graph(case[3]))
         g_cont = _median(t_cont)
-        for (ps, i, name, _, _, same), ts in zip(cases, t_case):
+        for (ps, name, _, _, same), ts in zip(cases, t_case):
             gp = _median(ts)
-            row("paged", f"B={B} page={ps} v{i}: {name}", graph_paged_ms=gp, graph_contiguous_ms=g_cont,
+            row("paged", f"B={B} page={ps}: {name}", graph_paged_ms=gp, graph_contiguous_ms=g_cont,
                 graph_time_ratio=gp / g_cont, bitwise_equal_contiguous=same,
                 **({"ratios_per_round": [round(a / b, 4) for a, b in zip(ts, t_cont)]} if ROUNDS > 1 else {}))
         g_after = bench_graph(ours)
@@ -360,19 +291,12 @@ def _median(xs):
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
-# issue 12: the engine's decode step; (name, rows settings, chunks per program: None = the size-based schedule)
-# (session 5's exploration, with int64 offsets, 1.0 = its pinned row: split-K 1 chunk a program 1.17x, stages 4
-# 1.52x (one 148 KB program per SM), stages 2 1.05x (83 KB, two per SM; stages 3 takes 116 KB: one per SM))
-ENGINE_VARIANTS = [
-    ("pinned settings, size-based schedule", {}, None),
-    ("int64 key offsets (session 4)", dict(PAGED_OFF32=False), None),
-    ("8 warps", dict(PAGED_PRE_WARPS=8), None),
-    ("8 warps, stages 2", dict(PAGED_PRE_WARPS=8, PAGED_PRE_STAGES=2), None),
-]
+# the engine's decode step: (name, decode settings, chunks per program: None = the size-based schedule)
+ENGINE_VARIANTS = [(name, decode, None) for name, decode in PAGED_SETTINGS] + [("split-K, 1 chunk a program", {}, 1)]
 
 
 def speed_engine(q: bool) -> None:
-    """The engine's decode step at 256 rows (issue 12; bench-moe-large: 16 / 4 heads, D 128, page 16), every
+    """The engine's decode step at 256 rows (bench-moe-large: 16 / 4 heads, D 128, page 16), every
     row its own sequence at its last position, contexts uniform in 16..384 (the table 24 pages wide):
     bits vs prefill, then graph times of ENGINE_VARIANTS beside our contiguous decode over the same keys,
     and the time the K/V bytes take at 4.8 TB/s."""
@@ -396,15 +320,15 @@ def speed_engine(q: bool) -> None:
     row("engine", f"B={B} H={H}/{Hk} D={D} page={ps} contexts {lo}..{hi} (mean {sum(lens) / B:.0f})",
         kv_mb=kv_bytes / 1e6, hbm_us_at_4_8_tb_s=kv_bytes / 4.8e6, contiguous_equal_prefill=bits_equal(cont(), ref))
     cases = []
-    for name, rows_cfg, spp in ENGINE_VARIANTS:
-        with knobs(rows=rows_cfg, spp=spp):
+    for name, decode, spp in ENGINE_VARIANTS:
+        with settings(decode=decode, spp=spp):
             same = bits_equal(paged(), ref)
-        cases.append((name, rows_cfg, spp, same))
+        cases.append((name, decode, spp, same))
     t_cont, t_case = [], [[] for _ in cases]
     for _ in range(ROUNDS):
         t_cont.append(bench_graph(cont))
         for c, case in enumerate(cases):
-            with knobs(rows=case[1], spp=case[2]):
+            with settings(decode=case[1], spp=case[2]):
                 t_case[c].append(bench_graph(paged))
     g_cont = _median(t_cont)
     row("engine", f"B={B} contiguous decode (same keys)", graph_ms=g_cont)
@@ -412,38 +336,6 @@ def speed_engine(q: bool) -> None:
         gp = _median(ts)
         row("engine", f"B={B} paged: {name}", graph_ms=gp, vs_contiguous=gp / g_cont,
             vs_pinned=gp / _median(t_case[0]), bitwise_equal_prefill=same, ms_per_round=ts)
-
-
-def dump_kernels(out: str) -> None:
-    """--asm: registers, spills, shared memory of every compiled _attn_fwd, and its TTGIR / PTX in a tarball."""
-    import io
-    import json
-    import tarfile
-
-    info, files = [], {}
-    for entry in attn._attn_fwd.device_caches.values():
-        cache = entry[0] if isinstance(entry, tuple) else entry
-        for n, (key, k) in enumerate(cache.items()):
-            try:
-                k._init_handles()
-            except Exception:
-                pass
-            md = k.metadata
-            info.append({"i": n, "key": str(key)[:3000], "n_regs": getattr(k, "n_regs", None),
-                         "n_spills": getattr(k, "n_spills", None), "shared": getattr(md, "shared", None),
-                         "num_warps": getattr(md, "num_warps", None), "num_stages": getattr(md, "num_stages", None)})
-            for ext in ("ttgir", "ptx"):
-                if ext in k.asm:
-                    files[f"k{n}.{ext}"] = k.asm[ext] if isinstance(k.asm[ext], str) else k.asm[ext].decode()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    Path(out, "attn_fwd_kernels.json").write_text(json.dumps(info, indent=1))
-    with tarfile.open(Path(out, "attn_fwd_asm.tar.gz"), "w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode()
-            ti = tarfile.TarInfo(name)
-            ti.size = len(data)
-            tar.addfile(ti, io.BytesIO(data))
-    print("kernels:", [(d["i"], d["n_regs"], d["n_spills"], d["shared"]) for d in info])
 
 
 def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
@@ -457,21 +349,20 @@ def speed_prefill(q: bool, chunks: tuple = (None,)) -> None:
         ours = lambda: attn.attention_prefill(qq, kk, vv, cu, 1 / math.sqrt(D))
         t_sdpa, g_sdpa = bench(sdpa), bench_graph(sdpa)
         for chunk in chunks + ((1 << 20,) if chunks == (None,) else ()):
-            with knobs(chunk=chunk if isinstance(chunk, int) else None):
+            with settings(chunk=chunk if isinstance(chunk, int) else None):
                 t, gt = bench(ours), bench_graph(ours)
             tag = (" without key chunks" if chunk == 1 << 20 else f" chunk={chunk}") if isinstance(chunk, int) else ""
             row("speed", f"prefill B={B} H={H} T={T} D={D}{tag}", ours_ms=t, sdpa_ms=t_sdpa,
                 speed_vs_sdpa=t_sdpa / t, graph_speed_vs_sdpa=g_sdpa / gt)
 
 
-DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=4, FLAT=True, SPLIT_FLAT=False) for s in (2, 4)]
-PREFILL_TILES = [dict(BLOCK_M=m, num_stages=s, num_warps=w, FLAT=True) for m, s, w in ((128, 4, 8), (64, 3, 4))]
+DECODE_TILES = [dict(BLOCK_M=64, num_stages=s, num_warps=4) for s in (2, 4)]
+PREFILL_TILES = [dict(BLOCK_M=m, num_stages=s, num_warps=w) for m, s, w in ((128, 4, 8), (64, 3, 4))]
 
 
 def sweep_schedules(q: bool) -> None:
-    """Decode times per split-K schedule (chunks per program; 0 = in registers) and loop form (flat: one
-    loop over the blocks, else a loop per chunk; for every schedule): the same bits, so the fastest is
-    free to pick."""
+    """Decode times per split-K schedule (chunks per program; 0 = in registers): the same bits, so the
+    fastest is free to pick (attention.chunks_per_program)."""
     H, Hk, D, C = (4, 2, 16, 64) if q else (32, 8, 128, 4096)
     for B in ([2] if q else [1, 8, 64]):
         g = torch.Generator(device=DEV).manual_seed(B)
@@ -482,15 +373,12 @@ def sweep_schedules(q: bool) -> None:
         g_sdpa = bench_graph(lambda: F.scaled_dot_product_attention(qd[:, :, None], kt, vt, enable_gqa=True))
         ours = lambda: attn.attention_decode(qd, kc, vc, lens, 1 / math.sqrt(D))
         ref = ours()
-        for flat in (True, False):
-            for spp in (None, 1, 2, 4, 8, 0):
-                with knobs(spp=spp, flat=flat):
-                    same = bits_equal(ours(), ref)
-                    t, gt = bench(ours), bench_graph(ours)
-                row("sched", f"decode B={B} chunks/program={'auto' if spp is None else spp} flat={flat}", ours_ms=t,
-                    graph_ours_ms=gt, graph_time_ratio=gt / g_sdpa, bitwise_equal=same)
-    with knobs(flat=False):
-        speed_prefill(q, ("pinned",))
+        for spp in (None, 1, 2, 4, 8, 0):
+            with settings(spp=spp):
+                same = bits_equal(ours(), ref)
+                t, gt = bench(ours), bench_graph(ours)
+            row("sched", f"decode B={B} chunks/program={'auto' if spp is None else spp}", ours_ms=t,
+                graph_ours_ms=gt, graph_time_ratio=gt / g_sdpa, bitwise_equal=same)
 
 
 def sweep_tiles(q: bool) -> None:
@@ -504,19 +392,19 @@ def sweep_tiles(q: bool) -> None:
 
     def bad():
         pre = attn.attention_prefill(qq, kk, vv, cu, 0.1)
-        with knobs(spp=1):
+        with settings(spp=1):
             dec = attn.attention_decode(qq, kk[None].expand(T, -1, -1, -1), vv[None].expand(T, -1, -1, -1), lengths,
                                         0.1)
         return sum(not bits_equal(dec[t], pre[t]) for t in range(T))
 
     try:
         for tile in DECODE_TILES[: 1 if q else None]:
-            table["decode"] = tile
+            table["decode"] = dict(saved[0], **tile)
             row("sweep", f"decode tile {tile}", decode_vs_prefill_bad=bad())
             speed_decode(q, ("pinned",))
         table["decode"] = saved[0]
         for tile in PREFILL_TILES[: 1 if q else None]:
-            table["prefill"] = tile
+            table["prefill"] = dict(saved[1], **tile)
             row("sweep", f"prefill tile {tile}", decode_vs_prefill_bad=bad())
             speed_prefill(q, ("pinned",))
     finally:
@@ -527,19 +415,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--only", default=None, help="comma-separated steps: bits, decode, prefill")
+    ap.add_argument("--only", default=None, help="comma-separated steps: bits, decode, prefill, paged, engine")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--name", default="", help="suffix of the results file name")
-    ap.add_argument("--variants", default=None, help="paged step: indices into PAGED_VARIANTS")
     ap.add_argument("--batches", default=None, help="paged step: batch sizes timed (1,8,64)")
     ap.add_argument("--warm", action="store_true", help="call everything once, time nothing, write nothing")
     ap.add_argument("--rounds", type=int, default=1, help="paged / engine steps: timed rounds, interleaved")
-    ap.add_argument("--asm", action="store_true", help="also write the compiled kernels' registers and TTGIR/PTX")
     a = ap.parse_args()
-    global WARM, SELECT, BATCHES, ROUNDS
+    global WARM, BATCHES, ROUNDS
     WARM, ROUNDS = a.warm, a.rounds
     BATCHES = [int(x) for x in a.batches.split(",")] if a.batches else BATCHES
-    SELECT = [int(x) for x in a.variants.split(",")] if a.variants else None
     if a.sweep:
         sizes = (16, 64) if a.quick else (128, 512)
         steps = [("schedules", sweep_schedules), ("decode chunks", lambda q: speed_decode(q, sizes)),
@@ -561,12 +445,9 @@ def main() -> None:
     cfg = {str(k): v for k, v in attn.ATTN_FWD.items()}
     if WARM:
         return
-    name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "") + a.name
-    schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM,
-                "rows_before": attn.ROWS_BEFORE}
+    name = f"paged_attention_{gpu}" + ("_quick" if a.quick else "") + ("_sweep" if a.sweep else "")
+    schedule = {"split_max_partials": attn.SPLIT_MAX_PARTIALS, "split_programs_per_sm": attn.SPLIT_PROGRAMS_PER_SM}
     path = record.write(name, {"config": cfg, "schedule": schedule, "rows": ROWS}, a.out)
-    if a.asm:
-        dump_kernels(a.out or str(record.RESULTS))
     print("\n" + "\n".join(f"{r['section']:8} {r['name']:60} " + "  ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k not in ("section", "name"))
         for r in ROWS))

@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+if not torch.cuda.is_available():  # --quick on CPU: the interpreter, set before the backend is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
@@ -234,7 +237,7 @@ def speed_attention(q: bool) -> None:
 
 # (BLOCK_N shared by prefill and decode, prefill tile, decode tile): BLOCK_N is the reduction order
 ATTN_CANDIDATES = [
-    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=2, num_warps=4)),  # pinned
+    (64, dict(BLOCK_M=128, num_stages=3, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),  # pinned
     (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=4, num_warps=4)),
     (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=4)),
     (64, dict(BLOCK_M=128, num_stages=4, num_warps=8), dict(BLOCK_M=64, num_stages=3, num_warps=8)),
@@ -259,7 +262,8 @@ def sweep_attention(q: bool) -> None:
     kept for the rest of the run (and is the one to pin in kernels/triton/attention.py)."""
     best, pinned = None, dict(tb.ATTN_FWD[torch.bfloat16])
     for bn, pre_cfg, dec_cfg in ATTN_CANDIDATES if not q else ATTN_CANDIDATES[:1]:
-        tb.ATTN_FWD[torch.bfloat16] = dict(BLOCK_N=bn, prefill=dict(pre_cfg), decode=dict(dec_cfg))
+        tb.ATTN_FWD[torch.bfloat16] = dict(pinned, BLOCK_N=bn, prefill=dict(pinned["prefill"], **pre_cfg),
+                                           decode=dict(pinned["decode"], **dec_cfg))
         try:
             best = _attention_candidate(q, bn, pre_cfg, dec_cfg, best)
         except Exception as e:  # e.g. out of shared memory: record, try the next
@@ -463,8 +467,9 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
     """Forward+backward of a benchmark MoE, 4k tokens per step (4 x 1024), medians of 20 runs:
     deterministic (triton) against the default mode twice: the per-expert F.linear loop, and
     torch._grouped_mm (TorchTitan's MoE GEMM) where it runs. Time and peak memory."""
+    from grouped_mm import grouped_mm
+
     from rlalign.config import load_config, model_args
-    from rlalign.kernels import torch_default
     from rlalign.model import build_model
 
     cfg = load_config([f"model={model_name}"] if not q else ["model.num_layers=1"])
@@ -477,9 +482,9 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
     res = {}
     variants = [("default", "torch", False), ("default_grouped_mm", "torch", True), ("deterministic", "triton", False)]
     for name, backend, gmm in variants:
-        torch_default.USE_GROUPED_MM = gmm
         try:
-            with kernels.use(mode="deterministic" if backend == "triton" else "default", backend=backend):
+            mode = "deterministic" if backend == "triton" else "default"
+            with grouped_mm(gmm), kernels.use(mode=mode, backend=backend):
                 def step():
                     model.zero_grad(set_to_none=True)
                     logits = model(tokens, cu)
@@ -494,8 +499,6 @@ def moe_step(q: bool, model_name: str = "bench-moe") -> None:
                 res[name] = (t, mem)
         except Exception as e:  # e.g. _grouped_mm without backward here: record it, keep the others
             row("error", f"moe {name}", error=f"{type(e).__name__}: {e}"[:300])
-        finally:
-            torch_default.USE_GROUPED_MM = False
     td, md = res["deterministic"]
     out = dict(det_ms=td, det_peak_gib=md)
     for base in ("default", "default_grouped_mm"):
@@ -536,6 +539,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     main()

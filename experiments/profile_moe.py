@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
+from grouped_mm import grouped_mm  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
@@ -29,8 +30,6 @@ def main() -> None:
     ap.add_argument("--model", default="bench-moe")
     ap.add_argument("--name", default="", help="suffix of the result name")
     a = ap.parse_args()
-    from rlalign.kernels import torch_default
-
     args = model_args(load_config([f"model={a.model}"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")
     tokens = torch.randint(2, args.vocab_size, (4096,), device="cuda")
@@ -38,8 +37,7 @@ def main() -> None:
     out = {}
     for label, mode, backend in (("default", "default", "torch"), ("default_grouped_mm", "default", "torch"),
                                  ("deterministic", "deterministic", "triton")):
-        torch_default.USE_GROUPED_MM = label == "default_grouped_mm"
-        with kernels.use(mode=mode, backend=backend):
+        with grouped_mm(label == "default_grouped_mm"), kernels.use(mode=mode, backend=backend):
             def step():
                 model.zero_grad(set_to_none=True)
                 kernels.token_logprobs(model(tokens, cu)[:-1], tokens[1:]).mean().backward()

@@ -5,8 +5,8 @@ deterministic Triton kernels vs the default ones (`kernels.mode=default`), in on
 
 Per variant: one warm-up step, then --steps timed steps (fresh samples each step, the same sample
 sets for every variant), wall time per phase (each phase fenced by torch.cuda.synchronize: forward
-= score_micro_batch, backward = Tensor.backward, loss = policy_loss and its host copies, leaves =
-Trainer._collect_leaves (torch.cat of the dense grads + TreeSum.add), tree = TreeSum.total,
+= score_micro_batch, backward = Tensor.backward, loss = policy_loss and its host copies, tree_add =
+TreeSum.add, tree = TreeSum.total,
 optimizer = optimizer_step (grad_norm, AdamW step, the copy back)), the number and wall time of
 Triton JIT compilations, then one step under torch.profiler: CUDA time per kernel name (top N) and
 the host's top ops. Prints a table last; writes results/train_profile_<model>_<gpu>[_<name>].json.
@@ -16,7 +16,7 @@ the host's top ops. Prints a table last; writes results/train_profile_<model>_<g
 Variants: det (kernels.mode=deterministic backend=triton, torch.use_deterministic_algorithms as
 rlalign.factory.apply_kernels sets it, which also fills every torch.empty with NaN), det_nofill (the
 same with torch.utils.deterministic.fill_uninitialized_memory=False), default (kernels.mode=default,
-deterministic algorithms off), and the kernel switches listed in VARIANTS.
+deterministic algorithms off).
 """
 
 from __future__ import annotations
@@ -39,31 +39,14 @@ import record  # noqa: E402
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
 
-PHASES = ("forward", "loss", "backward", "leaves", "tree_add", "tree_total", "optimizer", "grad_norm", "adamw")
+PHASES = ("forward", "loss", "backward", "tree_add", "tree_total", "optimizer", "grad_norm", "adamw")
 
 
-def _switches(**flags):
-    """A setup that sets module attributes of the Triton backend (name 'module.ATTR': value) and
-    returns the previous values (restored after the variant)."""
-    def setup():
-        from rlalign.kernels import triton as tb
-        old = {}
-        for key, v in flags.items():
-            mod, attr = key.split(".")
-            m = getattr(tb, mod)
-            if not hasattr(m, attr):
-                raise SystemExit(f"profile_train: rlalign.kernels.triton.{key} does not exist")
-            old[key] = getattr(m, attr)
-            setattr(m, attr, v)
-        return old
-    return setup
-
-
-# name -> (kernels mode, deterministic algorithms, fill uninitialised memory, setup or None)
+# name -> (kernels mode, deterministic algorithms, fill uninitialised memory)
 VARIANTS = {
-    "det": ("deterministic", True, True, None),
-    "det_nofill": ("deterministic", True, False, None),
-    "default": ("default", False, True, None),
+    "det": ("deterministic", True, True),
+    "det_nofill": ("deterministic", True, False),
+    "default": ("default", False, True),
 }
 
 
@@ -107,7 +90,6 @@ def _install(timers: Timers, trainer) -> None:
     tr.score_micro_batch = timers.wrap("forward", tr.score_micro_batch)
     tr.policy_loss = timers.wrap("loss", tr.policy_loss)
     torch.Tensor.backward = timers.wrap("backward", torch.Tensor.backward)
-    tr.Trainer._collect_leaves = timers.wrap("leaves", tr.Trainer._collect_leaves)
     TreeSum.add = timers.wrap("tree_add", TreeSum.add)
     TreeSum.total = timers.wrap("tree_total", TreeSum.total)
     tr.Trainer.optimizer_step = timers.wrap("optimizer", tr.Trainer.optimizer_step)
@@ -260,12 +242,10 @@ def main() -> None:
         if time.perf_counter() - t_start > a.budget_s:
             print(f"-- {name}: skipped (past --budget-s)", flush=True)
             continue
-        mode, det_alg, fill, setup = VARIANTS[name]
+        mode, det_alg, fill = VARIANTS[name]
         torch.use_deterministic_algorithms(det_alg, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = fill
-        old = setup() if setup else {}
-        rec = {"mode": mode, "deterministic_algorithms": det_alg, "fill_uninitialized_memory": fill,
-               "switches": {k: repr(v) for k, v in old.items()}, "steps": []}
+        rec = {"mode": mode, "deterministic_algorithms": det_alg, "fill_uninitialized_memory": fill, "steps": []}
         with kernels.use(mode=mode, backend=backend):
             for s in range(a.steps + 1):  # step 0: warm-up (compiles)
                 n0 = len(_COMPILES)
@@ -301,11 +281,6 @@ def main() -> None:
                 rec["profile"] = {"wall_s_under_profiler": round(wall, 4), "device_busy_ms": round(busy, 2),
                                   "kernel_launches": launches, "top_kernels": rows, "top_host_ops": host,
                                   "top_ops_device_incl": ops}
-        if setup:
-            from rlalign.kernels import triton as tb
-            for key, v in old.items():
-                mod, attr = key.split(".")
-                setattr(getattr(tb, mod), attr, v)
         results[name] = rec
     churn_rec = None
     if a.churn:

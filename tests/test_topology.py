@@ -125,7 +125,7 @@ def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
 
 @pytest.mark.parametrize("mb", [5, 3])  # one and two micro-batches per rank
 def test_per_source_expert_gradients_enter_the_tree_during_backward_not_all_at_its_end(mb):
-    """Issue 15's memory: at trainer EP > 1 each source rank's rows get their own leaf view of the
+    """The trainer's memory: at trainer EP > 1 each source rank's rows get their own leaf view of the
     rank's experts; their gradients go into the tree as autograd produces them (one leaf's
     gradient alive at a time), not all layers x sources at once after the backward. Twin: without
     the hooks every leaf holds its gradient when the backward ends — and the sums are the same bits."""

@@ -1,4 +1,4 @@
-"""The decode step's fused launches (issue 12), each the same bits as what it replaces: SwiGLU reading
+"""The decode step's fused launches, each the same bits as what it replaces: SwiGLU reading
 the halves of the gate_up output in place, the MoE combine gathering expert rows through `dest`, the
 paged KV write of k and v in one launch — on the Triton backend (interpreter on CPU, tiny shapes) and
 through the op API on the torch backend. GPU bits at real shapes: tests/gpu/test_engine_gpu.py."""

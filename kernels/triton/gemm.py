@@ -417,7 +417,7 @@ _LINEARS_SMALL = [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stage
 LINEARS_SMALL_M: dict = {torch.bfloat16: (256, 32, _LINEARS_SMALL), torch.float16: (256, 32, _LINEARS_SMALL)}
 
 
-def _linears_config(dtype, m: int, ns: list[int], sms: int) -> dict:
+def linears_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     """The one launch's config at m rows and output widths ns on sms SMs (scheduling only, see above)."""
     if INTERPRET or dtype not in LINEARS_SMALL_M or m > LINEARS_SMALL_M[dtype][0]:
         return _config(dtype, m, max(ns))
@@ -471,7 +471,7 @@ def linears(x, ws, biases):
     if not _linears_ok(x2, ws):
         return [linear(x, w, b) for w, b in zip(ws, biases)]
     M, ns = x2.shape[0], [w.shape[0] for w in ws]
-    cfg = _linears_config(x2.dtype, M, ns, num_sms(x2.device))
+    cfg = linears_config(x2.dtype, M, ns, num_sms(x2.device))
     key = ("linears", M, x2.stride(), tuple((w.data_ptr(), w.shape[0]) for w in ws), ws[0].stride(), x2.shape[1],
            tuple(cfg.values()), x2.dtype, x2.device)
     plan = cached(key, lambda: _linears_plan(x2, ws, ns, cfg))
