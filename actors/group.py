@@ -126,7 +126,7 @@ def call_together(calls: list[tuple[ActorGroup, str, list]]) -> list[list]:
             c, rank = _root_cause(errors)
             group, method, _ = calls[c]
             who = (lambda k: f"{calls[k][0].name} rank") if len(calls) > 1 else (lambda k: "rank")  # noqa: E731
-            others = "; ".join(f"{who(k)} {r}: {_actor_error(x)[:120]}"
+            others = "; ".join(f"{who(k)} {r}: {clip(_actor_error(x), 160)}"
                                for (k, r), x in sorted(errors.items()) if (k, r) != (c, rank))
             raise ActorFailed(f"{group.name} rank {rank} of {group.world} failed in {method}(): "
                               f"{_actor_error(errors[(c, rank)])}" + (f" (then {others})" if others else "")) from None
@@ -137,6 +137,14 @@ def _root_cause(errors: dict[tuple[int, int], BaseException]) -> tuple[int, int]
     """(call, rank) of a process that died (RayActorError) before one whose task raised; else the lowest."""
     dead = [r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
     return min(dead) if dead else min(errors)
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters at a word boundary, marked with '...' when cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 4]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + " ..."
 
 
 def _actor_error(e: BaseException) -> str:

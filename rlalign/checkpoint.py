@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from rlalign.faults import maybe_fail
 from rlalign.monitor.fingerprint import fingerprint, state_fingerprints
 
 FORMAT = "rlalign-checkpoint/2 (DCP safetensors shards + JSON index)"
@@ -514,6 +515,7 @@ class AsyncSaver:
 
     def _finish(self, written: Future, cpu: dict, path: Path, step: int | None, rank: int, pg,
                 publish: dict | None) -> Path | None:
+        maybe_fail("checkpoint.write", rank)
         error = None
         try:
             written.result()

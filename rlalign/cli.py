@@ -8,6 +8,9 @@
 
 `rlalign COMMAND --help` lists the config groups and common keys. An error prints one line,
 `rlalign COMMAND: error: ...`, and exits 2 (RLALIGN_DEBUG=1 adds the traceback); Ctrl-C exits 130.
+`rlalign train` stopped by one of run.stop_signals exits 128 + the signal's number (SIGTERM: 143);
+its line, like that of an error once the run has started, names the last complete checkpoint and
+the command that resumes from it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ _KEYS = {
         ("run.dir", "output directory (hydra.run.dir=DIR means the same)"),
         ("checkpoint.every", "steps between checkpoints (0: at the end only)"),
         ("checkpoint.resume", "never | auto | a checkpoint directory"),
+        ("run.stop_signals", "signals that finish the step and its checkpoint, then stop (exit 128+N)"),
+        ("run.stop_grace_s", "seconds a stop signal leaves the step and its checkpoint, then abandons them"),
+        ("task.reward_timeout_s", "time limit of one reward call (null: none); past it the run ends naming the sample"),
+        ("task.reward_timeout_fallback", "the reward of a call past the limit instead (null: an error)"),
+        ("task.reward_workers", "reward calls running at once (threads)"),
         ("trainer.lr", "learning rate"),
         ("monitor.on_mismatch", "raise | warn (deterministic mode)"),
         ("placement.num_cpus", "CPUs of the private Ray cluster (ignored with RAY_ADDRESS)"),
@@ -145,8 +153,14 @@ def help_text(cmd: str) -> str:
     if cmd == "gate":
         lines.append("  0 PASS, 1 FAIL, 2 error (one line: rlalign gate: error: ...), 130 interrupted")
     elif cmd == "train":
-        lines += ["  0 done, 2 error (one line: rlalign train: error: ...), 130 interrupted (Ctrl-C): the",
-                  "  line names the last complete checkpoint and the command that resumes from it"]
+        lines += ["  0   done, or nothing to do (checkpoint.resume found the run complete: a retry of a finished job)",
+                  "  2   error (one line: rlalign train: error: ...); also when another job holds run.dir",
+                  "      (RUN_DIR/.rlalign.lock names it; a crashed job's lock does not count)",
+                  "  130 interrupted (Ctrl-C): the step in flight is abandoned",
+                  "  143 stopped by SIGTERM (128 + N for a signal N in run.stop_signals, e.g. 138 for SIGUSR1):",
+                  "      the step in flight and its checkpoint finished (or, past run.stop_grace_s, abandoned)",
+                  "  The lines of 130, 143 and of an error after the run started name the last complete",
+                  "  checkpoint and the command that resumes from it."]
     else:
         lines.append(f"  0 done, 2 error (one line: rlalign {cmd}: error: ...), 130 interrupted")
     return "\n".join(lines)
@@ -205,6 +219,11 @@ def _oneline(e: BaseException) -> str:
 def _interrupted(cmd: str, overrides: list[str], cfg) -> str:
     if cmd != "train" or cfg is None:
         return f"rlalign {cmd}: interrupted"
+    return f"rlalign train: interrupted; {_resume_hint(overrides, cfg)}"
+
+
+def _resume_hint(overrides: list[str], cfg) -> str:
+    """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command."""
     from rlalign.checkpoint import list_complete
 
     run_dir = Path(str(cfg.run.dir))
@@ -212,9 +231,9 @@ def _interrupted(cmd: str, overrides: list[str], cfg) -> str:
     resume = "rlalign train " + shlex.join([*kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
     done = list_complete(run_dir)
     if done:
-        return f"rlalign train: interrupted; last complete checkpoint: {done[-1]}; resume with: {resume}"
-    return (f"rlalign train: interrupted; no complete checkpoint in {run_dir} (checkpoint.every=N saves every N "
-            f"steps); start again with: {resume}")
+        return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
+    return (f"no complete checkpoint in {run_dir} (checkpoint.every=N saves every N steps); start again with: "
+            f"{resume}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,17 +304,28 @@ def _command(cmd: str, rest: list[str], state: dict) -> int:
         return 0 if passed else 1
     import importlib
 
+    if cmd == "train":
+        return importlib.import_module(COMMANDS[cmd]).main(cfg, state)
     return importlib.import_module(COMMANDS[cmd]).main(cfg)
 
 
 def _run(cmd: str, body, state: dict | None = None) -> int:
-    """body() with rlalign's error contract: expected errors one line + exit 2, Ctrl-C 130."""
+    """body() with rlalign's error contract: expected errors one line + exit 2, Ctrl-C 130, a stop
+    signal 128 + N (rlalign.stop); once a train run holds its directory (state['run_dir']) the
+    line names the last complete checkpoint and the resume command."""
+    from rlalign.stop import Stopped
+
+    st = state or {}
     try:
         return body()
+    except Stopped as e:
+        if _debug():
+            traceback.print_exc()
+        print(f"rlalign {cmd}: {e}; {_resume_hint(st['overrides'], st['cfg'])}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         if _debug():
             traceback.print_exc()
-        st = state or {}
         try:
             line = _interrupted(cmd, st.get("overrides", []), st.get("cfg"))
         except Exception:
@@ -307,7 +337,13 @@ def _run(cmd: str, body, state: dict | None = None) -> int:
             raise
         if _debug():
             traceback.print_exc()
-        print(f"rlalign {cmd}: error: {_oneline(e)}", file=sys.stderr, flush=True)
+        line = f"rlalign {cmd}: error: {_oneline(e)}"
+        if st.get("run_dir") is not None:
+            try:
+                line += f"; {_resume_hint(st['overrides'], st['cfg'])}"
+            except Exception:  # the error line stands without the hint
+                pass
+        print(line, file=sys.stderr, flush=True)
         return 2
 
 

@@ -19,13 +19,20 @@ report the raylet's death to the dead GCS and linger ~60 s. So connect() also st
 small process in its own session (a Ctrl-C in the terminal does not reach it) that notes the
 driver's descendants every second and reads a pipe from the driver; when the pipe closes without
 the driver's "done" (the driver died), it ends the descendants it noted (SIGTERM, then SIGKILL).
+
+ray.init() installs SIGTERM handlers in the driver (Python's: exit 1; its core worker's: a stack
+dump); connect() puts back the handler the process had, so that a scheduler's SIGTERM reaches
+rlalign's own (rlalign.stop) or, without one, ends the process as SIGTERM does.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 
 _WATCHDOG = r"""
 import os, select, signal, sys, time
@@ -112,7 +119,8 @@ def connect(num_cpus: float | None = None, num_gpus: int | None = None) -> bool:
     if addr is not None:
         _probe(addr)
         try:
-            ray.init(address=addr, **common)
+            with _own_sigterm():
+                ray.init(address=addr, **common)
         except ConnectionError as e:
             hint = ("; if the cluster uses token authentication, set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN, "
                     "or the token in ~/.ray/auth_token)" if os.environ.get("RAY_AUTH_MODE") != "token" else "")
@@ -120,12 +128,26 @@ def connect(num_cpus: float | None = None, num_gpus: int | None = None) -> bool:
         return True
     _start_watchdog()
     try:
-        ray.init(address="local", num_cpus=max(1, int(num_cpus or os.cpu_count() or 1)), num_gpus=num_gpus,
-                 include_dashboard=False, **common)
+        with _own_sigterm():
+            ray.init(address="local", num_cpus=max(1, int(num_cpus or os.cpu_count() or 1)), num_gpus=num_gpus,
+                     include_dashboard=False, **common)
     except BaseException:
         disconnect(True)
         raise
     return True
+
+
+@contextmanager
+def _own_sigterm():
+    """The process's SIGTERM handler as it was before the block (Ray's replaced)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, kept if kept is not None else signal.SIG_DFL)
 
 
 def disconnect(initialized: bool) -> None:

@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlalign.generation import EngineConfig, SamplingParams
 from rlalign.model.args import ModelArgs
 from rlalign.model.hf import read_args
+from rlalign.stop import STOP_SIGNALS
 from rlalign.vllm_engine import check_installed
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -141,6 +142,11 @@ class TaskConfig:
     samples_per_prompt: int = 8  # GRPO group size
     max_new_tokens: int | None = None  # replaces generator.max_new_tokens in `rlalign train`
     kwargs: dict[str, Any] = field(default_factory=dict)  # task parameters (e.g. letters, length)
+    # rlalign/tasks/reward_calls.py: each call's time limit (null: none); a call past it ends the
+    # run naming the sample, or scores reward_timeout_fallback when that is set
+    reward_timeout_s: float | None = 600.0
+    reward_timeout_fallback: float | None = None
+    reward_workers: int = 1  # reward calls running at once (threads; for I/O-bound verifiers)
 
 
 @dataclass
@@ -235,6 +241,10 @@ class AgreeConfig:
 class RunConfig:
     steps: int = 50
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    # rlalign/stop.py: these signals finish the step in flight and its checkpoint, then exit 128+N;
+    # past stop_grace_s seconds (or on a second signal) the step is abandoned
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    stop_grace_s: float = 20.0
 
 
 @dataclass
@@ -359,6 +369,9 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"sync.bucket_mb={cfg.sync.bucket_mb}: must be >= 1")
     if cfg.run.steps < 1:
         problems.append(f"run.steps={cfg.run.steps}: must be >= 1")
+    bad = [s for s in cfg.run.stop_signals if s not in STOP_SIGNALS]
+    if bad:
+        problems.append(f"run.stop_signals={list(cfg.run.stop_signals)}: {bad} not among {list(STOP_SIGNALS)}")
     if cfg.task.max_new_tokens is not None and cfg.task.max_new_tokens < 1:
         problems.append(f"task.max_new_tokens={cfg.task.max_new_tokens}: must be >= 1 (or null)")
     g = cfg.generator
@@ -398,6 +411,10 @@ def _ranges(cfg: DictConfig) -> list[str]:
         ("checkpoint.keep", cfg.checkpoint.keep, cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("dist.timeout_s", cfg.dist.timeout_s, cfg.dist.timeout_s > 0, "> 0"),
         ("logger.wandb.num_samples", cfg.logger.wandb.num_samples, cfg.logger.wandb.num_samples >= 0, ">= 0"),
+        ("run.stop_grace_s", cfg.run.stop_grace_s, cfg.run.stop_grace_s >= 0, ">= 0 (0 = stop at once)"),
+        ("task.reward_timeout_s", cfg.task.reward_timeout_s,
+         cfg.task.reward_timeout_s is None or cfg.task.reward_timeout_s > 0, "> 0 (or null: no limit)"),
+        ("task.reward_workers", cfg.task.reward_workers, cfg.task.reward_workers >= 1, ">= 1"),
         ("logger.wandb.sample_table_every", cfg.logger.wandb.sample_table_every,
          cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
     ]

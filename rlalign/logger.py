@@ -4,11 +4,24 @@ metrics.jsonl holds one JSON object per step (see rlalign/monitor/consistency.py
 consistency/* names). W&B is optional and imported only when logger.wandb.enabled; its mode
 follows logger.wandb.mode, else $WANDB_MODE, else 'offline' when no API key is configured.
 
-W&B charts take numbers only, so a string metric (consistency/first_divergent_op,
-sync/weights_fp, ...) goes to the run summary instead: summary[KEY] holds its latest value and
-summary[KEY_step] the step it came from. Every string value and alert of the run (this process)
-is also kept, one row per (step, key, value), in the table `text_metrics`, logged when the
-logger closes.
+In W&B, every step logs its numbers, and:
+  consistency/abs_diff_hist    a wandb.Histogram of |Δ logprob| (trainer - generator) over the
+                               step's tokens in decades: x = log10 |Δ|, the bin [-9, -8) holds the
+                               identical tokens (|Δ| = 0), [-8, -7) those in (0, 1e-7], ...,
+                               [-1, 0) those above 0.1 (rlalign.monitor.consistency.HIST_EDGES)
+  consistency/worst_tokens     (steps with mismatches) a table of the worst tokens by |Δ|: sample,
+                               position, token, both logprobs, |Δ| and the op where the token's
+                               rows first differ (monitor.fingerprints=layers)
+  consistency/divergence_by_op (steps with mismatches, monitor.fingerprints=layers) a table: per
+                               op, the token rows that differ there and the mismatched tokens
+                               that first diverged there
+  samples                      every logger.wandb.sample_table_every steps, the first
+                               logger.wandb.num_samples samples (prompt, completion, reward)
+A string metric (consistency/first_divergent_op, sync/weights_fp, ...) goes to the run summary:
+summary[KEY] holds its latest value and summary[KEY_step] the step it came from. Every string
+value and alert of the run (this process) is also kept, one row per (step, key, value), in the
+table `text_metrics`, logged when the logger closes. rlalign/wandb_workspace.py saves a W&B
+workspace laid out for these keys.
 """
 
 from __future__ import annotations
@@ -46,7 +59,7 @@ class RunLogger:
         self.next_step, self.last_step = start_step, None
         self.metrics_path = run_dir / "metrics.jsonl"
         if cfg.logger.jsonl:
-            _truncate_from(self.metrics_path, start_step)
+            truncate_jsonl(self.metrics_path, start_step)
         self.wandb = None
         if cfg.logger.wandb.enabled:
             import wandb
@@ -70,14 +83,16 @@ class RunLogger:
             self.task = self.progress.add_task("", total=total_steps, completed=start_step)
             self.progress.start()
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, detail: dict | None = None) -> None:
+        """One step's metrics; `detail` (rl.mismatch_detail) when tokens differed."""
         if self.cfg.logger.jsonl:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps({"step": step, **json_safe(metrics)}, allow_nan=False) + "\n")
         texts = {k: v for k, v in metrics.items() if isinstance(v, str)}
         self.text_rows += [[step, k, v] for k, v in texts.items()]
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+            self.wandb.log({**{k: v for k, v in metrics.items() if isinstance(v, int | float)},
+                            **wandb_media(metrics, detail)}, step=step)
             for k, v in texts.items():
                 self.wandb.summary[k] = v
                 self.wandb.summary[f"{k}_step"] = step
@@ -124,12 +139,37 @@ class RunLogger:
             self.wandb.finish()
 
 
-def _truncate_from(path: Path, step: int) -> None:
-    """Keep only records of steps < step (a resumed run rewrites what follows its checkpoint)."""
+def wandb_media(metrics: dict, detail: dict | None) -> dict:
+    """The step's histogram and mismatch tables as W&B objects (module docstring)."""
+    import wandb
+
+    out = {}
+    hist = metrics.get("consistency/abs_diff_hist")
+    if hist:
+        edges = list(range(-len(hist), 1))  # log10 decades, the last one (-1, 0] (|d| > 0.1); the first: |d| = 0
+        out["consistency/abs_diff_hist"] = wandb.Histogram(np_histogram=(hist, edges))
+    if detail:
+        first = {(t["sample_id"], t["position"]): t["first_op"] for t in detail.get("tokens", [])}  # logits row
+        cols = ["sample_id", "position", "token", "generator_logprob", "trainer_logprob", "abs_diff", "first_op"]
+        rows = [[w["sample_id"], w["position"], w["token"], w["generator"], w["trainer"], w["abs_diff"],
+                 first.get((w["sample_id"], w["position"] - 1))] for w in detail.get("worst_tokens", [])]
+        out["consistency/worst_tokens"] = wandb.Table(columns=cols, data=rows)
+        counts = detail.get("first_op_counts", {})
+        by_op = [[op, n, counts.get(op, 0)] for op, n in detail.get("by_op", {}).items()]
+        if by_op:
+            out["consistency/divergence_by_op"] = wandb.Table(
+                columns=["op", "differing_rows", "first_divergence_tokens"], data=by_op)
+    return out
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep only records of steps < step (a resumed run rewrites what follows its checkpoint; a
+    last line cut short by a killed writer goes too)."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if ln.strip() and ln.endswith("\n") and json.loads(ln)["step"] < step]
+    path.write_text("".join(keep))
 
 
 def _wandb_id(run_dir: Path) -> str:

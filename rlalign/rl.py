@@ -7,15 +7,19 @@ One step:
     -> weight sync trainer -> generator, verified by fingerprints on both sides
     -> metrics (console, metrics.jsonl, W&B) -> checkpoint
 Everything that can be wrong in the config, the task or the data fails before an actor starts.
+
+Under a scheduler: the run holds its directory (rlalign.rundir.RunLock: a second job is refused);
+a resume whose checkpoint is already at run.steps has nothing to do and returns at once (a retry of
+a finished job); run.stop_signals (SIGTERM) finish the step and its checkpoint, then stop
+(rlalign.stop); segments.jsonl keeps the config of every start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +32,7 @@ from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args, resolved_model_args
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.generation import Rollout, SamplingParams
-from rlalign.logger import RunLogger
+from rlalign.logger import RunLogger, truncate_jsonl
 from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
@@ -36,14 +40,15 @@ from rlalign.monitor.fingerprint import combined
 from rlalign.parallel import weight_sync
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.parallel.weight_sync import SyncError
+from rlalign.rundir import RunLock, record_segment, stale_note
+from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import Example, make_task
+from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.losses import grpo_advantages
 from rlalign.training.trainer import Sample, merge_stat
 
-
-class RewardError(RuntimeError):
-    pass
+__all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 
 
 class MismatchError(RuntimeError):
@@ -56,8 +61,8 @@ def step_seed(seed: int, step: int) -> int:
 
 def _prepare(cfg: DictConfig):
     """All checks that need no actor, so bad input fails in seconds, before Ray starts: the task,
-    the reward (called once), every prompt the run will see (it encodes and fits the context),
-    the model directory's tensors (headers only), sizes, sampling and the resume point."""
+    the reward (called once), every prompt of steps 0..run.steps-1 (it encodes and fits the
+    context), the model directory's tensors (headers only), sizes and sampling."""
     t = cfg.task
     task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
     tok = make_tokenizer(t.tokenizer)
@@ -68,35 +73,18 @@ def _prepare(cfg: DictConfig):
     if not cfg.placement.colocate:
         check_world(cfg.trainer.ep_size + cfg.generator.ep_size, cfg.device, "trainer.ep_size + generator.ep_size")
     max_new = sampling_params(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
-    run_dir = Path(cfg.run.dir)
-    resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
-    start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
-    examples = task.all_examples() or [ex for s in range(start, cfg.run.steps)
-                                       for ex in task.examples(s, t.num_prompts)]
+    examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
     for ex in examples:
         where = ex.source or f"task {t.name} prompt {ex.prompt!r}"
         ids = tok.encode(ex.prompt, where=where)
         if len(ids) + max_new > args.max_position_embeddings:
             raise ValueError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds "
                              f"the model's context of {args.max_position_embeddings} positions")
+    rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
-    call_reward(task, ex.answer, ex, f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)")
-    return task, tok, run_dir, resume, start
-
-
-def call_reward(task, completion: str, ex: Example, where: str) -> float:
-    """The reward of one completion: a finite real number, or an error naming the sample. NaN/inf
-    are refused, not skipped: they would reach the advantages and then the weights."""
-    try:
-        value = task.reward(completion, ex)
-    except Exception as e:
-        raise RewardError(f"reward function raised on {where}: {type(e).__name__}: {e}") from e
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RewardError(f"reward function returned {value!r} ({type(value).__name__}) on {where}; "
-                          "a reward must be a real number")
-    if not math.isfinite(value):
-        raise RewardError(f"reward function returned {value!r} on {where}; a reward must be finite")
-    return float(value)
+    rewards.score([RewardCall(ex.answer, ex, f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)")],
+                  "the check before the run:")
+    return task, tok, rewards
 
 
 class Job:
@@ -236,14 +224,17 @@ def _max_peak(outs) -> float | None:
     return max(peaks) / 2**30 if peaks else None
 
 
-def score_rewards(task, tok, batch: StepBatch, rollouts: list[Rollout], step: int) -> tuple[list[float], list[str]]:
-    rewards, texts = [], []
+def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[Rollout],
+                  step: int) -> tuple[list[float], list[str], int]:
+    """The rewards in sample order, the completions, and how many calls timed out (fallback used)."""
+    calls, texts = [], []
     for ex, r in zip(batch.examples, rollouts):
         completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
         texts.append(completion)
-        where = f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, completion {completion!r})"
-        rewards.append(call_reward(task, completion, ex, where))
-    return rewards, texts
+        calls.append(RewardCall(completion, ex, f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, "
+                                                f"completion {completion!r})"))
+    values, timed_out = rewards.score(calls, f"step {step}")
+    return values, texts, timed_out
 
 
 def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout], adv: list[float],
@@ -267,12 +258,23 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
     upd_tokens = max(1, cons["tokens"] * cfg.algorithm.ppo_epochs)
+    lengths = [len(r.tokens) for r in rollouts]
+    sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
     metrics = {
         "reward/mean": sum(rewards) / N,
         "reward/max": max(rewards),
         "reward/min": min(rewards),
-        "response/length_mean": sum(len(r.tokens) for r in rollouts) / N,
+        "prompt/tokens": sum(len(r.prompt) for r in rollouts),
+        "prompt/length_mean": sum(len(r.prompt) for r in rollouts) / N,
+        "response/tokens": sum(lengths),
+        "response/length_mean": sum(lengths) / N,
+        "response/length_min": min(lengths),
+        "response/length_max": max(lengths),
+        "response/clip_frac": sum(r.finish_reason == "length" for r in rollouts) / N,  # stopped by max_new_tokens
         "response/eos_frac": sum(r.finish_reason == "eos" for r in rollouts) / N,
+        # mean -log p of the sampled tokens under the generator: the Monte-Carlo estimate of the
+        # per-token entropy of the sampling distribution
+        "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
         **{f"consistency/{k}": v for k, v in cons.items()},
         "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
         "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
@@ -280,6 +282,7 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         "actor/ratio_max": stats.get("ratio_max", 0.0),
         "actor/ratio_min": stats.get("ratio_min", 0.0),
         "actor/grad_norm": stats.get("grad_norm_last", 0.0),
+        "actor/lr": cfg.trainer.lr,
     }
     if cfg.algorithm.tis.enabled:
         metrics.update({
@@ -295,13 +298,15 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
     return metrics
 
 
-def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, list[dict]]:
-    """generate -> rewards -> GRPO advantages -> train -> compare the two sides -> weight sync."""
+def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller,
+             step: int) -> tuple[dict, list[dict], dict | None]:
+    """generate -> rewards -> GRPO advantages -> train -> compare the two sides -> weight sync.
+    Returns the step's metrics, its samples and (when tokens differ) the mismatch detail."""
     t0 = time.perf_counter()
     batch = make_batch(cfg, task, tok, step)
     rollouts, gen_rows = generate_rollouts(job, batch, step)
     t1 = time.perf_counter()
-    rewards, texts = score_rewards(task, tok, batch, rollouts, step)
+    rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
     t2 = time.perf_counter()
     train_lps, stats, train_rows = train_on(job, cfg, batch, rollouts, adv, step)
@@ -323,9 +328,13 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
     t5 = time.perf_counter()
 
     metrics = step_metrics(cfg, rewards, rollouts, cons, stats)
+    metrics["reward/timeouts"] = timed_out
     metrics.update({"sync/weights_fp": weights_fp, **job.last_sync, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
                     "time/sync_s": t5 - t4})
+    seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
+    metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
+                    "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
     metrics.update({f"memory/{role}_peak_gib": v for role, v in job.peaks.items() if v is not None})
     rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": rew}
             for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
@@ -337,7 +346,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, step: int) -> tuple[dict, lis
         if cfg.kernels.mode == "deterministic":
             metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens "
                                             f"differ (first divergence: {detail['first_divergent_op']})")
-    return metrics, rows
+    return metrics, rows, detail
 
 
 def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table) -> dict:
@@ -375,12 +384,52 @@ def dump_mismatch(job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollo
     return out
 
 
-def train(cfg: DictConfig) -> dict:
-    task, tok, run_dir, resume, start = _prepare(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+def train(cfg: DictConfig, status: dict | None = None) -> dict:
+    """The run (module docstring); its summary. `status` (the CLI's) gets 'run_dir' once the run
+    holds its directory, so that an error from then on names the checkpoint to resume from."""
+    task, tok, rewards = _prepare(cfg)
+    run_dir = Path(cfg.run.dir)
+    with RunLock(run_dir) as lock, StopSignals(list(cfg.run.stop_signals), cfg.run.stop_grace_s) as stop:
+        note = stale_note(lock)
+        if note:
+            print(f"rlalign train: note: {note}", file=sys.stderr, flush=True)
+        resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
+        start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
+        if start >= cfg.run.steps:
+            print(f"rlalign train: nothing to do: {resume} holds step {start - 1}, so run.steps={cfg.run.steps} are "
+                  f"done (raise run.steps to train further)", file=sys.stderr, flush=True)
+            return {**summarize(run_dir, cfg.run.steps, start, {}), "nothing_to_do": True,
+                    "sync/weights_fp": ckpt.read_meta(resume).get("weights_fp")}
+        if status is not None:
+            status["run_dir"] = run_dir
+        if resume is not None:
+            print(f"rlalign train: resumed from {resume} (step {start - 1}); running steps "
+                  f"{start}..{cfg.run.steps - 1}", file=sys.stderr, flush=True)
+        record_segment(run_dir, start, resume, OmegaConf.to_container(cfg, resolve=True),
+                       OmegaConf.to_yaml(cfg, resolve=True))
+        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop)
+    return summarize(run_dir, cfg.run.steps, start, last)
+
+
+def _save(job: Job, cfg: DictConfig, run_dir: Path, step: int, weights_fp: str, wait: bool) -> None:
+    """The checkpoint of `step`: staged now; written (and published by trainer rank 0) in the
+    background unless `wait`."""
+    tmp = ckpt.tmp_path(run_dir, step)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    publish = {"run_dir": str(run_dir.resolve()), "step": step, "keep": cfg.checkpoint.keep,
+               "meta": {"data_position": step + 1, "weights_fp": weights_fp}}
+    job.trainers.call("save", str(tmp.resolve()), publish, wait)
+
+
+def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None, start: int,
+         stop: StopSignals) -> dict:
+    """Steps start..run.steps-1 on the actor groups; the last step's metrics. A stop signal ends
+    the loop after the step in flight and its checkpoint (Stopped); one past the grace period
+    abandons the step (Stopped, abandoned)."""
     job = logger = None
-    last = {}
+    last: dict = {}
+    doing = "while starting the actors"
+    truncate_jsonl(run_dir / "divergence.jsonl", start)
     try:
         job = Job(cfg)
         job.open_traces(start)
@@ -389,32 +438,52 @@ def train(cfg: DictConfig) -> dict:
         job.sync_weights(start - 1)
 
         logger = RunLogger(cfg, run_dir, start, cfg.run.steps)
-        every = cfg.checkpoint.every
+        every, saved = cfg.checkpoint.every, True  # step start-1 is the resumed checkpoint (or before any)
         for step in range(start, cfg.run.steps):
+            if stop.requested:  # before the next step: the last one's checkpoint, then stop
+                if step > start:
+                    doing = f"while writing the checkpoint of step {step - 1}"
+                    if not saved:
+                        _save(job, cfg, run_dir, step - 1, last["sync/weights_fp"], wait=True)
+                    job.trainers.call("wait_checkpoint")
+                raise stop.stopped(f"after step {step - 1} and its checkpoint" if step > start else
+                                   f"before step {step}")
+            doing = f"during step {step}"
             t0 = time.perf_counter()
-            metrics, rows = run_step(job, cfg, task, tok, step)
+            metrics, rows, detail = run_step(job, cfg, task, tok, rewards, step)
             if "consistency/alert" in metrics:
                 logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
             t1 = time.perf_counter()
-            if (every and (step + 1) % every == 0) or step == cfg.run.steps - 1:
-                tmp = ckpt.tmp_path(run_dir, step)
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                # staged now; written (and published by trainer rank 0) while the next steps run
-                publish = {"run_dir": str(run_dir.resolve()), "step": step, "keep": cfg.checkpoint.keep,
-                           "meta": {"data_position": step + 1, "weights_fp": metrics["sync/weights_fp"]}}
-                job.trainers.call("save", str(tmp.resolve()), publish, not cfg.checkpoint.async_save)
+            saved = bool(every and (step + 1) % every == 0) or step == cfg.run.steps - 1
+            if saved:
+                _save(job, cfg, run_dir, step, metrics["sync/weights_fp"], wait=not cfg.checkpoint.async_save)
             metrics["time/checkpoint_s"] = time.perf_counter() - t1
             metrics["time/step_s"] = time.perf_counter() - t0
-            logger.log(step, metrics)
+            metrics["time/step_tok_per_s"] = (metrics["prompt/tokens"] + metrics["response/tokens"]) / metrics[
+                "time/step_s"]
+            logger.log(step, metrics, detail)
             logger.log_samples(step, rows)
             last = metrics
+        doing = f"while writing the checkpoint of step {cfg.run.steps - 1}"
         job.trainers.call("wait_checkpoint")  # the last checkpoint is complete before the run ends
+    except Stopped:
+        raise
+    except KeyboardInterrupt:
+        if stop.abandoned:  # the grace period ended, or a second signal came (not Ctrl-C: that stays 130)
+            raise stop.stopped(f"{doing} (abandoned: not done within run.stop_grace_s={stop.grace_s:g} s, or "
+                               f"signalled again)") from None
+        raise
+    except Exception as e:
+        if stop.requested:  # e.g. the signal reached the actors too (Slurm signals every process of the job)
+            raise stop.stopped(f"{doing} ({type(e).__name__}: {e})") from e
+        raise
     finally:
+        stop.disarm()
         if logger is not None:
             logger.close()
         if job is not None:
             job.close()
-    return summarize(run_dir, cfg.run.steps, start, last)
+    return last
 
 
 def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
@@ -436,7 +505,7 @@ def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
     return out
 
 
-def main(cfg: DictConfig) -> int:
-    summary = train(cfg)
+def main(cfg: DictConfig, status: dict | None = None) -> int:
+    summary = train(cfg, status)
     print(json.dumps(summary), flush=True)
     return 0

@@ -36,6 +36,7 @@ def test_per_command_help_lists_groups_and_keys(capsys, argv):
     assert "RLALIGN_DEBUG=1" in out and "RAY_ADDRESS" in out
     if argv[0] == "train":
         assert "run.steps" in out and "run.dir" in out and "checkpoint.resume" in out
+        assert "run.stop_grace_s" in out and "task.reward_timeout_s" in out and "143 stopped by SIGTERM" in out
     if argv[0] == "gate":
         assert "repeatability" in out and "gate.candidate" in out
 
@@ -101,7 +102,7 @@ def test_expected_errors_are_one_line_and_exit_2(capsys, monkeypatch, i):
 
     exc = _expected_errors()[i]
 
-    def fail(cfg):
+    def fail(cfg, status=None):
         raise exc
 
     monkeypatch.setattr(rlalign.rl, "main", fail)
@@ -115,7 +116,7 @@ def test_expected_errors_are_one_line_and_exit_2(capsys, monkeypatch, i):
 def test_debug_switch_adds_the_traceback_and_bugs_keep_theirs(capsys, monkeypatch):
     import rlalign.rl
 
-    def fail(cfg):
+    def fail(cfg, status=None):
         raise ValueError("bad value")
 
     monkeypatch.setattr(rlalign.rl, "main", fail)
@@ -124,7 +125,7 @@ def test_debug_switch_adds_the_traceback_and_bugs_keep_theirs(capsys, monkeypatc
     assert rc == 2 and "Traceback (most recent call last)" in err
     assert err.strip().splitlines()[-1] == "rlalign train: error: bad value"
 
-    def bug(cfg):
+    def bug(cfg, status=None):
         raise KeyError("not an input error")
 
     monkeypatch.delenv("RLALIGN_DEBUG")
@@ -143,7 +144,7 @@ def test_real_config_error_is_one_line(capsys):
 
 
 def _interrupt_after(run_dir, steps_with_meta, steps_without=()):
-    def body(cfg):
+    def body(cfg, status=None):
         for s in (*steps_with_meta, *steps_without):
             d = run_dir / "checkpoints" / f"step_{s:06d}"
             d.mkdir(parents=True)

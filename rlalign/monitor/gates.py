@@ -8,7 +8,8 @@
 Each gate runs `rlalign train` twice into RUN_DIR/gate-<name>/{a,b} (per-op fingerprints on,
 monitor.fingerprints=layers, so a failure names its op) and compares: first the fixed
 environment of the two runs (refusing to compare if it differs beyond what the gate changes),
-then metrics.jsonl (time/* excluded), then every per-rank trace stream record by record.
+then metrics.jsonl (time/* excluded), then every per-rank trace stream record by record (without
+the stale records of segments that did not have the stream's rank: rlalign.monitor.compare).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign.config import load_config
-from rlalign.monitor.trace import env_difference, first_divergence, read_trace
+from rlalign.monitor.compare import first_state_difference, run_streams, state_difference_line, trainer_state
+from rlalign.monitor.trace import env_difference, first_divergence
 from rlalign.rl import train
 
 GATES = ("repeatability", "baseline", "replay")
@@ -46,18 +48,13 @@ def _metrics(run: Path, from_step: int) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["step"] >= from_step]
 
 
-def _streams(run: Path) -> dict[str, Path]:
-    d = run / "traces"
-    return {p.name: p for p in sorted(d.glob("*.jsonl"))} if d.is_dir() else {}
-
-
 def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, ...] = ()) -> Comparison:
-    sa, sb = _streams(a), _streams(b)
+    (sa, _), (sb, _) = run_streams(a), run_streams(b)
     if not sa or not sb:
         raise FileNotFoundError(f"no traces under {a}/traces or {b}/traces (monitor.fingerprints=off?)")
     # the fixed environment must match (beyond what the gate itself changes)
-    ha = read_trace(next(iter(sa.values())))[0]["env"]
-    hb = read_trace(next(iter(sb.values())))[0]["env"]
+    ha = next(iter(sa.values()))[0]["env"]
+    hb = next(iter(sb.values()))[0]["env"]
     diff = env_difference(ha, hb, allowed_env)
     if diff:
         fa, fb = _flat(ha), _flat(hb)
@@ -85,18 +82,19 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
         if not (name.startswith("trainer") and invariant):
             res.lines.append(f"trace {name}: not compared ({name.split('-')[0]} EP size differs between the runs)")
     if "trainer" in skip and invariant:  # topology-invariant training: its state is comparable as a whole
-        d = _compare_trainer_state(sa, sb, from_step)
-        if d is not None:
+        ta = trainer_state({n: r for n, (_, r) in sa.items()}, from_step)
+        tb = trainer_state({n: r for n, (_, r) in sb.items()}, from_step)
+        key = first_state_difference(ta, tb)
+        if key is not None:
             res.ok = False
-            res.lines.append(d)
-            _, trainer_step, res.first_op = d.split(" first differs at ")[1].split(" ")[:3]
-            trainer_step = int(trainer_step)
+            res.lines.append(state_difference_line(key, ta, tb))
+            trainer_step, res.first_op = key
         else:
             res.lines.append("trainer state (gradients, AdamW moments, weights per global expert): identical "
                              "across the trainer EP sizes")
     for name in sorted(n for n in set(sa) & set(sb) if not n.startswith(skip)):
-        ra = [r for r in read_trace(sa[name])[1] if r["step"] >= from_step]
-        rb = [r for r in read_trace(sb[name])[1] if r["step"] >= from_step]
+        ra = [r for r in sa[name][1] if r["step"] >= from_step]
+        rb = [r for r in sb[name][1] if r["step"] >= from_step]
         d = first_divergence(ra, rb)
         if d is not None:
             firsts[name] = d
@@ -121,28 +119,6 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
         if res.first_op is None or (rec["step"], stage) < (trainer_step, 1):
             res.first_op = rec["name"]
     return res
-
-
-def _trainer_state(streams: dict[str, Path], from_step: int) -> dict[tuple[int, str], dict]:
-    """The 'state/' records of all trainer ranks by (step, name): with trainer.topology_invariant
-    their names (per global expert) and values do not depend on the trainer EP size."""
-    out = {}
-    for name, path in streams.items():
-        if name.startswith("trainer"):
-            for r in read_trace(path)[1]:
-                if r["step"] >= from_step and r["name"].startswith("state/"):
-                    out[(r["step"], r["name"])] = r
-    return out
-
-
-def _compare_trainer_state(sa: dict[str, Path], sb: dict[str, Path], from_step: int) -> str | None:
-    ta, tb = _trainer_state(sa, from_step), _trainer_state(sb, from_step)
-    for key in sorted(set(ta) | set(tb)):
-        ra, rb = ta.get(key), tb.get(key)
-        if ra is None or rb is None or (ra["fp"], ra["shape"], ra["dtype"]) != (rb["fp"], rb["shape"], rb["dtype"]):
-            where = "only in a" if rb is None else "only in b" if ra is None else "fingerprints differ"
-            return f"trainer state first differs at step {key[0]} {key[1]} ({where}; compared across trainer EP sizes)"
-    return None
 
 
 def _step(d: dict) -> int:

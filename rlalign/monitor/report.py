@@ -5,7 +5,7 @@
     abs_diff_hist.png |d logprob| over all tokens of the run, in decades, token counts on a log
                       axis (a few differing tokens among thousands of identical ones stay visible)
     divergence.png    token rows differing per op (from divergence.jsonl; monitor.fingerprints=layers)
-    summary.md        the numbers and the plots
+    summary.md        the numbers (the W&B run's: rollout stats, time and tokens/s per phase) and the plots
 """
 
 from __future__ import annotations
@@ -176,12 +176,59 @@ def make_report(run_dir: Path) -> Path:
         f"| mismatched tokens | {sum(x['consistency/mismatched_tokens'] for x in rows)} |",
         f"| max abs logprob diff | {max(x['consistency/logprob_abs_diff_max'] for x in rows):.3g} |",
         f"| mean step time | {sum(x['time/step_s'] for x in rows) / len(rows):.2f} s |",
-        f"| first divergent op | {firsts[0] if firsts else 'none'} |", "",
+        f"| first divergent op | {firsts[0] if firsts else 'none'} |",
+        *_rollout_rows(rows), "", *_phase_table(rows), "",
         "![reward](reward.png)", "![mismatch](mismatch.png)", "![abs diff](abs_diff_hist.png)",
     ]
     if by_op:
         lines.append("![divergence](divergence.png)")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _rollout_rows(rows: list[dict]) -> list[str]:
+    """Table rows of the rollout stats (means over the run's steps), where the run logged them."""
+    out = []
+    lo, hi = [r.get("response/length_min") for r in rows], [r.get("response/length_max") for r in rows]
+    if None not in lo + hi:
+        out.append(f"| response length: mean (min..max over the run) | {_mean(rows, 'response/length_mean'):.1f} "
+                   f"({min(lo)}..{max(hi)}) |")
+    for key, what, fmt in (("response/clip_frac", "responses stopped by max_new_tokens", "{:.1%}"),
+                           ("response/eos_frac", "responses ended by EOS", "{:.1%}"),
+                           ("response/entropy", "entropy (mean -log p of the sampled tokens)", "{:.3f}"),
+                           ("actor/grad_norm", "gradient norm", "{:.3g}"),
+                           ("actor/lr", "learning rate", "{:g}")):
+        m = _mean(rows, key)
+        if m is not None:
+            out.append(f"| {what}, mean | {fmt.format(m)} |")
+    timeouts = [r["reward/timeouts"] for r in rows if "reward/timeouts" in r]
+    if timeouts:
+        out.append(f"| reward calls past task.reward_timeout_s | {sum(timeouts)} |")
+    return out
+
+
+PHASES = [("generate", "generate_tok_per_s"), ("reward", None), ("train", "train_tok_per_s"), ("compare", None),
+          ("sync", None), ("checkpoint", None), ("step", "step_tok_per_s")]
+
+
+def _phase_table(rows: list[dict]) -> list[str]:
+    """Mean seconds per phase, its share of the step and its tokens/s (generate: response tokens;
+    train: prompt + response tokens x PPO epochs; step: prompt + response tokens)."""
+    step = _mean(rows, "time/step_s")
+    if not step:
+        return []
+    out = ["| phase | mean s | share of the step | tokens/s |", "| --- | --- | --- | --- |"]
+    for phase, rate in PHASES:
+        t = _mean(rows, f"time/{phase}_s")
+        if t is None:
+            continue
+        r = _mean(rows, f"time/{rate}") if rate else None
+        out.append(f"| {phase} | {t:.3f} | {t / step:.0%} | {f'{r:,.0f}' if r is not None else ''} |")
     return out
 
 

@@ -139,7 +139,7 @@ def read_jsonl(path: Path) -> list[Example]:
     with path.open("rb") as f:
         for no, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if no == 1 else "utf-8")  # a byte-order mark is no content
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():

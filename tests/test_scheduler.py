@@ -1,0 +1,494 @@
+"""What a cluster does to a job: preemption (SIGTERM), a scheduler's retry, two jobs on one run
+dir, a hung reward; `rlalign compare` across trainer EP sizes; what an offline W&B run holds.
+
+One uninterrupted run (`ref`: 3 steps, trainer EP 2, W&B offline) is the reference the preempted
+and resumed runs must equal bit for bit. The run stopped while a checkpoint write hangs is a
+subprocess (its trainer ranks need RLALIGN_FAULT in their environment) and comes first, before
+this module's in-process Ray cluster starts (one cluster at a time).
+"""
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlalign import checkpoint as ckpt
+from rlalign import cli
+from rlalign.config import load_config
+from rlalign.tasks import read_jsonl
+from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
+from rlalign.tasks.rewards import char_match
+
+SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4", "logger.console=false"]
+REWARD = "task.reward=tests.test_scheduler:char_match_or_term"  # char_match; SIGTERM on call RLALIGN_TEST_TERM_AT
+BASE = [*SMALL, REWARD, "run.steps=3"]
+CALLS = {"n": 0}
+RELEASE = threading.Event()  # what the blocking reward waits for
+
+
+def char_match_or_term(completion, answer, prompt=""):
+    """char_match; sends this process SIGTERM on its call number $RLALIGN_TEST_TERM_AT (as a
+    scheduler would, at a point of the run the test chooses)."""
+    CALLS["n"] += 1
+    if CALLS["n"] == int(os.environ.get("RLALIGN_TEST_TERM_AT", "0")):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return char_match(completion, answer)
+
+
+def blocks_on_first_sample(completion, answer, prompt=""):
+    """char_match, except that the first call of a step (call 2: call 1 is the check before the
+    run) waits until RELEASE is set (a verifier whose sandbox hangs)."""
+    CALLS["n"] += 1
+    if CALLS["n"] == 2:
+        RELEASE.wait()
+    return char_match(completion, answer)
+
+
+def _release(mod) -> None:
+    """Let the blocked reward calls of `mod` return (they were left behind)."""
+    mod.RELEASE.set()
+    mod.RELEASE.clear()
+
+
+def _this_module():
+    """This file as the task imports it (tests.test_scheduler), whose CALLS the rewards count in."""
+    return importlib.import_module("tests.test_scheduler")
+
+
+def _rows(run_dir):
+    rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _no_ray(monkeypatch):
+    from rlalign import cluster
+
+    def refuse(*a, **k):
+        raise AssertionError("reached the Ray cluster")
+
+    monkeypatch.setattr(cluster, "connect", refuse)
+
+
+def _resume_cmd(run_dir, *over):
+    return "rlalign train " + shlex.join([*over, f"run.dir={run_dir}", "checkpoint.resume=auto"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+# --- fast: the run-dir lock, reward calls, input forms ---------------------------------------------------
+HOLD = ("import sys, time\nfrom rlalign.rundir import RunLock\n"
+        "RunLock(sys.argv[1], 'rlalign train (the holder)').acquire()\nprint('held', flush=True)\ntime.sleep(600)\n")
+
+
+def test_a_second_job_on_a_locked_run_dir_is_refused_and_a_crashed_jobs_lock_is_taken_over(tmp_path, capsys,
+                                                                                        monkeypatch):
+    import rlalign.rl
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        _no_ray(monkeypatch)
+        rc = cli.main(["train", "run.steps=1", f"run.dir={tmp_path}"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith(f"rlalign train: error: run.dir {tmp_path} is in use by another rlalign job (host "
+                                 f"{socket.gethostname()}, pid {holder.pid}, started ")
+        assert err[0].endswith("command 'rlalign train (the holder)'); wait for it to end or choose another run.dir")
+    finally:
+        holder.kill()  # a crash: the file still names the holder, the kernel dropped its flock
+        holder.wait()
+    assert f'"pid": {holder.pid}' in (tmp_path / ".rlalign.lock").read_text()
+    monkeypatch.setattr(rlalign.rl, "_run", lambda *a: {})  # the run itself is not what this test is about
+    rc = cli.main(["train", "run.steps=1", f"run.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert f"took over the lock of a job that ended without releasing it (host {socket.gethostname()}, pid " \
+           f"{holder.pid}," in err
+    assert (tmp_path / ".rlalign.lock").read_text() == ""  # released cleanly: empty
+    rc = cli.main(["train", "run.steps=1", f"run.dir={tmp_path}"])  # twin: after a clean release, no note
+    assert rc == 0 and "took over" not in capsys.readouterr().err
+
+
+def test_reward_calls_time_out_naming_the_sample_or_score_the_fallback(capsys):
+    from rlalign.tasks import Example
+
+    class Task:
+        def reward(self, completion, ex):
+            if completion == "hang":
+                RELEASE.wait()
+            return float(len(completion))
+
+    calls = [RewardCall(c, Example("p:", "a"), f"sample {i} (step 7)") for i, c in enumerate(["ab", "hang", "abc"])]
+    with pytest.raises(RewardError, match=r"did not return within task.reward_timeout_s=0.2 s on sample 1 \(step 7\)"):
+        RewardCaller(Task(), timeout_s=0.2, workers=2).score(calls, "step 7")
+    values, timed_out = RewardCaller(Task(), timeout_s=0.2, fallback=-1.0, progress_s=0.05).score(calls, "step 7")
+    assert values == [2.0, -1.0, 3.0] and timed_out == 1
+    err = capsys.readouterr().err
+    assert "on sample 1 (step 7); scored task.reward_timeout_fallback=-1" in err
+    assert "rlalign train: step 7 rewards: 1 of 3 done after 0 s; the slowest running call for 0 s" in err
+    # twin: without a time limit the same calls wait for the slow one
+    threading.Timer(0.3, RELEASE.set).start()
+    try:
+        assert RewardCaller(Task(), timeout_s=None, workers=3).score(calls, "step 7") == ([2.0, 4.0, 3.0], 0)
+    finally:
+        RELEASE.set()
+        RELEASE.clear()
+
+
+@pytest.mark.parametrize("value,expected,note", [
+    (True, 1.0, "returns bool; rlalign uses it as 1.0 / 0.0"),
+    (torch.tensor(0.25), 0.25, "returns a 0-d torch.Tensor; rlalign uses its .item()"),
+    (torch.tensor(True), 1.0, "returns a 0-d torch.Tensor"),
+    (pytest.importorskip("numpy").float32(0.5), 0.5, None),
+    (pytest.importorskip("numpy").bool_(False), 0.0, "returns a 0-d numpy.bool"),
+])
+def test_a_bool_or_0d_tensor_reward_is_converted_and_said_once(capsys, value, expected, note):
+    from rlalign.tasks import Example
+
+    class Task:
+        def reward(self, completion, ex):
+            return value
+
+    caller = RewardCaller(Task())
+    calls = [RewardCall("x", Example("p:", "a"), f"sample {i}") for i in range(3)]
+    assert caller.score(calls, "step 0") == ([expected] * 3, 0)
+    assert caller.score(calls, "step 1") == ([expected] * 3, 0)
+    err = capsys.readouterr().err
+    assert err.count("note:") == (1 if note else 0) and (note is None or note in err)
+
+
+@pytest.mark.parametrize("value,match", [(torch.tensor([0.5, 0.5]), r"\(Tensor of shape \[2\]\).*must be a real"),
+                                         ("1.0", r"'1.0' \(str\).*must be a real"),
+                                         (torch.tensor(float("nan")), r"returned nan on sample 0.*must be finite")])
+def test_negative_twin_other_reward_types_are_refused_naming_the_sample(value, match):
+    from rlalign.tasks import Example
+
+    class Task:
+        def reward(self, completion, ex):
+            return value
+
+    with pytest.raises(RewardError, match=match):
+        RewardCaller(Task()).score([RewardCall("x", Example("p:", "a"), "sample 0")], "step 0")
+
+
+def test_jsonl_with_a_byte_order_mark_is_read(tmp_path):
+    lines = '{"prompt": "a:", "answer": "aa"}\n{"prompt": "b:", "answer": "bb"}\n'
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    (tmp_path / "plain.jsonl").write_text(lines)
+    assert read_jsonl(tmp_path / "bom.jsonl") == read_jsonl(tmp_path / "plain.jsonl")
+    (tmp_path / "mid.jsonl").write_bytes(lines.encode() + b"\xef\xbb\xbf" + lines.encode())  # twin: not at the start
+    with pytest.raises(ValueError, match=r"mid.jsonl:3: malformed JSON"):
+        read_jsonl(tmp_path / "mid.jsonl")
+
+
+def test_a_hanging_reward_in_the_check_before_the_run_is_named(monkeypatch):
+    from rlalign.rl import train
+
+    _no_ray(monkeypatch)
+    mod = _this_module()
+    mod.CALLS["n"] = 1  # the check's call is then call 2, the one that blocks
+    try:
+        with pytest.raises(RewardError, match=r"within task.reward_timeout_s=0.3 s on the answer of 'a:' \(a check "
+                                              r"before the run\)"):
+            train(load_config(["task.reward=tests.test_scheduler:blocks_on_first_sample", "task.reward_timeout_s=0.3",
+                               "task.kwargs.letters=a"]))
+    finally:
+        _release(mod)
+
+
+def test_error_lines_are_cut_at_a_word_boundary():
+    from rlalign.actors.group import clip
+
+    text = "Read error [127.0.0.1]:58020: Connection reset by peer while receiving the tensor"
+    assert clip(text, 40) == "Read error [127.0.0.1]:58020 ..." and clip(text, 200) == text
+    assert text[:35].endswith("Conne")  # twin: a plain slice cuts mid-word, as the line did
+
+
+# --- slow: real runs -------------------------------------------------------------------------------------
+def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 300):
+    t = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() - t < limit_s, f"{path} did not appear"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def write_stopped(runs):
+    """`rlalign train` (a process of its own) whose step-1 checkpoint write hangs on trainer rank 0,
+    stopped by SIGTERM from outside with run.stop_grace_s=2: (run dir, returncode, stderr, seconds
+    from the signal to the exit)."""
+    d = runs / "write"
+    env = {**os.environ, "RLALIGN_FAULT": "checkpoint.write:0:2:hang"}
+    p = subprocess.Popen([sys.executable, "-m", "rlalign.cli", "train", *BASE, "checkpoint.every=1",
+                          "run.stop_grace_s=2", f"run.dir={d}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    _wait_for(d / "checkpoints" / "step_000001.tmp", p)
+    t = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    return d, p.returncode, err, time.monotonic() - t
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_checkpoint_write_hangs_abandons_it_and_names_the_last_intact_one(write_stopped):
+    d, rc, err, seconds = write_stopped
+    print(f"SIGTERM -> exit with run.stop_grace_s=2 and a hung checkpoint write: {seconds:.1f} s")
+    assert rc == 143, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlalign train: stopped by SIGTERM "), err[-3000:]
+    assert "(abandoned: not done within run.stop_grace_s=2 s" in last
+    assert last.endswith(f"; last complete checkpoint: {d}/checkpoints/step_000000; resume with: "
+                         + _resume_cmd(d, *BASE, "checkpoint.every=1", "run.stop_grace_s=2"))
+    assert "SIGTERM received at time" not in err and "Traceback" not in err  # not Ray's stack dump
+    assert "SIGTERM received: finishing the step in flight and its checkpoint" in err
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000000", "step_000001.tmp"]
+    assert ckpt.verify(d / "checkpoints" / "step_000000", tensors=True)["step"] == 0
+    with pytest.raises(ckpt.CheckpointError, match="meta.json: missing"):  # twin: the half-written one
+        ckpt.verify(d / "checkpoints" / "step_000001.tmp")
+    assert ckpt.resolve_resume(d, "auto") == d / "checkpoints" / "step_000000"
+
+
+@pytest.fixture(scope="module")
+def ref(runs):
+    """3 uninterrupted steps at trainer EP 2, a checkpoint after each, W&B offline (samples every
+    2 steps)."""
+    from rlalign.rl import train
+
+    d = runs / "ref"
+    summary = train(load_config([*BASE, "checkpoint.every=1", f"run.dir={d}", "logger=wandb",
+                                 "logger.wandb.mode=offline", "logger.wandb.sample_table_every=2"]))
+    return d, summary
+
+
+@pytest.mark.slow
+def test_resuming_after_the_hung_write_gives_the_uninterrupted_bits(write_stopped, ref, capsys):
+    from rlalign.rl import train
+
+    d = write_stopped[0]
+    got = train(load_config([*BASE, "checkpoint.every=1", f"run.dir={d}", "checkpoint.resume=auto"]))
+    assert f"rlalign train: resumed from {d}/checkpoints/step_000000 (step 0); running steps 1..2" in \
+        capsys.readouterr().err
+    assert _rows(d) == _rows(ref[0]) and got["sync/weights_fp"] == ref[1]["sync/weights_fp"]
+    assert [r["step"] for r in _rows(d)] == [0, 1, 2]  # each step once
+
+
+@pytest.fixture(scope="module")
+def term_stopped(runs):
+    """In-process `rlalign train` (checkpoint.every=0) that gets SIGTERM during step 1 (from its
+    reward function, at the first sample of step 1): (run dir, rc, stderr); a copy of the dir as
+    it was then goes to runs/flipped."""
+    d = runs / "term"
+    mod = _this_module()
+    mod.CALLS["n"] = 0
+    os.environ["RLALIGN_TEST_TERM_AT"] = "18"  # 1 check before the run + 16 samples of step 0, then step 1
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = cli.main(["train", *BASE, "checkpoint.every=0", f"run.dir={d}"])
+    finally:
+        del os.environ["RLALIGN_TEST_TERM_AT"]
+    shutil.copytree(d, runs / "flipped")
+    return d, rc, err.getvalue()
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_step_finishes_it_checkpoints_it_and_a_resume_at_ep1_gives_the_bits(term_stopped, ref,
+                                                                                            capsys):
+    from rlalign.rl import train
+
+    d, rc, err = term_stopped
+    assert rc == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("rlalign train: stopped by SIGTERM after step 1 and its checkpoint; last "
+                                            f"complete checkpoint: {d}/checkpoints/step_000001; resume with: "
+                                            + _resume_cmd(d, *BASE, "checkpoint.every=0"))
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000001"]  # written by the stop
+    assert ckpt.verify(d / "checkpoints" / "step_000001", tensors=True)["step"] == 1
+    assert [r["step"] for r in _rows(d)] == [0, 1]
+    assert _rows(d) == _rows(ref[0])[:2]
+    got = train(load_config([*BASE, "trainer.ep_size=1", f"run.dir={d}", "checkpoint.resume=auto"]))
+    assert f"resumed from {d}/checkpoints/step_000001 (step 1); running steps 2..2" in capsys.readouterr().err
+    assert _rows(d) == _rows(ref[0]) and got["sync/weights_fp"] == ref[1]["sync/weights_fp"]
+    segs = [json.loads(ln) for ln in (d / "segments.jsonl").read_text().splitlines()]
+    assert [(s["start_step"], s["config"]["trainer"]["ep_size"]) for s in segs] == [(0, 2), (2, 1)]
+    assert segs[1]["resumed_from"] == str(d / "checkpoints" / "step_000001")
+    assert yaml.safe_load((d / "config.yaml").read_text())["trainer"]["ep_size"] == 1  # the latest segment's
+
+
+def _flip_expert_bit(ckpt_dir: Path, key: str) -> None:
+    """One bit of one expert's weight changed (the lowest exponent bit of its first bf16 element:
+    half or twice the value), and meta.json's fingerprint with it (a checkpoint whose bits changed
+    before it was fingerprinted: loadable)."""
+    from safetensors import safe_open
+
+    from rlalign.monitor.fingerprint import fingerprint
+
+    meta = json.loads((ckpt_dir / "meta.json").read_text())
+    shard = ckpt_dir / meta["tensors"][key]["file"]
+    b = bytearray(shard.read_bytes())
+    n = int.from_bytes(b[:8], "little")
+    b[8 + n + json.loads(b[8:8 + n])[key]["data_offsets"][0] + 1] ^= 1  # element 0's lowest exponent bit (bf16)
+    shard.write_bytes(bytes(b))
+    with safe_open(str(shard), framework="pt") as st:
+        meta["tensors"][key]["fp"] = fingerprint(st.get_tensor(key))
+    (ckpt_dir / "meta.json").write_text(json.dumps(meta) + "\n")
+
+
+@pytest.mark.slow
+def test_compare_an_ep2_run_resumed_at_ep1_with_the_uninterrupted_one_and_one_flipped_expert_bit(
+        term_stopped, ref, runs, capsys):
+    from rlalign.monitor.compare import compare_files
+    from rlalign.rl import train
+
+    d = term_stopped[0]
+    if not (d / "checkpoints" / "step_000002").exists():  # the resume of the test above, when run alone
+        train(load_config([*BASE, "trainer.ep_size=1", f"run.dir={d}", "checkpoint.resume=auto"]))
+    capsys.readouterr()
+    rc = cli.main(["compare", str(ref[0]), str(d)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "identical: trainer state (gradients, AdamW moments, weights per global expert) across the trainer EP " \
+           "sizes (EP [2] vs [1, 2])" in out
+    assert "identical:" in out and "(generator-rank0.jsonl)" in out and "first divergence" not in out
+    # twin: stream by stream, as `rlalign compare` did, the per-rank trainer streams differ
+    assert not compare_files(ref[0] / "traces" / "trainer-rank0.jsonl", d / "traces" / "trainer-rank0.jsonl",
+                             out=open(os.devnull, "w"))
+    # twin: one changed bit in one expert's weight, resumed at EP 1 the same way
+    flipped = runs / "flipped"
+    tensor = "model.layers.1.mlp.experts.down_proj"
+    _flip_expert_bit(flipped / "checkpoints" / "step_000001", f"model/{tensor}/expert5")
+    train(load_config([*BASE, "trainer.ep_size=1", f"run.dir={flipped}", "checkpoint.resume=auto"]))
+    assert _rows(flipped) != _rows(ref[0])
+    capsys.readouterr()
+    rc = cli.main(["compare", str(ref[0]), str(flipped)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert f"first divergence: weights/{tensor} (step 1)" in out
+    assert f"B: step 1 rank 0 weights/{tensor} bfloat16" in out
+
+
+@pytest.mark.slow
+def test_a_retry_of_a_finished_job_has_nothing_to_do(ref, capsys, monkeypatch):
+    d, summary = ref
+    _no_ray(monkeypatch)
+    before = (d / "segments.jsonl").read_text(), (d / "metrics.jsonl").read_text()
+    for steps in (3, 2):  # at the checkpoint's step, and below it
+        over = [*SMALL, REWARD, f"run.steps={steps}", "checkpoint.every=1", f"run.dir={d}", "checkpoint.resume=auto"]
+        rc = cli.main(["train", *over])
+        out, err = capsys.readouterr()
+        assert rc == 0 and err == (f"rlalign train: nothing to do: {d}/checkpoints/step_000002 holds step 2, so "
+                                   f"run.steps={steps} are done (raise run.steps to train further)\n")
+        got = json.loads(out)
+        assert got["nothing_to_do"] and got["sync/weights_fp"] == summary["sync/weights_fp"]
+    assert ((d / "segments.jsonl").read_text(), (d / "metrics.jsonl").read_text()) == before
+
+
+@pytest.mark.slow
+def test_a_reward_past_its_time_limit_ends_the_run_naming_the_sample(runs, capsys):
+    d = runs / "hung-reward"
+    mod = _this_module()
+    mod.CALLS["n"] = 0
+    t = time.monotonic()
+    try:
+        rc = cli.main(["train", *SMALL, "run.steps=1", "trainer.ep_size=1", f"run.dir={d}",
+                       "task.reward=tests.test_scheduler:blocks_on_first_sample", "task.reward_timeout_s=1"])
+    finally:
+        _release(mod)  # train() returned without the blocked call: the limit ended it
+    print(f"a reward blocked forever, task.reward_timeout_s=1: the run ended after {time.monotonic() - t:.1f} s")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("rlalign train: error: reward function did not return within task.reward_timeout_s=1 s "
+                             "on sample 0 (step 0, prompt ")
+    assert f"; no complete checkpoint in {d} " in err[0] and err[0].endswith("checkpoint.resume=auto")
+
+
+def _wandb_steps(run_dir: Path) -> tuple[dict[int, dict], Path]:
+    from rlalign.wandb_read import read_offline_run
+
+    (run,) = (run_dir / "wandb").glob("offline-run-*")
+    by_step: dict[int, dict] = {}
+    for row in read_offline_run(run)[0]:
+        by_step.setdefault(row["_step"], {}).update(row)
+    return by_step, run
+
+
+def _table(run: Path, row: dict, key: str) -> tuple[list, list]:
+    t = json.loads((run / "files" / row[f"{key}/path"]).read_text())
+    return t["columns"], t["data"]
+
+
+@pytest.mark.slow
+def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
+    steps, run = _wandb_steps(ref[0])
+    assert sorted(steps) == [0, 1, 2]
+    metrics = {r["step"]: r for r in _rows(ref[0])}
+    for s, row in steps.items():
+        assert row["consistency/abs_diff_hist/_type"] == "histogram"
+        assert row["consistency/abs_diff_hist/bins"] == list(range(-9, 1))
+        assert row["consistency/abs_diff_hist/values"] == metrics[s]["consistency/abs_diff_hist"]
+        for key in ("response/length_min", "response/length_max", "response/clip_frac", "response/entropy",
+                    "actor/lr", "time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s"):
+            assert key in row, key
+        assert "consistency/worst_tokens/_type" not in row  # twin: no mismatch, no worst-token table
+    assert [s for s, row in steps.items() if row.get("samples/_type") == "table-file"] == [0, 2]
+    cols, data = _table(run, steps[2], "samples")
+    assert cols == ["sample_id", "prompt", "completion", "answer", "reward"] and data[0][0] == 2 * 16
+    from rlalign.wandb_workspace import layout_keys
+
+    logged = {k.split("/_type")[0] for row in steps.values() for k in row} | {"text_metrics"}
+    missing = layout_keys() - logged - {"consistency/worst_tokens", "consistency/divergence_by_op"}
+    assert not missing, missing  # every key of the workspace template is one the run logs
+
+
+@pytest.mark.slow
+def test_a_mismatching_run_logs_the_worst_tokens_and_the_first_divergent_op_to_wandb(runs):
+    from rlalign.rl import train
+
+    d = runs / "mismatch"
+    train(load_config([*SMALL, "run.steps=1", "trainer.ep_size=1", f"run.dir={d}", "kernels.mode=default",
+                       "model.dtype=float32", "monitor.fingerprints=layers", "logger=wandb",
+                       "logger.wandb.mode=offline"]))
+    steps, run = _wandb_steps(d)
+    row = steps[0]
+    assert row["consistency/mismatched_tokens"] > 0
+    cols, data = _table(run, row, "consistency/worst_tokens")
+    assert cols == ["sample_id", "position", "token", "generator_logprob", "trainer_logprob", "abs_diff", "first_op"]
+    detail = json.loads((d / "divergence.jsonl").read_text().splitlines()[0])
+    assert len(data) == len(detail["worst_tokens"]) > 0
+    assert [r[5] for r in data] == [w["abs_diff"] for w in detail["worst_tokens"]]
+    first = {(t["sample_id"], t["position"] + 1): t["first_op"] for t in detail["tokens"]}
+    assert [r[6] for r in data] == [first[(r[0], r[1])] for r in data] and any(r[6] for r in data)
+    cols, data = _table(run, row, "consistency/divergence_by_op")
+    assert cols == ["op", "differing_rows", "first_divergence_tokens"]
+    assert {r[0]: r[1] for r in data} == detail["by_op"]
+    assert sum(r[2] for r in data) == sum(detail["first_op_counts"].values())
+
+
+@pytest.mark.slow
+def test_report_has_the_phase_times_tokens_per_s_and_rollout_stats(ref):
+    from rlalign.monitor.report import make_report
+
+    text = (make_report(ref[0]) / "summary.md").read_text()
+    assert "| phase | mean s | share of the step | tokens/s |" in text
+    for phase in ("generate", "reward", "train", "sync", "checkpoint", "step"):
+        assert f"\n| {phase} | " in text, phase
+    assert "| response length: mean (min..max over the run) |" in text
+    assert "| responses stopped by max_new_tokens, mean |" in text and "| reward calls past" in text
