@@ -321,7 +321,8 @@ def _run(cmd: str, body, state: dict | None = None) -> int:
     except Stopped as e:
         if _debug():
             traceback.print_exc()
-        print(f"rlalign {cmd}: {e}; {_resume_hint(st['overrides'], st['cfg'])}", file=sys.stderr, flush=True)
+        hint = f"; {_resume_hint(st['overrides'], st['cfg'])}" if cmd == "train" else ""
+        print(f"rlalign {cmd}: {e}{hint}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         if _debug():

@@ -189,6 +189,29 @@ def test_negative_twin_other_reward_types_are_refused_naming_the_sample(value, m
         RewardCaller(Task()).score([RewardCall("x", Example("p:", "a"), "sample 0")], "step 0")
 
 
+def test_stop_signals_request_then_abandon_and_are_restored_after():
+    from rlalign.stop import StopSignals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals(["SIGUSR1"], grace_s=30) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the first: a request, the run goes on
+        assert stop.requested and not stop.abandoned
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGUSR1)  # the second: abandon at once
+        assert stop.abandoned and stop.stopped("during step 3").exit_code == 128 + signal.SIGUSR1
+    with StopSignals(["SIGUSR1"], grace_s=0.1) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(KeyboardInterrupt):
+            threading.Event().wait(30)  # the grace period ends it
+        assert stop.abandoned
+    assert signal.getsignal(signal.SIGUSR1) == before and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    from rlalign.config import ConfigError
+
+    for bad in ("SIGKILL", "SIGINT", "TERM"):  # twin: what may not be a stop signal
+        with pytest.raises(ConfigError, match=rf"run.stop_signals=\['{bad}'\]: \['{bad}'\] not among"):
+            load_config([f"run.stop_signals=[{bad}]"])
+
+
 def test_jsonl_with_a_byte_order_mark_is_read(tmp_path):
     lines = '{"prompt": "a:", "answer": "aa"}\n{"prompt": "b:", "answer": "bb"}\n'
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
