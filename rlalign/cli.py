@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 def _passthrough(cmd: str, rest: list[str]) -> int:
     if any(a in ("-h", "--help") for a in rest):
         print({"compare": "usage: rlalign compare TRACE_A TRACE_B   (two trace files, or two run directories)\n"
+                          "run directories: stream by stream, without the stale per-rank streams of earlier\n"
+                          "segments (segments.jsonl); across trainer EP sizes the trainer state by step and name\n"
                           "exit status: 0 same, 1 differ, 2 error",
                "report": "usage: rlalign report RUN_DIR   (writes RUN_DIR/summary.md and plots)"}[cmd])
         return 0

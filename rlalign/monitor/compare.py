@@ -39,14 +39,15 @@ def compare_files(a: Path, b: Path, out=sys.stdout) -> bool:
     return compare_streams(read_trace(a), read_trace(b), a.name, out) is None
 
 
-def compare_streams(sa: Stream, sb: Stream, label: str, out=sys.stdout) -> dict | None:
+def compare_streams(sa: Stream, sb: Stream, label: str, out=sys.stdout, allowed: tuple[str, ...] = ()) -> dict | None:
     """Print how two streams compare (the first difference, or 'identical'); the first
-    divergence (trace.first_divergence), None if identical."""
+    divergence (trace.first_divergence), None if identical. Environment keys under `allowed`
+    may differ without a note."""
     (ha, ra), (hb, rb) = sa, sb
     if (ha.get("role"), ha.get("rank")) != (hb.get("role"), hb.get("rank")):
         print(f"note: different streams: {ha.get('role')} rank {ha.get('rank')} vs {hb.get('role')} rank "
               f"{hb.get('rank')}", file=out)
-    diff = env_difference(ha["env"], hb["env"])
+    diff = env_difference(ha["env"], hb["env"], allowed)
     if diff:
         fa, fb = flatten(ha["env"]), flatten(hb["env"])
         print("these traces come from different runs/configs, so they need not match: "
@@ -161,10 +162,11 @@ def compare_runs(a: Path, b: Path, out=sys.stdout) -> bool:
     for note in na + nb:
         print(f"note: {note}", file=out)
     split = {role for role in ROLES if len(ep_sizes(a, role) | ep_sizes(b, role)) > 1}
+    allowed = tuple(k for role in sorted(split) for k in (f"{role}.ep_size", f"topology.{role}_ep"))
     firsts: list[tuple[int, int, str]] = []  # (step, stage, name) of each stream's first difference
     for name in sorted(set(sa) & set(sb)):
         if name.split("-")[0] not in split:
-            d = compare_streams(sa[name], sb[name], name, out)
+            d = compare_streams(sa[name], sb[name], name, out, allowed)
             if d is not None:
                 rec = d["a"] or d["b"]
                 firsts.append((rec["step"], _stage(name, rec["name"]), rec["name"]))
