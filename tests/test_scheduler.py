@@ -503,6 +503,11 @@ def test_a_mismatching_run_logs_the_worst_tokens_and_the_first_divergent_op_to_w
     assert cols == ["op", "differing_rows", "first_divergence_tokens"]
     assert {r[0]: r[1] for r in data} == detail["by_op"]
     assert sum(r[2] for r in data) == sum(detail["first_op_counts"].values())
+    from rlalign.monitor.report import make_report
+
+    text = (make_report(d) / "summary.md").read_text()
+    worst = max(detail["worst_tokens"], key=lambda w: w["abs_diff"])
+    assert "## worst tokens of the run" in text and f"| 0 | {worst['sample_id']} | {worst['position']} |" in text
 
 
 @pytest.mark.slow
@@ -515,3 +520,4 @@ def test_report_has_the_phase_times_tokens_per_s_and_rollout_stats(ref):
         assert f"\n| {phase} | " in text, phase
     assert "| response length: mean (min..max over the run) |" in text
     assert "| responses stopped by max_new_tokens, mean |" in text and "| reward calls past" in text
+    assert "worst tokens" not in text  # twin: a run without mismatches has none

@@ -5,7 +5,8 @@
     abs_diff_hist.png |d logprob| over all tokens of the run, in decades, token counts on a log
                       axis (a few differing tokens among thousands of identical ones stay visible)
     divergence.png    token rows differing per op (from divergence.jsonl; monitor.fingerprints=layers)
-    summary.md        the numbers (the W&B run's: rollout stats, time and tokens/s per phase) and the plots
+    summary.md        the numbers (the W&B run's: rollout stats, time and tokens/s per phase, the
+                      worst tokens with their first divergent op) and the plots
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ def make_report(run_dir: Path) -> Path:
     ]
     if by_op:
         lines.append("![divergence](divergence.png)")
+    lines += _worst_tokens(div)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return out
 
@@ -229,6 +231,23 @@ def _phase_table(rows: list[dict]) -> list[str]:
             continue
         r = _mean(rows, f"time/{rate}") if rate else None
         out.append(f"| {phase} | {t:.3f} | {t / step:.0%} | {f'{r:,.0f}' if r is not None else ''} |")
+    return out
+
+
+def _worst_tokens(div: list[dict], n: int = 10) -> list[str]:
+    """The run's n tokens with the largest |Δ logprob| (divergence.jsonl), with the op where each
+    first diverged (monitor.fingerprints=layers)."""
+    first = {(d["step"], t["sample_id"], t["position"]): t["first_op"] for d in div for t in d.get("tokens", [])}
+    worst = sorted(((d["step"], w) for d in div for w in d.get("worst_tokens", [])), key=lambda sw: -sw[1]["abs_diff"])
+    if not worst:
+        return []
+    out = ["", f"## worst tokens of the run (|Δ logprob|, {min(n, len(worst))} of the steps' worst)", "",
+           "| step | sample | position | token | generator | trainer | abs diff | first divergent op |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for step, w in worst[:n]:
+        op = first.get((step, w["sample_id"], w["position"] - 1)) or ""
+        out.append(f"| {step} | {w['sample_id']} | {w['position']} | {w['token']} | {w['generator']:.6g} | "
+                   f"{w['trainer']:.6g} | {w['abs_diff']:.3g} | {op} |")
     return out
 
 
