@@ -21,12 +21,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rlalign train
 
+# two pytest-xdist workers, a module per worker at a time (its Ray cluster / vLLM engine built once);
+# tests/conftest.py orders the modules longest first
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra $(XDIST) tests
 
 # the inner loop: everything not marked slow (no Ray clusters, no spawned EP ranks)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m "not slow" tests
+	$(BIN)/python -m pytest -q -ra $(XDIST) -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check kernels rlalign actors tests experiments

@@ -76,6 +76,25 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
+# `make test` runs the modules on two pytest-xdist workers (`-n 2 --dist loadfile`: a module stays on one
+# worker, so its module fixtures — a Ray cluster, a vLLM engine — are built once). Workers take modules in
+# collection order; the modules measured longest (`--durations`, 2-core machine) come first so that both
+# workers finish close together. Modules not named keep their order after these.
+LONGEST_FIRST = ("test_monitor", "test_vllm", "test_train", "test_scheduler", "test_cluster", "test_agree",
+                 "test_topology", "test_weight_sync", "test_ep", "test_triton_paged", "test_shard", "test_triton",
+                 "test_sampling_stats", "test_moe_counts", "test_checkpoint", "test_engine", "test_sampling")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's own order is kept
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: one core each, no oversubscription
+        torch.set_num_threads(1)
+
+
 _VERDICT = {"exitstatus": None}
 
 
@@ -89,7 +108,7 @@ def pytest_unconfigure(config):
     2-core machine: every test passed ("235 passed"), then the interpreter died with SIGSEGV while
     tearing down C extensions (Ray, gloo, wandb and Triton's interpreter all live in this process at
     some point), and make reported a failure that was not one. The summary is already printed."""
-    if _VERDICT["exitstatus"] is None:
+    if _VERDICT["exitstatus"] is None or hasattr(config, "workerinput"):  # a worker reports to the controller first
         return
     sys.stdout.flush()
     sys.stderr.flush()
