@@ -99,6 +99,7 @@ def test_rmsnorm_and_logprobs_match_reference_and_backward_is_repeatable(dtype):
     assert same_bits(tb.log_softmax_gather(z[7:8], tok[7:8]), lp[7:8])  # a row alone
 
 
+@pytest.mark.slow  # the whole model through the interpreter: ~40 s on 2 cores
 def test_full_model_agrees_on_the_triton_backend():
     from rlalign.agree import run_agree
     from rlalign.config import load_config
