@@ -32,7 +32,7 @@ from rlalign.faults import maybe_fail
 from rlalign.generation import Rollout, SamplingParams, generate
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import Injection, TapRecorder
-from rlalign.monitor.trace import Trace, fixed_environment
+from rlalign.monitor.trace import RowNames, Trace, fixed_environment
 from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
 from rlalign.parallel.launch import any_live_fn, init_group
@@ -116,6 +116,12 @@ class _Monitored:
         self.recorder.trace = self.trace
         self.recorder.rows = self.recorder.layers = level == "layers"
 
+    def close_trace(self) -> None:
+        """Write the records still on their way back from the device and close the stream."""
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = self.recorder.trace = None
+
 
 def _init(cfg_dict: dict, rank: int, world: int, port: int | None, threads: int, group):
     """Config, kernels and process group of one rank. A Ray actor (port given) joins its group
@@ -160,22 +166,23 @@ class TrainerWorker(_Monitored, _WeightSync):
         maybe_fail("trainer.train_step", self.rank)
         if self.trace is not None:
             self.trace.step = step
+            self.trace.fence()  # the step changes the tensors the last step's records read
         _reset_peak(self.cfg.device)
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         if self.trace is not None:
             tr, t = self.trace, self.trainer
             tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
             if t.invariant:  # names independent of the EP size: comparable across trainer EP sizes
-                tr.record_state("state", t.topology_records())
+                tr.record_many([(RowNames(f"state/{name}", first) if first is not None else f"state/{name}", x)
+                                for name, x, first in t.topology_record_groups()])
             else:
-                tr.record_state("grad", t.grads)
+                items: list = [(f"grad/{n}", t.grads[n]) for n in sorted(t.grads)]
                 for n, m in t.master.items():
                     st = t.opt.state.get(m, {})
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if key in st:
-                            tr.record(f"optim/{n}/{key}", st[key])
-                tr.record_state("weights", dict(t.model.named_parameters()))
-            tr.flush()
+                    items += [(f"optim/{n}/{key}", st[key]) for key in ("exp_avg", "exp_avg_sq") if key in st]
+                params = dict(t.model.named_parameters())
+                tr.record_many(items + [(f"weights/{n}", params[n]) for n in sorted(params)])
+            tr.flush()  # the fingerprints run on the device; their records are written at a later flush
         return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device))
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
@@ -183,8 +190,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         full = self.trainer.full_state_dict()
         if self.rank != 0:
             return None, None
-        cpu = {k: v.detach().cpu() for k, v in full.items()}
-        return cpu, state_fingerprints(cpu) if fingerprints else None
+        fps = state_fingerprints(full) if fingerprints else None  # on the device: the same values as of the copies
+        return {k: v.detach().cpu() for k, v in full.items()}, fps
 
     def _sync_model(self):
         return self.trainer.model
@@ -203,6 +210,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint),
         staged now and written in the background (wait=False: returns before the write); with
         `publish` rank 0 completes the checkpoint once all ranks have written."""
+        if self.trace is not None:  # the trace holds every record up to the checkpoint a resume starts from
+            self.trace.drain()
         self.saver.save(self.trainer.checkpoint_state(), path, self.rank, self.group, publish)
         if wait:
             self.saver.wait()
@@ -214,7 +223,8 @@ class TrainerWorker(_Monitored, _WeightSync):
     def load(self, path: str) -> None:
         """Verify the checkpoint (files, then every tensor's fingerprint), then load it in place;
         nothing from the checkpoint directory is unpickled."""
-
+        if self.trace is not None:
+            self.trace.fence()
         load_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 
 
@@ -263,6 +273,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
                         ipc_uuid: str | None = None) -> weight_sync.SyncOutput:
         """All generator ranks: the trainer's weights, this rank's EP shard kept on the device
         (rlalign.parallel.weight_sync.receive); fingerprint shares of everything it now holds."""
+        if self.trace is not None:
+            self.trace.fence()  # the weights the last sync's records read are overwritten
         out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
                                   ipc_uuid)
         self._trace_weights(step)
@@ -283,6 +295,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
         """sync.method=object_store: take this rank's shard of the unsharded state; then gather it
         back and return (rank 0) the host fingerprints of what the generator group now holds."""
         local = shard_state_dict(full, self.rank, self.world)
+        if self.trace is not None:
+            self.trace.fence()
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 if n not in local:
@@ -293,4 +307,4 @@ class GeneratorWorker(_Monitored, _WeightSync):
                 p.copy_(local[n].to(p.dtype))
         self._trace_weights(step)
         back = full_state_dict(self.model, self.group)
-        return state_fingerprints({k: v.cpu() for k, v in back.items()}) if self.rank == 0 else None
+        return state_fingerprints(back) if self.rank == 0 else None

@@ -1,61 +1,335 @@
-"""Cost of the monitor's fingerprints in an RL step: `rlalign train` on the embedded default with
-monitor.fingerprints=off / default / layers, interleaved (off, default, layers, off, ...) to
-cancel drift; mean time/step_s over the steps after the first two of each run.
+"""What the monitor's fingerprints cost: the kernel's bits and bandwidth, and an RL step with the
+monitor on vs off (and vs default kernels). Each phase writes a part JSON; `summary` merges them.
 
-    python experiments/bench_monitor.py [--steps 12] [--reps 2] [--out DIR]
+    python experiments/bench_monitor.py demo    [--steps 8 --reps 3]    CPU: `rlalign train` defaults,
+                                                                         monitor off / default interleaved
+    python experiments/bench_monitor.py kernel  [--gb 10]               GPU bits == CPU bits; GB/s of one
+                                                                         fingerprint_sums over mixed bf16/fp32
+    python experiments/bench_monitor.py rl --model M [--runs det:default det:off default:off] [--steps 4]
+                                                                         `rlalign train` in-process, one Ray
+    python experiments/bench_monitor.py summary --name NAME              parts -> results/NAME.json
+
+A run `MODE:LEVEL` is kernels.mode=MODE (det = deterministic) with monitor.fingerprints=LEVEL, on the
+issue's settings (one GPU, colocated, 16 prompts x 8 samples x 256 new tokens, synchronous saves,
+no checkpoint); a step's time is the median over the steps after the first (no step writes a
+checkpoint). Tiny CPU settings of the same path: --tiny.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-LEVELS = ("off", "default", "layers")
+HBM_PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # vendor peaks, GB/s
+TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--overrides", nargs="*", default=[])
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    import os
+def _part(out: Path, name: str, payload: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"part_{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
 
-    import ray
 
+# --- the kernel ----------------------------------------------------------------------------------------
+def _bit_cases(device):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    big = torch.randn(512, 1000, generator=g)
+    experts = torch.randn(8, 96, 64, generator=g).bfloat16()
+    cases = {
+        "fp32 [512,1000]": big, "bf16 [512,1000]": big.bfloat16(), "bf16 [5,3] (16-bit words)": big[:5, :3].bfloat16(),
+        "int64 tokens": torch.randint(0, 151936, (4099,), generator=g), "bool": big[0] > 0,
+        "transposed view": big.t()[:100], "bf16 view 2 bytes in": big.bfloat16().view(-1)[1:4097],
+        "0-d": torch.tensor(1.5), "empty": torch.zeros(0, 7),
+        "uint8 odd": torch.randint(0, 255, (1001,), dtype=torch.uint8, generator=g),
+    }
+    from rlalign.kernels.fingerprint import Part
+
+    parts = [Part(t.to(device), name=k) for k, t in cases.items()]
+    parts += [Part(experts.to(device), rows=True, name="expert rows"), Part(big[100:300].to(device), first_row=100,
+                                                                             name="share rows 100..299"),
+              Part(big[:4].to(device), first_row=(1 << 32) // 1000 - 1, name="share across word index 2**32")]
+    return parts
+
+
+def kernel(a) -> None:
+    import numpy as np
+    import torch
+
+    from rlalign import kernels
+    from rlalign.kernels import fingerprint as fpk
+    from rlalign.kernels.fingerprint import Part
+    from rlalign.kernels.triton import fingerprint as tfp
+    from rlalign.monitor.fingerprint import fingerprint
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
+    # bits: the device's sums == numpy's of the same bytes; the pinned values of tests/test_fingerprint.py
+    parts = _bit_cases(dev)
+    got = kernels.fingerprint_sums(parts).cpu().numpy().view(np.uint32)
+    want = fpk.sums_cpu([Part(p.tensor.cpu(), p.rows, p.first_row, p.name) for p in parts])
+    x = torch.arange(12, dtype=torch.float32, device=dev).reshape(3, 4)
+    res["bits"] = {"device_equals_numpy": bool(np.array_equal(got, want)), "results": int(len(want)),
+                   "pinned_fp32": fingerprint(x) == "6e60e462eba778ce",
+                   "pinned_bf16": fingerprint(x.bfloat16()) == "1505090229be379f"}
+    flipped = parts[0].tensor.clone()
+    flipped.view(torch.int32)[7, 7] ^= 1
+    res["bits"]["flipped_bit_seen"] = bool((kernels.fingerprint_sums([Part(flipped)]).cpu().numpy().view(np.uint32)
+                                            != want[:1]).any())
+    print("bits:", res["bits"], flush=True)
+    if dev.type != "cuda":
+        a.gb = min(a.gb, 0.05)
+    # bandwidth: ~a.gb GB of a model-state mix: 4 x (bf16 weights + fp32 grads and 2 moments) of one size
+    # (90 %), stacked bf16 experts read as rows (10 %), 64 bf16 norms
+    total = a.gb * 1e9
+    k = int(0.9 * total / 56) // 2048 * 2048  # elements per matrix: 4 groups x (2 + 3 x 4) bytes
+    gen = torch.Generator(device=dev).manual_seed(1)
+    mats = []
+    for _ in range(4):
+        mats.append(("bf16", torch.randn(k // 2048, 2048, device=dev, generator=gen).bfloat16()))
+        mats += [("fp32", torch.randn(k // 2048, 2048, device=dev, generator=gen)) for _ in range(3)]
+    experts = torch.randn(64, max(1, int(0.1 * total / 2 / 64 / 2048)), 2048, device=dev, generator=gen).bfloat16()
+    norms = [torch.randn(2048, device=dev, generator=gen).bfloat16() for _ in range(64)]
+    parts = [Part(t) for _, t in mats] + [Part(experts, rows=True)] + [Part(t) for t in norms]
+    nbytes = sum(p.tensor.numel() * p.tensor.element_size() for p in parts)
+    res["bandwidth_setup"] = {"bytes": nbytes, "tensors": len(parts), "results": len(fpk.result_salts(parts)),
+                              "mix": "16 matrices [*, 2048] (1/4 bf16, 3/4 fp32), 64 stacked bf16 experts as rows, "
+                                     "64 bf16 norms [2048]"}
+
+    def timed(fn, reps):
+        ts = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    reps = 10 if dev.type == "cuda" else 2
+    kernels.fingerprint_sums(parts)  # compile
+    t = timed(lambda: kernels.fingerprint_sums(parts), reps)
+    res["fingerprint_sums_s"] = t
+    res["fingerprint_gbps"] = nbytes / t / 1e9
+    ref = mats[1][1]  # one fp32 matrix: torch.sum's read rate, a reference on this device
+    res["torch_sum_fp32_gbps"] = ref.numel() * 4 / timed(lambda: ref.sum(), reps) / 1e9
+    peak = next((v for k, v in HBM_PEAK_GBPS.items() if k in res["device"]), None)
+    if peak:
+        res["hbm_peak_gbps"] = peak
+        res["fingerprint_frac_of_peak"] = res["fingerprint_gbps"] / peak
+    # the config beside others (information for the next tuning; the product keeps its pinned one)
+    sweep = {}
+    for block, warps in ((4096, 8), (2048, 4), (2048, 8), (8192, 8), (4096, 4)):
+        old = tfp.BLOCK, tfp.NUM_WARPS
+        tfp.BLOCK, tfp.NUM_WARPS = block, warps
+        try:
+            same = np.array_equal(kernels.fingerprint_sums(parts[:3]).cpu().numpy(),
+                                  kernels.fingerprint_sums(parts[:3]).cpu().numpy())
+            sweep[f"BLOCK={block} num_warps={warps}"] = {"gbps": nbytes / timed(lambda: kernels.fingerprint_sums(parts),
+                                                                                  max(2, reps // 2)) / 1e9,
+                                                         "repeatable": bool(same)}
+        finally:
+            tfp.BLOCK, tfp.NUM_WARPS = old
+    res["config_sweep"] = sweep
+    print(f"fingerprint_sums: {nbytes / 1e9:.2f} GB in {t * 1e3:.2f} ms = {res['fingerprint_gbps']:.0f} GB/s "
+          f"(torch.sum fp32 {res['torch_sum_fp32_gbps']:.0f} GB/s); sweep "
+          + ", ".join(f"{k}: {v['gbps']:.0f}" for k, v in sweep.items()), flush=True)
+    _part(Path(a.out), "kernel", res)
+
+
+# --- RL steps ------------------------------------------------------------------------------------------
+def _base(model: str, tiny: bool) -> list[str]:
+    if tiny:  # the same path on the CPU in seconds
+        return [f"model={model}", "device=cpu", "run.steps=3", "task.num_prompts=2", "task.samples_per_prompt=2",
+                "task.max_new_tokens=8", "trainer.ep_size=1", "generator.ep_size=1", "checkpoint.enabled=false",
+                "monitor.on_mismatch=warn", "logger.console=false"]
+    return [f"model={model}", "device=cuda", "kernels.backend=triton", "trainer.ep_size=1", "generator.ep_size=1",
+            "placement.colocate=true", "task.num_prompts=16", "task.samples_per_prompt=8", "task.max_new_tokens=256",
+            "checkpoint.async_save=false", "checkpoint.enabled=false", "monitor.on_mismatch=warn",
+            "logger.console=false"]
+
+
+def _wait_gpu_free(limit_s: float = 60.0) -> None:
+    """The previous run's actors are killed asynchronously: wait until their GPU memory is back."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        try:
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if not used or max(int(u) for u in used) < 4096:
+            return
+        time.sleep(1.0)
+
+
+def _summarise(rows: list[dict]) -> dict:
+    steady = rows[1:] or rows
+    med = {k: statistics.median(r.get(f"time/{k}", 0.0) for r in steady) for k in TIMES}
+    return {"steps": len(rows), "median_after_first": med,
+            "per_step": [{k: r.get(f"time/{k}") for k in TIMES} for r in rows],
+            "mismatched_tokens": sum(r["consistency/mismatched_tokens"] for r in rows),
+            "tokens": sum(r["consistency/tokens"] for r in rows),
+            "peak_gib": {k: max(r.get(f"memory/{k}_peak_gib", 0.0) for r in rows) for k in ("trainer", "generator")}}
+
+
+def rl(a) -> None:
+    from rlalign import cluster
     from rlalign.config import load_config
     from rlalign.rl import train
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False)
-    times: dict[str, list[float]] = {lv: [] for lv in LEVELS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(a.reps):
-            for lv in LEVELS:
-                d = Path(tmp) / f"{lv}-{rep}"
-                train(load_config([f"run.steps={a.steps}", f"run.dir={d}", f"monitor.fingerprints={lv}",
-                                   "logger.console=false", *a.overrides]))
-                rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-                times[lv] += [r["time/step_s"] for r in rows[a.warmup:]]
-                print(f"rep {rep} {lv:8}: mean step {statistics.mean(times[lv][-(a.steps - a.warmup):]):.3f}s",
-                      flush=True)
-    ray.shutdown()
-    mean = {lv: statistics.mean(v) for lv, v in times.items()}
-    res = {lv: {"mean_step_s": mean[lv], "median_step_s": statistics.median(times[lv]), "steps": len(times[lv]),
-                "overhead_vs_off": mean[lv] / mean["off"] - 1} for lv in LEVELS}
-    for lv in LEVELS:
-        print(f"{lv:8} mean step {mean[lv]:.3f}s  overhead vs off {100 * res[lv]['overhead_vs_off']:+.1f}%")
-    setup = {"steps_per_run": a.steps, "warmup_steps_dropped": a.warmup, "reps": a.reps, "overrides": a.overrides,
-             "config": "embedded default (tiny MoE, repeat task, trainer EP 2, generator EP 1, CPU)"}
-    print("wrote", record.write("monitor_overhead_cpu", {"setup": setup, "levels": res}, a.out))
+    out = Path(a.out)
+    name = f"rl_{a.model}"
+    base = _base(a.model, a.tiny) if a.tiny else [*_base(a.model, a.tiny), f"run.steps={a.steps}"]
+    res = {"model": a.model, "base_overrides": base, "runs": {}}
+    if (out / f"part_{name}.json").exists():  # an earlier call's runs of this model: add to them
+        res["runs"] = json.loads((out / f"part_{name}.json").read_text())["runs"]
+    cluster.connect()
+    try:
+        for run in a.runs:
+            mode, level = run.split(":")
+            over = [*res["base_overrides"], f"kernels.mode={'deterministic' if mode == 'det' else mode}",
+                    f"monitor.fingerprints={level}"]
+            with tempfile.TemporaryDirectory(dir=a.run_root) as d:
+                if not a.tiny:
+                    _wait_gpu_free()
+                t0 = time.perf_counter()
+                train(load_config([*over, f"run.dir={d}"]))
+                rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                traces = sorted(p.name for p in (Path(d) / "traces").glob("*.jsonl")) if level != "off" else []
+                records = sum(len(open(Path(d) / "traces" / t).readlines()) - 1 for t in traces)
+            res["runs"][run] = {**_summarise(rows), "wall_s": time.perf_counter() - t0, "trace_records": records,
+                                "command": "rlalign train " + " ".join(over)}
+            m = res["runs"][run]["median_after_first"]
+            print(f"{a.model} {run:12} step {m['step_s']:.3f}s (generate {m['generate_s']:.3f} train "
+                  f"{m['train_s']:.3f} sync {m['sync_s']:.3f}) mismatched {res['runs'][run]['mismatched_tokens']} of "
+                  f"{res['runs'][run]['tokens']}, {records} trace records, wall {res['runs'][run]['wall_s']:.0f}s",
+                  flush=True)
+            _part(out, name, res)  # after every run: a timeout keeps what finished
+    finally:
+        cluster.disconnect(True)
+
+
+# --- the CPU demo --------------------------------------------------------------------------------------
+def demo(a) -> None:
+    from rlalign import cluster
+    from rlalign.config import load_config
+    from rlalign.rl import train
+
+    levels = ("off", "default")
+    times: dict[str, list[float]] = {lv: [] for lv in levels}
+    per_run = []
+    cluster.connect()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(a.reps):
+                for lv in (levels if rep % 2 == 0 else levels[::-1]):  # off, default, default, off, ...
+                    d = Path(tmp) / f"{lv}-{rep}"
+                    train(load_config([f"run.steps={a.steps}", f"run.dir={d}", f"monitor.fingerprints={lv}",
+                                       "logger.console=false", *a.overrides]))
+                    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+                    steps = [r["time/step_s"] for r in rows[1:-1]]  # not the first, not the final checkpoint's
+                    times[lv] += steps
+                    per_run.append({"level": lv, "rep": rep, "median_step_s": statistics.median(steps)})
+                    print(f"rep {rep} {lv:8}: median step {statistics.median(steps):.3f}s", flush=True)
+    finally:
+        cluster.disconnect(True)
+    med = {lv: statistics.median(v) for lv, v in times.items()}
+    pairs = [[r["median_step_s"] for r in per_run if r["rep"] == k] for k in range(a.reps)]
+    res = {"setup": {"steps_per_run": a.steps, "reps": a.reps, "order": "off, default; then default, off; ...",
+                     "overrides": a.overrides, "steps_used": "each run's steps after the first, before the last "
+                     "(the last writes the final checkpoint)",
+                     "config": "`rlalign train` defaults (tiny MoE, repeat task, trainer EP 2, generator EP 1, CPU)"},
+           "median_step_s": med, "default_over_off": med["default"] / med["off"], "runs": per_run,
+           "rep_ratios_default_over_off": [p[1] / p[0] if per_run[2 * k]["level"] == "off" else p[0] / p[1]
+                                           for k, p in enumerate(pairs)]}
+    print(f"median step: off {med['off']:.3f}s, default {med['default']:.3f}s, default/off "
+          f"{res['default_over_off']:.3f}", flush=True)
+    shows = (f"`rlalign train` defaults on a shared 2-core CPU, monitor off / default interleaved ({a.reps} reps x "
+             f"{a.steps} steps): median step {med['off']:.3f} s off, {med['default']:.3f} s with the default "
+             f"fingerprints (weights, grads, AdamW moments per step on every trainer rank, the synced weights on the "
+             f"generator): default/off {res['default_over_off']:.3f}.")
+    print("wrote", record.write(a.name or "monitor_overhead_cpu", {**res, "what_it_shows": shows}, a.results))
+
+
+# --- summary -------------------------------------------------------------------------------------------
+def summary(a) -> None:
+    out = Path(a.out)
+    parts = {p.stem.removeprefix("part_"): json.loads(p.read_text()) for p in sorted(out.glob("part_*.json"))}
+    k = parts.get("kernel", {})
+    models = {}
+    for name, p in parts.items():
+        if not name.startswith("rl_"):
+            continue
+        runs = {r: v["median_after_first"] for r, v in p["runs"].items()}
+        m = {"runs": runs}
+        if "det:default" in runs and "det:off" in runs:
+            m["monitor_on_over_off_step"] = runs["det:default"]["step_s"] / runs["det:off"]["step_s"]
+            m["monitor_on_over_off_sync"] = runs["det:default"]["sync_s"] / runs["det:off"]["sync_s"]
+            m["monitor_on_over_off_train"] = runs["det:default"]["train_s"] / runs["det:off"]["train_s"]
+        if "default:off" in runs and "det:default" in runs:
+            m["deterministic_with_monitor_over_default_kernels_step"] = (runs["det:default"]["step_s"]
+                                                                         / runs["default:off"]["step_s"])
+        models[p["model"]] = m
+    ratios = [m["monitor_on_over_off_step"] for m in models.values() if "monitor_on_over_off_step" in m]
+    summ = {"gpu": k.get("device"), "monitor_on_over_off_step": max(ratios) if ratios else None,
+            "fingerprint_gbps": k.get("fingerprint_gbps"),
+            "fingerprint_frac_of_hbm_peak": k.get("fingerprint_frac_of_peak"),
+            "sync_on_over_off": {mm: m.get("monitor_on_over_off_sync") for mm, m in models.items()},
+            "step_on_over_off": {mm: m.get("monitor_on_over_off_step") for mm, m in models.items()},
+            "bits_device_equals_cpu": (k.get("bits") or {}).get("device_equals_numpy")}
+    res = {"summary": summ, "models": models, "kernel": k,
+           "rl": {n: p for n, p in parts.items() if n.startswith("rl_")}}
+    lines = ["| model | run | step_s | generate_s | train_s | sync_s |", "|---|---|---|---|---|---|"]
+    for mm, m in models.items():
+        for r, v in m["runs"].items():
+            lines.append(f"| {mm} | {r} | {v['step_s']:.3f} | {v['generate_s']:.3f} | {v['train_s']:.3f} | "
+                         f"{v['sync_s']:.3f} |")
+    print("\n".join(lines))
+    print(json.dumps(summ))
+    def fmt(v, f):
+        return format(v, f) if isinstance(v, (int, float)) else "n/a"
+
+    gb = (k.get("bandwidth_setup") or {}).get("bytes", 0) / 1e9
+    frac = 100 * (k.get("fingerprint_frac_of_peak") or 0)
+    shows = (f"One call: the fingerprint kernel reads {gb:.1f} GB of mixed bf16/fp32 tensors at "
+             f"{fmt(k.get('fingerprint_gbps'), '.0f')} GB/s ({frac:.0f} % of the HBM peak), its bits equal numpy's; "
+             f"RL step with monitor.fingerprints=default over off: "
+             + ", ".join(f"{mm} {fmt(m.get('monitor_on_over_off_step'), '.3f')} (sync "
+                         f"{fmt(m.get('monitor_on_over_off_sync'), '.2f')}x)" for mm, m in models.items()) + ".")
+    path = record.write(a.name, {**res, "what_it_shows": shows}, a.results, command=a.command)
+    print("wrote", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=("demo", "kernel", "rl", "summary"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_monitor"), help="part JSONs")
+    ap.add_argument("--results", default=None, help="where the result JSON goes (default experiments/results)")
+    ap.add_argument("--name", default=None, help="result name (summary; demo: monitor_overhead_cpu)")
+    ap.add_argument("--command", default=None, help="the whole call's command line, recorded by summary")
+    ap.add_argument("--gb", type=float, default=10.0)
+    ap.add_argument("--model", default="qwen3-30b-a3b-rehearsal")
+    ap.add_argument("--runs", nargs="*", default=["det:default", "det:off"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--tiny", action="store_true", help="rl: CPU-sized settings (tests the path)")
+    ap.add_argument("--run-root", default=None, help="rl: where the run dirs go (default: the temp dir)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--overrides", nargs="*", default=[])
+    a = ap.parse_args()
+    {"demo": demo, "kernel": kernel, "rl": rl, "summary": summary}[a.phase](a)
 
 
 if __name__ == "__main__":

@@ -243,3 +243,19 @@ def sample_tempered(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positi
     if fused is not None:
         return fused(z, seed, sample_ids, positions)
     return sampling.first_argmax(z + sampling.gumbel(seed, sample_ids, positions, z.shape[-1]))
+
+
+def fingerprint_sums(parts) -> torch.Tensor:
+    """(A, B) [N, 2] int32 of every result of `parts` (a sequence of kernels.fingerprint.Part; a
+    rows part gives one result per dim-0 row), on the parts' device: the raw sums of the one
+    fingerprint definition (kernels/fingerprint.py), the same bits on every device and in every
+    kernels mode. CUDA: one Triton launch over all parts (per word size); CPU: numpy."""
+    from rlalign.kernels import fingerprint as fp
+
+    if not parts:
+        return torch.zeros(0, 2, dtype=torch.int32)
+    if parts[0].tensor.is_cuda:
+        from rlalign.kernels.triton import fingerprint as triton_fp
+
+        return triton_fp.fingerprint_sums(parts)
+    return torch.from_numpy(fp.sums_cpu(parts).view("int32"))

@@ -9,7 +9,8 @@ as Trainer.checkpoint_state keys them (expert tensors per global expert, dense m
 state per dense unit, so any EP size, with trainer.shard_dense or without, can load them; a
 sharded rank writes and reads only its own units), and meta.json with the step, the data
 position, RNG states, the weights fingerprint and an index of every tensor: its file, dtype,
-shape and fingerprint (rlalign.monitor.fingerprint).
+shape and fingerprint (rlalign.monitor.fingerprint: taken of the trainer's tensors on their
+device when the save starts, one launch; the same value the CPU recomputes from the files).
 
 Format. Each trainer rank writes through DCP's HuggingFaceStorageWriter (save_distributed=True):
 one `shard-<rank+1>-model-00001-of-00001.safetensors` per rank (DCP's planner writes a tensor held
@@ -422,10 +423,10 @@ def _dcp_failed(e: BaseException, path: Path, step: int | None, rank: int) -> Ch
     return _write_error(path, step, cause, failed)
 
 
-def _write_fingerprints(path: Path, step: int | None, rank: int, cpu: dict[str, torch.Tensor]) -> None:
+def _write_fingerprints(path: Path, step: int | None, rank: int, fps: dict[str, str]) -> None:
     try:
         _write_json_atomic(path / f"fingerprints-rank{rank:05d}.json",
-                           {"rank": rank, "shard": shard_name(rank), "tensors": state_fingerprints(cpu)})
+                           {"rank": rank, "shard": shard_name(rank), "tensors": fps})
     except OSError as e:
         raise _write_error(path, step, e, rank) from None
 
@@ -438,6 +439,7 @@ def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
     step = _step_of(path)
     try:
         _prepare_dir(path, rank)
+        fps = state_fingerprints(state)
         cpu = {k: v.detach().cpu() for k, v in state.items()}
     except OSError as e:
         raise _write_error(path, step, e, rank) from None
@@ -450,7 +452,7 @@ def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise _dcp_failed(e, path, step, rank) from None
-    _write_fingerprints(path, step, rank, cpu)
+    _write_fingerprints(path, step, rank, fps)
 
 
 class _Staged:
@@ -497,6 +499,7 @@ class AsyncSaver:
         step = _step_of(path)
         try:
             _prepare_dir(path, rank)
+            fps = state_fingerprints(state)  # on the tensors' device, before they can change
             cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         except OSError as e:
             raise _write_error(path, step, e, rank) from None
@@ -511,9 +514,9 @@ class AsyncSaver:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             raise _dcp_failed(e, path, step, rank) from None
-        self._pending = self._pool.submit(self._finish, written, cpu, path, step, rank, pg, publish)
+        self._pending = self._pool.submit(self._finish, written, fps, path, step, rank, pg, publish)
 
-    def _finish(self, written: Future, cpu: dict, path: Path, step: int | None, rank: int, pg,
+    def _finish(self, written: Future, fps: dict[str, str], path: Path, step: int | None, rank: int, pg,
                 publish: dict | None) -> Path | None:
         maybe_fail("checkpoint.write", rank)
         error = None
@@ -523,7 +526,7 @@ class AsyncSaver:
             error = _dcp_failed(e, path, step, rank)
         if error is None:
             try:
-                _write_fingerprints(path, step, rank, cpu)
+                _write_fingerprints(path, step, rank, fps)
             except CheckpointError as e:
                 error = e
         ok = [error is None]
@@ -579,8 +582,9 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
         failed, cause = _dcp_cause(e, rank)
         what = f"read failed on rank {failed}: {_cause(cause)}"
         raise _damaged(path, _Damage("(safetensors shards)", what)) from None
+    fps = state_fingerprints(buf)
     for k in sorted(buf):
-        got, want = fingerprint(buf[k]), index[k]["fp"]
+        got, want = fps[k], index[k]["fp"]
         if got != want:
             raise _damaged(path, _Damage(index[k]["file"], f"tensor {k!r} has fingerprint {got}, meta.json records "
                                                            f"{want} (its bytes changed)"), tensors=True)

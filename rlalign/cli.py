@@ -57,6 +57,7 @@ _KEYS = {
         ("run.steps", "steps to run"),
         ("run.dir", "output directory (hydra.run.dir=DIR means the same)"),
         ("checkpoint.every", "steps between checkpoints (0: at the end only)"),
+        ("checkpoint.enabled", "false: no checkpoint at all, not even the last (e.g. a model too large for the disk)"),
         ("checkpoint.resume", "never | auto | a checkpoint directory"),
         ("run.stop_signals", "signals that finish the step and its checkpoint, then stop (exit 128+N)"),
         ("run.stop_grace_s", "seconds a stop signal leaves the step and its checkpoint, then abandons them"),

@@ -195,6 +195,7 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
+    enabled: bool = True  # false: no checkpoint is written, not even the run's last (benchmarks of large models)
     every: int = 0  # steps between checkpoints; 0 = at the end only
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
@@ -216,6 +217,13 @@ class PlacementConfig:
 @dataclass
 class MonitorConfig:
     on_mismatch: str = _choice("raise", OnMismatch)  # deterministic mode only
+    # What each step fingerprints (rlalign/monitor/trace.py; one definition on every device):
+    #   off      no traces (the weight sync still checks its fingerprints)
+    #   default  every trainer rank: the logprobs, then gradients, AdamW moments and weights (per dense
+    #            unit, per global expert); the generator: tokens, logprobs, the synced weights. One
+    #            kernel launch per step and side reads each byte once, read back without waiting:
+    #            ~ state bytes / HBM bandwidth (83 GB of bench-moe-large state: ~20 ms on an H200)
+    #   layers   also every op's output per token on both sides (names a mismatch's first op; costly)
     fingerprints: str = _choice("default", Fingerprints)
     worst_tokens: int = 10
     inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)

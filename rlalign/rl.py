@@ -178,9 +178,29 @@ class Job:
         self.last_sync = {"sync/bytes": sum(t.numel() * t.element_size() for t in state.values()), "sync/buckets": 0}
         return combined(fps)
 
+    def close_traces(self, timeout_s: float | None = None) -> None:
+        """Every worker writes the trace records still on their way back from its device and closes
+        its stream. timeout_s (best effort, before the actors are killed after a failure): a worker
+        that died or does not answer in time is left; its stream ends where its process did."""
+        import ray
+
+        groups = [g for g in (getattr(self, "trainers", None), getattr(self, "generators", None)) if g is not None]
+        if timeout_s is None:
+            for g in groups:
+                g.call("close_trace")
+            return
+        refs = [ref for g in groups for ref in g.submit("close_trace")]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:  # the run is failing already; this error is not its cause
+                pass
+
     def close(self) -> None:
         from rlalign import cluster
 
+        self.close_traces(timeout_s=30.0)
         for g in (getattr(self, "trainers", None), getattr(self, "generators", None)):
             if g is not None:
                 g.kill()
@@ -454,8 +474,9 @@ def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resum
             if "consistency/alert" in metrics:
                 logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
             t1 = time.perf_counter()
-            saved = bool(every and (step + 1) % every == 0) or step == cfg.run.steps - 1
-            if saved:
+            due = bool(every and (step + 1) % every == 0) or step == cfg.run.steps - 1
+            saved = due or not cfg.checkpoint.enabled  # nothing left to save (checkpoint.enabled=false: none at all)
+            if due and cfg.checkpoint.enabled:
                 _save(job, cfg, run_dir, step, metrics["sync/weights_fp"], wait=not cfg.checkpoint.async_save)
             metrics["time/checkpoint_s"] = time.perf_counter() - t1
             metrics["time/step_s"] = time.perf_counter() - t0
@@ -466,6 +487,7 @@ def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resum
             last = metrics
         doing = f"while writing the checkpoint of step {cfg.run.steps - 1}"
         job.trainers.call("wait_checkpoint")  # the last checkpoint is complete before the run ends
+        job.close_traces()
     except Stopped:
         raise
     except KeyboardInterrupt:

@@ -87,6 +87,11 @@ def test_corrupt_traces_name_the_line(tmp_path):
         read_trace(_trace(tmp_path, "t3.jsonl", [HEADER, REC.replace('"fp": "ab"', '"x": 1')]))
     with pytest.raises(TraceError, match=r"t4.jsonl:1: not an rlalign trace"):
         read_trace(_trace(tmp_path, "t4.jsonl", [REC]))
+    rows = {"step": 0, "rank": 1, "name": "w/expert", "first": 4, "shape": [2], "dtype": "bfloat16", "fps": ["a", "b"]}
+    _, recs = read_trace(_trace(tmp_path, "t5.jsonl", [HEADER, json.dumps(rows) + "\n"]))
+    assert [(r["name"], r["fp"], r["shape"]) for r in recs] == [("w/expert4", "a", [2]), ("w/expert5", "b", [2])]
+    with pytest.raises(TraceError, match=r"t6.jsonl:2: record lacks or mistypes field\(s\) \['fps'\]"):
+        read_trace(_trace(tmp_path, "t6.jsonl", [HEADER, json.dumps({**rows, "fps": ["a", 7]}) + "\n"]))
 
 
 def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path):

@@ -11,6 +11,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
   moe          moe_route, moe_combine
   sampling     gumbel_argmax (the Gumbel-max draw of kernels.sample, fused)
   embed        embedding (backward in position order, no atomics)
+  fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
   common       input checks, the SM count, the launch-plan cache, INTERPRET
 
 Under the interpreter, tl.dot on bf16 operands returns garbage (triton 3.6/3.9), so operands are

@@ -1,80 +1,88 @@
-"""Order-sensitive 64-bit tensor fingerprints.
+"""Order-sensitive 64-bit tensor fingerprints for the monitor, the weight sync and checkpoints.
 
-torch.hash_tensor XOR-reduces, so it cannot see a permutation, and equal values in bf16 and
-fp32 can collide. Here the raw bytes are hashed together with a dtype/shape salt:
-  - CPU tensors: blake2b (8-byte digest) of the bytes, ~1 GB/s;
-  - GPU tensors: computed on the device, only 8 bytes leave it: the bytes as 32-bit words, each
-    mixed (splitmix64) with its position and the salt, summed mod 2^64 (integer addition is
-    associative: the same bits in any reduction order).
-Any changed bit, moved element, other dtype or other shape changes the fingerprint. The two
-methods give different values: compare fingerprints taken on the same device type.
-`row_fingerprints` (one per token row, for per-token divergence reports) always uses the mix.
+The definition and its kernels live in rlalign.kernels.fingerprint: the bytes as words, each
+mixed with its position, two integer sums, a dtype/shape salt. Any changed bit, moved element,
+other dtype or other shape changes the value. It is the same value on every device and for any
+batching of tensors into launches: a fingerprint taken on the GPU (a trace record, a checkpoint's
+meta.json, the weight sync) equals the one taken of the same tensor on the CPU (numpy, or the
+Triton kernel under TRITON_INTERPRET=1), so every fingerprint is comparable with every other.
+
+    fingerprint(t), state_fingerprints({name: t})   now: one launch, one read back
+    launch(parts) -> Pending                         launched now, read back when ready (traces)
+    row_fingerprints(t)                              one per dim-0 row (per-token reports)
+    combined(fps)                                    one fingerprint of a named collection
 """
 
 from __future__ import annotations
 
 import hashlib
-import zlib
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from rlalign.kernels.sampling import mix64
+from rlalign import kernels
+from rlalign.kernels.fingerprint import Part, fingerprint_values, result_salts
 
-_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                   torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-                                                   torch.bool])}
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """[N, W] int64 words (32 bits each) of the rows of t viewed as [N, -1] bytes."""
-    t = t.detach().contiguous()
-    n = t.shape[0] if t.dim() else 1
-    b = t.reshape(n, -1).view(torch.uint8) if t.numel() else torch.zeros(n, 0, dtype=torch.uint8, device=t.device)
-    if b.shape[1] == 0:
-        return torch.zeros(n, 0, dtype=torch.long, device=t.device)
-    pad = (-b.shape[1]) % 4
-    if pad:
-        b = torch.cat([b, b.new_zeros(n, pad)], 1)
-    return b.view(torch.int32).long() & 0xFFFFFFFF
+__all__ = ["Part", "Pending", "combined", "fingerprint", "launch", "result_salts", "row_fingerprints",
+           "state_fingerprints"]
 
 
-def _salt(t: torch.Tensor, row_shape: tuple) -> int:
-    code = _DTYPE_CODE.get(t.dtype, 99)
-    return zlib.crc32(f"{code}|{row_shape}".encode())
+class Pending:
+    """Fingerprints launched on the tensors' device (their values as of the launch, in stream
+    order) and copied to pinned host memory behind an event: `ready()` never waits, `hex()` waits
+    only if the copy has not landed yet. On the CPU they are computed at once."""
+
+    def __init__(self, sums: torch.Tensor, salts: np.ndarray):
+        self.salts = salts
+        if sums.is_cuda:
+            self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            self._host.copy_(sums, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = sums, None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def values(self) -> np.ndarray:
+        """The fingerprints as uint64 (waits for the copy if it has not landed)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return fingerprint_values(self._host.numpy().view(np.uint32), self.salts)
+
+    def hex(self) -> list[str]:
+        return [f"{v:016x}" for v in self.values().tolist()]
 
 
-def row_fingerprints(t: torch.Tensor) -> torch.Tensor:
-    """One 64-bit fingerprint per row (dim 0) as an int64 tensor on t's device."""
-    w = _words(t)
-    cols = torch.arange(w.shape[1], device=w.device, dtype=torch.long)
-    salt = _salt(t, tuple(t.shape[1:]))
-    h = mix64(w ^ mix64(cols + salt)[None, :])
-    return mix64(h.sum(1) ^ salt)
+def launch(parts: Sequence[Part]) -> Pending:
+    """One launch (per device) over all parts: their results in order (rows parts: one per row)."""
+    return Pending(kernels.fingerprint_sums(parts), result_salts(parts))
 
 
 def fingerprint(t: torch.Tensor) -> str:
-    """The whole tensor (shape included) as 16 hex digits."""
-    if t.device.type == "cpu":
-
-        c = t.detach().contiguous()
-        h = hashlib.blake2b(digest_size=8)
-        h.update(f"{c.dtype}|{tuple(c.shape)}|".encode())
-        if c.numel():
-            h.update(c.reshape(-1).view(torch.uint8).numpy().data)
-        return h.hexdigest()
-    flat = t.reshape(1, -1)
-    rows = row_fingerprints(flat)
-    v = int(mix64(rows ^ _salt(t, tuple(t.shape)))[0])
-    return f"{v & 0xFFFFFFFFFFFFFFFF:016x}"
+    """The whole tensor (dtype and shape included) as 16 hex digits."""
+    return launch([Part(t)]).hex()[0]
 
 
 def state_fingerprints(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: fingerprint(v) for k, v in sorted(state.items())}
+    """{name: fingerprint} in name order, all tensors in one launch per device."""
+    names = sorted(state)
+    out: dict[str, str] = {}
+    for device in dict.fromkeys(state[n].device for n in names):
+        mine = [n for n in names if state[n].device == device]
+        out.update(zip(mine, launch([Part(state[n], name=n) for n in mine]).hex()))
+    return {n: out[n] for n in names}
+
+
+def row_fingerprints(t: torch.Tensor) -> torch.Tensor:
+    """One fingerprint per dim-0 row (each row a tensor of shape t.shape[1:]), int64 on the CPU."""
+    return torch.from_numpy(launch([Part(t, rows=True)]).values().view(np.int64))
 
 
 def combined(fps: dict[str, str]) -> str:
     """One fingerprint for a whole named collection (names and order included)."""
-
     h = hashlib.blake2b(digest_size=8)
     for k in sorted(fps):
         h.update(f"{k}={fps[k]};".encode())

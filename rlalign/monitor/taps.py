@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from rlalign import kernels
-from rlalign.monitor.fingerprint import row_fingerprints
+from rlalign.monitor.fingerprint import Part, Pending, result_salts
 from rlalign.monitor.trace import Trace
 
 
@@ -71,11 +72,14 @@ class Injection:
 
 
 class TapRecorder:
-    """model.taps = TapRecorder(...): row fingerprints by (sample id, position), trace records."""
+    """model.taps = TapRecorder(...): row fingerprints by (sample id, position), trace records.
+    A tap launches its rows' fingerprints on the device and goes on; `pop_table` reads all of
+    them back at once (one copy per device, not one host sync per tap)."""
 
     def __init__(self, rows: bool, trace: Trace | None, injection: Injection | None = None, layers: bool = False):
         self.rows, self.trace, self.layers, self.injection = rows, trace, layers, injection
         self.table: dict[tuple[int, int], dict[str, int]] = {}
+        self._launched: list[tuple[list, str, torch.Tensor, np.ndarray]] = []  # (row keys, op, sums, salts)
         self.prefix, self.keys = "", None
 
     @property
@@ -91,13 +95,23 @@ class TapRecorder:
         if self.injection is not None:
             x = self.injection.apply(name, x)
         if self.rows and self.keys is not None and x.shape[0] == len(self.keys) and x.shape[0]:
-            for key, fp in zip(self.keys, row_fingerprints(x).tolist()):
-                self.table.setdefault(key, {}).setdefault(name, fp)  # first forward of a token wins
+            part = [Part(x, rows=True, name=name)]
+            self._launched.append((self.keys, name, kernels.fingerprint_sums(part), result_salts(part)))
         if self.layers and self.trace is not None:
             self.trace.record(f"{self.prefix}{name}", x)
         return x
 
     def pop_table(self) -> dict:
+        """{(sample id, position): {op: row fingerprint}} since the last call; the first forward of
+        a token wins."""
+        launched, self._launched = self._launched, []
+        for device in dict.fromkeys(s.device for _, _, s, _ in launched):
+            mine = [x for x in launched if x[2].device == device]
+            values = Pending(torch.cat([s for _, _, s, _ in mine]), np.concatenate([x[3] for x in mine]))
+            values = iter(values.values().view(np.int64).tolist())
+            for keys, name, _, _ in mine:
+                for key in keys:
+                    self.table.setdefault(key, {}).setdefault(name, next(values))
         t, self.table = self.table, {}
         return t
 

@@ -3,10 +3,25 @@
     {"kind": "header", "role": "trainer", "rank": 1, "env": {...}}
     {"step": 3, "rank": 1, "name": "grad/model.layers.0.self_attn.q_proj.weight",
      "shape": [64, 64], "dtype": "float32", "fp": "9c1e..."}
+    {"step": 3, "rank": 1, "name": "state/grad/model.layers.0.mlp.experts.down_proj/expert", "first": 4,
+     "shape": [64, 64], "dtype": "float32", "fps": ["0a41...", ...]}
+
+A line with "fps" holds the records of the dim-0 rows of one tensor (per-expert records of a
+stacked expert tensor): row r is the record named NAME + str(first + r). `read_trace` expands it,
+so every reader sees one record per row, the same records at every EP size.
 
 A stream is written by one process in program order; two runs in the same fixed environment
 must produce identical streams. `read_trace` validates every line (errors carry the line
 number) and `first_divergence` finds the first differing record.
+
+Cost. A step's records are fingerprinted in one launch per `record_many` (each byte read once)
+on a side stream of the tensors' GPU, which waits for the work that produced them and is not
+waited for by the work after them, until `fence` (the writer calls it before it next changes
+those tensors in place); the tensors are kept from reuse until the launch has read them. Results
+come back without a host wait: `flush` starts one copy to the host behind an event and writes the
+records whose results have arrived, in program order; the rest follow at a later flush, at
+`drain` (a checkpoint waits for it, so a trace holds every record up to the checkpoint it
+resumes from) or at `close`.
 """
 
 from __future__ import annotations
@@ -14,12 +29,16 @@ from __future__ import annotations
 import json
 import platform
 import warnings
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlalign.monitor.fingerprint import fingerprint
+from rlalign import kernels
+from rlalign.monitor.fingerprint import Part, Pending, result_salts
 
 # config sections that define the computation; run.*, logger, checkpoint, monitor, dist do not
 ENV_SECTIONS = ("seed", "device", "model", "kernels", "generator", "trainer", "task", "algorithm")
@@ -69,6 +88,14 @@ def env_difference(a: dict, b: dict, allowed: tuple[str, ...] = ()) -> list[str]
     return [k for k in keys if fa.get(k) != fb.get(k) and not any(k == p or k.startswith(p + ".") for p in allowed)]
 
 
+@dataclass(frozen=True)
+class RowNames:
+    """The names of a tensor's dim-0 rows as records: row r is NAME + str(first + r)."""
+
+    name: str
+    first: int = 0
+
+
 class Trace:
     """One process's stream. `start_step` > 0 opens it for a run resumed from the checkpoint after
     step start_step-1: the records of earlier steps are kept, later ones (written after that
@@ -97,11 +124,91 @@ class Trace:
         self._pending: dict[int, dict] = {}  # line no -> the re-record that replaces the held record
         self.replaced: list[str] = []  # names of held records that a re-record replaced
         self._f = self.path.open("a")
+        self._open: list[tuple[list[dict], np.ndarray, torch.Tensor]] = []  # (records, salts, sums): not read back
+        self._queue: deque[tuple[list[dict], Pending]] = deque()  # read back (or on the way), not written
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # per GPU: the stream the fingerprints run on
 
     def record(self, name: str, t: torch.Tensor) -> None:
-        rec = {"step": self.step, "rank": self.rank, "name": name, "shape": list(t.shape),
-               "dtype": str(t.dtype).removeprefix("torch."), "fp": fingerprint(t)}
-        if self.continued and self.step < self.start_step:
+        self.record_many([(name, t)])
+
+    def record_state(self, prefix: str, state: dict[str, torch.Tensor]) -> None:
+        """One record per tensor, in name order."""
+        self.record_many([(f"{prefix}/{n}", state[n]) for n in sorted(state)])
+
+    def record_many(self, items: list[tuple[str | RowNames, torch.Tensor]]) -> None:
+        """Records in the given order, one launch per run of tensors on one device: (name, t) is
+        one record of t; (RowNames, t) one record per dim-0 row of t (a tensor of shape
+        t.shape[1:]), written as one line (per-expert records of a stacked expert tensor, in place)."""
+        parts, recs = [], []
+        for name, t in items:
+            if parts and t.device != parts[-1].tensor.device:
+                self._add(parts, recs)
+                parts, recs = [], []
+            rows = isinstance(name, RowNames)
+            if rows and t.dim() == 0:
+                raise ValueError(f"trace {self.path}: {name.name}: rows of a 0-d tensor")
+            parts.append(Part(t, rows=rows, name=name.name if rows else name))
+            rec = {"step": self.step, "rank": self.rank, "name": name.name if rows else name}
+            if rows:
+                rec["first"] = name.first
+            rec.update(shape=list(t.shape[1:] if rows else t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            rec["fps" if rows else "fp"] = t.shape[0] if rows else None
+            recs.append(rec)
+        self._add(parts, recs)
+
+    def _add(self, parts: list[Part], recs: list[dict]) -> None:
+        if not parts:
+            return
+        device = parts[0].tensor.device
+        if device.type != "cuda":
+            self._open.append((recs, result_salts(parts), kernels.fingerprint_sums(parts)))
+            return
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the tensors as the work so far leaves them
+        with torch.cuda.stream(side):
+            sums = kernels.fingerprint_sums(parts)
+        for p in parts:
+            p.tensor.record_stream(side)  # not reused before the side stream has read it
+        self._open.append((recs, result_salts(parts), sums))
+
+    def fence(self) -> None:
+        """The current stream waits (on the device) for the fingerprints launched so far: call it
+        before changing a recorded tensor in place."""
+        for device, side in self._side.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+
+    def _read_back(self) -> None:
+        """The results recorded since the last call: one device-to-host copy per run of records on
+        one device (one per step on a GPU rank)."""
+        while self._open:
+            device = self._open[0][2].device
+            n = next((i for i, (_, _, s) in enumerate(self._open) if s.device != device), len(self._open))
+            run, self._open = self._open[:n], self._open[n:]
+            recs = [r for rs, _, _ in run for r in rs]
+            salts = np.concatenate([x for _, x, _ in run])
+            if device.type == "cuda":
+                with torch.cuda.stream(self._side[device]):
+                    self._queue.append((recs, Pending(torch.cat([s for _, _, s in run]), salts)))
+            else:
+                self._queue.append((recs, Pending(torch.cat([s for _, _, s in run]), salts)))
+
+    def drain(self, wait: bool = True) -> None:
+        """Write the records whose results are back (wait=True: all of them), in program order."""
+        self._read_back()
+        while self._queue and (wait or self._queue[0][1].ready()):
+            recs, pending = self._queue.popleft()
+            fps, at = pending.hex(), 0
+            for rec in recs:
+                if "fps" in rec:
+                    rec["fps"], at = fps[at : at + rec["fps"]], at + rec["fps"]
+                else:
+                    rec["fp"], at = fps[at], at + 1
+                self._write(rec)
+
+    def _write(self, rec: dict) -> None:
+        if self.continued and rec["step"] < self.start_step:
             self._rerecord(rec)
         else:
             self._f.write(json.dumps(rec) + "\n")
@@ -145,15 +252,14 @@ class Trace:
         self.replaced += [r["name"] for r in recs]
         self._pending = {}
 
-    def record_state(self, prefix: str, state: dict[str, torch.Tensor]) -> None:
-        for name in sorted(state):
-            self.record(f"{prefix}/{name}", state[name])
-
     def flush(self) -> None:
+        """Start reading back what was recorded; write what has arrived (never waits for the device)."""
+        self.drain(wait=False)
         self._apply_replacements()
         self._f.flush()
 
     def close(self) -> None:
+        self.drain(wait=True)
         self._apply_replacements()
         self._f.close()
 
@@ -186,6 +292,7 @@ class TraceError(ValueError):
 
 
 _FIELDS = {"step": int, "rank": int, "name": str, "shape": list, "dtype": str, "fp": str}
+_ROW_FIELDS = {"step": int, "rank": int, "name": str, "first": int, "shape": list, "dtype": str, "fps": list}
 
 
 def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
@@ -207,10 +314,17 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
                     raise TraceError(f"{path}:1: not an rlalign trace (the first record is not a header)")
                 header = rec
                 continue
-            bad = [k for k, t in _FIELDS.items() if not isinstance(rec.get(k), t)]
+            rows = "fps" in rec
+            bad = [k for k, t in (_ROW_FIELDS if rows else _FIELDS).items() if not isinstance(rec.get(k), t)]
+            if rows and not bad and not all(isinstance(v, str) for v in rec["fps"]):
+                bad = ["fps"]
             if bad:
                 raise TraceError(f"{path}:{no}: record lacks or mistypes field(s) {bad}")
-            records.append(rec)
+            if rows:  # one record per row (module docstring)
+                records += [{"step": rec["step"], "rank": rec["rank"], "name": f"{rec['name']}{rec['first'] + r}",
+                             "shape": rec["shape"], "dtype": rec["dtype"], "fp": fp} for r, fp in enumerate(rec["fps"])]
+            else:
+                records.append(rec)
     if header is None:
         raise TraceError(f"{path}: empty trace")
     return header, records

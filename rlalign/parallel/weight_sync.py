@@ -23,23 +23,23 @@ handles (torch.multiprocessing.reductions.reduce_tensor) to generator rank 0 thr
 copies from them device to device and broadcasts to its peers over the generator group (the
 trainer then holds one copy of the weights in buckets until the generator has read them).
 
-How it is checked. `partial_fingerprints`: per tensor, the sum mod 2^64 of
-mix64(word_i + i * K + salt) over its words (i = the word's index in the unsharded tensor; the
-word width is the largest of 8/4/2/1 bytes dividing a dim-0 row, so a shard boundary is a word
-boundary; salt = the dtype and full shape). A rank hashes what it holds with global indices, so
-the shards' sums add up to the full tensor's value at any EP size, on CPU or GPU alike (integer
-arithmetic), and only 8 bytes per tensor leave the device. Any change to one word changes the
-sum (mix64 is a bijection). The trainer hashes the weights it sent (rank 0 its dense tensors,
-every rank its expert shard); every generator rank hashes the parameters it now holds (its dense
-copies too); `check` compares and raises SyncError naming the first tensor (and rank) that
-differs. Host blake2b fingerprints (rlalign.monitor.fingerprint) stay what checkpoints use.
+How it is checked. `partial_fingerprints`: every tensor's share of its fingerprint
+(rlalign.kernels.fingerprint: the bytes as words mixed with their index in the unsharded tensor,
+two sums mod 2**32; a word never straddles two dim-0 rows, so an expert shard is a whole number
+of words). A rank hashes what it holds with global indices, so the shards' sums add up to the
+full tensor's at any EP size; `merge` adds them and finalizes with the full dtype and shape: the
+value is the tensor's fingerprint, the same as a trace's or a checkpoint's of that tensor, on any
+device. One kernel launch per side reads each byte once; 8 bytes per tensor leave the device. One
+changed word changes the sum (each word's mix is a bijection). The trainer hashes the weights it
+sent (rank 0 its dense tensors, every rank its expert shard); every generator rank hashes the
+parameters it now holds (its dense copies too); `check` compares and raises SyncError naming the
+first tensor (and rank) that differs.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,20 +47,12 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+from rlalign import kernels
+from rlalign.kernels import fingerprint as fpk
 from rlalign.monitor.fingerprint import combined
 from rlalign.parallel.ep import is_expert_param
 
 _ALIGN = 256  # bytes: every tensor starts at an aligned offset of its bucket
-_CHUNK = 1 << 25  # words hashed per pass (256 MiB of int64 temporaries)
-_M64 = (1 << 64) - 1
-
-
-def _s64(c: int) -> int:
-    return c - (1 << 64) if c >= (1 << 63) else c
-
-
-_GOLDEN, _MIX1, _MIX2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
-_STEP = _s64(0xD6E8FEB86659FD93)  # odd: i * _STEP is a bijection of the word index
 
 
 class SyncError(RuntimeError):
@@ -154,86 +146,50 @@ def _shard(full: torch.Tensor, e: Entry, rank: int, world: int) -> torch.Tensor:
 
 
 # --- fingerprints on the device -------------------------------------------------------------------
-def _mix64_(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser in place on int64 (wrapping arithmetic)."""
-    x.add_(_GOLDEN)
-    for s, m in ((30, _MIX1), (27, _MIX2)):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, s).bitwise_and_((1 << (64 - s)) - 1))
-        x.mul_(m)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, 31).bitwise_and_((1 << 33) - 1))
-
-
-_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _word_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """The hash's word width: the largest of 8/4/2/1 bytes dividing one dim-0 row of the unsharded
-    tensor (a shard boundary is then a word boundary)."""
-    row = _numel(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
-    return next(w for w in (8, 4, 2, 1) if row % w == 0)
-
-
-def _salt(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return zlib.crc32(f"{dtype}|{tuple(shape)}".encode())
-
-
-def partial_fingerprint(t: torch.Tensor, full_shape: tuple[int, ...], first_row: int = 0) -> torch.Tensor:
-    """int64 scalar on t's device: this piece's share of the fingerprint of the unsharded tensor
-    of shape full_shape, of which t holds the dim-0 rows from first_row on. The shares of all
-    pieces sum (mod 2^64) to the whole tensor's value; same bits -> same value on any device."""
-    width = _word_bytes(t.dtype, full_shape)
-    words = t.detach().contiguous().reshape(-1).view(torch.uint8).view(_WORD[width])
-    per_row = (_numel(full_shape[1:]) * t.dtype.itemsize if full_shape else t.dtype.itemsize) // width
-    start = first_row * per_row
-    salt = _salt(t.dtype, full_shape)
-    total = torch.zeros((), dtype=torch.long, device=t.device)
-    for lo in range(0, words.numel(), _CHUNK):
-        w = words[lo : lo + _CHUNK]
-        x = w.clone() if width == 8 else w.long().bitwise_and_((1 << (8 * width)) - 1)
-        idx = torch.arange(start + lo, start + lo + w.numel(), dtype=torch.long, device=t.device)
-        x.add_(idx.mul_(_STEP).add_(salt))
-        total += _mix64_(x).sum()
-    return total
-
-
 def partial_fingerprints(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int,
                          dense: bool = True) -> list[int]:
-    """This rank's shares (plan order, unsigned 64-bit ints) of the fingerprints of the tensors it
-    holds: its expert shard, and the dense tensors when `dense` (else 0 for them). One transfer of
-    8 bytes per tensor leaves the device."""
+    """This rank's shares (plan order; raw sums, rlalign.kernels.fingerprint.add_raw adds them) of
+    the fingerprints of the tensors it holds: its expert shard (rows from rank x its row count),
+    and the dense tensors when `dense` (else 0 for them). One launch; one read back."""
     params = dict(model.named_parameters())
-    out = []
-    for b in plan.buckets:
-        for e in b.entries:
-            p = params[e.name]
-            if e.expert:
-                out.append(partial_fingerprint(p, e.shape, rank * p.shape[0] if world > 1 else 0))
-            elif dense:
-                out.append(partial_fingerprint(p, e.shape))
-            else:
-                out.append(torch.zeros((), dtype=torch.long, device=p.device))
-    return [v & _M64 for v in torch.stack(out).cpu().tolist()] if out else []
-
-
-def _hex(v: int) -> str:
-    return f"{v & _M64:016x}"
+    parts, at = [], []
+    entries = [e for b in plan.buckets for e in b.entries]
+    for i, e in enumerate(entries):
+        p = params.get(e.name)
+        if p is None:
+            raise SyncError(f"weight sync: this rank's model has no parameter {e.name!r}")
+        if e.expert:
+            parts.append(fpk.Part(p, first_row=rank * p.shape[0] if world > 1 else 0, name=e.name))
+        elif dense:
+            parts.append(fpk.Part(p, name=e.name))
+        else:
+            continue
+        at.append(i)
+    out = [0] * len(entries)
+    if parts:
+        sums = kernels.fingerprint_sums(parts).cpu().numpy().view("uint32")
+        for i, v in zip(at, fpk.raw_values(sums)):
+            out[i] = v
+    return out
 
 
 def merge(specs: list[tuple], shares: list[list[int]], side: str, dense_on_all: bool) -> dict[str, str]:
-    """Full-tensor fingerprints from every rank's shares: expert shares summed over ranks; a dense
+    """Full-tensor fingerprints from every rank's shares: expert shares added over ranks; a dense
     tensor is rank 0's (dense_on_all: every rank hashed its copy, and all must agree; a rank with
     a bad copy is named)."""
     out = {}
-    for i, (name, _, _, expert) in enumerate(specs):
+    for i, (name, dtype, shape, expert) in enumerate(specs):
         vals = [s[i] for s in shares]
+        dt = getattr(torch, str(dtype).removeprefix("torch."))
         if expert:
-            out[name] = _hex(sum(vals))
+            out[name] = fpk.hex64(fpk.finalize(fpk.add_raw(vals), dt, shape))
             continue
         for r, v in enumerate(vals if dense_on_all else vals[:1]):
             if v != vals[0]:
-                raise SyncError(f"weight sync: {side} rank {r} holds tensor {name!r} with fingerprint {_hex(v)}, "
-                                f"rank 0 {_hex(vals[0])}")
-        out[name] = _hex(vals[0])
+                got, want = (fpk.hex64(fpk.finalize(x, dt, shape)) for x in (v, vals[0]))
+                raise SyncError(f"weight sync: {side} rank {r} holds tensor {name!r} with fingerprint {got}, "
+                                f"rank 0 {want}")
+        out[name] = fpk.hex64(fpk.finalize(vals[0], dt, shape))
     return out
 
 

@@ -542,6 +542,15 @@ class Trainer:
         expert ('NAME/expert{e}') on their owner. The union over ranks is the same set at every
         trainer EP size, sharded or not (the gates compare it across EP sizes)."""
         out: dict[str, torch.Tensor] = {}
+        for name, t, first in self.topology_record_groups():
+            out.update({f"{name}{first + e}": t[e] for e in range(t.shape[0])} if first is not None else {name: t})
+        return out
+
+    def topology_record_groups(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        """topology_records as (name, tensor, None) and, for an expert tensor, ('.../expert', the
+        rank's stacked tensor, its first global expert): row e is record name + str(first + e), read
+        in place. In name order ('grad/' < 'optim/' < 'weights/', then parameter names)."""
+        out: list[tuple[str, torch.Tensor, int | None]] = []
         params = dict(self.model.named_parameters())
         held = {u.key: self._held(u) for u in self.my_units()} if self.shard or self.rank == 0 else {}
         for n in self.names:
@@ -551,18 +560,17 @@ class Trainer:
                            "optim/exp_avg_sq": st.get("exp_avg_sq"), "weights": params[n].data}
                 for prefix, t in tensors.items():
                     if t is not None:
-                        off = self.rank * t.shape[0]
-                        out.update({f"{prefix}/{n}/expert{off + e}": t[e] for e in range(t.shape[0])})
+                        out.append((f"{prefix}/{n}/expert", t, self.rank * t.shape[0]))
                 continue
             mine = [u.key for u in self.units_of[n] if u.key in held]
             for prefix, get in (("grad", lambda h: h[1]), ("optim/exp_avg", lambda h: h[2].get("exp_avg")),
                                 ("optim/exp_avg_sq", lambda h: h[2].get("exp_avg_sq"))):
                 for key in mine:
                     if get(held[key]) is not None:
-                        out[f"{prefix}/{key}"] = get(held[key])
+                        out.append((f"{prefix}/{key}", get(held[key]), None))
             if self.rank == 0:
-                out[f"weights/{n}"] = params[n].data
-        return out
+                out.append((f"weights/{n}", params[n].data, None))
+        return sorted(out, key=lambda item: item[0].removesuffix("/expert") if item[2] is not None else item[0])
 
     # --- checkpoint state (torch.distributed.checkpoint) -----------------------------------------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,343 @@
+"""Tensor fingerprints: one definition, the same 64-bit value on every device.
+
+The value of a tensor t (dtype d, shape s):
+  words   t's bytes in row-major order as little-endian unsigned words of W bytes, zero-extended
+          to 32 bits; W is the largest of 4, 2, 1 that divides one dim-0 row (itemsize x
+          prod(s[1:]); a 0-d tensor: itemsize), so a word never straddles two dim-0 rows and any
+          run of dim-0 rows is a whole number of words. Word i (i from 0) has key
+              key1(i) = lo * K1 + hi * K3 + C1,  key2(i) = lo * K2 + hi * K4 + C2   (mod 2**32)
+          with lo, hi the low and high 32 bits of i.
+  mix     h = fmix32(w ^ key1(i))  (murmur3's finaliser);  g = xorshift15((h ^ key2(i)) * M3)
+          both bijective in w for a fixed i.
+  sums    A = sum of h, B = sum of g, each mod 2**32: integer addition, so the value does not
+          depend on the order of the sums, the chunking or the launch grid. raw = A << 32 | B.
+  value   mix64(raw ^ salt(d, s)), salt a 64-bit hash of the dtype's name and the shape.
+
+What it sees. One changed word changes A (fmix32 is a bijection, the other words' terms stay),
+so any changed bit changes the value. A moved element or two swapped words change it unless
+two pseudo-random 32-bit sums both collide (~2**-64). Another dtype or shape changes the salt.
+torch.hash_tensor (an XOR of the elements) sees none of the last two.
+
+Shares. A piece holding dim-0 rows r0.. of a larger tensor hashes its words with their indices
+in the whole (`Part.first_row`); the pieces' (A, B) add up, componentwise mod 2**32 (`add_raw`),
+to the whole tensor's: the weight sync checks tensors sharded over EP ranks this way.
+
+Where it runs. CUDA: one Triton launch over a table of chunks of any number of tensors
+(kernels/triton/fingerprint.py), results in a device buffer. CPU: numpy over the same words
+(~1.5 GB/s on one core), and under TRITON_INTERPRET=1 the Triton kernel itself. All give the
+same bits for the same bytes: a fingerprint taken on the GPU (a trace, a checkpoint's meta.json)
+is comparable with one taken on the CPU. A tensor that is not contiguous is read through a
+contiguous copy (the value is that of its elements in logical order); one whose start is not
+aligned to its word size is copied too; a tensor with no byte layout (sparse, quantized, meta)
+is an error naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+K1, K2, K3, K4 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F
+C1, C2 = 0x165667B1, 0xD3A2646C
+M1, M2, M3 = 0x85EBCA6B, 0xC2B2AE35, 0x2C1B3C6D
+CHUNK = 1 << 18  # words per work item (GPU: one program); a divisor of 2**32
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+_NP_BLOCK = 1 << 16  # numpy: words per pass (cache-sized temporaries)
+_TINY = 1024  # numpy: tensors of at most this many words are hashed together
+
+
+class FingerprintError(TypeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor to fingerprint. rows=False: one result, the whole tensor (first_row > 0: it is
+    dim-0 rows first_row.. of a larger tensor, hashed with that tensor's word indices: a share).
+    rows=True: one result per dim-0 row, each row a tensor of shape tensor.shape[1:]."""
+
+    tensor: torch.Tensor
+    rows: bool = False
+    first_row: int = 0
+    name: str = ""
+
+
+def word_bytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """W: the largest of 4, 2, 1 dividing one dim-0 row's bytes (a 0-d tensor: its itemsize)."""
+    row = dtype.itemsize
+    for s in tuple(shape)[1:]:
+        row *= s
+    return 4 if row % 4 == 0 else 2 if row % 2 == 0 else 1
+
+
+@functools.lru_cache(maxsize=65536)
+def salt(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    name = str(dtype).removeprefix("torch.")
+    return int.from_bytes(hashlib.blake2b(f"rlalign-fp|{name}|{list(shape)}".encode(), digest_size=8).digest(),
+                          "little")
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finaliser (a bijection of 64-bit integers)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def add_raw(values: Sequence[int]) -> int:
+    """The raw sums (A << 32 | B) of a tensor's shares added up: A and B each mod 2**32."""
+    a = sum(v >> 32 for v in values) & _M32
+    b = sum(v & _M32 for v in values) & _M32
+    return a << 32 | b
+
+
+def finalize(raw: int, dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """The fingerprint of a tensor of this dtype and shape whose raw sums are `raw`."""
+    return mix64((raw & _M64) ^ salt(dtype, tuple(shape)))
+
+
+def hex64(v: int) -> str:
+    return f"{v & _M64:016x}"
+
+
+def result_salts(parts: Sequence[Part]) -> np.ndarray:
+    """uint64 [N]: the salt that finalizes each result of `parts`, in order (a rows part: its row
+    shape's, one per row; a share: its piece's, the caller finalizes a merged share itself)."""
+    out = []
+    for p in parts:
+        t = p.tensor
+        if p.rows:
+            out.append(np.full(t.shape[0] if t.dim() else 0, salt(t.dtype, tuple(t.shape[1:])), np.uint64))
+        else:
+            out.append(np.array([salt(t.dtype, tuple(t.shape))], np.uint64))
+    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+
+
+_PLAIN = {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool}
+
+
+def _layout(p: Part, where: str) -> tuple[torch.Tensor, int, int, int]:
+    """(t detached, contiguous and W-aligned (a copy where it was not), W, results R, first word of
+    row 0): what is hashed, as R rows of t's bytes / R each."""
+    t = p.tensor
+    if not isinstance(t, torch.Tensor):
+        raise FingerprintError(f"fingerprint of {where}: not a tensor ({type(t).__name__})")
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise FingerprintError(f"fingerprint of {where}: a {t.layout} {t.dtype} tensor on {t.device} has no plain "
+                               f"byte layout to hash (make it a dense tensor first)")
+    if p.rows and t.dim() == 0:
+        raise FingerprintError(f"fingerprint of {where}: rows of a 0-d tensor")
+    if p.first_row and (p.rows or p.first_row < 0):
+        raise FingerprintError(f"fingerprint of {where}: first_row={p.first_row} needs a whole tensor (rows=False)")
+    if t.dtype not in _PLAIN:
+        try:
+            t.reshape(-1)[:0].view(torch.uint8)
+        except RuntimeError as e:
+            raise FingerprintError(f"fingerprint of {where}: dtype {t.dtype} cannot be read as bytes ({e})") from None
+    shape = t.shape[1:] if p.rows else t.shape
+    w = word_bytes(t.dtype, shape)
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    elif t.data_ptr() % w:
+        t = t.clone()
+    row_bytes = t.dtype.itemsize * math.prod(shape[1:])
+    return t, w, t.shape[0] if p.rows else 1, p.first_row * (row_bytes // w)
+
+
+def _bytes_2d(p: Part, where: str) -> tuple[torch.Tensor, int, int]:
+    """(t as a contiguous uint8 [rows, row bytes], W, first word of row 0): the words to hash."""
+    t, w, R, first = _layout(p, where)
+    b = t.reshape(-1).view(torch.uint8)
+    return (b.view(R, -1) if R else b.view(0, 0)), w, first
+
+
+# --- CPU: numpy ---------------------------------------------------------------------------------------
+def _u32(v: int) -> np.uint32:
+    return np.uint32(v & _M32)
+
+
+def _hash_np(words: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(h, g) of uint32 words under keys k1, k2 (broadcast): the definition's two bijections."""
+    h = words ^ k1
+    h ^= h >> np.uint32(16)
+    h *= _u32(M1)
+    h ^= h >> np.uint32(13)
+    h *= _u32(M2)
+    h ^= h >> np.uint32(16)
+    g = h ^ k2
+    g *= _u32(M3)
+    g ^= g >> np.uint32(15)
+    return h, g
+
+
+def _keys_np(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """key1, key2 of word indices idx (uint64)."""
+    lo, hi = idx.astype(np.uint32), (idx >> np.uint64(32)).astype(np.uint32)
+    return lo * _u32(K1) + hi * _u32(K3) + _u32(C1), lo * _u32(K2) + hi * _u32(K4) + _u32(C2)
+
+
+_LANE = np.arange(_NP_BLOCK, dtype=np.uint32)
+_LANE_K1, _LANE_K2 = _LANE * _u32(K1), _LANE * _u32(K2)
+
+
+def _np_sums_long(words: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """A, B [R] of rows words [R, n] (row r's word j has index first + j), a block of columns at a
+    time; blocks end at multiples of _NP_BLOCK in the index (a divisor of 2**32: one high word)."""
+    R, n = words.shape
+    A, B = np.zeros(R, np.uint32), np.zeros(R, np.uint32)
+    step = max(1, _NP_BLOCK // max(1, R))
+    i = first
+    while i < first + n:
+        end = min(first + n, i + step, (i // _NP_BLOCK + 1) * _NP_BLOCK)
+        lo, hi, m = i & _M32, i >> 32, end - i
+        k1 = _LANE_K1[:m] + _u32(lo * K1 + hi * K3 + C1)
+        k2 = _LANE_K2[:m] + _u32(lo * K2 + hi * K4 + C2)
+        h, g = _hash_np(words[:, i - first : end - first], k1, k2)
+        A += h.sum(axis=1, dtype=np.uint32)
+        B += g.sum(axis=1, dtype=np.uint32)
+        i = end
+    return A, B
+
+
+def _np_sums_short(blocks: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """A, B of the rows of many small [R, n] word blocks (with each block's first index) at once:
+    one pass over their concatenation."""
+    lens = np.concatenate([np.full(w.shape[0], w.shape[1], np.int64) for w, _ in blocks])
+    firsts = np.concatenate([np.full(w.shape[0], f, np.int64) for w, f in blocks])
+    starts = np.cumsum(lens) - lens
+    flat = np.concatenate([w.reshape(-1) for w, _ in blocks])
+    idx = (np.arange(len(flat), dtype=np.int64) + np.repeat(firsts - starts, lens)).astype(np.uint64)
+    h, g = _hash_np(flat, *_keys_np(idx))
+    return np.add.reduceat(h, starts, dtype=np.uint32), np.add.reduceat(g, starts, dtype=np.uint32)
+
+
+def _np_words(b: torch.Tensor, w: int) -> np.ndarray:
+    a = b.numpy()
+    if a.shape[1] == 0:
+        return np.zeros((a.shape[0], 0), np.uint32)
+    if w == 1:
+        return a.astype(np.uint32)
+    v = a.view({4: "<u4", 2: "<u2"}[w])
+    return v if w == 4 else v.astype(np.uint32)
+
+
+def sums_cpu(parts: Sequence[Part]) -> np.ndarray:
+    """[N, 2] uint32 (A, B) of every result of `parts` (CPU tensors), in order: long rows a block
+    at a time, the short ones together in passes of about _NP_BLOCK words."""
+    results: list[tuple[np.ndarray, np.ndarray]] = []  # (result indices, their (A, B))
+    tiny: list[tuple[np.ndarray, np.ndarray, int]] = []  # (result indices, words [R, n], first index)
+    n_out = 0
+    for k, p in enumerate(parts):
+        where = p.name or f"tensor {k}"
+        b, w, first = _bytes_2d(p, where)
+        if b.device.type != "cpu":
+            raise FingerprintError(f"fingerprint of {where}: on {b.device}, expected the CPU")
+        words = _np_words(b, w)
+        R, n = words.shape
+        ids = n_out + np.arange(R)
+        if words.size > _TINY or (n and R > 1):
+            results.append((ids, np.stack(_np_sums_long(words, first), 1)))
+        elif n and R:
+            tiny.append((ids, words, first))
+        n_out += R
+    while tiny:  # tensors of a few words: one pass over many (the per-call overhead would dominate)
+        size, cut = 0, 0
+        while cut < len(tiny) and (size < _NP_BLOCK or not cut):
+            size += tiny[cut][1].size
+            cut += 1
+        batch, tiny = tiny[:cut], tiny[cut:]
+        ab = np.stack(_np_sums_short([(words, first) for _, words, first in batch]), 1)
+        results.append((np.concatenate([ids for ids, _, _ in batch]), ab))
+    out = np.zeros((n_out, 2), np.uint32)
+    for ids, ab in results:
+        out[ids] = ab
+    return out
+
+
+# --- the GPU kernel's work table ----------------------------------------------------------------------
+ALIGN = 16  # bytes: a chunk of the aligned table starts here (vector loads)
+
+
+def work_table(parts: Sequence[Part]) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], list[torch.Tensor], int]:
+    """The chunks of `parts`, by word size W: {W: (table of aligned chunks, table of the rest)},
+    each table int64 [C, 5] = (address, words, key1 base, key2 base, result index); the tensors
+    read (contiguous copies where one was needed); the number of results. A chunk holds at most
+    CHUNK words of one row, never crosses a multiple of 2**32 word indices (its words' high index
+    word is one), and the aligned table's chunks start at ALIGN-byte addresses (a row that does
+    not starts with a chunk of its first few words in the other table)."""
+    cols: dict[int, list[tuple[int, int, int, int, int]]] = {}  # W -> (address, rows, row bytes, first, result)
+    views: list[torch.Tensor] = []
+    n_out = 0
+    for k, p in enumerate(parts):
+        t, w, R, first = _layout(p, p.name or f"tensor {k}")
+        views.append(t)
+        nb = t.numel() * t.element_size()
+        if R and nb:
+            cols.setdefault(w, []).append((t.data_ptr(), R, nb // R, first, n_out))
+        n_out += R
+    tables = {}
+    for w, segs in cols.items():
+        addr, rows, row_nb, first0, dst0 = (np.array(c, np.int64) for c in zip(*segs))
+        j = np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)  # row index within its part
+        base = np.repeat(addr, rows) + j * np.repeat(row_nb, rows)
+        n, first, dst = np.repeat(row_nb // w, rows), np.repeat(first0, rows), np.repeat(dst0, rows) + j
+        peel = np.minimum(((-base) % ALIGN) // w, n)  # words before the first aligned address
+        odd = _chunks(base, peel, first, dst, w, np.zeros_like(base))
+        main = _chunks(base, n, first, dst, w, peel)
+        tables[w] = (main, odd)
+    return tables, views, n_out
+
+
+def _chunks(base, n, first, dst, w, start) -> np.ndarray:
+    """Chunks of words [start, n) of each row: at most CHUNK words, split at CHUNK multiples of the
+    row-local index and where the global index first + j crosses a multiple of 2**32."""
+    m = n - start
+    sel = m > 0
+    base, n, first, dst, start, m = base[sel], n[sel], first[sel], dst[sel], start[sel], m[sel]
+    if not len(m):
+        return np.zeros((0, 5), np.int64)
+    counts = -(-m // CHUNK)
+    r = np.repeat(np.arange(len(m)), counts)
+    j0 = start[r] + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * CHUNK
+    j1 = np.minimum(j0 + CHUNK, n[r])
+    g0 = first[r] + j0
+    nxt = ((g0 >> 32) + 1) << 32  # the next multiple of 2**32 in the global index
+    cross = nxt < first[r] + j1
+    if cross.any():  # rows past 2**32 words (16 GiB): cut those chunks there (CHUNK divides 2**32: once)
+        cut = nxt[cross] - first[r[cross]]
+        j1 = np.concatenate([np.where(cross, nxt - first[r], j1), j1[cross]])
+        j0 = np.concatenate([j0, cut])
+        r = np.concatenate([r, r[cross]])
+        g0 = first[r] + j0
+    lo, hi = (g0 & _M32).astype(np.uint64), (g0 >> 32).astype(np.uint64)
+    k1 = (lo * np.uint64(K1) + hi * np.uint64(K3) + np.uint64(C1)) & np.uint64(_M32)
+    k2 = (lo * np.uint64(K2) + hi * np.uint64(K4) + np.uint64(C2)) & np.uint64(_M32)
+    return np.stack([base[r] + j0 * w, j1 - j0, k1.astype(np.int64), k2.astype(np.int64), dst[r]], 1)
+
+
+def raw_values(ab: np.ndarray) -> list[int]:
+    """[N, 2] (A, B) -> N raw sums A << 32 | B as Python ints."""
+    ab = ab.astype(np.uint64)
+    return ((ab[:, 0] << np.uint64(32)) | ab[:, 1]).tolist()
+
+
+def finalize_np(raw: np.ndarray, salts: np.ndarray) -> np.ndarray:
+    """`finalize` of uint64 arrays (raw sums, salts): the fingerprints as uint64."""
+    z = raw ^ salts
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def fingerprint_values(ab: np.ndarray, salts: np.ndarray) -> np.ndarray:
+    """The fingerprints (uint64) of results (A, B) [N, 2] uint32 with their salts."""
+    ab = ab.astype(np.uint64)
+    return finalize_np((ab[:, 0] << np.uint64(32)) | ab[:, 1], salts)
