@@ -26,18 +26,17 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlalign.checkpoint import AsyncSaver, load_shards
-from rlalign.config import engine_config
 from rlalign.factory import apply_kernels, model_from_config
 from rlalign.faults import maybe_fail
-from rlalign.generation import Rollout, SamplingParams, generate
 from rlalign.monitor.fingerprint import state_fingerprints
-from rlalign.monitor.taps import Injection, TapRecorder
+from rlalign.monitor.taps import attach_taps
 from rlalign.monitor.trace import RowNames, Trace, fixed_environment
 from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
-from rlalign.parallel.launch import any_live_fn, init_group
+from rlalign.parallel.launch import init_group
+from rlalign.rollout.generator import make_generator
+from rlalign.rollout.types import Rollout, SamplingParams
 from rlalign.training.trainer import Sample, Trainer
-from rlalign.vllm_engine.engine import WorkerGenerator
 
 
 @dataclass
@@ -98,12 +97,9 @@ class _Monitored:
     role = "worker"
 
     def _setup_monitor(self, model) -> None:
-
         self.trace = None
-        self.injection = Injection(self.cfg.monitor.get("inject"), self.role)
-        self.injection.wrap_modules(model)
-        self.recorder = TapRecorder(rows=False, trace=None, injection=self.injection)
-        model.taps = self.recorder
+        self.recorder = attach_taps(model, self.cfg.monitor.get("inject"), self.role)
+        self.injection = self.recorder.injection
 
     def open_trace(self, start_step: int) -> None:
 
@@ -239,8 +235,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self.group is not None:
             apply_ep(self.model, self.group)
         self._setup_monitor(self.model)
-        # generator.backend=vllm: a vLLM engine samples; self.model stays the copy weight sync writes
-        self.vllm = WorkerGenerator(self.cfg, self.model, world) if self.cfg.generator.backend == "vllm" else None
+        self.generator = make_generator(self.cfg, self.model, self.group)  # self.model: the copy weight sync writes
 
     def pid(self) -> int:
         return os.getpid()
@@ -253,12 +248,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
         _reset_peak(self.cfg.device)
-        if self.vllm is not None:
-            outs = self.vllm.generate(prompts, sample_ids, params, self.recorder)
-        else:
-            outs = generate(self.model, prompts, sample_ids, params,
-                            any_live=any_live_fn(self.group) if self.group is not None else None,
-                            engine=engine_config(self.cfg))
+        outs = self.generator.generate(prompts, sample_ids, params)
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
@@ -277,6 +267,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.fence()  # the weights the last sync's records read are overwritten
         out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
                                   ipc_uuid)
+        self.generator.load_weights()
         self._trace_weights(step)
         return out
 
@@ -305,6 +296,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
                     raise ValueError(f"weight sync: {n!r} has shape {tuple(local[n].shape)}, generator expects "
                                      f"{tuple(p.shape)}")
                 p.copy_(local[n].to(p.dtype))
+        self.generator.load_weights()
         self._trace_weights(step)
         back = full_state_dict(self.model, self.group)
         return state_fingerprints(back) if self.rank == 0 else None

@@ -19,8 +19,9 @@ import record  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
-from rlalign.generation import SamplingParams, generate  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
+from rlalign.rollout.native.engine import generate  # noqa: E402
+from rlalign.rollout.types import SamplingParams  # noqa: E402
 from rlalign.training.scoring import score  # noqa: E402
 
 

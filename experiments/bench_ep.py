@@ -45,8 +45,8 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     from omegaconf import OmegaConf
 
     from rlalign.factory import apply_kernels, sampling_params
-    from rlalign.generation import generate
     from rlalign.parallel.launch import any_live_fn
+    from rlalign.rollout.native.engine import generate
     from rlalign.training.trainer import Sample, Trainer
 
     cfg = OmegaConf.create(cfg_dict)

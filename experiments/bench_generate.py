@@ -37,9 +37,10 @@ from record import RESULTS, environment  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
-from rlalign.generation import EngineConfig, SamplingParams, clear_engine_state, engine_state, generate  # noqa: E402
 from rlalign.kernels.triton import dispatch as fused_dispatch  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
+from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
+from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
 from rlalign.training.scoring import score  # noqa: E402
 
 HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
@@ -71,26 +72,25 @@ def roofline(args, model, rollouts, peak: float) -> dict:
 def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True, score_it: bool = True,
         calls: int = 1):
     """Warm up, then `calls` timed generate() calls (seeds params.seed, +1, ...): (every call's rollouts,
-    the last call's numbers with every call's seconds and decode-graph captures)."""
+    the last call's numbers with every call's seconds, decode-graph captures and engine stats)."""
     backend = "triton" if mode == "deterministic" else "torch"
-    clear_engine_state(model)
+    eng = NativeEngine(model, engine)
     with kernels.use(mode=mode, backend=backend):
         if warm:  # compile kernels, capture the small buckets, then the full batch's (its prefill chunks and
             # decode bucket: compiling them inside the timed run cost the first of two runs ~4 s)
-            generate(model, prompts[:8], list(range(8)), SamplingParams(max_new_tokens=8, seed=1), engine=engine)
-            generate(model, prompts, list(range(len(prompts))), SamplingParams(max_new_tokens=2, seed=1), engine=engine)
+            eng.generate(prompts[:8], list(range(8)), SamplingParams(max_new_tokens=8, seed=1))
+            eng.generate(prompts, list(range(len(prompts))), SamplingParams(max_new_tokens=2, seed=1))
         all_outs, times, captures = [], [], []
         for c in range(calls):
-            st = engine_state(model)
+            st = eng.state
             g0 = st.graphs if st is not None else None
             n0 = g0.captures if g0 is not None else 0
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            outs = generate(model, prompts, list(range(len(prompts))), replace(params, seed=params.seed + c),
-                            engine=engine)
+            outs = eng.generate(prompts, list(range(len(prompts))), replace(params, seed=params.seed + c))
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            st = engine_state(model)  # None when the engine keeps nothing (keep_state=False)
+            st = eng.state  # None when the engine keeps nothing (keep_state=False)
             g1 = st.graphs if st is not None else None
             captures.append(None if g1 is None else g1.captures - (n0 if g1 is g0 else 0))
             all_outs.append(outs)
@@ -98,7 +98,7 @@ def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = Tr
         toks = sum(len(r.tokens) for r in outs)
         res = {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs, "calls_seconds": times,
                "calls_tokens_per_s": [sum(len(r.tokens) for r in o) / t for o, t in zip(all_outs, times)],
-               "calls_graph_captures": captures}
+               "calls_graph_captures": captures, "last_call_stats": dict(eng.stats)}
         if not score_it:
             return all_outs, res
         with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
@@ -175,14 +175,11 @@ def main() -> None:
         try:
             outs, r = run(model, prompts, params, "default" if base == "default" else "deterministic", engine,
                           score_it=not a.no_score, calls=a.calls)
-            st = engine_state(model)
-            r["last_call_stats"] = dict(st.stats) if st is not None else None
         except Exception as e:  # noqa: BLE001 - recorded, the other modes still run
             results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(mode, "FAILED", results[mode]["error"], flush=True)
             continue
         finally:
-            clear_engine_state(model)
             fused_dispatch.MAX_ROWS = max_rows
         dumps[mode] = [[(r.tokens, r.logprobs) for r in o] for o in outs]
         if "roofline" not in results:

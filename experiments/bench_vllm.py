@@ -27,10 +27,10 @@ import record  # noqa: E402
 from rlalign.agree import random_prompts  # noqa: E402
 from rlalign.config import engine_config, load_config, model_args  # noqa: E402
 from rlalign.factory import apply_kernels, sampling_params  # noqa: E402
-from rlalign.generation import generate  # noqa: E402
 from rlalign.model import build_model, save_hf  # noqa: E402
-from rlalign.vllm_engine import check_installed  # noqa: E402
-from rlalign.vllm_engine.engine import ENGINE_KEYS, VllmGenerator  # noqa: E402
+from rlalign.rollout.native.engine import generate  # noqa: E402
+from rlalign.rollout.vllm import check_installed  # noqa: E402
+from rlalign.rollout.vllm.engine import ENGINE_KEYS, VllmGenerator  # noqa: E402
 
 
 def _timed(fn):

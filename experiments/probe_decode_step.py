@@ -19,10 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS, write  # noqa: E402
 
-from rlalign import generation, kernels  # noqa: E402
+from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
-from rlalign.generation import EngineConfig, SamplingParams, generate  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
+from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
+from rlalign.rollout.native.graphs import DecodeGraphs  # noqa: E402
+from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +40,7 @@ def main() -> None:
                for n in torch.randint(16, 129, (256,), generator=g)]
     ids = list(range(256))
     eng = EngineConfig(max_num_batched_tokens=4096)
-    orig = generation._DecodeGraphs.__call__
+    orig = DecodeGraphs.__call__
     rec, keep = [], []
 
     def timed(self, meta, *args, **kw):  # (meta, follow=...) since the lookahead engine
@@ -52,14 +54,15 @@ def main() -> None:
             keep.append(self)
         return out
 
-    generation._DecodeGraphs.__call__ = timed
+    DecodeGraphs.__call__ = timed
+    engine = NativeEngine(model, eng)
     with kernels.use(mode="deterministic", backend="triton"):
-        generate(model, prompts, ids, SamplingParams(max_new_tokens=4, seed=1), engine=eng)  # compile, capture
+        engine.generate(prompts, ids, SamplingParams(max_new_tokens=4, seed=1))  # compile, capture
         rec.clear()
         keep.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        generate(model, prompts, ids, SamplingParams(max_new_tokens=a.new, seed=1), engine=eng)
+        engine.generate(prompts, ids, SamplingParams(max_new_tokens=a.new, seed=1))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         first = rec[0][0] - t0  # prefill (eager steps) until the first graph step is called
@@ -87,14 +90,14 @@ def main() -> None:
                 for e in prof.key_averages() if e.device_type.name == "CUDA"]
         # the prefill (eager chunks of max_num_batched_tokens rows) alone: generate() sampling one token
         one = SamplingParams(max_new_tokens=1, seed=1)
-        generate(model, prompts, ids, one, engine=eng)
+        engine.generate(prompts, ids, one)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        generate(model, prompts, ids, one, engine=eng)
+        engine.generate(prompts, ids, one)
         torch.cuda.synchronize()
         prefill_wall = time.perf_counter() - t0
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            generate(model, prompts, ids, one, engine=eng)
+            engine.generate(prompts, ids, one)
             torch.cuda.synchronize()
         pk = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e6, e.count)
               for e in prof.key_averages() if e.device_type.name == "CUDA"]

@@ -23,8 +23,9 @@ from record import RESULTS, environment  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
-from rlalign.generation import EngineConfig, SamplingParams, generate  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
+from rlalign.rollout.native.engine import generate  # noqa: E402
+from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
 
 
 def main() -> None:

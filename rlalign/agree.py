@@ -18,9 +18,10 @@ from rich.table import Table
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import resolved_model_args
 from rlalign.factory import sampling_params
-from rlalign.generation import Rollout
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_world, run_workers, shard_range
+from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.types import Rollout
 from rlalign.training.trainer import Sample
 
 
@@ -81,9 +82,7 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
 
 def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order."""
-    # generator.backend=vllm: one rank hosts the engine; vLLM starts the generator.ep_size workers
-    world = 1 if cfg.generator.backend == "vllm" else cfg.generator.ep_size
-    parts = _run_side(cfg, world, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
+    parts = _run_side(cfg, generator_plan(cfg).ranks, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
     return [r for part in parts for r in part]
 
 
@@ -124,7 +123,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
         "dtype": cfg.model.dtype,
         "trainer_ep": cfg.trainer.ep_size,
         "generator_ep": cfg.generator.ep_size,
-        "generator_backend": cfg.generator.backend,
+        "generator_backend": generator_plan(cfg).backend,
         "trainer_micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer_layout": cfg.trainer.layout,
         "sequences": len(rollouts),

@@ -27,11 +27,9 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlalign.generation import EngineConfig, SamplingParams
 from rlalign.model.args import ModelArgs
 from rlalign.model.hf import read_args
 from rlalign.stop import STOP_SIGNALS
-from rlalign.vllm_engine import check_installed
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -49,8 +47,6 @@ WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
 SyncMethod = Literal["device", "object_store"]  # weight sync: rlalign.parallel.weight_sync | the old host path
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
-
-_NOT_YET: dict[str, dict[str, str]] = {}  # key -> value -> why it is refused for now
 
 
 def _choice(default: str | None, allowed: Any) -> Any:
@@ -78,7 +74,7 @@ class KernelsConfig:
 @dataclass
 class VllmEngineConfig:
     """generator.backend=vllm: vLLM's engine options (passed to vllm.LLM under these names); the
-    bits never depend on them (rlalign/vllm_engine)."""
+    bits never depend on them (rlalign/rollout/vllm)."""
 
     max_num_seqs: int = 64  # sequences in flight
     max_num_batched_tokens: int = 2048  # tokens per step; below the prompt length: chunked prefill
@@ -91,22 +87,60 @@ class VllmEngineConfig:
 
 
 @dataclass
-class GeneratorConfig:
-    ep_size: int = 1
-    backend: str = _choice("native", GeneratorBackend)
+class SamplingConfig:
+    """generator.* keys of the distribution tokens are drawn from (and that the trainer scores them under)."""
+
     max_new_tokens: int = 48
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
-    # the native engine's schedule (rlalign.generation.EngineConfig); none of it changes a bit
+
+    def validate_sampling(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generator.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(
+                f"generator.temperature={self.temperature}: sampling needs a temperature > 0 "
+                "(set generator.greedy=true for argmax decoding)"
+            )
+        if self.top_k < 0:
+            raise ValueError(f"generator.top_k={self.top_k}: must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"generator.top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    """generator.* keys of the native engine's schedule (rlalign.rollout.native); none changes a token or a bit."""
+
     max_num_seqs: int = 0  # sequences in flight per generator rank; 0 = all of the rank's requests
     max_num_batched_tokens: int = 8192  # rows per step (decode rows, then prompt chunks); 0 = no limit
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages per rank; 0 = enough for max_num_seqs sequences at their longest
     cuda_graphs: bool = True  # CUDA: decode-only steps replay graphs captured per batch-size bucket
-    keep_state: bool = True  # KV cache + graphs kept between steps' generate() calls (false: freed each call)
+    # the KV cache, block table and captured decode graphs kept by the engine between generate() calls (reused
+    # while they fit; an RL run calls generate() once per step); false: freed after each call
+    keep_state: bool = True
     lookahead: bool = True  # the next decode step is enqueued before this one's tokens are read back
+
+    def validate_schedule(self) -> None:
+        for key in ("max_num_seqs", "max_num_batched_tokens", "num_pages"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"generator.{key}={getattr(self, key)}: must be >= 0 (0 = automatic)")
+        if self.page_size < 1:
+            raise ValueError(f"generator.page_size={self.page_size}: must be >= 1")
+        if self.max_num_batched_tokens and self.max_num_seqs and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"generator.max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"generator.max_num_seqs={self.max_num_seqs}: every decoding sequence needs one row per step"
+            )
+
+
+@dataclass
+class GeneratorConfig(EngineConfig, SamplingConfig):
+    ep_size: int = 1
+    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.rollout.generator.generator_plan
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
@@ -350,8 +384,7 @@ def validate(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            why = _NOT_YET.get(key, {}).get(value)
-            problems.append(f"{key}={value!r}: " + (f"{why}; " if why else "") + f"expected {_or(allowed)}")
+            problems.append(f"{key}={value!r}: expected {_or(allowed)}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.device)):
         problems.append(f"device={cfg.device!r}: expected cpu, cuda or cuda:N")
     num_experts = _num_experts(cfg)
@@ -382,18 +415,13 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"run.stop_signals={list(cfg.run.stop_signals)}: {bad} not among {list(STOP_SIGNALS)}")
     if cfg.task.max_new_tokens is not None and cfg.task.max_new_tokens < 1:
         problems.append(f"task.max_new_tokens={cfg.task.max_new_tokens}: must be >= 1 (or null)")
-    g = cfg.generator
-    try:
-        SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                       greedy=g.greedy).validate()
-    except ValueError as e:
-        problems.append(str(e))
-    try:
-        engine_config(cfg).validate()
-    except ValueError as e:
-        problems.append(str(e))
-    if g.backend == "vllm":
-        problems += _vllm_problems(cfg)
+    for check in (keys_of(SamplingConfig, cfg.generator).validate_sampling,
+                  keys_of(EngineConfig, cfg.generator).validate_schedule):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    problems += _vllm_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
 
@@ -447,17 +475,9 @@ def _vllm_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"generator.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
     if v.kv_cache_memory_bytes is not None and v.kv_cache_memory_bytes < 1:
         problems.append(f"generator.vllm.kv_cache_memory_bytes={v.kv_cache_memory_bytes}: must be >= 1 (or null)")
-    if cfg.generator.ep_size > 1 and str(cfg.device).startswith("cuda"):
-        problems.append(f"generator.backend=vllm with generator.ep_size={cfg.generator.ep_size} on CUDA: the one "
-                        "generator actor would need that many GPUs for its vLLM workers; not supported yet "
-                        "(CPU: any size)")
     if not v.enforce_eager and not v.stock:
         problems.append("generator.vllm.enforce_eager=false: rlalign's model syncs with the host in every MoE layer "
                         "(expert counts), so vLLM cannot capture or compile it; keep it true")
-    try:
-        check_installed()
-    except ImportError as e:
-        problems.append(str(e))
     return problems
 
 
@@ -488,11 +508,10 @@ def _num_experts(cfg: DictConfig) -> int:
     return cfg.model.num_experts
 
 
-def engine_config(cfg: DictConfig) -> EngineConfig:
-    g = cfg.generator
-    return EngineConfig(max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
-                        page_size=g.page_size, num_pages=g.num_pages, cuda_graphs=g.cuda_graphs,
-                        keep_state=g.keep_state, lookahead=g.lookahead)
+def keys_of(cls: type, node: DictConfig) -> Any:
+    """An instance of the dataclass `cls` from the same-named keys of `node` (e.g. EngineConfig from
+    cfg.generator): a runtime object with the schema's fields, not a copy of them field by field."""
+    return cls(**{f.name: node[f.name] for f in dataclasses.fields(cls)})
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:

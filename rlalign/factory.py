@@ -7,8 +7,8 @@ from omegaconf import DictConfig
 
 from rlalign import kernels
 from rlalign.config import model_args
-from rlalign.generation import SamplingParams
 from rlalign.model import Transformer, build_model, load_hf
+from rlalign.rollout.types import SamplingParams
 
 
 def apply_kernels(cfg: DictConfig) -> None:

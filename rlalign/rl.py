@@ -31,7 +31,6 @@ from rlalign import checkpoint as ckpt
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args, resolved_model_args
 from rlalign.factory import model_from_config, sampling_params
-from rlalign.generation import Rollout, SamplingParams
 from rlalign.logger import RunLogger, truncate_jsonl
 from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
@@ -40,6 +39,8 @@ from rlalign.monitor.fingerprint import combined
 from rlalign.parallel import weight_sync
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.parallel.weight_sync import SyncError
+from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.types import Rollout, SamplingParams
 from rlalign.rundir import RunLock, record_segment, stale_note
 from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import Example, make_task
@@ -69,6 +70,7 @@ def _prepare(cfg: DictConfig):
     args = check_hf_dir(cfg.model.path, cfg.model.dtype) if cfg.model.path else model_args(cfg)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {args.vocab_size}")
+    generator_plan(cfg)
     check_world(cfg.trainer.ep_size, cfg.device, "trainer.ep_size")
     if not cfg.placement.colocate:
         check_world(cfg.trainer.ep_size + cfg.generator.ep_size, cfg.device, "trainer.ep_size + generator.ep_size")
@@ -96,9 +98,7 @@ class Job:
 
         self.cfg = cfg
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
-        n, m = cfg.trainer.ep_size, cfg.generator.ep_size
-        if cfg.generator.backend == "vllm":  # one actor hosts the engine; vLLM starts the m workers (experts)
-            m = 1
+        n, m = cfg.trainer.ep_size, generator_plan(cfg).ranks
         self.placement = Placement.create(cfg.device, [("trainer", n), ("generator", m)],
                                           cfg.placement.colocate)  # the cluster's own CPUs
         cpus = int(cfg.placement.num_cpus or os.cpu_count() or 1)

@@ -91,7 +91,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
 
     from rlalign import agree
     from rlalign.factory import model_from_config, sampling_params
-    from rlalign.generation import generate
+    from rlalign.rollout.native.engine import generate
 
     def bypass(rank, world, group, cfg_dict, prompts, sample_ids, seed):
         cfg = OmegaConf.create(cfg_dict)

@@ -131,21 +131,20 @@ def test_engine_keys_reach_the_native_engine():
     leaves no KV cache or graphs on the model after a call (twin: the default keeps them)."""
     from conftest import tiny_model
 
-    from rlalign.config import engine_config
-    from rlalign.generation import SamplingParams, clear_engine_state, engine_state, generate
+    from rlalign.rollout.generator import make_generator
+    from rlalign.rollout.types import SamplingParams
 
-    off = engine_config(load_config(["generator.cuda_graphs=false", "generator.keep_state=false",
-                                     "generator.lookahead=false"]))
-    on = engine_config(load_config([]))
-    assert (off.cuda_graphs, off.keep_state, off.lookahead) == (False, False, False)
-    assert (on.cuda_graphs, on.keep_state, on.lookahead) == (True, True, True)
     model = tiny_model()
+    off = make_generator(load_config(["generator.cuda_graphs=false", "generator.keep_state=false",
+                                      "generator.lookahead=false"]), model)
+    on = make_generator(load_config([]), model)
+    assert (off.config.cuda_graphs, off.config.keep_state, off.config.lookahead) == (False, False, False)
+    assert (on.config.cuda_graphs, on.config.keep_state, on.config.lookahead) == (True, True, True)
     params = SamplingParams(seed=1, max_new_tokens=3)
-    generate(model, [[3, 4, 5]], [0], params, engine=off)
-    assert engine_state(model) is None
-    generate(model, [[3, 4, 5]], [0], params, engine=on)
-    assert engine_state(model) is not None
-    clear_engine_state(model)
+    off.generate([[3, 4, 5]], [0], params)
+    assert off.state is None
+    on.generate([[3, 4, 5]], [0], params)
+    assert on.state is not None
 
 
 @pytest.mark.parametrize("override, message", [

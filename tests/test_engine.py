@@ -9,17 +9,13 @@ import pytest
 import torch
 from conftest import same_bits, tiny_model
 
-from rlalign import generation, kernels
-from rlalign.generation import (
-    GRAPH_SEED,
-    EngineConfig,
-    SamplingParams,
-    clear_engine_state,
-    engine_state,
-    generate,
-    rekey_sample_ids,
-)
+from rlalign import kernels
 from rlalign.kernels import sampling
+from rlalign.rollout.native.engine import NativeEngine, generate
+from rlalign.rollout.native.graphs import DecodeGraphs
+from rlalign.rollout.native.pages import grow
+from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids
+from rlalign.rollout.types import EngineConfig, SamplingParams
 from rlalign.training.scoring import score
 
 
@@ -106,45 +102,35 @@ def test_rekeyed_sample_ids_draw_the_seeds_noise():
 
 
 def test_kept_state_is_reused_across_calls_and_changes_no_bit(model, reference):
-    """generate() keeps its KV cache and block table on the model: a later call that fits reuses
+    """A NativeEngine keeps its KV cache and block table between calls: a later call that fits reuses
     them (stale keys of earlier calls in its pages) with the same tokens and bits as a fresh cache;
-    one that does not fit replaces them (grown with headroom); keep_state=False leaves them alone."""
-    clear_engine_state(model)
-    generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS, engine=EngineConfig(keep_state=False))
-    assert engine_state(model) is None
+    one that does not fit replaces them (grown with headroom); keep_state=False keeps nothing."""
+    off = NativeEngine(model, EngineConfig(keep_state=False))
+    off.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
+    assert off.state is None
+    engine = NativeEngine(model)
     big = _prompts(16, seed=3, lo=15, hi=30)
-    generate(model, big, list(range(16)), SamplingParams(max_new_tokens=20, seed=9))  # fills pages with other keys
-    kept = engine_state(model)
+    engine.generate(big, list(range(16)), SamplingParams(max_new_tokens=20, seed=9))  # fills pages with other keys
+    kept = engine.state
     assert kept is not None and kept.rows == 16 and kept.page_size == 16
-    got = generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS)
-    assert engine_state(model) is kept  # fits: reused
+    got = engine.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
+    assert engine.state is kept  # fits: reused
     for r, ref in zip(got, reference):
         assert r.tokens == ref.tokens and same_bits(r.logprobs, ref.logprobs), f"sample {r.sample_id}"
-    generate(model, big + big, list(range(32)), SamplingParams(max_new_tokens=20, seed=9))  # 32 rows: replaced
-    grown = engine_state(model)
+    engine.generate(big + big, list(range(32)), SamplingParams(max_new_tokens=20, seed=9))  # 32 rows: replaced
+    grown = engine.state
     assert grown is not kept and grown.rows == 32 and grown.num_pages >= 2 * kept.num_pages
-    generate(model, [[3, 4]], [0], PARAMS, engine=EngineConfig(page_size=4))  # another page size: replaced
-    assert engine_state(model).page_size == 4
-    clear_engine_state(model)
-    assert engine_state(model) is None
-
-
-def test_kept_state_does_not_keep_the_model_alive():
-    import gc
-
-    m = tiny_model(seed=3)
-    generate(m, [[3, 4, 5]], [0], PARAMS)
-    assert engine_state(m) is not None
-    n = len(generation._STATES)
-    del m
-    gc.collect()
-    assert len(generation._STATES) == n - 1
+    engine.config = EngineConfig(page_size=4)
+    engine.generate([[3, 4]], [0], PARAMS)  # another page size: replaced
+    assert engine.state.page_size == 4
+    engine.release_memory()
+    assert engine.state is None
 
 
 def test_grow_leaves_headroom():
-    assert generation._grow(10, 12) == 12 and generation._grow(7, 0) == 7
-    assert generation._grow(1000, 900) == 1024 and generation._grow(1025, 1024) == 1088
-    assert all(n <= generation._grow(n, 0) <= n * 1.07 + 1 for n in range(1, 5000, 37))
+    assert grow(10, 12) == 12 and grow(7, 0) == 7
+    assert grow(1000, 900) == 1024 and grow(1025, 1024) == 1088
+    assert all(n <= grow(n, 0) <= n * 1.07 + 1 for n in range(1, 5000, 37))
 
 
 def test_decode_graphs_follow_weight_addresses_not_values(model):
@@ -153,7 +139,7 @@ def test_decode_graphs_follow_weight_addresses_not_values(model):
     and keeps them; a rebound parameter, another op set or another sampling distribution does not;
     the seed never does (rekeyed ids)."""
     m = tiny_model(seed=4)
-    g = generation._DecodeGraphs(None, None, 0, 0)
+    g = DecodeGraphs(None, None, 0, 0)
 
     def graphs_for(params):
         g.begin(m, params)
@@ -185,11 +171,12 @@ def test_lookahead_changes_no_token_and_no_bit(model, reference):
     samples the same tokens with the same bits as without it, and as the reference."""
     discarded = 0
     for engine in SCHEDULES:
-        off = generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS,
-                       engine=dataclasses.replace(engine, lookahead=False))
-        assert engine_state(model).stats["lookahead_steps"] == 0
-        on = generate(model, _prompts(11), [100 + i for i in range(11)], PARAMS, engine=engine)
-        stats = engine_state(model).stats
+        eng = NativeEngine(model, dataclasses.replace(engine, lookahead=False))
+        off = eng.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
+        assert eng.stats["lookahead_steps"] == 0
+        eng.config = engine
+        on = eng.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
+        stats = eng.stats
         assert stats["lookahead_steps"] > 0
         discarded += stats["discarded_rows"]
         for a, b, ref in zip(off, on, reference):

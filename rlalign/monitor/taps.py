@@ -127,3 +127,12 @@ def tap(model, name: str, x: torch.Tensor) -> torch.Tensor:
     """A tap outside the model's forward (e.g. the sampled tokens), under the same recorder."""
     taps = getattr(model, "taps", None)
     return x if taps is None else taps(name, x)
+
+
+def attach_taps(model, inject: str | None, side: str) -> TapRecorder:
+    """The monitor's taps on one side's model: fault injection (monitor.inject) wrapped into its
+    modules, and a recorder (rows off, no trace until a run opens one) as `model.taps`."""
+    injection = Injection(inject, side)
+    injection.wrap_modules(model)
+    model.taps = TapRecorder(rows=False, trace=None, injection=injection)
+    return model.taps

@@ -10,9 +10,11 @@ from collections import Counter
 import pytest
 import torch
 
-from rlalign import generation, kernels
-from rlalign.generation import EngineConfig, SamplingParams, clear_engine_state, engine_state, generate
+from rlalign import kernels
 from rlalign.model import ModelArgs, build_model
+from rlalign.rollout.native import graphs as native_graphs
+from rlalign.rollout.native.engine import NativeEngine, generate
+from rlalign.rollout.types import EngineConfig, SamplingParams
 from rlalign.training.scoring import score
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -83,15 +85,15 @@ def _same(a, b) -> bool:
 def test_kept_graphs_are_replayed_in_later_calls_with_the_same_bits(model, eager):
     prompts, ids, other = _prompts(37), list(range(37)), dataclasses.replace(PARAMS, seed=2**63 + 11)
     with kernels.use(mode="deterministic", backend="triton"):
-        clear_engine_state(model)
-        first = generate(model, prompts, ids, PARAMS)
-        g = engine_state(model).graphs
+        engine = NativeEngine(model)
+        first = engine.generate(prompts, ids, PARAMS)
+        g = engine.state.graphs
         captured, n = dict(g.graphs), g.captures
         assert n > 0
-        second = generate(model, prompts, ids, other)  # another seed: the same graphs (rekeyed ids)
-        assert engine_state(model).graphs is g and all(g.graphs[k] is v for k, v in captured.items())
+        second = engine.generate(prompts, ids, other)  # another seed: the same graphs (rekeyed ids)
+        assert engine.state.graphs is g and all(g.graphs[k] is v for k, v in captured.items())
         n2 = g.captures
-        third = generate(model, prompts, ids, PARAMS)
+        third = engine.generate(prompts, ids, PARAMS)
         assert g.captures == n2  # the same buckets as the first call: nothing captured
         ref_other = generate(model, prompts, ids, other, engine=EAGER)
     assert _same(first, eager) and _same(third, eager) and _same(second, ref_other)
@@ -104,20 +106,20 @@ def model2():
 
 
 def test_kept_graphs_after_an_in_place_weight_update_sample_the_new_weights(model2):
-    """Weight sync copies into the generator's parameters (GeneratorWorker.load_weights, weight_sync.receive):
+    """Weight sync copies into the generator's parameters (weight_sync.receive):
     the kept graphs read the new values."""
     prompts, ids = _prompts(37, seed=1), list(range(37))
     new = build_model(ModelArgs(**ARGS), "bfloat16", seed=1, device="cuda").state_dict()
     with kernels.use(mode="deterministic", backend="triton"):
-        clear_engine_state(model2)
-        before = generate(model2, prompts, ids, PARAMS)
-        g = engine_state(model2).graphs
+        engine = NativeEngine(model2)
+        before = engine.generate(prompts, ids, PARAMS)
+        g = engine.state.graphs
         captured = dict(g.graphs)
         with torch.no_grad():
             for name, p in model2.named_parameters():
                 p.copy_(new[name])
-        after = generate(model2, prompts, ids, PARAMS)
-        assert engine_state(model2).graphs is g and all(g.graphs[k] is v for k, v in captured.items())
+        after = engine.generate(prompts, ids, PARAMS)
+        assert engine.state.graphs is g and all(g.graphs[k] is v for k, v in captured.items())
         ref = generate(model2, prompts, ids, PARAMS, engine=EAGER)
     assert _same(after, ref)
     assert not _same(after, before)  # the update changed what is sampled
@@ -128,17 +130,17 @@ def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, 
     g0 = torch.Generator(device="cuda").manual_seed(5)
     old = model2.lm_head.weight
     with kernels.use(mode="deterministic", backend="triton"):
-        clear_engine_state(model2)
-        monkeypatch.setattr(generation, "_graph_inputs", lambda m: ("frozen",))  # the twin: no invalidation
-        generate(model2, prompts, ids, PARAMS)
+        engine = NativeEngine(model2)
+        monkeypatch.setattr(native_graphs, "graph_inputs", lambda m: ("frozen",))  # the twin: no invalidation
+        engine.generate(prompts, ids, PARAMS)
         model2.lm_head.weight = torch.nn.Parameter(
             (torch.randn(old.shape, generator=g0, device="cuda") * 0.02).to(old.dtype))  # `old` stays alive
-        stale = generate(model2, prompts, ids, PARAMS)  # the graphs still read the old lm head
+        stale = engine.generate(prompts, ids, PARAMS)  # the graphs still read the old lm head
         ref = generate(model2, prompts, ids, PARAMS, engine=EAGER)
         monkeypatch.undo()
-        n = engine_state(model2).graphs.captures
-        fresh = generate(model2, prompts, ids, PARAMS)
-        assert engine_state(model2).graphs.captures > n  # the new address: captured again
+        n = engine.state.graphs.captures
+        fresh = engine.generate(prompts, ids, PARAMS)
+        assert engine.state.graphs.captures > n  # the new address: captured again
         model2.lm_head.weight = old
     assert not _same(stale, ref)
     assert _same(fresh, ref)
@@ -174,8 +176,9 @@ def test_lookahead_rows_of_sequences_ended_by_eos_are_discarded(model, eager):
     with kernels.use(mode="deterministic", backend="triton"):
         ref = generate(model, _prompts(37), list(range(37)), p, engine=PLAIN)
         assert any(r.finish_reason == "eos" for r in ref)
-        for engine in (EngineConfig(), EngineConfig(cuda_graphs=False)):
-            got = generate(model, _prompts(37), list(range(37)), p, engine=engine)
-            stats = engine_state(model).stats
+        for config in (EngineConfig(), EngineConfig(cuda_graphs=False)):
+            engine = NativeEngine(model, config)
+            got = engine.generate(_prompts(37), list(range(37)), p)
+            stats = engine.stats
             assert stats["lookahead_steps"] > 0 and stats["discarded_rows"] > 0
             assert _same(got, ref) and [r.finish_reason for r in got] == [r.finish_reason for r in ref]

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
 
 from rlalign.model import Transformer
+from rlalign.model.hf import fuse_experts, group_experts, require_experts
 from rlalign.parallel.ep import is_expert_param
-
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def load_named(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]], rank: int, world: int,
@@ -20,13 +18,9 @@ def load_named(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]], 
     be one of the model's, with its shape. Returns the loaded parameter names, with `prefix`."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    per_layer, named = group_experts(weights)
     with torch.no_grad():
-        for name, t in weights:
-            m = _EXPERT.match(name)
-            if m:
-                per_expert.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
-                continue
+        for name, t in named.items():
             if name == "lm_head.weight" and model.args.tie_word_embeddings:
                 continue
             if name not in params:
@@ -36,18 +30,15 @@ def load_named(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]], 
                 t = t[rank * n : (rank + 1) * n]
             _copy(params[name], t, name)
             loaded.add(name)
-        for pre, experts in per_expert.items():
+        for pre, per_expert in per_layer.items():
             gate_up, down = params.get(f"{pre}.gate_up_proj"), params.get(f"{pre}.down_proj")
             if gate_up is None:
                 raise ValueError(f"weights: unexpected tensor {pre}.*: layer has no experts")
-            n = gate_up.shape[0]
-            for e in range(rank * n, (rank + 1) * n):
-                got = experts.get(e, {})
-                for part in ("gate_proj", "up_proj", "down_proj"):
-                    if part not in got:
-                        raise ValueError(f"weights: missing tensor {pre}.{e}.{part}.weight")
-                _copy(gate_up[e - rank * n], torch.cat([got["gate_proj"], got["up_proj"]], 0), f"{pre}.{e}.gate/up")
-                _copy(down[e - rank * n], got["down_proj"], f"{pre}.{e}.down_proj.weight")
+            mine = range(rank * gate_up.shape[0], (rank + 1) * gate_up.shape[0])
+            require_experts(pre, per_expert, mine, "weights")
+            fused_gate_up, fused_down = fuse_experts(per_expert, mine)
+            _copy(gate_up, fused_gate_up, f"{pre}.{mine.start}..{mine.stop - 1}.gate/up_proj.weight")
+            _copy(down, fused_down, f"{pre}.{mine.start}..{mine.stop - 1}.down_proj.weight")
             loaded.update({f"{pre}.gate_up_proj", f"{pre}.down_proj"})
     if model.args.tie_word_embeddings:
         loaded.add("lm_head.weight")

@@ -1,5 +1,5 @@
 """rlalign's Qwen3-MoE as an out-of-tree vLLM model: an rlalign `Transformer` run through
-`Transformer.step` over vLLM's KV pages (rlalign/vllm_engine/attention.py), so every row's
+`Transformer.step` over vLLM's KV pages (rlalign/rollout/vllm/attention.py), so every row's
 bits are the trainer's whatever vLLM batched, chunked or took from its prefix cache.
 
 Selected with hf_overrides={"architectures": [ARCH], ...}; the overrides also carry the kernel
@@ -26,12 +26,12 @@ from vllm.model_executor.layers.attention import Attention
 
 from rlalign import kernels
 from rlalign.model import ModelArgs, Transformer
-from rlalign.monitor.taps import Injection, TapRecorder, set_rows
+from rlalign.monitor.taps import attach_taps, set_rows
 from rlalign.parallel.ep import apply_ep
-from rlalign.vllm_engine import sampler
-from rlalign.vllm_engine.attention import RlalignAttentionBackend, VllmPages
-from rlalign.vllm_engine.plugin import ARCH
-from rlalign.vllm_engine.weights import load_named
+from rlalign.rollout.vllm import sampler
+from rlalign.rollout.vllm.attention import RlalignAttentionBackend, VllmPages
+from rlalign.rollout.vllm.plugin import ARCH
+from rlalign.rollout.vllm.weights import load_named
 
 __all__ = ["ARCH", "RlalignQwen3MoeForCausalLM", "load_named"]
 
@@ -49,10 +49,7 @@ class RlalignQwen3MoeForCausalLM(nn.Module):
         self.rl = Transformer(self.args)
         # the monitor's taps, as in the native generator: per-token row fingerprints keyed by
         # (sample id, position) when switched on (rows), fault injection (monitor.inject)
-        injection = Injection(inject, "generator")
-        injection.wrap_modules(self.rl)
-        self.recorder = TapRecorder(rows=False, trace=None, injection=injection)
-        self.rl.taps = self.recorder
+        self.recorder = attach_taps(self.rl, inject, "generator")
         tp = get_tp_group()
         self.ep_rank, self.ep_size = tp.rank_in_group, tp.world_size
         self.ep_group = tp.device_group if self.ep_size > 1 else None

@@ -1,7 +1,7 @@
 """rlalign's sampler and logprob inside vLLM, as a v1 logits processor.
 
 For each request that carries `extra_args["rlalign"]` (seed, sample id, temperature, top-k, top-p,
-greedy), the row's token and its logprob are `rlalign.generation.sample_next` (kernels.sample
+greedy), the row's token and its logprob are `rlalign.rollout.sampling.sample_next` (kernels.sample
 with noise from (seed, sample id, position), position = prompt length + tokens so far, and
 kernels.token_logprobs): the native engine's own sampling step. The processor leaves that token
 finite with its logprob as the value and every other entry -inf. The engine asks vLLM for temperature 0, logprobs=0 and
@@ -17,8 +17,9 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from rlalign.generation import SamplingParams, sample_next
-from rlalign.vllm_engine.plugin import KEY
+from rlalign.rollout.sampling import sample_next
+from rlalign.rollout.types import SamplingParams
+from rlalign.rollout.vllm.plugin import KEY
 
 
 @dataclass

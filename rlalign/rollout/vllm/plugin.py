@@ -6,7 +6,7 @@ from __future__ import annotations
 
 ARCH = "RlalignQwen3MoeForCausalLM"
 BACKEND = "RLALIGN_PAGED"
-SAMPLER = "rlalign.vllm_engine.sampler:RlalignSampler"
+SAMPLER = "rlalign.rollout.vllm.sampler:RlalignSampler"
 KEY = "rlalign"  # SamplingParams.extra_args key of rlalign's per-request sampling
 
 
@@ -15,6 +15,6 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCH, "rlalign.vllm_engine.model:RlalignQwen3MoeForCausalLM")
+        ModelRegistry.register_model(ARCH, "rlalign.rollout.vllm.model:RlalignQwen3MoeForCausalLM")
     if BACKEND not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND, "rlalign.vllm_engine.attention.RlalignAttentionBackend")
+        register_backend(BACKEND, "rlalign.rollout.vllm.attention.RlalignAttentionBackend")

@@ -24,7 +24,7 @@ from vllm.v1.attention.backend import (
 )
 
 from rlalign import kernels
-from rlalign.vllm_engine.plugin import BACKEND
+from rlalign.rollout.vllm.plugin import BACKEND
 
 
 def page_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +79,9 @@ class RlalignAttentionMetadataBuilder(AttentionMetadataBuilder[RlalignAttentionM
 
 
 class RlalignAttentionImpl(AttentionImpl):
-    """Attention through vLLM's Attention layer: rlalign's page write and kernels.attention_paged.
-    (RlalignForCausalLM calls Transformer.step over VllmPages instead, the same two functions.)"""
+    """What vLLM builds for each Attention layer: the layers only make vLLM allocate the per-layer
+    KV tensors. The model never calls them: RlalignQwen3MoeForCausalLM runs Transformer.step over
+    VllmPages, which writes with kernels.paged_write and attends with kernels.attention_paged."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes=None,
                  sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
@@ -90,16 +91,10 @@ class RlalignAttentionImpl(AttentionImpl):
         self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
         self.kv_sharing_target_layer_name = None
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata: RlalignAttentionMetadata | None, output,
-                output_scale=None, output_block_scale=None) -> torch.Tensor:
-        if attn_metadata is None:  # vLLM's profiling run
-            return output
-        n = attn_metadata.num_actual_tokens
-        k_pages, v_pages = page_views(kv_cache, self.head_size)
-        kernels.paged_write(k_pages, v_pages, attn_metadata.slot_mapping, key[:n], value[:n])
-        output[:n] = kernels.attention_paged(query[:n], k_pages, v_pages, attn_metadata.block_table,
-                                             attn_metadata.seq_idx, attn_metadata.positions, self.scale)
-        return output
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        raise RuntimeError("rlalign's vLLM model attends through Transformer.step over VllmPages, not through "
+                           "vLLM's Attention layers")
 
 
 class RlalignAttentionBackend(AttentionBackend):

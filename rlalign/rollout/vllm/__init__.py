@@ -3,7 +3,8 @@
 vLLM owns continuous batching, chunked prefill, prefix caching, pages and workers; rlalign owns
 the model (model.py: Transformer.step), what a page holds and the attention over it
 (attention.py), and the sampler and logprob (sampler.py). engine.py is the generator with the
-native generator's inputs and outputs. Importing this package does not import vLLM."""
+native generator's inputs and outputs; VllmRankGenerator is the generator rank's Generator on it.
+Importing this package does not import vLLM."""
 
 from __future__ import annotations
 

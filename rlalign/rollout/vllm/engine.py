@@ -21,15 +21,14 @@ import safetensors.torch
 import torch
 
 from rlalign import kernels
-from rlalign.generation import Rollout, SamplingParams, check_prompts
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
-from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import full_state_dict
-from rlalign.vllm_engine import check_installed
-from rlalign.vllm_engine.plugin import ARCH, KEY, SAMPLER, register
-from rlalign.vllm_engine.weights import load_named
+from rlalign.rollout.types import Rollout, SamplingParams, check_prompts
+from rlalign.rollout.vllm import check_installed
+from rlalign.rollout.vllm.plugin import ARCH, KEY, SAMPLER, register
+from rlalign.rollout.vllm.weights import load_named
 
 # generator.vllm.* keys handed to vllm.LLM under the same names
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
@@ -53,9 +52,6 @@ class WorkerExtension:
         full = full_state_dict(model.rl, model.ep_group)
         return state_fingerprints({k: v.cpu() for k, v in full.items()}) if model.ep_rank == 0 else None
 
-    def rlalign_pid(self) -> int:
-        return os.getpid()
-
     def rlalign_record_rows(self, on: bool) -> None:
         self.model_runner.model.recorder.rows = on
 
@@ -75,10 +71,6 @@ class VllmGenerator:
         unknown = sorted(set(options) - set(ENGINE_KEYS))
         if unknown:
             raise ValueError(f"generator.vllm.{unknown[0]}: not an engine option; valid: {', '.join(ENGINE_KEYS)}")
-        if not stock and options.get("enforce_eager") is False:
-            raise ValueError("generator.vllm.enforce_eager=False: rlalign's model in vLLM runs eagerly only "
-                             "(host syncs in the MoE layers; its forward returns row indices, not hidden states)")
-        options = {"enforce_eager": True, **options}
         self.args = read_args(model_dir)[0]
         self.stock, self.ep_size = stock, ep_size
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
@@ -125,6 +117,8 @@ class VllmGenerator:
         {(sample id, position): {tap: fingerprint}} recorded inside vLLM (the first EP worker's)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        params.validate()
+        check_prompts(self.args, prompts, sample_ids, params.max_new_tokens)
         if rows is not None:
             if self.stock:
                 raise ValueError("row fingerprints need rlalign's model inside vLLM (generator.vllm.stock=false)")
@@ -144,11 +138,6 @@ class VllmGenerator:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        params.validate()
-        if len(prompts) != len(sample_ids):
-            raise ValueError(f"{len(prompts)} prompts but {len(sample_ids)} sample ids")
-        if len(set(sample_ids)) != len(sample_ids):
-            raise ValueError("sample ids must be unique: they seed each sample's noise")
         if not prompts:
             return []
         stop = {} if params.eos_token_id is None else {"stop_token_ids": [params.eos_token_id]}
@@ -188,14 +177,6 @@ class VllmGenerator:
         """Fingerprints of the weights vLLM's workers hold (full state, rlalign names)."""
         return next(fp for fp in self.llm.collective_rpc("rlalign_fingerprints") if fp is not None)
 
-    def prefix_cache_hits(self) -> int:
-        """Prompt tokens vLLM took from its prefix cache so far (needs log_stats=True)."""
-        return int(sum(m.value for m in self.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
-
-    def worker_pids(self) -> list[int]:
-        """The processes running the model (vLLM's workers, in rank order)."""
-        return self.llm.collective_rpc("rlalign_pid")
-
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache (requests still running?)")
@@ -206,15 +187,13 @@ class VllmGenerator:
             llm.llm_engine.engine_core.shutdown()
 
 
-class WorkerGenerator:
-    """A generator rank's vLLM engine, kept in step with the rank's rlalign model (the copy that
-    weight sync writes and fingerprints): before generating, the model's weights are pushed into
-    vLLM (and its prefix cache reset) whenever a parameter was written since the last push."""
+class VllmRankGenerator:
+    """The generator rank's Generator on vLLM, kept in step with the rank's rlalign model (the copy
+    that weight sync writes and fingerprints): the model's weights are pushed into vLLM (and its
+    prefix cache reset) whenever a parameter was written since the last push. With row
+    fingerprints on, the rank's monitor recorder (model.taps) gets the rows recorded inside vLLM."""
 
-    def __init__(self, cfg, model: Transformer, world: int):
-        if world > 1:
-            raise ValueError(f"generator.backend=vllm: this generator group has {world} ranks, but one rank hosts the "
-                             "vLLM engine (vLLM starts the generator.ep_size workers that own the experts)")
+    def __init__(self, cfg, model: Transformer):
         self.model, self._tmp = model, None
         if cfg.model.path:
             model_dir = cfg.model.path
@@ -228,12 +207,9 @@ class WorkerGenerator:
                                     inject=cfg.monitor.get("inject"))
         self._pushed = _versions(model)
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
-                 recorder: TapRecorder | None = None) -> list[Rollout]:
-        """`recorder`: the rank's monitor recorder; with rows on, it gets vLLM's row fingerprints."""
-        check_prompts(self.model, prompts, sample_ids, params.max_new_tokens)
-        if _versions(self.model) != self._pushed:
-            self.push_weights()
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+        self.load_weights()
+        recorder = getattr(self.model, "taps", None)
         rows = {} if recorder is not None and recorder.rows else None
         outs = self.engine.generate(prompts, sample_ids, params, rows)
         if rows:
@@ -241,10 +217,12 @@ class WorkerGenerator:
                 recorder.table.setdefault(key, {}).update(fps)
         return outs
 
-
-    def push_weights(self) -> None:
-        """The rank's weights into every vLLM worker, then the prefix-cache reset; verified by
-        comparing the fingerprints of what the workers hold with the rank's own."""
+    def load_weights(self) -> None:
+        """The rank's weights into every vLLM worker if any was written since the last push, then the
+        prefix-cache reset; verified by comparing the fingerprints of what the workers hold with the
+        rank's own."""
+        if _versions(self.model) == self._pushed:
+            return
         self.engine.load_weights(hf_state_dict(self.model))  # HF names: rlalign's model and vLLM's stock one
         self._pushed = _versions(self.model)
         if self.engine.stock:
@@ -255,6 +233,19 @@ class WorkerGenerator:
         if bad:
             raise RuntimeError(f"weight push into vLLM: tensor {bad[0]!r} differs between the generator rank "
                                f"({want.get(bad[0])}) and vLLM's workers ({got.get(bad[0])})")
+
+    def release_memory(self) -> None:
+        """Not offered: vLLM keeps its KV cache and weights (its sleep mode, CUDA only, is not enabled)."""
+        raise NotImplementedError("generator.backend=vllm keeps its memory between steps (vLLM's sleep mode is not "
+                                  "enabled); colocated runs use the native generator")
+
+    def resume_memory(self) -> None:
+        """Nothing was released."""
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
 def _versions(model: Transformer) -> tuple[int, ...]:

@@ -1,0 +1,73 @@
+"""The Generator protocol both engines implement, and the one factory that picks the engine: the
+only code that reads `generator.backend`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from omegaconf import DictConfig
+
+from rlalign.config import ConfigError, EngineConfig, keys_of
+from rlalign.model import Transformer
+from rlalign.parallel.launch import any_live_fn
+from rlalign.rollout.native.engine import NativeEngine
+from rlalign.rollout.types import Rollout, SamplingParams
+
+
+class Generator(Protocol):
+    """A generator rank's engine over the rank's model (the copy weight sync writes)."""
+
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+        """Rollouts of `prompts` in input order, with the generator's fp32 logprobs."""
+
+    def load_weights(self) -> None:
+        """Compute with the rank model's current weights from now on."""
+
+    def release_memory(self) -> None:
+        """Free the engine's device memory between steps (the KV cache, captured graphs)."""
+
+    def resume_memory(self) -> None:
+        """Undo release_memory before the next generate."""
+
+    def close(self) -> None:
+        """Free everything the engine holds."""
+
+
+@dataclass(frozen=True)
+class GeneratorPlan:
+    backend: str  # "native" | "vllm"
+    ranks: int  # generator ranks, each hosting one Generator
+
+
+def generator_plan(cfg: DictConfig) -> GeneratorPlan:
+    """The engine and the number of generator ranks: native, generator.ep_size ranks; vLLM, one rank
+    hosting the engine, which starts the generator.ep_size workers that own the experts. Errors
+    (vLLM missing, an unsupported layout) come before any process starts."""
+    g = cfg.generator
+    if g.backend == "native":
+        return GeneratorPlan("native", g.ep_size)
+    from rlalign.rollout.vllm import check_installed
+
+    try:
+        check_installed()
+    except ImportError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    if g.ep_size > 1 and str(cfg.device).startswith("cuda"):
+        raise ConfigError(f"invalid config: generator.backend=vllm with generator.ep_size={g.ep_size} on CUDA: the "
+                          "one generator rank would need that many GPUs for its vLLM workers; not supported yet "
+                          "(CPU: any size)")
+    return GeneratorPlan(g.backend, 1)
+
+
+def make_generator(cfg: DictConfig, model: Transformer, group=None) -> Generator:
+    """The generator rank's engine over `model`; `group`: the generator group (expert parallelism)."""
+    plan = generator_plan(cfg)
+    if plan.backend == "vllm":
+        if group is not None:
+            raise ValueError("generator.backend=vllm: one generator rank hosts the vLLM engine (vLLM starts the "
+                             f"generator.ep_size workers that own the experts), but this group has {group.size()}")
+        from rlalign.rollout.vllm.engine import VllmRankGenerator
+
+        return VllmRankGenerator(cfg, model)
+    return NativeEngine(model, keys_of(EngineConfig, cfg.generator), any_live_fn(group) if group is not None else None)

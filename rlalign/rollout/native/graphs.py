@@ -1,0 +1,129 @@
+"""CUDA graphs of the native engine's decode-only steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from rlalign import kernels
+from rlalign.model import PagedKVCache, Transformer
+from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids, sample_next
+from rlalign.rollout.types import SamplingParams
+
+
+def graph_inputs(model: Transformer) -> tuple:
+    """What a captured step reads by address or has baked in, apart from the engine's own buffers:
+    every parameter and buffer (address, shape, strides, dtype), the rope table and the op set.
+    Weight sync copies into the same tensors (weight_sync.receive):
+    the signature holds and the graphs replay with the new values; a rebound or moved parameter
+    changes it and the graphs are captured again."""
+    ts = itertools.chain(model.named_parameters(), model.named_buffers(),
+                         enumerate(getattr(model, "_rope_table", ())))
+    return (tuple(sorted(kernels.current().items())),
+            *((n, t.data_ptr(), t.device, t.dtype, tuple(t.shape), t.stride()) for n, t in ts))
+
+
+def kernel_buffers() -> list:
+    """Device buffers that the Triton wrappers keep in module-level caches (work tables, launch
+    plans, the split-K ticket counters): a graph reads them by address, so the graphs hold a
+    reference to each, and an LRU eviction or a regrown buffer cannot free memory a graph still reads."""
+    try:
+        from rlalign.kernels.triton import attention, common
+    except ImportError:  # no Triton: no graphs either
+        return []
+    return [*common._CACHE.values(), *attention._TICKETS.values()]
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only engine steps — `Transformer.step` and `sample_next` — one per
+    batch-size bucket (powers of two) and sampling distribution, captured on first use and kept
+    with the engine's KVState across generate() calls. A step of n rows runs the smallest bucket >= n;
+    the padding rows read and write only a spare page through a spare block-table row and sample
+    from zeroed logits, and batch invariance means they change no bit of the real rows (tests/gpu
+    checks graphs == eager bitwise). Inputs per row: token, position, block-table row, cache slot,
+    valid flag, sample id rekeyed to GRAPH_SEED (rekey_sample_ids), so the seed is not baked in.
+    `begin(model, params)` starts a call; its first decode step re-checks what the graphs read
+    (`graph_inputs`) and drops them all if that changed."""
+
+    def __init__(self, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int, pad_slot: int):
+        self.cache, self.block_table = cache, block_table
+        self.pad_row, self.pad_slot = pad_row, pad_slot
+        self.by_params: dict[tuple, dict] = {}  # (temperature, top_k, top_p, greedy) -> {bucket: entry}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.inputs: tuple | None = None
+        self.keep: dict[int, object] = {}
+        self.model: Transformer | None = None  # during a call only (the state must not keep the model alive)
+        self.params = SamplingParams()
+        self.captures = 0  # graphs captured so far (tests, benchmarks)
+        self.pool = None
+        self._checked, self._key = False, torch.zeros(1, dtype=torch.long)
+
+    def begin(self, model: Transformer, params: SamplingParams) -> None:
+        self.model, self.params, self._checked = model, params, False
+        self._key = rekey_sample_ids(torch.zeros(1, dtype=torch.long), params.seed)
+
+    def _check(self) -> None:
+        """At a call's first decode step (after its prefill moved the rope table to the device):
+        drop every graph if what they read changed since they were captured, then pick this call's
+        sampling distribution's graphs."""
+        inputs = graph_inputs(self.model)
+        if inputs != self.inputs:  # new weights' addresses, a moved model, another op set: capture again
+            self.by_params.clear()
+            self.keep.clear()
+            self.pool = None  # a new memory pool with the next capture
+            self.inputs = inputs
+        p = self.params
+        self.graphs = self.by_params.setdefault((p.logprob_temperature, p.top_k, p.top_p, p.greedy), {})
+        self._checked = True
+
+    def end(self) -> None:
+        self.model = None
+
+    def _pad(self, meta: torch.Tensor, size: int) -> torch.Tensor:
+        pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot], [0], [0]], dtype=torch.long)
+        pad = pad.expand(6, size - meta.shape[1])
+        return torch.cat([meta, pad], 1)
+
+    def _run(self, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, seq_idx, slots, valid, ids = static
+        logits = self.model.step(tokens, positions, seq_idx, self.cache, self.block_table, slots)
+        logits = torch.where((valid > 0)[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        # the call's own distribution (every field the eager path uses), the seed moved into the ids
+        return sample_next(logits, dataclasses.replace(self.params, seed=GRAPH_SEED), ids, positions + 1)
+
+    def _capture(self, size: int):
+        static = self._pad(torch.zeros(6, 0, dtype=torch.long), size).to(self.block_table.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(static)  # warm-up (Triton compiles, launch plans fill) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._run(static)
+        self.keep.update((id(v), v) for v in kernel_buffers())
+        self.captures += 1
+        return graph, static, out
+
+    def __call__(self, meta: torch.Tensor, follow: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """meta [5, n] (token, position, block-table row, slot, sample id) -> this step's tokens and
+        logprobs [n] on the device (copied out of the graph's memory, which a later replay overwrites).
+        follow = (tokens, index [n]): the rows' input tokens are tokens[index], already on the device."""
+        if not self._checked:
+            self._check()
+        n = meta.shape[1]
+        size = 1 << max(0, (n - 1).bit_length())
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, static, (tok, lp) = self.graphs[size]
+        rows = torch.cat([meta[:4], torch.ones(1, n, dtype=torch.long), meta[4:] ^ self._key])
+        static.copy_(self._pad(rows, size).pin_memory(), non_blocking=True)
+        if follow is not None:
+            static[0, :n] = follow[0].index_select(0, follow[1])
+        graph.replay()
+        return tok[:n].clone(), lp[:n].clone()

@@ -1,0 +1,47 @@
+"""The KV cache and block table a NativeEngine keeps between generate() calls."""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.model import PagedKVCache
+from rlalign.rollout.native.graphs import DecodeGraphs
+
+
+class KVState:
+    """The paged KV cache (`num_pages` pages and one spare), the block table (`rows` slot rows and
+    one spare, `width` pages per row) on the device with its host mirror, and the decode graphs
+    captured over them. A call reuses it when its pages, slots, width, page size, dtype and device
+    fit; else it is replaced (its graphs with it). Stale keys and table entries left by earlier
+    calls are never read: a row attends only positions its own sequence wrote in this call. The
+    spare page and row are where CUDA-graph padding rows read and write."""
+
+    def __init__(self, args, num_pages: int, page_size: int, rows: int, width: int, dtype, dev):
+        self.cache = PagedKVCache(args, num_pages + 1, page_size, dtype, dev)
+        self.num_pages, self.page_size, self.rows, self.width = num_pages, page_size, rows, width
+        self.table_host = torch.full((rows + 1, width), num_pages, dtype=torch.int32)
+        self.block_table = self.table_host.to(dev)
+        self.graphs: DecodeGraphs | None = None
+
+    def fits(self, num_pages: int, page_size: int, rows: int, width: int, dtype, dev) -> bool:
+        return (self.page_size == page_size and self.num_pages >= num_pages and self.rows >= rows
+                and self.width >= width and self.cache.k.dtype == dtype and self.cache.k.device == torch.device(dev))
+
+    def set_row(self, slot: int, pages: list[int]) -> None:
+        """Block-table row `slot` now lists `pages` (host mirror and device)."""
+        self.table_host[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table[slot].copy_(self.table_host[slot])
+
+    def decode_graphs(self) -> DecodeGraphs:
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self.cache, self.block_table, self.rows, self.num_pages * self.page_size)
+        return self.graphs
+
+
+def grow(need: int, have: int) -> int:
+    """Capacity for `need` when `have` is too small: `need` rounded up to 1/16 of its power of two
+    (at most ~6 % spare), so that calls that need a little more than the last one reuse the state."""
+    if need <= have:
+        return have
+    step = max(1, (1 << max(0, need.bit_length() - 1)) // 16)
+    return -(-need // step) * step

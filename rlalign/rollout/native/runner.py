@@ -1,0 +1,96 @@
+"""One native-engine step on the model: the rows' inputs to the device, the forward (a decode
+graph's replay or `Transformer.step`), and the sampling of the rows that sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlalign.model import Transformer
+from rlalign.monitor.taps import TapRecorder, set_rows, tap
+from rlalign.rollout.native.graphs import DecodeGraphs
+from rlalign.rollout.native.pages import KVState
+from rlalign.rollout.native.scheduler import Scheduler, Step
+from rlalign.rollout.sampling import sample_next
+from rlalign.rollout.types import SamplingParams
+
+
+@dataclass
+class Launched:
+    """A step enqueued on the device: its samples' tokens and logprobs there, and the tokens' copy to
+    the host in flight (the event to wait on; None off CUDA)."""
+
+    step: Step
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    tokens_host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def read_tokens(self) -> list[int]:
+        """The step's tokens on the host: waits for this step only, not for steps enqueued after it."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tokens_host.tolist()
+
+
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Host metadata to the device without a sync (pinned staging on CUDA)."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """t's copy to the host, started now: (pinned host tensor, the event to wait on; None off CUDA)."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+class ModelRunner:
+    """Runs one call's steps on `model` over `state`'s pages; `graphs` (or None: eager) replays
+    decode-only steps."""
+
+    def __init__(self, model: Transformer, state: KVState, sched: Scheduler, sample_ids: list[int],
+                 params: SamplingParams, graphs: DecodeGraphs | None, stats: dict):
+        self.model, self.state, self.sched, self.params, self.graphs = model, state, sched, params, graphs
+        self.sample_ids, self.stats = sample_ids, stats
+        self.dev = model.lm_head.weight.device
+        self.ids_all = torch.tensor(sample_ids, dtype=torch.long, device=self.dev)
+        taps = getattr(model, "taps", None)
+        self.record_all = isinstance(taps, TapRecorder) and taps.rows
+
+    def run(self, step: Step, previous: Launched | None = None) -> Launched | None:
+        """Enqueue `step` (its input tokens taken from `previous` on the device when step.follow is
+        set); None when it samples nothing."""
+        rows, n, dev = step.rows, len(step.rows), self.dev
+        self.stats["steps"] += 1
+        self.stats["lookahead_steps"] += step.follow is not None
+        tok_host = [0] * n if step.follow is not None else [seq.tokens[p] for seq, p in rows]
+        meta = torch.tensor([tok_host, [p for _, p in rows], [seq.slot for seq, _ in rows],
+                             [self.sched.slot(seq, p) for seq, p in rows]], dtype=torch.long).reshape(4, n)
+        b_idx = [seq.b for seq, _ in step.sample_at]
+        src = None if step.follow is None else to_device(torch.tensor(step.follow, dtype=torch.long), dev)
+        if self.graphs is not None and len(step.sample_at) == n:  # decode only: rows are the samples, in order
+            ids = torch.tensor([self.sample_ids[b] for b in b_idx], dtype=torch.long)
+            meta = torch.cat([meta, ids[None]])
+            tok, lp = self.graphs(meta, None if src is None else (previous.tokens, src))
+            return Launched(step, tok, lp, *to_host(tok))
+        tokens, positions, seq_idx, slot_mapping = to_device(meta, dev)
+        if src is not None:
+            tokens = previous.tokens.index_select(0, src)
+        pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), dev)
+        set_rows(self.model, "gen.step.", [(self.sample_ids[seq.b], p) for seq, p in rows])
+        logits = self.model.step(tokens, positions, seq_idx, self.state.cache, self.state.block_table, slot_mapping,
+                                 logit_rows=None if self.record_all else pick)
+        if not step.sample_at:
+            return None
+        if self.record_all:
+            logits = logits.index_select(0, pick)
+        b_dev = to_device(torch.tensor(b_idx, dtype=torch.long), dev)
+        tok, lp = sample_next(logits, self.params, self.ids_all[b_dev], positions[pick] + 1,
+                              lambda t: tap(self.model, "sample", t))
+        return Launched(step, tok, lp, *to_host(tok))

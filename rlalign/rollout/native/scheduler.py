@@ -1,0 +1,133 @@
+"""Which rows the native engine runs each step, and the slots and pages its sequences hold."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlalign.rollout.native.pages import KVState
+from rlalign.rollout.types import Rollout, SamplingParams
+
+
+@dataclass
+class Seq:
+    """A request in flight: its tokens so far (prompt + sampled), how many have keys/values in the
+    cache, its row of the block table and its pages."""
+
+    b: int  # index into the caller's lists
+    tokens: list[int]
+    n_prompt: int
+    slot: int
+    pages: list[int]
+    n_cached: int = 0
+    done: bool = False  # ended (EOS or length): its slot and pages are free
+
+    @property
+    def decoding(self) -> bool:
+        return self.n_cached >= self.n_prompt
+
+
+@dataclass
+class Step:
+    """One engine step: `rows` (sequence, position) run through the model; the rows named in
+    `sample_at` (sequence, row index) sample their sequence's next token. `follow` (lookahead):
+    row i's input token is the previous step's sampled token number follow[i], still on the device."""
+
+    rows: list[tuple[Seq, int]] = field(default_factory=list)
+    sample_at: list[tuple[Seq, int]] = field(default_factory=list)
+    follow: list[int] | None = None
+
+
+class Scheduler:
+    """Continuous batching: requests are admitted in order while a slot and the pages for their
+    longest length are free; each step holds one row per decoding sequence, then prompt chunks
+    within the token budget; a finished sequence frees its slot and pages at once."""
+
+    def __init__(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams, state: KVState,
+                 max_seqs: int, pages_of: list[int], budget: int):
+        self.prompts, self.params, self.state = prompts, params, state
+        self.pages_of, self.budget = pages_of, budget or float("inf")
+        self.free_pages = list(range(state.num_pages - 1, -1, -1))
+        self.free_slots = list(range(max_seqs - 1, -1, -1))
+        self.queue, self.running = deque(range(len(prompts))), []
+        self.out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
+        self.discarded_rows = 0
+
+    def slot(self, seq: Seq, p: int) -> int:
+        """The KV cache slot of position p of `seq`."""
+        ps = self.state.page_size
+        return seq.pages[p // ps] * ps + p % ps
+
+    def can_admit(self) -> bool:
+        return bool(self.queue and self.free_slots and len(self.free_pages) >= self.pages_of[self.queue[0]])
+
+    def schedule(self) -> Step:
+        """Admit what fits, then this step's rows: decode rows first (one each), then prompt chunks in
+        admission order within the budget. No rows: nothing is left to run."""
+        while self.can_admit():
+            b = self.queue.popleft()
+            seq = Seq(b, list(self.prompts[b]), len(self.prompts[b]), self.free_slots.pop(),
+                      [self.free_pages.pop() for _ in range(self.pages_of[b])])
+            self.state.set_row(seq.slot, seq.pages)
+            self.running.append(seq)
+        step = Step()
+        for seq in self.running:
+            if seq.decoding:
+                step.sample_at.append((seq, len(step.rows)))
+                step.rows.append((seq, len(seq.tokens) - 1))
+        for seq in self.running:
+            n = int(min(self.budget - len(step.rows), seq.n_prompt - seq.n_cached)) if not seq.decoding else 0
+            if n > 0:
+                step.rows.extend((seq, p) for p in range(seq.n_cached, seq.n_cached + n))
+                seq.n_cached += n
+                if seq.decoding:
+                    step.sample_at.append((seq, len(step.rows) - 1))
+        return step
+
+    def lookahead(self, pending: Step) -> Step | None:
+        """The decode step after `pending`, to enqueue before pending's tokens are read back: the rows
+        of pending's samples whose sequences go on, each at the position of the token pending samples
+        for it. Only when the next step could hold nothing else: no request could be admitted and no
+        prompt is still being prefilled. A sequence that pending ends with EOS (not known yet) still
+        gets a row: it reads and writes only its own pages at a position below its length limit, and
+        its sample is discarded (postprocess). Sequences that pending ends by length are left out.
+        Every kept row computes what the step after reading pending back would compute for it: the
+        same tokens and logprob bits (batch invariance)."""
+        if self.can_admit() or any(not seq.decoding for seq in self.running):
+            return None
+        step = Step(follow=[])
+        for j, (seq, _) in enumerate(pending.sample_at):
+            if seq.done or len(self.out[seq.b].tokens) + 1 >= self.params.max_new_tokens:
+                continue
+            step.sample_at.append((seq, len(step.rows)))
+            step.rows.append((seq, len(seq.tokens)))
+            step.follow.append(j)
+        return step if step.rows else None
+
+    def postprocess(self, step: Step, tokens: list[int]) -> list[int]:
+        """The step's sampled tokens appended; finished sequences' slots and pages freed (the next
+        step admits from the queue). Returns each sample's request index (-1: a discarded lookahead
+        row of a sequence that had already ended)."""
+        p, finished, b_idx = self.params, [], []
+        for (seq, _), t in zip(step.sample_at, tokens):
+            if seq.done:
+                self.discarded_rows += 1
+                b_idx.append(-1)
+                continue
+            b_idx.append(seq.b)
+            seq.tokens.append(t)
+            o = self.out[seq.b]
+            o.tokens.append(t)
+            if p.eos_token_id is not None and t == p.eos_token_id:
+                o.finish_reason = "eos"
+            elif len(o.tokens) == p.max_new_tokens:
+                o.finish_reason = "length"
+            else:
+                continue
+            seq.done = True
+            finished.append(seq)
+        for seq in finished:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+            self.free_pages.extend(reversed(seq.pages))
+        return b_idx
