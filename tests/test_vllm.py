@@ -80,9 +80,11 @@ def _prefix_cache_hits(engine: VllmGenerator) -> int:
     return int(sum(m.value for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
 
 
-def _worker_pids(engine: VllmGenerator) -> list[int]:
-    """The processes running the model (vLLM's workers, in rank order)."""
-    return engine.llm.collective_rpc(lambda worker: os.getpid())
+def _engine_core_pids() -> list[int]:
+    """vLLM's engine-core processes started by this one (at generator EP 1 they run the model)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
 
 
 def _mismatched(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
@@ -310,7 +312,7 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
 
 def test_a_dead_vllm_worker_stops_generation_with_an_error(engine, model):
     """Last user of the module's engine: its worker process is killed."""
-    (pid,) = _worker_pids(engine)
+    (pid,) = _engine_core_pids()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="the vLLM engine died"):
         engine.generate(_prompts(2), [0, 1], SamplingParams(max_new_tokens=4))

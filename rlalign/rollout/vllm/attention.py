@@ -24,7 +24,7 @@ from vllm.v1.attention.backend import (
 )
 
 from rlalign import kernels
-from rlalign.rollout.vllm.plugin import BACKEND
+from rlalign.rollout.vllm.registry import BACKEND
 
 
 def page_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

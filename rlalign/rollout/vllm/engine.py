@@ -24,40 +24,14 @@ from rlalign import kernels
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
-from rlalign.parallel.ep import full_state_dict
 from rlalign.rollout.types import Rollout, SamplingParams, check_prompts
 from rlalign.rollout.vllm import check_installed
-from rlalign.rollout.vllm.plugin import ARCH, KEY, SAMPLER, register
+from rlalign.rollout.vllm.registry import ARCH, KEY, SAMPLER, WORKER_EXTENSION, register
 from rlalign.rollout.vllm.weights import load_named
 
 # generator.vllm.* keys handed to vllm.LLM under the same names
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
-
-
-class WorkerExtension:
-    """Methods vLLM mixes into each of its workers (worker_extension_cls), called by name through
-    collective_rpc. Weights travel as one safetensors blob (bytes: no pickled tensors, which vLLM's
-    worker broadcast cannot carry)."""
-
-    def rlalign_load_weights(self, blob: bytes) -> int:
-        state = safetensors.torch.load(blob)
-        self.model_runner.model.load_weights(state.items())
-        return len(state)
-
-    def rlalign_fingerprints(self) -> dict[str, str] | None:
-        """Every worker takes part (experts gathered over the EP group); the first returns the
-        fingerprints of the full state it now computes with (rlalign names)."""
-        model = self.model_runner.model
-        full = full_state_dict(model.rl, model.ep_group)
-        return state_fingerprints({k: v.cpu() for k, v in full.items()}) if model.ep_rank == 0 else None
-
-    def rlalign_record_rows(self, on: bool) -> None:
-        self.model_runner.model.recorder.rows = on
-
-    def rlalign_pop_rows(self) -> list:
-        """The recorded row fingerprints as [sample id, position, {tap: fingerprint}] (msgpack-able)."""
-        return [[sid, pos, fps] for (sid, pos), fps in self.model_runner.model.recorder.pop_table().items()]
 
 
 class VllmGenerator:
@@ -84,7 +58,7 @@ class VllmGenerator:
                 ",".join(str(c) for c in cores[r * per : (r + 1) * per] or cores[-1:]) for r in range(ep_size))
         kw = dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=ep_size, seed=0,
                   max_model_len=self.args.max_position_embeddings, async_scheduling=False,
-                  enable_chunked_prefill=True, worker_extension_cls=f"{__name__}.WorkerExtension",
+                  enable_chunked_prefill=True, worker_extension_cls=WORKER_EXTENSION,
                   disable_log_stats=not log_stats,
                   **{k: v for k, v in options.items() if v is not None})
         if ep_size > 1:

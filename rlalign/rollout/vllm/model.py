@@ -30,7 +30,7 @@ from rlalign.monitor.taps import attach_taps, set_rows
 from rlalign.parallel.ep import apply_ep
 from rlalign.rollout.vllm import sampler
 from rlalign.rollout.vllm.attention import RlalignAttentionBackend, VllmPages
-from rlalign.rollout.vllm.plugin import ARCH
+from rlalign.rollout.vllm.registry import ARCH
 from rlalign.rollout.vllm.weights import load_named
 
 __all__ = ["ARCH", "RlalignQwen3MoeForCausalLM", "load_named"]

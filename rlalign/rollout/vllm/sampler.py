@@ -19,7 +19,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from rlalign.rollout.sampling import sample_next
 from rlalign.rollout.types import SamplingParams
-from rlalign.rollout.vllm.plugin import KEY
+from rlalign.rollout.vllm.registry import KEY
 
 
 @dataclass

@@ -1,12 +1,13 @@
-"""vLLM general plugin (entry point `vllm.general_plugins`): registers rlalign's model and
-attention backend in every vLLM process, including the workers vLLM spawns. Names only: nothing
-here imports rlalign's vLLM modules, so a plugin load costs nothing."""
+"""The names rlalign's vLLM pieces are registered and selected under, and their registration
+(run in the driver and, through rollout/vllm/worker.py, in every process that builds the model).
+Names only: nothing here imports rlalign's vLLM modules."""
 
 from __future__ import annotations
 
 ARCH = "RlalignQwen3MoeForCausalLM"
 BACKEND = "RLALIGN_PAGED"
 SAMPLER = "rlalign.rollout.vllm.sampler:RlalignSampler"
+WORKER_EXTENSION = "rlalign.rollout.vllm.worker.WorkerExtension"
 KEY = "rlalign"  # SamplingParams.extra_args key of rlalign's per-request sampling
 
 
