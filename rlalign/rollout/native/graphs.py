@@ -30,10 +30,10 @@ def kernel_buffers() -> list:
     plans, the split-K ticket counters): a graph reads them by address, so the graphs hold a
     reference to each, and an LRU eviction or a regrown buffer cannot free memory a graph still reads."""
     try:
-        from rlalign.kernels.triton import attention, common
+        from rlalign.kernels import triton as triton_kernels
     except ImportError:  # no Triton: no graphs either
         return []
-    return [*common._CACHE.values(), *attention._TICKETS.values()]
+    return triton_kernels.cached_state()
 
 
 class DecodeGraphs:
