@@ -84,7 +84,14 @@ def _engine_core_pids() -> list[int]:
     """vLLM's engine-core processes started by this one (at generator EP 1 they run the model)."""
     import psutil
 
-    return [p.pid for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:  # exited meanwhile, or a zombie
+            continue
+    return pids
 
 
 def _mismatched(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
