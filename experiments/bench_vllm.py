@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 from rlalign.agree import random_prompts  # noqa: E402
-from rlalign.config import engine_config, load_config, model_args  # noqa: E402
+from rlalign.config import EngineConfig, keys_of, load_config, model_args  # noqa: E402
 from rlalign.factory import apply_kernels, sampling_params  # noqa: E402
 from rlalign.model import build_model, save_hf  # noqa: E402
 from rlalign.rollout.native.engine import generate  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     ids = list(range(len(prompts)))
     params = sampling_params(cfg, model.args.eos_token_id, cfg.seed)
 
-    native_engine = engine_config(cfg)
+    native_engine = keys_of(EngineConfig, cfg.generator)
     generate(model, prompts[:4], ids[:4], params, engine=native_engine)  # warm-up
     ref, t_native = _timed(lambda: generate(model, prompts, ids, params, engine=native_engine))
 
