@@ -80,14 +80,14 @@ def _prefix_cache_hits(engine: VllmGenerator) -> int:
     return int(sum(m.value for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
 
 
-def _engine_core_pids() -> list[int]:
-    """vLLM's engine-core processes started by this one (at generator EP 1 they run the model)."""
+def _worker_pids() -> list[int]:
+    """The processes vLLM runs the model in (its workers, titled VLLM::Worker...), started by this one."""
     import psutil
 
     pids = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "EngineCore" in " ".join(p.cmdline()):
+            if "VLLM::Worker" in " ".join(p.cmdline()):
                 pids.append(p.pid)
         except psutil.Error:  # exited meanwhile, or a zombie
             continue
@@ -319,7 +319,7 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
 
 def test_a_dead_vllm_worker_stops_generation_with_an_error(engine, model):
     """Last user of the module's engine: its worker process is killed."""
-    (pid,) = _engine_core_pids()
+    (pid,) = _worker_pids()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="the vLLM engine died"):
         engine.generate(_prompts(2), [0, 1], SamplingParams(max_new_tokens=4))
