@@ -1,35 +1,42 @@
 """Tensor fingerprints: one definition, the same 64-bit value on every device.
 
-The value of a tensor t (dtype d, shape s):
-  words   t's bytes in row-major order as little-endian unsigned words of W bytes, zero-extended
-          to 32 bits; W is the largest of 4, 2, 1 that divides one dim-0 row (itemsize x
-          prod(s[1:]); a 0-d tensor: itemsize), so a word never straddles two dim-0 rows and any
-          run of dim-0 rows is a whole number of words. Word i (i from 0) has key
+The value of a tensor t (dtype d, shape s, n bytes):
+  words   t's bytes in row-major order as little-endian 32-bit words w_0, w_1, ...; a tail of 1-3
+          bytes is zero-padded to a word (n is in the salt, so padding cannot make two tensors
+          collide). Every dtype is read this way: a bf16 pair, four int8, half an int64 is a word.
+          Word i (i from 0) has keys
               key1(i) = lo * K1 + hi * K3 + C1,  key2(i) = lo * K2 + hi * K4 + C2   (mod 2**32)
           with lo, hi the low and high 32 bits of i.
-  mix     h = fmix32(w ^ key1(i))  (murmur3's finaliser);  g = xorshift15((h ^ key2(i)) * M3)
-          both bijective in w for a fixed i.
-  sums    A = sum of h, B = sum of g, each mod 2**32: integer addition, so the value does not
-          depend on the order of the sums, the chunking or the launch grid. raw = A << 32 | B.
-  value   mix64(raw ^ salt(d, s)), salt a 64-bit hash of the dtype's name and the shape.
+  mix     h_i = fmix32(w_i + key1(i))  (murmur3's finaliser): a bijection in w_i for a fixed i.
+  sums    A = sum of h_i, B = sum of h_i * key2(i), each mod 2**32: integer additions, so the value
+          does not depend on the order of the sums, the chunking or the launch grid. raw = A << 32 | B.
+  value   mix64(raw ^ salt(d, s)), salt a 64-bit hash of the dtype's name, the shape and n.
 
-What it sees. One changed word changes A (fmix32 is a bijection, the other words' terms stay),
-so any changed bit changes the value. A moved element or two swapped words change it unless
-two pseudo-random 32-bit sums both collide (~2**-64). Another dtype or shape changes the salt.
-torch.hash_tensor (an XOR of the elements) sees none of the last two.
+What it sees. One changed word changes A (h_i is a bijection of w_i, the other words' terms
+stay), so any changed bit changes the value. Two changed words (a moved or swapped element) at a
+distance of D words change it unless A collides (~2**-32) and, with it, D * K2 * (change of h)
+vanishes mod 2**32 (~2**-(32 - v) for D = 2**v * odd): adjacent swaps are always seen, far ones
+with a collision chance of ~2**-64 .. 2**-33. Another dtype or shape changes the salt.
+torch.hash_tensor (an XOR of the elements) sees neither moves nor dtypes.
+
+Cost. Per word one load, one three-input add, fmix32 (two multiplies, three xor-shifts) and two
+accumulations (a GPU program sums h and h * (block offset), then forms B from key2 being linear
+in i within a chunk): ~11 integer operations per 4 bytes, below the memory's pace on an H200.
 
 Shares. A piece holding dim-0 rows r0.. of a larger tensor hashes its words with their indices
-in the whole (`Part.first_row`); the pieces' (A, B) add up, componentwise mod 2**32 (`add_raw`),
-to the whole tensor's: the weight sync checks tensors sharded over EP ranks this way.
+in the whole (`Part.first_row`; its rows must be whole words); the pieces' (A, B) add up,
+componentwise mod 2**32 (`add_raw`), to the whole tensor's: the weight sync checks tensors sharded
+over EP ranks this way. Rows (`Part.rows`): each dim-0 row is a tensor of its own (words from 0,
+its tail padded).
 
 Where it runs. CUDA: one Triton launch over a table of chunks of any number of tensors
 (kernels/triton/fingerprint.py), results in a device buffer. CPU: numpy over the same words
 (~1.5 GB/s on one core), and under TRITON_INTERPRET=1 the Triton kernel itself. All give the
 same bits for the same bytes: a fingerprint taken on the GPU (a trace, a checkpoint's meta.json)
 is comparable with one taken on the CPU. A tensor that is not contiguous is read through a
-contiguous copy (the value is that of its elements in logical order); one whose start is not
-aligned to its word size is copied too; a tensor with no byte layout (sparse, quantized, meta)
-is an error naming it.
+contiguous copy (the value is that of its elements in logical order); one whose start is not at
+a 4-byte boundary, or whose rows are not whole words, is read through a zero-padded copy; a
+tensor with no byte layout (sparse, quantized, meta) is an error naming it.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import torch
 
 K1, K2, K3, K4 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F
 C1, C2 = 0x165667B1, 0xD3A2646C
-M1, M2, M3 = 0x85EBCA6B, 0xC2B2AE35, 0x2C1B3C6D
+M1, M2 = 0x85EBCA6B, 0xC2B2AE35
 CHUNK = 1 << 18  # words per work item (GPU: one program); a divisor of 2**32
 _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 _NP_BLOCK = 1 << 16  # numpy: words per pass (cache-sized temporaries)
@@ -68,19 +75,12 @@ class Part:
     name: str = ""
 
 
-def word_bytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    """W: the largest of 4, 2, 1 dividing one dim-0 row's bytes (a 0-d tensor: its itemsize)."""
-    row = dtype.itemsize
-    for s in tuple(shape)[1:]:
-        row *= s
-    return 4 if row % 4 == 0 else 2 if row % 2 == 0 else 1
-
-
 @functools.lru_cache(maxsize=65536)
 def salt(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     name = str(dtype).removeprefix("torch.")
-    return int.from_bytes(hashlib.blake2b(f"rlalign-fp|{name}|{list(shape)}".encode(), digest_size=8).digest(),
-                          "little")
+    nbytes = dtype.itemsize * math.prod(shape)
+    return int.from_bytes(hashlib.blake2b(f"rlalign-fp|{name}|{list(shape)}|{nbytes}".encode(),
+                                          digest_size=8).digest(), "little")
 
 
 def mix64(z: int) -> int:
@@ -123,9 +123,10 @@ _PLAIN = {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
           torch.int8, torch.uint8, torch.bool}
 
 
-def _layout(p: Part, where: str) -> tuple[torch.Tensor, int, int, int]:
-    """(t detached, contiguous and W-aligned (a copy where it was not), W, results R, first word of
-    row 0): what is hashed, as R rows of t's bytes / R each."""
+def _words(p: Part, where: str) -> tuple[torch.Tensor, int]:
+    """(b, first): what is hashed, b a contiguous uint8 [R, 4 x words] at a 4-byte boundary (R
+    results: the rows, or 1; a copy where t was not contiguous, not 4-byte aligned or its rows not
+    whole words, the copy's rows zero-padded), first the word index of b's first word."""
     t = p.tensor
     if not isinstance(t, torch.Tensor):
         raise FingerprintError(f"fingerprint of {where}: not a tensor ({type(t).__name__})")
@@ -141,22 +142,21 @@ def _layout(p: Part, where: str) -> tuple[torch.Tensor, int, int, int]:
             t.reshape(-1)[:0].view(torch.uint8)
         except RuntimeError as e:
             raise FingerprintError(f"fingerprint of {where}: dtype {t.dtype} cannot be read as bytes ({e})") from None
-    shape = t.shape[1:] if p.rows else t.shape
-    w = word_bytes(t.dtype, shape)
+    row_bytes = t.dtype.itemsize * math.prod(t.shape[1:])  # one dim-0 row (a 0-d tensor: its item)
+    if p.first_row and row_bytes % 4:
+        raise FingerprintError(f"fingerprint of {where}: a share (first_row={p.first_row}) needs dim-0 rows of "
+                               f"whole 32-bit words; a row of {tuple(t.shape[1:])} {t.dtype} is {row_bytes} bytes")
+    R = t.shape[0] if p.rows else 1
+    nb = t.numel() * t.dtype.itemsize
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    elif t.data_ptr() % w:
-        t = t.clone()
-    row_bytes = t.dtype.itemsize * math.prod(shape[1:])
-    return t, w, t.shape[0] if p.rows else 1, p.first_row * (row_bytes // w)
-
-
-def _bytes_2d(p: Part, where: str) -> tuple[torch.Tensor, int, int]:
-    """(t as a contiguous uint8 [rows, row bytes], W, first word of row 0): the words to hash."""
-    t, w, R, first = _layout(p, where)
-    b = t.reshape(-1).view(torch.uint8)
-    return (b.view(R, -1) if R else b.view(0, 0)), w, first
+    b = t.reshape(-1).view(torch.uint8).view(R, nb // R if R else 0)
+    if b.shape[1] % 4:
+        b = torch.nn.functional.pad(b, (0, -b.shape[1] % 4))
+    elif b.data_ptr() % 4:
+        b = b.clone()
+    return b, p.first_row * row_bytes // 4
 
 
 # --- CPU: numpy ---------------------------------------------------------------------------------------
@@ -165,17 +165,14 @@ def _u32(v: int) -> np.uint32:
 
 
 def _hash_np(words: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(h, g) of uint32 words under keys k1, k2 (broadcast): the definition's two bijections."""
-    h = words ^ k1
+    """(h, h * key2) of uint32 words under keys k1, k2 (broadcast): the definition's two terms."""
+    h = words + k1
     h ^= h >> np.uint32(16)
     h *= _u32(M1)
     h ^= h >> np.uint32(13)
     h *= _u32(M2)
     h ^= h >> np.uint32(16)
-    g = h ^ k2
-    g *= _u32(M3)
-    g ^= g >> np.uint32(15)
-    return h, g
+    return h, h * k2
 
 
 def _keys_np(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -219,16 +216,6 @@ def _np_sums_short(blocks: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np
     return np.add.reduceat(h, starts, dtype=np.uint32), np.add.reduceat(g, starts, dtype=np.uint32)
 
 
-def _np_words(b: torch.Tensor, w: int) -> np.ndarray:
-    a = b.numpy()
-    if a.shape[1] == 0:
-        return np.zeros((a.shape[0], 0), np.uint32)
-    if w == 1:
-        return a.astype(np.uint32)
-    v = a.view({4: "<u4", 2: "<u2"}[w])
-    return v if w == 4 else v.astype(np.uint32)
-
-
 def sums_cpu(parts: Sequence[Part]) -> np.ndarray:
     """[N, 2] uint32 (A, B) of every result of `parts` (CPU tensors), in order: long rows a block
     at a time, the short ones together in passes of about _NP_BLOCK words."""
@@ -237,10 +224,10 @@ def sums_cpu(parts: Sequence[Part]) -> np.ndarray:
     n_out = 0
     for k, p in enumerate(parts):
         where = p.name or f"tensor {k}"
-        b, w, first = _bytes_2d(p, where)
+        b, first = _words(p, where)
         if b.device.type != "cpu":
             raise FingerprintError(f"fingerprint of {where}: on {b.device}, expected the CPU")
-        words = _np_words(b, w)
+        words = b.numpy().view("<u4") if b.shape[1] else np.zeros((b.shape[0], 0), np.uint32)
         R, n = words.shape
         ids = n_out + np.arange(R)
         if words.size > _TINY or (n and R > 1):
@@ -266,37 +253,35 @@ def sums_cpu(parts: Sequence[Part]) -> np.ndarray:
 ALIGN = 16  # bytes: a chunk of the aligned table starts here (vector loads)
 
 
-def work_table(parts: Sequence[Part]) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], list[torch.Tensor], int]:
-    """The chunks of `parts`, by word size W: {W: (table of aligned chunks, table of the rest)},
-    each table int64 [C, 5] = (address, words, key1 base, key2 base, result index); the tensors
-    read (contiguous copies where one was needed); the number of results. A chunk holds at most
-    CHUNK words of one row, never crosses a multiple of 2**32 word indices (its words' high index
-    word is one), and the aligned table's chunks start at ALIGN-byte addresses (a row that does
-    not starts with a chunk of its first few words in the other table)."""
-    cols: dict[int, list[tuple[int, int, int, int, int]]] = {}  # W -> (address, rows, row bytes, first, result)
+def work_table(parts: Sequence[Part]) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor], int]:
+    """The chunks of `parts`: (table of aligned chunks, table of the rest), each int64 [C, 5] =
+    (address, words, key1 base, key2 base, result index); the tensors read (copies where one was
+    needed); the number of results. A chunk holds at most CHUNK words of one row, never crosses a
+    multiple of 2**32 word indices (its words' high index word is one), and the aligned table's
+    chunks start at ALIGN-byte addresses (a row that does not starts with a chunk of its first few
+    words in the other table)."""
+    segs: list[tuple[int, int, int, int, int]] = []  # (address, rows, row bytes, first, result)
     views: list[torch.Tensor] = []
     n_out = 0
     for k, p in enumerate(parts):
-        t, w, R, first = _layout(p, p.name or f"tensor {k}")
-        views.append(t)
-        nb = t.numel() * t.element_size()
+        b, first = _words(p, p.name or f"tensor {k}")
+        views.append(b)
+        R, nb = b.shape
         if R and nb:
-            cols.setdefault(w, []).append((t.data_ptr(), R, nb // R, first, n_out))
+            segs.append((b.data_ptr(), R, nb, first, n_out))
         n_out += R
-    tables = {}
-    for w, segs in cols.items():
-        addr, rows, row_nb, first0, dst0 = (np.array(c, np.int64) for c in zip(*segs))
-        j = np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)  # row index within its part
-        base = np.repeat(addr, rows) + j * np.repeat(row_nb, rows)
-        n, first, dst = np.repeat(row_nb // w, rows), np.repeat(first0, rows), np.repeat(dst0, rows) + j
-        peel = np.minimum(((-base) % ALIGN) // w, n)  # words before the first aligned address
-        odd = _chunks(base, peel, first, dst, w, np.zeros_like(base))
-        main = _chunks(base, n, first, dst, w, peel)
-        tables[w] = (main, odd)
-    return tables, views, n_out
+    if not segs:
+        return np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64), views, n_out
+    addr, rows, row_nb, first0, dst0 = (np.array(c, np.int64) for c in zip(*segs))
+    j = np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)  # row index within its part
+    base = np.repeat(addr, rows) + j * np.repeat(row_nb, rows)
+    n, first, dst = np.repeat(row_nb // 4, rows), np.repeat(first0, rows), np.repeat(dst0, rows) + j
+    peel = np.minimum(((-base) % ALIGN) // 4, n)  # words before the first aligned address
+    return (_chunks(base, n, first, dst, peel), _chunks(base, peel, first, dst, np.zeros_like(base)), views,
+            n_out)
 
 
-def _chunks(base, n, first, dst, w, start) -> np.ndarray:
+def _chunks(base, n, first, dst, start) -> np.ndarray:
     """Chunks of words [start, n) of each row: at most CHUNK words, split at CHUNK multiples of the
     row-local index and where the global index first + j crosses a multiple of 2**32."""
     m = n - start
@@ -320,7 +305,7 @@ def _chunks(base, n, first, dst, w, start) -> np.ndarray:
     lo, hi = (g0 & _M32).astype(np.uint64), (g0 >> 32).astype(np.uint64)
     k1 = (lo * np.uint64(K1) + hi * np.uint64(K3) + np.uint64(C1)) & np.uint64(_M32)
     k2 = (lo * np.uint64(K2) + hi * np.uint64(K4) + np.uint64(C2)) & np.uint64(_M32)
-    return np.stack([base[r] + j0 * w, j1 - j0, k1.astype(np.int64), k2.astype(np.int64), dst[r]], 1)
+    return np.stack([base[r] + j0 * 4, j1 - j0, k1.astype(np.int64), k2.astype(np.int64), dst[r]], 1)
 
 
 def raw_values(ab: np.ndarray) -> list[int]:

@@ -26,14 +26,14 @@ def _tensors():
     big = torch.randn(40, 70, generator=g)
     return [
         big,  # one masked BLOCK here; several when BLOCK is patched below
-        torch.randn(5, 3, generator=g).bfloat16(),  # 6-byte rows: 16-bit words
+        torch.randn(5, 3, generator=g).bfloat16(),  # 6-byte rows: each row's tail padded (rows=True)
         torch.randint(-5, 100, (9,), generator=g),  # int64
         torch.randn(4, 3, 2, generator=g)[:, 1],  # not contiguous: read through a copy
-        torch.randn(7, generator=g).bfloat16()[1:],  # starts 2 bytes into its storage
+        torch.randn(7, generator=g).bfloat16()[1:],  # starts 2 bytes into its storage: read through a copy
         torch.zeros(0, 4),
         torch.tensor(3.0),
         torch.tensor([True, False, True]),
-        torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),  # 8-bit words
+        torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),  # 13 bytes: a padded tail word
     ]
 
 
@@ -54,8 +54,8 @@ def test_the_triton_kernel_under_the_interpreter_gives_numpys_bits():
 def test_the_value_is_pinned_so_no_host_can_drift_from_it():
     # integer arithmetic only: these are the definition's bits on any machine (and on the GPU)
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    assert fingerprint(x) == "6e60e462eba778ce"
-    assert fingerprint(x.bfloat16()) == "1505090229be379f"
+    assert fingerprint(x) == "7afa5e57437ee2c4"
+    assert fingerprint(x.bfloat16()) == "0535c290658502cb"
     assert fingerprint(x) != fingerprint(x + 1)  # negative twin: other values, other bits
 
 
@@ -108,15 +108,38 @@ def test_word_indices_past_two_to_the_32_split_chunks_and_still_add_up():
     want = fpk.sums_cpu([both])
     assert np.array_equal(_interpreted([both]), want)
     assert fpk.add_raw(fpk.raw_values(fpk.sums_cpu(halves))) == fpk.raw_values(want)[0]
-    table = fpk.work_table([both])[0][4][0]
+    table = fpk.work_table([both])[0]
     starts = table[:, 2]  # key1 bases: the chunk beginning at index 2**32 has the high word's key
     assert len(table) == 2 and (fpk.K3 + fpk.C1) & 0xFFFFFFFF in starts.tolist()
+
+
+def test_a_padded_tail_word_is_told_apart_by_the_byte_count_in_the_salt():
+    y = torch.tensor([1.0, 2.0, 3.0]).bfloat16()  # 6 bytes: words (1.0, 2.0) and (3.0, zero padding)
+    z = torch.tensor([1.0, 2.0, 3.0, 0.0]).bfloat16()  # the same 8 bytes, unpadded
+    assert fingerprint(y) == "9fa7b7a6b150fd02"
+    assert np.array_equal(fpk.sums_cpu([Part(y)]), fpk.sums_cpu([Part(z)]))  # the same words...
+    assert fingerprint(y) != fingerprint(z)  # ...and still another value (the salt holds 6 vs 8 bytes)
+    # negative twin: the tail's real bytes count; one changed bit in them changes the value
+    y2 = y.clone()
+    y2.view(torch.int16)[2] ^= 1
+    assert fingerprint(y2) != fingerprint(y)
+
+
+def test_a_share_of_rows_that_are_not_whole_words_is_an_error_naming_it():
+    x = torch.randn(6, 3).bfloat16()  # 6-byte rows: a share's words would straddle two ranks' rows
+    with pytest.raises(fpk.FingerprintError, match=r"fingerprint of experts\.w: a share \(first_row=3\) needs dim-0 "
+                                                   r"rows of whole 32-bit words"):
+        fpk.sums_cpu([Part(x[3:], first_row=3, name="experts.w")])
+    fpk.sums_cpu([Part(x[3:].float(), first_row=3, name="experts.w")])  # negative twin: 12-byte rows are fine
 
 
 def test_row_fingerprints_are_the_rows_own_fingerprints():
     x = torch.randn(10, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
     r = row_fingerprints(x)
     assert [f"{int(v) & ((1 << 64) - 1):016x}" for v in r] == [fingerprint(x[i]) for i in range(10)]
+    odd = torch.randn(4, 5, generator=torch.Generator().manual_seed(5)).bfloat16()  # 10-byte rows: padded
+    got = [f"{int(v) & ((1 << 64) - 1):016x}" for v in row_fingerprints(odd)]
+    assert got == [fingerprint(odd[i]) for i in range(4)]
     assert int(row_fingerprints(x[:, [1, 0, *range(2, 16)]])[0]) != int(r[0])  # negative twin: a swap
 
 

@@ -1,12 +1,17 @@
 """The fingerprint kernel (the definition: kernels/fingerprint.py): one launch over a table of
 chunks of any number of tensors, each byte read once, per-result (A, B) sums in a device buffer.
 
-A program takes one chunk (address, word count, its first word's two key bases, result index),
-hashes its words BLOCK at a time in 32-bit integer arithmetic (keys, murmur3's fmix32, one more
-multiply-xorshift: ~17 integer operations a word, below the memory's pace on an H200) and adds
-its two sums into the result with integer atomics (order-free: the same bits for any grid).
-Addresses are word offsets from the base tensor passed in (the result buffer), so the loads of
-the aligned table's chunks are known to be 16-byte aligned and become vector loads.
+A program takes one chunk (address, word count, its first word's two key bases, result index)
+and reads its 32-bit words BLOCK at a time: full blocks with unmasked vector loads at 32-bit
+offsets from the chunk's start (the next block's loads issued before this block is hashed, so
+their latency overlaps the hashing), the last partial block masked. Per word: one three-input add
+(word + key1 base + the lane's key1 step), fmix32 and two accumulations, acc_h += h and
+acc_j += h * (block offset): ~11 integer operations per 4 bytes, below the memory's pace on an
+H200. The program's B follows from key2 being linear in the index within a chunk:
+B = key2(first) * A + K2 * (sum over lanes of acc_j + lane * acc_h). It adds its (A, B) into the
+result with integer atomics (order-free: the same bits for any grid). Addresses are word offsets
+from the base tensor passed in (the result buffer), so the loads of the aligned table's chunks are
+known to be 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -21,85 +26,64 @@ from rlalign.kernels import fingerprint as fp
 
 from .common import INTERPRET
 
-BLOCK, NUM_WARPS = 4096, 8  # words per loop step; 16 a thread (four 16-byte loads of 32-bit words)
-_WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+BLOCK, NUM_WARPS = 4096, 8  # words per loop step; 16 a thread (four 16-byte loads)
 
 
 @triton.jit
-def _hash(w, k1, k2, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr):
-    """(h, g) of words w (uint32) under keys k1, k2: the definition's two bijections."""
-    h = w ^ k1
-    h ^= h >> 16
-    h *= M1
-    h ^= h >> 13
-    h *= M2
-    h ^= h >> 16
-    g = (h ^ k2) * M3
-    g ^= g >> 15
-    return h, g
-
-
-@triton.jit
-def _unsigned(w, WORD: tl.constexpr):
-    """Loaded words as uint32, zero-extended (an int16 word is reinterpreted first, not sign-extended)."""
-    if WORD == 2:
-        w = w.to(tl.uint16, bitcast=True)
-    return w.to(tl.uint32, bitcast=WORD == 4)
+def _fmix32(x, M1: tl.constexpr, M2: tl.constexpr):
+    x ^= x >> 16
+    x *= M1
+    x ^= x >> 13
+    x *= M2
+    x ^= x >> 16
+    return x
 
 
 @triton.jit
 def _fingerprint_kernel(base_ptr, table_ptr, out_ptr, K1: tl.constexpr, K2: tl.constexpr, STEP1: tl.constexpr,
-                        STEP2: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, WORD: tl.constexpr,
-                        VEC: tl.constexpr, BLOCK: tl.constexpr):
-    """base_ptr: words of WORD bytes (int32, int16 or uint8); VEC > 1: every chunk starts at a
-    multiple of VEC words from base_ptr, i.e. at a 16-byte boundary (vector loads)."""
+                        M1: tl.constexpr, M2: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """base_ptr: int32 words; VEC > 1: every chunk starts at a multiple of VEC words from
+    base_ptr, i.e. at a 16-byte boundary (vector loads)."""
     row = table_ptr + tl.program_id(0).to(tl.int64) * 5
     start = tl.load(row)  # words from base_ptr
-    n = tl.load(row + 1)
+    n = tl.load(row + 1).to(tl.int32)  # at most fp.CHUNK
     k1 = tl.load(row + 2).to(tl.uint32)
     k2 = tl.load(row + 3).to(tl.uint32)
     dst = tl.load(row + 4)
+    if VEC > 1:
+        start = tl.multiple_of(start, VEC)
+    ptr = base_ptr + start
     lane = tl.arange(0, BLOCK)
     lk1 = lane.to(tl.uint32) * K1
-    lk2 = lane.to(tl.uint32) * K2
     acc_h = tl.zeros([BLOCK], tl.uint32)
-    acc_g = tl.zeros([BLOCK], tl.uint32)
+    acc_j = tl.zeros([BLOCK], tl.uint32)
     full = (n // BLOCK) * BLOCK
-    # the next block's words are loaded before this block is hashed: its load latency overlaps the
-    # hashing (one block in flight per warp would leave the loop waiting on memory)
-    offs = start + lane
-    if VEC > 1:
-        offs = tl.multiple_of(offs, VEC)
-    nxt = tl.load(base_ptr + offs, mask=lane < full, other=0)
-    for off in range(0, full, BLOCK):  # k1, k2: the key bases of word off (STEP = BLOCK * K mod 2**32)
-        w = _unsigned(nxt, WORD)
-        offs = start + off + BLOCK + lane
-        if VEC > 1:
-            offs = tl.multiple_of(offs, VEC)
-        nxt = tl.load(base_ptr + offs, mask=off + BLOCK + lane < full, other=0)
-        h, g = _hash(w, k1 + lk1, k2 + lk2, M1, M2, M3)
+    nxt = tl.load(ptr + lane, mask=tl.full([BLOCK], 0, tl.int32) < full, other=0)
+    o = k1 * 0  # off as uint32
+    for off in range(0, full, BLOCK):
+        w = nxt.to(tl.uint32, bitcast=True)
+        ahead = tl.multiple_of(tl.minimum(off + BLOCK, full - BLOCK), BLOCK)  # the last block reloads itself
+        nxt = tl.load(ptr + ahead + lane)
+        h = _fmix32(w + lk1 + k1, M1, M2)
         acc_h += h
-        acc_g += g
+        acc_j += h * o
         k1 += STEP1
-        k2 += STEP2
+        o += BLOCK
     if full < n:
         m = full + lane < n
-        w = _unsigned(tl.load(base_ptr + start + full + lane, mask=m, other=0), WORD)
-        h, g = _hash(w, k1 + lk1, k2 + lk2, M1, M2, M3)
-        acc_h += tl.where(m, h, 0)
-        acc_g += tl.where(m, g, 0)
-    a = tl.sum(acc_h, 0).to(tl.int32, bitcast=True)
-    b = tl.sum(acc_g, 0).to(tl.int32, bitcast=True)
-    tl.atomic_add(out_ptr + dst * 2, a, sem="relaxed")
-    tl.atomic_add(out_ptr + dst * 2 + 1, b, sem="relaxed")
-
-
-_CONSTS = dict(K1=fp.K1, K2=fp.K2, M1=fp.M1, M2=fp.M2, M3=fp.M3)
+        w = tl.load(ptr + full + lane, mask=m, other=0).to(tl.uint32, bitcast=True)
+        h = tl.where(m, _fmix32(w + lk1 + k1, M1, M2), 0)
+        acc_h += h
+        acc_j += h * o
+    a = tl.sum(acc_h, 0)
+    b = k2 * a + K2 * tl.sum(acc_j + lane.to(tl.uint32) * acc_h, 0)
+    tl.atomic_add(out_ptr + dst * 2, a.to(tl.int32, bitcast=True), sem="relaxed")
+    tl.atomic_add(out_ptr + dst * 2 + 1, b.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 def fingerprint_sums(parts: Sequence[fp.Part]) -> torch.Tensor:
     """[N, 2] int32 (A, B) on the parts' device (CUDA, or the CPU under TRITON_INTERPRET=1): one
-    launch per word size and alignment class present (one for the usual float tensors)."""
+    launch for the chunks at 16-byte boundaries, one for the few others."""
     if not parts:
         raise ValueError("fingerprint_sums: no tensors")
     device = parts[0].tensor.device
@@ -107,18 +91,16 @@ def fingerprint_sums(parts: Sequence[fp.Part]) -> torch.Tensor:
         if p.tensor.device != device:
             raise ValueError(f"fingerprint_sums: {p.name or f'tensor {k}'} is on {p.tensor.device}, "
                              f"tensor 0 on {device}: one call fingerprints tensors of one device")
-    tables, copies, n_out = fp.work_table(parts)  # copies: freed after the launch (stream order)
+    main, odd, copies, n_out = fp.work_table(parts)  # copies: freed after the launch (stream order)
     out = torch.zeros(n_out, 2, dtype=torch.int32, device=device)
     base = out.data_ptr()
-    for w, (main, odd) in sorted(tables.items()):
-        for vec, t in ((16 // w, main), (1, odd)):
-            if not len(t):
-                continue
-            t = t.copy()
-            t[:, 0] = (t[:, 0] - base) // w  # addresses -> words from the base tensor
-            host = torch.from_numpy(t)
-            table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-            _fingerprint_kernel[(len(t),)](out.view(_WORD_DTYPE[w]), table, out, WORD=w, VEC=vec, BLOCK=BLOCK,
-                                           STEP1=BLOCK * fp.K1 % 2**32, STEP2=BLOCK * fp.K2 % 2**32,
-                                           num_warps=1 if INTERPRET else NUM_WARPS, **_CONSTS)
+    for vec, t in ((4, main), (1, odd)):
+        if not len(t):
+            continue
+        t = t.copy()
+        t[:, 0] = (t[:, 0] - base) // 4  # addresses -> words from the base tensor
+        host = torch.from_numpy(t)
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        _fingerprint_kernel[(len(t),)](out, table, out, K1=fp.K1, K2=fp.K2, STEP1=BLOCK * fp.K1 % 2**32, M1=fp.M1,
+                                       M2=fp.M2, VEC=vec, BLOCK=BLOCK, num_warps=1 if INTERPRET else NUM_WARPS)
     return out
