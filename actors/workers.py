@@ -17,7 +17,9 @@ store, blake2b on both sides) for debugging and as the benchmark's baseline.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +54,30 @@ class TrainOutput:
     stats: list[tuple[tuple, dict]]  # ((epoch, minibatch, micro-batch), stats): merged in key order
     rows: dict = field(default_factory=dict)
     peak_bytes: int | None = None
+    gc_s: float = 0.0  # this process's time in Python's cyclic garbage collector during the call
+
+
+_GC = {"total_s": 0.0, "since": 0.0, "hooked": False}
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["since"] = time.perf_counter()
+    else:
+        _GC["total_s"] += time.perf_counter() - _GC["since"]
+
+
+def _gc_settle(own_process: bool) -> None:
+    """Time the cyclic collector's pauses (TrainOutput.gc_s); in a process of its own (a Ray
+    actor), also move every object alive now (modules, the model, optimizer state) out of the
+    collector's reach: a full collection then scans only what was allocated since, not the whole
+    heap (measured: 84 ms -> 0 for a trainer's imports on one CPU core)."""
+    if not _GC["hooked"]:
+        gc.callbacks.append(_gc_timer)
+        _GC["hooked"] = True
+    if own_process:
+        gc.collect()
+        gc.freeze()
 
 
 def _reset_peak(device: str) -> None:
@@ -146,6 +172,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.trainer = Trainer(self.cfg, self.group)
         self.saver = AsyncSaver()
         self._setup_monitor(self.trainer.model)
+        self._own_process, self._steps = port is not None, 0
+        _gc_settle(self._own_process)
 
     def pid(self) -> int:
         return os.getpid()
@@ -160,6 +188,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         Returns this rank's pre-update logprobs, stat records and (monitor.fingerprints=layers)
         per-token row fingerprints."""
         maybe_fail("trainer.train_step", self.rank)
+        gc0 = _GC["total_s"]
         if self.trace is not None:
             self.trace.step = step
             self.trace.fence()  # the step changes the tensors the last step's records read
@@ -179,7 +208,10 @@ class TrainerWorker(_Monitored, _WeightSync):
                 params = dict(t.model.named_parameters())
                 tr.record_many(items + [(f"weights/{n}", params[n]) for n in sorted(params)])
             tr.flush()  # the fingerprints run on the device; their records are written at a later flush
-        return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device))
+        self._steps += 1
+        if self._steps == 1:  # the optimizer state and the kernels' caches exist now
+            _gc_settle(self._own_process)
+        return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0)
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
@@ -235,6 +267,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self.group is not None:
             apply_ep(self.model, self.group)
         self._setup_monitor(self.model)
+        _gc_settle(port is not None)
         self.generator = make_generator(self.cfg, self.model, self.group)  # self.model: the copy weight sync writes
 
     def pid(self) -> int:

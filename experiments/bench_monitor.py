@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 HBM_PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # vendor peaks, GB/s
-TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s")
+TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s", "trainer_gc_s")
 
 
 def _part(out: Path, name: str, payload: dict) -> None:
@@ -121,31 +121,78 @@ def kernel(a) -> None:
     reps = 10 if dev.type == "cuda" else 2
     kernels.fingerprint_sums(parts)  # compile
     t = timed(lambda: kernels.fingerprint_sums(parts), reps)
-    res["fingerprint_sums_s"] = t
-    res["fingerprint_gbps"] = nbytes / t / 1e9
+    res["fingerprint_call_s"] = t  # one call with a host sync around it: the host's work table included
+    res["fingerprint_call_gbps"] = nbytes / t / 1e9
+    t0 = time.perf_counter()
+    main, odd, views, n_out = fpk.work_table(parts)
+    res["work_table_ms"] = (time.perf_counter() - t0) * 1e3
+    out = torch.zeros(n_out, 2, dtype=torch.int32, device=dev)
+    tables = []
+    for vec, tab in ((4, main), (1, odd)):
+        if len(tab):
+            tab = tab.copy()
+            tab[:, 0] = (tab[:, 0] - out.data_ptr()) // 4
+            tables.append((vec, torch.from_numpy(tab).to(dev)))
+
+    def launches(block, warps):
+        for vec, tab in tables:
+            tfp._fingerprint_kernel[(len(tab),)](out, tab, out, K1=fpk.K1, K2=fpk.K2, STEP1=block * fpk.K1 % 2**32,
+                                                 M1=fpk.M1, M2=fpk.M2, VEC=vec, BLOCK=block,
+                                                 num_warps=warps if dev.type == "cuda" else 1)
+
+    def kernel_s(block, warps, n):
+        """Seconds per pass of the bare kernel launches (tables built once), n passes back to back."""
+        launches(block, warps)  # compile
+        if dev.type != "cuda":
+            return timed(lambda: launches(block, warps), 1)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        torch.cuda.synchronize()
+        ev[0].record()
+        for _ in range(n):
+            launches(block, warps)
+        ev[1].record()
+        torch.cuda.synchronize()
+        return ev[0].elapsed_time(ev[1]) / 1e3 / n
+
+    tk = kernel_s(tfp.BLOCK, tfp.NUM_WARPS, reps)
+    res["fingerprint_kernel_s"] = tk
+    res["fingerprint_gbps"] = nbytes / tk / 1e9  # the kernel's read rate (CUDA events over back-to-back passes)
+    if dev.type == "cuda":  # calls back to back (host work overlapping the device): the rate a trace step sees
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        torch.cuda.synchronize()
+        ev[0].record()
+        for _ in range(reps):
+            kernels.fingerprint_sums(parts)
+        ev[1].record()
+        torch.cuda.synchronize()
+        res["fingerprint_calls_back_to_back_gbps"] = nbytes / (ev[0].elapsed_time(ev[1]) / 1e3 / reps) / 1e9
     ref = mats[1][1]  # one fp32 matrix: torch.sum's read rate, a reference on this device
     res["torch_sum_fp32_gbps"] = ref.numel() * 4 / timed(lambda: ref.sum(), reps) / 1e9
     peak = next((v for k, v in HBM_PEAK_GBPS.items() if k in res["device"]), None)
     if peak:
         res["hbm_peak_gbps"] = peak
         res["fingerprint_frac_of_peak"] = res["fingerprint_gbps"] / peak
-    # the config beside others (information for the next tuning; the product keeps its pinned one)
+    # the pinned config beside others (the value does not depend on them: checked per config)
     sweep = {}
-    for block, warps in ((4096, 8), (2048, 4), (2048, 8), (8192, 8), (4096, 4)):
-        old = tfp.BLOCK, tfp.NUM_WARPS
-        tfp.BLOCK, tfp.NUM_WARPS = block, warps
-        try:
-            same = np.array_equal(kernels.fingerprint_sums(parts[:3]).cpu().numpy(),
-                                  kernels.fingerprint_sums(parts[:3]).cpu().numpy())
-            sweep[f"BLOCK={block} num_warps={warps}"] = {"gbps": nbytes / timed(lambda: kernels.fingerprint_sums(parts),
-                                                                                  max(2, reps // 2)) / 1e9,
-                                                         "repeatable": bool(same)}
-        finally:
-            tfp.BLOCK, tfp.NUM_WARPS = old
+    for block, warps in ((4096, 8), (2048, 4), (2048, 8), (8192, 8), (4096, 4), (8192, 16), (1024, 4)):
+        if dev.type != "cuda" and block > 1024:
+            continue
+        sweep[f"BLOCK={block} num_warps={warps}"] = {"gbps": nbytes / kernel_s(block, warps, max(2, reps // 2)) / 1e9}
+    out.zero_()
+    launches(tfp.BLOCK, tfp.NUM_WARPS)
+    ref_ab = out.clone()
+    for key in sweep:
+        block, warps = (int(x.split("=")[1]) for x in key.split())
+        out.zero_()
+        launches(block, warps)
+        sweep[key]["same_sums_as_pinned_config"] = bool(torch.equal(out, ref_ab))
     res["config_sweep"] = sweep
-    print(f"fingerprint_sums: {nbytes / 1e9:.2f} GB in {t * 1e3:.2f} ms = {res['fingerprint_gbps']:.0f} GB/s "
-          f"(torch.sum fp32 {res['torch_sum_fp32_gbps']:.0f} GB/s); sweep "
-          + ", ".join(f"{k}: {v['gbps']:.0f}" for k, v in sweep.items()), flush=True)
+    print(f"fingerprint kernel: {nbytes / 1e9:.2f} GB in {tk * 1e3:.2f} ms = {res['fingerprint_gbps']:.0f} GB/s; one "
+          f"call {res['fingerprint_call_gbps']:.0f} GB/s (work table {res['work_table_ms']:.1f} ms); calls back to "
+          f"back {res.get('fingerprint_calls_back_to_back_gbps', 0):.0f} GB/s; torch.sum fp32 "
+          f"{res['torch_sum_fp32_gbps']:.0f} GB/s; sweep "
+          + ", ".join(f"{k}: {v['gbps']:.0f}" for k, v in sweep.items()),
+          flush=True)
     _part(Path(a.out), "kernel", res)
 
 
@@ -286,6 +333,7 @@ def summary(a) -> None:
     ratios = [m["monitor_on_over_off_step"] for m in models.values() if "monitor_on_over_off_step" in m]
     summ = {"gpu": k.get("device"), "monitor_on_over_off_step": max(ratios) if ratios else None,
             "fingerprint_gbps": k.get("fingerprint_gbps"),
+            "fingerprint_call_gbps": k.get("fingerprint_call_gbps"),
             "fingerprint_frac_of_hbm_peak": k.get("fingerprint_frac_of_peak"),
             "sync_on_over_off": {mm: m.get("monitor_on_over_off_sync") for mm, m in models.items()},
             "step_on_over_off": {mm: m.get("monitor_on_over_off_step") for mm, m in models.items()},
@@ -311,6 +359,17 @@ def summary(a) -> None:
                          f"{fmt(m.get('monitor_on_over_off_sync'), '.2f')}x)" for mm, m in models.items()) + ".")
     path = record.write(a.name, {**res, "what_it_shows": shows}, a.results, command=a.command)
     print("wrote", path)
+    if a.kernel_name and k:
+        sw, nt = k.get("config_sweep") or {}, (k.get("bandwidth_setup") or {}).get("tensors")
+        kshows = (f"kernels.fingerprint_sums' kernel over {gb:.1f} GB of mixed bf16/fp32 tensors "
+                  f"({nt} tensors): {fmt(k.get('fingerprint_gbps'), '.0f')} "
+                  f"GB/s = {frac:.0f} % of the HBM peak (CUDA events over back-to-back launches, tables built once); "
+                  f"one call with its host work table and a sync around it "
+                  f"{fmt(k.get('fingerprint_call_gbps'), '.0f')} GB/s; torch.sum fp32 "
+                  f"{fmt(k.get('torch_sum_fp32_gbps'), '.0f')} GB/s on the same GPU; configs: "
+                  + ", ".join(f"{c} {fmt(v.get('gbps'), '.0f')}" for c, v in sw.items())
+                  + f". Bits equal numpy's on every case: {(k.get('bits') or {}).get('device_equals_numpy')}.")
+        print("wrote", record.write(a.kernel_name, {**k, "what_it_shows": kshows}, a.results, command=a.command))
 
 
 def main() -> None:
@@ -319,6 +378,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_monitor"), help="part JSONs")
     ap.add_argument("--results", default=None, help="where the result JSON goes (default experiments/results)")
     ap.add_argument("--name", default=None, help="result name (summary; demo: monitor_overhead_cpu)")
+    ap.add_argument("--kernel-name", default=None, help="summary: also write the kernel phase as this result")
     ap.add_argument("--command", default=None, help="the whole call's command line, recorded by summary")
     ap.add_argument("--gb", type=float, default=10.0)
     ap.add_argument("--model", default="qwen3-30b-a3b-rehearsal")

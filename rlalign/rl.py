@@ -110,6 +110,7 @@ class Job:
         self.ipc = cfg.device.startswith("cuda") and cfg.placement.colocate  # NCCL refuses two ranks on one GPU
         self.last_sync: dict = {}  # the latest sync's bytes, buckets and per-side seconds (step metrics)
         self.weights_fp: str | None = None
+        self.trainer_gc_s = 0.0  # the step's longest time in Python's garbage collector on a trainer rank
         self.peaks: dict[str, float | None] = {}  # role -> the step's peak GPU memory of its busiest rank, GiB
 
     def open_traces(self, start_step: int) -> None:
@@ -266,6 +267,7 @@ def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
     outs = job.trainers.call("train_step", samples, alg, step)
     job.peaks["trainer"] = _max_peak(outs)
+    job.trainer_gc_s = max((o.gc_s for o in outs), default=0.0)
     lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
     stats: dict[str, float] = {}
     for _, st in sorted((rec for o in outs for rec in o.stats), key=lambda rec: rec[0]):
@@ -351,7 +353,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller,
     metrics["reward/timeouts"] = timed_out
     metrics.update({"sync/weights_fp": weights_fp, **job.last_sync, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
-                    "time/sync_s": t5 - t4})
+                    "time/sync_s": t5 - t4, "time/trainer_gc_s": job.trainer_gc_s})
     seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
     metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
                     "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
