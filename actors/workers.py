@@ -267,8 +267,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self.group is not None:
             apply_ep(self.model, self.group)
         self._setup_monitor(self.model)
-        _gc_settle(port is not None)
         self.generator = make_generator(self.cfg, self.model, self.group)  # self.model: the copy weight sync writes
+        _gc_settle(port is not None)
 
     def pid(self) -> int:
         return os.getpid()
