@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
-from rlalign.config import resolved_model_args
+from rlalign.config import model_args
 from rlalign.factory import sampling_params
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_world, run_workers, shard_range
@@ -100,7 +100,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     if cfg.agree.replay:
         cfg, prompts, ids, seed, replay = load_replay(cfg)
     else:
-        prompts, seed = random_prompts(cfg, resolved_model_args(cfg).vocab_size), cfg.seed
+        prompts, seed = random_prompts(cfg, model_args(cfg).vocab_size), cfg.seed
         ids = list(range(len(prompts)))
     rollouts = generate_batch(cfg, prompts, ids, seed=seed)
     t1 = time.perf_counter()

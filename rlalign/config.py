@@ -27,8 +27,7 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlalign.model.args import ModelArgs
-from rlalign.model.hf import read_args
+from rlalign.model.args import ModelArgs, read_args
 from rlalign.stop import STOP_SIGNALS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -387,7 +386,7 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"{key}={value!r}: expected {_or(allowed)}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.device)):
         problems.append(f"device={cfg.device!r}: expected cpu, cuda or cuda:N")
-    num_experts = _num_experts(cfg)
+    num_experts = model_args(cfg).num_experts if cfg.model.path else cfg.model.num_experts
     for side in ("trainer", "generator"):
         ep = cfg[side].ep_size
         if ep < 1:
@@ -501,13 +500,6 @@ def _or(values: tuple[str | None, ...]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def _num_experts(cfg: DictConfig) -> int:
-    if cfg.model.path:
-
-        return resolved_model_args(cfg).num_experts
-    return cfg.model.num_experts
-
-
 def keys_of(cls: type, node: DictConfig) -> Any:
     """An instance of the dataclass `cls` from the same-named keys of `node` (e.g. EngineConfig from
     cfg.generator): a runtime object with the schema's fields, not a copy of them field by field."""
@@ -515,12 +507,10 @@ def keys_of(cls: type, node: DictConfig) -> Any:
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
+    """The model's arguments: model.path's config.json when set, else the model group's fields. The
+    one place they are derived from the config."""
+    if cfg.model.path:
+        return read_args(cfg.model.path)[0]
     names = {f for f in ModelArgs.__dataclass_fields__}
     d = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in names}
     return ModelArgs.from_dict(d, where=f"model ({cfg.model.name})")
-
-
-
-def resolved_model_args(cfg: DictConfig) -> ModelArgs:
-    """The model's arguments: from model.path's config.json when set, else the named config."""
-    return read_args(cfg.model.path)[0] if cfg.model.path else model_args(cfg)

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
-from rlalign.config import model_args, resolved_model_args
+from rlalign.config import model_args
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.logger import RunLogger, truncate_jsonl
 from rlalign.model import check_hf_dir, save_hf
@@ -383,7 +383,7 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
             worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
-    args = resolved_model_args(cfg)
+    args = model_args(cfg)
     rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
     return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}

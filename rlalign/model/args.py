@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Every Qwen3-MoE config.json field, by what this model does with it. A field outside these sets,
 # or a value this model does not implement, is refused with its name: a `hidden_act: gelu`
@@ -181,3 +184,16 @@ class ModelArgs:
             "use_sliding_window": False,
             "dtype": dtype,
         }
+
+
+def read_args(path: str | os.PathLike) -> tuple[ModelArgs, dict]:
+    cfg_path = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+    return ModelArgs.from_hf_config(cfg, where=str(cfg_path)), cfg

@@ -21,24 +21,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlalign.model.args import ModelArgs
+from rlalign.model.args import ModelArgs, read_args
 from rlalign.model.model import DTYPES, Transformer
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def read_args(path: str | os.PathLike) -> tuple[ModelArgs, dict]:
-    cfg_path = Path(path) / "config.json"
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: malformed JSON at line {e.lineno}: {e.msg}") from None
-    return ModelArgs.from_hf_config(cfg, where=str(cfg_path)), cfg
 
 
 def _weight_files(path: Path) -> list[Path]:
