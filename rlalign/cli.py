@@ -23,7 +23,7 @@ from pathlib import Path
 
 USAGE = __doc__
 
-COMMANDS = {"agree": "rlalign.agree", "train": "rlalign.rl", "gate": "rlalign.monitor.gates"}
+COMMANDS = {"agree": "rlalign.agree", "train": "rlalign.rl", "gate": "rlalign.gates"}
 GATES = ("repeatability", "baseline", "replay")
 CFG_KINDS = ("job", "hydra", "all")
 
@@ -300,7 +300,7 @@ def _command(cmd: str, rest: list[str], state: dict) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
     if gate is not None:
-        from rlalign.monitor.gates import run_gate
+        from rlalign.gates import run_gate
 
         passed, text = run_gate(gate, overrides, cfg)
         print(text, flush=True)

@@ -1,4 +1,5 @@
-"""Config -> objects: the model, sampling parameters, kernel mode. Shared by every entry point."""
+"""Config -> runtime objects: the kernel mode, the model, the sampling parameters (the native
+engine's settings: rlalign.rollout.generator). Shared by every entry point."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlalign import kernels
-from rlalign.config import model_args
+from rlalign.config import SamplingConfig, keys_of, model_args
 from rlalign.model import Transformer, build_model, load_hf
 from rlalign.rollout.types import SamplingParams
 
@@ -31,16 +32,10 @@ def model_from_config(cfg: DictConfig, dtype: str | None = None) -> Transformer:
 
 def sampling_params(cfg: DictConfig, eos_token_id: int | None = None, seed: int = 0,
                     max_new_tokens: int | None = None) -> SamplingParams:
-    """The generator's sampling; its logprob_kwargs() are what the trainer scores with too."""
-    g = cfg.generator
-    p = SamplingParams(
-        max_new_tokens=max_new_tokens or g.max_new_tokens,
-        temperature=g.temperature,
-        top_k=g.top_k,
-        top_p=g.top_p,
-        greedy=g.greedy,
-        eos_token_id=eos_token_id,
-        seed=seed,
-    )
+    """The generator's sampling (generator.* keys; max_new_tokens replaced when given); its
+    logprob_kwargs() are what the trainer scores with too."""
+    p = SamplingParams(**vars(keys_of(SamplingConfig, cfg.generator)), eos_token_id=eos_token_id, seed=seed)
+    if max_new_tokens:
+        p.max_new_tokens = max_new_tokens
     p.validate()
     return p

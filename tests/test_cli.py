@@ -177,11 +177,11 @@ def test_ctrl_c_without_a_checkpoint_says_so(capsys, monkeypatch, tmp_path):
 
 
 def test_ctrl_c_in_a_gate_is_one_line(capsys, monkeypatch, tmp_path):
-    import rlalign.monitor.gates
+    import rlalign.gates
 
     def interrupted(*a):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rlalign.monitor.gates, "run_gate", interrupted)
+    monkeypatch.setattr(rlalign.gates, "run_gate", interrupted)
     rc, out, err = _run(capsys, "gate", "repeatability", f"run.dir={tmp_path}")
     assert rc == 130 and err.strip() == "rlalign gate: interrupted"

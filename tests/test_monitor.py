@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rlalign.config import load_config
+from rlalign.gates import GateRefused, compare_runs, run_gate
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
-from rlalign.monitor.gates import GateRefused, compare_runs, run_gate
 from rlalign.monitor.trace import TraceError, read_trace
 
 SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4",

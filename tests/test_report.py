@@ -32,7 +32,7 @@ def _logger_run(tmp_path, steps):
 
 
 def test_string_metrics_reach_the_wandb_summary_and_a_table(tmp_path):
-    from rlalign.wandb_read import read_offline_run, read_offline_summary, read_offline_table
+    from wandb_read import read_offline_run, read_offline_summary, read_offline_table
 
     run = _logger_run(tmp_path, [_metrics(0), _metrics(1, **{"consistency/first_divergent_op": "layers.1.attn",
                                                               "alert": "step 1: 3 of 10 tokens differ"}),
@@ -52,7 +52,7 @@ def test_string_metrics_reach_the_wandb_summary_and_a_table(tmp_path):
 
 
 def test_negative_twin_a_run_without_string_metrics_has_none_in_wandb(tmp_path):
-    from rlalign.wandb_read import read_offline_summary, read_offline_table
+    from wandb_read import read_offline_summary, read_offline_table
 
     plain = {k: v for k, v in _metrics(0).items() if not isinstance(v, str)}
     run = _logger_run(tmp_path, [plain, dict(plain)])

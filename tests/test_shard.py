@@ -248,7 +248,7 @@ def test_sharded_dense_is_bitwise_unsharded_across_ep_1_2_4_reshards_checkpoints
 def test_baseline_gate_unsharded_ep1_vs_sharded_ep2_through_the_ray_job(tmp_path):
     """The whole job (Ray actors, traces, the gate's trainer-state comparison by name): every
     metric, trace stream and trainer-state record of a sharded EP-2 run equals an unsharded EP-1 run."""
-    from rlalign.monitor.gates import run_gate
+    from rlalign.gates import run_gate
 
     over = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=3", "generator.ep_size=1",
             "model.dtype=float32", f"trainer.shard_unit_numel={UNIT}", "trainer.grad_clip=0.05", "trainer.ep_size=1",

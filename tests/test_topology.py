@@ -165,7 +165,7 @@ def test_a_run_resumes_at_another_trainer_ep_size_bitwise(tmp_path):
 
 
 def _gate(tmp_path, candidate):
-    from rlalign.monitor.gates import run_gate
+    from rlalign.gates import run_gate
 
     over = [*SMALL, "trainer.ep_size=1", "run.steps=2", "checkpoint.every=0",
             f"gate.candidate={candidate}"]

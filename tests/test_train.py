@@ -78,7 +78,7 @@ def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
     train(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    from rlalign.wandb_read import read_offline_run
+    from wandb_read import read_offline_run
 
     history, config = read_offline_run(runs[0])
     assert config["trainer"]["ep_size"] == 2 and config["task"]["name"] == "repeat"

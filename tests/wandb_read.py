@@ -1,7 +1,7 @@
 """Read back an offline W&B run (its run-*.wandb file): the logged history rows and the config.
 
 The file is ':W&B' + 3 header bytes, then LevelDB-log records (crc32 4, length 2, type 1, data)
-in 32 KiB blocks; each record's data is a wandb Record protobuf. Used by tests and `rlalign report`
+in 32 KiB blocks; each record's data is a wandb Record protobuf. The tests use it
 to check that what W&B holds is what the run logged: the history and config (read_offline_run),
 the run summary (read_offline_summary) and a logged table (read_offline_table).
 """

@@ -1,0 +1,181 @@
+"""The layers of ARCHITECTURE.md hold: no import in rlalign/, actors/ or kernels/ runs from a lower
+layer to a higher one (module-level and function-level imports alike), `generator.backend` is
+read in one function, and no module imports another module's private (_name) names. Each check
+has a negative twin: the same check fed a module that breaks it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"rlalign": ROOT / "rlalign", "rlalign.kernels": ROOT / "kernels", "rlalign.actors": ROOT / "actors"}
+
+
+def _layers() -> list[list[str]]:
+    """The layer list of ARCHITECTURE.md's "Layers" section, lowest first: one indented line per
+    layer, `N  name, name, ...` (module names under rlalign)."""
+    section = (ROOT / "ARCHITECTURE.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    lines = re.finditer(r"^ {4}(\d+) {2,}(.+)$", section, re.M)
+    return [[f"rlalign.{n.strip()}" for n in m[2].split(",")] for m in lines]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg, folder in PACKAGES.items():
+        for f in folder.rglob("*.py"):
+            parts = [p for p in f.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            mods[".".join([pkg, *parts])] = f
+    return mods
+
+
+def _imports(tree: ast.AST, name: str, is_pkg: bool) -> list[tuple[int, str, list[str]]]:
+    """Every import in the module, at any depth: (line, imported module, the names taken from it)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                anchor = parts[: len(parts) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out.append((node.lineno, base, [a.name for a in node.names]))
+    return out
+
+
+def _resolve(target: str, known: set[str]) -> str | None:
+    while target and target not in known:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int:
+    if module == "rlalign":  # the package's __init__: it imports nothing of ours
+        return 0
+    best, where = -1, None
+    for i, names in enumerate(layers):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and len(n) > best:
+                best, where = len(n), i
+    if where is None:
+        raise AssertionError(f"{module}: in no layer of ARCHITECTURE.md's layer list; add it there")
+    return where
+
+
+def upward_imports(sources: dict[str, tuple[str, bool]], layers: list[list[str]]) -> list[str]:
+    """'module:line imports target (layer i -> j)' for every import of ours that runs upward."""
+    known, bad = set(sources), []
+    for name, (text, is_pkg) in sorted(sources.items()):
+        here = layer_of(name, layers)
+        for line, base, taken in _imports(ast.parse(text), name, is_pkg):
+            for target in {_resolve(f"{base}.{t}", known) or _resolve(base, known) for t in taken or [""]}:
+                if target is None or target == name:
+                    continue
+                there = layer_of(target, layers)
+                if there > here:
+                    bad.append(f"{name}:{line} imports {target} (layer {here} -> {there})")
+    return bad
+
+
+def private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """'module:line name' for every `from ours import _name` of another module, and every
+    `module._name` read through a module of ours imported by name."""
+    known, bad = set(sources), []
+    for name, (text, is_pkg) in sorted(sources.items()):
+        tree = ast.parse(text)
+        aliases = {}
+        for line, base, taken in _imports(tree, name, is_pkg):
+            for t in taken:
+                full = _resolve(f"{base}.{t}", known)
+                if full == f"{base}.{t}":  # a module taken by name: its attributes are checked below
+                    aliases[t] = full
+                elif _resolve(base, known) not in (None, name) and t.startswith("_") and not t.startswith("__"):
+                    bad.append(f"{name}:{line} {base}.{t}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{name}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
+    return bad
+
+
+def backend_readers(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """'module.function' of each function that reads the generator.backend config key: `.backend` of
+    `<x>.generator` or of a local bound to one, or the string "generator.backend" in code."""
+    out = set()
+    for name, (text, _) in sources.items():
+        tree = ast.parse(text)
+        funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for fn in funcs:
+            local = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and _is_generator(n.value)
+                     for t in n.targets if isinstance(t, ast.Name)}
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Attribute) and n.attr == "backend" and (
+                        _is_generator(n.value) or (isinstance(n.value, ast.Name) and n.value.id in local)):
+                    out.add(f"{name}.{fn.name}")
+                elif isinstance(n, ast.Call) and any(isinstance(a, ast.Constant) and a.value == "generator.backend"
+                                                     for a in n.args):
+                    out.add(f"{name}.{fn.name}")
+    return sorted(out)
+
+
+def _is_generator(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "generator"
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, tuple[str, bool]]:
+    return {n: (f.read_text(), f.name == "__init__.py") for n, f in _modules().items()}
+
+
+def test_the_layer_list_names_every_module(sources):
+    layers = _layers()
+    assert len(layers) >= 6 and layers[0] == ["rlalign.kernels"]
+    for name in sources:
+        layer_of(name, layers)
+
+
+def test_no_import_runs_up_the_layers(sources):
+    assert upward_imports(sources, _layers()) == []
+
+
+def test_negative_twin_an_upward_import_is_named(sources):
+    layers = _layers()
+    planted = dict(sources)
+    planted["rlalign.config"] = (sources["rlalign.config"][0] + "\n\ndef f():\n    from rlalign.rl import train\n",
+                                 False)
+    assert [b.split(":")[0] for b in upward_imports(planted, layers)] == ["rlalign.config"]
+    planted["rlalign.config"] = (sources["rlalign.config"][0] + "\nfrom rlalign.rollout import types\n", False)
+    assert any("imports rlalign.rollout.types" in b for b in upward_imports(planted, layers))
+
+
+def test_generator_backend_is_read_in_one_function(sources):
+    assert backend_readers(sources) == ["rlalign.rollout.generator.generator_plan"]
+
+
+def test_negative_twin_a_second_backend_reader_is_found(sources):
+    planted = dict(sources, **{"rlalign.extra": ("def ranks(cfg):\n    g = cfg.generator\n"
+                                                 "    return 1 if g.backend == 'vllm' else g.ep_size\n", False)})
+    assert backend_readers(planted) == ["rlalign.extra.ranks", "rlalign.rollout.generator.generator_plan"]
+
+
+def test_no_module_imports_anothers_private_names(sources):
+    assert private_imports(sources) == []
+
+
+def test_negative_twin_a_private_import_is_found(sources):
+    planted = dict(sources, **{"rlalign.extra": ("from rlalign.config import _choice\n"
+                                                 "from rlalign import config\n\nx = config._or\n", False)})
+    assert private_imports(planted) == ["rlalign.extra:1 rlalign.config._choice", "rlalign.extra:4 rlalign.config._or"]
+
+
+def test_only_kernels_and_actors_join_the_package():
+    import importlib.util
+
+    assert importlib.util.find_spec("rlalign.kernels") is not None  # twin: the two folders do
+    assert importlib.util.find_spec("rlalign.actors") is not None
+    assert importlib.util.find_spec("rlalign.tests") is None and importlib.util.find_spec("rlalign.experiments") is None
