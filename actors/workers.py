@@ -38,7 +38,8 @@ from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
 from rlalign.parallel.launch import init_group
 from rlalign.rollout.generator import make_generator
 from rlalign.rollout.types import Rollout, SamplingParams
-from rlalign.training.trainer import Sample, Trainer
+from rlalign.training.plan import Sample
+from rlalign.training.trainer import Trainer
 
 
 @dataclass

@@ -42,7 +42,7 @@ import record  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model.model import build_model  # noqa: E402
 from rlalign.parallel.ep import is_expert_param  # noqa: E402
-from rlalign.training.trainer import DEFAULT_UNIT_NUMEL, assign_units, dense_units  # noqa: E402
+from rlalign.training.shards import DEFAULT_UNIT_NUMEL, assign_units, dense_units  # noqa: E402
 
 GIB = 1024**3
 H200_GIB = 139.0  # usable device memory the device tool reports for one H200 (about 139 GiB)

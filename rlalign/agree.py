@@ -22,7 +22,7 @@ from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_world, run_workers, shard_range
 from rlalign.rollout.generator import generator_plan
 from rlalign.rollout.types import Rollout
-from rlalign.training.trainer import Sample
+from rlalign.training.plan import Sample
 
 
 def random_prompts(cfg: DictConfig, vocab_size: int, first_token: int = 2) -> list[list[int]]:

@@ -47,7 +47,7 @@ from rlalign.tasks import Example, make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.losses import grpo_advantages
-from rlalign.training.trainer import Sample, merge_stat
+from rlalign.training.plan import Sample, merge_stat
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 

@@ -8,8 +8,8 @@ import torch
 from conftest import same_bits
 
 from rlalign.parallel.launch import shard_range
+from rlalign.training.plan import micro_batch_share
 from rlalign.training.reduce import TreeSum, _merge, _root
-from rlalign.training.trainer import micro_batch_share
 
 
 def _leaves(n, seed=0):

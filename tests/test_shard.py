@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from rlalign import checkpoint as ckpt
 from rlalign.config import ConfigError, load_config
 from rlalign.kernels import fixed_order as fo
-from rlalign.training.trainer import UNIT_ALIGN, assign_units, dense_units, sum_of_squares
+from rlalign.training.gradients import sum_of_squares
+from rlalign.training.shards import UNIT_ALIGN, assign_units, dense_units
 
 UNIT = 1024  # elements per unit for the tiny model (34,176 dense elements: 43 units)
 STEPS = 2  # train_step calls (2 minibatches each: 4 AdamW updates)
@@ -112,6 +113,18 @@ def _cfg(ep: int, shard: bool) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+def _dense_state_numel(tr) -> dict[str, int]:
+    """Elements of dense fp32 state a rank holds: masters, AdamW moments, gradients (the memory
+    record of dense sharding; the compute-dtype model copy is whole on every rank)."""
+    out = {"master": 0, "adamw": 0, "grad": 0}
+    for u in tr.my_units():
+        m, g, st = tr.weights.held(u, tr.grads)
+        out["master"] += m.numel()
+        out["adamw"] += sum(st[k].numel() for k in ("exp_avg", "exp_avg_sq") if k in st)
+        out["grad"] += 0 if g is None else g.numel()
+    return out
+
+
 def _partial_sum_norm(tr):
     """Negative twin of Trainer.grad_norm: each rank adds its own units' sums of squares one after
     the other, then the ranks' partial sums are added in rank order (what a sharded norm without
@@ -119,9 +132,9 @@ def _partial_sum_norm(tr):
     import torch.distributed as dist
 
     from rlalign.kernels import fixed_order as fo
-    from rlalign.training.trainer import _rows
+    from rlalign.training.shards import unit_rows
 
-    sq = [fo.tree_sum(_rows(tr.grads[u.name], u).reshape(-1) ** 2, 0) for u in tr.my_units()]
+    sq = [fo.tree_sum(unit_rows(tr.grads[u.name], u).reshape(-1) ** 2, 0) for u in tr.my_units()]
     dense = sum(sq[1:], sq[0]) if sq else torch.zeros(())
     if tr.world > 1:
         parts = [torch.empty_like(dense) for _ in range(tr.world)]
@@ -157,7 +170,7 @@ def _job(rank, world, group, jobs, ckpt_path=None):
         cfg = OmegaConf.create(cfg_dict)
         apply_kernels(cfg)
         tr = Trainer(cfg, group)
-        built = tr.dense_state_numel()
+        built = _dense_state_numel(tr)
         if what == "twin":
             tr.grad_norm = lambda tr=tr: _partial_sum_norm(tr)
         alg = OmegaConf.create({**cfg_dict["algorithm"], "num_minibatches": 2})
@@ -171,7 +184,7 @@ def _job(rank, world, group, jobs, ckpt_path=None):
             records += [((step, *k), v) for k, v in rec]
             if what == "save" and step == 0:
                 ckpt.save_shards(tr.checkpoint_state(), ckpt_path, rank, group)
-        out.append((_state(tr), sorted(records), tr.dense_state_numel(), built))
+        out.append((_state(tr), sorted(records), _dense_state_numel(tr), built))
     return out
 
 

@@ -92,7 +92,7 @@ def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
     once the backward has finished. hooks=False: the leaves are only collected afterwards."""
     from rlalign.factory import apply_kernels
     from rlalign.parallel.ep import ExpertParallel
-    from rlalign.training import trainer as trainer_mod
+    from rlalign.training import gradients as gradients_mod
     from rlalign.training.trainer import Sample, Trainer
 
     cfg = OmegaConf.create(cfg_dict)
@@ -101,22 +101,22 @@ def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
     eps = [m for m in tr.model.modules() if isinstance(m, ExpertParallel)]
     holding = lambda: sum(t.grad is not None for m in eps for lv in m.leaves for t in lv.values())  # noqa: E731
     seen, after = [], []
-    into = trainer_mod._into_tree
+    into = gradients_mod._into_tree
 
     def probe(tree, index, leaf):
         seen.append(holding())
         into(tree, index, leaf)
 
-    trainer_mod._into_tree = probe
+    gradients_mod._into_tree = probe
     if not hooks:
-        tr._hook_expert_leaves = lambda *a: None
-    collect = tr._collect_leaves
+        tr.gradients.before_backward = lambda *a: None
+    collect = tr.gradients._collect_leaves
 
     def collect_probe(*a):
         after.append(holding())
         collect(*a)
 
-    tr._collect_leaves = collect_probe
+    tr.gradients._collect_leaves = collect_probe
     samples = [Sample(p, r, torch.full((len(r),), -2.0), 1.0, i) for i, (p, r) in enumerate(zip(prompts, responses))]
     tr.forward_backward(samples, lambda lps, idx: (torch.cat(lps).sum(), {}))
     grads = {n: tr.grads[n].clone() for n in tr.expert_names}
