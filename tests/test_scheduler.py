@@ -444,7 +444,7 @@ def test_a_reward_past_its_time_limit_ends_the_run_naming_the_sample(runs, capsy
 
 
 def _wandb_steps(run_dir: Path) -> tuple[dict[int, dict], Path]:
-    from rlalign.wandb_read import read_offline_run
+    from wandb_read import read_offline_run
 
     (run,) = (run_dir / "wandb").glob("offline-run-*")
     by_step: dict[int, dict] = {}
