@@ -10,8 +10,6 @@ the trainer group and the generator group are separate groups, possibly of diffe
 Weights cross between them on the device (rlalign.parallel.weight_sync: a second process group of
 trainer rank 0 + the generator ranks, bucketed broadcasts, CUDA IPC when colocated), resharded by
 each generator rank, verified by fingerprints computed on the device on both sides.
-sync.method=object_store keeps the old path (an unsharded CPU state dict through Ray's object
-store, blake2b on both sides) for debugging and as the benchmark's baseline.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import attach_taps
 from rlalign.monitor.trace import RowNames, Trace, fixed_environment
 from rlalign.parallel import weight_sync
-from rlalign.parallel.ep import apply_ep, full_state_dict, shard_state_dict
+from rlalign.parallel.ep import apply_ep, full_state_dict
 from rlalign.parallel.launch import init_group
 from rlalign.rollout.generator import make_generator
 from rlalign.rollout.types import Rollout, SamplingParams
@@ -315,22 +313,3 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.step = step
             self.trace.record_state("weights", dict(self.model.named_parameters()))
             self.trace.flush()
-
-    def load_weights(self, full: dict, step: int = -1) -> dict | None:
-        """sync.method=object_store: take this rank's shard of the unsharded state; then gather it
-        back and return (rank 0) the host fingerprints of what the generator group now holds."""
-        local = shard_state_dict(full, self.rank, self.world)
-        if self.trace is not None:
-            self.trace.fence()
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                if n not in local:
-                    raise KeyError(f"weight sync: the trainer's state has no tensor {n!r}")
-                if tuple(local[n].shape) != tuple(p.shape):
-                    raise ValueError(f"weight sync: {n!r} has shape {tuple(local[n].shape)}, generator expects "
-                                     f"{tuple(p.shape)}")
-                p.copy_(local[n].to(p.dtype))
-        self.generator.load_weights()
-        self._trace_weights(step)
-        back = full_state_dict(self.model, self.group)
-        return state_fingerprints(back) if self.rank == 0 else None

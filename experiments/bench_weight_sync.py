@@ -1,18 +1,15 @@
-"""Weight sync trainer -> generator on Ray actors: the device path (rlalign.parallel.weight_sync)
-vs the old host path (sync.method=object_store), same run, same actors, bits checked.
+"""Weight sync trainer -> generator on Ray actors (rlalign.parallel.weight_sync), bits checked.
 
     python experiments/bench_weight_sync.py [--models bench-moe,bench-moe-large] [--modes separate,colocated]
-                                            [--reps 5] [--old-reps 2] [--budget-s 420] [--out DIR]
+                                            [--reps 5] [--out DIR]
 
 Modes (2 GPUs): `separate` = trainer EP 1 on GPU 0, generator EP 1 on GPU 1 (NCCL broadcast over
 the trainer-rank-0 + generator group); `colocated` = placement.colocate=true, trainer EP 2 on GPUs
 0/1, generator EP 1 on GPU 0 (expert shards gathered in the trainer group, CUDA IPC to the
 generator). Per model and mode: one Job (the actors `rlalign train` uses); a first sync (group
-set-up, NCCL init); a trainer update on random tokens; `old_reps` timed object-store syncs
-(blake2b on both sides; one above 4 GB); another trainer update (so what the generator holds next
-came by the device path); `reps` timed device syncs (driver wall time of Job.sync_weights, each
-checked by the device fingerprints); then an independent bitwise check: both sides' unsharded
-weights on the host, compared tensor by tensor. Prints a table; writes
+set-up, NCCL init); a trainer update on random tokens; `reps` timed device syncs (driver wall
+time of Job.sync_weights, each checked by the device fingerprints); then an independent bitwise
+check: both sides' unsharded weights on the host, compared tensor by tensor. Prints a table; writes
 DIR/weight_sync_<models>_<machine>.json (after every model and mode, so a timeout keeps what was measured).
 `--device cpu --models tiny-moe` is the CPU rehearsal (gloo).
 """
@@ -92,18 +89,6 @@ def bench_one(model: str, mode: str, a) -> dict:
         res["first_sync_s"] = time.perf_counter() - t  # plans, process group, NCCL init
         res["bytes"], res["buckets"] = job.last_sync["sync/bytes"], job.last_sync["sync/buckets"]
         res["perturb_train_step_s"] = _perturb(job, cfg, 0)
-        if a.old_reps and time.perf_counter() - a.t_start < a.budget_s:
-            job.cfg.sync.method = "object_store"
-            old = []
-            for k in range(a.old_reps if res["bytes"] < 4e9 else 1):  # ~30 s a sync for 10 GB
-                t = time.perf_counter()
-                job.sync_weights(100 + k)
-                old.append(time.perf_counter() - t)
-            job.cfg.sync.method = "device"
-            res["object_store"] = {"median_s": statistics.median(old), "times_s": old}
-            log(f"{model} {mode}: object-store sync median {statistics.median(old):.2f} s")
-        else:
-            res["object_store"] = "skipped (budget)"
         _perturb(job, cfg, 1)  # the weights move again: what the generator holds next came by the device path
         times, fps, sides = [], set(), []
         for k in range(a.reps):
@@ -119,8 +104,6 @@ def bench_one(model: str, mode: str, a) -> dict:
         target = TARGETS_S.get(model)
         res["device"]["target_s"] = target
         res["device"]["meets_target"] = target is not None and res["device"]["median_s"] <= target
-        if isinstance(res["object_store"], dict):
-            res["speedup"] = res["object_store"]["median_s"] / res["device"]["median_s"]
         log(f"{model} {mode}: device sync median {res['device']['median_s'] * 1e3:.1f} ms over {a.reps} "
             f"({res['bytes'] / 1e9:.2f} GB, {res['buckets']} buckets)")
         t = time.perf_counter()
@@ -138,18 +121,16 @@ def bench_one(model: str, mode: str, a) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'model':<16}{'mode':<11}{'params':>8}{'GB':>7}{'bkts':>6}{'device ms':>11}{'min ms':>8}"
-            f"{'GB/s':>7}{'old s':>8}{'speedup':>9}{'bits':>6}")
+            f"{'GB/s':>7}{'bits':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['model']:<16}{r['mode']:<11} ERROR {r['error'][:80]}")
             continue
-        d, o = r["device"], r.get("object_store")
-        old = f"{o['median_s']:.2f}" if isinstance(o, dict) else "-"
-        sp = f"{r['speedup']:.0f}x" if "speedup" in r else "-"
+        d = r["device"]
         lines.append(f"{r['model']:<16}{r['mode']:<11}{r['params'] / 1e9:>7.2f}B{r['bytes'] / 1e9:>7.2f}"
                      f"{r['buckets']:>6}{d['median_s'] * 1e3:>11.1f}{d['min_s'] * 1e3:>8.1f}{d['GB_per_s']:>7.1f}"
-                     f"{old:>8}{sp:>9}{str(r['bits_equal']):>6}")
+                     f"{str(r['bits_equal']):>6}")
     return "\n".join(lines)
 
 
@@ -159,9 +140,7 @@ def main() -> int:
     ap.add_argument("--modes", default="separate,colocated")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--old-reps", type=int, default=2)
     ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip the old path once this much time has passed")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     ap.add_argument("--name", default=None, help="result file name (default weight_sync_<models>_<gpu>x<count>.json)")
     a = ap.parse_args()
@@ -174,7 +153,7 @@ def main() -> int:
     name = a.name or f"weight_sync_{a.models.replace(',', '+')}_{machine}"
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {**environment(), "what": __doc__.strip().splitlines()[0], "reps": a.reps, "old_reps": a.old_reps,
+    record = {**environment(), "what": __doc__.strip().splitlines()[0], "reps": a.reps,
               "bucket_mb": a.bucket_mb, "targets_s": TARGETS_S,
               "results": []}
     own = cluster.connect()

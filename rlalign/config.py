@@ -44,7 +44,6 @@ Layout = Literal["packed", "padded"]
 OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
-SyncMethod = Literal["device", "object_store"]  # weight sync: rlalign.parallel.weight_sync | the old host path
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
 
 
@@ -237,8 +236,9 @@ class CheckpointConfig:
 
 @dataclass
 class SyncConfig:
-    method: str = _choice("device", SyncMethod)  # device: NCCL/gloo/CUDA IPC, fingerprints on the device
-    bucket_mb: int = 256  # device: flat buffers of at most this size per dtype (a larger tensor: its own)
+    """Weight sync (rlalign.parallel.weight_sync: NCCL/gloo/CUDA IPC, fingerprints on the device)."""
+
+    bucket_mb: int = 256  # flat buffers of at most this size per dtype (a larger tensor: its own)
 
 
 @dataclass

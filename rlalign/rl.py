@@ -35,7 +35,6 @@ from rlalign.logger import RunLogger, truncate_jsonl
 from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
-from rlalign.monitor.fingerprint import combined
 from rlalign.parallel import weight_sync
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.parallel.weight_sync import SyncError
@@ -120,11 +119,6 @@ class Job:
     def sync_weights(self, step: int) -> str:
         """The trainer's weights into the generator group; both sides' fingerprints compared
         (SyncError names the first tensor that differs). Returns the weights' combined fingerprint."""
-        sync = self._sync_object_store if self.cfg.sync.method == "object_store" else self._sync_device
-        self.weights_fp = sync(step)  # what the generator holds now (mismatch dumps name it)
-        return self.weights_fp
-
-    def _sync_device(self, step: int) -> str:
         from rlalign.actors.group import call_together
 
         if self.sync_specs is None:
@@ -142,7 +136,8 @@ class Job:
         self.last_sync = {"sync/bytes": t_outs[0].bytes, "sync/buckets": t_outs[0].buckets,
                           "time/sync_trainer_s": max(o.seconds for o in t_outs),
                           "time/sync_generator_s": max(o.seconds for o in g_outs)}
-        return weight_sync.check(fps, gen)
+        self.weights_fp = weight_sync.check(fps, gen)  # what the generator holds now (mismatch dumps name it)
+        return self.weights_fp
 
     def _open_weight_sync(self) -> None:
         """Plans on both sides (compared), then the trainer-rank-0 + generator-ranks process group
@@ -163,21 +158,6 @@ class Job:
                     "join_weight_sync", per_rank=[(port, 1 + g, 1 + m) for g in range(m)])),
             ])
         self.sync_specs = t_specs
-
-    def _sync_object_store(self, step: int) -> str:
-        """sync.method=object_store: the unsharded CPU state through Ray's object store, blake2b on
-        the host on both sides (the path before issue 12; for debugging and the benchmark)."""
-        import ray
-
-        (state, fps), *_ = self.trainers.call("full_state")
-        ref = ray.put(state)
-        gen_fps = self.generators.call("load_weights", ref, step)[0]
-        if gen_fps != fps:
-            bad = next(k for k in fps if fps[k] != gen_fps.get(k))
-            raise SyncError(f"weight sync: tensor {bad!r} differs between trainer and generator after re-sharding "
-                            f"(trainer {fps[bad]}, generator {gen_fps.get(bad)})")
-        self.last_sync = {"sync/bytes": sum(t.numel() * t.element_size() for t in state.values()), "sync/buckets": 0}
-        return combined(fps)
 
     def close_traces(self, timeout_s: float | None = None) -> None:
         """Every worker writes the trace records still on their way back from its device and closes

@@ -92,7 +92,7 @@ def test_every_group_option_composes(group):
 def test_the_literal_checked_keys():
     assert sorted(CHOICES) == ["algorithm.old_logprobs", "generator.backend", "kernels.backend", "kernels.mode",
                                "logger.wandb.mode", "model.dtype", "monitor.fingerprints", "monitor.on_mismatch",
-                               "sync.method", "trainer.layout"]
+                               "trainer.layout"]
     assert CHOICES["kernels.mode"] == ("deterministic", "default")
     assert CHOICES["logger.wandb.mode"] == ("online", "offline", "disabled", None)
     schema = _schema()
