@@ -13,6 +13,7 @@ import torch
 from conftest import same_bits
 
 from rlalign import checkpoint as ckpt
+from rlalign import checkpoint_files
 from rlalign.checkpoint import CheckpointError
 from rlalign.config import load_config
 
@@ -237,7 +238,7 @@ def test_enospc_raises_one_line_and_leaves_the_previous_checkpoint_loadable(tmp_
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     with monkeypatch.context() as m:
-        m.setattr(ckpt, "_write_file", full)
+        m.setattr(checkpoint_files, "_write_file", full)
         with pytest.raises(CheckpointError, match=r"^checkpoint of step 3 not written: .*meta.json.part: No space left "
                                                   rf"on device \(ENOSPC\); the previous checkpoint {first} is intact$"):
             ckpt.complete(tmp_path, 3, {"data_position": 4}, keep=0)

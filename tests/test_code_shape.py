@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPED = ("kernels",)
-PUBLIC_ONLY = ("kernels", "experiments")
+SHAPED = ("kernels", "rlalign", "actors")
+PUBLIC_ONLY = ("kernels", "experiments", "rlalign", "actors")
 MAX_FUNCTION, MAX_FILE = 80, 600
 
 

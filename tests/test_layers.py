@@ -1,7 +1,8 @@
 """The layers of ARCHITECTURE.md hold: no import in rlalign/, actors/ or kernels/ runs from a lower
 layer to a higher one (module-level and function-level imports alike), `generator.backend` is
-read in one function, and no module imports another module's private (_name) names. Each check
-has a negative twin: the same check fed a module that breaks it."""
+read in one function, and only kernels/ and actors/ join the package. Each check has a negative
+twin: the same check fed a module that breaks it. (Private names across modules, function and
+file sizes: tests/test_code_shape.py.)"""
 
 from __future__ import annotations
 
@@ -82,27 +83,6 @@ def upward_imports(sources: dict[str, tuple[str, bool]], layers: list[list[str]]
     return bad
 
 
-def private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
-    """'module:line name' for every `from ours import _name` of another module, and every
-    `module._name` read through a module of ours imported by name."""
-    known, bad = set(sources), []
-    for name, (text, is_pkg) in sorted(sources.items()):
-        tree = ast.parse(text)
-        aliases = {}
-        for line, base, taken in _imports(tree, name, is_pkg):
-            for t in taken:
-                full = _resolve(f"{base}.{t}", known)
-                if full == f"{base}.{t}":  # a module taken by name: its attributes are checked below
-                    aliases[t] = full
-                elif _resolve(base, known) not in (None, name) and t.startswith("_") and not t.startswith("__"):
-                    bad.append(f"{name}:{line} {base}.{t}")
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
-                bad.append(f"{name}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
-    return bad
-
-
 def backend_readers(sources: dict[str, tuple[str, bool]]) -> list[str]:
     """'module.function' of each function that reads the generator.backend config key: `.backend` of
     `<x>.generator` or of a local bound to one, or the string "generator.backend" in code."""
@@ -161,16 +141,6 @@ def test_negative_twin_a_second_backend_reader_is_found(sources):
     planted = dict(sources, **{"rlalign.extra": ("def ranks(cfg):\n    g = cfg.generator\n"
                                                  "    return 1 if g.backend == 'vllm' else g.ep_size\n", False)})
     assert backend_readers(planted) == ["rlalign.extra.ranks", "rlalign.rollout.generator.generator_plan"]
-
-
-def test_no_module_imports_anothers_private_names(sources):
-    assert private_imports(sources) == []
-
-
-def test_negative_twin_a_private_import_is_found(sources):
-    planted = dict(sources, **{"rlalign.extra": ("from rlalign.config import _choice\n"
-                                                 "from rlalign import config\n\nx = config._or\n", False)})
-    assert private_imports(planted) == ["rlalign.extra:1 rlalign.config._choice", "rlalign.extra:4 rlalign.config._or"]
 
 
 def test_only_kernels_and_actors_join_the_package():

@@ -1,0 +1,309 @@
+"""A checkpoint directory's layout, its files and their checks (rlalign.checkpoint writes and loads
+them): paths, the small-file helpers where a full disk shows up, and verify / resolve_resume /
+read_meta, which read JSON and safetensors headers only (tensor data only for fingerprints). Every
+problem is a CheckpointError of one line naming the checkpoint, the file, what is wrong and the
+newest intact other checkpoint."""
+
+from __future__ import annotations
+
+import errno as _errno
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from rlalign.monitor.fingerprint import fingerprint
+
+FORMAT = "rlalign-checkpoint/2 (DCP safetensors shards + JSON index)"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d{6})$")
+_STEP_ANY = re.compile(r"^step_(\d{6})(\.tmp)?$")
+FPS = re.compile(r"^fingerprints-rank(\d{5})\.json$")
+SUFFIX = ".safetensors"
+_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
+ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or is not loadable; the message is one line."""
+
+
+class Damage(Exception):
+    """Internal: what is wrong with one file of a checkpoint (file name, description)."""
+
+    def __init__(self, file: str, what: str):
+        super().__init__(file, what)
+        self.file, self.what = file, what
+
+
+# --- paths ------------------------------------------------------------------------------------------
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tmp_path(run_dir: Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step_{step:06d}.tmp"
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_ANY.match(Path(path).name)
+    return int(m[1]) if m else None
+
+
+def run_dir_of(path: Path) -> Path | None:
+    path = Path(path)
+    return path.parent.parent if path.parent.name == "checkpoints" else None
+
+
+def shard_name(rank: int) -> str:
+    """The file DCP's HuggingFaceStorageWriter(save_distributed=True) writes for a rank."""
+    return f"shard-{rank + 1:05d}-model-00001-of-00001{SUFFIX}"
+
+
+def list_complete(run_dir: Path) -> list[Path]:
+    """step_NNNNNN directories with a meta.json, oldest first (not checked: see verify)."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if _STEP_DIR.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name)[1]))
+
+
+# --- small file helpers (the places a full disk shows up) ------------------------------------------
+def oneline(s: object) -> str:
+    return " ".join(str(s).split())
+
+
+def cause(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"{os.strerror(e.errno)} ({_errno.errorcode.get(e.errno, e.errno)})"
+    return oneline(f"{type(e).__name__}: {e}")
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write, flush and fsync `path` (raises OSError, e.g. ENOSPC)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    part = path.with_name(path.name + ".part")
+    _write_file(part, (json.dumps(obj) + "\n").encode())
+    os.replace(part, path)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- reading and checking -------------------------------------------------------------------------
+def read_json(path: Path) -> object:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise Damage(path.name, "missing") from None
+    except OSError as e:
+        raise Damage(path.name, f"unreadable: {cause(e)}") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise Damage(path.name, f"invalid JSON ({msg}{where}; {len(raw)} bytes, truncated?)") from None
+
+
+def read_header(path: Path) -> dict:
+    """The tensor entries of a safetensors file's JSON header, after checking that the header and
+    the data it describes cover the file exactly."""
+    name = path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise Damage(name, f"truncated: {size} bytes, shorter than a safetensors header")
+            n = int.from_bytes(raw, "little")
+            if n > _MAX_HEADER:
+                raise Damage(name, f"not a safetensors file (header length {n})")
+            if 8 + n > size:
+                raise Damage(name, f"truncated: {size} bytes, its header alone needs {8 + n}")
+            text = f.read(n)
+    except FileNotFoundError:
+        raise Damage(name, "missing") from None
+    except OSError as e:
+        raise Damage(name, f"unreadable: {cause(e)}") from None
+    try:
+        header = json.loads(text)
+        header.pop("__metadata__", None)
+        end = 0
+        for key, v in header.items():
+            lo, hi = v["data_offsets"]
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
+                raise ValueError(f"bad data_offsets of {key!r}")
+            end = max(end, hi)
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise Damage(name, f"malformed safetensors header ({oneline(e)})") from None
+    if 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "trailing bytes"
+        raise Damage(name, f"{what}: {size} bytes, its header describes {8 + n + end}")
+    return header
+
+
+def _check(path: Path, tensors: bool) -> dict:
+    """meta.json of a checkpoint after the checks of verify(); raises Damage."""
+    path = Path(path)
+    if not path.is_dir():
+        raise Damage(str(path), "not a directory")
+    meta = read_json(path / META)
+    if not isinstance(meta, dict):
+        raise Damage(META, "not a JSON object")
+    if meta.get("format") != FORMAT:
+        raise Damage(META, f"format {meta.get('format')!r}, expected {FORMAT!r} (an older checkpoint holds a "
+                            f"pickled DCP .metadata, which is not loaded)")
+    for key, typ in (("step", int), ("files", dict), ("tensors", dict)):
+        if not isinstance(meta.get(key), typ):
+            raise Damage(META, f"field {key!r} missing or not {typ.__name__}")
+    files: dict = meta["files"]
+    for f in sorted(p.name for p in path.iterdir() if p.name.endswith(SUFFIX)):
+        if f not in files:
+            raise Damage(f, "a .safetensors file meta.json does not list (not part of this checkpoint)")
+    headers = {}
+    for f, info in sorted(files.items()):
+        p = path / f
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or "/" in f:
+            raise Damage(META, f"malformed entry for file {f!r}")
+        if not p.is_file():
+            raise Damage(f, "missing")
+        size = p.stat().st_size
+        if size != info["bytes"]:
+            raise Damage(f, f"{size} bytes, meta.json records {info['bytes']} (truncated or overwritten)")
+        headers[f] = read_header(p)
+    for key, t in meta["tensors"].items():
+        try:
+            f, dtype, shape = t["file"], t["dtype"], list(t["shape"])
+            str(t["fp"])
+        except (TypeError, KeyError):
+            raise Damage(META, f"malformed entry for tensor {key!r}") from None
+        if f not in headers:
+            raise Damage(META, f"tensor {key!r} is in {f!r}, a file it does not list")
+        h = headers[f].get(key)
+        if not isinstance(h, dict) or h.get("dtype") != dtype or h.get("shape") != shape:
+            raise Damage(f, f"tensor {key!r} missing or not {dtype}{shape} as meta.json records")
+    if tensors:
+        _check_fingerprints(path, meta)
+    return meta
+
+
+def _check_fingerprints(path: Path, meta: dict) -> None:
+
+
+    by_file: dict[str, list[str]] = {}
+    for key, t in meta["tensors"].items():
+        by_file.setdefault(t["file"], []).append(key)
+    for f, keys in sorted(by_file.items()):
+        try:
+            with safe_open(str(path / f), framework="pt") as st:
+                for key in sorted(keys):
+                    got, want = fingerprint(st.get_tensor(key)), meta["tensors"][key]["fp"]
+                    if got != want:
+                        raise Damage(f, f"tensor {key!r} has fingerprint {got}, meta.json records {want} "
+                                         f"(its bytes changed)")
+        except Damage:
+            raise
+        except Exception as e:  # safetensors' own errors
+            raise Damage(f, f"unreadable: {cause(e)}") from None
+
+
+def newest_intact(run_dir: Path, before: int | None = None, exclude: Path | None = None,
+                  tensors: bool = False) -> Path | None:
+    """The newest complete checkpoint of run_dir that passes verify(., tensors) (steps < before;
+    not `exclude`), or None."""
+    ex = Path(exclude).resolve() if exclude is not None else None
+    for p in reversed(list_complete(run_dir)):
+        if (before is not None and step_of(p) >= before) or (ex is not None and p.resolve() == ex):
+            continue
+        try:
+            _check(p, tensors)
+            return p
+        except Damage:
+            continue
+    return None
+
+
+def _hint(path: Path, tensors: bool = False) -> str:
+    run_dir = run_dir_of(path)
+    if run_dir is None:
+        return ""
+    other = newest_intact(run_dir, exclude=path, tensors=tensors)
+    if other is None:
+        return f"; {checkpoint_dir(run_dir)} holds no other intact checkpoint"
+    return f"; newest intact checkpoint: {other} (checkpoint.resume={other})"
+
+
+def damaged(path: Path, d: Damage, tensors: bool = False) -> CheckpointError:
+    return CheckpointError(oneline(f"checkpoint {path} is not loadable: {d.file}: {d.what}{_hint(path, tensors)}"))
+
+
+def verify(path: Path, tensors: bool = False) -> dict:
+    """meta.json of the checkpoint at `path` once its files check out (see the module docstring);
+    tensors=True also recomputes every tensor's fingerprint (reads all data). Raises CheckpointError
+    naming the checkpoint, the file, what is wrong and the newest intact other checkpoint."""
+    try:
+        return _check(Path(path), tensors)
+    except Damage as d:
+        raise damaged(Path(path), d, tensors) from None
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """checkpoint.resume: 'never' -> None; a path -> that checkpoint once verify() passes (else
+    CheckpointError); 'auto' -> the newest complete checkpoint that passes verify(). A damaged newer
+    one is skipped and announced on stderr (the run redoes its steps, deterministically); if
+    checkpoints exist but none passes, CheckpointError rather than a silent start from step 0.
+    verify() here reads no tensor data: the trainer ranks check every fingerprint on load."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        done = list_complete(run_dir)
+        for p in reversed(done):
+            try:
+                _check(p, tensors=False)
+                return p
+            except Damage as d:
+                print(f"rlalign: checkpoint {p} is damaged ({d.file}: {d.what}); skipping it", file=sys.stderr)
+        if done:
+            raise CheckpointError(f"checkpoint.resume=auto: none of the {len(done)} checkpoints in "
+                                  f"{checkpoint_dir(run_dir)} is intact (see above); refusing to start from step 0")
+        return None
+    p = Path(resume)
+    if not (p / META).is_file():
+        raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no meta.json)")
+    verify(p)
+    return p
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json as a dict; CheckpointError (naming the file) if it is not valid JSON."""
+    try:
+        meta = read_json(Path(path) / META)
+    except Damage as d:
+        raise damaged(Path(path), d) from None
+    if not isinstance(meta, dict):
+        raise damaged(Path(path), Damage(META, "not a JSON object"))
+    return meta
