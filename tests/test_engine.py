@@ -183,3 +183,30 @@ def test_lookahead_changes_no_token_and_no_bit(model, reference):
             assert a.tokens == b.tokens == ref.tokens and a.finish_reason == b.finish_reason == ref.finish_reason
             assert same_bits(a.logprobs, ref.logprobs) and same_bits(b.logprobs, ref.logprobs), f"sample {a.sample_id}"
     assert discarded > 0  # sequences ended by EOS while their next row was already enqueued
+
+
+def test_both_engines_implement_the_generator_protocol():
+    """make_generator returns either engine: each has every method of rollout.generator.Generator.
+    Twin: a class without one is caught by the same check."""
+    from rlalign.rollout.generator import Generator
+    from rlalign.rollout.vllm.engine import VllmRankGenerator
+
+    methods = [m for m in vars(Generator) if not m.startswith("_")]
+    assert set(methods) == {"generate", "load_weights", "release_memory", "resume_memory", "close"}
+
+    def missing(cls):
+        return [m for m in methods if not callable(getattr(cls, m, None))]
+
+    assert missing(NativeEngine) == [] and missing(VllmRankGenerator) == []
+    assert missing(type("NoClose", (), {m: lambda self: None for m in methods if m != "close"})) == ["close"]
+
+
+def test_release_memory_frees_the_kept_state_and_changes_no_bit(model, reference):
+    engine = NativeEngine(model)
+    engine.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
+    assert engine.state is not None
+    engine.release_memory()
+    assert engine.state is None  # twin of the kept state above
+    engine.resume_memory()
+    got = engine.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
+    assert all(r.tokens == ref.tokens and same_bits(r.logprobs, ref.logprobs) for r, ref in zip(got, reference))
