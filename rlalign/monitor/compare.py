@@ -35,11 +35,11 @@ def _describe(rec: dict | None) -> str:
     return f"step {rec['step']} rank {rec['rank']} {rec['name']} {rec['dtype']}{rec['shape']} fp {rec['fp']}"
 
 
-def compare_files(a: Path, b: Path, out=sys.stdout) -> bool:
+def compare_files(a: Path, b: Path, out=None) -> bool:
     return compare_streams(read_trace(a), read_trace(b), a.name, out) is None
 
 
-def compare_streams(sa: Stream, sb: Stream, label: str, out=sys.stdout, allowed: tuple[str, ...] = ()) -> dict | None:
+def compare_streams(sa: Stream, sb: Stream, label: str, out=None, allowed: tuple[str, ...] = ()) -> dict | None:
     """Print how two streams compare (the first difference, or 'identical'); the first
     divergence (trace.first_divergence), None if identical. Environment keys under `allowed`
     may differ without a note."""
@@ -154,7 +154,7 @@ def _invariant(streams: dict[str, Stream]) -> bool:
     return bool(heads) and all(flatten(h["env"]).get("trainer.topology_invariant") for h in heads)
 
 
-def compare_runs(a: Path, b: Path, out=sys.stdout) -> bool:
+def compare_runs(a: Path, b: Path, out=None) -> bool:
     """Print how two run directories compare, stream by stream (module docstring); True if equal."""
     (sa, na), (sb, nb) = run_streams(a), run_streams(b)
     if not sa or not sb:
