@@ -136,7 +136,7 @@ def kernel(a) -> None:
 
     def launches(block, warps):
         for vec, tab in tables:
-            tfp._fingerprint_kernel[(len(tab),)](out, tab, out, K1=fpk.K1, K2=fpk.K2, STEP1=block * fpk.K1 % 2**32,
+            tfp.fingerprint_kernel[(len(tab),)](out, tab, out, K1=fpk.K1, K2=fpk.K2, STEP1=block * fpk.K1 % 2**32,
                                                  M1=fpk.M1, M2=fpk.M2, VEC=vec, BLOCK=block,
                                                  num_warps=warps if dev.type == "cuda" else 1)
 

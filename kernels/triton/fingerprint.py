@@ -40,7 +40,7 @@ def _fmix32(x, M1: tl.constexpr, M2: tl.constexpr):
 
 
 @triton.jit
-def _fingerprint_kernel(base_ptr, table_ptr, out_ptr, K1: tl.constexpr, K2: tl.constexpr, STEP1: tl.constexpr,
+def fingerprint_kernel(base_ptr, table_ptr, out_ptr, K1: tl.constexpr, K2: tl.constexpr, STEP1: tl.constexpr,
                         M1: tl.constexpr, M2: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
     """base_ptr: int32 words; VEC > 1: every chunk starts at a multiple of VEC words from
     base_ptr, i.e. at a 16-byte boundary (vector loads)."""
@@ -101,6 +101,6 @@ def fingerprint_sums(parts: Sequence[fp.Part]) -> torch.Tensor:
         t[:, 0] = (t[:, 0] - base) // 4  # addresses -> words from the base tensor
         host = torch.from_numpy(t)
         table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-        _fingerprint_kernel[(len(t),)](out, table, out, K1=fp.K1, K2=fp.K2, STEP1=BLOCK * fp.K1 % 2**32, M1=fp.M1,
+        fingerprint_kernel[(len(t),)](out, table, out, K1=fp.K1, K2=fp.K2, STEP1=BLOCK * fp.K1 % 2**32, M1=fp.M1,
                                        M2=fp.M2, VEC=vec, BLOCK=BLOCK, num_warps=1 if INTERPRET else NUM_WARPS)
     return out
