@@ -195,14 +195,16 @@ class TrainerWorker(_Monitored, _WeightSync):
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         if self.trace is not None:
             tr, t = self.trace, self.trainer
+            moments = step % self.cfg.monitor.optim_every == 0  # the AdamW moments at these steps only
             tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
             if t.invariant:  # names independent of the EP size: comparable across trainer EP sizes
                 tr.record_many([(RowNames(f"state/{name}", first) if first is not None else f"state/{name}", x)
-                                for name, x, first in t.topology_record_groups()])
+                                for name, x, first in t.topology_record_groups()
+                                if moments or not name.startswith("optim/")])
             else:
                 items: list = [(f"grad/{n}", t.grads[n]) for n in sorted(t.grads)]
                 for n, m in t.master.items():
-                    st = t.opt.state.get(m, {})
+                    st = t.opt.state.get(m, {}) if moments else {}
                     items += [(f"optim/{n}/{key}", st[key]) for key in ("exp_avg", "exp_avg_sq") if key in st]
                 params = dict(t.model.named_parameters())
                 tr.record_many(items + [(f"weights/{n}", params[n]) for n in sorted(params)])

@@ -7,6 +7,8 @@ monitor on vs off (and vs default kernels). Each phase writes a part JSON; `summ
                                                                          fingerprint_sums over mixed bf16/fp32
     python experiments/bench_monitor.py rl --model M [--runs det:default det:off default:off] [--steps 4]
                                                                          `rlalign train` in-process, one Ray
+    python experiments/bench_monitor.py host    [--model M --steps 12]  CPU: the trace's host work per
+                                                                         trainer step at M's record count
     python experiments/bench_monitor.py summary --name NAME              parts -> results/NAME.json
 
 A run `MODE:LEVEL` is kernels.mode=MODE (det = deterministic) with monitor.fingerprints=LEVEL, on the
@@ -311,6 +313,103 @@ def demo(a) -> None:
     print("wrote", record.write(a.name or "monitor_overhead_cpu", {**res, "what_it_shows": shows}, a.results))
 
 
+# --- the trace's host work per trainer step --------------------------------------------------------------
+def _state_records(model: str, moments: bool):
+    """(name, shape, dtype, rows) of the state records a topology-invariant trainer at EP 1 writes per
+    step for `model` (rlalign.training.trainer.topology_record_groups), in its order."""
+    import torch
+
+    from rlalign.config import load_config
+    from rlalign.factory import model_args
+    from rlalign.model.model import build_model
+    from rlalign.parallel.ep import is_expert_param
+
+    m = build_model(model_args(load_config([f"model={model}"])), seed=None, device="meta")
+    kinds = [("grad", torch.float32)] + ([("optim/exp_avg", torch.float32), ("optim/exp_avg_sq", torch.float32)]
+                                         if moments else []) + [("weights", torch.bfloat16)]
+    out = []
+    for n, p in sorted(m.named_parameters()):
+        for prefix, dt in kinds:
+            out.append((f"state/{prefix}/{n}", tuple(p.shape), dt, is_expert_param(n)))
+    return out
+
+
+def host(a) -> None:
+    """What the trace costs the host per trainer step at a model's record count, on the CPU: (1) the
+    records through Trace.record_many + flush over tiny stand-ins of the same names, kinds and rows
+    (record dicts, salts, hex, JSON lines), the kernel replaced by a GPU rank's host work for the
+    launch (segments, the work table of the stand-ins, the result buffer; the CPU hash of the tiny
+    bytes is measured apart, a GPU rank does not run it), (2) the work table over the real sizes
+    (chunk count), built from the per-part cache as a GPU rank does each step and, for reference,
+    built directly (the cost of a cold cache)."""
+    import numpy as np
+    import torch
+
+    from rlalign import kernels
+    from rlalign.kernels import fingerprint as fpk
+    from rlalign.monitor.trace import RowNames, Trace
+
+    def launch_host_work(parts):
+        segs, _, n = fpk.segments(parts)
+        fpk.segment_tables(segs)
+        return torch.zeros(n, 2, dtype=torch.int32)
+
+    def per_step(fn, n):
+        ts = []
+        for s in range(n):
+            t0 = time.perf_counter()
+            fn(s)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[2:] or ts)
+
+    res = {"model": a.model, "steps": a.steps}
+    for label, moments in (("every_step_with_moments", True), ("without_moments", False)):
+        recs = _state_records(a.model, moments)
+        items = [(RowNames(n + "/expert", 0) if rows else n, torch.zeros((shape[0], 2) if rows else (2,), dtype=dt))
+                 for n, shape, dt, rows in recs]
+        segs, addr, dst = [], 1 << 40, 0
+        for _, shape, dt, rows in recs:
+            nb, r = int(np.prod(shape)) * dt.itemsize, shape[0] if rows else 1
+            segs.append((addr, r, nb // r, 0, dst))
+            addr, dst = addr + nb + 512, dst + r
+        with tempfile.TemporaryDirectory() as d:
+            tr = Trace(Path(d) / "t.jsonl", "trainer", 0, {})
+
+            def step(s, tr=tr, items=items):
+                tr.step = s
+                tr.fence()
+                tr.record_many(items)
+                tr.flush()
+
+            cpu_hash = kernels.fingerprint_sums
+            kernels.fingerprint_sums = launch_host_work
+            try:
+                trace_s = per_step(step, a.steps)
+            finally:
+                kernels.fingerprint_sums = cpu_hash
+            tr.close()
+        hash_s = per_step(lambda s, items=items: kernels.fingerprint_sums([fpk.Part(t, rows=isinstance(n, RowNames))
+                                                                            for n, t in items]), max(3, a.steps // 3))
+        table_s = per_step(lambda s, segs=segs: fpk.segment_tables(segs), a.steps)
+        direct_s = per_step(lambda s, segs=segs: fpk._tables(segs, fpk.CHUNK), max(3, a.steps // 3))
+        rows = sum(len(t) for t in fpk.segment_tables(segs))
+        res[label] = {"records": len(recs), "results": dst, "bytes": addr - (1 << 40) - 512 * len(recs),
+                      "work_table_chunks": rows, "trace_record_flush_ms": trace_s * 1e3,
+                      "cpu_hash_of_the_stand_ins_ms (not on a GPU rank)": hash_s * 1e3,
+                      "work_table_cached_ms": table_s * 1e3, "work_table_direct_ms": direct_s * 1e3}
+        print(f"{a.model} {label}: {len(recs)} records ({dst} results, {res[label]['bytes'] / 1e9:.1f} GB, {rows} "
+              f"chunks): record_many + flush {trace_s * 1e3:.1f} ms, work table {table_s * 1e3:.1f} ms cached / "
+              f"{direct_s * 1e3:.1f} ms direct", flush=True)
+    w, o = res["every_step_with_moments"], res["without_moments"]
+    shows = (f"The trace's host work per trainer step at {a.model}'s record count on this CPU: "
+             f"{w['records']} records (weights, gradients, AdamW moments) {w['trace_record_flush_ms']:.1f} ms "
+             f"record_many + flush + {w['work_table_cached_ms']:.1f} ms work table ({w['work_table_direct_ms']:.1f} "
+             f"ms built directly); without the moments (monitor.optim_every's other steps) {o['records']} records "
+             f"{o['trace_record_flush_ms']:.1f} + {o['work_table_cached_ms']:.1f} ms, {o['bytes'] / 1e9:.1f} of "
+             f"{w['bytes'] / 1e9:.1f} GB read on the device.")
+    print("wrote", record.write(a.name or "monitor_host_cpu", {**res, "what_it_shows": shows}, a.results))
+
+
 # --- summary -------------------------------------------------------------------------------------------
 def summary(a) -> None:
     out = Path(a.out)
@@ -374,10 +473,11 @@ def summary(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=("demo", "kernel", "rl", "summary"))
+    ap.add_argument("phase", choices=("demo", "kernel", "rl", "host", "summary"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_monitor"), help="part JSONs")
     ap.add_argument("--results", default=None, help="where the result JSON goes (default experiments/results)")
-    ap.add_argument("--name", default=None, help="result name (summary; demo: monitor_overhead_cpu)")
+    ap.add_argument("--name", default=None, help="result name (summary; demo: monitor_overhead_cpu; "
+                    "host: monitor_host_cpu)")
     ap.add_argument("--kernel-name", default=None, help="summary: also write the kernel phase as this result")
     ap.add_argument("--command", default=None, help="the whole call's command line, recorded by summary")
     ap.add_argument("--gb", type=float, default=10.0)
@@ -389,7 +489,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--overrides", nargs="*", default=[])
     a = ap.parse_args()
-    {"demo": demo, "kernel": kernel, "rl": rl, "summary": summary}[a.phase](a)
+    {"demo": demo, "kernel": kernel, "rl": rl, "host": host, "summary": summary}[a.phase](a)
 
 
 if __name__ == "__main__":

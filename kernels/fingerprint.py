@@ -109,14 +109,16 @@ def hex64(v: int) -> str:
 def result_salts(parts: Sequence[Part]) -> np.ndarray:
     """uint64 [N]: the salt that finalizes each result of `parts`, in order (a rows part: its row
     shape's, one per row; a share: its piece's, the caller finalizes a merged share itself)."""
-    out = []
+    salts, counts = [], []
     for p in parts:
         t = p.tensor
         if p.rows:
-            out.append(np.full(t.shape[0] if t.dim() else 0, salt(t.dtype, tuple(t.shape[1:])), np.uint64))
+            salts.append(salt(t.dtype, tuple(t.shape[1:])))
+            counts.append(t.shape[0] if t.dim() else 0)
         else:
-            out.append(np.array([salt(t.dtype, tuple(t.shape))], np.uint64))
-    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+            salts.append(salt(t.dtype, tuple(t.shape)))
+            counts.append(1)
+    return np.repeat(np.array(salts, np.uint64), counts)
 
 
 _PLAIN = {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -253,46 +255,101 @@ def sums_cpu(parts: Sequence[Part]) -> np.ndarray:
 ALIGN = 16  # bytes: a chunk of the aligned table starts here (vector loads)
 
 
-def work_table(parts: Sequence[Part]) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor], int]:
-    """The chunks of `parts`: (table of aligned chunks, table of the rest), each int64 [C, 5] =
-    (address, words, key1 base, key2 base, result index); the tensors read (copies where one was
-    needed); the number of results. A chunk holds at most CHUNK words of one row, never crosses a
-    multiple of 2**32 word indices (its words' high index word is one), and the aligned table's
-    chunks start at ALIGN-byte addresses (a row that does not starts with a chunk of its first few
-    words in the other table)."""
-    segs: list[tuple[int, int, int, int, int]] = []  # (address, rows, row bytes, first, result)
-    views: list[torch.Tensor] = []
+def segments(parts: Sequence[Part]) -> tuple[list[tuple[int, int, int, int, int]], list[torch.Tensor], int]:
+    """(segs, copies, n): per part with bytes, (address, rows, row bytes, first word index, first
+    result index) of what is hashed; the byte views built for the other parts (`_words`: copies
+    where one was needed; keep them alive until the launch has read them); the number of results.
+    A contiguous whole tensor of a plain dtype at a 4-byte boundary with rows of whole words is
+    read in place without building a view (the common case, a few attribute reads per tensor)."""
+    segs: list[tuple[int, int, int, int, int]] = []
+    copies: list[torch.Tensor] = []
     n_out = 0
     for k, p in enumerate(parts):
+        t = p.tensor
+        if (isinstance(t, torch.Tensor) and t.dtype in _PLAIN and not p.first_row and t.layout == torch.strided
+                and t.device.type != "meta" and (t.dim() or not p.rows) and t.is_contiguous()):
+            R = t.shape[0] if p.rows else 1
+            nb = t.numel() * t.dtype.itemsize // R if R else 0
+            addr = t.data_ptr()
+            if nb % 4 == 0 and addr % 4 == 0:
+                if R and nb:
+                    segs.append((addr, R, nb, 0, n_out))
+                n_out += R
+                continue
         b, first = _words(p, p.name or f"tensor {k}")
-        views.append(b)
+        copies.append(b)
         R, nb = b.shape
         if R and nb:
             segs.append((b.data_ptr(), R, nb, first, n_out))
         n_out += R
+    return segs, copies, n_out
+
+
+def work_table(parts: Sequence[Part]) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor], int]:
+    """The chunks of `parts`: (table of aligned chunks, table of the rest), each int64 [C, 5] =
+    (address, words, key1 base, key2 base, result index); the byte views and copies read for parts
+    not read in place (`segments`); the number of results. A chunk holds at most CHUNK words of one row, never crosses
+    a multiple of 2**32 word indices (its words' high index word is one), and the aligned table's
+    chunks start at ALIGN-byte addresses (a row that does not starts with a chunk of its first few
+    words in the other table). Both tables are new arrays (the caller may change them in place)."""
+    segs, copies, n_out = segments(parts)
+    main, odd = segment_tables(segs)
+    return main, odd, copies, n_out
+
+
+def segment_tables(segs: Sequence[tuple[int, int, int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """`work_table`'s two tables of `segments`' segs. A part's chunks depend only on its address
+    mod ALIGN, rows, row bytes and first word index: they are built once per such key
+    (`_seg_chunks`, cached; a step's weights, gradients and moments repeat a few hundred keys) and
+    here shifted to each part's address and first result."""
     if not segs:
-        return np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64), views, n_out
+        return np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64)
+    pieces = [_seg_chunks(addr % ALIGN, R, nb, first, CHUNK) for addr, R, nb, first, _ in segs]
+    seg = np.array(segs, np.int64)
+    shift, dst = seg[:, 0] - seg[:, 0] % ALIGN, seg[:, 4]
+    out = []
+    for which in (0, 1):
+        table = np.concatenate([p[which] for p in pieces])  # a new array
+        lens = [len(p[which]) for p in pieces]
+        table[:, 0] += np.repeat(shift, lens)
+        table[:, 4] += np.repeat(dst, lens)
+        out.append(table)
+    return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _seg_chunks(mis: int, R: int, nb: int, first: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two tables of one part at address `mis` (< ALIGN) whose results start at 0, in chunks
+    of at most `chunk` words (read-only)."""
+    main, odd = _tables([(mis, R, nb, first, 0)], chunk)
+    main.setflags(write=False)
+    odd.setflags(write=False)
+    return main, odd
+
+
+def _tables(segs, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    if not segs:
+        return np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64)
     addr, rows, row_nb, first0, dst0 = (np.array(c, np.int64) for c in zip(*segs))
     j = np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)  # row index within its part
     base = np.repeat(addr, rows) + j * np.repeat(row_nb, rows)
     n, first, dst = np.repeat(row_nb // 4, rows), np.repeat(first0, rows), np.repeat(dst0, rows) + j
     peel = np.minimum(((-base) % ALIGN) // 4, n)  # words before the first aligned address
-    return (_chunks(base, n, first, dst, peel), _chunks(base, peel, first, dst, np.zeros_like(base)), views,
-            n_out)
+    return _chunks(base, n, first, dst, peel, chunk), _chunks(base, peel, first, dst, np.zeros_like(base), chunk)
 
 
-def _chunks(base, n, first, dst, start) -> np.ndarray:
-    """Chunks of words [start, n) of each row: at most CHUNK words, split at CHUNK multiples of the
+def _chunks(base, n, first, dst, start, chunk: int) -> np.ndarray:
+    """Chunks of words [start, n) of each row: at most `chunk` words, split at its multiples of the
     row-local index and where the global index first + j crosses a multiple of 2**32."""
     m = n - start
     sel = m > 0
     base, n, first, dst, start, m = base[sel], n[sel], first[sel], dst[sel], start[sel], m[sel]
     if not len(m):
         return np.zeros((0, 5), np.int64)
-    counts = -(-m // CHUNK)
+    counts = -(-m // chunk)
     r = np.repeat(np.arange(len(m)), counts)
-    j0 = start[r] + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * CHUNK
-    j1 = np.minimum(j0 + CHUNK, n[r])
+    j0 = start[r] + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * chunk
+    j1 = np.minimum(j0 + chunk, n[r])
     g0 = first[r] + j0
     nxt = ((g0 >> 32) + 1) << 32  # the next multiple of 2**32 in the global index
     cross = nxt < first[r] + j1

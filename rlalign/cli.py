@@ -66,6 +66,8 @@ _KEYS = {
         ("task.reward_workers", "reward calls running at once (threads)"),
         ("trainer.lr", "learning rate"),
         ("monitor.on_mismatch", "raise | warn (deterministic mode)"),
+        ("monitor.fingerprints", "off | default | layers: what the per-step traces fingerprint"),
+        ("monitor.optim_every", "traces hold the AdamW moments at steps 0, N, 2N, ... (1: every step)"),
         ("placement.num_cpus", "CPUs of the private Ray cluster (ignored with RAY_ADDRESS)"),
         ("placement.colocate", "trainer and generator ranks share the GPUs"),
         ("trainer.shard_dense", "dense fp32 masters + AdamW state split over the trainer ranks (same bits)"),

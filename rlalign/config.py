@@ -252,12 +252,19 @@ class MonitorConfig:
     on_mismatch: str = _choice("raise", OnMismatch)  # deterministic mode only
     # What each step fingerprints (rlalign/monitor/trace.py; one definition on every device):
     #   off      no traces (the weight sync still checks its fingerprints)
-    #   default  every trainer rank: the logprobs, then gradients, AdamW moments and weights (per dense
-    #            unit, per global expert); the generator: tokens, logprobs, the synced weights. One
-    #            kernel launch per step and side reads each byte once, read back without waiting:
-    #            ~ state bytes / HBM bandwidth (83 GB of bench-moe-large state: ~20 ms on an H200)
+    #   default  every trainer rank: the logprobs, then gradients, AdamW moments (at the steps
+    #            optim_every picks) and weights (per dense unit, per global expert); the generator:
+    #            tokens, logprobs, the synced weights. One kernel launch per step and side reads each
+    #            byte once, read back without waiting: ~ bytes read / HBM bandwidth (bench-moe-large:
+    #            weights + gradients 31 GB, ~7 ms on an H200; the two moments another 42 GB)
     #   layers   also every op's output per token on both sides (names a mismatch's first op; costly)
     fingerprints: str = _choice("default", Fingerprints)
+    # The AdamW moments (exp_avg, exp_avg_sq: two fp32 copies of the model, 4/7 of the state the trace
+    # reads) are fingerprinted at steps 0, N, 2N, ... (1: every step, the fullest trace). A moment that
+    # diverges changes the next update, so the weights show it from the next step on (when the change
+    # survives the rounding to the weights' dtype) and the moments' own records at the next multiple of
+    # N; runs compare record by record only at the same N.
+    optim_every: int = 10
     worst_tokens: int = 10
     inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)
 
@@ -405,6 +412,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
         problems.append(f"algorithm.num_minibatches={cfg.algorithm.num_minibatches}: more minibatches than the "
                         f"step's {cfg.task.num_prompts * cfg.task.samples_per_prompt} sequences")
+    if cfg.monitor.optim_every < 1:
+        problems.append(f"monitor.optim_every={cfg.monitor.optim_every}: must be >= 1 (1: the AdamW moments "
+                        f"every step)")
     if cfg.sync.bucket_mb < 1:
         problems.append(f"sync.bucket_mb={cfg.sync.bucket_mb}: must be >= 1")
     if cfg.run.steps < 1:

@@ -71,6 +71,31 @@ def test_the_value_does_not_depend_on_chunking_or_block(monkeypatch):
     assert np.array_equal(_interpreted(parts), want)
 
 
+def test_the_work_table_from_cached_per_part_chunks_equals_one_built_directly(monkeypatch):
+    monkeypatch.setattr(fpk, "CHUNK", 64)  # several chunks a row
+    g = torch.Generator().manual_seed(4)
+    store = torch.randn(4096, generator=g)
+    # tensors of one shape at each address mod 16 (their peel differs), stacked rows, a share, a copy
+    ts = [store[k : k + 300] for k in range(4)] + [store[1000:1600].view(6, 100)] + [store[2000:2200]]
+    parts = [Part(t) for t in ts[:4]] + [Part(ts[4], rows=True), Part(ts[5].view(2, 100), first_row=7),
+                                          Part(store[3000:3200].view(20, 10).t())]
+    segs, copies, n_out = fpk.segments(parts)
+    assert n_out == 4 + 6 + 1 + 1 and len(copies) == 2  # the share's byte view, the transposed view's copy
+    assert [s[0] for s in segs] == [t.data_ptr() for t in ts] + [copies[1].data_ptr()]  # the rest in place
+    assert copies[1].data_ptr() != store[3000:].data_ptr()
+    direct = fpk._tables(segs, fpk.CHUNK)
+    for _ in range(2):  # the second time from the cache
+        cached = fpk.segment_tables(segs)
+        assert all(np.array_equal(a, b) for a, b in zip(cached, direct))
+    assert np.array_equal(_interpreted(parts), fpk.sums_cpu(parts))
+    # negative twin: the chunks of one shape depend on the address mod 16 (the cache keys on it): the
+    # first tensor's chunks shifted to the second one's address (4 bytes on) are not its chunks
+    first, second = (fpk._tables([(*segs[k][:4], 0)], fpk.CHUNK)[0] for k in (0, 1))
+    shifted = first.copy()
+    shifted[:, 0] += 4
+    assert not np.array_equal(shifted, second)
+
+
 def test_two_swapped_elements_and_bf16_vs_fp32_of_equal_values_differ():
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     swapped = x.clone()
@@ -219,3 +244,34 @@ def test_a_flipped_bit_in_one_expert_on_one_trainer_rank_at_ep2_is_named_by_comp
     assert "inputs matched: yes" in p.stdout and p.stdout.count("identical:") == 1  # rank 0's stream
     p = compare("a", "b")  # negative twin: the same step without the fault
     assert p.returncode == 0 and p.stdout.count("identical:") == 2, p.stdout + p.stderr
+
+
+def test_the_trace_holds_the_adamw_moments_at_every_nth_step_and_all_else_every_step(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rlalign.actors.workers import TrainerWorker
+    from rlalign.config import ConfigError, load_config
+    from rlalign.monitor.trace import read_trace
+    from rlalign.training.trainer import Sample
+
+    with pytest.raises(ConfigError, match=r"monitor.optim_every=0: must be >= 1"):
+        load_config(["monitor.optim_every=0"])
+    g = torch.Generator().manual_seed(5)
+    samples = [Sample(torch.randint(2, 60, (6,), generator=g).tolist(),
+                      torch.randint(2, 60, (5,), generator=g).tolist(), torch.zeros(5), advantage=float(i % 3) - 1.0,
+                      sample_id=i) for i in range(4)]
+    cfg = OmegaConf.to_container(load_config(["trainer.ep_size=1", "trainer.micro_batch_size=4", "model.num_layers=1",
+                                              "monitor.optim_every=3", f"run.dir={tmp_path}"]), resolve=True)
+    w = TrainerWorker(cfg, 0, 1)
+    w.open_trace(0)
+    for step in range(3):
+        if step == 2:  # negative twin: every step (step 2 is no multiple of 3)
+            w.cfg.monitor.optim_every = 1
+        w.train_step(samples, cfg["algorithm"], step)
+    w.close_trace()
+    recs = read_trace(tmp_path / "traces" / "trainer-rank0.jsonl")[1]
+    names = {s: [r["name"] for r in recs if r["step"] == s and r["name"].startswith("state/")] for s in range(3)}
+    moments = [n for n in names[0] if n.startswith("state/optim/")]
+    assert moments and {n.split("/")[1] for n in names[0]} == {"grad", "optim", "weights"}
+    assert names[1] == [n for n in names[0] if n not in moments]  # gradients and weights every step
+    assert names[2] == names[0]

@@ -97,8 +97,8 @@ def fingerprint_sums(parts: Sequence[fp.Part]) -> torch.Tensor:
     for vec, t in ((4, main), (1, odd)):
         if not len(t):
             continue
-        t = t.copy()
-        t[:, 0] = (t[:, 0] - base) // 4  # addresses -> words from the base tensor
+        t[:, 0] -= base  # addresses -> words from the base tensor (work_table's tables are new arrays)
+        t[:, 0] //= 4
         host = torch.from_numpy(t)
         table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
         fingerprint_kernel[(len(t),)](out, table, out, K1=fp.K1, K2=fp.K2, STEP1=BLOCK * fp.K1 % 2**32, M1=fp.M1,

@@ -53,7 +53,8 @@ class Pending:
         return fingerprint_values(self._host.numpy().view(np.uint32), self.salts)
 
     def hex(self) -> list[str]:
-        return [f"{v:016x}" for v in self.values().tolist()]
+        h = self.values().astype(">u8").tobytes().hex()  # big-endian bytes: each value's 16 hex digits
+        return [h[i : i + 16] for i in range(0, len(h), 16)]
 
 
 def launch(parts: Sequence[Part]) -> Pending:

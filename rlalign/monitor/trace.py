@@ -21,11 +21,14 @@ those tensors in place); the tensors are kept from reuse until the launch has re
 come back without a host wait: `flush` starts one copy to the host behind an event and writes the
 records whose results have arrived, in program order; the rest follow at a later flush, at
 `drain` (a checkpoint waits for it, so a trace holds every record up to the checkpoint it
-resumes from) or at `close`.
+resumes from) or at `close`. The work table of a launch is assembled from per-tensor chunk lists
+cached by (address mod 16, rows, row bytes, first word index), so a step over the same shapes
+builds no chunk list anew (kernels/fingerprint.py: segment_tables).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import warnings
@@ -86,6 +89,11 @@ def env_difference(a: dict, b: dict, allowed: tuple[str, ...] = ()) -> list[str]
     fa, fb = flatten(a), flatten(b)
     keys = sorted(set(fa) | set(fb))
     return [k for k in keys if fa.get(k) != fb.get(k) and not any(k == p or k.startswith(p + ".") for p in allowed)]
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,7 @@ class Trace:
             rec = {"step": self.step, "rank": self.rank, "name": name.name if rows else name}
             if rows:
                 rec["first"] = name.first
-            rec.update(shape=list(t.shape[1:] if rows else t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            rec.update(shape=list(t.shape[1:] if rows else t.shape), dtype=_dtype_name(t.dtype))
             rec["fps" if rows else "fp"] = t.shape[0] if rows else None
             recs.append(rec)
         self._add(parts, recs)
