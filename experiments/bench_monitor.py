@@ -391,7 +391,7 @@ def host(a) -> None:
         hash_s = per_step(lambda s, items=items: kernels.fingerprint_sums([fpk.Part(t, rows=isinstance(n, RowNames))
                                                                             for n, t in items]), max(3, a.steps // 3))
         table_s = per_step(lambda s, segs=segs: fpk.segment_tables(segs), a.steps)
-        direct_s = per_step(lambda s, segs=segs: fpk._tables(segs, fpk.CHUNK), max(3, a.steps // 3))
+        direct_s = per_step(lambda s, segs=segs: fpk.chunk_tables(segs, fpk.CHUNK), max(3, a.steps // 3))
         rows = sum(len(t) for t in fpk.segment_tables(segs))
         res[label] = {"records": len(recs), "results": dst, "bytes": addr - (1 << 40) - 512 * len(recs),
                       "work_table_chunks": rows, "trace_record_flush_ms": trace_s * 1e3,

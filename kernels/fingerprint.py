@@ -321,13 +321,13 @@ def segment_tables(segs: Sequence[tuple[int, int, int, int, int]]) -> tuple[np.n
 def _seg_chunks(mis: int, R: int, nb: int, first: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """The two tables of one part at address `mis` (< ALIGN) whose results start at 0, in chunks
     of at most `chunk` words (read-only)."""
-    main, odd = _tables([(mis, R, nb, first, 0)], chunk)
+    main, odd = chunk_tables([(mis, R, nb, first, 0)], chunk)
     main.setflags(write=False)
     odd.setflags(write=False)
     return main, odd
 
 
-def _tables(segs, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def chunk_tables(segs, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     if not segs:
         return np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64)
     addr, rows, row_nb, first0, dst0 = (np.array(c, np.int64) for c in zip(*segs))
