@@ -83,14 +83,14 @@ def test_the_work_table_from_cached_per_part_chunks_equals_one_built_directly(mo
     assert n_out == 4 + 6 + 1 + 1 and len(copies) == 2  # the share's byte view, the transposed view's copy
     assert [s[0] for s in segs] == [t.data_ptr() for t in ts] + [copies[1].data_ptr()]  # the rest in place
     assert copies[1].data_ptr() != store[3000:].data_ptr()
-    direct = fpk._tables(segs, fpk.CHUNK)
+    direct = fpk.chunk_tables(segs, fpk.CHUNK)
     for _ in range(2):  # the second time from the cache
         cached = fpk.segment_tables(segs)
         assert all(np.array_equal(a, b) for a, b in zip(cached, direct))
     assert np.array_equal(_interpreted(parts), fpk.sums_cpu(parts))
     # negative twin: the chunks of one shape depend on the address mod 16 (the cache keys on it): the
     # first tensor's chunks shifted to the second one's address (4 bytes on) are not its chunks
-    first, second = (fpk._tables([(*segs[k][:4], 0)], fpk.CHUNK)[0] for k in (0, 1))
+    first, second = (fpk.chunk_tables([(*segs[k][:4], 0)], fpk.CHUNK)[0] for k in (0, 1))
     shifted = first.copy()
     shifted[:, 0] += 4
     assert not np.array_equal(shifted, second)
