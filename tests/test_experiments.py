@@ -41,7 +41,8 @@ def test_a_changed_result_makes_the_table_stale(tmp_path):
 
 
 def test_results_are_named_without_run_suffixes(tmp_path):
-    for name in ("paged_attention_h200_explore.json", "triton_NVIDIA_H200_v10.json", "generate_x_H200_s12.json", "generate_x_H200_final.json",
+    for name in ("paged_attention_h200_explore.json", "triton_NVIDIA_H200_v10.json", "generate_x_H200_s12.json",
+                 "generate_x_H200_final.json",
                  "train_profile_x_H200_old.json", "profile_x_H200_after.json", "paged_attention_h200_run2.json"):
         assert table.RUN_SUFFIX.search(name), name
     for name in ("agree_qwen3-30b-a3b-rehearsal_tep2_gep1_2xh200_default.json", "vllm_cpu_tokens_per_s_ep2.json",
