@@ -187,6 +187,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         Returns this rank's pre-update logprobs, stat records and (monitor.fingerprints=layers)
         per-token row fingerprints."""
         maybe_fail("trainer.train_step", self.rank)
+        self.saver.wait()  # the checkpoint in flight reads the tensors this step changes
         gc0 = _GC["total_s"]
         if self.trace is not None:
             self.trace.step = step
@@ -237,11 +238,13 @@ class TrainerWorker(_Monitored, _WeightSync):
 
     def save(self, path: str, publish: dict | None = None, wait: bool = True) -> None:
         """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint),
-        staged now and written in the background (wait=False: returns before the write); with
-        `publish` rank 0 completes the checkpoint once all ranks have written."""
+        written bucket by bucket in the background (wait=False: returns before the write; the next
+        train_step waits for it); with `publish` rank 0 completes the checkpoint once all ranks have
+        written."""
         if self.trace is not None:  # the trace holds every record up to the checkpoint a resume starts from
             self.trace.drain()
-        self.saver.save(self.trainer.checkpoint_state(), path, self.rank, self.group, publish)
+        self.saver.save(self.trainer.checkpoint_state(), path, self.rank, self.group, publish,
+                        self.cfg.checkpoint.bucket_mb << 20)
         if wait:
             self.saver.wait()
 
@@ -254,6 +257,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         nothing from the checkpoint directory is unpickled."""
         if self.trace is not None:
             self.trace.fence()
+        self.saver.wait()
         load_shards(self.trainer.checkpoint_state(), path, self.rank, self.group)
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args
 from rlalign.factory import sampling_params
+from rlalign.logger import json_line
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_world, run_workers, shard_range
 from rlalign.rollout.generator import generator_plan
@@ -169,5 +170,5 @@ def print_report(result: dict, console=None) -> None:
 def main(cfg: DictConfig) -> int:
     result, _ = run_agree(cfg)
     print_report(result)
-    print(json.dumps(result), flush=True)
+    print(json_line(result), flush=True)
     return 0

@@ -13,23 +13,37 @@ shape and fingerprint (rlalign.monitor.fingerprint: taken of the trainer's tenso
 device when the save starts, one launch; the same value the CPU recomputes from the files).
 
 Format. Each trainer rank writes through DCP's HuggingFaceStorageWriter (save_distributed=True):
-one `shard-<rank+1>-model-00001-of-00001.safetensors` per rank (DCP's planner writes a tensor held
-by several ranks once) and no DCP `.metadata` pickle; then a `fingerprints-rank<r>.json`. Loading
-goes through HuggingFaceStorageReader, which builds DCP's metadata from the safetensors headers
-(JSON) and reads tensors with safetensors.safe_open: no pickle.load/torch.load on file contents (a
-stray `.metadata` or any other file is never opened). The driver's complete() merges the ranks'
-fingerprints with the shard headers into meta.json (written last, atomically) and renames the
-directory into place: a crash or a failed write leaves the previous checkpoint the latest one.
+`shard-<rank+1>-model-<i>-of-<n>.safetensors` files, one per bucket i of the checkpoint's tensors
+(keys in order of the first rank that holds them, cut into consecutive groups of at most
+checkpoint.bucket_mb; a larger tensor alone), holding the bucket's tensors this rank writes (DCP's
+planner writes a tensor held by several ranks once), and no DCP `.metadata` pickle; then a
+`fingerprints-rank<r>.json`. Loading goes through HuggingFaceStorageReader, which builds DCP's
+metadata from the safetensors headers (JSON) and reads tensors with safetensors.safe_open: no
+pickle.load/torch.load on file contents (a stray `.metadata` or any other file is never opened).
+The driver's complete() merges the ranks' fingerprints with the shard headers into meta.json
+(written last, atomically) and renames the directory into place: a crash or a failed write leaves
+the previous checkpoint the latest one.
 
-Asynchronous saves. AsyncSaver.save() stages this rank's tensors into CPU copies it owns (the
-trainer may change its own at once), then DCP's async_save writes them in a background thread
-(over a gloo group of the trainer ranks kept for checkpoints, so the training collectives never
-interleave with the checkpoint's), followed by the fingerprints and, on rank 0 once every rank
-reports success, complete(): the checkpoint appears (meta.json, rename) while the RL loop runs on.
-The next save and the end of the run wait for it (AsyncSaver.wait raises what went wrong). The
-files are the bytes a synchronous save_shards writes (the same writer and planner on the same
-values); a crash mid-save leaves a .tmp directory, ignored, and the previous checkpoint the newest
-complete one.
+Bounded staging. DCP writes one file at a time: the file's tensors are copied from the trainer's
+own (device) tensors to host memory, serialised and written, then the next file's. A save needs a
+small multiple of one bucket in host memory (the host copies, safetensors' per-tensor bytes and
+the file's bytes: ~3x), never the whole state (experiments/bench_checkpoint_host_memory.py).
+
+Asynchronous saves. AsyncSaver.save() fingerprints this rank's tensors on their device and returns;
+a background thread writes them bucket by bucket from the trainer's own tensors (over a gloo group
+of the trainer ranks kept for checkpoints, so the training collectives never interleave with the
+checkpoint's), then the fingerprints and, on rank 0 once every rank reports success, complete():
+the checkpoint appears (meta.json, rename) while the RL loop runs on (the next generation, the
+weight sync). The tensors must not change until the write ends: the trainer waits for it before
+its next update (TrainerWorker.train_step), the next save and the end of the run wait too
+(AsyncSaver.wait raises what went wrong). The files are the bytes a synchronous save_shards
+writes (one write function); a crash mid-save leaves a .tmp directory, ignored, and the previous
+checkpoint the newest complete one.
+
+Disk space. check_space() runs before Ray starts: the checkpoint's size is the trainer state's
+(rlalign.training.state.checkpoint_nbytes: the keys checkpoint_state() writes, of a trainer built
+on the meta device), times the checkpoints the run holds at once (checkpoint.keep + the one being
+written); a run whose checkpoint directory has less free space is refused in one line.
 
 All non-tensor state is JSON: meta.json (python_rng as [version, [state...], gauss_next], torch_rng
 as a list of bytes) and the ranks' fingerprint files, which complete() folds into meta.json.
@@ -49,6 +63,7 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +86,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     list_complete,
     newest_intact,
     oneline,
+    rank_of_file,
     read_header,
     read_json,
     read_meta,
@@ -156,29 +172,68 @@ def _dcp_failed(e: BaseException, path: Path, step: int | None, rank: int) -> Ch
 
 def _write_fingerprints(path: Path, step: int | None, rank: int, fps: dict[str, str]) -> None:
     try:
-        write_json_atomic(path / f"fingerprints-rank{rank:05d}.json",
-                           {"rank": rank, "shard": shard_name(rank), "tensors": fps})
+        write_json_atomic(path / f"fingerprints-rank{rank:05d}.json", {"rank": rank, "tensors": fps})
     except OSError as e:
         raise _write_error(path, step, e, rank) from None
 
 
-def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None) -> None:
+DEFAULT_BUCKET_BYTES = 512 << 20  # checkpoint.bucket_mb's default
+
+
+def bucket_files(layout: dict[str, tuple[int, int]], bucket_bytes: int) -> dict[str, int]:
+    """{key: file index 1..n} of the checkpoint's tensors from {key: (first rank holding it, bytes)}:
+    keys ordered by (rank, key), cut into consecutive groups of at most bucket_bytes (a tensor
+    larger than that: a group of its own). Every rank computes the same map from the same layout."""
+    out: dict[str, int] = {}
+    index, filled = 1, 0
+    for key, (_, nbytes) in sorted(layout.items(), key=lambda kv: (kv[1][0], kv[0])):
+        if filled and filled + nbytes > bucket_bytes:
+            index, filled = index + 1, 0
+        out[key] = index
+        filled += nbytes
+    return out
+
+
+def _layout(state: dict[str, torch.Tensor], rank: int, group) -> dict[str, tuple[int, int]]:
+    """{key: (the first rank holding it, bytes)} over every rank of `group` (all call it)."""
+    mine = {k: (rank, v.numel() * v.element_size()) for k, v in state.items()}
+    if not _dist_on():
+        return mine
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    merged: dict[str, tuple[int, int]] = {}
+    for part in everyone:
+        for k, (r, n) in part.items():
+            if k not in merged or r < merged[k][0]:
+                merged[k] = (r, n)
+    return merged
+
+
+def _write(state: dict[str, torch.Tensor], path: Path, rank: int, group, bucket_bytes: int) -> None:
+    """This rank's tensors through DCP's safetensors writer, one bucket file at a time, read from
+    the tensors where they are (module docstring: bounded staging)."""
+    files = bucket_files(_layout(state, rank, group), bucket_bytes)
+    with _quiet_single_process():
+        dcp = _dcp()
+        writer = dcp.HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=files, save_distributed=True)
+        dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=not _dist_on())
+
+
+def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """One trainer rank's part of a checkpoint (all ranks call it together): its tensors through DCP
-    as safetensors, then fingerprints-rank<r>.json. On any failure (e.g. ENOSPC) every rank raises
-    CheckpointError naming the step, the path and the cause; rank 0 removes the .tmp directory."""
+    as safetensors, one bucket at a time, then fingerprints-rank<r>.json. On any failure (e.g.
+    ENOSPC) every rank raises CheckpointError naming the step, the path and the cause; rank 0
+    removes the .tmp directory."""
     path = Path(path)
     step = step_of(path)
     try:
         _prepare_dir(path, rank)
         fps = state_fingerprints(state)
-        cpu = {k: v.detach().cpu() for k, v in state.items()}
     except OSError as e:
         raise _write_error(path, step, e, rank) from None
     try:
-        with _quiet_single_process():
-            dcp = _dcp()
-            dcp.save(cpu, storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True),
-                     process_group=group, no_dist=not _dist_on())
+        _write(state, path, rank, group, bucket_bytes)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -186,24 +241,10 @@ def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
     _write_fingerprints(path, step, rank, fps)
 
 
-class _Staged:
-    """DCP's AsyncStager for a state dict that AsyncSaver already copied: nothing more to copy."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class AsyncSaver:
     """One trainer rank's checkpoint writer in the background (module docstring). All trainer
-    ranks call save() together; at most one save is in flight (save() first waits for the last)."""
+    ranks call save() together; at most one save is in flight (save() first waits for the last);
+    the saved tensors must not change before wait() returns."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlalign-checkpoint")
@@ -221,8 +262,8 @@ class AsyncSaver:
         return self._group
 
     def save(self, state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,
-             publish: dict | None = None) -> None:
-        """Stage this rank's tensors (CPU copies) and start writing them; returns before the write.
+             publish: dict | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """Fingerprint this rank's tensors and start writing them; returns before the write.
         publish = {"run_dir", "step", "meta", "keep"}: rank 0 then completes the checkpoint itself
         (complete()) once every rank has written its part."""
         self.wait()
@@ -230,31 +271,22 @@ class AsyncSaver:
         step = step_of(path)
         try:
             _prepare_dir(path, rank)
-            fps = state_fingerprints(state)  # on the tensors' device, before they can change
-            cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            fps = state_fingerprints(state)  # on the tensors' device
         except OSError as e:
             raise _write_error(path, step, e, rank) from None
         pg = self._gloo_group(group)
-        try:
-            with _quiet_single_process():
-                dcp = _dcp()
-                writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
-                written = dcp.async_save(cpu, storage_writer=writer, process_group=pg, no_dist=pg is None,
-                                         async_stager=_Staged())
-        except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise _dcp_failed(e, path, step, rank) from None
-        self._pending = self._pool.submit(self._finish, written, fps, path, step, rank, pg, publish)
+        self._pending = self._pool.submit(self._finish, dict(state), fps, path, step, rank, pg, publish,
+                                          bucket_bytes)
 
-    def _finish(self, written: Future, fps: dict[str, str], path: Path, step: int | None, rank: int, pg,
-                publish: dict | None) -> Path | None:
-        maybe_fail("checkpoint.write", rank)
+    def _finish(self, state: dict[str, torch.Tensor], fps: dict[str, str], path: Path, step: int | None,
+                rank: int, pg, publish: dict | None, bucket_bytes: int) -> Path | None:
         error = None
         try:
-            written.result()
+            maybe_fail("checkpoint.write", rank)
+            _write(state, path, rank, pg, bucket_bytes)
         except BaseException as e:
             error = _dcp_failed(e, path, step, rank)
+        del state
         if error is None:
             try:
                 _write_fingerprints(path, step, rank, fps)
@@ -326,6 +358,57 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
 
 
 # --- driver ----------------------------------------------------------------------------------------
+def is_due(step: int, every: int, steps: int) -> bool:
+    """Whether the run checkpoints after `step` (every N steps, and always after its last)."""
+    return bool(every and (step + 1) % every == 0) or step == steps - 1
+
+
+def held_at_once(existing: int, saves: int, keep: int) -> int:
+    """How many more checkpoints than the `existing` complete ones the directory holds at its
+    fullest over `saves` saves: each written beside the kept ones, then the oldest beyond `keep`
+    (0: all) removed."""
+    n = peak = existing
+    for _ in range(saves):
+        n += 1
+        peak = max(peak, n)
+        if keep > 0:
+            n = min(n, keep)
+    return peak - existing
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], every: int, total_steps: int,
+                keep: int) -> dict:
+    """Refuse a run whose checkpoints do not fit the free space of run_dir/checkpoints (statvfs of
+    it, or of its nearest existing parent), before anything starts: CheckpointError of one line
+    naming the size, the free space, the directory and the keys that change them. `parts`: the
+    checkpoint's bytes by part (rlalign.training.state.checkpoint_nbytes); `steps`: the steps this
+    run will train. Returns the numbers checked."""
+    saves = sum(is_due(s, every, total_steps) for s in steps)
+    size = sum(parts.values())
+    d = checkpoint_dir(run_dir)
+    count = held_at_once(len(list_complete(run_dir)), saves, keep)
+    need = count * size
+    probe = d
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        what = " + ".join(f"{k} {_gb(v)}" for k, v in parts.items() if v)
+        times = f"{count} checkpoints of {_gb(size)} at once" if count > 1 else f"one checkpoint of {_gb(size)}"
+        fewer = "checkpoint.keep=1 (fewer at once), " if count > 1 else ""
+        raise CheckpointError(
+            f"not enough disk for checkpoints: {d} needs {_gb(need)} ({times}: {what}) but its file system has "
+            f"{_gb(free)} free; set run.dir=<a directory with room>, {fewer}or checkpoint.enabled=false "
+            f"(no checkpoints)")
+    return {"checkpoint_bytes": size, "checkpoints_at_once": count, "needed_bytes": need, "free_bytes": free,
+            "dir": str(d)}
+
+
 def _index(tmp: Path) -> dict:
     """files + tensors of meta.json from the ranks' fingerprints and the shards' headers."""
     fps: dict[int, dict] = {}
@@ -333,7 +416,7 @@ def _index(tmp: Path) -> dict:
         m = FPS.match(p.name)
         if m:
             fp = read_json(p)
-            if not (isinstance(fp, dict) and isinstance(fp.get("shard"), str) and isinstance(fp.get("tensors"), dict)):
+            if not (isinstance(fp, dict) and isinstance(fp.get("tensors"), dict)):
                 raise Damage(p.name, "malformed")
             fps[int(m[1])] = fp
     if not fps or sorted(fps) != list(range(len(fps))):
@@ -347,9 +430,9 @@ def _index(tmp: Path) -> dict:
                 if key in tensors:
                     raise Damage(p.name, f"tensor {key!r} also in {tensors[key]['file']}")
                 tensors[key] = {"file": p.name, "dtype": h["dtype"], "shape": h["shape"]}
-    by_shard = {fp["shard"]: fp["tensors"] for fp in fps.values()}
     for key, t in tensors.items():
-        want = by_shard.get(t["file"], {}).get(key)
+        rank = rank_of_file(t["file"])
+        want = fps.get(rank, {}).get("tensors", {}).get(key) if rank is not None else None
         if want is None:
             raise Damage(t["file"], f"tensor {key!r} has no fingerprint from the rank that wrote it")
         t["fp"] = want

@@ -61,9 +61,19 @@ def run_dir_of(path: Path) -> Path | None:
     return path.parent.parent if path.parent.name == "checkpoints" else None
 
 
-def shard_name(rank: int) -> str:
-    """The file DCP's HuggingFaceStorageWriter(save_distributed=True) writes for a rank."""
-    return f"shard-{rank + 1:05d}-model-00001-of-00001{SUFFIX}"
+_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def shard_name(rank: int, index: int = 1, of: int = 1) -> str:
+    """The file DCP's HuggingFaceStorageWriter(save_distributed=True) writes for a rank's bucket
+    `index` of `of`."""
+    return f"shard-{rank + 1:05d}-model-{index:05d}-of-{of:05d}{SUFFIX}"
+
+
+def rank_of_file(name: str) -> int | None:
+    """The trainer rank that wrote a shard file (shard_name's inverse), or None."""
+    m = _SHARD.match(name)
+    return int(m[1]) - 1 if m else None
 
 
 def list_complete(run_dir: Path) -> list[Path]:

@@ -231,7 +231,8 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = at the end only
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
-    async_save: bool = True  # written in the background (DCP async_save); the next save / the run's end waits
+    async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
+    bucket_mb: int = 512  # files of at most this size: a save holds ~3x one in host memory, never the whole state
 
 
 @dataclass
@@ -454,6 +455,7 @@ def _ranges(cfg: DictConfig) -> list[str]:
         ("algorithm.icepop.low", a.icepop.low, 0 <= a.icepop.low < a.icepop.high, "in [0, algorithm.icepop.high)"),
         ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every >= 0, ">= 0 (0 = at the end only)"),
         ("checkpoint.keep", cfg.checkpoint.keep, cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
+        ("checkpoint.bucket_mb", cfg.checkpoint.bucket_mb, cfg.checkpoint.bucket_mb >= 1, ">= 1"),
         ("dist.timeout_s", cfg.dist.timeout_s, cfg.dist.timeout_s > 0, "> 0"),
         ("logger.wandb.num_samples", cfg.logger.wandb.num_samples, cfg.logger.wandb.num_samples >= 0, ">= 0"),
         ("run.stop_grace_s", cfg.run.stop_grace_s, cfg.run.stop_grace_s >= 0, ">= 0 (0 = stop at once)"),

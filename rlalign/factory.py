@@ -25,9 +25,10 @@ def model_from_config(cfg: DictConfig, dtype: str | None = None) -> Transformer:
     """The policy model: a local HF directory when model.path is set, else the named config
     with deterministic random weights (model.init_seed)."""
     dtype = dtype or cfg.model.dtype
-    if cfg.model.path:
+    shapes_only = cfg.device == "meta"  # no values (e.g. a checkpoint's size before a run)
+    if cfg.model.path and not shapes_only:
         return load_hf(cfg.model.path, dtype=dtype, device=cfg.device)
-    return build_model(model_args(cfg), dtype, seed=cfg.model.init_seed, device=cfg.device)
+    return build_model(model_args(cfg), dtype, seed=None if shapes_only else cfg.model.init_seed, device=cfg.device)
 
 
 def sampling_params(cfg: DictConfig, eos_token_id: int | None = None, seed: int = 0,

@@ -43,13 +43,29 @@ def wandb_mode(cfg_mode: str | None) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def json_safe(metrics: dict) -> dict:
+def json_safe(record: dict) -> dict:
     """Standard JSON: a non-finite number (NaN, inf) becomes null, its name listed under
-    'nonfinite' so that a reader sees which metric it was (bare NaN breaks strict parsers)."""
-    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
-    if not bad:
-        return metrics
-    return {**{k: (None if k in bad else v) for k, v in metrics.items()}, "nonfinite": bad}
+    'nonfinite' so that a reader sees which value it was (bare NaN breaks strict parsers); in a
+    nested value the name is the dotted path ('abs_diff_hist.3')."""
+    bad: list[str] = []
+
+    def clean(v, name: str):
+        if isinstance(v, float) and not math.isfinite(v):
+            bad.append(name)
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x, f"{name}.{k}" if name else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x, f"{name}.{i}") for i, x in enumerate(v)]
+        return v
+
+    out = clean(record, "")
+    return {**out, "nonfinite": bad} if bad else record
+
+
+def json_line(record: dict) -> str:
+    """`record` as one line of standard JSON (json_safe: non-finite numbers null and named)."""
+    return json.dumps(json_safe(record), allow_nan=False)
 
 
 class RunLogger:
@@ -87,7 +103,7 @@ class RunLogger:
         """One step's metrics; `detail` (rl.mismatch_detail) when tokens differed."""
         if self.cfg.logger.jsonl:
             with self.metrics_path.open("a") as f:
-                f.write(json.dumps({"step": step, **json_safe(metrics)}, allow_nan=False) + "\n")
+                f.write(json_line({"step": step, **metrics}) + "\n")
         texts = {k: v for k, v in metrics.items() if isinstance(v, str)}
         self.text_rows += [[step, k, v] for k, v in texts.items()]
         if self.wandb is not None:

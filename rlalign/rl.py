@@ -31,7 +31,7 @@ from rlalign import checkpoint as ckpt
 from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args
 from rlalign.factory import model_from_config, sampling_params
-from rlalign.logger import RunLogger, truncate_jsonl
+from rlalign.logger import RunLogger, json_line, truncate_jsonl
 from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
@@ -47,6 +47,7 @@ from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.losses import grpo_advantages
 from rlalign.training.plan import Sample, merge_stat
+from rlalign.training.state import checkpoint_nbytes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 
@@ -344,7 +345,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller,
         if detail["first_divergent_op"]:
             metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
         with (Path(cfg.run.dir) / "divergence.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, **detail}) + "\n")
+            f.write(json_line({"step": step, **detail}) + "\n")
         if cfg.kernels.mode == "deterministic":
             metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens "
                                             f"differ (first divergence: {detail['first_divergent_op']})")
@@ -381,7 +382,7 @@ def dump_mismatch(job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollo
               "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
               "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
               "weights_fp": job.weights_fp, **detail}
-    (out / "batch.json").write_text(json.dumps(record) + "\n")
+    (out / "batch.json").write_text(json_line(record) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return out
 
@@ -402,6 +403,9 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"done (raise run.steps to train further)", file=sys.stderr, flush=True)
             return {**summarize(run_dir, cfg.run.steps, start, {}), "nothing_to_do": True,
                     "sync/weights_fp": ckpt.read_meta(resume).get("weights_fp")}
+        if cfg.checkpoint.enabled:  # before Ray starts: a checkpoint that cannot fit fails now, not after the steps
+            ckpt.check_space(run_dir, checkpoint_nbytes(cfg), range(start, cfg.run.steps), cfg.checkpoint.every,
+                             cfg.run.steps, cfg.checkpoint.keep)
         if status is not None:
             status["run_dir"] = run_dir
         if resume is not None:
@@ -456,7 +460,7 @@ def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resum
             if "consistency/alert" in metrics:
                 logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
             t1 = time.perf_counter()
-            due = bool(every and (step + 1) % every == 0) or step == cfg.run.steps - 1
+            due = ckpt.is_due(step, every, cfg.run.steps)
             saved = due or not cfg.checkpoint.enabled  # nothing left to save (checkpoint.enabled=false: none at all)
             if due and cfg.checkpoint.enabled:
                 _save(job, cfg, run_dir, step, metrics["sync/weights_fp"], wait=not cfg.checkpoint.async_save)
@@ -511,5 +515,5 @@ def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
 
 def main(cfg: DictConfig, status: dict | None = None) -> int:
     summary = train(cfg, status)
-    print(json.dumps(summary), flush=True)
+    print(json_line(summary), flush=True)
     return 0

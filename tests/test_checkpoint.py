@@ -328,11 +328,11 @@ def test_async_save_returns_before_the_write_and_writes_the_synchronous_bytes(tm
     saver = ckpt.AsyncSaver()
     saver.save(tr.checkpoint_state(), ckpt.tmp_path(run, 1), publish=_publish(run, 1))
     assert ckpt.list_complete(run) == []  # returned while the write is held
+    gate.set()
+    got = saver.wait()  # the trainer's next update waits for this (TrainerWorker.train_step)
     samples = [Sample([3, 4], [5, 6], torch.zeros(2))]
     tr.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 2)
-    tr.optimizer_step()  # the trainer moves on: the checkpoint holds the state at the call
-    gate.set()
-    got = saver.wait()
+    tr.optimizer_step()
     assert got == ckpt.checkpoint_dir(run) / "step_000001" and ckpt.list_complete(run) == [got]
     assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
     assert _parts(_shard(got)) == _parts(_shard(want))  # bitwise the synchronous save
