@@ -59,6 +59,7 @@ _KEYS = {
         ("checkpoint.every", "steps between checkpoints (0: at the end only)"),
         ("checkpoint.enabled", "false: no checkpoint at all, not even the last (e.g. a model too large for the disk)"),
         ("checkpoint.resume", "never | auto | a checkpoint directory"),
+        ("checkpoint.bucket_mb", "file size of a checkpoint's buckets: a save holds 3-4 of them in host memory"),
         ("run.stop_signals", "signals that finish the step and its checkpoint, then stop (exit 128+N)"),
         ("run.stop_grace_s", "seconds a stop signal leaves the step and its checkpoint, then abandons them"),
         ("task.reward_timeout_s", "time limit of one reward call (null: none); past it the run ends naming the sample"),

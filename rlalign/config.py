@@ -232,7 +232,7 @@ class CheckpointConfig:
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
-    bucket_mb: int = 512  # files of at most this size: a save holds ~3x one in host memory, never the whole state
+    bucket_mb: int = 512  # files of at most this size: a save holds 3-4 in host memory, never the whole state
 
 
 @dataclass

@@ -258,7 +258,7 @@ def _ep_save(rank, world, group, cfg_dict, path):
     from rlalign.monitor.fingerprint import state_fingerprints
 
     tr = _trainer(steps=1, group=group, cfg=cfg_dict)
-    ckpt.save_shards(tr.checkpoint_state(), path, rank, group)
+    ckpt.save_shards(tr.checkpoint_state(), path, rank, group, bucket_bytes=256 << 10)  # several files per rank
     return state_fingerprints({k: v.cpu() for k, v in tr.checkpoint_state().items()})
 
 
@@ -282,7 +282,8 @@ def test_a_checkpoint_written_at_ep2_loads_bitwise_at_ep1_and_ep2(tmp_path):
     tmp = ckpt.tmp_path(tmp_path, 0)
     saved = launch.run_workers(2, _ep_save, (cfg, str(tmp)), timeout_s=120)
     path = ckpt.complete(tmp_path, 0, {}, keep=0)
-    assert ckpt.read_meta(path)["world"] == 2
+    meta = ckpt.read_meta(path)
+    assert meta["world"] == 2 and {ckpt.rank_of_file(f) for f in meta["files"]} == {0, 1} and len(meta["files"]) > 4
     union = {**saved[0], **saved[1]}
     assert all(saved[0][k] == saved[1][k] for k in saved[0].keys() & saved[1].keys())  # replicated: same bits
     one = _trainer(steps=0)  # EP 1 holds every expert
