@@ -216,7 +216,23 @@ def _write(state: dict[str, torch.Tensor], path: Path, rank: int, group, bucket_
     with _quiet_single_process():
         dcp = _dcp()
         writer = dcp.HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=files, save_distributed=True)
-        dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=not _dist_on())
+        dcp.save(_unshared(state), storage_writer=writer, process_group=group, no_dist=not _dist_on())
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a CPU tensor held under a second key cloned (the AdamW step of a parameter cut
+    into several units): DCP writes a CPU tensor that spans its storage in place, and safetensors
+    refuses two names on one storage in a file. A device tensor reaches the file through a host
+    copy of its own."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        if v.device.type == "cpu":
+            ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), v.numel())
+            if ptr in seen:
+                v = v.clone()
+            seen.add(ptr)
+        out[k] = v
+    return out
 
 
 def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,

@@ -178,15 +178,30 @@ def test_bucket_files_are_consecutive_groups_by_rank_a_larger_tensor_alone():
     assert ckpt.bucket_files(layout, 10**9) == dict.fromkeys(layout, 1)  # twin: one bucket holds all
 
 
-def test_a_trainer_checkpoint_in_many_buckets_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("mode,bucket", [("sync", 1 << 30), ("async", 64 << 10)])
+def test_a_trainer_checkpoint_in_one_or_many_buckets_resumes_bitwise(tmp_path, mode, bucket):
+    from omegaconf import OmegaConf
     from test_checkpoint import _snapshot, _trainer
 
-    tr = _trainer(steps=1)
-    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(tmp_path, 0), bucket_bytes=64 << 10)
+    from rlalign.config import load_config
+
+    # dense parameters cut into units that share their parameter's AdamW step (one tensor, several keys)
+    cfg = OmegaConf.to_container(load_config(["trainer.micro_batch_size=2", "trainer.shard_unit_numel=1024"]))
+    tr = _trainer(steps=1, cfg=cfg)
+    state = tr.checkpoint_state()
+    steps = [k for k in state if k.endswith("/step")]
+    assert len({state[k].untyped_storage().data_ptr() for k in steps}) < len(steps)
+    if mode == "sync":
+        ckpt.save_shards(state, ckpt.tmp_path(tmp_path, 0), bucket_bytes=bucket)
+    else:
+        saver = ckpt.AsyncSaver()
+        saver.save(state, ckpt.tmp_path(tmp_path, 0), bucket_bytes=bucket)
+        saver.wait()
     path = ckpt.complete(tmp_path, 0, {"data_position": 1}, keep=0)
-    assert len(ckpt.read_meta(path)["files"]) > 20
+    files = len(ckpt.read_meta(path)["files"])
+    assert files == 1 if bucket == 1 << 30 else files > 20
     ckpt.verify(path, tensors=True)
-    fresh = _trainer(steps=0)
+    fresh = _trainer(steps=0, cfg=cfg)
     ckpt.load_shards(fresh.checkpoint_state(), path)
     want = _snapshot(tr)
     assert all(same_bits(v, want[k]) for k, v in fresh.checkpoint_state().items())
