@@ -216,6 +216,9 @@ def _write(state: dict[str, torch.Tensor], path: Path, rank: int, group, bucket_
     with _quiet_single_process():
         dcp = _dcp()
         writer = dcp.HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=files, save_distributed=True)
+        # blocking device-to-host copies, tensor by tensor, into plain host memory (DCP's copy-ahead
+        # loader would pin buffers that CUDA's host allocator keeps cached after the save)
+        writer.per_thread_copy_ahead = 0
         dcp.save(_unshared(state), storage_writer=writer, process_group=group, no_dist=not _dist_on())
 
 
