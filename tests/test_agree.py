@@ -41,10 +41,14 @@ def _cli(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
+def _refuse(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
 def test_cli_last_line_is_the_json_report():
     p = _cli("agree", "agree.num_prompts=6", "generator.max_new_tokens=5")
     assert p.returncode == 0, p.stderr
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res = json.loads(p.stdout.strip().splitlines()[-1], parse_constant=_refuse)  # standard JSON only
     assert set(res) >= {"tokens", "mismatched_tokens", "max_abs_diff", "mean_abs_diff", "kernels", "dtype",
                         "trainer_ep", "generator_ep"}
     assert res["mismatched_tokens"] == 0
