@@ -29,6 +29,8 @@ import socket
 import sys
 from pathlib import Path
 
+from rlalign.logger import json_line
+
 LOCK = ".rlalign.lock"
 SEGMENTS = "segments.jsonl"
 
@@ -118,7 +120,7 @@ def record_segment(run_dir: Path, start_step: int, resumed_from: Path | None, co
            "host": socket.gethostname(), "pid": os.getpid(),
            "started": datetime.datetime.now().isoformat(timespec="seconds"), "config": config}
     part = path.with_name(path.name + ".part")
-    part.write_text("".join(json.dumps(s) + "\n" for s in [*kept, rec]))
+    part.write_text("".join(json_line(s) + "\n" for s in [*kept, rec]))
     os.replace(part, path)
     (Path(run_dir) / "config.yaml").write_text(config_yaml)
 
