@@ -130,10 +130,16 @@ def main() -> None:
     worst = max(bucketed) if bucketed else None
     machine = (torch.cuda.get_device_name(0).split()[-1] if a.device.startswith("cuda") else "cpu").lower()
     name = a.name or f"bench_checkpoint_host_memory_{a.model}_{machine}"
+    per_bucket = []
+    for mb in a.bucket_mb:
+        worst_row = max((r for r in rows if r["bucket_mb"] == mb), key=lambda r: r["save_host_bytes"])
+        per_bucket.append(f"{f'{mb} MB buckets' if mb else 'one bucket of the whole state'}: "
+                          f"{worst_row['save_host_bytes'] / 1e9:.2f} GB = {worst_row['save_host_over_bucket']:.1f} "
+                          f"buckets = {worst_row['save_host_over_state']:.1%} of the state")
     payload = {
-        "what_it_shows": (f"{a.model}: a checkpoint save of one trainer rank's state ({state_bytes / 1e9:.2f} GB) "
-                          f"needs at most {worst:.1%} of it in host memory with buckets"
-                          if worst is not None else f"{a.model}: host memory of a checkpoint save"),
+        "what_it_shows": (f"{a.model} on {a.device}: peak host memory of a checkpoint save (async and sync, the "
+                          f"worse) of one trainer rank's state of {state_bytes / 1e9:.2f} GB; "
+                          + "; ".join(per_bucket)),
         "model": a.model, "device": a.device, "state_bytes": state_bytes, "largest_tensor_bytes": largest,
         "tensors": len(state), "build_s": round(build_s, 2), "rows": rows,
         "summary": {"state_bytes": state_bytes, "worst_save_host_over_state_bucketed": worst},
