@@ -45,6 +45,7 @@ class GenerateOutput:
     rollouts: list[Rollout]  # this rank's, in input order; logprobs fp32 (the generator's)
     rows: dict = field(default_factory=dict)  # (sample id, position) -> per-op row fingerprints
     peak_bytes: int | None = None  # CUDA: this process's peak allocated memory during the call
+    seconds: float = 0.0  # the engine's generate() inside the worker (the rest of the phase: transport, trace)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class TrainOutput:
     rows: dict = field(default_factory=dict)
     peak_bytes: int | None = None
     gc_s: float = 0.0  # this process's time in Python's cyclic garbage collector during the call
+    seconds: float = 0.0  # Trainer.train_step inside the worker (the rest of the phase: transport, trace)
 
 
 _GC = {"total_s": 0.0, "since": 0.0, "hooked": False}
@@ -193,7 +195,9 @@ class TrainerWorker(_Monitored, _WeightSync):
             self.trace.step = step
             self.trace.fence()  # the step changes the tensors the last step's records read
         _reset_peak(self.cfg.device)
+        t0 = time.perf_counter()
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
+        seconds = time.perf_counter() - t0
         if self.trace is not None:
             tr, t = self.trace, self.trainer
             moments = step % self.cfg.monitor.optim_every == 0  # the AdamW moments at these steps only
@@ -213,7 +217,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self._steps += 1
         if self._steps == 1:  # the optimizer state and the kernels' caches exist now
             _gc_settle(self._own_process)
-        return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0)
+        return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0,
+                           seconds)
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
@@ -286,13 +291,15 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
         _reset_peak(self.cfg.device)
+        t0 = time.perf_counter()
         outs = self.generator.generate(prompts, sample_ids, params)
+        seconds = time.perf_counter() - t0
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
-        return GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device))
+        return GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device), seconds)
 
     def _sync_model(self):
         return self.model

@@ -112,6 +112,7 @@ class Job:
         self.weights_fp: str | None = None
         self.trainer_gc_s = 0.0  # the step's longest time in Python's garbage collector on a trainer rank
         self.peaks: dict[str, float | None] = {}  # role -> the step's peak GPU memory of its busiest rank, GiB
+        self.inner: dict[str, float] = {}  # the step's phases inside the workers (slowest rank), seconds
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
@@ -217,6 +218,7 @@ def generate_rollouts(job: Job, batch: StepBatch, step: int) -> tuple[list[Rollo
     outs = job.generators.call("generate", per_rank=[
         ([batch.prompts[i] for i in p], [batch.sample_ids[i] for i in p], batch.params, step) for p in parts])
     job.peaks["generator"] = _max_peak(outs)
+    job.inner["time/generate_engine_s"] = max(o.seconds for o in outs)
     return [r for o in outs for r in o.rollouts], {k: v for o in outs for k, v in o.rows.items()}
 
 
@@ -249,6 +251,7 @@ def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout
     outs = job.trainers.call("train_step", samples, alg, step)
     job.peaks["trainer"] = _max_peak(outs)
     job.trainer_gc_s = max((o.gc_s for o in outs), default=0.0)
+    job.inner["time/train_trainer_s"] = max(o.seconds for o in outs)
     lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
     stats: dict[str, float] = {}
     for _, st in sorted((rec for o in outs for rec in o.stats), key=lambda rec: rec[0]):
@@ -334,7 +337,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller,
     metrics["reward/timeouts"] = timed_out
     metrics.update({"sync/weights_fp": weights_fp, **job.last_sync, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
-                    "time/sync_s": t5 - t4, "time/trainer_gc_s": job.trainer_gc_s})
+                    "time/sync_s": t5 - t4, "time/trainer_gc_s": job.trainer_gc_s, **job.inner})
     seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
     metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
                     "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
