@@ -46,6 +46,7 @@ class GenerateOutput:
     rows: dict = field(default_factory=dict)  # (sample id, position) -> per-op row fingerprints
     peak_bytes: int | None = None  # CUDA: this process's peak allocated memory during the call
     seconds: float = 0.0  # the engine's generate() inside the worker (the rest of the phase: transport, trace)
+    held_bytes: int | None = None  # CUDA, released after the call: the device memory this process still holds
 
 
 @dataclass
@@ -86,9 +87,15 @@ def _reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak(device: str) -> int | None:
-    """torch's peak allocated bytes on this process's GPU since _reset_peak (None on the CPU)."""
-    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+def _peak(device: str, outside: int = 0) -> int | None:
+    """torch's peak allocated bytes on this process's GPU since _reset_peak, plus `outside` (memory
+    not from torch's allocator: a generator's arenas); None on the CPU."""
+    return torch.cuda.max_memory_allocated() + outside if device.startswith("cuda") else None
+
+
+def _colocated_cuda(cfg) -> bool:
+    """Trainer and generator share this GPU: each gives back what the other needs next."""
+    return bool(cfg.placement.colocate) and cfg.device.startswith("cuda")
 
 
 class _WeightSync:
@@ -174,6 +181,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.saver = AsyncSaver()
         self._setup_monitor(self.trainer.model)
         self._own_process, self._steps = port is not None, 0
+        self._colocated = _colocated_cuda(self.cfg)
         _gc_settle(self._own_process)
 
     def pid(self) -> int:
@@ -217,6 +225,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self._steps += 1
         if self._steps == 1:  # the optimizer state and the kernels' caches exist now
             _gc_settle(self._own_process)
+        if self._colocated:  # the generator maps its weights and KV cache back for the weight sync
+            torch.cuda.empty_cache()
         return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0,
                            seconds)
 
@@ -240,6 +250,8 @@ class TrainerWorker(_Monitored, _WeightSync):
 
     def release_weights(self) -> None:
         self._kept = []
+        if self._colocated:  # the sync's buckets: room for the generator's next generate
+            torch.cuda.empty_cache()
 
     def save(self, path: str, publish: dict | None = None, wait: bool = True) -> None:
         """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint),
@@ -278,14 +290,17 @@ class GeneratorWorker(_Monitored, _WeightSync):
             apply_ep(self.model, self.group)
         self._setup_monitor(self.model)
         self.generator = make_generator(self.cfg, self.model, self.group)  # self.model: the copy weight sync writes
+        self._released = False
         _gc_settle(port is not None)
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
-                 step: int = 0) -> GenerateOutput:
-        """Rollouts of this rank's prompts and their per-token row fingerprints."""
+                 step: int = 0, release: bool = False, release_weights: bool = True) -> GenerateOutput:
+        """Rollouts of this rank's prompts and their per-token row fingerprints. `release`: then the
+        engine gives its device memory back (the KV cache; the weights too with `release_weights`)
+        until the next weight sync."""
         maybe_fail("generator.generate", self.rank)
         if self.trace is not None:
             self.trace.step = step
@@ -299,7 +314,18 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
-        return GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device), seconds)
+        out = GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device, self._arena_bytes()), seconds)
+        if release:
+            self.generator.release_memory(release_weights)
+            self._released = True
+            if self.cfg.device.startswith("cuda"):
+                out.held_bytes = torch.cuda.memory_reserved() + self._arena_bytes()
+        return out
+
+    def _arena_bytes(self) -> int:
+        """Device memory the engine holds outside torch's allocator, resident now."""
+        resident = getattr(self.generator, "arena_bytes", None)
+        return resident() if resident is not None else 0
 
     def _sync_model(self):
         return self.model
@@ -310,6 +336,9 @@ class GeneratorWorker(_Monitored, _WeightSync):
         (rlalign.parallel.weight_sync.receive); fingerprint shares of everything it now holds."""
         if self.trace is not None:
             self.trace.fence()  # the weights the last sync's records read are overwritten
+        if self._released:
+            self.generator.resume_memory()
+            self._released = False
         out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
                                   ipc_uuid)
         self.generator.load_weights()
@@ -318,6 +347,9 @@ class GeneratorWorker(_Monitored, _WeightSync):
 
     def full_state(self) -> dict | None:
         """All ranks take part; rank 0 returns the unsharded weights it holds, on the CPU."""
+        if getattr(self.generator, "weights_stale", False):
+            raise RuntimeError("the generator's weights were given back to the device after generating "
+                               "(placement.colocate on CUDA) and not written since")
         full = full_state_dict(self.model, self.group)
         return {k: v.detach().cpu() for k, v in full.items()} if self.rank == 0 else None
 

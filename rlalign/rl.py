@@ -38,7 +38,7 @@ from rlalign.monitor.divergence import report, tap_order
 from rlalign.parallel import weight_sync
 from rlalign.parallel.launch import check_world, shard_range
 from rlalign.parallel.weight_sync import SyncError
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import generator_plan, releases_memory
 from rlalign.rollout.types import Rollout, SamplingParams
 from rlalign.rundir import RunLock, record_segment, stale_note
 from rlalign.stop import Stopped, StopSignals
@@ -112,7 +112,11 @@ class Job:
         self.weights_fp: str | None = None
         self.trainer_gc_s = 0.0  # the step's longest time in Python's garbage collector on a trainer rank
         self.peaks: dict[str, float | None] = {}  # role -> the step's peak GPU memory of its busiest rank, GiB
-        self.inner: dict[str, float] = {}  # the step's phases inside the workers (slowest rank), seconds
+        self.inner: dict[str, float] = {}  # per-step metrics from inside the workers (slowest rank): seconds, GiB
+        # colocated on CUDA the generator gives its memory back after generating (until the weight sync);
+        # its weights too unless a mismatch dump may read them (deterministic kernels, on_mismatch=raise)
+        self.release = releases_memory(cfg)
+        self.release_weights = not (cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise")
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
@@ -216,8 +220,13 @@ def generate_rollouts(job: Job, batch: StepBatch, step: int) -> tuple[list[Rollo
     m = job.generators.world
     parts = [list(shard_range(len(batch.prompts), m, r)) for r in range(m)]
     outs = job.generators.call("generate", per_rank=[
-        ([batch.prompts[i] for i in p], [batch.sample_ids[i] for i in p], batch.params, step) for p in parts])
+        ([batch.prompts[i] for i in p], [batch.sample_ids[i] for i in p], batch.params, step, job.release,
+         job.release_weights) for p in parts])
     job.peaks["generator"] = _max_peak(outs)
+    held = [o.held_bytes for o in outs if o.held_bytes is not None]
+    job.inner.pop("memory/generator_released_gib", None)
+    if held:  # what the generator still holds while the trainer trains
+        job.inner["memory/generator_released_gib"] = max(held) / 2**30
     job.inner["time/generate_engine_s"] = max(o.seconds for o in outs)
     return [r for o in outs for r in o.rollouts], {k: v for o in outs for k, v in o.rows.items()}
 

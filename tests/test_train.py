@@ -56,13 +56,16 @@ def test_default_kernels_train_report_mismatch_and_corrections(tmp_path):
 
 
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    """... and the resumed run is colocated: its generator gives its memory back after each generate
+    and takes it back for the weight sync (rlalign.rollout.generator.releases_memory), no bit changes."""
     base = [*SMALL, "checkpoint.every=2", "algorithm.kl_coef=0.01"]
     full = tmp_path / "full"
     train(load_config([*base, "run.steps=4", f"run.dir={full}"]))
     part = tmp_path / "part"
-    train(load_config([*base, "run.steps=2", f"run.dir={part}"]))
+    colocated = ["placement.colocate=true"]
+    train(load_config([*base, *colocated, "run.steps=2", f"run.dir={part}"]))
     assert (part / "checkpoints" / "step_000001" / "meta.json").is_file()
-    train(load_config([*base, "run.steps=4", f"run.dir={part}", "checkpoint.resume=auto"]))
+    train(load_config([*base, *colocated, "run.steps=4", f"run.dir={part}", "checkpoint.resume=auto"]))
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     a, b = strip(_rows(full)), strip(_rows(part))
     assert [r["step"] for r in b] == [0, 1, 2, 3]

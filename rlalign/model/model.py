@@ -48,10 +48,14 @@ class PagedKVCache:
     """Keys/values in pages [L, P, page_size, Hk, D]: the layout block tables address (the native
     engine's and vLLM's). A token's slot is page * page_size + offset (vLLM's slot mapping)."""
 
-    def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype, device=None):
+    def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype, device=None, alloc=None):
+        """alloc(shape, dtype): where the pages live (default: torch's allocator); zeroed either way."""
         shape = (args.num_layers, num_pages, page_size, args.num_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if alloc is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.k, self.v = alloc(shape, dtype).zero_(), alloc(shape, dtype).zero_()
         self.num_pages, self.page_size = num_pages, page_size
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

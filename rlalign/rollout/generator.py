@@ -24,11 +24,12 @@ class Generator(Protocol):
     def load_weights(self) -> None:
         """Compute with the rank model's current weights from now on."""
 
-    def release_memory(self) -> None:
-        """Free the engine's device memory between steps (the KV cache, captured graphs)."""
+    def release_memory(self, weights: bool = True) -> None:
+        """Give the engine's device memory back between steps (the KV cache, and with `weights` the
+        weights, which a weight sync then writes before the next generate)."""
 
     def resume_memory(self) -> None:
-        """Undo release_memory before the next generate."""
+        """Take the released memory back (before the weight sync writes the weights)."""
 
     def close(self) -> None:
         """Free everything the engine holds."""
@@ -47,6 +48,11 @@ def generator_plan(cfg: DictConfig) -> GeneratorPlan:
     g = cfg.generator
     if g.backend == "native":
         return GeneratorPlan("native", g.ep_size)
+    if cfg.placement.colocate and str(cfg.device).startswith("cuda"):
+        raise ConfigError("invalid config: generator.backend=vllm with placement.colocate=true on CUDA: a colocated "
+                          "generator gives its GPU memory back while the trainer trains, which only the native engine "
+                          "does (vLLM's sleep mode is not wired in); use generator.backend=native or "
+                          "placement.colocate=false")
     from rlalign.rollout.vllm import check_installed
 
     try:
@@ -70,4 +76,13 @@ def make_generator(cfg: DictConfig, model: Transformer, group=None) -> Generator
         from rlalign.rollout.vllm.engine import VllmRankGenerator
 
         return VllmRankGenerator(cfg, model)
-    return NativeEngine(model, keys_of(EngineConfig, cfg.generator), any_live_fn(group) if group is not None else None)
+    return NativeEngine(model, keys_of(EngineConfig, cfg.generator), any_live_fn(group) if group is not None else None,
+                        releasable=releases_memory(cfg) and str(cfg.device).startswith("cuda"))
+
+
+def releases_memory(cfg: DictConfig) -> bool:
+    """Whether the generator gives its memory back while the trainer trains (Generator.release_memory
+    after each generate, resume_memory before the weight sync): when the two are colocated. On CUDA
+    the native engine then keeps its weights and KV cache in DeviceArenas, so that the memory goes
+    back to the device and the captured graphs stay valid; on the CPU it frees its KV cache."""
+    return bool(cfg.placement.colocate)

@@ -28,6 +28,7 @@ import torch
 
 from rlalign import kernels
 from rlalign.model import Transformer
+from rlalign.rollout.native.arena import ALIGN, DeviceArena
 from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import Launched, ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler
@@ -40,15 +41,24 @@ class NativeEngine:
     stepping with empty batches so that collectives inside the model stay in lockstep."""
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 any_live: Callable[[bool], bool] | None = None):
+                 any_live: Callable[[bool], bool] | None = None, releasable: bool = False):
         self.model, self.config, self.any_live = model, config or EngineConfig(), any_live
         self.state: KVState | None = None  # kept between calls when config.keep_state
         self.stats: dict = {}  # the last call's: steps, lookahead_steps, discarded_rows
+        # releasable (CUDA): the weights and the KV cache in DeviceArenas, so that release_memory gives
+        # their memory back and resume_memory maps it at the same addresses (the graphs stay valid)
+        self.weights: DeviceArena | None = _weights_arena(model) if releasable else None
+        self.released = False
+        self.weights_stale = False  # released since the weights were last written (load_weights)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
         """Sample continuations of `prompts`; rollouts in input order."""
         params.validate()
+        if self.weights_stale:
+            raise RuntimeError("generate: the engine's weights were released (release_memory) and not written since; "
+                               "a weight sync (then load_weights) must come first")
+        self.resume_memory()
         cfg = self.config
         cfg.validate_schedule()
         if not prompts and self.any_live is None:
@@ -123,9 +133,10 @@ class NativeEngine:
             same = old.page_size == ps and old.cache.k.dtype == dtype
             num_pages = grow(num_pages, old.num_pages if same else 0)
             rows, width = max(rows, old.rows if same else 0), max(width, old.width if same else 0)
+            old.close()
             del old
         try:
-            state = KVState(self.model.args, num_pages, ps, rows, width, dtype, dev)
+            state = KVState(self.model.args, num_pages, ps, rows, width, dtype, dev, self.weights is not None)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"KV cache of {num_pages} pages x {ps} tokens does not fit on {dev}: lower generator.num_pages or "
@@ -135,19 +146,63 @@ class NativeEngine:
             self.state = state
         return state
 
-    def load_weights(self) -> None:
-        """Nothing to do: the engine computes with the rank's model, which weight sync writes in place
-        (same addresses: kept decode graphs replay with the new values)."""
+    def arena_bytes(self) -> int:
+        """Device memory resident in this engine's arenas (not counted by torch's allocator)."""
+        arenas = [self.weights, self.state.arena if self.state is not None else None]
+        return sum(a.nbytes for a in arenas if a is not None and a.resident)
 
-    def release_memory(self) -> None:
-        """Free the KV cache and decode graphs (the next call allocates and captures again)."""
-        self.state = None
+    def load_weights(self) -> None:
+        """The weights were written (weight sync writes the rank's model in place: same addresses, so
+        kept decode graphs replay with the new values)."""
+        self.weights_stale = False
+
+    def release_memory(self, weights: bool = True) -> None:
+        """Give the engine's device memory back between steps. Releasable: the KV cache's memory and,
+        with `weights`, the weights' (their addresses and the decode graphs are kept; released weights
+        must be written again before the next generate); otherwise the KV cache and decode graphs are
+        freed (the next call allocates and captures again)."""
+        if self.weights is None:
+            if self.state is not None:
+                self.state.close()
+            self.state = None
+            return
+        if self.state is not None:
+            self.state.release()
+        if weights:
+            self.weights.release()
+            self.weights_stale = True
+        self.released = True
+        torch.cuda.empty_cache()  # what torch's allocator keeps for this process too
 
     def resume_memory(self) -> None:
-        """Nothing to do: the next call allocates what it needs."""
+        """Map the released memory back (the KV cache zeroed; the weights' contents undefined until a
+        weight sync writes them). Without release: nothing to do."""
+        if not self.released:
+            return
+        self.weights.resume()  # (nothing to do when the weights were kept)
+        if self.state is not None:
+            self.state.resume()
+        self.released = False
 
     def close(self) -> None:
-        self.release_memory()
+        if self.state is not None:
+            self.state.close()
+        self.state = None
+
+
+def _weights_arena(model: Transformer) -> DeviceArena:
+    """Move every parameter of `model` into one DeviceArena (same values; new addresses, before any
+    graph is captured)."""
+    params = list(model.parameters())
+    nbytes = sum(-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params)
+    arena = DeviceArena(nbytes, params[0].device)
+    with torch.no_grad():
+        for p in params:
+            t = arena.tensor(tuple(p.shape), p.dtype)
+            t.copy_(p.data)
+            p.data = t
+    torch.cuda.empty_cache()
+    return arena
 
 
 def generate(model: Transformer, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,

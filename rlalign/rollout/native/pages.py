@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.model import PagedKVCache
+from rlalign.rollout.native.arena import ALIGN, DeviceArena
 from rlalign.rollout.native.graphs import DecodeGraphs
 
 
@@ -16,8 +17,14 @@ class KVState:
     calls are never read: a row attends only positions its own sequence wrote in this call. The
     spare page and row are where CUDA-graph padding rows read and write."""
 
-    def __init__(self, args, num_pages: int, page_size: int, rows: int, width: int, dtype, dev):
-        self.cache = PagedKVCache(args, num_pages + 1, page_size, dtype, dev)
+    def __init__(self, args, num_pages: int, page_size: int, rows: int, width: int, dtype, dev,
+                 releasable: bool = False):
+        self.arena = None  # releasable: the pages in a DeviceArena (release/resume keep their addresses)
+        if releasable:
+            per = args.num_layers * (num_pages + 1) * page_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+            self.arena = DeviceArena(2 * per + 2 * ALIGN, dev)
+        self.cache = PagedKVCache(args, num_pages + 1, page_size, dtype, dev,
+                                  self.arena.tensor if self.arena is not None else None)
         self.num_pages, self.page_size, self.rows, self.width = num_pages, page_size, rows, width
         self.table_host = torch.full((rows + 1, width), num_pages, dtype=torch.int32)
         self.block_table = self.table_host.to(dev)
@@ -31,6 +38,21 @@ class KVState:
         """Block-table row `slot` now lists `pages` (host mirror and device)."""
         self.table_host[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self.block_table[slot].copy_(self.table_host[slot])
+
+    def release(self) -> None:
+        """The pages' memory back to the device (the graphs and the block table stay)."""
+        self.arena.release()
+
+    def resume(self) -> None:
+        """The pages back at their addresses, zeroed (stale entries are never attended to, but must be finite)."""
+        self.arena.resume()
+        self.cache.k.zero_()
+        self.cache.v.zero_()
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.graphs = None
+            self.arena.close()
 
     def decode_graphs(self) -> DecodeGraphs:
         if self.graphs is None:

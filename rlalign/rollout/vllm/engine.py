@@ -208,7 +208,7 @@ class VllmRankGenerator:
             raise RuntimeError(f"weight push into vLLM: tensor {bad[0]!r} differs between the generator rank "
                                f"({want.get(bad[0])}) and vLLM's workers ({got.get(bad[0])})")
 
-    def release_memory(self) -> None:
+    def release_memory(self, weights: bool = True) -> None:
         """Not offered: vLLM keeps its KV cache and weights (its sleep mode, CUDA only, is not enabled)."""
         raise NotImplementedError("generator.backend=vllm keeps its memory between steps (vLLM's sleep mode is not "
                                   "enabled); colocated runs use the native generator")
