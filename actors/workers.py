@@ -109,6 +109,7 @@ class _WeightSync:
         other side's, and with host_world > 0 (trainer rank 0) the port of the sync group's store."""
         self._plan = weight_sync.make_plan(weight_sync.tensor_specs(self._sync_model(), self.world), bucket_bytes)
         self._sync, self._kept, port = None, [], None
+        self._sent_from, self._sources = None, None  # direct: the addresses handed out / the views opened
         if host_world and self.rank == 0:
             self._store = weight_sync.SyncGroup.host_store("127.0.0.1", host_world, self.cfg.dist.timeout_s)
             port = self._store.port
@@ -241,9 +242,15 @@ class TrainerWorker(_Monitored, _WeightSync):
     def _sync_model(self):
         return self.trainer.model
 
-    def send_weights(self, ipc: bool = False) -> weight_sync.SyncOutput:
+    def send_weights(self, ipc: bool = False, direct: bool = False) -> weight_sync.SyncOutput:
         """All trainer ranks: the weights to the generator group (rlalign.parallel.weight_sync.send);
-        with ipc (colocated on CUDA) rank 0 keeps the buckets until release_weights()."""
+        with ipc (colocated on CUDA) rank 0 keeps the buckets until release_weights(); direct (colocated,
+        one rank per side): nothing is packed, the generator reads the parameters (weight_sync.send_direct)."""
+        if direct:
+            where = tuple(p.data_ptr() for p in self.trainer.model.parameters())
+            out = weight_sync.send_direct(self.trainer.model, self._plan, handles=where != self._sent_from)
+            self._sent_from = where
+            return out
         out, self._kept = weight_sync.send(self.trainer.model, self._plan, self.rank, self.world, self.group,
                                            self._sync, ipc)
         return out
@@ -330,8 +337,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
     def _sync_model(self):
         return self.model
 
-    def receive_weights(self, step: int = -1, ipc: list | None = None,
-                        ipc_uuid: str | None = None) -> weight_sync.SyncOutput:
+    def receive_weights(self, step: int = -1, ipc: list | None = None, ipc_uuid: str | None = None,
+                        direct: bool = False) -> weight_sync.SyncOutput:
         """All generator ranks: the trainer's weights, this rank's EP shard kept on the device
         (rlalign.parallel.weight_sync.receive); fingerprint shares of everything it now holds."""
         if self.trace is not None:
@@ -339,8 +346,13 @@ class GeneratorWorker(_Monitored, _WeightSync):
         if self._released:
             self.generator.resume_memory()
             self._released = False
-        out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
-                                  ipc_uuid)
+        if direct:
+            if ipc is not None:  # the trainer's parameters (first sync, or they moved)
+                self._sources = weight_sync.open_direct(self.model, ipc, ipc_uuid)
+            out = weight_sync.receive_direct(self.model, self._plan, self._sources)
+        else:
+            out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
+                                      ipc_uuid)
         self.generator.load_weights()
         self._trace_weights(step)
         return out

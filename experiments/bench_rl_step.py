@@ -125,8 +125,11 @@ def parts(a) -> None:
     from rlalign.config import load_config
     from rlalign.factory import apply_kernels, model_from_config
     from rlalign.parallel import weight_sync
-    from rlalign.rl import _prepare, make_batch, score_rewards
+    from rlalign.rl import make_batch, score_rewards
     from rlalign.rollout.generator import make_generator
+    from rlalign.tasks import make_task
+    from rlalign.tasks.reward_calls import RewardCaller
+    from rlalign.tasks.tokenizer import make_tokenizer
     from rlalign.training.losses import grpo_advantages
     from rlalign.training.plan import Sample
     from rlalign.training.trainer import Trainer
@@ -135,7 +138,10 @@ def parts(a) -> None:
     cfg = load_config([*over, "run.dir=/tmp/bench_rl_step_parts"])
     _wait_gpu_free()
     apply_kernels(cfg)
-    task, tok, rewards = _prepare(cfg)
+    t = cfg.task
+    task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
+    tok = make_tokenizer(t.tokenizer)
+    rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     trainer = Trainer(cfg)
     model = model_from_config(cfg)
     engine = make_generator(cfg, model)

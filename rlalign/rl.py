@@ -130,9 +130,11 @@ class Job:
         if self.sync_specs is None:
             self._open_weight_sync()
         if self.ipc:
-            t_outs = self.trainers.call("send_weights", True)
-            g_outs = self.generators.call("receive_weights", step, t_outs[0].ipc, t_outs[0].device_uuid)
-            self.trainers.call("release_weights")
+            direct = self.trainers.world == 1 and self.generators.world == 1
+            t_outs = self.trainers.call("send_weights", True, direct)
+            g_outs = self.generators.call("receive_weights", step, t_outs[0].ipc, t_outs[0].device_uuid, direct)
+            if not direct:
+                self.trainers.call("release_weights")
         else:
             t_outs, g_outs = call_together([(self.trainers, "send_weights", self.trainers.submit("send_weights")),
                                             (self.generators, "receive_weights",

@@ -21,7 +21,10 @@ dim 0 into m parts) into its parameters. Colocated on CUDA (trainer rank 0 and g
 on one GPU, where NCCL refuses two ranks) rank 0 keeps the filled buckets and hands CUDA IPC
 handles (torch.multiprocessing.reductions.reduce_tensor) to generator rank 0 through Ray, which
 copies from them device to device and broadcasts to its peers over the generator group (the
-trainer then holds one copy of the weights in buckets until the generator has read them).
+trainer then holds one copy of the weights in buckets until the generator has read them). With one
+rank per side (trainer EP 1, generator EP 1 on one GPU) nothing is packed at all: the generator
+opens CUDA IPC views of the trainer's parameters once (send_direct / open_direct; again only if a
+parameter moves) and each sync copies every parameter from them on the device (receive_direct).
 
 How it is checked. `partial_fingerprints`: every tensor's share of its fingerprint
 (rlalign.kernels.fingerprint: the bytes as words mixed with their index in the unsharded tensor,
@@ -257,8 +260,9 @@ class SyncOutput:
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
-    ipc: list | None = None  # colocated: trainer rank 0's CUDA IPC handles of the buckets
+    ipc: list | None = None  # colocated: trainer rank 0's CUDA IPC handles of the buckets (direct: parameters)
     device_uuid: str | None = None
+    direct: bool = False  # send_direct's: the generator copies from the trainer's parameters themselves
 
 
 def device_uuid(device: torch.device) -> str | None:
@@ -361,3 +365,50 @@ def receive(model: torch.nn.Module, plan: SyncPlan, rank: int, world: int, group
             del buf
     shares = partial_fingerprints(model, plan, rank, world, dense=True)
     return SyncOutput(shares, plan.nbytes, len(plan.buckets), time.perf_counter() - t0)
+
+
+# --- colocated, one rank per side: straight from the trainer's parameters --------------------------
+def send_direct(model: torch.nn.Module, plan: SyncPlan, handles: bool) -> SyncOutput:
+    """Trainer EP 1 and generator EP 1 on one GPU: nothing is packed; the generator copies every
+    parameter straight from the trainer's (receive_direct, through CUDA IPC views of them that it
+    opens once). Returns the trainer's fingerprint shares (their read-back also orders the step's
+    updates before the generator's reads) and, with `handles`, the parameters' IPC handles in plan
+    order (needed once, and again only if a parameter moved)."""
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    shares = partial_fingerprints(model, plan, 0, 1, dense=True)
+    device = next(iter(params.values())).device
+    out = SyncOutput(shares, plan.nbytes, 0, direct=True, device_uuid=device_uuid(device))
+    if handles:
+        out.ipc = [reduce_tensor(params[e.name].detach()) for b in plan.buckets for e in b.entries]
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def open_direct(model: torch.nn.Module, ipc: list, ipc_uuid: str | None) -> list[torch.Tensor]:
+    """The generator's views of the trainer's parameters (plan order) from send_direct's handles."""
+    mine = device_uuid(next(model.parameters()).device)
+    if mine != ipc_uuid:
+        raise SyncError(f"weight sync (colocated): the generator is on GPU {mine}, the trainer's parameters on "
+                        f"{ipc_uuid}; CUDA IPC needs the same GPU")
+    return [fn(*args) for fn, args in ipc]
+
+
+def receive_direct(model: torch.nn.Module, plan: SyncPlan, sources: list[torch.Tensor]) -> SyncOutput:
+    """The generator's side of send_direct: each parameter copied on the device from the trainer's,
+    then every parameter hashed."""
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    entries = [e for b in plan.buckets for e in b.entries]
+    if len(sources) != len(entries):
+        raise SyncError(f"weight sync (colocated): {len(sources)} trainer parameters for {len(entries)} in the plan")
+    with torch.no_grad():
+        for e, src in zip(entries, sources):
+            p = params.get(e.name)
+            if p is None or tuple(p.shape) != tuple(src.shape) or p.dtype != src.dtype:
+                raise SyncError(f"weight sync (colocated): the generator's {e.name!r} "
+                                f"({None if p is None else (tuple(p.shape), p.dtype)}) cannot take the trainer's "
+                                f"{(tuple(src.shape), src.dtype)}")
+            p.copy_(src)
+    shares = partial_fingerprints(model, plan, 0, 1, dense=True)
+    return SyncOutput(shares, plan.nbytes, 0, time.perf_counter() - t0, direct=True)

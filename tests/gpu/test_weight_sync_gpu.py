@@ -77,3 +77,45 @@ def test_nccl_sync_gpu0_to_gpu1_is_bitwise():
 @needs_gpu
 def test_colocated_ipc_sync_is_bitwise():
     _check(launch.run_workers(2, _ipc_rank, (), device="cpu", timeout_s=300))
+
+
+def _direct_rank(rank, world, group):
+    """Three colocated syncs, one rank per side, the generator copying from the trainer's parameters:
+    the second after an in-place update (no handles sent: the opened views read the new values), the
+    third after a parameter moved (its handles sent again)."""
+    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+
+    w = TrainerWorker(_cfg(1, "cuda:0"), 0, 1) if rank == 0 else GeneratorWorker(_cfg(0, "cuda:0"), 0, 1)
+    specs, _ = w.prepare_weight_sync(BUCKET)
+    handles, outs = [], []
+    for k in range(3):
+        if rank == 0 and k == 1:
+            with torch.no_grad():
+                for p in w.trainer.model.parameters():
+                    p.neg_()
+        if rank == 0 and k == 2:
+            p = next(iter(w.trainer.model.parameters()))
+            p.data = p.data.clone() + 1
+        box = [w.send_weights(ipc=True, direct=True) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        handles.append(box[0].ipc is not None)
+        outs.append(box[0] if rank == 0 else w.receive_weights(-1, box[0].ipc, box[0].device_uuid, True))
+        outs[-1].ipc = None
+        dist.barrier()  # the generator has copied before the trainer changes its weights again
+        model = w.trainer.model if rank == 0 else w.model
+        outs[-1] = (outs[-1], _full(model))
+    return specs, outs, handles
+
+
+@needs_gpu
+def test_colocated_direct_sync_reads_the_trainers_parameters_bitwise():
+    (specs, t_outs, handles), (_, g_outs, _) = launch.run_workers(2, _direct_rank, (), device="cpu", timeout_s=300)
+    assert handles == [True, False, True]  # twin: a moved parameter makes the trainer hand out its handles again
+    prev = None
+    for (t_out, want), (g_out, got) in zip(t_outs, g_outs):
+        assert all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want)
+        fps = weight_sync.merge(specs, [t_out.shares], "trainer", dense_on_all=False)
+        gen = weight_sync.merge(specs, [g_out.shares], "generator", dense_on_all=True)
+        weight_sync.check(fps, gen)
+        assert fps == state_fingerprints({n: want[n] for n, *_ in specs}) and fps != prev  # each sync moved new bits
+        prev = fps
