@@ -323,3 +323,16 @@ def test_a_dead_vllm_worker_stops_generation_with_an_error(engine, model):
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="the vLLM engine died"):
         engine.generate(_prompts(2), [0, 1], SamplingParams(max_new_tokens=4))
+
+
+def test_vllm_colocated_on_cuda_is_refused_at_config_time():
+    """A colocated generator gives its GPU memory back while the trainer trains: the native engine does,
+    vLLM here does not; refused before any process starts (twins: separate GPUs, and CPU, are planned)."""
+    with pytest.raises(ConfigError, match=r"generator\.backend=vllm with placement\.colocate=true on CUDA") as e:
+        generator_plan(load_config(["generator.backend=vllm", "placement.colocate=true", "device=cuda"]))
+    assert "\n" not in str(e.value)
+    for twin in (["placement.colocate=false", "device=cuda"], ["placement.colocate=true", "device=cpu"]):
+        try:
+            generator_plan(load_config(["generator.backend=vllm", *twin]))
+        except ConfigError as err:
+            assert "placement.colocate" not in str(err)
