@@ -193,10 +193,12 @@ class TrainerWorker(_Monitored, _WeightSync):
         maybe_fail("trainer.score", self.rank)
         return self.trainer.score(samples)
 
-    def train_step(self, samples: list[Sample], alg_dict: dict, step: int) -> TrainOutput:
+    def train_step(self, samples: list[Sample], alg_dict: dict, step: int, leave_free: int = 0) -> TrainOutput:
         """One RL update; `samples` is the whole step (Trainer.train_step runs this rank's share).
         Returns this rank's pre-update logprobs, stat records and (monitor.fingerprints=layers)
-        per-token row fingerprints."""
+        per-token row fingerprints. Colocated on CUDA: if the device then has less than `leave_free`
+        bytes free (what the generator takes back for the weight sync and its next generate), this
+        process's allocator gives its cached blocks back."""
         maybe_fail("trainer.train_step", self.rank)
         self.saver.wait()  # the checkpoint in flight reads the tensors this step changes
         gc0 = _GC["total_s"]
@@ -226,8 +228,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self._steps += 1
         if self._steps == 1:  # the optimizer state and the kernels' caches exist now
             _gc_settle(self._own_process)
-        if self._colocated:  # the generator maps its weights and KV cache back for the weight sync
-            torch.cuda.empty_cache()
+        if self._colocated and torch.cuda.mem_get_info()[0] < leave_free:
+            torch.cuda.empty_cache()  # the generator maps its weights and KV cache back for the weight sync
         return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0,
                            seconds)
 

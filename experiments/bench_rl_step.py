@@ -46,7 +46,7 @@ def _base(model: str, steps: int) -> list[str]:
     return [f"model={model}", "device=cuda", "kernels.backend=triton", "trainer.ep_size=1", "generator.ep_size=1",
             "placement.colocate=true", "task.num_prompts=16", "task.samples_per_prompt=8", "task.max_new_tokens=256",
             "checkpoint.enabled=false", "monitor.on_mismatch=warn", "monitor.fingerprints=off",
-            "logger.console=false", f"run.steps={steps}"]
+            f"run.steps={steps}"]
 
 
 def _wait_gpu_free(limit_s: float = 60.0) -> None:
@@ -88,7 +88,7 @@ def rl(a) -> None:
             try:
                 res["train_summary"] = train(load_config([*over, f"run.dir={d}"]))
                 res["error"] = None
-            except Exception as e:  # recorded: e.g. a CUDA out-of-memory is a result here
+            except (Exception, KeyboardInterrupt) as e:  # recorded: e.g. a CUDA out-of-memory is a result here
                 res["error"] = f"{type(e).__name__}: {e}"[:2000]
                 traceback.print_exc()
             path = Path(d) / "metrics.jsonl"
@@ -225,7 +225,7 @@ def ckpt(a) -> None:
         try:
             res["train_summary"] = train(load_config([*over, f"run.dir={root / 'a'}"]))
             res["error"] = None
-        except Exception as e:
+        except (Exception, KeyboardInterrupt) as e:
             res["error"] = f"{type(e).__name__}: {e}"[:2000]
             traceback.print_exc()
         res["wall_s"] = time.perf_counter() - t0
@@ -254,7 +254,7 @@ def ckpt(a) -> None:
             try:
                 train(load_config([*resumed, f"run.dir={root / 'b'}"]))
                 res["resume_error"] = None
-            except Exception as e:
+            except (Exception, KeyboardInterrupt) as e:
                 res["resume_error"] = f"{type(e).__name__}: {e}"[:2000]
                 traceback.print_exc()
             res["resume_wall_s"] = time.perf_counter() - t0

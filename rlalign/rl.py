@@ -116,6 +116,7 @@ class Job:
         # colocated on CUDA the generator gives its memory back after generating (until the weight sync);
         # its weights too unless a mismatch dump may read them (deterministic kernels, on_mismatch=raise)
         self.release = releases_memory(cfg)
+        self.generator_need = 0  # bytes the trainer leaves free on a shared GPU after its step
         self.release_weights = not (cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise")
 
     def open_traces(self, start_step: int) -> None:
@@ -225,6 +226,8 @@ def generate_rollouts(job: Job, batch: StepBatch, step: int) -> tuple[list[Rollo
         ([batch.prompts[i] for i in p], [batch.sample_ids[i] for i in p], batch.params, step, job.release,
          job.release_weights) for p in parts])
     job.peaks["generator"] = _max_peak(outs)
+    if job.release and outs[0].peak_bytes is not None:  # what it takes back, with room for the allocator's rounding
+        job.generator_need = max(o.peak_bytes for o in outs) + (2 << 30)
     held = [o.held_bytes for o in outs if o.held_bytes is not None]
     job.inner.pop("memory/generator_released_gib", None)
     if held:  # what the generator still holds while the trainer trains
@@ -259,7 +262,7 @@ def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout
     minibatch, micro-batch) order, so they do not depend on the number of ranks; rows."""
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    outs = job.trainers.call("train_step", samples, alg, step)
+    outs = job.trainers.call("train_step", samples, alg, step, job.generator_need)
     job.peaks["trainer"] = _max_peak(outs)
     job.trainer_gc_s = max((o.gc_s for o in outs), default=0.0)
     job.inner["time/train_trainer_s"] = max(o.seconds for o in outs)
