@@ -225,6 +225,9 @@ class TrainerWorker(_Monitored, _WeightSync):
                 params = dict(t.model.named_parameters())
                 tr.record_many(items + [(f"weights/{n}", params[n]) for n in sorted(params)])
             tr.flush()  # the fingerprints run on the device; their records are written at a later flush
+            if self._colocated:  # on a shared GPU they would hold up the weight sync: finished in this phase
+                tr.fence()
+                torch.cuda.current_stream().synchronize()
         self._steps += 1
         if self._steps == 1:  # the optimizer state and the kernels' caches exist now
             _gc_settle(self._own_process)
@@ -356,7 +359,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
             out = weight_sync.receive(self.model, self._plan, self.rank, self.world, self.group, self._sync, ipc,
                                       ipc_uuid)
         self.generator.load_weights()
-        self._trace_weights(step)
+        self._trace_weights(step, out.shares)
         return out
 
     def full_state(self) -> dict | None:
@@ -367,8 +370,17 @@ class GeneratorWorker(_Monitored, _WeightSync):
         full = full_state_dict(self.model, self.group)
         return {k: v.detach().cpu() for k, v in full.items()} if self.rank == 0 else None
 
-    def _trace_weights(self, step: int) -> None:
-        if self.trace is not None:
-            self.trace.step = step
+    def _trace_weights(self, step: int, shares: list[int]) -> None:
+        """The weights just synced into the trace: with one generator rank the sync's own fingerprints
+        of them (`shares`: whole tensors), else each rank's tensors hashed again (its expert shards)."""
+        if self.trace is None:
+            return
+        self.trace.step = step
+        if self.world == 1:
+            specs = self._plan.specs()
+            fps = weight_sync.merge(specs, [shares], "generator", dense_on_all=True)
+            self.trace.record_known(sorted((f"weights/{name}", shape, getattr(torch, dtype.removeprefix("torch.")),
+                                            fps[name]) for name, dtype, shape, _ in specs))
+        else:
             self.trace.record_state("weights", dict(self.model.named_parameters()))
-            self.trace.flush()
+        self.trace.flush()

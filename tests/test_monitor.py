@@ -325,3 +325,36 @@ def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp
     p = cli_compare("full", "pert")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "first difference at record" in p.stdout and "B: step 1 rank 0 weights/lm_head.weight" in p.stdout
+
+
+def test_trace_records_of_the_syncs_fingerprints_equal_hashing_the_weights(tmp_path):
+    """A one-rank generator writes the weight sync's own fingerprints of the weights it received into
+    its trace (Trace.record_known): the same records as hashing the weights again (record_state).
+    Twin: one changed bit in one weight changes that record and no other."""
+    from rlalign.factory import model_from_config
+    from rlalign.monitor.trace import Trace
+    from rlalign.parallel import weight_sync
+
+    model = model_from_config(load_config(["model.num_layers=1"]))
+    params = dict(model.named_parameters())
+    plan = weight_sync.make_plan(weight_sync.tensor_specs(model, 1), 1 << 16)
+    specs = plan.specs()
+
+    def known(path):
+        fps = weight_sync.merge(specs, [weight_sync.partial_fingerprints(model, plan, 0, 1)], "generator", True)
+        tr = Trace(path, "generator", 0, {})
+        tr.record_known(sorted((f"weights/{n}", s, getattr(torch, d.removeprefix("torch.")), fps[n])
+                               for n, d, s, _ in specs))
+        tr.close()
+        return read_trace(path)[1]
+
+    hashed = Trace(tmp_path / "hashed.jsonl", "generator", 0, {})
+    hashed.record_state("weights", params)
+    hashed.close()
+    want = read_trace(tmp_path / "hashed.jsonl")[1]
+    assert len(want) == len(params) and known(tmp_path / "known.jsonl") == want
+    name = sorted(params)[3]
+    with torch.no_grad():
+        params[name].view(-1)[0:1].view(torch.int16)[0] ^= 1
+    got = known(tmp_path / "changed.jsonl")
+    assert [r["name"] for r, w in zip(got, want) if r != w] == [f"weights/{name}"]

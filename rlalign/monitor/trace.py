@@ -104,6 +104,19 @@ class RowNames:
     first: int = 0
 
 
+class _Known:
+    """Fingerprints already on the host, queued like a Pending read-back."""
+
+    def __init__(self, fps: list[str]):
+        self.fps = fps
+
+    def ready(self) -> bool:
+        return True
+
+    def hex(self) -> list[str]:
+        return self.fps
+
+
 class Trace:
     """One process's stream. `start_step` > 0 opens it for a run resumed from the checkpoint after
     step start_step-1: the records of earlier steps are kept, later ones (written after that
@@ -163,6 +176,15 @@ class Trace:
             rec["fps" if rows else "fp"] = t.shape[0] if rows else None
             recs.append(rec)
         self._add(parts, recs)
+
+    def record_known(self, items: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> None:
+        """Records (name, shape, dtype, fingerprint) whose fingerprints are already on the host (the
+        weight sync's of the same tensors: the same function), written after everything recorded
+        before them."""
+        self._read_back()
+        recs = [{"step": self.step, "rank": self.rank, "name": n, "shape": list(shape), "dtype": _dtype_name(dt),
+                 "fp": None} for n, shape, dt, _ in items]
+        self._queue.append((recs, _Known([fp for *_, fp in items])))
 
     def _add(self, parts: list[Part], recs: list[dict]) -> None:
         if not parts:
