@@ -84,5 +84,6 @@ def releases_memory(cfg: DictConfig) -> bool:
     """Whether the generator gives its memory back while the trainer trains (Generator.release_memory
     after each generate, resume_memory before the weight sync): when the two are colocated. On CUDA
     the native engine then keeps its weights and KV cache in DeviceArenas, so that the memory goes
-    back to the device and the captured graphs stay valid; on the CPU it frees its KV cache."""
-    return bool(cfg.placement.colocate)
+    back to the device and the captured graphs stay valid; on the CPU it frees its KV cache. (vLLM keeps
+    its memory: refused colocated on CUDA by generator_plan.)"""
+    return bool(cfg.placement.colocate) and cfg.generator.backend == "native"
