@@ -86,4 +86,4 @@ def releases_memory(cfg: DictConfig) -> bool:
     the native engine then keeps its weights and KV cache in DeviceArenas, so that the memory goes
     back to the device and the captured graphs stay valid; on the CPU it frees its KV cache. (vLLM keeps
     its memory: refused colocated on CUDA by generator_plan.)"""
-    return bool(cfg.placement.colocate) and cfg.generator.backend == "native"
+    return bool(cfg.placement.colocate) and generator_plan(cfg).backend == "native"
