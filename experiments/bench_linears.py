@@ -8,7 +8,7 @@ weights do not fit in L2) captured in one CUDA graph; times are medians of trito
 the replay, per layer, the variants alternating (two rounds, the faster kept). Bits: every output of
 `linears` (eager and replayed) torch.equal to the separate linears'. --candidates: also other configs
 of the family (BLOCK_K 64/128, the same MMA chain) for the one launch, to pick its table (each set as
-the only entry of gemm.LINEARS_SMALL_M for its variant).
+the only member of gemm.MATMUL_SMALL_M's family for its variant).
 """
 
 from __future__ import annotations
@@ -61,17 +61,17 @@ def graph_of(fn):
 def make_variants(x, layers, candidates: dict) -> dict:
     """name -> fn running the 16 layers: the separate linears, the one launch with its own config
     ("one"), and with each candidate config (the only entry of the small-M table, at every M)."""
-    pinned = gemm.LINEARS_SMALL_M[BF]
+    pinned = gemm.MATMUL_SMALL_M[BF]
 
     def separate():
         return [[gemm.linear(x, w) for w in ws] for ws in layers]
 
     def one(cfg=None):
-        gemm.LINEARS_SMALL_M[BF] = pinned if cfg is None else (1 << 30, 0, [cfg])
+        gemm.MATMUL_SMALL_M[BF] = pinned if cfg is None else (1 << 30, 0, [cfg])
         try:
             return [gemm.linears(x, ws, [None] * 3) for ws in layers]
         finally:
-            gemm.LINEARS_SMALL_M[BF] = pinned
+            gemm.MATMUL_SMALL_M[BF] = pinned
 
     out = {"separate": separate, "one": one}
     m = x.shape[0]
@@ -114,7 +114,7 @@ def main() -> None:
                 best = {k: min(v) for k, v in times.items()}
                 base = best["separate"]
                 row = {"shape": shape, "M": M, "K": K, "N": list(ns),
-                       "config_one": gemm.linears_config(BF, M, list(ns), num_sms(x.device)),
+                       "config_one": gemm.small_m_config(BF, M, list(ns), num_sms(x.device)),
                        "per_layer_s": best, "rounds_s": times, "bits_equal": same,
                        "speedup_vs_separate": {k: base / v for k, v in best.items()},
                        "fraction_of_hbm_peak": {k: (wbytes / LAYERS + M * K * 2 + M * sum(ns) * 2) / v / PEAK

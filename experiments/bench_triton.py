@@ -376,13 +376,15 @@ SMALL_M_CANDIDATES = [
 
 def sweep_matmul(q: bool) -> None:
     """Candidate small-M configs: rows bitwise equal to the main config's (the contract across the M
-    buckets), and speed at M = 64 and 256 against cuBLAS. The fastest passing config per M is kept."""
+    buckets), and speed at M = 64 and 256 against cuBLAS. The fastest passing config per M is printed;
+    the pinned small-M rule (gemm.small_m_config) is restored for the rest of the run."""
     if q:
         return
     g = torch.Generator(device=DEV).manual_seed(7)
     shapes = [(4096, 4096), (1024, 2048), (2048, 1024)]  # (N, K)
     data = {nk: (torch.randn(300, nk[1], device=DEV, generator=g).bfloat16(),
                  torch.randn(nk[0], nk[1], device=DEV, generator=g).bfloat16()) for nk in shapes}
+    pinned = tb.gemm.MATMUL_SMALL_M
     tb.gemm.MATMUL_SMALL_M = {}
     main = {nk: tb.matmul(x, w.t()) for nk, (x, w) in data.items()}
     best = {64: None, 256: None}
@@ -391,14 +393,12 @@ def sweep_matmul(q: bool) -> None:
             _small_m_candidate(cfg, data, main, best)
         except Exception as e:
             row("error", f"matmul small-M {cfg}", error=f"{type(e).__name__}: {e}"[:200])
-    main_cfg = tb.gemm.MATMUL_CONFIGS[torch.bfloat16]
-    buckets = [(m, b[1]) for m, b in sorted(best.items()) if b is not None and b[1] != main_cfg]
-    tb.gemm.MATMUL_SMALL_M = {torch.bfloat16: buckets} if buckets else {}
-    row("sweep", "matmul small-M buckets kept", config=str(buckets))
+    tb.gemm.MATMUL_SMALL_M = pinned
+    row("sweep", "matmul small-M fastest passing per M", config=str({m: b for m, b in best.items()}))
 
 
 def _small_m_candidate(cfg, data, main, best):
-    tb.gemm.MATMUL_SMALL_M = {torch.bfloat16: [(1 << 30, cfg)]}  # this config for every M
+    tb.gemm.MATMUL_SMALL_M = {torch.bfloat16: (1 << 30, 0, [cfg])}  # this config for every M
     bad = sum(not bits_equal(tb.matmul(x[:m], w.t()), main[nk][:m])
               for nk, (x, w) in data.items() for m in (1, 2, 5, 63, 64, 65, 100, 128, 255, 256, 300))
     name = "BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} s{num_stages} w{num_warps}".format(**cfg)

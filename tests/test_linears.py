@@ -109,13 +109,13 @@ def test_linears_negative_twin_other_k_order_differs():
 
 
 def test_linears_configs_keep_the_k_chunks_and_masked_rows_change_no_bit(monkeypatch):
-    # the one launch's configs keep BLOCK_K 128 (the k16 MMA chain of linear's small-M configs) up to
-    # 256 rows, the main config past them; the narrowest tiles that fit one wave; MASK_M (rows past M
-    # masked, not read) is scheduling only
+    # the one launch's configs are linear's small-M rule over all its weights' tiles (BLOCK_K 128 at
+    # these shapes) up to 256 rows, the main config past them; the narrowest tiles that fit one wave;
+    # MASK_M (rows past M masked, not read) is scheduling only
     x, ws, _ = _data(torch.bfloat16, seed=4, m=37)
     with torch.no_grad():
         ref = [gemm.linear(x, w) for w in ws]
-        monkeypatch.setattr(gemm, "linears_config", lambda *a: dict(gemm.INTERPRET_MATMUL, MASK_M=True))
+        monkeypatch.setattr(gemm, "small_m_config", lambda *a: dict(gemm.INTERPRET_MATMUL, MASK_M=True))
         assert all(same_bits(y, r) for y, r in zip(gemm.linears(x, ws, [None] * 3), ref))
         assert all(same_bits(y, r[:5]) for y, r in zip(gemm.linears(x[:5], ws, [None] * 3), ref))
     monkeypatch.undo()
@@ -123,11 +123,11 @@ def test_linears_configs_keep_the_k_chunks_and_masked_rows_change_no_bit(monkeyp
     bf, moe, big = torch.bfloat16, [2048, 512, 512], [4096, 512, 512]
     for m in (1, 8, 32, 64, 100, 256):
         for ns in (moe, big):
-            assert gemm.linears_config(bf, m, ns, 132)["BLOCK_K"] == 128
-    pick = {(m, ns[0]): gemm.linears_config(bf, m, ns, 132) for m in (1, 64, 128, 256) for ns in (moe, big)}
+            assert gemm.small_m_config(bf, m, ns, 132)["BLOCK_K"] == 128
+    pick = {(m, ns[0]): gemm.small_m_config(bf, m, ns, 132) for m in (1, 64, 128, 256) for ns in (moe, big)}
     assert pick[1, 2048]["BLOCK_N"] == 32 and pick[1, 2048]["MASK_M"] and pick[1, 4096]["BLOCK_N"] == 64
     assert not pick[64, 2048].get("MASK_M") and pick[64, 2048]["BLOCK_N"] == 32 and pick[64, 4096]["BLOCK_N"] == 64
     assert pick[128, 2048]["BLOCK_N"] == 64 and pick[128, 4096]["BLOCK_N"] == 128
     assert pick[256, 2048]["BLOCK_N"] == 128 and pick[256, 4096]["BLOCK_N"] == 128  # nothing fits: the widest
-    assert gemm.linears_config(bf, 257, moe, 132) == gemm.MATMUL_CONFIGS[bf]
-    assert gemm.linears_config(torch.float32, 8, moe, 132) == gemm.MATMUL_CONFIGS[torch.float32]
+    assert gemm.small_m_config(bf, 257, moe, 132) == gemm.MATMUL_CONFIGS[bf]
+    assert gemm.small_m_config(torch.float32, 8, moe, 132) == gemm.MATMUL_CONFIGS[torch.float32]

@@ -265,22 +265,49 @@ def test_weight_gradient_keeps_the_k_mask_for_every_token_count_with_the_same_bi
         s += c
 
 
-def test_gemm_small_m_configs_pick_by_rows_and_columns_and_keep_the_k_chunks(monkeypatch):
-    # the pinned configs are a pure function of (dtype, rows, columns): decode's narrow linears
-    # (M <= 256, N <= 4096) take 64-wide tiles, wider N 128-wide, the grouped GEMM at few rows per
-    # expert 128-wide with its tile loop flattened; every small-M config keeps BLOCK_K 128
+def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeypatch):
+    # the pinned configs are a pure function of (dtype, rows, columns, SMs): at M <= 256 the narrowest
+    # 64-row tiles whose count fits one wave, else 128 columns; rows past M masked at M <= 32; the grouped
+    # GEMM at few rows per expert 128-wide with its tile loop flattened; every small-M config keeps
+    # BLOCK_M 64 and a BLOCK_K that cuts the k16 MMA chain (128 or 256), never reorders it
     from rlalign.kernels.triton import gemm
 
     monkeypatch.setattr(gemm, "INTERPRET", False)
     bf = torch.bfloat16
-    assert gemm._config(bf, 64, 2048)["BLOCK_N"] == 32
-    assert gemm._config(bf, 256, 2048)["BLOCK_N"] == 64 and gemm._config(bf, 256, 2048)["FLATTEN"]
-    assert gemm._config(bf, 256, 32000)["BLOCK_N"] == 128 and gemm._config(bf, 100)["BLOCK_N"] == 128
-    assert gemm._config(bf, 257, 2048) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
+
+    def pick(m, n):
+        cfg = gemm.small_m_config(bf, m, [n], 132)
+        return cfg["BLOCK_N"], bool(cfg.get("MASK_M"))
+
+    assert [pick(1, n) for n in (512, 2048, 4096)] == [(16, True), (16, True), (32, True)]
+    assert pick(64, 2048) == (16, False) and pick(64, 4096) == (32, False) and pick(33, 4096) == (32, False)
+    assert [pick(256, n) for n in (512, 2048, 4096, 32000)] == [(16, False), (64, False), (128, False), (128, False)]
+    assert gemm.small_m_config(bf, 257, [2048], 132) == gemm.MATMUL_CONFIGS[bf]
+    assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
     assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["FLATTEN"]
-    assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf]
-    for entry in [*gemm._SMALL, *gemm._GROUPED_SMALL]:
-        assert entry[-1]["BLOCK_K"] == 128 and entry[-1]["BLOCK_M"] == 64
+    assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
+    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL)]:
+        assert cfg["BLOCK_K"] in (128, 256) and cfg["BLOCK_M"] == 64
+
+
+def test_linear_rows_identical_across_the_small_m_buckets(monkeypatch):
+    # a linear's rows have the main config's bits at every M, on both sides of the small-M bucket (the
+    # interpreter's: 16-row tiles, rows past M masked). Negative twin: a bucket with other K chunks
+    # (BLOCK_K 32; the interpreter rounds once per chunk) changes the bits
+    from rlalign.kernels.triton import gemm
+
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(48, 96, generator=g).to(DEV)
+    x = torch.randn(40, 96, generator=g).to(DEV)
+    full = tb.linear(x, w)
+    for m in range(1, 41):
+        assert same_bits(tb.linear(x[:m], w), full[:m]), m
+    if DEV == "cpu":
+        assert gemm.small_m_config(torch.float32, 8, [48], 4)["MASK_M"]
+        assert "MASK_M" not in gemm.small_m_config(torch.float32, 9, [48], 4)
+        monkeypatch.setattr(gemm, "INTERPRET_SMALL_M", (8, dict(gemm.INTERPRET_SMALL_M[1], BLOCK_K=32)))
+        monkeypatch.setattr(gemm, "_MATMUL_PLANS", {})
+        assert not same_bits(tb.linear(x[:4], w), full[:4])
 
 
 def test_gemm_flattened_tile_loop_changes_no_bit():

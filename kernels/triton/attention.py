@@ -23,7 +23,10 @@ from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 # contract. CHUNK is a constant, never a function of the batch or the GPU: only where a chunk is computed
 # (chunks_per_program) varies with them, never its bits. Tile heights may differ between the kinds: all
 # are wgmma tiles (BLOCK_M >= 64; decode with BLOCK_M=16 takes mma.sync and was not bitwise equal to
-# prefill). fp32 tiles take twice the shared memory: fewer stages.
+# prefill). fp32 tiles take twice the shared memory: fewer stages. bf16 prefill: 64-row tiles of one
+# warpgroup (two tiles' accumulators, the chunk's and the fold's, stay in registers), 1.01x / 1.07x the
+# speed of SDPA's flash kernel at T 512 / 4096 where 128-row tiles of 8 warps ran 0.86x / 1.03x, same bits
+# (experiments/bench_vs_vendor.py --sweep fwd).
 # decode (rows modes), none of them moves a bit: COMBINE_UNROLL, the chunk partials the split-K fold
 # loads at once; PAGED_PRE_MAX, a paged program loads the block-table entries of its keys in one vector
 # load before its key loop while they number at most this many (0: never), and picks each block's pages
@@ -32,7 +35,7 @@ from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 # PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
 # checks the view's extent; else int64).
 ATTN_FWD = {
-    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=128, num_stages=3, num_warps=8),
+    torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=3, num_warps=4),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=256,
                                      PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),

@@ -22,17 +22,26 @@ MATMUL_CONFIGS = {
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
 }
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
-# Narrower tiles for small M (more tiles than SMs without split-K), keyed by dtype. A config may join
-# only if every element still reduces K in the same order through the same chain of k16 MMAs into one
-# fp32 accumulator (BLOCK_K 64 or 128 cut that chain at different points, not reorder it), and its
-# rows measured bitwise equal to the main config's for M = 1..8192 on the GPU (experiments/bench_triton.py
-# --only matmul_sweep,matmul). At 64 < M <= 256 the linears with N <= 4096 (q, k, v, o, router: too few
-# 128-wide tiles for 132 SMs) take 64-wide tiles, the tile loop flattened; wider N (the lm head)
-# 128-wide tiles. Entries: (max M, config) or (max M, max N, config); the first that fits.
-_SMALL = [(64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)),
-          (256, 4096, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)),
-          (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4))]
-MATMUL_SMALL_M: dict = {torch.bfloat16: _SMALL, torch.float16: _SMALL}
+# Small M (decode, small batches: M <= 256 rows), for linear and linears alike: tiles 64 rows high, the
+# narrowest of 16 / 32 / 64 / 128 columns whose tiles fit in one wave (<= one per SM), else 128 (no
+# split-K: more, narrower tiles keep the SMs busy). A config may join only if every element still
+# reduces K in the main config's order through the same chain of k16 MMAs into one fp32 accumulator
+# (BLOCK_K 64, 128 or 256 cut that chain at other points, never reorder it), and its rows measured
+# bitwise equal to the main config's on the GPU (experiments/bench_vs_vendor.py --sweep gemm: 20
+# candidates, 0 rows differing at M = 1, 16, 64, 256; tests/gpu/test_triton_gpu.py: M = 1..299). At
+# M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program reading the
+# same row is an L2 hot spot (M = 1, N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS). The rule
+# picked the fastest measured member at every M = 1, 16, 64, 256 of N = K = 4096, 2048 x 2048 and
+# 512 x 2048 (results/kernels_vs_vendor_h200.json) and of bench-moe-large's and the 30B's q, k, v in
+# one launch (results/linears_H200.json). Past 256 rows: the main config.
+_SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, num_warps=4),
+            dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)]
+MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256, 32, _SMALL_M)}
+# the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
+# interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
+INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in
 # COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
 # rows on each of 64 experts: 64 x 128 tiles, 4 stages, the tile loop flattened (the next tile's loads
@@ -199,17 +208,30 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype, m: int | None = None, n: int | None = None, small: dict | None = None) -> dict:
-    """The pinned config for dtype; m (rows, or rows per problem) and n (columns) pick the first
-    entry of the small-M table (`small`, default MATMUL_SMALL_M) that fits, else the main config."""
+def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
+    """The pinned config for dtype; m (rows per problem) picks the first entry (max rows, config) of the
+    table `small` that fits, else the main config."""
     if INTERPRET:
         return dict(INTERPRET_MATMUL)
-    for entry in (MATMUL_SMALL_M if small is None else small).get(dtype, ()):
-        max_m, cfg = entry[0], entry[-1]
-        max_n = entry[1] if len(entry) == 3 else None
-        if m is not None and m <= max_m and (max_n is None or (n is not None and n <= max_n)):
+    for max_m, cfg in (small or {}).get(dtype, ()):
+        if m is not None and m <= max_m:
             return dict(cfg)
     return dict(MATMUL_CONFIGS[dtype])
+
+
+def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
+    """The config of m rows against output widths ns (one launch: a linear, or linears' several weights)
+    on sms SMs: the small-M rule above, else the main config. Scheduling only: the bits are the main
+    config's whatever it picks."""
+    if INTERPRET:
+        return dict(INTERPRET_SMALL_M[1] if m <= INTERPRET_SMALL_M[0] else INTERPRET_MATMUL)
+    if dtype not in MATMUL_SMALL_M or m > MATMUL_SMALL_M[dtype][0]:
+        return dict(MATMUL_CONFIGS[dtype])
+    _, mask_m, cfgs = MATMUL_SMALL_M[dtype]
+    for cfg in cfgs:
+        if triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns) <= sms:
+            break
+    return dict(cfg, MASK_M=True) if m <= mask_m else dict(cfg)
 
 
 def _launch_cfg(cfg: dict) -> dict:
@@ -220,7 +242,7 @@ def _launch_cfg(cfg: dict) -> dict:
 
 def _grouped_config(dtype, rows: int) -> dict:
     """The pinned config of the grouped GEMM (forward, dX) at `rows` rows per group."""
-    return _config(dtype, rows, small=GROUPED_SMALL_M)
+    return _config(dtype, rows, GROUPED_SMALL_M)
 
 
 def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strides: tuple, cfg: dict,
@@ -340,8 +362,8 @@ def _matmul_plan(a, b, even_k: bool = True):
         return M, N, K, copy_a, copy_b, None
     sa = (K, 1) if copy_a else a.stride()  # read in place: K-, M- or N-contiguous operands, same bits
     sb = (N, 1) if copy_b else b.stride()
-    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1), _config(a.dtype, M, N),
-                      even_k)
+    plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1),
+                      small_m_config(a.dtype, M, [N], num_sms(a.device)), even_k)
     return M, N, K, copy_a, copy_b, plan[0]
 
 
@@ -356,7 +378,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, b_transposed: bool, token_k: bool 
     """matmul(a, b), or matmul(a, b.t()) when b_transposed (a linear's weight, read through its
     strides: no transposed view to build). token_k: K is the batch's token count (a weight
     gradient): the masked K loop for every count (same bits as the unmasked one)."""
-    key = (b_transposed, a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, token_k)
+    key = (b_transposed, a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, token_k,
+           id(MATMUL_SMALL_M.get(a.dtype)))  # a benchmark may set another small-M table: its own plans
     plan = _MATMUL_PLANS.get(key)
     if plan is None:
         plan = _matmul_plan(a, b.t() if b_transposed else b, not token_k)
@@ -402,30 +425,10 @@ def linear(x, w, bias=None):
 
 
 # linears: several weights at one input in ONE launch (q, k, v of a decode step: three launches of
-# a few microseconds each, latency bound, become one). Any config of the family reduces K through the
-# same k16 MMA chain into one fp32 accumulator, so the bits are the separate linears' whatever the
-# tiles (tests/gpu/test_linears_gpu.py, experiments/bench_linears.py: 178/178 outputs equal, M = 1..4096,
-# every candidate). Up to 256 rows the tiles are 64 rows high and the narrowest of 32 / 64 / 128 columns
-# whose tiles fit in one wave (<= one per SM), else 128: on H200 that rule picked the fastest measured
-# config at every (M, shape) of results/linears_H200.json (bench-moe-large q, k, v and the 30B ones).
-# At M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program reading the
-# same row is an L2 hot spot (M = 1: 21 -> 9.6 us per q, k, v of bench-moe-large). Past 256 rows: the
-# main config.
-_LINEARS_SMALL = [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
-                  dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
-                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)]
-LINEARS_SMALL_M: dict = {torch.bfloat16: (256, 32, _LINEARS_SMALL), torch.float16: (256, 32, _LINEARS_SMALL)}
-
-
-def linears_config(dtype, m: int, ns: list[int], sms: int) -> dict:
-    """The one launch's config at m rows and output widths ns on sms SMs (scheduling only, see above)."""
-    if INTERPRET or dtype not in LINEARS_SMALL_M or m > LINEARS_SMALL_M[dtype][0]:
-        return _config(dtype, m, max(ns))
-    _, mask_m, cfgs = LINEARS_SMALL_M[dtype]
-    for cfg in cfgs:
-        if triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns) <= sms:
-            break
-    return dict(cfg, MASK_M=True) if m <= mask_m else dict(cfg)
+# a few microseconds each, latency bound, become one), with the small-M rule over all its weights' tiles
+# (small_m_config). Any config of the family reduces K through the same k16 MMA chain into one fp32
+# accumulator, so the bits are the separate linears' whatever the tiles (tests/gpu/test_linears_gpu.py,
+# experiments/bench_linears.py: 178/178 outputs equal, M = 1..4096, every candidate).
 
 
 def _linears_plan(x2, ws, ns, cfg):
@@ -471,7 +474,7 @@ def linears(x, ws, biases):
     if not _linears_ok(x2, ws):
         return [linear(x, w, b) for w, b in zip(ws, biases)]
     M, ns = x2.shape[0], [w.shape[0] for w in ws]
-    cfg = linears_config(x2.dtype, M, ns, num_sms(x2.device))
+    cfg = small_m_config(x2.dtype, M, ns, num_sms(x2.device))
     key = ("linears", M, x2.stride(), tuple((w.data_ptr(), w.shape[0]) for w in ws), ws[0].stride(), x2.shape[1],
            tuple(cfg.values()), x2.dtype, x2.device)
     plan = cached(key, lambda: _linears_plan(x2, ws, ns, cfg))
