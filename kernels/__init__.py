@@ -203,7 +203,8 @@ def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
-    return sampling.filter_logits(z, top_k, top_p)
+    fused = getattr(_impl(z), "filter_logits", None)  # the Triton backend: one kernel, the same bits
+    return (fused or sampling.filter_logits)(z, top_k, top_p)
 
 
 def tempered_logprobs(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

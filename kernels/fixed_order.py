@@ -61,10 +61,10 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 split Cody-Waite style so that
 # n * LN2_HI is exact; exp(r) by a degree-7 Taylor polynomial in Horner form (|r| <= 0.347,
 # truncation < 6e-9 relative). Accuracy ~1-2 ulp of fp32.
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 LN2_HI = 0.693145751953125  # 0x3f317200: 16 significant bits
 LN2_LO = 1.4286068203094172e-06
-_EXP_COEFFS = [1.0 / math.factorial(i) for i in range(7, 1, -1)]  # r^7 .. r^2 coefficients
+EXP_COEFFS = [1.0 / math.factorial(i) for i in range(7, 1, -1)]  # r^7 .. r^2 coefficients
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -75,10 +75,10 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
 def _exp_fwd(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     xc = x.clamp(-104.0, 89.0)
-    n = torch.round(xc * _LOG2E)
+    n = torch.round(xc * LOG2E)
     r = (xc - n * LN2_HI) - n * LN2_LO
-    p = torch.full_like(r, _EXP_COEFFS[0])
-    for c in _EXP_COEFFS[1:]:
+    p = torch.full_like(r, EXP_COEFFS[0])
+    for c in EXP_COEFFS[1:]:
         p = p * r + c
     p = (p * r + 1.0) * r + 1.0
     n1 = torch.div(n, 2, rounding_mode="floor")  # two factors keep each in the normal range

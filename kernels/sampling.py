@@ -7,8 +7,10 @@ samples the same tokens in any batch, in any order, and in a resumed run.
 The same `filter_logits` is applied by the generator before sampling and by the trainer before
 scoring, so both sides' logprobs refer to the one distribution that was sampled from:
     log p(token) = log_softmax(filter(logits / temperature))[token]
-top_k keeps values >= the k-th largest (ties kept); top_p keeps the smallest prefix of the
-descending distribution whose mass reaches top_p (values >= the last kept one).
+top_k keeps values >= the k-th largest (ties kept); top_p keeps the shortest prefix of the
+descending distribution whose mass reaches top_p (ties at its end kept), with masses as integers so
+that every sum is exact. Both find their cut by a threshold search over the values' order keys (no
+sort), the same cut on every device and in the Triton kernel (rlalign.kernels.triton.sampling).
 """
 
 from __future__ import annotations
@@ -59,29 +61,71 @@ def gumbel(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, vocab: 
     return -fo.log(-fo.log(uniform(seed, sample_ids, positions, vocab)))
 
 
-def _cumsum_fixed(x: torch.Tensor) -> torch.Tensor:
-    """Inclusive prefix sum over the last dim by a Hillis-Steele scan (fixed order per index)."""
-    n, off = x.shape[-1], 1
-    while off < n:
-        x = torch.cat([x[..., :off], x[..., off:] + x[..., :-off]], -1)
-        off *= 2
-    return x
+MASS_SCALE = 2.0 ** 32  # a token's top-p mass: floor(exp(z - max) * 2**32), an integer
+SEARCH_WAYS = 16  # thresholds tried per search pass: the interval shrinks to ceil(width / 17)
+SEARCH_PASSES = 8  # ceil-dividing the 2**32 + 1 keys by 17 eight times leaves 1: the search is exact
+_I32_MIN = -(1 << 31)
+
+
+def order_keys(z: torch.Tensor) -> torch.Tensor:
+    """int32 keys ordered like the fp32 values z (-0 and +0 one key; NaN above +inf, or below
+    -inf when its sign bit is set)."""
+    bits = (z + 0.0).view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def top_p_mass(z: torch.Tensor, zmax: torch.Tensor) -> torch.Tensor:
+    """int64 masses floor(fixed_order.exp(z - zmax) * 2**32) for z [N, V] fp32, zmax [N, 1] (0 where
+    that is below 2**-32, or NaN). Integers below 2**33, so any sum over a vocabulary < 2**20 is exact
+    in any order (int64 here; in a Triton kernel too)."""
+    e = fo.exp(z - zmax) * MASS_SCALE
+    return torch.where(e >= 1.0, torch.floor(e), torch.zeros_like(e)).long()
+
+
+def threshold_search(keys: torch.Tensor, weights: torch.Tensor, bound: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor) -> torch.Tensor:
+    """Per row, the least key c in (lo, hi] whose weight above it, sum(weights[keys > c]), is below
+    bound (compared as fp64; exact: the sums are integers < 2**53). keys [N, V] int32, weights [N, V]
+    int64, bound [N] fp64, lo and hi [N] int64 with the sum at lo >= bound and at hi < bound. A fixed
+    SEARCH_PASSES passes of SEARCH_WAYS thresholds each, no sort and no host sync; the answer is a
+    function of the row's values alone (rlalign.kernels.triton.sampling finds the same one)."""
+    ways = torch.arange(1, SEARCH_WAYS + 1, device=keys.device)
+    for _ in range(SEARCH_PASSES):
+        cand = lo[:, None] + ((hi - lo)[:, None] * ways) // (SEARCH_WAYS + 1)  # [N, W] ascending
+        cand32 = cand.clamp(min=_I32_MIN)
+        above = torch.stack([torch.where(keys > cand32[:, j, None], weights, 0).sum(-1)
+                             for j in range(SEARCH_WAYS)], -1)  # [N, W] int64, exact
+        ok = above.double() < bound[:, None]  # false ... false true ... true
+        hi = torch.where(ok, cand, hi[:, None]).amin(-1)
+        lo = torch.where(ok, lo[:, None], cand).amax(-1)
+    return hi
 
 
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """z [N, V] fp32 tempered logits -> the same with -inf outside the kept set."""
-    if top_k and top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k, -1).values[..., -1:]  # the k-th largest value (exact, any algorithm)
-        z = torch.where(z >= kth, z, torch.full_like(z, float("-inf")))
+    """z [N, V] fp32 tempered logits -> the same with -inf outside the kept set (NaN stays NaN, so the
+    sampler still refuses the row). top_k: keep values >= the k-th largest (ties kept). top_p, after
+    top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k dropped) and Q their sum,
+    keep z_v when the mass of the values strictly above z_v is < top_p * Q (fp64): the shortest
+    descending prefix reaching top_p, ties at its end kept. Both are a `threshold_search` over the
+    values' order keys: the kept set is {keys >= c}, whatever the search's steps."""
+    N, V = z.shape
+    keys = order_keys(z)
+    cut = None
+    if top_k and top_k < V:
+        ones = torch.ones_like(keys, dtype=torch.long)
+        bound = torch.full((N,), float(top_k), dtype=torch.float64, device=z.device)
+        cut = threshold_search(keys, ones, bound, keys.amin(-1).long() - 1, keys.amax(-1).long())
     if top_p < 1.0:
-        zs = torch.sort(z, -1, descending=True).values
-        p = fo.exp(zs - zs[..., :1])
-        p = p / fo.tree_sum(p, -1)[..., None]
-        before = _cumsum_fixed(p) - p  # mass strictly before each sorted entry
-        keep = before < top_p
-        last = torch.where(keep, zs, torch.full_like(zs, float("inf"))).amin(-1, keepdim=True)
-        z = torch.where(z >= last, z, torch.full_like(z, float("-inf")))
-    return z
+        zmax = z.amax(-1, keepdim=True)
+        mass = top_p_mass(z, zmax)
+        if cut is not None:
+            mass = torch.where(keys >= cut[:, None], mass, 0)
+        lo = torch.where(mass > 0, keys, torch.iinfo(torch.int32).max).amin(-1).long() - 1
+        bound = mass.sum(-1).double() * top_p
+        cut = threshold_search(keys, mass, bound, lo, order_keys(zmax)[:, 0].long())
+    if cut is None:
+        return z
+    return torch.where((keys >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:

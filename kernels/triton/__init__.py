@@ -9,7 +9,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                split-K over fixed key chunks for few rows)
   elementwise  swiglu, rope
   moe          moe_route, moe_combine
-  sampling     gumbel_argmax (the Gumbel-max draw of kernels.sample, fused)
+  sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
   common       input checks, the SM count, the launch-plan cache, INTERPRET
@@ -34,14 +34,14 @@ from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
 from .logprob import log_softmax_gather
 from .moe import moe_combine, moe_combine_rows, moe_route
 from .norm import rmsnorm
-from .sampling import gumbel_argmax
+from .sampling import filter_logits, gumbel_argmax
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
     "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed", "embedding",
-    "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears", "log_softmax_gather", "logprob",
-    "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route", "norm", "paged_write", "rmsnorm", "rope",
-    "sampling", "swiglu",
+    "filter_logits", "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears",
+    "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route", "norm",
+    "paged_write", "rmsnorm", "rope", "sampling", "swiglu",
 ]
 
 

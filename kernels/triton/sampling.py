@@ -1,4 +1,13 @@
-"""Gumbel-max sampling fused into one kernel: per row, the noise of rlalign.kernels.sampling (a
+"""The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw.
+
+filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
+max and key range, then the threshold search, level by level: SEARCH_WAYS thresholds in the current
+key interval, their weights above in one pass, the interval narrowed to the two thresholds around
+the answer and the row's values inside it compacted to the front of the output row (so later levels
+read only those), until the interval holds one key; a last pass writes the kept values and -inf.
+No sort; every sum is of integers (counts, integer masses), so the cut is the torch function's.
+
+Gumbel-max sampling fused into one kernel: per row, the noise of rlalign.kernels.sampling (a
 splitmix64 hash of (seed, sample id, position, vocab index) -> u exact in fp32 -> -log(-log u)
 with fixed_order.log's add/mul/div formula) added to the tempered, filtered logits z, and the first
 index of the maximum — the token `first_argmax(z + gumbel(...))` draws, bit for bit (checked
@@ -10,6 +19,8 @@ in torch's elementwise kernels; divisions are IEEE (div_rn)."""
 from __future__ import annotations
 
 import math
+import struct
+import sys
 
 import torch
 import triton
@@ -23,6 +34,7 @@ from .common import INTERPRET
 _U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 BLOCK = 1024
+FILTER_BLOCK = 256  # a search pass holds [FILTER_BLOCK, SEARCH_WAYS] comparisons
 
 
 @triton.jit
@@ -52,6 +64,124 @@ def _log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.cons
     p = p * s2 + C4
     log_m = (p * s2) * s + 2.0 * s
     return ef * LN2_HI + (log_m + ef * LN2_LO)
+
+
+@triton.jit
+def _order_key(z):
+    bits = (z + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _pow2(k):
+    return ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp(x, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr,
+         E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr):
+    """fixed_order.exp for x <= 0 (or NaN): round half to even by the 1.5 * 2**23 shift (|x * log2 e| < 2**22)."""
+    xc = tl.where(x < -104.0, -104.0, x)
+    n = (xc * LOG2E + 12582912.0) - 12582912.0
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    p = tl.full(r.shape, E0, tl.float32)
+    p = p * r + E1
+    p = p * r + E2
+    p = p * r + E3
+    p = p * r + E4
+    p = p * r + E5
+    p = (p * r + 1.0) * r + 1.0
+    n1 = tl.floor(n * 0.5)
+    y = (p * _pow2(n1)) * _pow2(n - n1)
+    return tl.where(x < -104.0, 0.0, y)
+
+
+@triton.jit(do_not_specialize=["top_k", "top_p_bits"])
+def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_P: tl.constexpr,
+                   LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr,
+                   E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr,
+                   SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * V
+    o_row = out_ptr + row * V
+    kmax = tl.full((BLOCK,), -2147483648, tl.int32)
+    kmin = tl.full((BLOCK,), 2147483647, tl.int32)
+    zmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < V
+        z = tl.load(z_row + cols, mask=mask, other=float("-inf"))
+        key = _order_key(z)
+        kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
+        kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
+        zmax = tl.maximum(zmax, z)
+    kmax_s = tl.max(kmax, axis=0)
+    kmin_s = tl.min(kmin, axis=0)
+    zm = tl.max(zmax, axis=0)
+    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    cut = kmin_s.to(tl.int64)  # keeps every value
+    top_p = top_p_bits.to(tl.float64, bitcast=True)
+    for phase in tl.static_range(2):
+        active: tl.constexpr = DO_K if phase == 0 else DO_P
+        if active:
+            if phase == 0:
+                hi = kmax_s.to(tl.int64)
+            else:
+                hi = _order_key(zm).to(tl.int64)
+            lo = cut - 1
+            above_hi = tl.zeros((), tl.int64)  # weight of the values above hi
+            bound = top_k.to(tl.float64)
+            src = z_row
+            n = V
+            first = True
+            while hi - lo > 1:
+                cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
+                cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
+                acc = tl.zeros((WAYS,), tl.int64)
+                tot = tl.zeros((BLOCK,), tl.int64)
+                for v0 in range(0, n, BLOCK):
+                    cols = v0 + tl.arange(0, BLOCK)
+                    z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+                    key = _order_key(z)
+                    inside = (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
+                    if phase == 0:
+                        w = inside.to(tl.int64)
+                    else:
+                        e = _exp(z - zm, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5) * SCALE
+                        w = tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
+                    tot += w
+                    acc += tl.sum(tl.where(key[:, None] > cand32[None, :], w[:, None], 0), axis=0)
+                if first:
+                    if phase == 1:
+                        bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
+                    first = False
+                w_above = above_hi + acc
+                ok = w_above.to(tl.float64) < bound
+                new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
+                above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
+                lo = tl.max(tl.where(ok, lo, cand), axis=0)
+                hi = new_hi
+                if hi - lo > 1:  # compact the values inside (lo, hi] to the front of the output row
+                    count = 0
+                    for v0 in range(0, n, BLOCK):
+                        cols = v0 + tl.arange(0, BLOCK)
+                        z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+                        key = _order_key(z).to(tl.int64)
+                        sel = (cols < n) & (key > lo) & (key <= hi)
+                        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                        tl.debug_barrier()
+                        tl.store(o_row + pos, z, mask=sel)
+                        count += tl.sum(sel.to(tl.int32), axis=0)
+                    tl.debug_barrier()
+                    src = o_row
+                    n = count
+            cut = hi
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < V
+        z = tl.load(z_row + cols, mask=mask, other=0.0)
+        keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
+        tl.store(o_row + cols, tl.where(keep, z, float("-inf")), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
@@ -89,6 +219,30 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, 
 _CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
               C3=fo.ATANH_COEFFS[3], C4=fo.ATANH_COEFFS[4], LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO)
 assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclose(fo.SQRT2, 2 ** 0.5)
+
+
+_EXP_CONST = dict(LOG2E=fo.LOG2E, LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO,
+                  **{f"E{i}": c for i, c in enumerate(fo.EXP_COEFFS)})
+assert len(fo.EXP_COEFFS) == 6
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """rlalign.kernels.sampling.filter_logits (the same kept set, the same bits) for z [B, V] fp32."""
+    if z.dtype != torch.float32 or z.dim() != 2:
+        raise TypeError(f"triton filter_logits: z must be a 2-D fp32 tensor, got {z.dtype} {tuple(z.shape)}")
+    B, V = z.shape
+    do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
+    if not (do_k or do_p) or B == 0:
+        return z
+    if not sys.float_info.min <= top_p <= 1.0:
+        raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
+    z = z.contiguous()
+    out = torch.empty_like(z)
+    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=8)
+    _filter_kernel[(B,)](z, out, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0], DO_K=do_k,
+                         DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=sampling.SEARCH_WAYS, BLOCK=FILTER_BLOCK,
+                         **_EXP_CONST, **opts)
+    return out
 
 
 def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
