@@ -1,9 +1,9 @@
-"""Where a CUDA-graph decode step's wall time goes: bench-moe-large, 256 prompts, deterministic
+"""Where a CUDA-graph decode step's wall time goes: bench-moe-large, 256 prompts (--prompts), deterministic
 Triton kernels. Wraps the engine's graph call to time each step on the host and on the GPU (CUDA
-events around copy-in + replay + copy-out), then replays the 256-row graph alone, plain and under
+events around copy-in + replay + copy-out), then replays the batch's graph alone, plain and under
 torch.profiler (kernel time vs replay time: the gaps between the graph's kernels).
 
-    python experiments/probe_decode_step.py [--new 64] [--out DIR]
+    python experiments/probe_decode_step.py [--prompts 256] [--new 64] [--top-p 1.0] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -37,8 +40,10 @@ def main() -> None:
     model = build_model(args, "bfloat16", seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 129, (256,), generator=g)]
-    ids = list(range(256))
+               for n in torch.randint(16, 129, (a.prompts,), generator=g)]
+    ids = list(range(a.prompts))
+    bucket = 1 << max(0, (a.prompts - 1).bit_length())
+    sp = dict(temperature=a.temperature, top_p=a.top_p, seed=1)
     eng = EngineConfig(max_num_batched_tokens=4096)
     orig = DecodeGraphs.__call__
     rec, keep = [], []
@@ -57,21 +62,21 @@ def main() -> None:
     DecodeGraphs.__call__ = timed
     engine = NativeEngine(model, eng)
     with kernels.use(mode="deterministic", backend="triton"):
-        engine.generate(prompts, ids, SamplingParams(max_new_tokens=4, seed=1))  # compile, capture
+        engine.generate(prompts, ids, SamplingParams(max_new_tokens=4, **sp))  # compile, capture
         rec.clear()
         keep.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(prompts, ids, SamplingParams(max_new_tokens=a.new, seed=1))
+        engine.generate(prompts, ids, SamplingParams(max_new_tokens=a.new, **sp))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         first = rec[0][0] - t0  # prefill (eager steps) until the first graph step is called
-        steps = [r for r in rec if r[4] == 256]
+        steps = [r for r in rec if r[4] == a.prompts]
         gpu = [s[2].elapsed_time(s[3]) / 1e3 for s in steps]
         interval = [steps[i + 1][0] - steps[i][0] for i in range(len(steps) - 1)]
         enqueue = [s[1] - s[0] for s in steps]
         idle = [steps[i][3].elapsed_time(steps[i + 1][2]) / 1e3 for i in range(len(steps) - 1)]
-        graph, static, _ = keep[0].graphs[256]
+        graph, static, _ = keep[0].graphs[bucket]
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
@@ -89,7 +94,7 @@ def main() -> None:
         kern = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 3 / 1e6, e.count / 3)
                 for e in prof.key_averages() if e.device_type.name == "CUDA"]
         # the prefill (eager chunks of max_num_batched_tokens rows) alone: generate() sampling one token
-        one = SamplingParams(max_new_tokens=1, seed=1)
+        one = SamplingParams(max_new_tokens=1, **sp)
         engine.generate(prompts, ids, one)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -110,7 +115,8 @@ def main() -> None:
         return sorted(v)[len(v) // 2] if v else float("nan")
 
     res = {"new_tokens": a.new, "wall_s": wall, "prefill_until_first_graph_step_s": first,
-           "graph_steps_256": len(steps),
+           "prompts": a.prompts, "graph_bucket": bucket, "top_p": a.top_p, "temperature": a.temperature,
+           "graph_steps": len(steps),
            "step_interval_median_s": med(interval), "step_gpu_median_s": med(gpu), "enqueue_median_s": med(enqueue),
            "gpu_idle_between_steps_median_s": med(idle), "replay_alone_s": replay, "replay_kernel_sum_s": ksum,
            "kernels_per_replay": nk, "top_kernels_per_replay": [(k[:90], s, c) for k, s, c in kern[:25]],
@@ -124,7 +130,8 @@ def main() -> None:
         print(f"  {s * 1e3:8.3f} ms {c:6.0f}  {k[:90]}")
     for k, s, c in pk[:20]:
         print(f"  prefill {s * 1e3:8.3f} ms {c:6.0f}  {k[:90]}")
-    print("wrote", write("probe_decode_step_bench-moe-large_H200" + (f"_{a.tag}" if a.tag else ""), res, a.out))
+    name = "probe_decode_step_bench-moe-large" + (f"_{a.prompts}" if a.prompts != 256 else "") + "_H200"
+    print("wrote", write(name + (f"_{a.tag}" if a.tag else ""), res, a.out))
 
 
 if __name__ == "__main__":
