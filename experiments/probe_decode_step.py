@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-len", type=int, default=128, help="prompt lengths uniform in [16, max-len]")
+    ap.add_argument("--skip-prefill", action="store_true", help="no prefill-alone timing and profile")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -40,7 +42,7 @@ def main() -> None:
     model = build_model(args, "bfloat16", seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 129, (a.prompts,), generator=g)]
+               for n in torch.randint(16, a.max_len + 1, (a.prompts,), generator=g)]
     ids = list(range(a.prompts))
     bucket = 1 << max(0, (a.prompts - 1).bit_length())
     sp = dict(temperature=a.temperature, top_p=a.top_p, seed=1)
@@ -93,19 +95,21 @@ def main() -> None:
             torch.cuda.synchronize()
         kern = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 3 / 1e6, e.count / 3)
                 for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        # the prefill (eager chunks of max_num_batched_tokens rows) alone: generate() sampling one token
-        one = SamplingParams(max_new_tokens=1, **sp)
-        engine.generate(prompts, ids, one)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, ids, one)
-        torch.cuda.synchronize()
-        prefill_wall = time.perf_counter() - t0
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_wall, pk = float("nan"), []
+        if not a.skip_prefill:
+            # the prefill (eager chunks of max_num_batched_tokens rows) alone: generate() sampling one token
+            one = SamplingParams(max_new_tokens=1, **sp)
             engine.generate(prompts, ids, one)
             torch.cuda.synchronize()
-        pk = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e6, e.count)
-              for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            t0 = time.perf_counter()
+            engine.generate(prompts, ids, one)
+            torch.cuda.synchronize()
+            prefill_wall = time.perf_counter() - t0
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.generate(prompts, ids, one)
+                torch.cuda.synchronize()
+            pk = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e6, e.count)
+                  for e in prof.key_averages() if e.device_type.name == "CUDA"]
     pk.sort(key=lambda r: -r[1])
     kern.sort(key=lambda r: -r[1])
     ksum = sum(k[1] for k in kern)
