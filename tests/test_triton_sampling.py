@@ -1,5 +1,7 @@
 """The fused Triton Gumbel-max draw (kernels/triton/sampling.py) is the torch formulation's draw,
-bit for bit: the same tokens as first_argmax(z + gumbel(seed, ids, positions)) for every row. CPU:
+bit for bit: the same tokens as first_argmax(z + gumbel(seed, ids, positions)) for every row; its
+top-k/top-p filter keeps the torch threshold search's set with the same bits
+(tests/test_sampling_filter.py checks that set against a full sort). CPU:
 the Triton interpreter (its numpy arithmetic rounds every op like torch's CPU kernels); on CUDA:
 tests/gpu/test_sampling_gpu.py (the same checks plus the distribution test)."""
 
@@ -14,7 +16,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
-from rlalign.kernels.triton.sampling import gumbel_argmax  # noqa: E402
+from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,6 +49,34 @@ def test_kernels_sample_uses_it_under_the_triton_backend_with_the_same_tokens():
         ref = kernels.sample(z, 7, ids, pos, temperature=0.8, top_k=50)
     with kernels.use(backend="triton"):
         assert torch.equal(kernels.sample(z, 7, ids, pos, temperature=0.8, top_k=50), ref)
+
+
+def _filter_rows():
+    """bf16-valued rows (ties) at two scales, an all-equal row, -inf entries, a tail past the mass floor."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.cat([torch.randn(3, 300, generator=g) * 0.3, torch.randn(2, 300, generator=g) * 3.0]).bfloat16().float()
+    z[0] = 0.75
+    z[1, ::2] = float("-inf")
+    z[3] = torch.linspace(-60.0, 3.0, 300)
+    return z.to(DEV)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (7, 0.8), (1, 1.0), (0, 1e-9), (40, 0.999999)])
+def test_the_filter_kernel_keeps_the_torch_searchs_set(top_k, top_p):
+    """A vocabulary of a few FILTER_BLOCK chunks, so the levels compact across chunks; kernels.tempered
+    takes the kernel under the Triton backend."""
+    z = _filter_rows()
+    want = sampling.filter_logits(z, top_k, top_p)
+    with kernels.use(backend="triton"):
+        got = kernels.tempered(z, 1.0, top_k, top_p)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.isfinite(want).sum() < torch.isfinite(z).sum()  # something was filtered
+
+
+def test_negative_twin_the_filter_at_another_k_or_p_keeps_another_set():
+    z = _filter_rows()
+    want = sampling.filter_logits(z, 7, 0.8)
+    assert not torch.equal(filter_logits(z, 7, 0.5), want)
 
 
 def test_negative_twin_another_seed_or_position_draws_other_tokens():
