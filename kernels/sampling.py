@@ -62,9 +62,9 @@ def gumbel(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, vocab: 
 
 
 MASS_SCALE = 2.0 ** 32  # a token's top-p mass: floor(exp(z - max) * 2**32), an integer
-SEARCH_WAYS = 16  # thresholds tried per search pass: the interval shrinks to ceil(width / 17)
-SEARCH_PASSES = 8  # ceil-dividing the 2**32 + 1 keys by 17 eight times leaves 1: the search is exact
-_I32_MIN = -(1 << 31)
+MAX_VOCAB = 1 << 21  # a row's masses then sum below 2**53
+SEARCH_WAYS = 256  # thresholds tried per pass of the torch search: the interval shrinks to ceil(width / 257)
+SEARCH_PASSES = 4  # ceil-dividing the 2**32 + 1 keys by 257 four times leaves 1: the search is exact
 
 
 def order_keys(z: torch.Tensor) -> torch.Tensor:
@@ -76,8 +76,8 @@ def order_keys(z: torch.Tensor) -> torch.Tensor:
 
 def top_p_mass(z: torch.Tensor, zmax: torch.Tensor) -> torch.Tensor:
     """int64 masses floor(fixed_order.exp(z - zmax) * 2**32) for z [N, V] fp32, zmax [N, 1] (0 where
-    that is below 2**-32, or NaN). Integers below 2**33, so any sum over a vocabulary < 2**20 is exact
-    in any order (int64 here; in a Triton kernel too)."""
+    that is below 2**-32, or NaN). Integers up to 2**32, so any sum over a vocabulary below MAX_VOCAB is
+    exact in any order, as int64 or as fp64."""
     e = fo.exp(z - zmax) * MASS_SCALE
     return torch.where(e >= 1.0, torch.floor(e), torch.zeros_like(e)).long()
 
@@ -89,12 +89,17 @@ def threshold_search(keys: torch.Tensor, weights: torch.Tensor, bound: torch.Ten
     int64, bound [N] fp64, lo and hi [N] int64 with the sum at lo >= bound and at hi < bound. A fixed
     SEARCH_PASSES passes of SEARCH_WAYS thresholds each, no sort and no host sync; the answer is a
     function of the row's values alone (rlalign.kernels.triton.sampling finds the same one)."""
-    ways = torch.arange(1, SEARCH_WAYS + 1, device=keys.device)
+    ways, n = torch.arange(1, SEARCH_WAYS + 1, device=keys.device), SEARCH_WAYS + 1
+    keys = keys.long()
     for _ in range(SEARCH_PASSES):
-        cand = lo[:, None] + ((hi - lo)[:, None] * ways) // (SEARCH_WAYS + 1)  # [N, W] ascending
-        cand32 = cand.clamp(min=_I32_MIN)
-        above = torch.stack([torch.where(keys > cand32[:, j, None], weights, 0).sum(-1)
-                             for j in range(SEARCH_WAYS)], -1)  # [N, W] int64, exact
+        width = (hi - lo)[:, None]  # >= 1
+        cand = lo[:, None] + (width * ways) // n  # [N, W] ascending
+        # how many thresholds lie below each key: cand[j] < key <=> width * j < n * (key - lo)
+        below = (keys - lo[:, None]).mul_(n).sub_(1).floor_divide_(width).clamp_(0, SEARCH_WAYS)  # [N, V]
+        hist = torch.zeros(len(keys), n, dtype=torch.long, device=keys.device)
+        hist.scatter_add_(1, below, weights)  # integer sums: exact in any order
+        cum = hist.cumsum(-1)
+        above = cum[:, -1:] - cum[:, :-1]  # [N, W]: the weight of keys > cand[:, j]
         ok = above.double() < bound[:, None]  # false ... false true ... true
         hi = torch.where(ok, cand, hi[:, None]).amin(-1)
         lo = torch.where(ok, lo[:, None], cand).amax(-1)
@@ -109,6 +114,9 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     descending prefix reaching top_p, ties at its end kept. Both are a `threshold_search` over the
     values' order keys: the kept set is {keys >= c}, whatever the search's steps."""
     N, V = z.shape
+    if top_p < 1.0 and V >= MAX_VOCAB:
+        raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {MAX_VOCAB - 1}: the masses' "
+                         "sums must stay exact in fp64)")
     keys = order_keys(z)
     cut = None
     if top_k and top_k < V:
@@ -120,9 +128,10 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
         mass = top_p_mass(z, zmax)
         if cut is not None:
             mass = torch.where(keys >= cut[:, None], mass, 0)
-        lo = torch.where(mass > 0, keys, torch.iinfo(torch.int32).max).amin(-1).long() - 1
+        hi = order_keys(zmax)[:, 0].long()
+        lo = torch.minimum(torch.where(mass > 0, keys, torch.iinfo(torch.int32).max).amin(-1).long(), hi) - 1
         bound = mass.sum(-1).double() * top_p
-        cut = threshold_search(keys, mass, bound, lo, order_keys(zmax)[:, 0].long())
+        cut = threshold_search(keys, mass, bound, lo, hi)
     if cut is None:
         return z
     return torch.where((keys >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))

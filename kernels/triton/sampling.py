@@ -1,7 +1,7 @@
 """The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw.
 
 filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
-max and key range, then the threshold search, level by level: SEARCH_WAYS thresholds in the current
+max and key range, then the threshold search, level by level: FILTER_WAYS thresholds in the current
 key interval, their weights above in one pass, the interval narrowed to the two thresholds around
 the answer and the row's values inside it compacted to the front of the output row (so later levels
 read only those), until the interval holds one key; a last pass writes the kept values and -inf.
@@ -34,7 +34,7 @@ from .common import INTERPRET
 _U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 BLOCK = 1024
-FILTER_BLOCK = 256  # a search pass holds [FILTER_BLOCK, SEARCH_WAYS] comparisons
+FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
 
 
 @triton.jit
@@ -236,11 +236,13 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
         return z
     if not sys.float_info.min <= top_p <= 1.0:
         raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
+    if do_p and V >= sampling.MAX_VOCAB:
+        raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
     z = z.contiguous()
     out = torch.empty_like(z)
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=8)
     _filter_kernel[(B,)](z, out, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0], DO_K=do_k,
-                         DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=sampling.SEARCH_WAYS, BLOCK=FILTER_BLOCK,
+                         DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK,
                          **_EXP_CONST, **opts)
     return out
 
