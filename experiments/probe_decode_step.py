@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-len", type=int, default=128, help="prompt lengths uniform in [16, max-len]")
+    ap.add_argument("--batched-tokens", type=int, default=4096, help="generator.max_num_batched_tokens")
     ap.add_argument("--skip-prefill", action="store_true", help="no prefill-alone timing and profile")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -46,7 +47,7 @@ def main() -> None:
     ids = list(range(a.prompts))
     bucket = 1 << max(0, (a.prompts - 1).bit_length())
     sp = dict(temperature=a.temperature, top_p=a.top_p, seed=1)
-    eng = EngineConfig(max_num_batched_tokens=4096)
+    eng = EngineConfig(max_num_batched_tokens=a.batched_tokens)
     orig = DecodeGraphs.__call__
     rec, keep = [], []
 
@@ -78,6 +79,9 @@ def main() -> None:
         interval = [steps[i + 1][0] - steps[i][0] for i in range(len(steps) - 1)]
         enqueue = [s[1] - s[0] for s in steps]
         idle = [steps[i][3].elapsed_time(steps[i + 1][2]) / 1e3 for i in range(len(steps) - 1)]
+        if bucket not in keep[0].graphs:
+            raise SystemExit(f"no decode-only step of {a.prompts} rows (graphs {sorted(keep[0].graphs)}): raise --new "
+                             "above the prefill's steps")
         graph, static, _ = keep[0].graphs[bucket]
         for _ in range(3):
             graph.replay()

@@ -96,6 +96,62 @@ def _exp(x, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0:
     return tl.where(x < -104.0, 0.0, y)
 
 
+@triton.jit
+def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr,
+            LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+            E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """The least key c in (lo, hi] whose weight above it is below bound (top-p: below top_p times the
+    row's total mass, known after the first level): rlalign.kernels.sampling.threshold_search's answer."""
+    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
+    src = z_row
+    n = V
+    first = True
+    while hi - lo > 1:
+        cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
+        cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
+        acc = tl.zeros((WAYS,), tl.int64)
+        tot = tl.zeros((BLOCK,), tl.int64)
+        for v0 in range(0, n, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+            key = _order_key(z)
+            inside = (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
+            if IS_P:
+                e = _exp(z - zm, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5) * SCALE
+                w = tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
+            else:
+                w = inside.to(tl.int64)
+            tot += w
+            acc += tl.sum(tl.where(key[:, None] > cand32[None, :], w[:, None], 0), axis=0)
+        if IS_P:
+            if first:
+                bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
+        first = False
+        w_above = above_hi + acc
+        ok = w_above.to(tl.float64) < bound
+        new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
+        above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
+        lo = tl.max(tl.where(ok, lo, cand), axis=0)
+        hi = new_hi
+        if hi - lo > 1:  # compact the values inside (lo, hi] to the front of the output row
+            count = tl.zeros((), tl.int32)
+            for v0 in range(0, n, BLOCK):
+                cols = v0 + tl.arange(0, BLOCK)
+                z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+                key = _order_key(z).to(tl.int64)
+                sel = (cols < n) & (key > lo) & (key <= hi)
+                pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                tl.debug_barrier()
+                tl.store(o_row + pos, z, mask=sel)
+                count += tl.sum(sel.to(tl.int32), axis=0)
+            tl.debug_barrier()
+            src = o_row
+            n = count
+    return hi
+
+
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
 def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_P: tl.constexpr,
                    LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr,
@@ -115,67 +171,15 @@ def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_
         kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, z)
-    kmax_s = tl.max(kmax, axis=0)
-    kmin_s = tl.min(kmin, axis=0)
     zm = tl.max(zmax, axis=0)
-    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
-    cut = kmin_s.to(tl.int64)  # keeps every value
+    cut = tl.min(kmin, axis=0).to(tl.int64)  # keeps every value
     top_p = top_p_bits.to(tl.float64, bitcast=True)
-    for phase in tl.static_range(2):
-        active: tl.constexpr = DO_K if phase == 0 else DO_P
-        if active:
-            if phase == 0:
-                hi = kmax_s.to(tl.int64)
-            else:
-                hi = _order_key(zm).to(tl.int64)
-            lo = cut - 1
-            above_hi = tl.zeros((), tl.int64)  # weight of the values above hi
-            bound = top_k.to(tl.float64)
-            src = z_row
-            n = V
-            first = True
-            while hi - lo > 1:
-                cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
-                cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
-                acc = tl.zeros((WAYS,), tl.int64)
-                tot = tl.zeros((BLOCK,), tl.int64)
-                for v0 in range(0, n, BLOCK):
-                    cols = v0 + tl.arange(0, BLOCK)
-                    z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-                    key = _order_key(z)
-                    inside = (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
-                    if phase == 0:
-                        w = inside.to(tl.int64)
-                    else:
-                        e = _exp(z - zm, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5) * SCALE
-                        w = tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
-                    tot += w
-                    acc += tl.sum(tl.where(key[:, None] > cand32[None, :], w[:, None], 0), axis=0)
-                if first:
-                    if phase == 1:
-                        bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
-                    first = False
-                w_above = above_hi + acc
-                ok = w_above.to(tl.float64) < bound
-                new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
-                above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
-                lo = tl.max(tl.where(ok, lo, cand), axis=0)
-                hi = new_hi
-                if hi - lo > 1:  # compact the values inside (lo, hi] to the front of the output row
-                    count = 0
-                    for v0 in range(0, n, BLOCK):
-                        cols = v0 + tl.arange(0, BLOCK)
-                        z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-                        key = _order_key(z).to(tl.int64)
-                        sel = (cols < n) & (key > lo) & (key <= hi)
-                        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                        tl.debug_barrier()
-                        tl.store(o_row + pos, z, mask=sel)
-                        count += tl.sum(sel.to(tl.int32), axis=0)
-                    tl.debug_barrier()
-                    src = o_row
-                    n = count
-            cut = hi
+    if DO_K:
+        cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
+                      False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK)
+    if DO_P:
+        cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
+                      True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         mask = cols < V
