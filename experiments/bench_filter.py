@@ -74,8 +74,7 @@ def main() -> None:
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = [(256, 32000, 1.0, 0.8, 0, 0.95), (2048, 32000, 1.0, 0.8, 0, 0.95), (2048, 32000, 4.0, 0.8, 0, 0.95),
-             (256, 32000, 1.0, 0.7, 20, 1.0), (2048, 32000, 1.0, 0.7, 20, 1.0),
-             (256, 151936, 1.0, 0.7, 20, 0.9), (256, 151936, 4.0, 0.8, 0, 0.95)]
+             (2048, 32000, 1.0, 0.7, 20, 1.0), (256, 151936, 1.0, 0.7, 20, 0.9)]
     rows = [case(g, *c) for c in cases]
     gpu = torch.cuda.get_device_name().split()[-1]
     res = {"cases": rows, "all_bits_equal": all(r["bits_equal_torch"] for r in rows)}
