@@ -21,7 +21,7 @@ from conftest import TINY, same_bits, tiny_model
 from rlalign import kernels
 from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
-from rlalign.model import save_hf
+from rlalign.model import read_args, save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import TapRecorder
@@ -29,7 +29,7 @@ from rlalign.parallel.ep import shard_state_dict
 from rlalign.rollout.generator import generator_plan
 from rlalign.rollout.native.engine import generate
 from rlalign.rollout.types import SamplingParams
-from rlalign.rollout.vllm import check_installed
+from rlalign.rollout.vllm import check_installed, refuse_shapes
 from rlalign.rollout.vllm.attention import VllmPages
 from rlalign.rollout.vllm.engine import VllmGenerator
 from rlalign.rollout.vllm.weights import load_named
@@ -296,6 +296,27 @@ def test_engine_option_vllm_rejects_names_the_key(model, tmp_path):
         VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, max_num_seqs=64, max_num_batched_tokens=8))
     with pytest.raises(ValueError, match=r"generator\.vllm\.swap_space: not an engine option"):
         VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, swap_space=4))
+
+
+def test_shapes_vllm_refuses_are_refused_before_the_engine_starts(tmp_path):
+    """Heads not divisible by generator.ep_size (vLLM splits heads over its workers) and, for the stock
+    twin on CPU, a head size vLLM's CPU attention does not run: refused in rlalign's words (key, model
+    field, what to change) by the config check and by the generator itself, before any engine process.
+    Twins: a dividing ep_size and rlalign's own attention pass the same checks."""
+    save_hf(tiny_model(num_heads=3, num_kv_heads=1), tmp_path / "h3")
+    with pytest.raises(ValueError, match=r"generator\.ep_size=2: .*has 3 \(model\.num_heads.*one of \[1, 3\]"):
+        VllmGenerator(str(tmp_path / "h3"), "bfloat16", OPTIONS, ep_size=2)
+    over = ["generator.backend=vllm", "model.num_heads=3", "model.num_kv_heads=1"]
+    with pytest.raises(ConfigError, match=r"generator\.ep_size=2: .*generator\.backend=native"):
+        generator_plan(load_config([*over, "generator.ep_size=2"]))
+    assert generator_plan(load_config(["generator.backend=vllm", "generator.ep_size=2"])).ranks == 1  # 4 heads
+    save_hf(tiny_model(), tmp_path / "d16")  # head_dim 16
+    with pytest.raises(ValueError, match=r"stock=true on CPU: .*model has 16 \(model\.head_dim"):
+        VllmGenerator(str(tmp_path / "d16"), "bfloat16", OPTIONS, stock=True)
+    with pytest.raises(ConfigError, match=r"generator\.ep_size=2"):  # the stock twin checks heads too
+        generator_plan(load_config([*over, "generator.ep_size=2", "generator.vllm.stock=true"]))
+    refuse_shapes(read_args(str(tmp_path / "d16"))[0], 2, stock=False, cpu_head_sizes=[32, 64])
+    refuse_shapes(read_args(str(tmp_path / "d16"))[0], 1, stock=True, cpu_head_sizes=[16])
 
 
 def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):

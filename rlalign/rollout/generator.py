@@ -8,7 +8,7 @@ from typing import Protocol
 
 from omegaconf import DictConfig
 
-from rlalign.config import ConfigError, EngineConfig, keys_of
+from rlalign.config import ConfigError, EngineConfig, keys_of, model_args
 from rlalign.model import Transformer
 from rlalign.parallel.launch import any_live_fn
 from rlalign.rollout.native.engine import NativeEngine
@@ -53,11 +53,12 @@ def generator_plan(cfg: DictConfig) -> GeneratorPlan:
                           "generator gives its GPU memory back while the trainer trains, which only the native engine "
                           "does (vLLM's sleep mode is not wired in); use generator.backend=native or "
                           "placement.colocate=false")
-    from rlalign.rollout.vllm import check_installed
+    from rlalign.rollout.vllm import check_installed, refuse_shapes
 
     try:
         check_installed()
-    except ImportError as e:
+        refuse_shapes(model_args(cfg), g.ep_size, bool(g.vllm.stock))
+    except (ImportError, ValueError) as e:
         raise ConfigError(f"invalid config: {e}") from None
     if g.ep_size > 1 and str(cfg.device).startswith("cuda"):
         raise ConfigError(f"invalid config: generator.backend=vllm with generator.ep_size={g.ep_size} on CUDA: the "

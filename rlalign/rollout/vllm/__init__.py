@@ -32,3 +32,23 @@ def check_installed() -> str:
         raise ImportError(f"vLLM {version} is not supported by generator.backend=vllm; "
                           f"supported: vllm {SUPPORTED_TEXT}")
     return version
+
+
+def refuse_shapes(args, ep_size: int, stock: bool, cpu_head_sizes: list[int] | None = None) -> None:
+    """The model shapes vLLM refuses at engine start, refused before it starts in rlalign's terms
+    (the key, the model field, what to change). args: the model's ModelArgs; cpu_head_sizes: the head
+    sizes vLLM's own CPU attention runs (None: not on CPU, or not known yet)."""
+    heads = args.num_heads
+    if ep_size > 1 and heads % ep_size:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(
+            f"generator.backend=vllm with generator.ep_size={ep_size}: vLLM splits the attention heads over its "
+            f"{ep_size} workers (before rlalign's model, which replicates attention, is built) and the model has "
+            f"{heads} (model.num_heads; num_attention_heads in model.path's config.json), not divisible by "
+            f"{ep_size}: set generator.ep_size to one of {divisors}, or use generator.backend=native (its expert "
+            "parallelism runs any head count)")
+    if stock and cpu_head_sizes is not None and args.head_dim not in cpu_head_sizes:
+        raise ValueError(
+            f"generator.vllm.stock=true on CPU: vLLM's own CPU attention runs head sizes {cpu_head_sizes} and the "
+            f"model has {args.head_dim} (model.head_dim; head_dim in model.path's config.json): use a model with "
+            "one of those head sizes, or generator.vllm.stock=false (rlalign's attention inside vLLM runs any)")

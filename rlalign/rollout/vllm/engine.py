@@ -25,7 +25,7 @@ from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.rollout.types import Rollout, SamplingParams, check_prompts
-from rlalign.rollout.vllm import check_installed
+from rlalign.rollout.vllm import check_installed, refuse_shapes
 from rlalign.rollout.vllm.registry import ARCH, KEY, SAMPLER, WORKER_EXTENSION, register
 from rlalign.rollout.vllm.weights import load_named
 
@@ -47,6 +47,7 @@ class VllmGenerator:
             raise ValueError(f"generator.vllm.{unknown[0]}: not an engine option; valid: {', '.join(ENGINE_KEYS)}")
         self.args = read_args(model_dir)[0]
         self.stock, self.ep_size = stock, ep_size
+        refuse_shapes(self.args, ep_size, stock, _cpu_head_sizes() if device == "cpu" else None)
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
         bind = {}
         if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -233,3 +234,10 @@ def _name_key(message: str, options: dict) -> str:
     text = "; ".join(lines[:3])
     hits = sorted((m.start(), k) for k in options if (m := re.search(rf"\b{k}\b", message)))
     return f"generator.vllm.{hits[0][1]}={options[hits[0][1]]!r}: {text}" if hits else text
+
+
+def _cpu_head_sizes() -> list[int]:
+    """The head sizes vLLM's own CPU attention runs (its backend's list)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
