@@ -1,13 +1,14 @@
 """GPU: the fused Triton Gumbel-max draw equals the torch formulation's draw on the device (every
 row, real vocabularies, seeds past 2**63, filtered logits) and draws from the claimed
-distribution (chi-square, fixed seeds; the twin: a temperature 5 % off is rejected)."""
+distribution (chi-square, fixed seeds; the twin: a temperature 5 % off is rejected); the Triton
+top-k/top-p filter keeps the torch threshold search's set with the same bits (twin: another p)."""
 
 import pytest
 import torch
 
 from rlalign import kernels
 from rlalign.kernels import sampling
-from rlalign.kernels.triton.sampling import gumbel_argmax
+from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -36,3 +37,15 @@ def test_fused_draw_matches_the_claimed_distribution():
         counts[t] = torch.bincount(toks, minlength=z.numel()).cpu()
     assert chi2_pvalue(counts[1.0], claimed(z.cpu(), 1.0, 0, 1.0)) > ALPHA
     assert chi2_pvalue(counts[1.05], claimed(z.cpu(), 1.0, 0, 1.0)) < 1e-6  # twin: 5 % off is seen
+
+
+@pytest.mark.parametrize("rows,vocab,scale,top_k,top_p", [(2048, 32000, 1.0, 0, 0.95), (512, 32000, 4.0, 20, 0.9),
+                                                         (64, 151936, 1.0, 20, 0.9), (64, 151936, 3.0, 0, 0.95)])
+def test_the_filter_kernel_keeps_the_torch_searchs_set_on_the_device(rows, vocab, scale, top_k, top_p):
+    g = torch.Generator().manual_seed(rows + vocab)
+    z = ((torch.randn(rows, vocab, generator=g) * scale).bfloat16().float() / 0.8).cuda()  # bf16: ties
+    z[0] = 1.25
+    z[1, ::2] = float("-inf")
+    want = sampling.filter_logits(z, top_k, top_p)
+    assert torch.equal(filter_logits(z, top_k, top_p).view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(filter_logits(z, top_k, top_p * 0.9), want)
