@@ -9,8 +9,9 @@ scoring, so both sides' logprobs refer to the one distribution that was sampled 
     log p(token) = log_softmax(filter(logits / temperature))[token]
 top_k keeps values >= the k-th largest (ties kept); top_p keeps the shortest prefix of the
 descending distribution whose mass reaches top_p (ties at its end kept), with masses as integers so
-that every sum is exact. Both find their cut by a threshold search over the values' order keys (no
-sort), the same cut on every device and in the Triton kernel (rlalign.kernels.triton.sampling).
+that every sum is exact. Each cut is a key of the values' order: top-p's found by a threshold search
+(no sort), top-k's the k-th largest value (torch.topk here); the Triton kernel
+(rlalign.kernels.triton.sampling) finds both cuts by the same search, the same keys on every device.
 """
 
 from __future__ import annotations
@@ -112,17 +113,16 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k dropped) and Q their sum,
     keep z_v when the mass of the values strictly above z_v is < top_p * Q (fp64): the shortest
     descending prefix reaching top_p, ties at its end kept. Both are a `threshold_search` over the
-    values' order keys: the kept set is {keys >= c}, whatever the search's steps."""
+    values' order keys (top_k's answer is the k-th largest value, which torch.topk finds exactly): the
+    kept set is {keys >= c}, whatever the steps that found c."""
     N, V = z.shape
     if top_p < 1.0 and V >= MAX_VOCAB:
         raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {MAX_VOCAB - 1}: the masses' "
                          "sums must stay exact in fp64)")
     keys = order_keys(z)
     cut = None
-    if top_k and top_k < V:
-        ones = torch.ones_like(keys, dtype=torch.long)
-        bound = torch.full((N,), float(top_k), dtype=torch.float64, device=z.device)
-        cut = threshold_search(keys, ones, bound, keys.amin(-1).long() - 1, keys.amax(-1).long())
+    if top_k and top_k < V:  # the least key with fewer than k values above it: the k-th largest value's
+        cut = order_keys(torch.topk(z, top_k, -1).values[:, -1]).long()
     if top_p < 1.0:
         zmax = z.amax(-1, keepdim=True)
         mass = top_p_mass(z, zmax)

@@ -79,9 +79,8 @@ def test_edge_cases():
 
 
 def test_negative_twin_one_pass_fewer_keeps_another_set(monkeypatch):
-    z = _special()
-    z[:, 0] = float("-inf")  # the widest key interval: from -inf up to the max
-    ref = sort_reference(z, 5, 1.0)
-    assert torch.equal(sampling.filter_logits(z, 5, 1.0), ref)
+    z = _rows(5, 8, 97, 3.0)  # values of both signs: the widest key intervals
+    ref = sort_reference(z, 0, 0.9)
+    assert torch.equal(sampling.filter_logits(z, 0, 0.9), ref)
     monkeypatch.setattr(sampling, "SEARCH_PASSES", sampling.SEARCH_PASSES - 1)
-    assert not torch.equal(sampling.filter_logits(z, 5, 1.0), ref)
+    assert not torch.equal(sampling.filter_logits(z, 0, 0.9), ref)
