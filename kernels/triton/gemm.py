@@ -46,8 +46,9 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
 # rows on each of 64 experts: 64 x 128 tiles, 4 stages, the tile loop flattened (the next tile's loads
 # issued under the current one) read each expert's weights at 79 % / 72 % of the HBM peak (gate_up /
-# down), where the plain small-M config's 64 x 32 tiles reached 40 % / 30 %.
-_GROUPED_SMALL = [(256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
+# down), where the plain small-M config's 64 x 32 tiles reached 40 % / 30 %. Past 128 rows per expert
+# (decode past 1,024 rows) the step is compute-bound: the main config's 128 x 256 tiles.
+_GROUPED_SMALL = [(128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
                              FLATTEN=True))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 

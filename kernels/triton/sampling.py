@@ -1,10 +1,11 @@
 """The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw.
 
 filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
-max and key range, then the threshold search, level by level: FILTER_WAYS thresholds in the current
-key interval, their weights above in one pass, the interval narrowed to the two thresholds around
-the answer and the row's values inside it compacted to the front of the output row (so later levels
-read only those), until the interval holds one key; a last pass writes the kept values and -inf.
+max and key range, then the threshold search, level by level: first FILTER_WAYS bins of equal width
+in value, then FILTER_WAYS thresholds evenly spaced in the current key interval; each level's weights
+in one pass, then the interval narrowed to the bin or the two thresholds around the answer and the
+row's weighted values inside it compacted to the front of the output row (so later levels read only
+those), until the interval holds one key; a last pass writes the kept values and -inf.
 No sort; every sum is of integers (counts, integer masses), so the cut is the torch function's.
 
 Gumbel-max sampling fused into one kernel: per row, the noise of rlalign.kernels.sampling (a
@@ -35,6 +36,7 @@ _U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 BLOCK = 1024
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
+FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, compaction, the output)
 
 
 @triton.jit
@@ -97,51 +99,112 @@ def _exp(x, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0:
 
 
 @triton.jit
-def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr,
+def _weight(z, inside, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
+            E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr,
+            E5: tl.constexpr, SCALE: tl.constexpr):
+    """top-p: the integer mass (kernels.sampling.top_p_mass); top-k: 1; 0 outside the search."""
+    if IS_P:
+        e = _exp(z - zm, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5) * SCALE
+        return tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
+    return inside.to(tl.int64)
+
+
+@triton.jit
+def _value_bin(z, zm, scale, WAYS: tl.constexpr):
+    """Bins of equal width in value below zm (bin 0 holds zm; values past the last bin's end go to
+    it): non-decreasing as z falls, so each bin is an interval of keys."""
+    b = tl.minimum(tl.maximum(tl.floor((zm - z) * scale), 0.0), WAYS - 1.0)
+    return b.to(tl.int32)
+
+
+@triton.jit
+def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, LOG2E: tl.constexpr,
             LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
             E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The least key c in (lo, hi] whose weight above it is below bound (top-p: below top_p times the
-    row's total mass, known after the first level): rlalign.kernels.sampling.threshold_search's answer."""
-    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    row's total mass): rlalign.kernels.sampling.threshold_search's answer. Values of weight 0 never
+    hold the answer (the weight above falls only at weighted keys) and are dropped from the levels.
+    First level, when the row's values span (zlo, zm]: WAYS bins of equal width in value; the
+    bin where the weight above crosses the bound is compacted. Then levels of WAYS thresholds
+    evenly spaced in keys, each compacting the keys between the two thresholds around the answer."""
+    jw = tl.arange(0, WAYS)
+    ways = (jw + 1).to(tl.int64)
     above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
     src = z_row
     n = V
-    first = True
+    whole = tl.full((), 1, tl.int32)  # whether the next level reads the whole row (its total mass)
+    span = zm - zlo
+    scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
+    if (span > 0.0) & (scale < 3.0e38):
+        acc = tl.zeros((BLOCK, WAYS), tl.int64)
+        tot = tl.zeros((BLOCK,), tl.int64)
+        for v0 in range(0, V, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            key = _order_key(z).to(tl.int64)
+            w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
+                        E3, E4, E5, SCALE)
+            b = _value_bin(z, zm, scale, WAYS)
+            acc += tl.where(b[:, None] == jw[None, :], w[:, None], 0)
+            tot += w
+        hist = tl.sum(acc, axis=0)  # [WAYS] the weight in each bin
+        if IS_P:
+            bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
+        above = tl.cumsum(hist, axis=0) - hist  # the weight of the bins before each (higher values)
+        star = tl.maximum(tl.sum((above.to(tl.float64) < bound).to(tl.int32), axis=0) - 1, 0)
+        above_hi = tl.sum(tl.where(jw == star, above, 0), axis=0)
+        count = tl.zeros((), tl.int32)
+        kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
+        kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
+        for v0 in range(0, V, SBLOCK):
+            cols = v0 + tl.arange(0, SBLOCK)
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            key = _order_key(z)
+            w = _weight(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
+                        LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
+            sel = (w > 0) & (_value_bin(z, zm, scale, WAYS) == star)
+            pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(o_row + pos, z, mask=sel)
+            count += tl.sum(sel.to(tl.int32), axis=0)
+            kmin = tl.where(sel, tl.minimum(kmin, key), kmin)
+            kmax = tl.where(sel, tl.maximum(kmax, key), kmax)
+        tl.debug_barrier()
+        lo = tl.min(kmin, axis=0).to(tl.int64) - 1
+        hi = tl.maximum(tl.max(kmax, axis=0).to(tl.int64), lo + 1)  # no weighted value in the bin: done
+        src = o_row
+        n = count
+        whole = 0
     while hi - lo > 1:
         cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
         cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
-        acc = tl.zeros((WAYS,), tl.int64)
+        acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
         for v0 in range(0, n, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
             key = _order_key(z)
-            inside = (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
-            if IS_P:
-                e = _exp(z - zm, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5) * SCALE
-                w = tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
-            else:
-                w = inside.to(tl.int64)
+            w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
+                        LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
+            acc += tl.where(key[:, None] > cand32[None, :], w[:, None], 0)
             tot += w
-            acc += tl.sum(tl.where(key[:, None] > cand32[None, :], w[:, None], 0), axis=0)
         if IS_P:
-            if first:
+            if whole == 1:
                 bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
-        first = False
-        w_above = above_hi + acc
+        w_above = above_hi + tl.sum(acc, axis=0)
         ok = w_above.to(tl.float64) < bound
         new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
         above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
         lo = tl.max(tl.where(ok, lo, cand), axis=0)
         hi = new_hi
-        if hi - lo > 1:  # compact the values inside (lo, hi] to the front of the output row
+        if hi - lo > 1:  # compact the weighted values inside (lo, hi] to the front of the output row
             count = tl.zeros((), tl.int32)
-            for v0 in range(0, n, BLOCK):
-                cols = v0 + tl.arange(0, BLOCK)
+            for v0 in range(0, n, SBLOCK):
+                cols = v0 + tl.arange(0, SBLOCK)
                 z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
                 key = _order_key(z).to(tl.int64)
-                sel = (cols < n) & (key > lo) & (key <= hi)
+                sel = _weight(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
+                              E2, E3, E4, E5, SCALE) > 0
                 pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.debug_barrier()
                 tl.store(o_row + pos, z, mask=sel)
@@ -149,6 +212,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, IS_P: tl.constexpr, LOG2E
             tl.debug_barrier()
             src = o_row
             n = count
+        whole = 0
     return hi
 
 
@@ -156,32 +220,36 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, IS_P: tl.constexpr, LOG2E
 def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_P: tl.constexpr,
                    LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr,
                    E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr,
-                   SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+                   SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * V
     o_row = out_ptr + row * V
-    kmax = tl.full((BLOCK,), -2147483648, tl.int32)
-    kmin = tl.full((BLOCK,), 2147483647, tl.int32)
-    zmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
+    kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
+    kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
+    zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
+    zmin = tl.full((SBLOCK,), float("inf"), tl.float32)  # the least finite value
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=float("-inf"))
         key = _order_key(z)
         kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, z)
+        zmin = tl.where(z > float("-inf"), tl.minimum(zmin, z), zmin)
     zm = tl.max(zmax, axis=0)
+    zf = tl.min(zmin, axis=0)
     cut = tl.min(kmin, axis=0).to(tl.int64)  # keeps every value
     top_p = top_p_bits.to(tl.float64, bitcast=True)
     if DO_K:
         cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
-                      False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK)
-    if DO_P:
+                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK)
+    if DO_P:  # values 24 or more below the max have mass 0: the bins span the rest
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
-                      True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
+                      tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
+                      BLOCK, SBLOCK)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0)
         keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
@@ -247,7 +315,7 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=8)
     _filter_kernel[(B,)](z, out, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0], DO_K=do_k,
                          DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK,
-                         **_EXP_CONST, **opts)
+                         SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
     return out
 
 
