@@ -136,7 +136,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     whole = tl.full((), 1, tl.int32)  # whether the next level reads the whole row (its total mass)
     span = zm - zlo
     scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
-    if (span > 0.0) & (scale < 3.0e38):
+    if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
         acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
         for v0 in range(0, V, BLOCK):
