@@ -119,17 +119,17 @@ def main() -> None:
                      sampling=SAMPLING[name])
             results[f"{case}_{name}"] = r
             summary["mismatched_tokens"] += r["mismatched_tokens"]
+            plain, top_p = results.get(f"{case}_plain", {}), results.get(f"{case}_top_p", {})
+            if "tokens_per_s" in plain:
+                summary[f"tok_s_{case}"] = plain["tokens_per_s"]
+                summary[f"roofline_frac_{case}"] = plain["fraction_of_roofline"]
+                if "tokens_per_s" in top_p:
+                    summary[f"top_p_over_plain_{B}"] = top_p["tokens_per_s"] / plain["tokens_per_s"]
+            save()  # after every run: a run stopped later keeps what it measured
             print(f"{case:9s} {name:6s} {r['tokens']:8d} tok {r['seconds']:7.3f} s {r['tokens_per_s']:9.0f} tok/s "
                   f"roofline {roof['roofline_tokens_per_s']:9.0f} tok/s ({100 * r['fraction_of_roofline']:5.1f} %, "
                   f"{roof['steps_compute_bound']}/{roof['decode_steps']} steps compute-bound)  mismatched "
                   f"{r['mismatched_tokens']}  t={time.perf_counter() - t_start:.0f}s", flush=True)
-        plain, top_p = results.get(f"{case}_plain", {}), results.get(f"{case}_top_p", {})
-        if "tokens_per_s" in plain:
-            summary[f"tok_s_{case}"] = plain["tokens_per_s"]
-            summary[f"roofline_frac_{case}"] = plain["fraction_of_roofline"]
-            if "tokens_per_s" in top_p:
-                summary[f"top_p_over_plain_{B}"] = top_p["tokens_per_s"] / plain["tokens_per_s"]
-        save()
     print("summary", summary)
     print("wrote", save())
 
