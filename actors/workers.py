@@ -57,6 +57,7 @@ class TrainOutput:
     peak_bytes: int | None = None
     gc_s: float = 0.0  # this process's time in Python's cyclic garbage collector during the call
     seconds: float = 0.0  # Trainer.train_step inside the worker (the rest of the phase: transport, trace)
+    sync: weight_sync.SyncOutput | None = None  # direct colocated sync: the trainer's side, taken after the update
 
 
 _GC = {"total_s": 0.0, "since": 0.0, "hooked": False}
@@ -209,6 +210,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         t0 = time.perf_counter()
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         seconds = time.perf_counter() - t0
+        sync = self._send_direct(handles=False) if getattr(self, "_sent_from", None) is not None else None
         if self.trace is not None:
             tr, t = self.trace, self.trainer
             moments = step % self.cfg.monitor.optim_every == 0  # the AdamW moments at these steps only
@@ -234,7 +236,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         if self._colocated and torch.cuda.mem_get_info()[0] < leave_free:
             torch.cuda.empty_cache()  # the generator maps its weights and KV cache back for the weight sync
         return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0,
-                           seconds)
+                           seconds, sync)
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
@@ -252,12 +254,19 @@ class TrainerWorker(_Monitored, _WeightSync):
         with ipc (colocated on CUDA) rank 0 keeps the buckets until release_weights(); direct (colocated,
         one rank per side): nothing is packed, the generator reads the parameters (weight_sync.send_direct)."""
         if direct:
-            where = tuple(p.data_ptr() for p in self.trainer.model.parameters())
-            out = weight_sync.send_direct(self.trainer.model, self._plan, handles=where != self._sent_from)
-            self._sent_from = where
-            return out
+            return self._send_direct(handles=True)
         out, self._kept = weight_sync.send(self.trainer.model, self._plan, self.rank, self.world, self.group,
                                            self._sync, ipc)
+        return out
+
+    def _send_direct(self, handles: bool) -> weight_sync.SyncOutput | None:
+        """weight_sync.send_direct: the parameters' IPC handles when `handles` and a parameter moved
+        since they were last handed out (None without `handles`: then the driver asks send_weights)."""
+        where = tuple(p.data_ptr() for p in self.trainer.model.parameters())
+        if where != self._sent_from and not handles:
+            return None
+        out = weight_sync.send_direct(self.trainer.model, self._plan, handles=where != self._sent_from)
+        self._sent_from = where
         return out
 
     def release_weights(self) -> None:
@@ -381,6 +390,6 @@ class GeneratorWorker(_Monitored, _WeightSync):
             fps = weight_sync.merge(specs, [shares], "generator", dense_on_all=True)
             self.trace.record_known(sorted((f"weights/{name}", shape, getattr(torch, dtype.removeprefix("torch.")),
                                             fps[name]) for name, dtype, shape, _ in specs))
-        else:
-            self.trace.record_state("weights", dict(self.model.named_parameters()))
+            return  # written at the next flush (the next generate's): nothing left on the device
+        self.trace.record_state("weights", dict(self.model.named_parameters()))
         self.trace.flush()

@@ -117,6 +117,7 @@ class Job:
         # its weights too unless a mismatch dump may read them (deterministic kernels, on_mismatch=raise)
         self.release = releases_memory(cfg)
         self.generator_need = 0  # bytes the trainer leaves free on a shared GPU after its step
+        self.trainer_sync = None  # the direct sync's trainer side, from the last train step (one trainer rank)
         self.release_weights = not (cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise")
 
     def open_traces(self, start_step: int) -> None:
@@ -132,7 +133,8 @@ class Job:
             self._open_weight_sync()
         if self.ipc:
             direct = self.trainers.world == 1 and self.generators.world == 1
-            t_outs = self.trainers.call("send_weights", True, direct)
+            taken, self.trainer_sync = self.trainer_sync, None
+            t_outs = [taken] if direct and taken is not None else self.trainers.call("send_weights", True, direct)
             g_outs = self.generators.call("receive_weights", step, t_outs[0].ipc, t_outs[0].device_uuid, direct)
             if not direct:
                 self.trainers.call("release_weights")
@@ -266,6 +268,7 @@ def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout
     job.peaks["trainer"] = _max_peak(outs)
     job.trainer_gc_s = max((o.gc_s for o in outs), default=0.0)
     job.inner["time/train_trainer_s"] = max(o.seconds for o in outs)
+    job.trainer_sync = outs[0].sync if len(outs) == 1 else None
     lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
     stats: dict[str, float] = {}
     for _, st in sorted((rec for o in outs for rec in o.stats), key=lambda rec: rec[0]):
