@@ -13,21 +13,40 @@ the host's top ops. Prints a table last; writes results/train_profile_<model>_<g
 
     python experiments/profile_train.py [--variants det,det_nofill,default] [--steps 3] [--out DIR]
 
-Variants: det (kernels.mode=deterministic backend=triton, torch.use_deterministic_algorithms as
-rlalign.factory.apply_kernels sets it, which also fills every torch.empty with NaN), det_nofill (the
-same with torch.utils.deterministic.fill_uninitialized_memory=False), default (kernels.mode=default,
-deterministic algorithms off).
+Variants: det (kernels.mode=deterministic backend=triton, torch.use_deterministic_algorithms, which
+also fills every torch.empty with NaN), det_nofill (the same with
+torch.utils.deterministic.fill_uninitialized_memory=False: what rlalign.factory.apply_kernels sets, the
+production step), det_unfused (det_nofill with the step's pieces as they were before the fused ones, for
+a before/after in one process: torch.optim.AdamW's step and a separate rounding copy into the model,
+fp32 copies of bf16 leaves before the gradient trees' adds, the MoE input rows as an expand copy + an
+index_select whose backward is a sorting index_put, the combine through a gathered copy, the response
+logits gathered and copied to fp32, the experts' SwiGLU on copies of the gate/up halves, the grad norm's
+per-expert squares in full, the MoE dispatch of a training micro-batch as the torch counting sort, the
+loss's host reads (pre-update logprobs, stats) and pageable copies per micro-batch; `unfused` below),
+default (kernels.mode=default, deterministic algorithms off).
+
+--check-bits (with det_unfused and det_nofill): before the timed steps, one forward_backward of the
+first batch under each, from the same weights: every gradient's and the logprobs' fingerprints must be
+equal (the fused pieces keep the bits); and AdamW's update of two gradients (a dense and an expert one)
+by the Triton kernel vs the definition's torch ops on the GPU (equal bits; torch.optim.AdamW's own
+kernels give other bits, recorded too).
+
+--result NAME: also NAME.json with the MFU of each variant: model FLOPs per step (6 x the active
+matmul parameters x tokens, plus causal attention's 6 x 2 x H x D x sum of L^2 / 2 over layers and
+sequences) / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H200 SXM).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import random
 import sys
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,8 +65,99 @@ PHASES = ("forward", "loss", "backward", "tree_add", "tree_total", "optimizer", 
 VARIANTS = {
     "det": ("deterministic", True, True),
     "det_nofill": ("deterministic", True, False),
+    "det_unfused": ("deterministic", True, False),
     "default": ("default", False, True),
 }
+
+
+PIECES = ("add", "slot", "combine", "lp", "swiglu", "squares", "dispatch", "step", "syncs")
+
+
+@contextlib.contextmanager
+def unfused(timers=None, keep=()):
+    """The step's pieces as they were before the fused ones (same bits except AdamW, whose torch
+    kernels are another definition), except those named in `keep` (PIECES): restored on exit."""
+    import rlalign.kernels as K
+    from rlalign.kernels import fixed_order as fo
+    from rlalign.kernels import torch_deterministic as ref
+    from rlalign.kernels import triton as tb
+    from rlalign.kernels.triton import dispatch as D
+    from rlalign.training.optimizer import MasterWeights
+    from rlalign.training.trainer import Trainer
+
+    def slot_rows(x, order, dest, k):
+        if x.requires_grad and torch.is_grad_enabled():
+            T, d = x.shape
+            return x.unsqueeze(1).expand(T, k, d).reshape(T * k, d).index_select(0, order)
+        return x.index_select(0, order // k)
+
+    def combine_rows(y, weights, rows):
+        T, k = weights.shape
+        if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+            return tb.moe_combine(y.index_select(0, rows).view(T, k, y.shape[-1]), weights)
+        return saved["combine"](y, weights, rows)
+
+    def logprobs_rows(logits, rows, tokens, temperature=1.0, top_k=0, top_p=1.0):
+        return K.token_logprobs(logits[rows], tokens, temperature, top_k, top_p)
+
+    def step(self, grads, coef, model=None):
+        for n, m in self.master.items():
+            m.grad = grads[n] * coef if coef < 1.0 else grads[n]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return set()
+
+    def ppo_loss(samples, alg, old, ref):  # the loss with its host syncs per micro-batch
+        from rlalign.training.trainer import policy_loss
+
+        def loss_fn(lps, idx):
+            new = [(lp, j) for lp, j in zip(lps, idx) if j not in old]
+            if new:  # the pre-update logprobs copied to the host at once
+                flat = torch.cat([lp.detach().float() for lp, _ in new]).cpu()
+                for (_, j), x in zip(new, flat.split([lp.numel() for lp, _ in new])):
+                    old[j] = x.clone()
+            cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
+            loss, st = policy_loss(torch.cat(lps), cat([samples[j].generator_logprobs for j in idx]),
+                                   cat([old[j] for j in idx]),
+                                   cat([torch.full((len(samples[j].response),), samples[j].advantage) for j in idx]),
+                                   alg, cat([ref[j] for j in idx]) if ref is not None else None)
+            vals = [torch.as_tensor(v, device=lps[0].device).float().reshape(()) for v in st.values()]
+            torch.stack(vals).tolist()  # the stats' host read per micro-batch
+            return loss, st
+
+        return loss_fn
+
+    def squares(x):
+        return fo.tree_sum(x**2, 1) if x.dim() == 2 else ref.sum_of_squares(x)
+
+    saved = {"add": K.add_f32, "slot": K.moe_slot_rows, "combine": tb.moe_combine_rows,
+             "lp": K.token_logprobs_rows, "step": MasterWeights.step, "swiglu": K.swiglu_halves,
+             "squares": K.sum_of_squares, "rows": D.MAX_ROWS, "loss": Trainer.__dict__["_ppo_loss"]}
+    if "syncs" not in keep:
+        Trainer._ppo_loss = staticmethod(ppo_loss)
+    if "add" not in keep:
+        K.add_f32 = lambda a, b, c=None: a.float() + b.float() if c is None else a.float() + (b.float() + c.float())
+    if "slot" not in keep:
+        K.moe_slot_rows = slot_rows
+    if "combine" not in keep:
+        tb.moe_combine_rows = combine_rows
+    if "lp" not in keep:
+        K.token_logprobs_rows = logprobs_rows
+    if "swiglu" not in keep:
+        K.swiglu_halves = lambda h: K.swiglu(*h.chunk(2, dim=-1))
+    if "squares" not in keep:
+        K.sum_of_squares = squares
+    if "dispatch" not in keep:
+        D.MAX_ROWS = 1 << 16  # training micro-batches (~80k rows) through the torch counting sort
+    if "step" not in keep:
+        MasterWeights.step = timers.wrap("adamw", step) if timers is not None else step
+    try:
+        yield
+    finally:
+        K.add_f32, K.moe_slot_rows, tb.moe_combine_rows = saved["add"], saved["slot"], saved["combine"]
+        K.token_logprobs_rows, MasterWeights.step = saved["lp"], saved["step"]
+        K.swiglu_halves, K.sum_of_squares, D.MAX_ROWS = saved["swiglu"], saved["squares"], saved["rows"]
+        Trainer._ppo_loss = saved["loss"]
 
 
 def _sync() -> None:
@@ -94,7 +204,9 @@ def _install(timers: Timers, trainer) -> None:
     TreeSum.total = timers.wrap("tree_total", TreeSum.total)
     tr.Trainer.optimizer_step = timers.wrap("optimizer", tr.Trainer.optimizer_step)
     tr.Trainer.grad_norm = timers.wrap("grad_norm", tr.Trainer.grad_norm)
-    trainer.opt.step = timers.wrap("adamw", trainer.opt.step)
+    from rlalign.training.optimizer import MasterWeights
+
+    MasterWeights.step = timers.wrap("adamw", MasterWeights.step)  # AdamW (+ the fused rounding into the model)
 
 
 _COMPILES: list = []  # (kernel name, seconds)
@@ -184,6 +296,107 @@ def churn(model, vocab: int, device: str, token_counts=None, expert_rows=(900, 1
             "compile_s_total": round(sum(r["compile_s"] for r in rows + grouped), 3)}
 
 
+def _fingerprints(trainer) -> dict[str, str]:
+    from rlalign.monitor.fingerprint import fingerprint
+
+    return {n: fingerprint(g) for n, g in sorted(trainer.grads.items())}
+
+
+def check_bits(trainer, samples, alg) -> dict:
+    """One forward_backward of `samples` unfused and fused from the same weights: gradients and
+    logprobs compared by fingerprint; then AdamW on two of the gradients: the Triton kernel vs the
+    definition's torch ops (and torch.optim.AdamW's step, another definition)."""
+    from rlalign.kernels import torch_deterministic as ref
+    from rlalign.kernels import triton as tb
+    from rlalign.monitor.fingerprint import fingerprint
+    from rlalign.training.optimizer import adamw_scalars
+
+    runs = {}
+    for name in ("det_unfused", "det_nofill"):
+        old: dict = {}
+        loss_fn = trainer._ppo_loss(samples, alg, old, None)
+        ctx = unfused() if name == "det_unfused" else contextlib.nullcontext()
+        with ctx:
+            trainer.forward_backward(samples, loss_fn)
+        _sync()
+        runs[name] = {"grads": _fingerprints(trainer),
+                      "logprobs": fingerprint(torch.cat([old[i] for i in sorted(old)]))}
+    a, b = runs["det_unfused"], runs["det_nofill"]
+    differ = [n for n in a["grads"] if a["grads"][n] != b["grads"].get(n)]
+    norm_fused = trainer.gradients.norm()  # the fused step's gradients: the norm's sums fused and not
+    with unfused(keep=tuple(p for p in PIECES if p != "squares")):
+        norm_unfused = trainer.gradients.norm()
+    out = {"gradients": len(a["grads"]), "gradients_differing": differ, "grads_equal": not differ,
+           "logprobs_equal": a["logprobs"] == b["logprobs"], "logprobs_fingerprint": b["logprobs"],
+           "grad_norm_equal": norm_fused == norm_unfused, "grad_norm": norm_fused}
+    # each piece fused alone against all unfused: which one moves bits, if any
+    pieces = {}
+    for piece in ("add", "slot", "combine", "lp", "swiglu", "dispatch"):
+        old = {}
+        with unfused(keep=(piece,)):
+            trainer.forward_backward(samples, trainer._ppo_loss(samples, alg, old, None))
+        fp = _fingerprints(trainer)
+        pieces[piece] = {"gradients_differing": sum(fp[n] != a["grads"][n] for n in fp),
+                         "logprobs_equal": fingerprint(torch.cat([old[i] for i in sorted(old)])) == a["logprobs"]}
+    out["pieces_alone"] = pieces
+    print(f"-- bits by piece: {json.dumps(pieces)}", flush=True)
+    again: dict = {}  # the unfused run repeated: are the bits even repeatable here?
+    with unfused():
+        trainer.forward_backward(samples, trainer._ppo_loss(samples, alg, again, None))
+    fp = _fingerprints(trainer)
+    out["unfused_repeat_differing"] = sum(fp[n] != a["grads"][n] for n in fp)
+    adam = {}
+    names = [trainer.dense_names[1], trainer.expert_names[0]]
+    for n in names:
+        g = trainer.grads[n]
+        p0 = trainer.master[n].data
+        res = {}
+        for impl in ("triton", "torch_ops", "torch_optim"):
+            p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+            if impl == "torch_optim":
+                q = torch.nn.Parameter(p)
+                opt = torch.optim.AdamW([q], lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, foreach=False,
+                                        fused=False)
+                for _ in range(2):
+                    q.grad = g * 0.5
+                    opt.step()
+                res[impl] = fingerprint(q.data)
+                continue
+            for t in (1.0, 2.0):
+                sc = adamw_scalars(0.01, (0.9, 0.99), 1e-8, 0.01, t, 0.5, p.device)
+                (tb.adamw_ if impl == "triton" else ref.adamw_)(p, g.contiguous(), m, v, sc)
+            res[impl] = [fingerprint(p), fingerprint(m), fingerprint(v)]
+            del p, m, v
+        adam[n] = {"numel": g.numel(), "triton_equals_torch_ops": res["triton"] == res["torch_ops"],
+                   "torch_optim_equals_definition": res["torch_optim"] == res["torch_ops"][0]}
+    out["adamw"] = adam
+    trainer.gradients.grads = {}
+    _sync()
+    print(f"-- bits: gradients {len(a['grads'])}, differing {len(differ)} {differ[:4]}; logprobs equal "
+          f"{out['logprobs_equal']}; grad norm equal {out['grad_norm_equal']}; adamw {json.dumps(adam)}", flush=True)
+    return out
+
+
+def model_flops(cfg, batch) -> dict:
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward's 2 per multiply-add) over
+    the step's tokens: the active parameters of every linear (attention q/k/v/o, router, top-k
+    experts' gate/up/down, the LM head; the embedding is a lookup) and causal attention (QK^T and PV:
+    2 x 2 x H x D per (query, key) pair, L (L + 1) / 2 pairs per sequence of length L per layer)."""
+    m = cfg.model
+    d, H, Hk, D = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
+    attn = d * H * D * 2 + d * Hk * D * 2
+    moe = m.num_experts > 0
+    mlp = (d * m.num_experts + m.top_k * 3 * d * m.moe_intermediate_size) if moe else 3 * d * m.intermediate_size
+    active = m.num_layers * (attn + mlp) + d * m.vocab_size
+    lens = [len(s.prompt) + len(s.response) for s in batch]
+    tokens = sum(lens)
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+    linear = 6 * active * tokens
+    attention = 3 * 2 * 2 * H * D * pairs * m.num_layers
+    return {"active_matmul_params": active, "tokens": tokens, "linear_flops": linear, "attention_flops": attention,
+            "flops": linear + attention}
+
+
 def kernel_table(prof, top: int):
     from torch.autograd import DeviceType
 
@@ -220,6 +433,9 @@ def main() -> None:
     ap.add_argument("--name", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (torch backend)")
     ap.add_argument("--churn", action="store_true", help="after the variants: compilations on new batch shapes")
+    ap.add_argument("--check-bits", action="store_true", help="unfused vs fused gradients and AdamW first")
+    ap.add_argument("--result", default=None, help="also write RESULT.json: MFU per variant and the summary")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200 SXM: 989)")
     a = ap.parse_args()
     backend = "triton" if a.device == "cuda" else "torch"
 
@@ -238,6 +454,19 @@ def main() -> None:
     batches = [make_samples(s, a.seqs, a.prompt, a.resp, vocab) for s in range(a.steps + 2)]
     tokens = [sum(len(s.prompt) + len(s.response) for s in b) for b in batches]
     results = {}
+    bits = None
+    if a.check_bits:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        timers.on = False
+        try:
+            with kernels.use(mode="deterministic", backend=backend):
+                bits = check_bits(trainer, batches[0], alg)
+        except Exception as e:  # the timings still run; the record says what failed
+            traceback.print_exc()
+            bits = {"error": f"{type(e).__name__}: {e}"[:2000], "grads_equal": False, "logprobs_equal": False,
+                    "adamw": {}}
+        timers.on = True
     for name in a.variants.split(","):
         if time.perf_counter() - t_start > a.budget_s:
             print(f"-- {name}: skipped (past --budget-s)", flush=True)
@@ -246,7 +475,8 @@ def main() -> None:
         torch.use_deterministic_algorithms(det_alg, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = fill
         rec = {"mode": mode, "deterministic_algorithms": det_alg, "fill_uninitialized_memory": fill, "steps": []}
-        with kernels.use(mode=mode, backend=backend):
+        pieces = unfused(timers) if name == "det_unfused" else contextlib.nullcontext()
+        with kernels.use(mode=mode, backend=backend), pieces:
             for s in range(a.steps + 1):  # step 0: warm-up (compiles)
                 n0 = len(_COMPILES)
                 _sync()
@@ -261,7 +491,12 @@ def main() -> None:
                 rec["steps"].append(step)
                 print(f"-- {name} step {s}: {wall:.3f} s, {tokens[s]} tokens, compiles {len(comp)} "
                       f"({step['compile_s']:.2f} s) {json.dumps(step['phases_s'])}", flush=True)
+            for st in rec["steps"]:
+                fl = model_flops(cfg, batches[st["step"]])
+                st["flops"] = fl["flops"]
+                st["mfu"] = round(fl["flops"] / st["wall_s"] / (a.peak_tflops * 1e12), 4)
             timed = rec["steps"][1:]
+            rec["median_mfu"] = sorted(x["mfu"] for x in timed)[len(timed) // 2] if timed else None
             rec["median_wall_s"] = sorted(x["wall_s"] for x in timed)[len(timed) // 2] if timed else None
             rec["median_phases_s"] = {p: sorted(x["phases_s"].get(p, 0.0) for x in timed)[len(timed) // 2]
                                       for p in PHASES} if timed else {}
@@ -315,10 +550,49 @@ def main() -> None:
     payload = {"setup": {"model": a.model, "seqs": a.seqs, "prompt": a.prompt, "resp": a.resp,
                          "micro_batch_size": a.mbs, "trainer_ep": 1, "layout": "packed", "steps": a.steps,
                          "tokens_per_step": tokens, "compiles_counted": compiles_counted},
-               "variants": results, "churn": churn_rec}
+               "variants": results, "churn": churn_rec, "bits": bits}
+    print(f"\n== MFU (model FLOPs / median step time / peak {a.peak_tflops:.0f} TFLOP/s)")
+    for n in names:
+        print(f"  {n:<14} {results[n]['median_wall_s']} s  MFU {results[n]['median_mfu']}")
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu"
     out = a.out or os.environ.get("OUT")
     print("wrote", record.write(f"train_profile_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), payload, out))
+    if a.result:
+        print("wrote", record.write(a.result, mfu_result(cfg, a, results, bits, batches), out))
+
+
+def mfu_result(cfg, a, results: dict, bits, batches) -> dict:
+    """The MFU result: per variant the step time, FLOPs and MFU, where the step goes (top kernels); the
+    summary holds the fused step's (det_nofill: the production settings) MFU as trainer_mfu."""
+    fl = model_flops(cfg, batches[1])
+    variants = {}
+    for n, r in results.items():
+        pr = r.get("profile") or {}
+        variants[n] = {"median_step_s": r["median_wall_s"], "median_mfu": r["median_mfu"],
+                       "median_phases_s": r["median_phases_s"],
+                       "steps": [{k: x[k] for k in ("step", "tokens", "wall_s", "flops", "mfu")} for x in r["steps"]],
+                       "device_busy_ms": pr.get("device_busy_ms"), "kernel_launches": pr.get("kernel_launches"),
+                       "top_kernels": pr.get("top_kernels")}
+    main = results.get("det_nofill") or next(iter(results.values()))
+    before = results.get("det_unfused")
+    summary = {"trainer_mfu": main["median_mfu"], "trainer_step_s": main["median_wall_s"],
+               "peak_tflops": a.peak_tflops, "model": a.model}
+    if before:
+        summary.update(trainer_mfu_unfused=before["median_mfu"], trainer_step_s_unfused=before["median_wall_s"])
+    if bits:
+        summary.update(grads_equal_unfused_fused=bits["grads_equal"],
+                       logprobs_equal_unfused_fused=bits["logprobs_equal"],
+                       grad_norm_equal_unfused_fused=bits.get("grad_norm_equal"),
+                       adamw_triton_equals_definition=bool(bits["adamw"]) and all(
+                           v["triton_equals_torch_ops"] for v in bits["adamw"].values()))
+    return {"summary": summary, "flop_count": {**fl, "formula": model_flops.__doc__.split(chr(10))[0] + " ...",
+                                               "peak_flops": a.peak_tflops * 1e12},
+            "setup": {"model": a.model, "seqs": a.seqs, "prompt": a.prompt, "resp": a.resp, "micro_batch_size": a.mbs,
+                      "trainer_ep": 1, "timed_steps": a.steps},
+            "variants": variants, "bits": bits,
+            "what_it_shows": "bench-moe-large trainer step on one H200 at trainer EP 1 (128 RL-shaped sequences, "
+                             "micro-batch 32): step time, model-FLOP utilisation and the top kernels, fused pieces "
+                             "(det_nofill: production settings) vs the unfused ones (det_unfused) in one process."}
 
 
 if __name__ == "__main__":

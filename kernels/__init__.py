@@ -123,6 +123,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _impl(gate).swiglu(gate, up)
 
 
+def swiglu_halves(h: torch.Tensor) -> torch.Tensor:
+    """swiglu(*h.chunk(2, -1)) of h [R, 2I] (gate | up), the same bits; the Triton backend reads the
+    halves in place and writes h's gradient directly (no copies of the halves, no concatenation)."""
+    impl = _impl(h)
+    fused = getattr(impl, "swiglu_halves", None)
+    if fused is not None:
+        return fused(h)
+    gate, up = h.chunk(2, dim=-1)
+    return impl.swiglu(gate, up)
+
+
 def attention_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float | None = None
 ) -> torch.Tensor:
@@ -183,6 +194,31 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
     return _impl(logits).moe_route(logits, top_k, renormalize)
 
 
+class _SlotRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, dest, k):
+        ctx.save_for_backward(dest)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, g):
+        (dest,) = ctx.saved_tensors
+        rows = g.index_select(0, dest)
+        return rows.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+
+
+def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:
+    """The experts' input rows: row j is token order[j] // k's row of x [T, D] (order [T*k]: the (token,
+    slot) rows grouped by expert, dest its inverse: model.dispatch). Backward: each token's k slot
+    gradients gathered token-major (g[dest]) and summed over the slots by torch's sum over dim 1 of
+    [T, k, D] (the bits of the expand-copy-and-index_select it replaces, whose backward ran a sorting
+    index_put and that sum; -0 terms vanish in both: the sum starts at +0). One gather each way."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SlotRows.apply(x, order, dest, int(k))
+    return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, k, D] in top-k slot order -> [T, D]; deterministic: fp32, slot 0 first.
     rows [T*k] (optional): y is [R, D] (the experts' outputs in dispatch order) and slot j of token t
@@ -194,6 +230,33 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | Non
     if fused is not None:
         return fused(y, weights, rows)
     return impl.moe_combine(y.index_select(0, rows).view(*weights.shape, y.shape[-1]), weights)
+
+
+def add_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """a.float() + b.float(), or a.float() + (b.float() + c.float()): fp32 sums of tensors of any float
+    dtypes (exact conversions, IEEE adds, the same bits everywhere); the Triton backend reads narrower
+    inputs in place and the three-term form without writing b + c (one pass)."""
+    fused = getattr(_impl(a), "add_f32", None) if _state["mode"] == "deterministic" else None
+    if fused is not None:
+        return fused(a, b, c)
+    return a.float() + b.float() if c is None else a.float() + (b.float() + c.float())
+
+
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """fixed_order.tree_sum(x ** 2, -1) of fp32 x [n] or [rows, n]: the grad norm's sums, the same bits
+    everywhere; the Triton backend builds the tree's first four levels in one pass over x, the torch
+    one its first level chunk by chunk (neither holds x ** 2)."""
+    fused = getattr(_impl(x), "sum_of_squares", None) if _state["mode"] == "deterministic" else None
+    return fused(x) if fused is not None else _det.sum_of_squares(x)
+
+
+def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: torch.Tensor,
+           out: torch.Tensor | None = None) -> None:
+    """One AdamW update of the fp32 tensors p, m, v in place from gradient g (the definition:
+    torch_deterministic.adamw_; scalars fp32 [8] on p's device), out (optional) receiving p rounded
+    to its dtype. The same bits in every mode and backend; the Triton one is a single pass."""
+    fused = getattr(_impl(p), "adamw_", None) if _state["mode"] == "deterministic" else None
+    (fused or _det.adamw_)(p, g, m, v, scalars, out)
 
 
 def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -218,6 +281,19 @@ def token_logprobs(
     """log p(tokens) [N] fp32 under log_softmax(filter(logits / temperature)): the one logprob
     function of both the generator and the trainer."""
     return tempered_logprobs(tempered(logits, temperature, top_k, top_p), tokens)
+
+
+def token_logprobs_rows(
+    logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """token_logprobs(logits[rows], tokens, ...), the same bits: the trainer's scoring of the response
+    rows (rows: distinct indices). The Triton backend writes the logits' gradient directly when the
+    filter is the identity (temperature 1, no top-k / top-p)."""
+    fused = getattr(_impl(logits), "logprob_rows", None)
+    if fused is not None and temperature == 1.0 and not top_k and top_p >= 1.0:
+        return fused(logits, rows, tokens)
+    return token_logprobs(logits[rows], tokens, temperature, top_k, top_p)
 
 
 def sample(

@@ -227,3 +227,63 @@ def log_softmax_gather(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     m = z.amax(-1, keepdim=True)
     lse = fo.log(fo.tree_sum(fo.exp(z - m), -1))
     return (z.gather(-1, tokens[:, None])[:, 0] - m[:, 0]) - lse
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 square root correctly rounded (IEEE), on any device: torch's CPU sqrt is a vector-math
+    approximation that misses the last bit now and then. A float64 root rounded to fp32, then moved to
+    its neighbour where the exact test says so: a midpoint m between two fp32 neighbours has 25
+    significant bits, so m * m is exact in float64 and compares exactly with x."""
+    r = x.double().sqrt().float()
+    inf = torch.full_like(r, float("inf"))
+    up, down = torch.nextafter(r, inf), torch.nextafter(r, -inf)
+    xd, rd = x.double(), r.double()
+    hi, lo = (rd + up.double()) * 0.5, (rd + down.double()) * 0.5
+    r = torch.where((hi * hi < xd) & torch.isfinite(up), up, r)
+    r = torch.where((lo * lo > xd) & (r > 0), down, r)
+    return torch.where(torch.isfinite(x) & (x > 0), r, x.sqrt())
+
+
+def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: torch.Tensor,
+           out: torch.Tensor | None = None) -> None:
+    """One AdamW update of fp32 p, m, v in place from gradient g; scalars fp32 [8] = (coef, decay, w1,
+    beta2, a2, inv_bc2, eps, neg_step) (rlalign.training.optimizer.adamw_scalars). The definition, every
+    operation an IEEE single rounding in fp32, so the bits are the same on every device and backend:
+
+        g' = g * coef;  p' = p * decay;  m' = m + w1 * (g' - m);  v' = v * beta2 + a2 * (g' * g')
+        p'' = p' + neg_step * (m' / (sqrt(v') * inv_bc2 + eps))
+
+    (torch.optim.AdamW's own kernels differ between devices: CUDA divides by a scalar through its
+    reciprocal and contracts a + b * c into one fma, the CPU's addcmul/addcdiv group and fuse
+    differently again.) out (optional): p'' rounded into out's dtype."""
+    coef, decay, w1, beta2, a2, inv_bc2, eps, neg_step = scalars.tolist()
+    gs = g * coef
+    p.mul_(decay)
+    m.add_((gs - m).mul_(w1))
+    v.mul_(beta2).add_((gs * gs).mul_(a2))
+    denom = sqrt_rn(v).mul_(inv_bc2).add_(eps)
+    p.add_(torch.div(m, denom).mul_(neg_step))
+    if out is not None:
+        out.copy_(p)
+
+
+def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """fo.tree_sum(x ** 2, -1) of a 1-d x (or of each row of a 2-d x), the same bits, without x ** 2 in
+    memory: the tree's first level (element i + element i + h, h = next_pow2(n) / 2) is built chunk by
+    chunk (at most `chunk` elements of squares at a time), squares written in place; the rest of the
+    tree is tree_sum's own loop on that level (n = h)."""
+    n = x.shape[-1]
+    if n <= 1:
+        return fo.tree_sum(x**2, -1)
+    h = fo.next_pow2(n) // 2
+    m = n - h  # elements i < m have a partner i + h; m <= i < h pass up alone
+    level = torch.empty(*x.shape[:-1], h, dtype=x.dtype, device=x.device)
+    rows = max(1, x[..., 0].numel())
+    step = max(1, chunk // rows)
+    for a in range(0, h, step):
+        b = min(h, a + step)
+        torch.mul(x[..., a:b], x[..., a:b], out=level[..., a:b])
+        if a < m:
+            e = min(b, m)
+            level[..., a:e] += x[..., a + h : e + h] * x[..., a + h : e + h]
+    return fo.tree_sum(level, -1)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rlalign import checkpoint as ckpt
 from rlalign.config import ConfigError, load_config
 from rlalign.kernels import fixed_order as fo
-from rlalign.training.gradients import sum_of_squares
+from rlalign.kernels.torch_deterministic import sum_of_squares
 from rlalign.training.shards import UNIT_ALIGN, assign_units, dense_units
 
 UNIT = 1024  # elements per unit for the tiny model (34,176 dense elements: 43 units)
@@ -50,9 +50,9 @@ def test_adamw_on_slices_is_bitwise_adamw_on_the_whole_tensor():
 
 
 def test_the_chunked_sum_of_squares_is_bitwise_the_tree_of_squares():
-    """Trainer.grad_norm's dense part without a second full-size copy: the same bits as
-    fo.tree_sum(x ** 2) (the norm of the unsharded trainer), whatever the chunk; the twin (another
-    grouping: chunks summed one after the other) differs."""
+    """Trainer.grad_norm's dense part (and per-expert rows) without a second full-size copy: the same
+    bits as fo.tree_sum(x ** 2) (the norm of the unsharded trainer), whatever the chunk; the twin
+    (another grouping: chunks summed one after the other) differs."""
     g = torch.Generator().manual_seed(1)
     for n in (1, 2, 3, 64, 1000, 1024, 1025, 77_777):
         x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 4, (n,), generator=g)
@@ -62,6 +62,11 @@ def test_the_chunked_sum_of_squares_is_bitwise_the_tree_of_squares():
     y = torch.randn(77_777, generator=g)
     pieces = [fo.tree_sum(y[a : a + 1000] ** 2, 0) for a in range(0, len(y), 1000)]
     assert not same_bits(sum(pieces[1:], pieces[0]), sum_of_squares(y, 1000))
+    for shape in ((3, 1), (4, 5), (3, 77_777), (2, 1024)):  # per row: the grad norm's per-expert sums
+        x = torch.randn(*shape, generator=g) * 10.0 ** torch.randint(-4, 4, shape, generator=g)
+        want = fo.tree_sum(x**2, 1)
+        for chunk in (1, 7, 1000, 1 << 24):
+            assert same_bits(sum_of_squares(x, chunk), want), (shape, chunk)
 
 
 def test_units_are_fixed_by_shapes_and_budget_and_balanced_at_every_world_size():

@@ -4,12 +4,13 @@ The contract is the torch reference's: the bits of an output row depend only on 
 inputs. One module per kernel family, each kernel beside its wrapper and its pinned config:
   gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order
   norm         rmsnorm (+ the ordered column sum of its weight-gradient partials)
-  logprob      log_softmax_gather
+  logprob      log_softmax_gather, logprob_rows (the trainer's: its backward writes the logits' gradient)
   attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
                split-K over fixed key chunks for few rows)
-  elementwise  swiglu, rope
+  elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds)
   moe          moe_route, moe_combine
   sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw)
+  optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
   common       input checks, the SM count, the launch-plan cache, INTERPRET
@@ -25,23 +26,24 @@ import sys
 
 import torch
 
-from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, sampling
+from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, optim, sampling
 from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, attention_prefill
 from .common import INTERPRET, SUPPORTED
-from .elementwise import paged_write, rope, swiglu
+from .elementwise import add_f32, paged_write, rope, swiglu, swiglu_halves
 from .embed import embedding
 from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
-from .logprob import log_softmax_gather
+from .logprob import log_softmax_gather, logprob_rows
 from .moe import moe_combine, moe_combine_rows, moe_route
 from .norm import rmsnorm
+from .optim import adamw_, sum_of_squares
 from .sampling import filter_logits, gumbel_argmax
 
 __all__ = [
-    "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "attention", "attention_decode",
-    "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed", "embedding",
-    "filter_logits", "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears",
-    "log_softmax_gather", "logprob", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route", "norm",
-    "paged_write", "rmsnorm", "rope", "sampling", "swiglu",
+    "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "attention",
+    "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
+    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears",
+    "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
+    "norm", "optim", "paged_write", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu", "swiglu_halves",
 ]
 
 

@@ -27,6 +27,15 @@ def host_free_dot(a, b):
     return tl.sum(a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :], axis=1).to(tl.float32)
 
 
+@triton.jit
+def bf16_bits(x):
+    """The bf16 bits (uint32 holding 16) of fp32 x rounded to nearest even, from x's bits: what a GPU's
+    cvt.rn gives and torch's .to(bfloat16); the interpreter's own cast truncates. NaN: a quiet NaN."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, r)
+
+
 def check_inputs(name: str, *ts: torch.Tensor) -> None:
     """Every tensor of op `name` in a supported dtype, all on one device; else a clear error."""
     device = ts[0].device

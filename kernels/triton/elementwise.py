@@ -100,6 +100,55 @@ class _SwiGLU(torch.autograd.Function):
         return dg, du
 
 
+@triton.jit
+def _swiglu_rows_bwd(h_ptr, dy_ptr, dh_ptr, width, BLOCK: tl.constexpr):
+    """_swiglu_bwd over rows of h [R, 2 width] (gate | up), writing dh [R, 2 width] (dgate | dup)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < width
+    g = tl.load(h_ptr + r * 2 * width + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + r * 2 * width + width + cols, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + r * width + cols, mask=m, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * sig
+    tl.store(dh_ptr + r * 2 * width + width + cols, (dy * silu).to(dh_ptr.dtype.element_ty), mask=m)
+    tl.store(dh_ptr + r * 2 * width + cols, (dy * u * (sig + silu * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=m)
+
+
+class _SwiGLUHalves(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        half = h.shape[1] // 2
+        ctx.save_for_backward(h)
+        return _swiglu_strided(h[:, :half], h[:, half:])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h,) = ctx.saved_tensors
+        R, inner = h.shape[0], h.shape[1] // 2
+        dh = torch.empty_like(h)
+        if R and inner:
+            dy = dy.contiguous()
+            block = min(1024, triton.next_power_of_2(inner))
+            cached(("swiglu_rows_bwd", R, inner, h.dtype, dy.dtype), lambda: Launch(
+                _swiglu_rows_bwd, (R, triton.cdiv(inner, block)), (inner,), dict(BLOCK=block)))(h, dy, dh)
+        return dh
+
+
+def swiglu_halves(h):
+    """swiglu(gate, up) of h [R, 2I] = [gate | up] (an expert's fused gate/up output), reading the halves
+    in place and, backward, writing h's gradient [dgate | dup] directly: the same formulas as swiglu (the
+    same bits) without the halves' copies forward and their concatenation backward."""
+    check_inputs("swiglu", h)
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"triton swiglu_halves: h {tuple(h.shape)} must be [R, 2I]")
+    h = h.contiguous()
+    if torch.is_grad_enabled() and h.requires_grad:
+        return _SwiGLUHalves.apply(h)
+    half = h.shape[1] // 2
+    return _swiglu_strided(h[:, :half], h[:, half:])
+
+
 def swiglu(gate, up):
     """silu(gate) * up in fp32, one rounding; elementwise, so trivially row-invariant."""
     check_inputs("swiglu", gate, up)
@@ -203,3 +252,32 @@ def paged_write(k_pages, v_pages, slots, k, v) -> None:
         cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype), lambda: Launch(
             _paged_write, (N,), (W, k.stride(0), v.stride(0)), dict(BLOCK=triton.next_power_of_2(W))))(
             k, v, k_pages, v_pages, slots.contiguous())
+
+
+# --- the gradient trees' adds: a + b in fp32 from leaves in any float dtype, one pass ------------------------
+@triton.jit
+def _add_f32(a_ptr, b_ptr, c_ptr, o_ptr, n, THREE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if THREE:
+        b = b + tl.load(c_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + offs, a + b, mask=m)
+
+
+def add_f32(a, b, c=None):
+    """a.float() + b.float(), or a.float() + (b.float() + c.float()) (the conversions are exact, IEEE
+    fp32 adds: the same bits) without fp32 copies of narrower inputs or of b + c: one launch.
+    Contiguous inputs of one shape and device."""
+    ts = (a, b) if c is None else (a, b, c)
+    check_inputs("add_f32", *ts)
+    if any(t.shape != a.shape or not t.is_contiguous() for t in ts):
+        return a.float() + b.float() if c is None else a.float() + (b.float() + c.float())
+    out = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    n = a.numel()
+    if n:
+        cached(("add_f32", n, *(t.dtype for t in ts)), lambda: Launch(
+            _add_f32, (triton.cdiv(n, 4096),), (n,), dict(THREE=c is not None, BLOCK=4096)))(
+            a, b, b if c is None else c, out)
+    return out

@@ -1,5 +1,7 @@
 """Token logprobs: one program per row: max, sum of exp and the gather over the vocabulary in
-fixed BLOCK_V chunks; backward per row."""
+fixed BLOCK_V chunks; backward per row. The trainer's form (logprob_rows) scores the selected rows of
+the model's logits and its backward writes the logits' gradient in their dtype directly (no fp32
+gradient of the rows, no index_put)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, Launch, cached, check_inputs
+from .common import ROW_BLOCK, Launch, bf16_bits, cached, check_inputs
 
 
 @triton.jit
@@ -32,16 +34,30 @@ def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, V, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    lse = tl.load(lse_ptr + row)
-    g = tl.load(g_ptr + row)
-    tok = tl.load(t_ptr + row)
+def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, rows_ptr, V, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                 BF16: tl.constexpr):
+    """dz of output i (fp32), or (ROWS) row rows[i] of dz in dz's dtype from the fp32 value: rounded, then
+    zeros made +0 (the bits of .to(dtype) and an index_put accumulating into zeros)."""
+    i = tl.program_id(0)
+    if ROWS:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+    else:
+        row = i.to(tl.int64)
+    lse = tl.load(lse_ptr + i)
+    g = tl.load(g_ptr + i)
+    tok = tl.load(t_ptr + i)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         d = g * (tl.where(cols == tok, 1.0, 0.0) - tl.exp(z - lse))
-        tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
+        if BF16:  # dz: the bf16 tensor's bits (uint16), rounded as .to(bfloat16), -0 -> +0
+            r = bf16_bits(d)
+            tl.store(dz_ptr + row * V + cols, tl.where(r == 0x8000, 0, r).to(tl.uint16), mask=cols < V)
+        elif ROWS:
+            d = (d.to(dz_ptr.dtype.element_ty).to(tl.float32) + 0.0).to(dz_ptr.dtype.element_ty)
+            tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
+        else:
+            tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
 
 
 def _forward(z, tokens):
@@ -69,8 +85,9 @@ class _LogProb(torch.autograd.Function):
         N, V = z.shape
         if N:
             cached(("logprob_bwd", N, V, tokens.dtype), lambda: Launch(
-                _logprob_bwd, (N,), (V,), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
-                z, tokens, lse, g.contiguous().float(), dz)
+                _logprob_bwd, (N,), (V,), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), ROWS=False,
+                                               BF16=False)))(
+                z, tokens, lse, g.contiguous().float(), dz, tokens)
         return dz, None
 
 
@@ -82,3 +99,48 @@ def log_softmax_gather(z, tokens):
         return _LogProb.apply(z, tokens)
     return _forward(z, tokens)[0]
 
+
+def _rows_forward(logits, rows, tokens):
+    """The forward on an fp32 copy of the rows, as token_logprobs computes it: the sums' grouping in
+    the kernel follows the layout triton picks for the loaded dtype, so the fp32 rows keep the
+    generator's bits (a bf16 read in place would not)."""
+    return _forward(logits.index_select(0, rows).float(), tokens)
+
+
+class _LogProbRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, rows, tokens):
+        out, lse = _rows_forward(logits, rows, tokens)
+        ctx.save_for_backward(logits, rows, tokens, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, rows, tokens, lse = ctx.saved_tensors
+        N, V = rows.shape[0], logits.shape[1]
+        dz = torch.zeros_like(logits)  # rows never selected: zero gradient
+        bf16 = dz.dtype == torch.bfloat16
+        if N:
+            cached(("logprob_rows_bwd", N, V, logits.dtype, rows.dtype, tokens.dtype), lambda: Launch(
+                _logprob_bwd, (N,), (V,), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), ROWS=True,
+                                               BF16=bf16)))(
+                logits, tokens, lse, g.contiguous().float(), dz.view(torch.uint16) if bf16 else dz, rows)
+        return dz, None, None
+
+
+def logprob_rows(logits, rows, tokens):
+    """log_softmax_gather(logits[rows].float(), tokens), the same bits: logits [N, V] (contiguous, any
+    float dtype), rows [n] distinct row indices, tokens [n]. Backward: one launch writes the logits'
+    gradient in their dtype, reading the rows in place, zero outside `rows` (the bits of the gather's
+    index_put and the .float()'s rounding it replaces), instead of an fp32 gradient of the rows, its
+    rounded copy and a sorting index_put into zeros."""
+    check_inputs("logprob_rows", logits)
+    if logits.dim() != 2 or rows.dim() != 1 or tokens.shape != rows.shape:
+        raise ValueError(f"triton logprob_rows: logits {tuple(logits.shape)}, rows {tuple(rows.shape)} and tokens "
+                         f"{tuple(tokens.shape)} do not fit")
+    # 16-byte aligned index tensors (split views of one host copy often are not): one compiled variant
+    rows, tokens = (t.contiguous() if t.data_ptr() % 16 == 0 else t.clone() for t in (rows, tokens))
+    logits = logits.contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LogProbRows.apply(logits, rows, tokens)
+    return _rows_forward(logits, rows, tokens)[0]

@@ -30,16 +30,26 @@ def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS
 
 
 @triton.jit
-def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, K, Dm, BLOCK: tl.constexpr):
+def _combine_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """dy[t, j] = g[t] w[t, j] (rounded to dy's dtype), dw[t, j] = sum_d g[t] y[t, j] in fp32. ROWS: slot
+    (t, j) is row rows[t * K + j] of y and of dy [R, Dm] (rows a permutation: every dy row written once),
+    and dy's zeros are +0, as the gathered copy's backward (an index_put accumulating into zeros) gives."""
     t = tl.program_id(0).to(tl.int64)
     for j in range(K):
         wj = tl.load(w_ptr + t * K + j)
+        if ROWS:
+            row = tl.load(rows_ptr + t * K + j)
+        else:
+            row = t * K + j
         part = tl.zeros((BLOCK,), dtype=tl.float32)
         for d0 in range(0, Dm, BLOCK):
             cols = d0 + tl.arange(0, BLOCK)
             g = tl.load(g_ptr + t * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
-            yj = tl.load(y_ptr + (t * K + j) * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
-            tl.store(dy_ptr + (t * K + j) * Dm + cols, (g * wj).to(dy_ptr.dtype.element_ty), mask=cols < Dm)
+            yj = tl.load(y_ptr + row * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+            d = (g * wj).to(dy_ptr.dtype.element_ty)
+            if ROWS:
+                d = (d.to(tl.float32) + 0.0).to(dy_ptr.dtype.element_ty)
+            tl.store(dy_ptr + row * Dm + cols, d, mask=cols < Dm)
             part += g * yj
         tl.store(dw_ptr + t * K + j, tl.sum(part, axis=0))
 
@@ -58,35 +68,41 @@ def _combine(y, w, rows=None):
 
 
 class _Combine(torch.autograd.Function):
+    """moe_combine of y [T, K, Dm], or (rows given) of y [T * K, Dm] read through the permutation rows."""
+
     @staticmethod
-    def forward(ctx, y, w):
-        y, w, out = _combine(y, w)
-        ctx.save_for_backward(y, w)
+    def forward(ctx, y, w, rows):
+        y, w, out = _combine(y, w, rows)
+        ctx.save_for_backward(y, w, rows if rows is not None else w)
+        ctx.has_rows = rows is not None
         return out
 
     @staticmethod
     def backward(ctx, g):
-        y, w = ctx.saved_tensors
-        T, K, Dm = y.shape
+        y, w, rows = ctx.saved_tensors
+        (T, K), Dm = w.shape, y.shape[-1]
         dy, dw = torch.empty_like(y), torch.empty_like(w)
         if T:
             g = g.contiguous()
-            cached(("combine_bwd", T, K, Dm, y.dtype, g.dtype), lambda: Launch(
-                _combine_bwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)))))(y, w, g, dy, dw)
-        return dy, dw
+            cached(("combine_bwd", T, K, Dm, y.dtype, g.dtype, rows.dtype, ctx.has_rows), lambda: Launch(
+                _combine_bwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)),
+                                                  ROWS=ctx.has_rows)))(y, w, g, dy, dw, rows)
+        return dy, dw, None
 
 
 def moe_combine_rows(y, weights, rows):
-    """moe_combine(y[rows].view(T, k, D), weights) without the gathered copy (inference); with autograd
-    the gather and the plain combine (the same kernel body: the same bits)."""
+    """moe_combine(y[rows].view(T, k, D), weights) without the gathered copy, forward and backward (the
+    same kernel bodies: the same bits). rows [T * k] is a permutation of y's T * k rows (dispatch's
+    `dest`): the backward writes each row of dy once."""
     T, K = weights.shape
-    Dm = y.shape[-1]
     check_inputs("moe_combine", y)
     if rows.shape != (T * K,) or y.dim() != 2:
         raise ValueError(f"triton moe_combine: rows {tuple(rows.shape)} and y {tuple(y.shape)} do not fit "
                          f"weights {tuple(weights.shape)}")
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
-        return moe_combine(y.index_select(0, rows).view(T, K, Dm), weights)
+        if y.shape[0] != T * K:
+            raise ValueError(f"triton moe_combine: y has {y.shape[0]} rows, rows permute {T * K}")
+        return _Combine.apply(y, weights, rows.contiguous())
     return _combine(y, weights, rows)[2]
 
 
@@ -94,7 +110,7 @@ def moe_combine(y, weights):
     """y [T, k, D] in top-k slot order, weights [T, k] -> [T, D]: fp32, slot 0 first, per token."""
     check_inputs("moe_combine", y)
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
-        return _Combine.apply(y, weights)
+        return _Combine.apply(y, weights, None)
     return _combine(y, weights)[2]
 
 

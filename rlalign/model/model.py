@@ -125,9 +125,8 @@ def expert_mlp(x_sorted: torch.Tensor, counts: list[int] | torch.Tensor, gate_up
                down: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over rows sorted by expert: [R, d] -> [R, d]; each row's bits are its own.
     counts [E]: a host list or a tensor on the rows' device (kept there: no host sync)."""
-    h = kernels.grouped_linear(x_sorted, gate_up, counts)
-    gate, up = h.chunk(2, dim=-1)
-    return kernels.grouped_linear(kernels.swiglu(gate, up), down, counts)
+    h = kernels.grouped_linear(x_sorted, gate_up, counts)  # [R, 2I]: gate | up
+    return kernels.grouped_linear(kernels.swiglu_halves(h), down, counts)
 
 
 class Router(nn.Module):
@@ -144,17 +143,13 @@ class MoE(nn.Module):
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor, tap=None) -> torch.Tensor:
-        T, d = x.shape
         k = self.top_k
         logits = kernels.linear(x, self.gate.weight)
         if tap is not None:
             logits = tap("router", logits)
         weights, ids = kernels.moe_route(logits, k, self.norm_topk_prob)
         order, dest, counts = dispatch(ids.reshape(-1), self.num_experts)
-        if x.requires_grad and torch.is_grad_enabled():  # backward: one row per slot, summed over slots
-            x_in = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d).index_select(0, order)
-        else:  # the same rows without the [T*k, d] copy (an index_select backward would add with atomics)
-            x_in = x.index_select(0, order // k)  # row j: token order[j] // k
+        x_in = kernels.moe_slot_rows(x, order, dest, k)  # row j: token order[j] // k
         y_sorted = self.experts(x_in, counts)
         return kernels.moe_combine(y_sorted, weights, rows=dest)  # slot j of token t: y_sorted[dest[t*k + j]]
 
@@ -286,6 +281,8 @@ class Transformer(nn.Module):
         lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         positions = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
         self._check_positions(max(lens, default=0) - 1)  # on the host: no device read
+        if tokens.is_cuda:  # from pinned memory: an asynchronous copy (a pageable one waits for the stream)
+            positions = positions.pin_memory().to(tokens.device, non_blocking=True)
         cos, sin = self._rope(positions.to(tokens.device))
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         for i, layer in enumerate(self.model.layers):

@@ -13,28 +13,10 @@ import functools
 import torch
 import torch.distributed as dist
 
+from rlalign import kernels
 from rlalign.kernels import fixed_order as fo
 from rlalign.parallel.ep import ExpertParallel
 from rlalign.training.reduce import TreeSum, reduce_nodes
-
-
-def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
-    """fo.tree_sum(x ** 2, 0) of a 1-d x, the same bits, without x ** 2 in memory: the tree's first
-    level (element i + element i + h, h = next_pow2(n) / 2) is built chunk by chunk from squares of
-    at most `chunk` elements; the rest of the tree is tree_sum's own loop on that level (n = h)."""
-    n = x.shape[0]
-    if n <= 1:
-        return fo.tree_sum(x**2, 0)
-    h = fo.next_pow2(n) // 2
-    m = n - h  # elements i < m have a partner i + h; m <= i < h pass up alone
-    level = torch.empty(h, dtype=x.dtype, device=x.device)
-    for a in range(0, h, chunk):
-        b = min(h, a + chunk)
-        level[a:b] = x[a:b] ** 2
-        if a < m:
-            e = min(b, m)
-            level[a:e] += x[a + h : e + h] ** 2
-    return fo.tree_sum(level, 0)
 
 
 def sum_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
@@ -166,12 +148,12 @@ class Gradients:
         if shared is None:
             shared = torch.cat([self.grads[n].reshape(-1) for n in self.dense_names])
         device = self.model.lm_head.weight.device
-        total = sum_of_squares(shared) if shared.numel() else torch.zeros((), device=device)
+        total = kernels.sum_of_squares(shared) if shared.numel() else torch.zeros((), device=device)
         expert = [self.grads[n] for n in self.expert_names]
         if not expert:
             return float(torch.sqrt(total))
         if self.invariant:
-            per_expert = torch.cat([fo.tree_sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in expert])
+            per_expert = torch.cat([kernels.sum_of_squares(g.reshape(g.shape[0], -1)) for g in expert])
             if self.world > 1:
                 parts = [torch.empty_like(per_expert) for _ in range(self.world)]
                 dist.all_gather(parts, per_expert, group=self.group)

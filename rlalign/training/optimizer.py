@@ -1,12 +1,15 @@
-"""The trainer's fp32 master weights and their AdamW (foreach=False: plain elementwise math):
-whole parameters, or (trainer.shard_dense) the experts whole and this rank's dense units
-(rlalign.training.shards). The update is rounded into the compute-dtype model."""
+"""The trainer's fp32 master weights and their AdamW: whole parameters, or (trainer.shard_dense) the
+experts whole and this rank's dense units (rlalign.training.shards). torch.optim.AdamW holds the
+hyperparameters and the state (step, exp_avg, exp_avg_sq: what checkpoints save); the update itself is
+kernels.adamw_ (one definition, IEEE fp32 operations one at a time: the same bits on every device;
+one pass per tensor on the Triton backend), which also rounds the update into the compute-dtype model."""
 
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
 
+from rlalign import kernels
 from rlalign.training.shards import DEFAULT_UNIT_NUMEL, Unit, assign_units, dense_units, gather_dense, unit_rows
 
 
@@ -69,20 +72,54 @@ class MasterWeights:
         for u in self.my_units():
             grads[u.key] = unit_rows(dense[u.name], u).clone()
 
-    def step(self, grads: dict[str, torch.Tensor], coef: float) -> None:
-        """AdamW on the masters with the gradients scaled by the clip coefficient."""
+    @torch.no_grad()
+    def step(self, grads: dict[str, torch.Tensor], coef: float, model=None) -> set[str]:
+        """AdamW on the masters with the gradients scaled by the clip coefficient (coef 1.0: the
+        gradients as they are; x * 1.0 == x). The masters that are whole model parameters are rounded
+        into `model` in the same pass; returns their names (write_into does the rest)."""
+        if self.opt is None:
+            return set()
+        group = self.opt.param_groups[0]
+        params = dict(model.named_parameters()) if model is not None else {}
+        scalars: dict[float, torch.Tensor] = {}
+        written = set()
         for n, m in self.master.items():
-            m.grad = grads[n] * coef if coef < 1.0 else grads[n]
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            st = adam_state(self.opt, m)
+            st["step"] += 1
+            t = float(st["step"])
+            if t not in scalars:
+                scalars[t] = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t,
+                                           coef, m.device)
+            out = params.get(n)
+            if out is not None and (out.shape != m.shape or not out.is_contiguous()):
+                out = None
+            g = grads[n]
+            kernels.adamw_(m.data, g if g.is_contiguous() else g.contiguous(), st["exp_avg"], st["exp_avg_sq"],
+                           scalars[t], None if out is None else out.data)
+            if out is not None:
+                written.add(n)
+        return written
 
     @torch.no_grad()
-    def write_into(self, model, group) -> None:
+    def write_into(self, model, group, skip: set[str] = frozenset()) -> None:
         """The updated masters rounded into the compute-dtype model (sharded: the dense units
-        all-gathered from their owners)."""
+        all-gathered from their owners), except those `step` has written (`skip`)."""
         if self.shard:
             gather_dense(model, self.master, self.units, self.owners, self.rank, self.world, group)
         for n, p in model.named_parameters():
-            if n in self.master:  # unsharded: all; sharded: the experts (dense: gather_dense)
+            if n in self.master and n not in skip:  # unsharded: all; sharded: the experts (dense: gather_dense)
                 p.copy_(self.master[n].to(p.dtype))
+
+
+def adamw_scalars(lr: float, betas, eps: float, weight_decay: float, step: float, coef: float,
+                  device) -> torch.Tensor:
+    """kernels.adamw_'s scalars for AdamW step `step` (1, 2, ...), computed in float64 as
+    torch.optim.AdamW does, each rounded once to fp32: (coef, 1 - lr wd, 1 - beta1, beta2, 1 - beta2,
+    1 / sqrt(1 - beta2^step), eps, -lr / (1 - beta1^step)); one small copy to the device."""
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    vals = [coef, 1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / (1.0 - beta2**step) ** 0.5, eps,
+            -(lr / (1.0 - beta1**step))]
+    t = torch.tensor(vals, dtype=torch.float32)
+    if torch.device(device).type == "cuda":  # from pinned memory: an asynchronous copy
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

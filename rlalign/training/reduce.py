@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlalign import kernels
+
 
 class TreeSum:
     """Leaves by global index; complete sibling pairs are merged as soon as both exist. A leaf may
@@ -53,16 +55,23 @@ class TreeSum:
 
 def _merge(nodes: dict[tuple[int, int], torch.Tensor], a: int, size: int, v: torch.Tensor) -> None:
     """Put node [a, a+size) into `nodes`, merging it with its sibling (left child + right child) as
-    long as the sibling is there: nodes stay maximal complete subtrees, whatever the arrival order."""
+    long as the sibling is there: nodes stay maximal complete subtrees, whatever the arrival order.
+    When the merged node's own sibling is there too, both adds are one pass (kernels.add_f32's
+    three-term form; IEEE addition commutes, so the parent's operand order is the tree's)."""
     while True:
         sibling = (a ^ size, size)
         if sibling not in nodes:
             nodes[(a, size)] = v
             return
-        other = nodes.pop(sibling).float()
-        v = v.float()
-        v = v + other if a < sibling[0] else other + v  # left child + right child
+        other = nodes.pop(sibling)
+        left, right = (v, other) if a < sibling[0] else (other, v)
         a, size = min(a, sibling[0]), size * 2
+        uncle = (a ^ size, size)
+        if uncle in nodes:  # (left + right) + uncle, the next merge, in one pass
+            v = kernels.add_f32(nodes.pop(uncle), left, right)
+            a, size = min(a, uncle[0]), size * 2
+        else:
+            v = kernels.add_f32(left, right)
 
 
 def _root(nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int) -> torch.Tensor | None:
@@ -80,7 +89,7 @@ def _root(nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int) -> torch.
         if s == 1:
             raise ValueError(f"gradient of global micro-batch {a} is missing")
         left, right = node(a, s // 2), node(a + s // 2, s // 2)
-        return left if right is None else left.float() + right.float()
+        return left if right is None else kernels.add_f32(left, right)
 
     out = node(0, size)
     return None if out is None else out.float()

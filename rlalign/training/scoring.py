@@ -65,7 +65,7 @@ def score_micro_batch(
     if sample_ids is not None:
         set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
-    lp = kernels.token_logprobs(logits[rows_t], targets, temperature, top_k, top_p)
+    lp = kernels.token_logprobs_rows(logits, rows_t, targets, temperature, top_k, top_p)
     return list(torch.split(lp, [len(r) for r in responses]))
 
 

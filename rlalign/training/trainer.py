@@ -29,6 +29,19 @@ from rlalign.training.scoring import micro_batches, score_micro_batch
 from rlalign.training.shards import Unit
 
 
+def _on_host(logprobs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Each sample's logprobs as a CPU tensor of its own (Ray pickles whole storages), the device ones
+    copied in one transfer."""
+    dev = [i for i, x in logprobs.items() if x.device.type != "cpu"]
+    if not dev:
+        return logprobs
+    flat = torch.cat([logprobs[i] for i in dev]).cpu()
+    out = dict(logprobs)
+    for i, x in zip(dev, flat.split([logprobs[i].numel() for i in dev])):
+        out[i] = x.clone()
+    return out
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, group=None):
         self.cfg, self.group = cfg, group
@@ -97,26 +110,31 @@ class Trainer:
                 records += [((epoch, k, g), st) for g, st in self.forward_backward(samples, loss_fn, mbs=mbs).items()]
                 norm = self.optimizer_step()["grad_norm"]
                 records.append(((epoch, k, len(mbs)), {"grad_norm_max": norm, "grad_norm_last": norm}))
-        return {i: old[i] for i in mine}, records
+        return _on_host({i: old[i] for i in mine}), records
 
     @staticmethod
     def _ppo_loss(samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None) -> LossFn:
         """The PPO loss of a micro-batch; the first forward of a sample not scored before the step
-        captures its pre-update logprobs into `old` (one device-to-host copy per micro-batch, each
-        sample's own tensor: Ray pickles whole storages)."""
+        captures its pre-update logprobs into `old`, on the device (train_step copies them to the host
+        once, at its end: no host sync between a micro-batch's forward and its backward). The host
+        inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy."""
 
         def loss_fn(lps, idx):
-            new = [(lp, j) for lp, j in zip(lps, idx) if j not in old]
-            if new:
-                flat = torch.cat([lp.detach().float() for lp, _ in new]).cpu()
-                for (_, j), x in zip(new, flat.split([lp.numel() for lp, _ in new])):
-                    old[j] = x.clone()
+            for lp, j in zip(lps, idx):
+                if j not in old:
+                    old[j] = lp.detach().float()
+            dev = lps[0].device if lps else torch.device("cpu")
+            gen = [samples[j].generator_logprobs.detach().cpu().float() for j in idx]
+            adv = [torch.full((len(samples[j].response),), float(samples[j].advantage)) for j in idx]
+            host = torch.cat(gen + adv) if idx else torch.zeros(0)
+            host = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+            gen_t, adv_t = host.split([sum(x.numel() for x in gen), sum(x.numel() for x in adv)])
             cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
             return policy_loss(
                 torch.cat(lps),
-                cat([samples[j].generator_logprobs for j in idx]),
+                gen_t,
                 cat([old[j] for j in idx]),
-                cat([torch.full((len(samples[j].response),), samples[j].advantage) for j in idx]),
+                adv_t,
                 alg,
                 cat([ref[j] for j in idx]) if ref is not None else None,
             )
@@ -167,7 +185,7 @@ class Trainer:
         share, mine = self.my_micro_batches(mbs)
         starts = [micro_batch_share(len(mbs), self.world, r) for r in range(self.world)]
         self.gradients.start(len(mbs), starts)
-        stats: dict[int, dict[str, float]] = {}
+        pending: list[tuple[int, list[str], torch.Tensor | None]] = []  # stats read once, after the loop
         for i in range(len(starts[0])):  # rank 0 has the most: every rank steps in lockstep
             idx = mine[i] if i < len(mine) else []
             mb = [samples[j] for j in idx]
@@ -175,13 +193,21 @@ class Trainer:
                 lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
                 loss, st = loss_fn(lps, idx)
                 vals = [torch.as_tensor(v, device=self.device).float().reshape(()) for v in st.values()]
-                stats[share[i]] = dict(zip(st, torch.stack(vals).tolist() if vals else []))  # one host read
+                pending.append((share[i], list(st), torch.stack(vals).detach() if vals else None))
             else:  # still runs forward and backward through the MoE collectives
                 loss = self.model(torch.zeros(0, dtype=torch.long, device=self.device), [0]).float().sum() * 0.0
             self.gradients.before_backward(i)
             (loss / max(1, global_tokens)).backward()
             self.gradients.after_backward(share[i] if mb else None, i)
         self.gradients.finish()
+        filled = [v for _, _, v in pending if v is not None]
+        flat = torch.cat(filled).tolist() if filled else []  # one host read for the step's stats
+        stats: dict[int, dict[str, float]] = {}
+        pos = 0
+        for g, names, v in pending:
+            n = len(names) if v is not None else 0
+            stats[g] = dict(zip(names, flat[pos : pos + n]))
+            pos += n
         return stats
 
     def reduce_grads(self) -> None:
@@ -200,8 +226,8 @@ class Trainer:
             self.gradients.dense_flat = None
         clip = self.cfg.trainer.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
-        self.weights.step(self.grads, coef)
-        self.weights.write_into(self.model, self.group)
+        written = self.weights.step(self.grads, coef, self.model)
+        self.weights.write_into(self.model, self.group, skip=written)
         return {"grad_norm": norm, "grad_clip_coef": coef}
 
     # --- state -------------------------------------------------------------------------------------
