@@ -132,9 +132,9 @@ def unfused(timers=None, keep=()):
 
     saved = {"add": K.add_f32, "slot": K.moe_slot_rows, "combine": tb.moe_combine_rows,
              "lp": K.token_logprobs_rows, "step": MasterWeights.step, "swiglu": K.swiglu_halves,
-             "squares": K.sum_of_squares, "rows": D.MAX_ROWS, "loss": Trainer.__dict__["_ppo_loss"]}
+             "squares": K.sum_of_squares, "rows": D.MAX_ROWS, "loss": Trainer.__dict__["ppo_loss"]}
     if "syncs" not in keep:
-        Trainer._ppo_loss = staticmethod(ppo_loss)
+        Trainer.ppo_loss = staticmethod(ppo_loss)
     if "add" not in keep:
         K.add_f32 = lambda a, b, c=None: a.float() + b.float() if c is None else a.float() + (b.float() + c.float())
     if "slot" not in keep:
@@ -157,7 +157,7 @@ def unfused(timers=None, keep=()):
         K.add_f32, K.moe_slot_rows, tb.moe_combine_rows = saved["add"], saved["slot"], saved["combine"]
         K.token_logprobs_rows, MasterWeights.step = saved["lp"], saved["step"]
         K.swiglu_halves, K.sum_of_squares, D.MAX_ROWS = saved["swiglu"], saved["squares"], saved["rows"]
-        Trainer._ppo_loss = saved["loss"]
+        Trainer.ppo_loss = saved["loss"]
 
 
 def _sync() -> None:
@@ -314,7 +314,7 @@ def check_bits(trainer, samples, alg) -> dict:
     runs = {}
     for name in ("det_unfused", "det_nofill"):
         old: dict = {}
-        loss_fn = trainer._ppo_loss(samples, alg, old, None)
+        loss_fn = trainer.ppo_loss(samples, alg, old, None)
         ctx = unfused() if name == "det_unfused" else contextlib.nullcontext()
         with ctx:
             trainer.forward_backward(samples, loss_fn)
@@ -334,7 +334,7 @@ def check_bits(trainer, samples, alg) -> dict:
     for piece in ("add", "slot", "combine", "lp", "swiglu", "dispatch"):
         old = {}
         with unfused(keep=(piece,)):
-            trainer.forward_backward(samples, trainer._ppo_loss(samples, alg, old, None))
+            trainer.forward_backward(samples, trainer.ppo_loss(samples, alg, old, None))
         fp = _fingerprints(trainer)
         pieces[piece] = {"gradients_differing": sum(fp[n] != a["grads"][n] for n in fp),
                          "logprobs_equal": fingerprint(torch.cat([old[i] for i in sorted(old)])) == a["logprobs"]}
@@ -342,7 +342,7 @@ def check_bits(trainer, samples, alg) -> dict:
     print(f"-- bits by piece: {json.dumps(pieces)}", flush=True)
     again: dict = {}  # the unfused run repeated: are the bits even repeatable here?
     with unfused():
-        trainer.forward_backward(samples, trainer._ppo_loss(samples, alg, again, None))
+        trainer.forward_backward(samples, trainer.ppo_loss(samples, alg, again, None))
     fp = _fingerprints(trainer)
     out["unfused_repeat_differing"] = sum(fp[n] != a["grads"][n] for n in fp)
     adam = {}

@@ -106,14 +106,14 @@ class Trainer:
         records: list[tuple[tuple, dict]] = []
         for epoch in range(alg.ppo_epochs):
             for k, mbs in enumerate(plan):
-                loss_fn = self._ppo_loss(samples, alg, old, ref)
+                loss_fn = self.ppo_loss(samples, alg, old, ref)
                 records += [((epoch, k, g), st) for g, st in self.forward_backward(samples, loss_fn, mbs=mbs).items()]
                 norm = self.optimizer_step()["grad_norm"]
                 records.append(((epoch, k, len(mbs)), {"grad_norm_max": norm, "grad_norm_last": norm}))
         return _on_host({i: old[i] for i in mine}), records
 
     @staticmethod
-    def _ppo_loss(samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None) -> LossFn:
+    def ppo_loss(samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None) -> LossFn:
         """The PPO loss of a micro-batch; the first forward of a sample not scored before the step
         captures its pre-update logprobs into `old`, on the device (train_step copies them to the host
         once, at its end: no host sync between a micro-batch's forward and its backward). The host
