@@ -177,7 +177,7 @@ def kernel(a) -> None:
     # the pinned config beside others (the value does not depend on them: checked per config)
     sweep = {}
     for block, warps in ((4096, 8), (2048, 4), (2048, 8), (8192, 8), (4096, 4), (8192, 16), (1024, 4)):
-        if dev.type != "cuda" and block > 1024:
+        if (dev.type != "cuda" and block > 1024) or not a.sweep:
             continue
         sweep[f"BLOCK={block} num_warps={warps}"] = {"gbps": nbytes / kernel_s(block, warps, max(2, reps // 2)) / 1e9}
     out.zero_()
@@ -481,6 +481,7 @@ def main() -> None:
     ap.add_argument("--kernel-name", default=None, help="summary: also write the kernel phase as this result")
     ap.add_argument("--command", default=None, help="the whole call's command line, recorded by summary")
     ap.add_argument("--gb", type=float, default=10.0)
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="kernel: the pinned config only")
     ap.add_argument("--model", default="qwen3-30b-a3b-rehearsal")
     ap.add_argument("--runs", nargs="*", default=["det:default", "det:off"])
     ap.add_argument("--steps", type=int, default=4)

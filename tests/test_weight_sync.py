@@ -126,3 +126,37 @@ def test_plan_buckets_per_dtype_within_the_size_and_specs_mismatch_named():
         weight_sync.check_specs(plan.specs(), other)
     with pytest.raises(SyncError, match=r"only the trainer has tensor \('b'"):
         weight_sync.check_specs(plan.specs(), plan.specs()[:3])
+
+
+def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch):
+    """The colocated one-rank-per-side sync (CUDA IPC on a GPU; here the trainer's tensors handed over
+    in-process): handles once, then each train_step returns the trainer's fingerprints of its updated
+    weights and the generator copies from the views it kept; both sides agree. Twin: a parameter that
+    moved makes train_step return none (the driver then asks send_weights, which hands out handles)."""
+    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+    from rlalign.factory import sampling_params
+    from rlalign.training.plan import Sample
+
+    monkeypatch.setattr(weight_sync, "reduce_tensor", lambda t: (lambda t=t: t, ()))
+    t, g = TrainerWorker(_cfg(1), 0, 1), GeneratorWorker(_cfg(0), 0, 1)
+    specs, _ = t.prepare_weight_sync(BUCKET)
+    g.prepare_weight_sync(BUCKET)
+
+    def check(t_out, g_out):
+        return weight_sync.check(weight_sync.merge(specs, [t_out.shares], "trainer", dense_on_all=False),
+                                 weight_sync.merge(specs, [g_out.shares], "generator", dense_on_all=True))
+
+    first = t.send_weights(True, True)
+    assert first.ipc is not None and first.direct
+    fp0 = check(first, g.receive_weights(-1, first.ipc, first.device_uuid, True))
+    alg = OmegaConf.to_container(load_config([]).algorithm)
+    outs = g.generate([[3, 4, 5]] * 4, [0, 1, 2, 3], sampling_params(load_config([]), None, 1, 8)).rollouts
+    samples = [Sample([3, 4, 5], r.tokens, r.logprobs, 0.5 * i - 0.75, r.sample_id) for i, r in enumerate(outs)]
+    out = t.train_step(samples, alg, 0)
+    assert out.sync is not None and out.sync.ipc is None
+    fp1 = check(out.sync, g.receive_weights(0, None, None, True))
+    assert fp1 != fp0 and same_bits(t.full_state()[0][specs[0][0]], g.full_state()[specs[0][0]])
+    p = next(iter(t.trainer.model.parameters()))
+    p.data = p.data.clone()
+    assert t.train_step(samples, alg, 1).sync is None
+    assert t.send_weights(True, True).ipc is not None
