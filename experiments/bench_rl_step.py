@@ -250,6 +250,7 @@ def ckpt(a) -> None:
             resumed = [*_base(a.model, a.steps + 1), "checkpoint.enabled=false", "monitor.fingerprints=default",
                        f"checkpoint.resume={final}", *a.overrides]
             res["resume_command"] = "rlalign train " + " ".join(resumed)
+            _wait_gpu_free()
             t0 = time.perf_counter()
             try:
                 train(load_config([*resumed, f"run.dir={root / 'b'}"]))
