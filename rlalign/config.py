@@ -244,7 +244,9 @@ class SyncConfig:
 
 @dataclass
 class PlacementConfig:
-    colocate: bool = False  # GPUs: trainer and generator share GPUs by time
+    # GPUs: trainer and generator share GPUs by time; the generator gives its memory back while the
+    # trainer trains (rlalign.rollout.generator.releases_memory)
+    colocate: bool = False
     num_cpus: float | None = None  # the local Ray cluster's CPUs (None: all)
 
 
