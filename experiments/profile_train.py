@@ -453,7 +453,7 @@ def main() -> None:
     vocab = cfg.model.vocab_size
     batches = [make_samples(s, a.seqs, a.prompt, a.resp, vocab) for s in range(a.steps + 2)]
     tokens = [sum(len(s.prompt) + len(s.response) for s in b) for b in batches]
-    results = {}
+    results, errors = {}, {}
     bits = None
     if a.check_bits:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -476,46 +476,51 @@ def main() -> None:
         torch.utils.deterministic.fill_uninitialized_memory = fill
         rec = {"mode": mode, "deterministic_algorithms": det_alg, "fill_uninitialized_memory": fill, "steps": []}
         pieces = unfused(timers) if name == "det_unfused" else contextlib.nullcontext()
-        with kernels.use(mode=mode, backend=backend), pieces:
-            for s in range(a.steps + 1):  # step 0: warm-up (compiles)
-                n0 = len(_COMPILES)
-                _sync()
-                t0 = time.perf_counter()
-                trainer.train_step(batches[s], alg)
-                _sync()
-                wall = time.perf_counter() - t0
-                comp = _COMPILES[n0:]
-                step = {"step": s, "tokens": tokens[s], "wall_s": round(wall, 4), "phases_s": timers.take(),
-                        "triton_compiles": len(comp), "compile_s": round(sum(c[1] for c in comp), 3),
-                        "compiled": sorted({c[0] for c in comp})}
-                rec["steps"].append(step)
-                print(f"-- {name} step {s}: {wall:.3f} s, {tokens[s]} tokens, compiles {len(comp)} "
-                      f"({step['compile_s']:.2f} s) {json.dumps(step['phases_s'])}", flush=True)
-            for st in rec["steps"]:
-                fl = model_flops(cfg, batches[st["step"]])
-                st["flops"] = fl["flops"]
-                st["mfu"] = round(fl["flops"] / st["wall_s"] / (a.peak_tflops * 1e12), 4)
-            timed = rec["steps"][1:]
-            rec["median_mfu"] = sorted(x["mfu"] for x in timed)[len(timed) // 2] if timed else None
-            rec["median_wall_s"] = sorted(x["wall_s"] for x in timed)[len(timed) // 2] if timed else None
-            rec["median_phases_s"] = {p: sorted(x["phases_s"].get(p, 0.0) for x in timed)[len(timed) // 2]
-                                      for p in PHASES} if timed else {}
-            if not a.no_profile:
-                from torch.profiler import ProfilerActivity, profile
-
-                timers.on = False
-                _sync()
-                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
-                with profile(activities=acts) as prof:
+        try:
+            with kernels.use(mode=mode, backend=backend), pieces:
+                for s in range(a.steps + 1):  # step 0: warm-up (compiles)
+                    n0 = len(_COMPILES)
+                    _sync()
                     t0 = time.perf_counter()
-                    trainer.train_step(batches[a.steps + 1], alg)
+                    trainer.train_step(batches[s], alg)
                     _sync()
                     wall = time.perf_counter() - t0
-                timers.on = True
-                busy, launches, rows, host, ops = kernel_table(prof, a.top)
-                rec["profile"] = {"wall_s_under_profiler": round(wall, 4), "device_busy_ms": round(busy, 2),
-                                  "kernel_launches": launches, "top_kernels": rows, "top_host_ops": host,
-                                  "top_ops_device_incl": ops}
+                    comp = _COMPILES[n0:]
+                    step = {"step": s, "tokens": tokens[s], "wall_s": round(wall, 4), "phases_s": timers.take(),
+                            "triton_compiles": len(comp), "compile_s": round(sum(c[1] for c in comp), 3),
+                            "compiled": sorted({c[0] for c in comp})}
+                    rec["steps"].append(step)
+                    print(f"-- {name} step {s}: {wall:.3f} s, {tokens[s]} tokens, compiles {len(comp)} "
+                          f"({step['compile_s']:.2f} s) {json.dumps(step['phases_s'])}", flush=True)
+                for st in rec["steps"]:
+                    fl = model_flops(cfg, batches[st["step"]])
+                    st["flops"] = fl["flops"]
+                    st["mfu"] = round(fl["flops"] / st["wall_s"] / (a.peak_tflops * 1e12), 4)
+                timed = rec["steps"][1:]
+                rec["median_mfu"] = sorted(x["mfu"] for x in timed)[len(timed) // 2] if timed else None
+                rec["median_wall_s"] = sorted(x["wall_s"] for x in timed)[len(timed) // 2] if timed else None
+                rec["median_phases_s"] = {p: sorted(x["phases_s"].get(p, 0.0) for x in timed)[len(timed) // 2]
+                                          for p in PHASES} if timed else {}
+                if not a.no_profile:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    timers.on = False
+                    _sync()
+                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+                    with profile(activities=acts) as prof:
+                        t0 = time.perf_counter()
+                        trainer.train_step(batches[a.steps + 1], alg)
+                        _sync()
+                        wall = time.perf_counter() - t0
+                    timers.on = True
+                    busy, launches, rows, host, ops = kernel_table(prof, a.top)
+                    rec["profile"] = {"wall_s_under_profiler": round(wall, 4), "device_busy_ms": round(busy, 2),
+                                      "kernel_launches": launches, "top_kernels": rows, "top_host_ops": host,
+                                      "top_ops_device_incl": ops}
+        except Exception as e:  # the other variants still run; the record says what failed
+            traceback.print_exc()
+            errors[name] = f"{type(e).__name__}: {e}"[:2000]
+            continue
         results[name] = rec
     churn_rec = None
     if a.churn:
@@ -550,7 +555,7 @@ def main() -> None:
     payload = {"setup": {"model": a.model, "seqs": a.seqs, "prompt": a.prompt, "resp": a.resp,
                          "micro_batch_size": a.mbs, "trainer_ep": 1, "layout": "packed", "steps": a.steps,
                          "tokens_per_step": tokens, "compiles_counted": compiles_counted},
-               "variants": results, "churn": churn_rec, "bits": bits}
+               "variants": results, "churn": churn_rec, "bits": bits, "errors": errors}
     print(f"\n== MFU (model FLOPs / median step time / peak {a.peak_tflops:.0f} TFLOP/s)")
     for n in names:
         print(f"  {n:<14} {results[n]['median_wall_s']} s  MFU {results[n]['median_mfu']}")
@@ -558,7 +563,7 @@ def main() -> None:
     out = a.out or os.environ.get("OUT")
     print("wrote", record.write(f"train_profile_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), payload, out))
     if a.result:
-        print("wrote", record.write(a.result, mfu_result(cfg, a, results, bits, batches), out))
+        print("wrote", record.write(a.result, {**mfu_result(cfg, a, results, bits, batches), "errors": errors}, out))
 
 
 def mfu_result(cfg, a, results: dict, bits, batches) -> dict:
@@ -573,9 +578,9 @@ def mfu_result(cfg, a, results: dict, bits, batches) -> dict:
                        "steps": [{k: x[k] for k in ("step", "tokens", "wall_s", "flops", "mfu")} for x in r["steps"]],
                        "device_busy_ms": pr.get("device_busy_ms"), "kernel_launches": pr.get("kernel_launches"),
                        "top_kernels": pr.get("top_kernels")}
-    main = results.get("det_nofill") or next(iter(results.values()))
+    main = results.get("det_nofill") or {}
     before = results.get("det_unfused")
-    summary = {"trainer_mfu": main["median_mfu"], "trainer_step_s": main["median_wall_s"],
+    summary = {"trainer_mfu": main.get("median_mfu"), "trainer_step_s": main.get("median_wall_s"),
                "peak_tflops": a.peak_tflops, "model": a.model}
     if before:
         summary.update(trainer_mfu_unfused=before["median_mfu"], trainer_step_s_unfused=before["median_wall_s"])
