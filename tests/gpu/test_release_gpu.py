@@ -89,3 +89,24 @@ def test_release_and_resume_change_no_bit_and_keep_the_graphs():
         engine.close()
     assert _same(first, plain) and _same(again, plain)
     assert not _same(changed, plain) and _same(kept, changed)
+
+
+def test_a_state_not_kept_gives_its_arena_back_after_each_call():
+    """keep_state=false with a releasable engine: each call's KV arena is closed when it returns (twin:
+    a kept state still holds its arena)."""
+    from rlalign.rollout.types import EngineConfig
+
+    prompts, ids = _prompts(9), list(range(9))
+    model = build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
+    with kernels.use(mode="deterministic", backend="triton"):
+        engine = NativeEngine(model, EngineConfig(keep_state=False), releasable=True)
+        engine.generate(prompts, ids, PARAMS)
+        torch.cuda.empty_cache()
+        free0, _ = torch.cuda.mem_get_info()
+        for _ in range(3):
+            engine.generate(prompts, ids, PARAMS)
+        torch.cuda.empty_cache()
+        assert engine.state is None and torch.cuda.mem_get_info()[0] >= free0 - (16 << 20)
+        kept = NativeEngine(model, EngineConfig(), releasable=False)
+        kept.generate(prompts, ids, PARAMS)
+        assert kept.state is not None and kept.state.arena is None

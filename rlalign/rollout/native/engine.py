@@ -87,6 +87,8 @@ class NativeEngine:
             if graphs is not None:
                 graphs.end()
             self.stats["discarded_rows"] = sched.discarded_rows
+            if state is not self.state:  # not kept (keep_state=false): an arena's memory goes back now
+                state.close()
         return _assemble(sched.out, lps, lp_rows)
 
     def _loop(self, sched: Scheduler, runner: ModelRunner) -> tuple[list[torch.Tensor], list[list[int]]]:
