@@ -70,7 +70,7 @@ def roofline(args, model, rollouts, peak: float) -> dict:
 
 
 def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True, score_it: bool = True,
-        calls: int = 1):
+        calls: int = 1, score_micro_batch: int = 16):
     """Warm up, then `calls` timed generate() calls (seeds params.seed, +1, ...): (every call's rollouts,
     the last call's numbers with every call's seconds, decode-graph captures and engine stats)."""
     backend = "triton" if mode == "deterministic" else "torch"
@@ -102,7 +102,7 @@ def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = Tr
         if not score_it:
             return all_outs, res
         with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
-            lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=16,
+            lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=score_micro_batch,
                         **params.logprob_kwargs())
     diff = [(r.logprobs - lp.float().cpu()).abs() for r, lp in zip(outs, lps)]
     return all_outs, {**res, "mismatched_tokens": int(sum(int((d != 0).sum()) for d in diff)),

@@ -1,9 +1,11 @@
 """Rollouts at scale on one GPU: the native engine (deterministic Triton kernels, CUDA graphs, the
 config defaults) at a few batch sizes, plain sampling (T 1) and top-p (T 0.8, top-p 0.95) on the
-same prompts, every timed call's tokens rescored by the trainer (0 mismatched expected).
+same prompts. Each run makes --calls generate() calls on one engine (what an RL run does once per
+step); the last call is the one timed (its graphs were captured by the first) and its tokens are
+rescored by the trainer (0 mismatched expected).
 
     python experiments/bench_rollout_scale.py [--model bench-moe-large] [--cases 256x256,2048x256]
-        [--calls 1] [--budget-s 80] [--out DIR] [--name rollout_scale_h200]
+        [--calls 2] [--budget-s 80] [--out DIR] [--name rollout_scale_h200]
 
 Roofline per decode step: max(memory time, compute time). Memory: the weights the step reads
 (dense, the lm head, the experts its rows route to if routing is uniform) plus every live row's
@@ -76,7 +78,8 @@ def main() -> None:
     ap.add_argument("--model", default="bench-moe-large")
     ap.add_argument("--cases", default="256x256,2048x256", help="PROMPTSxNEW,...")
     ap.add_argument("--sampling", default="plain,top_p")
-    ap.add_argument("--calls", type=int, default=1, help="timed generate() calls per run")
+    ap.add_argument("--calls", type=int, default=2,
+                    help="generate() calls per run (seeds 7, 8, ...): the first captures, the last is timed")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: no limit)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="rollout_scale_h200")
@@ -109,7 +112,8 @@ def main() -> None:
             params = SamplingParams(max_new_tokens=new, seed=7, **SAMPLING[name])
             torch.cuda.empty_cache()
             try:
-                outs, r = run(model, prompts, params, "deterministic", engine, calls=a.calls)
+                outs, r = run(model, prompts, params, "deterministic", engine, warm=False, calls=a.calls,
+                              score_micro_batch=64)
             except Exception as e:  # noqa: BLE001 - recorded, the other runs still go
                 results[f"{case}_{name}"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(case, name, "FAILED", results[f"{case}_{name}"]["error"], flush=True)
