@@ -23,21 +23,23 @@ MATMUL_CONFIGS = {
 }
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # Small M (decode, small batches: M <= 256 rows), for linear and linears alike: tiles 64 rows high, the
-# narrowest of 16 / 32 / 64 / 128 columns whose tiles fit in one wave (<= one per SM), else 128 (no
-# split-K: more, narrower tiles keep the SMs busy). A config may join only if every element still
-# reduces K in the main config's order through the same chain of k16 MMAs into one fp32 accumulator
-# (BLOCK_K 64, 128 or 256 cut that chain at other points, never reorder it), and its rows measured
-# bitwise equal to the main config's on the GPU (experiments/bench_vs_vendor.py --sweep gemm: 20
-# candidates, 0 rows differing at M = 1, 16, 64, 256; tests/gpu/test_triton_gpu.py: M = 1..299). At
-# M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program reading the
-# same row is an L2 hot spot (M = 1, N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS). The rule
-# picked the fastest measured member at every M = 1, 16, 64, 256 of N = K = 4096, 2048 x 2048 and
-# 512 x 2048 (results/kernels_vs_vendor_h200.json) and of bench-moe-large's and the 30B's q, k, v in
-# one launch (results/linears_H200.json). Past 256 rows: the main config.
+# narrowest of 16 / 32 / 64 / 128 columns whose tiles fit in one wave (<= one per SM); where none fits,
+# the main config once its own tiles fill a wave (the lm head at 256 rows ran 0.68x cuBLAS in 64 x 128
+# tiles), else 128 columns. No split-K: more, narrower tiles keep the SMs busy. FLATTEN (the next tile's
+# loads under the current one) only where a program runs several tiles: 64 x 128 tiles in one wave ran
+# 0.89x cuBLAS flattened, 1.01x not. A config may join only if every element still reduces K in the main
+# config's order through the same chain of k16 MMAs into one fp32 accumulator (BLOCK_K 64, 128 or 256
+# cut that chain at other points, never reorder it), and its rows measured bitwise equal to the main
+# config's on the GPU (experiments/bench_vs_vendor.py --sweep gemm: 20 candidates, 0 rows differing at
+# M = 1, 16, 64, 256; tests/gpu/test_triton_gpu.py: M = 1..299). At M <= 32 the rows past M are masked
+# (MASK_M) instead of read from row 0: every program reading the same row is an L2 hot spot (M = 1,
+# N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS). Measured: results/kernels_vs_vendor_h200.json
+# (linear), results/linears_H200.json (q, k, v in one launch, the tiles then flattened). Past 256 rows:
+# the main config.
 _SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
-            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
-            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)]
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4)]
 MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256, 32, _SMALL_M)}
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
 # interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
@@ -229,10 +231,17 @@ def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     if dtype not in MATMUL_SMALL_M or m > MATMUL_SMALL_M[dtype][0]:
         return dict(MATMUL_CONFIGS[dtype])
     _, mask_m, cfgs = MATMUL_SMALL_M[dtype]
-    for cfg in cfgs:
-        if triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns) <= sms:
-            break
-    return dict(cfg, MASK_M=True) if m <= mask_m else dict(cfg)
+
+    def tiles(cfg: dict) -> int:
+        return triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns)
+
+    cfg = next((c for c in cfgs if tiles(c) <= sms), None)
+    if cfg is None:  # no member fits one wave: the main config where its own tiles fill one
+        if tiles(MATMUL_CONFIGS[dtype]) >= sms:
+            return dict(MATMUL_CONFIGS[dtype])
+        cfg = cfgs[-1]
+    cfg = dict(cfg, FLATTEN=tiles(cfg) > sms)  # next tile's loads under this one: only with tiles to spare
+    return dict(cfg, MASK_M=True) if m <= mask_m else cfg
 
 
 def _launch_cfg(cfg: dict) -> dict:
