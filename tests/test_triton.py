@@ -268,7 +268,8 @@ def test_weight_gradient_keeps_the_k_mask_for_every_token_count_with_the_same_bi
 def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeypatch):
     # the pinned configs are a pure function of (dtype, rows, columns, SMs): at M <= 256 the narrowest
     # 64-row tiles whose count fits one wave, else the main config where its tiles fill a wave, else 128
-    # columns with the tile loop flattened; rows past M masked at M <= 32; the grouped
+    # columns; the tile loop flattened for 64 columns and where a program runs several tiles; rows past M
+    # masked at M <= 32; the grouped
     # GEMM at few rows per expert 128-wide with its tile loop flattened; every small-M config keeps
     # BLOCK_M 64 and a BLOCK_K that cuts the k16 MMA chain (128 or 256), never reorders it
     from rlalign.kernels.triton import gemm
@@ -284,7 +285,7 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
                                                               (32, True, False), (128, True, True)]
     assert pick(64, 2048) == (16, False, False) and pick(64, 4096) == (32, False, False)
     assert pick(33, 4096) == (32, False, False) and pick(128, 32000) == (128, False, True)
-    assert [pick(256, n)[0] for n in (512, 2048, 4096)] == [16, 64, 128]
+    assert [pick(256, n) for n in (512, 2048, 4096)] == [(16, False, False), (64, False, True), (128, False, False)]
     assert gemm.small_m_config(bf, 256, [32000], 132) == gemm.MATMUL_CONFIGS[bf]
     assert gemm.small_m_config(bf, 257, [2048], 132) == gemm.MATMUL_CONFIGS[bf]
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]

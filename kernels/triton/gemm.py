@@ -26,19 +26,19 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # narrowest of 16 / 32 / 64 / 128 columns whose tiles fit in one wave (<= one per SM); where none fits,
 # the main config once its own tiles fill a wave (the lm head at 256 rows ran 0.68x cuBLAS in 64 x 128
 # tiles), else 128 columns. No split-K: more, narrower tiles keep the SMs busy. FLATTEN (the next tile's
-# loads under the current one) only where a program runs several tiles: 64 x 128 tiles in one wave ran
-# 0.89x cuBLAS flattened, 1.01x not. A config may join only if every element still reduces K in the main
-# config's order through the same chain of k16 MMAs into one fp32 accumulator (BLOCK_K 64, 128 or 256
-# cut that chain at other points, never reorder it), and its rows measured bitwise equal to the main
-# config's on the GPU (experiments/bench_vs_vendor.py --sweep gemm: 20 candidates, 0 rows differing at
-# M = 1, 16, 64, 256; tests/gpu/test_triton_gpu.py: M = 1..299). At M <= 32 the rows past M are masked
-# (MASK_M) instead of read from row 0: every program reading the same row is an L2 hot spot (M = 1,
-# N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS). Measured: results/kernels_vs_vendor_h200.json
-# (linear), results/linears_H200.json (q, k, v in one launch, the tiles then flattened). Past 256 rows:
-# the main config.
+# loads under the current one): the 64-column member always (as measured), the 128-column one only where
+# a program runs several tiles (in one wave it ran 0.89x cuBLAS flattened, 1.01x not). A config may join
+# only if every element still reduces K in the main config's order through the same chain of k16 MMAs
+# into one fp32 accumulator (BLOCK_K 64, 128 or 256 cut that chain at other points, never reorder it),
+# and its rows measured bitwise equal to the main config's on the GPU (experiments/bench_vs_vendor.py
+# --sweep gemm: 20 candidates, 0 rows differing at M = 1, 16, 64, 256; tests/gpu/test_triton_gpu.py:
+# M = 1..299). At M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program
+# reading the same row is an L2 hot spot (M = 1, N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS).
+# Measured: results/kernels_vs_vendor_h200.json (linear), results/linears_H200.json (q, k, v in one
+# launch). Past 256 rows: the main config.
 _SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
-            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4)]
 MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256, 32, _SMALL_M)}
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
@@ -240,7 +240,8 @@ def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
         if tiles(MATMUL_CONFIGS[dtype]) >= sms:
             return dict(MATMUL_CONFIGS[dtype])
         cfg = cfgs[-1]
-    cfg = dict(cfg, FLATTEN=tiles(cfg) > sms)  # next tile's loads under this one: only with tiles to spare
+    if "FLATTEN" not in cfg:
+        cfg = dict(cfg, FLATTEN=tiles(cfg) > sms)  # the next tile's loads under this one: with tiles to spare
     return dict(cfg, MASK_M=True) if m <= mask_m else cfg
 
 
