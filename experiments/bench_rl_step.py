@@ -402,6 +402,17 @@ def _steps_median(run: dict, key: str, steps: range) -> float | None:
     return _median(r.get(key) for i, r in enumerate(run.get("per_step", [])) if i in steps)
 
 
+def _gpu_env(a) -> dict:
+    """Summarising on another machine than the GPU one (--env-from: a result JSON written there by the
+    same software): the GPU machine's record, the measurement's date and code."""
+    if not a.env_from:
+        return {}
+    env = json.loads(Path(a.env_from).read_text())
+    out = {k: env[k] for k in ("machine", "versions") if k in env}
+    out.update({k: v for k, v in (("date", a.date), ("git_commit", a.code), ("git_describe", a.code)) if v})
+    return out
+
+
 def summary(a) -> None:
     """Results JSON of the RL step at real size (--name) and, with --monitor-name, of the monitor's
     cost (the 2 B det runs with monitor default / off, the bench-moe-large pair, the kernel's GB/s)."""
@@ -429,8 +440,9 @@ def summary(a) -> None:
             "generator_released_gib")}
     if refused:
         s["small_run_dir_refused_in_one_line"] = refused["refused_in_one_line"]
-    res = {"summary": s, "runs": {k: v for k, v in P.items() if k.startswith(("rl_", "ckpt_"))}, "parts": iso,
-           "refuse": refused, "what_it_shows": a.shows or _shows(s, off, iso, ck, large, refused)}
+    res = {**_gpu_env(a), "summary": s, "runs": {k: v for k, v in P.items() if k.startswith(("rl_", "ckpt_"))},
+           "parts": iso,
+           "refuse": refused, "what_it_shows": a.shows or _shows(s, off, iso, ck, large, refused) + (a.note or "")}
     print(json.dumps(s, indent=1))
     print("wrote", record.write(a.name, res, a.results, command=a.command))
     if a.monitor_name:
@@ -478,7 +490,7 @@ def _shows(s, off, iso, ck, large, refused) -> str:
 
 def monitor_summary(a, P: dict) -> None:
     k = P.get("kernel", {})
-    pairs = {"qwen3-30b-a3b-rehearsal": (P.get("ckpt_q_det"), P.get("rl_q_det_off")),
+    pairs = {"qwen3-30b-a3b-rehearsal": (P.get("rl_q_det_on") or P.get("ckpt_q_det"), P.get("rl_q_det_off")),
              "bench-moe-large": (P.get("rl_large_det_on"), P.get("rl_large_det_off"))}
     models = {}
     for model, (on, off_) in pairs.items():
@@ -513,7 +525,8 @@ def monitor_summary(a, P: dict) -> None:
              f"GPU, colocated, deterministic kernels, median of steps {steps}) with "
              f"monitor.fingerprints=default over off: {ratios_text} (bars: step 1.03, sync 1.1x).")
     print(json.dumps(summ, indent=1))
-    res = {"summary": summ, "models": models, "kernel": k, "what_it_shows": shows}
+    res = {**_gpu_env(a), "summary": summ, "models": models, "kernel": k,
+           "what_it_shows": shows + (a.monitor_note or "")}
     print("wrote", record.write(a.monitor_name, res, a.results, command=a.command))
 
 
@@ -533,6 +546,11 @@ def main() -> None:
     ap.add_argument("--offload", type=int, default=1, help="parts: time the weights to pinned host and back")
     ap.add_argument("--shows", default=None)
     ap.add_argument("--monitor-name", default=None, help="summary: also the monitor's cost as this result")
+    ap.add_argument("--note", default=None, help="summary: appended to what_it_shows")
+    ap.add_argument("--env-from", default=None, help="summary: machine and versions from this GPU-written JSON")
+    ap.add_argument("--date", default=None, help="summary (with --env-from): when the parts were measured")
+    ap.add_argument("--code", default=None, help="summary (with --env-from): the code that was measured")
+    ap.add_argument("--monitor-note", default=None, help="summary: appended to the monitor result's what_it_shows")
     a = ap.parse_intermixed_args()
     {"rl": rl, "ckpt": ckpt, "refuse": refuse, "parts": parts, "summary": summary}[a.phase](a)
 
