@@ -306,7 +306,7 @@ def demo(a) -> None:
                                            for k, p in enumerate(pairs)]}
     print(f"median step: off {med['off']:.3f}s, default {med['default']:.3f}s, default/off "
           f"{res['default_over_off']:.3f}", flush=True)
-    shows = (f"`rlalign train` defaults on a shared 2-core CPU, monitor off / default interleaved ({a.reps} reps x "
+    shows = (f"`rlalign train` defaults on a 2-core CPU, monitor off / default interleaved ({a.reps} reps x "
              f"{a.steps} steps): median step {med['off']:.3f} s off, {med['default']:.3f} s with the default "
              f"fingerprints (weights, grads, AdamW moments per step on every trainer rank, the synced weights on the "
              f"generator): default/off {res['default_over_off']:.3f}.")
