@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -210,19 +209,6 @@ def _base(model: str, tiny: bool) -> list[str]:
             "logger.console=false"]
 
 
-def _wait_gpu_free(limit_s: float = 60.0) -> None:
-    """The previous run's actors are killed asynchronously: wait until their GPU memory is back."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit_s:
-        try:
-            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=10).stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        if not used or max(int(u) for u in used) < 4096:
-            return
-        time.sleep(1.0)
-
 
 def _summarise(rows: list[dict]) -> dict:
     steady = rows[1:] or rows
@@ -253,7 +239,7 @@ def rl(a) -> None:
                     f"monitor.fingerprints={level}"]
             with tempfile.TemporaryDirectory(dir=a.run_root) as d:
                 if not a.tiny:
-                    _wait_gpu_free()
+                    record.wait_gpu_free()
                 t0 = time.perf_counter()
                 train(load_config([*over, f"run.dir={d}"]))
                 rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -49,20 +49,6 @@ def _base(model: str, steps: int) -> list[str]:
             f"run.steps={steps}"]
 
 
-def _wait_gpu_free(limit_s: float = 60.0) -> None:
-    import subprocess
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit_s:
-        try:
-            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=10).stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        if not used or max(int(u) for u in used) < 4096:
-            return
-        time.sleep(0.5)
-
 
 def _median(xs):
     xs = [x for x in xs if x is not None]
@@ -84,7 +70,7 @@ def rl(a) -> None:
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(dir=root) as d:
-            _wait_gpu_free()
+            record.wait_gpu_free()
             try:
                 res["train_summary"] = train(load_config([*over, f"run.dir={d}"]))
                 res["error"] = None
@@ -219,7 +205,7 @@ def ckpt(a) -> None:
     res: dict = {"label": a.label, "model": a.model, "command": "rlalign train " + " ".join(over)}
     cluster.connect()
     try:
-        _wait_gpu_free()
+        record.wait_gpu_free()
         rss = _TrainerRSS(root / "a")
         t0 = time.perf_counter()
         try:
@@ -250,7 +236,7 @@ def ckpt(a) -> None:
             resumed = [*_base(a.model, a.steps + 1), "checkpoint.enabled=false", "monitor.fingerprints=default",
                        f"checkpoint.resume={final}", *a.overrides]
             res["resume_command"] = "rlalign train " + " ".join(resumed)
-            _wait_gpu_free()
+            record.wait_gpu_free()
             t0 = time.perf_counter()
             try:
                 train(load_config([*resumed, f"run.dir={root / 'b'}"]))
@@ -327,7 +313,7 @@ def parts(a) -> None:
 
     over = [*_base(a.model, a.steps), *a.overrides]
     cfg = load_config([*over, "run.dir=/tmp/bench_rl_step_parts"])
-    _wait_gpu_free()
+    record.wait_gpu_free()
     apply_kernels(cfg)
     t = cfg.task
     task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))

@@ -270,11 +270,16 @@ def sweep_fwd(shard) -> list[dict]:
                 attention.ATTN_FWD[BF] = pinned
         rows.append(out)
         if not WARM:
-            log(f"fwd T={T} sdpa {t_sdpa:.3f}ms ({how}) " + "  ".join(
-                f"{k} {v['ratio']:.2f}{'' if v['bits_equal_pinned'] else '*'}" if "ratio" in v else f"{k} ERR"
-                for k, v in out.items() if isinstance(v, dict)))
+            log_sweep("fwd", T, t_sdpa, how, out)
     return rows
 
+
+
+def log_sweep(label: str, T: int, t_sdpa: float, how: str, out: dict) -> None:
+    """One line a shape: each candidate's ratio to SDPA, '*' where its bits differ from the pinned config's."""
+    log(f"{label} T={T} sdpa {t_sdpa:.3f}ms ({how}) " + "  ".join(
+        f"{k} {v['ratio']:.2f}{'' if v['bits_equal_pinned'] else '*'}" if "ratio" in v else f"{k} ERR"
+        for k, v in out.items() if isinstance(v, dict)))
 
 def _b(bm, bn, s, w):
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=s, num_warps=w)
@@ -323,9 +328,7 @@ def sweep_bwd(shard) -> list[dict]:
                 attention.ATTN_BWD[BF] = pinned
         rows.append(out)
         if not WARM:
-            log(f"fwd+bwd T={T} sdpa {t_sdpa:.3f}ms ({how}) " + "  ".join(
-                f"{k} {v['ratio']:.2f}{'' if v['bits_equal_pinned'] else '*'}" if "ratio" in v else f"{k} ERR"
-                for k, v in out.items() if isinstance(v, dict)))
+            log_sweep("fwd+bwd", T, t_sdpa, how, out)
     return rows
 
 
