@@ -9,31 +9,20 @@ from collections import Counter
 
 import pytest
 import torch
+from engine_model import PARAMS, engine_model, engine_prompts, same_rollouts
 
 from rlalign import kernels
-from rlalign.model import ModelArgs, build_model
 from rlalign.rollout.native import graphs as native_graphs
 from rlalign.rollout.native.engine import NativeEngine, generate
-from rlalign.rollout.types import EngineConfig, SamplingParams
+from rlalign.rollout.types import EngineConfig
 from rlalign.training.scoring import score
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-ARGS = dict(vocab_size=4096, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
-            intermediate_size=1024, moe_intermediate_size=256, num_experts=16, top_k=4, norm_topk_prob=True,
-            max_position_embeddings=1024, eos_token_id=1)
-PARAMS = SamplingParams(max_new_tokens=40, eos_token_id=1, seed=3, temperature=0.9, top_p=0.95)
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 4096, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
+    return engine_model()
 
 
 PLAIN = EngineConfig(cuda_graphs=False, keep_state=False, lookahead=False)  # eager, one step at a time
@@ -42,7 +31,7 @@ PLAIN = EngineConfig(cuda_graphs=False, keep_state=False, lookahead=False)  # ea
 @pytest.fixture(scope="module")
 def eager(model):
     with kernels.use(mode="deterministic", backend="triton"):
-        return generate(model, _prompts(37), list(range(37)), PARAMS, engine=PLAIN)
+        return generate(model, engine_prompts(37), list(range(37)), PARAMS, engine=PLAIN)
 
 
 @pytest.mark.parametrize("engine", [EngineConfig(), EngineConfig(max_num_seqs=5, max_num_batched_tokens=64),
@@ -52,7 +41,7 @@ def eager(model):
                               "eager-lookahead"])
 def test_graphs_and_schedules_change_no_bit(model, eager, engine):
     with kernels.use(mode="deterministic", backend="triton"):
-        got = generate(model, _prompts(37), list(range(37)), PARAMS, engine=engine)
+        got = generate(model, engine_prompts(37), list(range(37)), PARAMS, engine=engine)
     for r, ref in zip(got, eager):
         assert r.tokens == ref.tokens
         assert torch.equal(r.logprobs.view(torch.int32), ref.logprobs.view(torch.int32)), f"sample {r.sample_id}"
@@ -68,7 +57,7 @@ def test_engine_logprobs_equal_the_trainers(model, eager):
 
 def test_negative_twin_default_kernels_disagree_with_the_trainer(model):
     with kernels.use(mode="default"):
-        outs = generate(model, _prompts(37), list(range(37)), PARAMS, engine=EngineConfig(cuda_graphs=False))
+        outs = generate(model, engine_prompts(37), list(range(37)), PARAMS, engine=EngineConfig(cuda_graphs=False))
         lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=8,
                     **PARAMS.logprob_kwargs())
     assert sum(int((r.logprobs.cuda() != lp.float()).sum()) for r, lp in zip(outs, lps)) > 0
@@ -77,13 +66,8 @@ def test_negative_twin_default_kernels_disagree_with_the_trainer(model):
 EAGER = EngineConfig(cuda_graphs=False, keep_state=False)  # eager, lookahead
 
 
-def _same(a, b) -> bool:
-    return all(x.tokens == y.tokens and torch.equal(x.logprobs.view(torch.int32), y.logprobs.view(torch.int32))
-               for x, y in zip(a, b, strict=True))
-
-
 def test_kept_graphs_are_replayed_in_later_calls_with_the_same_bits(model, eager):
-    prompts, ids, other = _prompts(37), list(range(37)), dataclasses.replace(PARAMS, seed=2**63 + 11)
+    prompts, ids, other = engine_prompts(37), list(range(37)), dataclasses.replace(PARAMS, seed=2**63 + 11)
     with kernels.use(mode="deterministic", backend="triton"):
         engine = NativeEngine(model)
         first = engine.generate(prompts, ids, PARAMS)
@@ -96,20 +80,20 @@ def test_kept_graphs_are_replayed_in_later_calls_with_the_same_bits(model, eager
         third = engine.generate(prompts, ids, PARAMS)
         assert g.captures == n2  # the same buckets as the first call: nothing captured
         ref_other = generate(model, prompts, ids, other, engine=EAGER)
-    assert _same(first, eager) and _same(third, eager) and _same(second, ref_other)
-    assert not _same(second, eager)  # the seed is not baked into the graphs
+    assert same_rollouts(first, eager) and same_rollouts(third, eager) and same_rollouts(second, ref_other)
+    assert not same_rollouts(second, eager)  # the seed is not baked into the graphs
 
 
 @pytest.fixture(scope="module")
 def model2():
-    return build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
+    return engine_model()
 
 
 def test_kept_graphs_after_an_in_place_weight_update_sample_the_new_weights(model2):
     """Weight sync copies into the generator's parameters (weight_sync.receive):
     the kept graphs read the new values."""
-    prompts, ids = _prompts(37, seed=1), list(range(37))
-    new = build_model(ModelArgs(**ARGS), "bfloat16", seed=1, device="cuda").state_dict()
+    prompts, ids = engine_prompts(37, seed=1), list(range(37))
+    new = engine_model(seed=1).state_dict()
     with kernels.use(mode="deterministic", backend="triton"):
         engine = NativeEngine(model2)
         before = engine.generate(prompts, ids, PARAMS)
@@ -121,12 +105,12 @@ def test_kept_graphs_after_an_in_place_weight_update_sample_the_new_weights(mode
         after = engine.generate(prompts, ids, PARAMS)
         assert engine.state.graphs is g and all(g.graphs[k] is v for k, v in captured.items())
         ref = generate(model2, prompts, ids, PARAMS, engine=EAGER)
-    assert _same(after, ref)
-    assert not _same(after, before)  # the update changed what is sampled
+    assert same_rollouts(after, ref)
+    assert not same_rollouts(after, before)  # the update changed what is sampled
 
 
 def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, monkeypatch):
-    prompts, ids = _prompts(37, seed=2), list(range(37))
+    prompts, ids = engine_prompts(37, seed=2), list(range(37))
     g0 = torch.Generator(device="cuda").manual_seed(5)
     old = model2.lm_head.weight
     with kernels.use(mode="deterministic", backend="triton"):
@@ -142,8 +126,8 @@ def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, 
         fresh = engine.generate(prompts, ids, PARAMS)
         assert engine.state.graphs.captures > n  # the new address: captured again
         model2.lm_head.weight = old
-    assert not _same(stale, ref)
-    assert _same(fresh, ref)
+    assert not same_rollouts(stale, ref)
+    assert same_rollouts(fresh, ref)
 
 
 @pytest.mark.parametrize("n,e", [(1, 64), (148, 16), (2048, 64), (2048, 128), (16384, 64), (999, 7)])
@@ -163,8 +147,8 @@ def test_engine_bits_do_not_depend_on_the_dispatch_kernel(model, eager, monkeypa
 
     monkeypatch.setattr(dispatch, "MAX_ROWS", -1)  # no row count fits the Triton kernel: the torch counting sort
     with kernels.use(mode="deterministic", backend="triton"):
-        torch_dispatch = generate(model, _prompts(37), list(range(37)), PARAMS, engine=EAGER)
-    assert _same(torch_dispatch, eager)
+        torch_dispatch = generate(model, engine_prompts(37), list(range(37)), PARAMS, engine=EAGER)
+    assert same_rollouts(torch_dispatch, eager)
 
 
 def test_lookahead_rows_of_sequences_ended_by_eos_are_discarded(model, eager):
@@ -174,11 +158,11 @@ def test_lookahead_rows_of_sequences_ended_by_eos_are_discarded(model, eager):
     seqs_with = Counter(t for r in eager for t in set(r.tokens[:-1]))
     p = dataclasses.replace(PARAMS, eos_token_id=max(seqs_with, key=lambda t: (seqs_with[t], -t)))
     with kernels.use(mode="deterministic", backend="triton"):
-        ref = generate(model, _prompts(37), list(range(37)), p, engine=PLAIN)
+        ref = generate(model, engine_prompts(37), list(range(37)), p, engine=PLAIN)
         assert any(r.finish_reason == "eos" for r in ref)
         for config in (EngineConfig(), EngineConfig(cuda_graphs=False)):
             engine = NativeEngine(model, config)
-            got = engine.generate(_prompts(37), list(range(37)), p)
+            got = engine.generate(engine_prompts(37), list(range(37)), p)
             stats = engine.stats
             assert stats["lookahead_steps"] > 0 and stats["discarded_rows"] > 0
-            assert _same(got, ref) and [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+            assert same_rollouts(got, ref) and [r.finish_reason for r in got] == [r.finish_reason for r in ref]

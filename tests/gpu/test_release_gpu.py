@@ -6,30 +6,13 @@ tokens (the graphs read the remapped memory); a generate before the weights are 
 
 import pytest
 import torch
+from engine_model import PARAMS, engine_model, engine_prompts, same_rollouts
 
 from rlalign import kernels
-from rlalign.model import ModelArgs, build_model
 from rlalign.rollout.native.arena import DeviceArena
 from rlalign.rollout.native.engine import NativeEngine
-from rlalign.rollout.types import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-ARGS = dict(vocab_size=4096, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
-            intermediate_size=1024, moe_intermediate_size=256, num_experts=16, top_k=4, norm_topk_prob=True,
-            max_position_embeddings=1024, eos_token_id=1)
-PARAMS = SamplingParams(max_new_tokens=40, eos_token_id=1, seed=3, temperature=0.9, top_p=0.95)
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 4096, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-def _same(a, b) -> bool:
-    return all(x.tokens == y.tokens and torch.equal(x.logprobs.view(torch.int32), y.logprobs.view(torch.int32))
-               for x, y in zip(a, b, strict=True))
 
 
 def _write(model, state) -> None:
@@ -57,12 +40,12 @@ def test_arena_gives_memory_back_and_keeps_addresses():
 
 
 def test_release_and_resume_change_no_bit_and_keep_the_graphs():
-    prompts, ids = _prompts(37), list(range(37))
-    model = build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
+    prompts, ids = engine_prompts(37), list(range(37))
+    model = engine_model()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    other = build_model(ModelArgs(**ARGS), "bfloat16", seed=1, device="cuda").state_dict()
+    other = engine_model(seed=1).state_dict()
     with kernels.use(mode="deterministic", backend="triton"):
-        plain = NativeEngine(build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")).generate(
+        plain = NativeEngine(engine_model()).generate(
             prompts, ids, PARAMS)
         engine = NativeEngine(model, releasable=True)
         first = engine.generate(prompts, ids, PARAMS)
@@ -87,8 +70,8 @@ def test_release_and_resume_change_no_bit_and_keep_the_graphs():
         engine.release_memory(weights=False)  # the KV cache only: the weights stay usable
         kept = engine.generate(prompts, ids, PARAMS)
         engine.close()
-    assert _same(first, plain) and _same(again, plain)
-    assert not _same(changed, plain) and _same(kept, changed)
+    assert same_rollouts(first, plain) and same_rollouts(again, plain)
+    assert not same_rollouts(changed, plain) and same_rollouts(kept, changed)
 
 
 def test_a_state_not_kept_gives_its_arena_back_after_each_call():
@@ -96,8 +79,8 @@ def test_a_state_not_kept_gives_its_arena_back_after_each_call():
     a kept state still holds its arena)."""
     from rlalign.rollout.types import EngineConfig
 
-    prompts, ids = _prompts(9), list(range(9))
-    model = build_model(ModelArgs(**ARGS), "bfloat16", seed=0, device="cuda")
+    prompts, ids = engine_prompts(9), list(range(9))
+    model = engine_model()
     with kernels.use(mode="deterministic", backend="triton"):
         engine = NativeEngine(model, EngineConfig(keep_state=False), releasable=True)
         engine.generate(prompts, ids, PARAMS)
