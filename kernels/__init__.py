@@ -97,7 +97,8 @@ def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows sorted by group, group e times w[e]: [R, K] x [E, N, K] -> [R, N]. counts [E]: a host
     list or an integer tensor; on x's device the Triton backend never reads it on the host (no sync),
-    the torch backends do (.tolist()). Same bits either way."""
+    the torch backends do (.tolist()). Same bits either way. A tensor may sum to less than R: the rows
+    past its sum are padding, their outputs undefined (the fixed-capacity all-to-all's empty slots)."""
     return _impl(x).grouped_linear(x, w, counts)
 
 

@@ -20,7 +20,9 @@ def grouped_linear(x, w, counts: list[int] | torch.Tensor):
     """The per-expert F.linear loop (experiments/bench_triton.py also measures torch._grouped_mm)."""
     if isinstance(counts, torch.Tensor):  # split sizes on the host (a sync on a GPU)
         counts = counts.tolist()
-    outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts)) if xe.shape[0]]
+    counts = [*counts, x.shape[0] - sum(counts)]  # rows past the groups: padding, zeros out
+    outs = [F.linear(xe, w[e]) if e < w.shape[0] else xe.new_zeros(xe.shape[0], w.shape[1])
+            for e, xe in enumerate(torch.split(x, counts)) if xe.shape[0]]
     return torch.cat(outs, 0) if outs else F.linear(x[:0], w[0])  # stays in the autograd graph
 
 

@@ -66,7 +66,8 @@ def embedding(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by group; group e uses w[e]: [R, K] x [E, N, K] -> [R, N] through linear_fn,
     whose rows are batch-invariant, so a row's bits ignore which other rows its group holds. Counts
-    given as a tensor are read on the host (the reference path; a sync on a GPU)."""
+    given as a tensor are read on the host (the reference path; a sync on a GPU); rows past their
+    sum are padding (the fixed-capacity all-to-all's) and come out as zeros."""
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
     outs, start = [], 0
@@ -74,6 +75,8 @@ def grouped_with(linear_fn, x: torch.Tensor, w: torch.Tensor, counts: list[int] 
         if c:
             outs.append(linear_fn(x[start : start + c], w[e]))
         start += c
+    if start < x.shape[0]:
+        outs.append(x.new_zeros(x.shape[0] - start, w.shape[1]))
     # no rows at all: still a (0-row) linear, so autograd keeps this op, and the collectives around
     # it under expert parallelism, in the backward graph on every rank
     return torch.cat(outs, 0) if outs else linear_fn(x[:0], w[0])

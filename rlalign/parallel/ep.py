@@ -7,6 +7,11 @@ computes there and sends the outputs back. The combine stays on the token's home
 top-k slot order, in fp32 (kernels.moe_combine): with batch-invariant expert GEMMs, a token's
 output bits are the same at every EP size and whatever order ranks answer in.
 
+Two ways to move the rows: exact split sizes read on the host (training, prefill), or, once the
+generator's ranks agreed on a bound of the rows any of them runs this step (`set_step_rows`), the
+fixed-capacity all-to-all of rlalign.parallel.alltoall, which reads nothing on the host, so a
+decode step can be captured in a CUDA graph. Same bits either way.
+
 The ranks also split the batch (data parallel for the non-expert parts): the trainer sums the
 non-expert gradients over ranks in rank order (all_gather, then r0 + r1 + ...), so the result is
 the same bits on every rank and in every run (rlalign/training/trainer.py).
@@ -17,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlalign.model.model import Experts, MoE, Transformer, expert_mlp
+from rlalign.model.model import Experts, MoE, Transformer, dispatch, expert_mlp
+from rlalign.parallel import alltoall
 
 
 class _AllToAll(torch.autograd.Function):
@@ -45,7 +51,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 class ExpertParallel(Experts):
     """This rank's shard of the experts plus the dispatch/return around their computation."""
 
-    def __init__(self, full: Experts, group):
+    def __init__(self, full: Experts, group, top_k: int):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         E, d, inter = full.down_proj.shape
         if E % world:
@@ -54,6 +60,9 @@ class ExpertParallel(Experts):
         self.group, self.world, self.rank = group, world, rank
         self.num_experts, self.num_local = E, E // world
         self.per_source, self.leaves = False, []  # set by a topology-invariant trainer
+        self.top_k = top_k
+        self.step_rows: int | None = None  # set_step_rows: the fixed-capacity all-to-all's bound
+        self.overflow: torch.Tensor | None = None  # device flag: a step overflowed its capacity
         lo, hi = rank * self.num_local, (rank + 1) * self.num_local
         self.to(device=full.down_proj.device, dtype=full.down_proj.dtype)
         with torch.no_grad():
@@ -61,6 +70,8 @@ class ExpertParallel(Experts):
             self.down_proj.copy_(full.down_proj[lo:hi])
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        if self.step_rows is not None and not torch.is_grad_enabled():
+            return self._fixed(x_sorted, counts)
         W, El = self.world, self.num_local
         # send[r, e]: rows for rank r's local expert e; recv[s, e]: rows from rank s for my expert e
         send = torch.as_tensor(counts, dtype=torch.long, device=x_sorted.device).view(W, El)
@@ -80,6 +91,17 @@ class ExpertParallel(Experts):
         y = y.index_select(0, torch.argsort(perm))
         return all_to_all(y, in_splits, out_splits, self.group)
 
+    def _fixed(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """forward through the fixed-capacity all-to-all: no value read on the host."""
+        cap = alltoall.capacity(self.step_rows, self.top_k, self.num_local)
+        send = torch.as_tensor(counts, dtype=torch.long, device=x_sorted.device).view(self.world, self.num_local)
+        x_recv, recv, over = alltoall.send_rows(x_sorted, send, cap, self.group)
+        if self.overflow is None or self.overflow.device != over.device:
+            self.overflow = torch.zeros((), dtype=torch.bool, device=over.device)
+        self.overflow.logical_or_(over)
+        order, dest, local_counts = alltoall.by_expert(recv, cap, dispatch)
+        y = expert_mlp(x_recv.index_select(0, order), local_counts, self.gate_up_proj, self.down_proj)
+        return alltoall.return_rows(y.index_select(0, dest), send, cap, x_sorted.shape[0], self.group)
 
     def _per_source(self, x_recv: torch.Tensor, recv_c: torch.Tensor) -> torch.Tensor:
         """Each source rank's rows through their own leaf view of this rank's expert weights, so
@@ -107,8 +129,28 @@ def apply_ep(model: Transformer, group) -> Transformer:
     if dist.get_world_size(group) == 1:
         return model
     for moe in moe_layers(model):
-        moe.experts = ExpertParallel(moe.experts, group)
+        moe.experts = ExpertParallel(moe.experts, group, moe.top_k)
     return model
+
+
+def set_step_rows(model: Transformer, rows: int | None) -> None:
+    """The most token rows any rank of the group runs in the next steps (the same on every rank):
+    the MoE layers' no-grad forwards then move rows through the fixed-capacity all-to-all, which a
+    CUDA graph can capture (read at capture). None: exact sizes through the host."""
+    for m in model.modules():
+        if isinstance(m, ExpertParallel):
+            m.step_rows = rows
+
+
+def capacity_overflowed(model: Transformer) -> bool:
+    """Whether a fixed-capacity step since the last call sent a rank more rows than its capacity (a
+    rows bound below a step's rows: their outputs were zeros); reads the device flags and clears them."""
+    hit = False
+    for m in model.modules():
+        if isinstance(m, ExpertParallel) and m.overflow is not None:
+            hit |= bool(m.overflow)
+            m.overflow.zero_()
+    return hit
 
 
 def is_expert_param(name: str) -> bool:

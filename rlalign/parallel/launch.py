@@ -140,12 +140,30 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     return [results[r] for r in range(world)]
 
 
-def any_live_fn(group):
-    """generate()'s any_live: whether any rank of the group still decodes (all-reduce MAX)."""
+class Lockstep:
+    """The generator ranks of one expert-parallel group step together: every MoE layer's all-to-all
+    needs every rank, so a rank with nothing left runs empty steps while others work. Before each
+    step the ranks agree, through an all-reduce of host integers on a gloo group (it waits for no
+    device work, so a lookahead step stays queued behind the running one), on the most rows any
+    rank's step holds (0: every rank is done) and whether every rank's step is decode-only (then
+    the fixed-capacity all-to-all at a bound from those rows, which a CUDA graph can capture).
 
-    def fn(local_live: bool) -> bool:
-        t = torch.tensor([int(local_live)], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item())
+    Over NCCL the gloo group is a new group of the same ranks: every rank of the default group must
+    construct the Lockstep together (the generator's ranks form their own world)."""
 
-    return fn
+    def __init__(self, group):
+        self.group = group
+        if dist.get_backend(group) != "gloo":
+            self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+
+    def agree(self, rows: int, decode_only: bool) -> tuple[int, bool]:
+        """(the most rows of any rank's next step, whether every rank's next step is decode-only)."""
+        t = torch.tensor([rows, int(not decode_only)], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t[0]), not bool(t[1])
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        t = torch.tensor([int(flag)], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t[0])

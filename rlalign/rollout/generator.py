@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from rlalign.config import ConfigError, EngineConfig, keys_of, model_args
 from rlalign.model import Transformer
-from rlalign.parallel.launch import any_live_fn
+from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.engine import NativeEngine
 from rlalign.rollout.types import Rollout, SamplingParams
 
@@ -77,7 +77,7 @@ def make_generator(cfg: DictConfig, model: Transformer, group=None) -> Generator
         from rlalign.rollout.vllm.engine import VllmRankGenerator
 
         return VllmRankGenerator(cfg, model)
-    return NativeEngine(model, keys_of(EngineConfig, cfg.generator), any_live_fn(group) if group is not None else None,
+    return NativeEngine(model, keys_of(EngineConfig, cfg.generator), Lockstep(group) if group is not None else None,
                         releasable=releases_memory(cfg) and str(cfg.device).startswith("cuda"))
 
 

@@ -16,35 +16,42 @@ block table and graphs stay with the engine between calls (KVState; an RL run ca
 once per step and captures nothing after its first), valid while the parameters keep their
 addresses (weight sync copies into them). With lookahead the next decode step is enqueued before
 this step's tokens are read back, so the GPU does not wait for the host's bookkeeping.
+
+Under expert parallelism the group's ranks step in lockstep (rlalign.parallel.launch.Lockstep): before
+each step they agree on the most rows any rank runs and whether every rank's step is decode-only;
+then the MoE layers' all-to-all has a fixed capacity from that bound (rlalign.parallel.alltoall), so
+those steps replay decode graphs and take lookahead steps as a single GPU does.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from rlalign import kernels
 from rlalign.model import Transformer
+from rlalign.parallel.ep import capacity_overflowed, set_step_rows
+from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.arena import ALIGN, DeviceArena
+from rlalign.rollout.native.graphs import bucket
 from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import Launched, ModelRunner
-from rlalign.rollout.native.scheduler import Scheduler
+from rlalign.rollout.native.scheduler import Scheduler, Step
 from rlalign.rollout.types import EngineConfig, Rollout, SamplingParams, check_prompts
 
 
 class NativeEngine:
-    """Generates with `model` itself (weight sync writes into its parameters). `any_live(local_live)`
-    (expert parallelism) returns whether any rank still has work; a rank with nothing left keeps
-    stepping with empty batches so that collectives inside the model stay in lockstep."""
+    """Generates with `model` itself (weight sync writes into its parameters). `lockstep` (expert
+    parallelism): the rank's group; a rank with nothing left keeps stepping with empty batches so
+    that collectives inside the model stay in lockstep."""
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 any_live: Callable[[bool], bool] | None = None, releasable: bool = False):
-        self.model, self.config, self.any_live = model, config or EngineConfig(), any_live
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, lockstep: Lockstep | None = None,
+                 releasable: bool = False):
+        self.model, self.config, self.lockstep = model, config or EngineConfig(), lockstep
         self.state: KVState | None = None  # kept between calls when config.keep_state
-        self.stats: dict = {}  # the last call's: steps, lookahead_steps, discarded_rows
+        self.stats: dict = {}  # the last call's: steps, lookahead_steps, discarded_rows, fixed_capacity_steps
         # releasable (CUDA): the weights and the KV cache in DeviceArenas, so that release_memory gives
         # their memory back and resume_memory maps it at the same addresses (the graphs stay valid)
         self.weights: DeviceArena | None = _weights_arena(model) if releasable else None
@@ -61,7 +68,7 @@ class NativeEngine:
         self.resume_memory()
         cfg = self.config
         cfg.validate_schedule()
-        if not prompts and self.any_live is None:
+        if not prompts and self.lockstep is None:
             raise ValueError("generate: empty prompt batch")
         check_prompts(self.model.args, prompts, sample_ids, params.max_new_tokens)
         pages_of = [-(-(len(p) + params.max_new_tokens) // cfg.page_size) for p in prompts]  # at the longest
@@ -75,9 +82,9 @@ class NativeEngine:
                     "(raise generator.num_pages or lower generator.max_new_tokens)"
                 )
         state = self._state_for(num_pages, max_seqs, max(pages_of, default=1))
-        graphs = state.decode_graphs() if self.graphs_allowed() and self.any_live is None else None
+        graphs = state.decode_graphs() if self.graphs_allowed() else None
         sched = Scheduler(prompts, sample_ids, params, state, max_seqs, pages_of, cfg.max_num_batched_tokens)
-        self.stats = {"steps": 0, "lookahead_steps": 0, "discarded_rows": 0}
+        self.stats = {"steps": 0, "lookahead_steps": 0, "discarded_rows": 0, "fixed_capacity_steps": 0}
         runner = ModelRunner(self.model, state, sched, sample_ids, params, graphs, self.stats)
         if graphs is not None:
             graphs.begin(self.model, params)
@@ -86,9 +93,14 @@ class NativeEngine:
         finally:
             if graphs is not None:
                 graphs.end()
+            if self.lockstep is not None:
+                set_step_rows(self.model, None)
             self.stats["discarded_rows"] = sched.discarded_rows
             if state is not self.state:  # not kept (keep_state=false): an arena's memory goes back now
                 state.close()
+        if self.lockstep is not None and capacity_overflowed(self.model):
+            raise RuntimeError("generate: a step sent an expert-parallel rank more rows than the fixed capacity "
+                               "agreed for it (rlalign.parallel.alltoall): expert outputs were lost")
         return _assemble(sched.out, lps, lp_rows)
 
     def _loop(self, sched: Scheduler, runner: ModelRunner) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -96,25 +108,39 @@ class NativeEngine:
         step is run before this one's tokens are read back)."""
         lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each (-1: discarded)
         taps = getattr(self.model, "taps", None)
-        ahead_ok = self.config.lookahead and self.any_live is None and (taps is None or getattr(taps, "inert", False))
+        ahead_ok = self.config.lookahead and (taps is None or getattr(taps, "inert", False))
         pending: Launched | None = None  # a step enqueued whose tokens are not read back yet
         while True:
             if pending is not None:
                 nxt = sched.lookahead(pending.step) if ahead_ok else None
-                after = runner.run(nxt, pending) if nxt is not None else None
+                after = self._launch(runner, nxt, pending)[1] if nxt is not None else None
                 lps.append(pending.logprobs)
                 lp_rows.append(sched.postprocess(pending.step, pending.read_tokens()))
                 pending = after
                 if pending is not None:
                     continue
-            step = sched.schedule()
-            if self.any_live is not None:
-                if not self.any_live(bool(step.rows)):
-                    break
-            elif not step.rows:
+            go, pending = self._launch(runner, sched.schedule())
+            if not go:
                 break
-            pending = runner.run(step)
         return lps, lp_rows
+
+    def _launch(self, runner: ModelRunner, step: Step, previous: Launched | None = None
+                ) -> tuple[bool, Launched | None]:
+        """Run `step`: (False: no rank has rows left, nothing ran; the launched step or None). Under
+        expert parallelism the ranks first agree on the step (Lockstep); when every rank's step is
+        decode-only, the MoE all-to-all gets a fixed capacity from the agreed bucket and the step
+        replays that bucket's graph (all ranks capture a missing one together); else it runs eagerly
+        with exact sizes."""
+        if self.lockstep is None:
+            return bool(step.rows), runner.run(step, previous) if step.rows else None
+        most, decode_only = self.lockstep.agree(len(step.rows), len(step.sample_at) == len(step.rows))
+        if most == 0:
+            return False, None
+        size = bucket(most) if decode_only else None
+        set_step_rows(self.model, size)
+        self.stats["fixed_capacity_steps"] += size is not None
+        recapture = size is not None and runner.graphs is not None and self.lockstep.any(not runner.graphs.has(size))
+        return True, runner.run(step, previous, size, recapture, eager=size is None)
 
     def graphs_allowed(self) -> bool:
         """Graphs replay kernels, not Python: only with an op set that never syncs with the host (the

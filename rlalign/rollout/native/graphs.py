@@ -36,6 +36,11 @@ def kernel_buffers() -> list:
     return triton_kernels.cached_state()
 
 
+def bucket(n: int) -> int:
+    """The batch-size bucket (graph size) of a decode step of n rows: the next power of two."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 class DecodeGraphs:
     """CUDA graphs of decode-only engine steps — `Transformer.step` and `sample_next` — one per
     batch-size bucket (powers of two) and sampling distribution, captured on first use and kept
@@ -109,16 +114,24 @@ class DecodeGraphs:
         self.captures += 1
         return graph, static, out
 
-    def __call__(self, meta: torch.Tensor, follow: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def has(self, size: int) -> bool:
+        """Whether this call's distribution has a graph of `size` rows captured."""
+        if not self._checked:
+            self._check()
+        return size in self.graphs
+
+    def __call__(self, meta: torch.Tensor, follow: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 size: int | None = None, recapture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """meta [5, n] (token, position, block-table row, slot, sample id) -> this step's tokens and
         logprobs [n] on the device (copied out of the graph's memory, which a later replay overwrites).
-        follow = (tokens, index [n]): the rows' input tokens are tokens[index], already on the device."""
+        follow = (tokens, index [n]): the rows' input tokens are tokens[index], already on the device.
+        size: the graph to replay (default: bucket(n)); recapture: capture it again even if it is there
+        (expert parallelism: a capture's warm-up runs the collectives, so all ranks capture together)."""
         if not self._checked:
             self._check()
         n = meta.shape[1]
-        size = 1 << max(0, (n - 1).bit_length())
-        if size not in self.graphs:
+        size = size or bucket(n)
+        if recapture or size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, static, (tok, lp) = self.graphs[size]
         rows = torch.cat([meta[:4], torch.ones(1, n, dtype=torch.long), meta[4:] ^ self._key])

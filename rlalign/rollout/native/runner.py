@@ -63,9 +63,11 @@ class ModelRunner:
         taps = getattr(model, "taps", None)
         self.record_all = isinstance(taps, TapRecorder) and taps.rows
 
-    def run(self, step: Step, previous: Launched | None = None) -> Launched | None:
+    def run(self, step: Step, previous: Launched | None = None, size: int | None = None, recapture: bool = False,
+            eager: bool = False) -> Launched | None:
         """Enqueue `step` (its input tokens taken from `previous` on the device when step.follow is
-        set); None when it samples nothing."""
+        set); None when it samples nothing. A decode-only step replays a graph (DecodeGraphs: `size`,
+        `recapture`) unless `eager`."""
         rows, n, dev = step.rows, len(step.rows), self.dev
         self.stats["steps"] += 1
         self.stats["lookahead_steps"] += step.follow is not None
@@ -74,10 +76,10 @@ class ModelRunner:
                              [self.sched.slot(seq, p) for seq, p in rows]], dtype=torch.long).reshape(4, n)
         b_idx = [seq.b for seq, _ in step.sample_at]
         src = None if step.follow is None else to_device(torch.tensor(step.follow, dtype=torch.long), dev)
-        if self.graphs is not None and len(step.sample_at) == n:  # decode only: rows are the samples, in order
+        if self.graphs is not None and len(step.sample_at) == n and not eager:  # decode only: rows are the samples
             ids = torch.tensor([self.sample_ids[b] for b in b_idx], dtype=torch.long)
             meta = torch.cat([meta, ids[None]])
-            tok, lp = self.graphs(meta, None if src is None else (previous.tokens, src))
+            tok, lp = self.graphs(meta, None if src is None else (previous.tokens, src), size, recapture)
             return Launched(step, tok, lp, *to_host(tok))
         tokens, positions, seq_idx, slot_mapping = to_device(meta, dev)
         if src is not None:
