@@ -45,8 +45,8 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     from omegaconf import OmegaConf
 
     from rlalign.factory import apply_kernels, sampling_params
-    from rlalign.parallel.launch import any_live_fn
-    from rlalign.rollout.native.engine import generate
+    from rlalign.parallel.launch import Lockstep
+    from rlalign.rollout.native.engine import NativeEngine
     from rlalign.training.trainer import Sample, Trainer
 
     cfg = OmegaConf.create(cfg_dict)
@@ -57,8 +57,8 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     part = shard_range(len(prompts), world, rank)
     params = sampling_params(cfg, None, 0)  # no EOS: every sequence decodes max_new_tokens
     mine = [prompts[i] for i in part]
-    live = any_live_fn(group) if world > 1 else None
-    gen = lambda: generate(trainer.model, mine, list(part), params, any_live=live)  # noqa: E731
+    engine = NativeEngine(trainer.model, None, Lockstep(group) if world > 1 else None)
+    gen = lambda: engine.generate(mine, list(part), params)  # noqa: E731
     outs = gen()
     t_gen = _timed(gen, repeats, group if world > 1 else None, cfg.device)
     samples = [Sample(o.prompt, o.tokens, o.logprobs) for o in outs]
