@@ -166,3 +166,40 @@ def test_generator_ep2_decode_through_fixed_capacity_equals_ep1_and_the_trainer(
     scored = score_batch(cfg, [r.prompt for r in two], [r.tokens for r in two])
     c = compare([r.logprobs for r in two], scored)
     assert c["mismatched_tokens"] == 0 and c["logprob_abs_diff_max"] == 0.0
+
+
+def _launch_rank(rank, world, group, cases):
+    """NativeEngine._launch on each rank's side of `cases` (rows, decode-only, has the graph), with a
+    runner that records how it was asked to run."""
+    from types import SimpleNamespace
+
+    from rlalign.parallel.launch import Lockstep
+    from rlalign.rollout.native.engine import NativeEngine
+    from rlalign.rollout.native.scheduler import Step
+
+    engine = SimpleNamespace(lockstep=Lockstep(group), model=torch.nn.Module(), stats={"fixed_capacity_steps": 0})
+    seen = []
+    for case in cases:
+        rows, decode_only, has = case[rank]
+        step = Step(rows=[(None, p) for p in range(rows)])
+        step.sample_at = step.rows[:] if decode_only else step.rows[-1:]
+        runner = SimpleNamespace(graphs=SimpleNamespace(has=lambda size, has=has: has),
+                                 run=lambda step, previous, size, recapture, eager: (size, recapture, eager))
+        seen.append(NativeEngine._launch(engine, runner, step))
+    return seen
+
+
+def test_ep_ranks_agree_on_each_step_bucket_eager_steps_and_captures():
+    """A capture's warm-up runs the step's collectives, so when one rank lacks the bucket's graph every
+    rank captures it; a prefill on one rank makes the step eager (exact sizes) on all."""
+    cases = [
+        [(3, True, False), (5, True, True)],  # decode on both: bucket of 5; rank 0 has no graph: both capture
+        [(3, True, True), (5, True, True)],  # both have it: replay
+        [(4, False, True), (2, True, True)],  # rank 0 prefills: eager everywhere
+        [(0, True, True), (3, True, True)],  # rank 0 is done: an empty step at rank 1's bucket
+        [(0, True, True), (0, True, True)],  # every rank is done
+    ]
+    got = launch.run_workers(2, _launch_rank, (cases,), timeout_s=60)
+    want = [(True, (8, True, False)), (True, (8, False, False)), (True, (None, False, True)),
+            (True, (4, False, False)), (False, None)]
+    assert got == [want, want]
