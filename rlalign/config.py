@@ -120,7 +120,7 @@ class EngineConfig:
     # the KV cache, block table and captured decode graphs kept by the engine between generate() calls (reused
     # while they fit; an RL run calls generate() once per step); false: freed after each call
     keep_state: bool = True
-    lookahead: bool = True  # the next decode step is enqueued before this one's tokens are read back
+    lookahead: bool = True  # the next step is enqueued before this one's tokens are read back
 
     def validate_schedule(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "num_pages"):

@@ -14,6 +14,7 @@ from rlalign.kernels import sampling
 from rlalign.rollout.native.engine import NativeEngine, generate
 from rlalign.rollout.native.graphs import DecodeGraphs
 from rlalign.rollout.native.pages import grow
+from rlalign.rollout.native.scheduler import Scheduler
 from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids
 from rlalign.rollout.types import EngineConfig, SamplingParams
 from rlalign.training.scoring import score
@@ -165,11 +166,20 @@ def test_decode_graphs_follow_weight_addresses_not_values(model):
     assert graphs_for(PARAMS) == {}
 
 
-def test_lookahead_changes_no_token_and_no_bit(model, reference):
-    """The next decode step enqueued before this one's tokens are read back (EngineConfig.lookahead):
-    rows of sequences that this step ends with EOS run once more and are discarded; every schedule
-    samples the same tokens with the same bits as without it, and as the reference."""
-    discarded = 0
+def test_lookahead_changes_no_token_and_no_bit(model, reference, monkeypatch):
+    """The next step enqueued before this one's tokens are read back (EngineConfig.lookahead), prompt
+    chunks and admissions included: rows of sequences that this step ends with EOS run once more and
+    are discarded; every schedule samples the same tokens with the same bits as without it, and as the
+    reference."""
+    discarded, mixed = 0, []
+    ahead = Scheduler.lookahead
+
+    def spy(sched, pending):  # lookahead steps that also hold prompt rows (prefill beside the follow rows)
+        step = ahead(sched, pending)
+        mixed.append(step is not None and len(step.rows) > len(step.follow))
+        return step
+
+    monkeypatch.setattr(Scheduler, "lookahead", spy)
     for engine in SCHEDULES:
         eng = NativeEngine(model, dataclasses.replace(engine, lookahead=False))
         off = eng.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
@@ -183,6 +193,7 @@ def test_lookahead_changes_no_token_and_no_bit(model, reference):
             assert a.tokens == b.tokens == ref.tokens and a.finish_reason == b.finish_reason == ref.finish_reason
             assert same_bits(a.logprobs, ref.logprobs) and same_bits(b.logprobs, ref.logprobs), f"sample {a.sample_id}"
     assert discarded > 0  # sequences ended by EOS while their next row was already enqueued
+    assert any(mixed)  # prompt chunks enqueued ahead too, beside decode rows whose tokens were not read back
 
 
 def test_both_engines_implement_the_generator_protocol():

@@ -14,8 +14,9 @@ trainer applies when it rescores the finished sequence.
 On CUDA with the Triton op set, decode-only steps replay CUDA graphs (DecodeGraphs). The KV cache,
 block table and graphs stay with the engine between calls (KVState; an RL run calls generate()
 once per step and captures nothing after its first), valid while the parameters keep their
-addresses (weight sync copies into them). With lookahead the next decode step is enqueued before
-this step's tokens are read back, so the GPU does not wait for the host's bookkeeping.
+addresses (weight sync copies into them). With lookahead the next step (decode rows, admissions and
+prompt chunks) is enqueued before this step's tokens are read back, so the GPU does not wait for the
+host's bookkeeping.
 
 Under expert parallelism the group's ranks step in lockstep (rlalign.parallel.launch.Lockstep): before
 each step they agree on the most rows any rank runs and whether every rank's step is decode-only;
@@ -104,8 +105,8 @@ class NativeEngine:
         return _assemble(sched.out, lps, lp_rows)
 
     def _loop(self, sched: Scheduler, runner: ModelRunner) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """schedule -> run -> postprocess until no request is left (with lookahead, the next decode
-        step is run before this one's tokens are read back)."""
+        """schedule -> run -> postprocess until no request is left (with lookahead, the next step is
+        run before this one's tokens are read back)."""
         lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each (-1: discarded)
         taps = getattr(self.model, "taps", None)
         ahead_ok = self.config.lookahead and (taps is None or getattr(taps, "inert", False))

@@ -124,7 +124,7 @@ class DecodeGraphs:
                  size: int | None = None, recapture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """meta [5, n] (token, position, block-table row, slot, sample id) -> this step's tokens and
         logprobs [n] on the device (copied out of the graph's memory, which a later replay overwrites).
-        follow = (tokens, index [n]): the rows' input tokens are tokens[index], already on the device.
+        follow = (tokens, index [f]): the first f rows' input tokens are tokens[index], already on the device.
         size: the graph to replay (default: bucket(n)); recapture: capture it again even if it is there
         (expert parallelism: a capture's warm-up runs the collectives, so all ranks capture together)."""
         if not self._checked:
@@ -137,6 +137,6 @@ class DecodeGraphs:
         rows = torch.cat([meta[:4], torch.ones(1, n, dtype=torch.long), meta[4:] ^ self._key])
         static.copy_(self._pad(rows, size).pin_memory(), non_blocking=True)
         if follow is not None:
-            static[0, :n] = follow[0].index_select(0, follow[1])
+            static[0, : follow[1].shape[0]] = follow[0].index_select(0, follow[1])
         graph.replay()
         return tok[:n].clone(), lp[:n].clone()

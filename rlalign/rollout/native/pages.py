@@ -35,9 +35,11 @@ class KVState:
                 and self.width >= width and self.cache.k.dtype == dtype and self.cache.k.device == torch.device(dev))
 
     def set_row(self, slot: int, pages: list[int]) -> None:
-        """Block-table row `slot` now lists `pages` (host mirror and device)."""
+        """Block-table row `slot` now lists `pages` (host mirror and device: a copy in stream order, no
+        host sync, so an admission does not wait for the steps in flight)."""
         self.table_host[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.block_table[slot].copy_(self.table_host[slot])
+        row = self.table_host[slot]
+        self.block_table[slot].copy_(row.pin_memory() if self.block_table.is_cuda else row, non_blocking=True)
 
     def release(self) -> None:
         """The pages' memory back to the device (the graphs and the block table stay)."""

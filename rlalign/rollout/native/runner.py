@@ -71,7 +71,8 @@ class ModelRunner:
         rows, n, dev = step.rows, len(step.rows), self.dev
         self.stats["steps"] += 1
         self.stats["lookahead_steps"] += step.follow is not None
-        tok_host = [0] * n if step.follow is not None else [seq.tokens[p] for seq, p in rows]
+        ahead = 0 if step.follow is None else len(step.follow)  # the first rows' tokens come from `previous`
+        tok_host = [0] * ahead + [seq.tokens[p] for seq, p in rows[ahead:]]
         meta = torch.tensor([tok_host, [p for _, p in rows], [seq.slot for seq, _ in rows],
                              [self.sched.slot(seq, p) for seq, p in rows]], dtype=torch.long).reshape(4, n)
         b_idx = [seq.b for seq, _ in step.sample_at]
@@ -83,7 +84,7 @@ class ModelRunner:
             return Launched(step, tok, lp, *to_host(tok))
         tokens, positions, seq_idx, slot_mapping = to_device(meta, dev)
         if src is not None:
-            tokens = previous.tokens.index_select(0, src)
+            tokens[:ahead] = previous.tokens.index_select(0, src)
         pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), dev)
         set_rows(self.model, "gen.step.", [(self.sample_ids[seq.b], p) for seq, p in rows])
         logits = self.model.step(tokens, positions, seq_idx, self.state.cache, self.state.block_table, slot_mapping,

@@ -61,20 +61,17 @@ class Scheduler:
     def can_admit(self) -> bool:
         return bool(self.queue and self.free_slots and len(self.free_pages) >= self.pages_of[self.queue[0]])
 
-    def schedule(self) -> Step:
-        """Admit what fits, then this step's rows: decode rows first (one each), then prompt chunks in
-        admission order within the budget. No rows: nothing is left to run."""
+    def _admit(self) -> None:
+        """Admit queued requests while a slot and their pages are free."""
         while self.can_admit():
             b = self.queue.popleft()
             seq = Seq(b, list(self.prompts[b]), len(self.prompts[b]), self.free_slots.pop(),
                       [self.free_pages.pop() for _ in range(self.pages_of[b])])
             self.state.set_row(seq.slot, seq.pages)
             self.running.append(seq)
-        step = Step()
-        for seq in self.running:
-            if seq.decoding:
-                step.sample_at.append((seq, len(step.rows)))
-                step.rows.append((seq, len(seq.tokens) - 1))
+
+    def _add_prompt_chunks(self, step: Step) -> None:
+        """Prompt chunks of the sequences still prefilling, in admission order, within the budget."""
         for seq in self.running:
             n = int(min(self.budget - len(step.rows), seq.n_prompt - seq.n_cached)) if not seq.decoding else 0
             if n > 0:
@@ -82,19 +79,31 @@ class Scheduler:
                 seq.n_cached += n
                 if seq.decoding:
                     step.sample_at.append((seq, len(step.rows) - 1))
+
+    def schedule(self) -> Step:
+        """Admit what fits, then this step's rows: decode rows first (one each), then prompt chunks in
+        admission order within the budget. No rows: nothing is left to run."""
+        self._admit()
+        step = Step()
+        for seq in self.running:
+            if seq.decoding:
+                step.sample_at.append((seq, len(step.rows)))
+                step.rows.append((seq, len(seq.tokens) - 1))
+        self._add_prompt_chunks(step)
         return step
 
     def lookahead(self, pending: Step) -> Step | None:
-        """The decode step after `pending`, to enqueue before pending's tokens are read back: the rows
-        of pending's samples whose sequences go on, each at the position of the token pending samples
-        for it. Only when the next step could hold nothing else: no request could be admitted and no
-        prompt is still being prefilled. A sequence that pending ends with EOS (not known yet) still
-        gets a row: it reads and writes only its own pages at a position below its length limit, and
-        its sample is discarded (postprocess). Sequences that pending ends by length are left out.
-        Every kept row computes what the step after reading pending back would compute for it: the
-        same tokens and logprob bits (batch invariance)."""
-        if self.can_admit() or any(not seq.decoding for seq in self.running):
-            return None
+        """The step after `pending`, to enqueue before pending's tokens are read back: first the rows of
+        pending's samples whose sequences go on, each at the position of the token pending samples for
+        it (its input token taken on the device: `follow`), then what schedule() would add: requests
+        admitted into the slots and pages free now, and prompt chunks within the budget (the prompts'
+        tokens are known on the host). A sequence that pending ends with EOS (not known yet) still gets
+        a row: it reads and writes only its own pages at a position below its length limit, and its
+        sample is discarded (postprocess). Sequences that pending ends by length are left out; their
+        slots and pages are freed by postprocess, for the step after. Every kept row computes what the
+        step after reading pending back would compute for it: the same tokens and logprob bits (batch
+        invariance)."""
+        self._admit()
         step = Step(follow=[])
         for j, (seq, _) in enumerate(pending.sample_at):
             if seq.done or len(self.out[seq.b].tokens) + 1 >= self.params.max_new_tokens:
@@ -102,6 +111,7 @@ class Scheduler:
             step.sample_at.append((seq, len(step.rows)))
             step.rows.append((seq, len(seq.tokens)))
             step.follow.append(j)
+        self._add_prompt_chunks(step)
         return step if step.rows else None
 
     def postprocess(self, step: Step, tokens: list[int]) -> list[int]:
