@@ -357,9 +357,11 @@ class GeneratorWorker(_Monitored, _WeightSync):
         (rlalign.parallel.weight_sync.receive); fingerprint shares of everything it now holds."""
         if self.trace is not None:
             self.trace.fence()  # the weights the last sync's records read are overwritten
+        t0 = time.perf_counter()
         if self._released:
             self.generator.resume_memory()
             self._released = False
+        resumed = time.perf_counter() - t0
         if direct:
             if ipc is not None:  # the trainer's parameters (first sync, or they moved)
                 self._sources = weight_sync.open_direct(self.model, ipc, ipc_uuid)
@@ -369,6 +371,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
                                       ipc_uuid)
         self.generator.load_weights()
         self._trace_weights(step, out.shares)
+        out.resume_seconds = resumed
         return out
 
     def full_state(self) -> dict | None:
@@ -381,15 +384,20 @@ class GeneratorWorker(_Monitored, _WeightSync):
 
     def _trace_weights(self, step: int, shares: list[int]) -> None:
         """The weights just synced into the trace: with one generator rank the sync's own fingerprints
-        of them (`shares`: whole tensors), else each rank's tensors hashed again (its expert shards)."""
+        of them (`shares`: whole tensors; finalized on the host when the records are written, at the
+        next flush: nothing of it in the sync), else each rank's tensors hashed again (its expert shards)."""
         if self.trace is None:
             return
         self.trace.step = step
         if self.world == 1:
             specs = self._plan.specs()
-            fps = weight_sync.merge(specs, [shares], "generator", dense_on_all=True)
-            self.trace.record_known(sorted((f"weights/{name}", shape, getattr(torch, dtype.removeprefix("torch.")),
-                                            fps[name]) for name, dtype, shape, _ in specs))
+
+            def fps() -> list[str]:
+                merged = weight_sync.merge(specs, [shares], "generator", dense_on_all=True)
+                return [merged[n] for n in sorted(merged)]
+
+            self.trace.record_known(sorted((f"weights/{name}", shape, getattr(torch, dtype.removeprefix("torch.")))
+                                           for name, dtype, shape, _ in specs), fps)
             return  # written at the next flush (the next generate's): nothing left on the device
         self.trace.record_state("weights", dict(self.model.named_parameters()))
         self.trace.flush()

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 HBM_PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # vendor peaks, GB/s
-TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s", "trainer_gc_s")
+TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s", "sync_resume_s",
+         "trainer_gc_s")
 
 
 def _part(out: Path, name: str, payload: dict) -> None:

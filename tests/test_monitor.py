@@ -343,8 +343,8 @@ def test_trace_records_of_the_syncs_fingerprints_equal_hashing_the_weights(tmp_p
     def known(path):
         fps = weight_sync.merge(specs, [weight_sync.partial_fingerprints(model, plan, 0, 1)], "generator", True)
         tr = Trace(path, "generator", 0, {})
-        tr.record_known(sorted((f"weights/{n}", s, getattr(torch, d.removeprefix("torch.")), fps[n])
-                               for n, d, s, _ in specs))
+        tr.record_known(sorted((f"weights/{n}", s, getattr(torch, d.removeprefix("torch."))) for n, d, s, _ in specs),
+                        lambda: [fps[n] for n in sorted(fps)])
         tr.close()
         return read_trace(path)[1]
 

@@ -160,3 +160,42 @@ def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch
     p.data = p.data.clone()
     assert t.train_step(samples, alg, 1).sync is None
     assert t.send_weights(True, True).ipc is not None
+
+
+def test_the_direct_syncs_fused_copy_holds_the_trainers_bits_and_names_a_changed_source(monkeypatch):
+    """receive_direct through the fused copy-and-fingerprint kernel (the CUDA path; here the Triton
+    kernel under the interpreter): the generator's parameters hold the trainer's bits and its shares
+    equal the trainer's, taken after its update. Twins: a trainer parameter changed by one bit after
+    its hash, and two sources of one shape handed over swapped, are each named by `check`."""
+    import os
+
+    from rlalign import kernels
+    from rlalign.factory import model_from_config
+    from rlalign.kernels.triton import fingerprint as tfp
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (the CPU test run sets it)")
+    monkeypatch.setattr(kernels, "copy_fingerprint_sums", tfp.copy_fingerprint_sums)
+    trainer, gen = (model_from_config(load_config([f"model.init_seed={s}", "model.num_layers=1"])) for s in (1, 0))
+    plan = weight_sync.make_plan(weight_sync.tensor_specs(trainer, 1), BUCKET)
+    specs = plan.specs()
+    params = dict(trainer.named_parameters())
+    sources = [params[name].detach() for name, *_ in specs]
+    fps = weight_sync.merge(specs, [weight_sync.partial_fingerprints(trainer, plan, 0, 1)], "trainer", False)
+
+    def synced(srcs):
+        out = weight_sync.receive_direct(gen, plan, srcs)
+        return weight_sync.check(fps, weight_sync.merge(specs, [out.shares], "generator", True))
+
+    assert synced(sources) == weight_sync.combined(fps)
+    assert all(same_bits(p, params[n]) for n, p in gen.named_parameters())
+    i, j = next((i, j) for i in range(len(specs)) for j in range(i + 1, len(specs))
+                if specs[i][1:3] == specs[j][1:3])
+    swapped = list(sources)
+    swapped[i], swapped[j] = sources[j], sources[i]
+    with pytest.raises(SyncError, match=rf"tensor '{specs[i][0]}' differs between trainer and generator"):
+        synced(swapped)
+    with torch.no_grad():
+        sources[-1].view(-1)[3:4].view(torch.int16)[0] ^= 1
+    with pytest.raises(SyncError, match=rf"tensor '{specs[-1][0]}' differs between trainer and generator"):
+        synced(sources)

@@ -33,6 +33,7 @@ import json
 import platform
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,16 +106,17 @@ class RowNames:
 
 
 class _Known:
-    """Fingerprints already on the host, queued like a Pending read-back."""
+    """Fingerprints computed on the host when their records are written (`fps()`), queued like a
+    Pending read-back."""
 
-    def __init__(self, fps: list[str]):
+    def __init__(self, fps: Callable[[], list[str]]):
         self.fps = fps
 
     def ready(self) -> bool:
         return True
 
     def hex(self) -> list[str]:
-        return self.fps
+        return self.fps()
 
 
 class Trace:
@@ -177,14 +179,15 @@ class Trace:
             recs.append(rec)
         self._add(parts, recs)
 
-    def record_known(self, items: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> None:
-        """Records (name, shape, dtype, fingerprint) whose fingerprints are already on the host (the
-        weight sync's of the same tensors: the same function), written after everything recorded
-        before them."""
+    def record_known(self, items: list[tuple[str, tuple[int, ...], torch.dtype]],
+                     fps: Callable[[], list[str]]) -> None:
+        """Records (name, shape, dtype) whose fingerprints the host has (the weight sync's of the same
+        tensors: the same function), one per item from `fps()`, which runs when the records are
+        written (the next flush), not now; written after everything recorded before them."""
         self._read_back()
         recs = [{"step": self.step, "rank": self.rank, "name": n, "shape": list(shape), "dtype": _dtype_name(dt),
-                 "fp": None} for n, shape, dt, _ in items]
-        self._queue.append((recs, _Known([fp for *_, fp in items])))
+                 "fp": None} for n, shape, dt in items]
+        self._queue.append((recs, _Known(fps)))
 
     def _add(self, parts: list[Part], recs: list[dict]) -> None:
         if not parts:
