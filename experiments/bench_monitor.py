@@ -189,6 +189,7 @@ def kernel(a) -> None:
         launches(block, warps)
         sweep[key]["same_sums_as_pinned_config"] = bool(torch.equal(out, ref_ab))
     res["config_sweep"] = sweep
+    res["copy_fingerprint"] = copy_fingerprint(dev, min(a.gb, 4.0), reps)
     print(f"fingerprint kernel: {nbytes / 1e9:.2f} GB in {tk * 1e3:.2f} ms = {res['fingerprint_gbps']:.0f} GB/s; one "
           f"call {res['fingerprint_call_gbps']:.0f} GB/s (work table {res['work_table_ms']:.1f} ms); calls back to "
           f"back {res.get('fingerprint_calls_back_to_back_gbps', 0):.0f} GB/s; torch.sum fp32 "
@@ -196,6 +197,60 @@ def kernel(a) -> None:
           + ", ".join(f"{k}: {v['gbps']:.0f}" for k, v in sweep.items()),
           flush=True)
     _part(Path(a.out), "kernel", res)
+
+
+def copy_fingerprint(dev, gb: float, reps: int) -> dict:
+    """The direct weight sync's device work on ~gb GB of bf16 tensors (a 2 B model's shapes: stacked
+    experts, square matrices, norms): one kernels.copy_fingerprint_sums call (copy and fingerprint in
+    one pass) against torch's copies followed by a fingerprint_sums of the destinations (the same
+    bits: checked); CUDA events around each call, medians of `reps`."""
+    import statistics
+
+    import torch
+
+    from rlalign import kernels
+    from rlalign.kernels.fingerprint import Part
+
+    gen = torch.Generator(device=dev).manual_seed(2)
+    per = max(1, int(gb * 1e9 / 2 / 48 / 2))  # elements per big tensor: 48 of them hold ~all the bytes
+    shapes = [(8, per // (8 * 2048), 2048)] * 24 + [(per // 2048, 2048)] * 24 + [(2048,)] * 43
+    srcs = [torch.randn(s, device=dev, generator=gen).bfloat16() for s in shapes]
+    dsts = [torch.empty_like(t) for t in srcs]
+    nbytes = sum(t.numel() * 2 for t in srcs)
+    pairs = list(zip(srcs, dsts))
+
+    def split():
+        for s, d in pairs:
+            d.copy_(s)
+        return kernels.fingerprint_sums([Part(d) for d in dsts])
+
+    def timed(fn):
+        ts, out = [], None
+        for _ in range(reps + 1):
+            if dev.type == "cuda":
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                out = fn()
+                ev[1].record()
+                torch.cuda.synchronize()
+                ts.append(ev[0].elapsed_time(ev[1]) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                out = fn()
+                ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[1:]), out
+
+    t_split, want = timed(split)
+    for d in dsts:
+        d.zero_()
+    t_fused, got = timed(lambda: kernels.copy_fingerprint_sums(pairs))
+    same = bool(torch.equal(got, want)) and all(torch.equal(s, d) for s, d in pairs)
+    res = {"bytes": nbytes, "tensors": len(pairs), "fused_s": t_fused, "copy_then_fingerprint_s": t_split,
+           "fused_read_write_gbps": 2 * nbytes / t_fused / 1e9, "same_bits": same}
+    print(f"copy+fingerprint of {nbytes / 1e9:.2f} GB bf16 ({len(pairs)} tensors): fused {t_fused * 1e3:.2f} ms "
+          f"({res['fused_read_write_gbps']:.0f} GB/s read+write), torch copies then fingerprint "
+          f"{t_split * 1e3:.2f} ms; same bits {same}", flush=True)
+    return res
 
 
 # --- RL steps ------------------------------------------------------------------------------------------
@@ -422,15 +477,25 @@ def summary(a) -> None:
             "fingerprint_call_gbps": k.get("fingerprint_call_gbps"),
             "fingerprint_frac_of_hbm_peak": k.get("fingerprint_frac_of_peak"),
             "sync_on_over_off": {mm: m.get("monitor_on_over_off_sync") for mm, m in models.items()},
+            "monitor_on_over_off_sync": max((m["monitor_on_over_off_sync"] for m in models.values()
+                                             if "monitor_on_over_off_sync" in m), default=None),
             "step_on_over_off": {mm: m.get("monitor_on_over_off_step") for mm, m in models.items()},
+            **{f"train_s_off_{mm.replace('-', '_')}": m["runs"]["det:off"]["train_s"] for mm, m in models.items()
+               if "det:off" in m["runs"]},
+            **{f"sync_s_{r.split(':')[1]}_{mm.replace('-', '_')}": v["sync_s"] for mm, m in models.items()
+               for r, v in m["runs"].items() if r.startswith("det:")},
+            "copy_fingerprint_fused_s": (k.get("copy_fingerprint") or {}).get("fused_s"),
+            "copy_then_fingerprint_s": (k.get("copy_fingerprint") or {}).get("copy_then_fingerprint_s"),
             "bits_device_equals_cpu": (k.get("bits") or {}).get("device_equals_numpy")}
     res = {"summary": summ, "models": models, "kernel": k,
            "rl": {n: p for n, p in parts.items() if n.startswith("rl_")}}
-    lines = ["| model | run | step_s | generate_s | train_s | sync_s |", "|---|---|---|---|---|---|"]
+    lines = ["| model | run | step_s | generate_s | train_s | sync_s | sync_generator_s | sync_resume_s |",
+             "|---|---|---|---|---|---|---|---|"]
     for mm, m in models.items():
         for r, v in m["runs"].items():
             lines.append(f"| {mm} | {r} | {v['step_s']:.3f} | {v['generate_s']:.3f} | {v['train_s']:.3f} | "
-                         f"{v['sync_s']:.3f} |")
+                         f"{v['sync_s'] * 1e3:.2f} ms | {v['sync_generator_s'] * 1e3:.2f} ms | "
+                         f"{v.get('sync_resume_s', 0.0) * 1e3:.2f} ms |")
     print("\n".join(lines))
     print(json.dumps(summ))
     def fmt(v, f):
