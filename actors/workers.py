@@ -355,13 +355,14 @@ class GeneratorWorker(_Monitored, _WeightSync):
                         direct: bool = False) -> weight_sync.SyncOutput:
         """All generator ranks: the trainer's weights, this rank's EP shard kept on the device
         (rlalign.parallel.weight_sync.receive); fingerprint shares of everything it now holds."""
+        t0 = time.perf_counter()
         if self.trace is not None:
             self.trace.fence()  # the weights the last sync's records read are overwritten
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         if self._released:
             self.generator.resume_memory()
             self._released = False
-        resumed = time.perf_counter() - t0
+        resumed = time.perf_counter() - t1
         if direct:
             if ipc is not None:  # the trainer's parameters (first sync, or they moved)
                 self._sources = weight_sync.open_direct(self.model, ipc, ipc_uuid)
@@ -371,7 +372,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
                                       ipc_uuid)
         self.generator.load_weights()
         self._trace_weights(step, out.shares)
-        out.resume_seconds = resumed
+        out.resume_seconds, out.call_seconds = resumed, time.perf_counter() - t0
         return out
 
     def full_state(self) -> dict | None:

@@ -14,7 +14,10 @@ monitor on vs off (and vs default kernels). Each phase writes a part JSON; `summ
 A run `MODE:LEVEL` is kernels.mode=MODE (det = deterministic) with monitor.fingerprints=LEVEL, on the
 issue's settings (one GPU, colocated, 16 prompts x 8 samples x 256 new tokens, synchronous saves,
 no checkpoint); a step's time is the median over the steps after the first (no step writes a
-checkpoint). Tiny CPU settings of the same path: --tiny.
+checkpoint). A run named twice in --runs is repeated (e.g. det:default det:off det:off det:default: each
+setting first once, so that an order effect in one process falls on both); its medians pool the
+repetitions' steps after their first. --warmup-steps N: a monitor-off run of N steps first, not counted.
+Tiny CPU settings of the same path: --tiny.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import record  # noqa: E402
 
 HBM_PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # vendor peaks, GB/s
 TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s", "sync_resume_s",
-         "trainer_gc_s")
+         "sync_generator_call_s", "trainer_gc_s")
 
 
 def _part(out: Path, name: str, payload: dict) -> None:
@@ -189,7 +192,6 @@ def kernel(a) -> None:
         launches(block, warps)
         sweep[key]["same_sums_as_pinned_config"] = bool(torch.equal(out, ref_ab))
     res["config_sweep"] = sweep
-    res["copy_fingerprint"] = copy_fingerprint(dev, min(a.gb, 4.0), reps)
     print(f"fingerprint kernel: {nbytes / 1e9:.2f} GB in {tk * 1e3:.2f} ms = {res['fingerprint_gbps']:.0f} GB/s; one "
           f"call {res['fingerprint_call_gbps']:.0f} GB/s (work table {res['work_table_ms']:.1f} ms); calls back to "
           f"back {res.get('fingerprint_calls_back_to_back_gbps', 0):.0f} GB/s; torch.sum fp32 "
@@ -197,60 +199,6 @@ def kernel(a) -> None:
           + ", ".join(f"{k}: {v['gbps']:.0f}" for k, v in sweep.items()),
           flush=True)
     _part(Path(a.out), "kernel", res)
-
-
-def copy_fingerprint(dev, gb: float, reps: int) -> dict:
-    """The direct weight sync's device work on ~gb GB of bf16 tensors (a 2 B model's shapes: stacked
-    experts, square matrices, norms): one kernels.copy_fingerprint_sums call (copy and fingerprint in
-    one pass) against torch's copies followed by a fingerprint_sums of the destinations (the same
-    bits: checked); CUDA events around each call, medians of `reps`."""
-    import statistics
-
-    import torch
-
-    from rlalign import kernels
-    from rlalign.kernels.fingerprint import Part
-
-    gen = torch.Generator(device=dev).manual_seed(2)
-    per = max(1, int(gb * 1e9 / 2 / 48 / 2))  # elements per big tensor: 48 of them hold ~all the bytes
-    shapes = [(8, per // (8 * 2048), 2048)] * 24 + [(per // 2048, 2048)] * 24 + [(2048,)] * 43
-    srcs = [torch.randn(s, device=dev, generator=gen).bfloat16() for s in shapes]
-    dsts = [torch.empty_like(t) for t in srcs]
-    nbytes = sum(t.numel() * 2 for t in srcs)
-    pairs = list(zip(srcs, dsts))
-
-    def split():
-        for s, d in pairs:
-            d.copy_(s)
-        return kernels.fingerprint_sums([Part(d) for d in dsts])
-
-    def timed(fn):
-        ts, out = [], None
-        for _ in range(reps + 1):
-            if dev.type == "cuda":
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                ev[0].record()
-                out = fn()
-                ev[1].record()
-                torch.cuda.synchronize()
-                ts.append(ev[0].elapsed_time(ev[1]) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                out = fn()
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts[1:]), out
-
-    t_split, want = timed(split)
-    for d in dsts:
-        d.zero_()
-    t_fused, got = timed(lambda: kernels.copy_fingerprint_sums(pairs))
-    same = bool(torch.equal(got, want)) and all(torch.equal(s, d) for s, d in pairs)
-    res = {"bytes": nbytes, "tensors": len(pairs), "fused_s": t_fused, "copy_then_fingerprint_s": t_split,
-           "fused_read_write_gbps": 2 * nbytes / t_fused / 1e9, "same_bits": same}
-    print(f"copy+fingerprint of {nbytes / 1e9:.2f} GB bf16 ({len(pairs)} tensors): fused {t_fused * 1e3:.2f} ms "
-          f"({res['fused_read_write_gbps']:.0f} GB/s read+write), torch copies then fingerprint "
-          f"{t_split * 1e3:.2f} ms; same bits {same}", flush=True)
-    return res
 
 
 # --- RL steps ------------------------------------------------------------------------------------------
@@ -276,6 +224,15 @@ def _summarise(rows: list[dict]) -> dict:
             "peak_gib": {k: max(r.get(f"memory/{k}_peak_gib", 0.0) for r in rows) for k in ("trainer", "generator")}}
 
 
+def _pooled(reps: list[dict]) -> dict:
+    """One run setting over its repetitions: medians over every repetition's steps after its first."""
+    steady = [st for rep in reps for st in (rep["per_step"][1:] or rep["per_step"])]
+    return {"repetitions": len(reps), "steps_pooled": len(steady),
+            "median_after_first": {k: statistics.median(st.get(k) or 0.0 for st in steady) for k in TIMES},
+            "mismatched_tokens": sum(rep["mismatched_tokens"] for rep in reps),
+            "tokens": sum(rep["tokens"] for rep in reps), "command": reps[0]["command"]}
+
+
 def rl(a) -> None:
     from rlalign import cluster
     from rlalign.config import load_config
@@ -289,10 +246,12 @@ def rl(a) -> None:
         res["runs"] = json.loads((out / f"part_{name}.json").read_text())["runs"]
     cluster.connect()
     try:
-        for run in a.runs:
+        for k, run in enumerate(["det:off"] * bool(a.warmup_steps) + a.runs):
+            warmup = bool(a.warmup_steps) and k == 0  # the process's first run: compiles, starts Ray's workers
             mode, level = run.split(":")
-            over = [*res["base_overrides"], f"kernels.mode={'deterministic' if mode == 'det' else mode}",
-                    f"monitor.fingerprints={level}"]
+            base = [o for o in res["base_overrides"] if not (warmup and o.startswith("run.steps="))]
+            over = [*base, *([f"run.steps={a.warmup_steps}"] if warmup else []),
+                    f"kernels.mode={'deterministic' if mode == 'det' else mode}", f"monitor.fingerprints={level}"]
             with tempfile.TemporaryDirectory(dir=a.run_root) as d:
                 if not a.tiny:
                     record.wait_gpu_free()
@@ -301,12 +260,20 @@ def rl(a) -> None:
                 rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x.strip()]
                 traces = sorted(p.name for p in (Path(d) / "traces").glob("*.jsonl")) if level != "off" else []
                 records = sum(len(open(Path(d) / "traces" / t).readlines()) - 1 for t in traces)
-            res["runs"][run] = {**_summarise(rows), "wall_s": time.perf_counter() - t0, "trace_records": records,
-                                "command": "rlalign train " + " ".join(over)}
-            m = res["runs"][run]["median_after_first"]
-            print(f"{a.model} {run:12} step {m['step_s']:.3f}s (generate {m['generate_s']:.3f} train "
-                  f"{m['train_s']:.3f} sync {m['sync_s']:.3f}) mismatched {res['runs'][run]['mismatched_tokens']} of "
-                  f"{res['runs'][run]['tokens']}, {records} trace records, wall {res['runs'][run]['wall_s']:.0f}s",
+            rep = {**_summarise(rows), "wall_s": time.perf_counter() - t0, "trace_records": records,
+                   "command": "rlalign train " + " ".join(over)}
+            if warmup:
+                res["warmup"] = rep
+                print(f"{a.model} warm-up {run} ({a.warmup_steps} steps, not counted): wall {rep['wall_s']:.0f}s",
+                      flush=True)
+                continue
+            entry = res["runs"].setdefault(run, {"reps": []})
+            entry["reps"].append(rep)
+            entry.update(_pooled(entry["reps"]))
+            m = rep["median_after_first"]
+            print(f"{a.model} {run:12} rep {len(entry['reps'])} step {m['step_s']:.3f}s (generate "
+                  f"{m['generate_s']:.3f} train {m['train_s']:.3f} sync {m['sync_s'] * 1e3:.2f} ms) mismatched "
+                  f"{rep['mismatched_tokens']} of {rep['tokens']}, {records} trace records, wall {rep['wall_s']:.0f}s",
                   flush=True)
             _part(out, name, res)  # after every run: a timeout keeps what finished
     finally:
@@ -484,18 +451,16 @@ def summary(a) -> None:
                if "det:off" in m["runs"]},
             **{f"sync_s_{r.split(':')[1]}_{mm.replace('-', '_')}": v["sync_s"] for mm, m in models.items()
                for r, v in m["runs"].items() if r.startswith("det:")},
-            "copy_fingerprint_fused_s": (k.get("copy_fingerprint") or {}).get("fused_s"),
-            "copy_then_fingerprint_s": (k.get("copy_fingerprint") or {}).get("copy_then_fingerprint_s"),
             "bits_device_equals_cpu": (k.get("bits") or {}).get("device_equals_numpy")}
     res = {"summary": summ, "models": models, "kernel": k,
            "rl": {n: p for n, p in parts.items() if n.startswith("rl_")}}
-    lines = ["| model | run | step_s | generate_s | train_s | sync_s | sync_generator_s | sync_resume_s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | run | step_s | generate_s | train_s | sync_s | generator call | copy+hash | resume |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mm, m in models.items():
         for r, v in m["runs"].items():
             lines.append(f"| {mm} | {r} | {v['step_s']:.3f} | {v['generate_s']:.3f} | {v['train_s']:.3f} | "
-                         f"{v['sync_s'] * 1e3:.2f} ms | {v['sync_generator_s'] * 1e3:.2f} ms | "
-                         f"{v.get('sync_resume_s', 0.0) * 1e3:.2f} ms |")
+                         f"{v['sync_s'] * 1e3:.2f} ms | {v.get('sync_generator_call_s', 0.0) * 1e3:.2f} ms | "
+                         f"{v['sync_generator_s'] * 1e3:.2f} ms | {v.get('sync_resume_s', 0.0) * 1e3:.2f} ms |")
     print("\n".join(lines))
     print(json.dumps(summ))
     def fmt(v, f):
@@ -536,6 +501,8 @@ def main() -> None:
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="kernel: the pinned config only")
     ap.add_argument("--model", default="qwen3-30b-a3b-rehearsal")
     ap.add_argument("--runs", nargs="*", default=["det:default", "det:off"])
+    ap.add_argument("--warmup-steps", type=int, default=0, help="rl: first a monitor-off run of this many steps "
+                    "that is not counted (compilation and Ray's start fall on it)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="rl: CPU-sized settings (tests the path)")
     ap.add_argument("--run-root", default=None, help="rl: where the run dirs go (default: the temp dir)")

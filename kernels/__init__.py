@@ -337,23 +337,3 @@ def fingerprint_sums(parts) -> torch.Tensor:
 
         return triton_fp.fingerprint_sums(parts)
     return torch.from_numpy(fp.sums_cpu(parts).view("int32"))
-
-
-def copy_fingerprint_sums(pairs) -> torch.Tensor:
-    """dst.copy_(src) for every (src, dst) pair of tensors (one device, equal dtypes and shapes) and
-    (A, B) [N, 2] int32 of each destination's fingerprint after the copy, in pair order: the same
-    bits as fingerprint_sums([Part(dst), ...]) after the copies. CUDA: one Triton launch that reads
-    each source byte once, writes it and hashes the word it wrote (pairs that are not whole aligned
-    words: copied by torch, hashed in a second launch); CPU: the copies, then numpy over the
-    destinations."""
-    from rlalign.kernels import fingerprint as fp
-
-    if not pairs:
-        return torch.zeros(0, 2, dtype=torch.int32)
-    if pairs[0][1].is_cuda:
-        from rlalign.kernels.triton import fingerprint as triton_fp
-
-        return triton_fp.copy_fingerprint_sums(pairs)
-    for src, dst in pairs:
-        dst.copy_(src)
-    return torch.from_numpy(fp.sums_cpu([fp.Part(dst) for _, dst in pairs]).view("int32"))

@@ -327,24 +327,6 @@ def _seg_chunks(mis: int, R: int, nb: int, first: int, chunk: int) -> tuple[np.n
     return main, odd
 
 
-def copy_tables(pairs: Sequence[tuple[int, int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """The work tables of a copy that fingerprints what it writes: per (source address, destination
-    address, bytes, result index) of whole 32-bit words at 4-byte boundaries, the source's chunks as
-    `segment_tables` cuts them (one result, words from index 0) with a sixth column, the chunk's
-    destination address. A pair whose two addresses differ mod ALIGN has all its chunks in the
-    second (unvectorised) table. Both tables are new arrays."""
-    main, odd = [np.zeros((0, 6), np.int64)], [np.zeros((0, 6), np.int64)]
-    for src, dst, nb, res in pairs:
-        vec = (dst - src) % ALIGN == 0
-        for k, t in enumerate(_seg_chunks(src % ALIGN, 1, nb, 0, CHUNK)):
-            t = np.concatenate([t, t[:, :1]], 1)
-            t[:, 0] += src - src % ALIGN
-            t[:, 4] += res
-            t[:, 5] = t[:, 0] + (dst - src)
-            (main if vec and k == 0 else odd).append(t)
-    return np.concatenate(main), np.concatenate(odd)
-
-
 def chunk_tables(segs, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     if not segs:
         return np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64)

@@ -147,7 +147,8 @@ class Job:
         self.last_sync = {"sync/bytes": t_outs[0].bytes, "sync/buckets": t_outs[0].buckets,
                           "time/sync_trainer_s": max(o.seconds for o in t_outs),
                           "time/sync_generator_s": max(o.seconds for o in g_outs),
-                          "time/sync_resume_s": max(o.resume_seconds for o in g_outs)}
+                          "time/sync_resume_s": max(o.resume_seconds for o in g_outs),
+                          "time/sync_generator_call_s": max(o.call_seconds for o in g_outs)}
         self.weights_fp = weight_sync.check(fps, gen)  # what the generator holds now (mismatch dumps name it)
         return self.weights_fp
 

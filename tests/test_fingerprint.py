@@ -96,46 +96,6 @@ def test_the_work_table_from_cached_per_part_chunks_equals_one_built_directly(mo
     assert not np.array_equal(shifted, second)
 
 
-def _copy_pairs():
-    """(source, destination) pairs: sources and destinations at the same and at other addresses mod
-    16, rows of several chunks, and pairs the fused loop leaves to torch (a 6-byte tensor, a view
-    that is not contiguous)."""
-    g = torch.Generator().manual_seed(6)
-    store, dst = torch.randn(8192, generator=g), torch.zeros(8192)
-    srcs = [store[k : k + 700] for k in range(4)] + [store[3000:4200].view(12, 100), torch.zeros(0, 4),
-                                                     torch.randn(2, 3, generator=g).bfloat16(),
-                                                     torch.randn(4, 3, 2, generator=g)[:, 1]]
-    dsts = [dst[k : k + 700] for k in (1000, 2002, 3001, 4000)] + [dst[5000:6200].view(12, 100), torch.zeros(0, 4),
-                                                                    torch.zeros(2, 3).bfloat16(), torch.zeros(4, 2)]
-    return list(zip(srcs, dsts))
-
-
-def test_the_fused_copy_writes_every_source_and_hashes_it_as_the_definition_does(monkeypatch):
-    """kernels.copy_fingerprint_sums' Triton kernel under the interpreter: every destination holds its
-    source's bits and its sums are the definition's of that tensor (several blocks and chunks a
-    row, destinations aligned like their sources and not). Twin: one flipped bit in one source
-    before the copy changes that result alone (it is hashed from the words written)."""
-    from rlalign.kernels.triton import fingerprint as tfp
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 (the CPU test run sets it)")
-    monkeypatch.setattr(fpk, "CHUNK", 256)
-    monkeypatch.setattr(tfp, "BLOCK", 64)
-    pairs = _copy_pairs()
-    want = fpk.sums_cpu([Part(src) for src, _ in pairs])
-    main, odd = fpk.copy_tables([(s.data_ptr(), d.data_ptr(), d.numel() * 4, k) for k, (s, d) in enumerate(pairs[:5])])
-    assert set(main[:, 4]) == {0, 4} and set(odd[:, 4]) == {1, 2, 3}  # pairs 1-3: other addresses mod 16
-    got = tfp.copy_fingerprint_sums(pairs).numpy().view(np.uint32)
-    assert np.array_equal(got, want)
-    assert all(torch.equal(d.view(-1).view(torch.uint8), s.contiguous().view(-1).view(torch.uint8)) for s, d in pairs)
-    assert np.array_equal(fpk.sums_cpu([Part(d) for _, d in pairs]), want)
-    flipped = _copy_pairs()
-    flipped[4][0].view(torch.int32)[7, 33] ^= 1 << 3
-    got = tfp.copy_fingerprint_sums(flipped).numpy().view(np.uint32)
-    assert [k for k in range(len(pairs)) if not np.array_equal(got[k], want[k])] == [4]
-    assert np.array_equal(got[4], fpk.sums_cpu([Part(flipped[4][1])])[0])
-
-
 def test_two_swapped_elements_and_bf16_vs_fp32_of_equal_values_differ():
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     swapped = x.clone()

@@ -162,20 +162,13 @@ def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch
     assert t.send_weights(True, True).ipc is not None
 
 
-def test_the_direct_syncs_fused_copy_holds_the_trainers_bits_and_names_a_changed_source(monkeypatch):
-    """receive_direct through the fused copy-and-fingerprint kernel (the CUDA path; here the Triton
-    kernel under the interpreter): the generator's parameters hold the trainer's bits and its shares
-    equal the trainer's, taken after its update. Twins: a trainer parameter changed by one bit after
-    its hash, and two sources of one shape handed over swapped, are each named by `check`."""
-    import os
-
-    from rlalign import kernels
+def test_the_direct_sync_holds_the_trainers_bits_and_names_a_changed_or_swapped_source():
+    """receive_direct (the colocated one-rank-per-side sync, in-process): the generator's parameters
+    hold the trainer's bits and its shares equal the trainer's, taken after its update. Twins: a
+    trainer parameter changed by one bit after its hash, and two sources of one shape handed over
+    swapped, are each named by `check`."""
     from rlalign.factory import model_from_config
-    from rlalign.kernels.triton import fingerprint as tfp
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 (the CPU test run sets it)")
-    monkeypatch.setattr(kernels, "copy_fingerprint_sums", tfp.copy_fingerprint_sums)
     trainer, gen = (model_from_config(load_config([f"model.init_seed={s}", "model.num_layers=1"])) for s in (1, 0))
     plan = weight_sync.make_plan(weight_sync.tensor_specs(trainer, 1), BUCKET)
     specs = plan.specs()

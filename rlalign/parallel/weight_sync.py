@@ -264,6 +264,7 @@ class SyncOutput:
     device_uuid: str | None = None
     direct: bool = False  # send_direct's: the generator copies from the trainer's parameters themselves
     resume_seconds: float = 0.0  # a generator rank: mapping its released memory back before the copy
+    call_seconds: float = 0.0  # a generator rank: its whole receive_weights (the rest of the sync: Ray, driver)
 
 
 def device_uuid(device: torch.device) -> str | None:
@@ -396,30 +397,20 @@ def open_direct(model: torch.nn.Module, ipc: list, ipc_uuid: str | None) -> list
 
 
 def receive_direct(model: torch.nn.Module, plan: SyncPlan, sources: list[torch.Tensor]) -> SyncOutput:
-    """The generator's side of send_direct: every parameter copied on the device from the trainer's
-    and fingerprinted in the same pass (kernels.copy_fingerprint_sums: on CUDA one launch reads each
-    trainer byte once, stores it into the generator's parameter and hashes the stored word from the
-    same register; on the CPU the copies, then the parameters hashed). What equal shares prove: each
-    of the generator's parameters, named by the plan, was written with words whose fingerprint is the
-    trainer's of its parameter of that name after its update (so the trainer's bytes did not change
-    between its hash and the copy, no word was lost or moved on the way, and no tensor was taken for
-    another). On CUDA the generator's memory is not read back after the store: a store the device
-    dropped, or a later write into the generator's weights, is not seen by this check (the trace's
-    records of the synced weights are these sums too)."""
+    """The generator's side of send_direct: each parameter copied on the device from the trainer's,
+    then every parameter hashed."""
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
     entries = [e for b in plan.buckets for e in b.entries]
     if len(sources) != len(entries):
         raise SyncError(f"weight sync (colocated): {len(sources)} trainer parameters for {len(entries)} in the plan")
-    pairs = []
-    for e, src in zip(entries, sources):
-        p = params.get(e.name)
-        if p is None or tuple(p.shape) != tuple(src.shape) or p.dtype != src.dtype:
-            raise SyncError(f"weight sync (colocated): the generator's {e.name!r} "
-                            f"({None if p is None else (tuple(p.shape), p.dtype)}) cannot take the trainer's "
-                            f"{(tuple(src.shape), src.dtype)}")
-        pairs.append((src, p.detach()))
     with torch.no_grad():
-        sums = kernels.copy_fingerprint_sums(pairs)
-    shares = fpk.raw_values(sums.cpu().numpy().view("uint32"))
+        for e, src in zip(entries, sources):
+            p = params.get(e.name)
+            if p is None or tuple(p.shape) != tuple(src.shape) or p.dtype != src.dtype:
+                raise SyncError(f"weight sync (colocated): the generator's {e.name!r} "
+                                f"({None if p is None else (tuple(p.shape), p.dtype)}) cannot take the trainer's "
+                                f"{(tuple(src.shape), src.dtype)}")
+            p.copy_(src)
+    shares = partial_fingerprints(model, plan, 0, 1, dense=True)
     return SyncOutput(shares, plan.nbytes, 0, time.perf_counter() - t0, direct=True)

@@ -34,25 +34,3 @@ def test_device_sums_equal_numpys_and_see_one_bit():
     assert not np.array_equal(kernels.fingerprint_sums([Part(flipped)]).cpu().numpy().view(np.uint32), want[:1])
     x = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
     assert fingerprint(x) == "7afa5e57437ee2c4"  # tests/test_fingerprint.py's pinned value
-
-
-
-def test_the_fused_copy_on_the_device_writes_the_sources_and_gives_numpys_sums():
-    """kernels.copy_fingerprint_sums on CUDA: destinations at the sources' address mod 16 and not,
-    several chunks a row, a 6-byte pair and a strided view (torch's copy, hashed after): every
-    destination holds its source's bits, the sums are numpy's of the sources. Twin: one flipped
-    source bit changes that result alone."""
-    n = (1 << 20) + 5  # words: several chunks
-    store = torch.randn(3 << 20, generator=torch.Generator().manual_seed(7)).cuda()
-    srcs = [store[k : k + n] for k in range(4)] + [store[2 << 20 :].view(1024, 1024),
-                                                  store[:3].bfloat16(), store[:4096].view(64, 64).t()]
-    dsts = [torch.zeros(n + 4, device="cuda")[off : off + n] for off in (0, 2, 3, 1)]  # mod 16: same, then not
-    dsts += [torch.zeros(1024, 1024, device="cuda"), torch.zeros(3, device="cuda").bfloat16(),
-             torch.zeros(64, 64, device="cuda")]
-    pairs = list(zip(srcs, dsts))
-    want = fpk.sums_cpu([Part(s.cpu()) for s in srcs])
-    assert np.array_equal(kernels.copy_fingerprint_sums(pairs).cpu().numpy().view(np.uint32), want)
-    assert all(torch.equal(s.contiguous().view(-1).view(torch.uint8), d.view(-1).view(torch.uint8)) for s, d in pairs)
-    srcs[4].view(torch.int32)[500, 7] ^= 1
-    got = kernels.copy_fingerprint_sums(pairs).cpu().numpy().view(np.uint32)
-    assert [k for k in range(len(pairs)) if not np.array_equal(got[k], want[k])] == [4]
