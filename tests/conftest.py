@@ -1,5 +1,8 @@
+import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -7,6 +10,7 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CP
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.model import ModelArgs, build_model  # noqa: E402
@@ -60,6 +64,40 @@ def _one_ray_cluster_per_module(request):
         cluster.disconnect = real
         if started:
             real(True)
+
+
+@pytest.fixture(scope="module")
+def shared_runs():
+    """The module's runs of `rlalign train` by config (run.dir and the gate's own keys aside): a run
+    whose config ran before in this module, in another gate or test, is a copy of that run's directory,
+    not trained again. Never within one gate (its two runs share a parent directory: the repeatability
+    gate is what shows that a second run of a config equals the first), nor for a run that resumes
+    (checkpoint.resume != never: its result depends on its directory too)."""
+    from rlalign import gates, rl
+
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def train_or_copy(cfg, status=None):
+        run_dir = Path(cfg.run.dir)
+        key = OmegaConf.to_container(cfg, resolve=True)
+        key["run"].pop("dir")
+        key.pop("gate")
+        key = json.dumps(key, sort_keys=True)
+        fresh = cfg.checkpoint.resume == "never"
+        src = runs.get(key) if fresh else None
+        if src is not None and src[0].parent != run_dir.parent and not run_dir.exists():
+            shutil.copytree(src[0], run_dir)
+            return {**src[1], "run_dir": str(run_dir)}
+        summary = rl.train(cfg, status)
+        if fresh:
+            runs.setdefault(key, (run_dir, summary))
+        return summary
+
+    gates.train = train_or_copy
+    try:
+        yield train_or_copy
+    finally:
+        gates.train = rl.train
 
 
 def tiny_model(dtype="bfloat16", seed=0, **over):

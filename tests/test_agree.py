@@ -46,7 +46,7 @@ def _refuse(name):
 
 
 def test_cli_last_line_is_the_json_report():
-    p = _cli("agree", "agree.num_prompts=6", "generator.max_new_tokens=5")
+    p = _cli("agree", "agree.num_prompts=6", "generator.max_new_tokens=5", "trainer.ep_size=1")  # in-process ranks
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout.strip().splitlines()[-1], parse_constant=_refuse)  # standard JSON only
     assert set(res) >= {"tokens", "mismatched_tokens", "max_abs_diff", "mean_abs_diff", "kernels", "dtype",

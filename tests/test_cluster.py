@@ -22,7 +22,8 @@ import pytest
 
 from rlalign import cluster
 
-SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4"]
+SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4",
+         "trainer.ep_size=1"]  # two actors: which cluster a run joins does not depend on the EP size
 RAY = str(Path(sys.executable).parent / "ray")
 TRAP = "When connecting to an existing cluster, num_cpus and num_gpus must not be provided"
 
@@ -164,7 +165,7 @@ def head():
 def test_ray_address_attaches_with_the_clusters_own_resources_and_leaves_it_running(head, tmp_path):
     before = head.drivers()
     # placement.num_cpus=8 sizes a private cluster only: on this 2-CPU cluster 3 actors of 1 CPU would not fit
-    pid, rc, out, err = _train(tmp_path, "run.steps=2", "placement.num_cpus=8",
+    pid, rc, out, err = _train(tmp_path, "run.steps=1", "trainer.ep_size=2", "placement.num_cpus=8",
                                env=_env(RAY_ADDRESS=head.address, **head.auth))
     assert rc == 0, err[-3000:]
     assert [ln for ln in head.drivers() - before if ln.endswith(f"_{pid}.log")], "the driver was not on this cluster"
@@ -195,15 +196,15 @@ def test_private_run_ignores_a_running_cluster_found_through_the_session_file(he
 @pytest.mark.slow
 def test_ray_job_submit_runs_train_on_that_cluster(head, tmp_path):
     cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{head.dash}", "--",
-           sys.executable, "-m", "rlalign.cli", "train", *SMALL, "run.steps=2", f"run.dir={tmp_path}"]
+           sys.executable, "-m", "rlalign.cli", "train", *SMALL, "run.steps=1", f"run.dir={tmp_path}"]
     for _ in range(12):  # the head's job agent registers a little after `ray start` returns
         p = subprocess.run(cmd, capture_output=True, text=True, env=_env(**head.auth), timeout=400)
         if "No available agent" not in p.stdout + p.stderr:
             break
         time.sleep(5)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert "succeeded" in p.stdout + p.stderr and '"steps": 2' in p.stdout
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "succeeded" in p.stdout + p.stderr and '"steps": 1' in p.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     assert head.status().returncode == 0
 
 

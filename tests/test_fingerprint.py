@@ -219,12 +219,10 @@ def _trainer_trace_rank(rank, world, group, cfg_dict, runs):
 
 
 @pytest.mark.slow
-def test_a_flipped_bit_in_one_expert_on_one_trainer_rank_at_ep2_is_named_by_compare(tmp_path):
-    import subprocess
-    import sys
-
+def test_a_flipped_bit_in_one_expert_on_one_trainer_rank_at_ep2_is_named_by_compare(tmp_path, capsys):
     from omegaconf import OmegaConf
 
+    from rlalign import cli
     from rlalign.config import load_config
     from rlalign.parallel import launch
 
@@ -232,18 +230,19 @@ def test_a_flipped_bit_in_one_expert_on_one_trainer_rank_at_ep2_is_named_by_comp
     runs = [(str(tmp_path / d), d == "flip") for d in ("a", "b", "flip")]
     launch.run_workers(2, _trainer_trace_rank, (cfg, runs), timeout_s=240)
 
-    def compare(x, y):
-        return subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(tmp_path / x), str(tmp_path / y)],
-                              capture_output=True, text=True)
+    def compare(x, y):  # `rlalign compare` in-process
+        capsys.readouterr()
+        rc = cli.main(["compare", str(tmp_path / x), str(tmp_path / y)])
+        return rc, *capsys.readouterr()
 
-    p = compare("a", "flip")
-    assert p.returncode == 1, p.stdout + p.stderr
+    rc, out, err = compare("a", "flip")
+    assert rc == 1, out + err
     # rank 1 holds experts 4..7: its second local expert is global expert 5, and the grads and moments
     # before it in the stream matched
-    assert f"B: step 0 rank 1 state/weights/{FLIPPED}/expert5 bfloat16[64, 64]" in p.stdout, p.stdout
-    assert "inputs matched: yes" in p.stdout and p.stdout.count("identical:") == 1  # rank 0's stream
-    p = compare("a", "b")  # negative twin: the same step without the fault
-    assert p.returncode == 0 and p.stdout.count("identical:") == 2, p.stdout + p.stderr
+    assert f"B: step 0 rank 1 state/weights/{FLIPPED}/expert5 bfloat16[64, 64]" in out, out
+    assert "inputs matched: yes" in out and out.count("identical:") == 1  # rank 0's stream
+    rc, out, err = compare("a", "b")  # negative twin: the same step without the fault
+    assert rc == 0 and out.count("identical:") == 2, out + err
 
 
 def test_the_trace_holds_the_adamw_moments_at_every_nth_step_and_all_else_every_step(tmp_path):

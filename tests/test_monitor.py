@@ -15,6 +15,8 @@ from rlalign.monitor.consistency import compare
 from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
 from rlalign.monitor.trace import TraceError, read_trace
 
+pytestmark = pytest.mark.usefixtures("shared_runs")  # a config run before in the module: copied (conftest.py)
+
 SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4",
          "trainer.ep_size=1"]  # one trainer actor: what these tests check does not depend on the EP size
 
@@ -94,7 +96,7 @@ def test_corrupt_traces_name_the_line(tmp_path):
         read_trace(_trace(tmp_path, "t6.jsonl", [HEADER, json.dumps({**rows, "fps": ["a", 7]}) + "\n"]))
 
 
-def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path):
+def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path, capsys):
     a = _trace(tmp_path, "a.jsonl", [HEADER, REC])
     b = _trace(tmp_path, "b.jsonl", [HEADER.replace('"seed": 0', '"seed": 1'), REC.replace('"ab"', '"cd"')])
     p = subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(a), str(b)], capture_output=True,
@@ -103,12 +105,24 @@ def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path):
     assert "come from different runs/configs" in p.stdout and "seed: 0 vs 1" in p.stdout
     assert "first difference at record 0" in p.stdout and "grad/w" in p.stdout
     bad = _trace(tmp_path, "c.jsonl", [HEADER, REC[:-1]])
-    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(a), str(bad)], capture_output=True,
-                       text=True)
-    assert p.returncode == 2 and "c.jsonl:2: truncated record" in p.stderr
+    rc, out, err = _compare_cli(capsys, a, bad)  # in-process from here: the exit status above was the process's
+    assert rc == 2 and "c.jsonl:2: truncated record" in err
+
+
+def _compare_cli(capsys, a, b):
+    """`rlalign compare A B` in this process: (exit status, stdout, stderr)."""
+    from rlalign import cli
+
+    capsys.readouterr()
+    rc = cli.main(["compare", str(a), str(b)])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 # --- gates ---------------------------------------------------------------------------------------------
+GATE_RUN = [*SMALL, "run.steps=1", "monitor.on_mismatch=warn"]  # its run (fingerprints=layers) serves three tests
+
+
 def _gate(kind, tmp_path, *over):
     cfg = load_config([*SMALL, f"run.dir={tmp_path}", *over])
     return run_gate(kind, [*SMALL, *over], cfg)
@@ -119,11 +133,13 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys
     from rlalign import cli
 
     t = time.perf_counter()
-    rc = cli.main(["gate", "repeatability", "run.steps=1", f"run.dir={tmp_path}/cli"])  # in-process: this module's Ray
+    rc = cli.main(["gate", "repeatability", *GATE_RUN, f"run.dir={tmp_path}/cli"])  # in-process: this module's Ray
     out, err = capsys.readouterr()
     print(f"rlalign gate repeatability run.steps=1: {time.perf_counter() - t:.1f}s")
     assert rc == 0, err[-2000:]
     assert "gate repeatability: PASS" in out
+    rows = [json.loads(ln) for ln in (tmp_path / "cli" / "gate-repeatability" / "a" / "metrics.jsonl").open()]
+    assert [r["consistency/mismatched_tokens"] for r in rows] == [0]  # on_mismatch=warn let none through
     ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
                      "monitor.inject=generator:layers.1.mlp:noise")
     assert not ok and "FAIL" in text
@@ -134,7 +150,7 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys
 def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path):
     ok, text = _gate("baseline", tmp_path / "ep", "run.steps=2")  # candidate: generator EP 2
     assert ok, text
-    ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",
+    ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",  # run a: GATE_RUN's
                      'gate.candidate=["monitor.inject=both:layers.1.attn:default"]')
     assert not ok and "first divergence: gen.step.layers.1.attn" in text
 
@@ -149,11 +165,10 @@ def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path):
 
 
 @pytest.mark.slow
-def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path):
-    from rlalign.rl import train
-
-    for name, seed in (("a", 0), ("b", 1)):
-        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path / name}", f"seed={seed}"]))
+def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs):
+    for name, seed in (("a", 0), ("b", 1)):  # seed 0: the repeatability gate's run
+        shared_runs(load_config([*GATE_RUN, "monitor.fingerprints=layers", f"run.dir={tmp_path / name}",
+                                 f"seed={seed}"]))
     with pytest.raises(GateRefused, match=r"fixed environments differ.*seed: 0 vs 1"):
         compare_runs(tmp_path / "a", tmp_path / "b")
 
@@ -291,7 +306,7 @@ def test_a_trace_resumed_into_a_new_run_dir_compares_from_its_start(tmp_path):
 
 
 @pytest.mark.slow
-def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp_path):
+def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp_path, capsys):
     import shutil
 
     from rlalign.rl import train
@@ -302,29 +317,28 @@ def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp
         train(load_config([*base, f"run.dir={tmp_path / d}", *over]))
 
     def cli_compare(a, b):
-        return subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(tmp_path / a), str(tmp_path / b)],
-                              capture_output=True, text=True)
+        return _compare_cli(capsys, tmp_path / a, tmp_path / b)
 
     run("full", "run.steps=3")
     run("part", "run.steps=2")  # checkpoint after step 1
     shutil.copytree(tmp_path / "part", tmp_path / "pert")
     ckpt = tmp_path / "part" / "checkpoints" / "step_000001"
     run("part", "run.steps=3", "checkpoint.resume=auto")
-    p = cli_compare("full", "part")
-    assert p.returncode == 0 and p.stdout.count("identical:") == 3, p.stdout + p.stderr
+    rc, out, err = cli_compare("full", "part")
+    assert rc == 0 and out.count("identical:") == 3, out + err
     run("fresh", "run.steps=3", f"checkpoint.resume={ckpt}")  # resumed into a new run dir
-    p = cli_compare("full", "fresh")
-    assert p.returncode == 0 and p.stdout.count("identical:") == 3, p.stdout + p.stderr
-    assert "B begins at a resume (step 2) without the earlier steps" in p.stdout
+    rc, out, err = cli_compare("full", "fresh")
+    assert rc == 0 and out.count("identical:") == 3, out + err
+    assert "B begins at a resume (step 2) without the earlier steps" in out
     # negative twin: resumed on other weights (a valid checkpoint of a run with another learning rate)
     run("other", "run.steps=2", "trainer.lr=0.02")
     swapped = tmp_path / "pert" / "checkpoints" / "step_000001"
     shutil.rmtree(swapped)
     shutil.copytree(tmp_path / "other" / "checkpoints" / "step_000001", swapped)
     run("pert", "run.steps=3", "checkpoint.resume=auto")
-    p = cli_compare("full", "pert")
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert "first difference at record" in p.stdout and "B: step 1 rank 0 weights/lm_head.weight" in p.stdout
+    rc, out, err = cli_compare("full", "pert")
+    assert rc == 1, out + err
+    assert "first difference at record" in out and "B: step 1 rank 0 weights/lm_head.weight" in out
 
 
 def test_trace_records_of_the_syncs_fingerprints_equal_hashing_the_weights(tmp_path):

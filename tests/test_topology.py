@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rlalign.config import load_config
 from rlalign.parallel import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_runs")]  # the two gates share their run a
 
 
 def _batch(n=10):
@@ -151,15 +151,17 @@ SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch
 
 
 def test_a_run_resumes_at_another_trainer_ep_size_bitwise(tmp_path):
-    """2 steps at trainer EP 2, resumed at EP 4 to step 4 == 4 uninterrupted steps at EP 1:
-    every metric (time/* aside) and the final weights fingerprint."""
+    """2 steps at trainer EP 2, resumed at EP 4 to step 3 == 3 uninterrupted steps at EP 1: every
+    metric (time/* aside) and the final weights fingerprint. (Step 0's rewards are all 0, so its
+    gradients too: the checkpoint after step 1 is the first whose AdamW moments are not 0, and
+    step 2's update is made of the moments loaded at EP 4.)"""
     from rlalign.rl import train
 
-    ref = train(load_config([*SMALL, "trainer.ep_size=1", "run.steps=4", f"run.dir={tmp_path / 'ref'}"]))
+    ref = train(load_config([*SMALL, "trainer.ep_size=1", "run.steps=3", f"run.dir={tmp_path / 'ref'}"]))
     train(load_config([*SMALL, "trainer.ep_size=2", "run.steps=2", f"run.dir={tmp_path / 'moved'}"]))
-    moved = train(load_config([*SMALL, "trainer.ep_size=4", "run.steps=4", f"run.dir={tmp_path / 'moved'}",
+    moved = train(load_config([*SMALL, "trainer.ep_size=4", "run.steps=3", f"run.dir={tmp_path / 'moved'}",
                                "checkpoint.resume=auto"]))
-    assert moved["start_step"] == 2
+    assert moved["start_step"] == 2 and _rows(tmp_path / "ref")[1]["actor/grad_norm"] > 0
     assert _rows(tmp_path / "moved") == _rows(tmp_path / "ref")
     assert moved["sync/weights_fp"] == ref["sync/weights_fp"]
 

@@ -45,7 +45,7 @@ def test_train_three_steps_trainer_ep2_generator_ep1(tmp_path):
 
 
 def test_default_kernels_train_report_mismatch_and_corrections(tmp_path):
-    cfg = load_config([*SMALL, "run.steps=2", f"run.dir={tmp_path}", "kernels.mode=default",
+    cfg = load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "kernels.mode=default",
                        "model.dtype=float32", "algorithm.tis.enabled=true", "algorithm.icepop.enabled=true"])
     train(cfg)
     rows = _rows(tmp_path)
@@ -60,17 +60,18 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     and takes it back for the weight sync (rlalign.rollout.generator.releases_memory), no bit changes."""
     base = [*SMALL, "checkpoint.every=2", "algorithm.kl_coef=0.01"]
     full = tmp_path / "full"
-    train(load_config([*base, "run.steps=4", f"run.dir={full}"]))
+    train(load_config([*base, "run.steps=3", f"run.dir={full}"]))
     part = tmp_path / "part"
     colocated = ["placement.colocate=true"]
     train(load_config([*base, *colocated, "run.steps=2", f"run.dir={part}"]))
     assert (part / "checkpoints" / "step_000001" / "meta.json").is_file()
-    train(load_config([*base, *colocated, "run.steps=4", f"run.dir={part}", "checkpoint.resume=auto"]))
+    train(load_config([*base, *colocated, "run.steps=3", f"run.dir={part}", "checkpoint.resume=auto"]))
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     a, b = strip(_rows(full)), strip(_rows(part))
-    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [r["step"] for r in b] == [0, 1, 2]
     assert a == b  # rewards, losses, grad norms, mismatch, weight fingerprints: every value
-    meta = lambda d: json.loads((d / "checkpoints" / "step_000003" / "meta.json").read_text())  # noqa: E731
+    assert a[1]["actor/grad_norm"] > 0  # the checkpoint resumed from holds AdamW moments that are not 0
+    meta = lambda d: json.loads((d / "checkpoints" / "step_000002" / "meta.json").read_text())  # noqa: E731
     assert meta(full)["weights_fp"] == meta(part)["weights_fp"] == a[-1]["sync/weights_fp"]
 
 
