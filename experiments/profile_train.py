@@ -4,12 +4,14 @@ batch (128 sequences of prompt ~64 + response up to 256 tokens, micro_batch_size
 deterministic Triton kernels vs the default ones (`kernels.mode=default`), in one process.
 
 Per variant: one warm-up step, then --steps timed steps (fresh samples each step, the same sample
-sets for every variant), wall time per phase (each phase fenced by torch.cuda.synchronize: forward
+sets for every variant; the step's wall time between two synchronizes), device time per phase (CUDA
+events around each phase, read once per step: no host sync inside the step, so the instrumented step
+runs as the plain one): forward
 = score_micro_batch, backward = Tensor.backward, loss = policy_loss and its host copies, tree_add =
 TreeSum.add, tree = TreeSum.total,
 optimizer = optimizer_step (grad_norm, AdamW step, the copy back)), the number and wall time of
-Triton JIT compilations, then one step under torch.profiler: CUDA time per kernel name (top N) and
-the host's top ops. Prints a table last; writes results/train_profile_<model>_<gpu>[_<name>].json.
+Triton JIT compilations, then one step under torch.profiler: CUDA time per kernel name (top N), the
+host's top ops and the device's idle gaps inside the step (the largest with the kernels around them). Prints a table last; writes results/train_profile_<model>_<gpu>[_<name>].json.
 
     python experiments/profile_train.py [--variants det,det_nofill,default] [--steps 3] [--out DIR]
 
@@ -166,9 +168,13 @@ def _sync() -> None:
 
 
 class Timers:
+    """Phase times from CUDA events recorded around each wrapped call on the current stream (no host
+    sync: the instrumented step runs as the plain one), read once per step by take(), after the step's
+    own closing synchronize; on the CPU, host wall time. A phase's time is the device time between its
+    events (kernels plus any idle the host leaves inside it)."""
+
     def __init__(self):
-        self.t = defaultdict(float)
-        self.n = defaultdict(int)
+        self.events: list = []  # (phase, start, end)
         self.on = True
 
     def wrap(self, name, fn):
@@ -176,21 +182,52 @@ class Timers:
         def inner(*a, **k):
             if not self.on:
                 return fn(*a, **k)
-            _sync()
-            t0 = time.perf_counter()
+            start = _mark()
             try:
                 return fn(*a, **k)
             finally:
-                _sync()
-                self.t[name] += time.perf_counter() - t0
-                self.n[name] += 1
+                self.events.append((name, start, _mark()))
         return inner
 
     def take(self):
-        out = {k: round(v, 6) for k, v in self.t.items()}
-        self.t.clear()
-        self.n.clear()
-        return out
+        _sync()
+        t = defaultdict(float)
+        for name, start, end in self.events:
+            t[name] += start.elapsed_time(end) / 1000 if torch.cuda.is_available() else end - start
+        self.events.clear()
+        return {k: round(v, 6) for k, v in t.items()}
+
+
+def _mark():
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def idle_gaps(prof, wall_s: float, top: int = 10) -> dict:
+    """The device's idle time inside one profiled step: kernels (and copies) sorted by start, the gaps
+    between the end of everything before and the next start; the largest with their neighbours' names."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    gaps, end, prev = [], spans[0][1], spans[0][2]
+    for a, b, name in spans[1:]:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        if b > end:
+            end, prev = b, name
+    first, last = spans[0][0], end
+    big = sorted(gaps, reverse=True)[:top]
+    return {"span_ms": round((last - first) / 1000, 3), "idle_ms": round(sum(g[0] for g in gaps) / 1000, 3),
+            "idle_gaps_over_50us": sum(1 for g in gaps if g[0] > 50),
+            "idle_ms_in_gaps_over_50us": round(sum(g[0] for g in gaps if g[0] > 50) / 1000, 3),
+            "wall_ms": round(wall_s * 1000, 3),
+            "largest": [{"us": round(g[0], 1), "after": g[1][:70], "before": g[2][:70]} for g in big]}
 
 
 def _install(timers: Timers, trainer) -> None:
@@ -516,7 +553,7 @@ def main() -> None:
                     busy, launches, rows, host, ops = kernel_table(prof, a.top)
                     rec["profile"] = {"wall_s_under_profiler": round(wall, 4), "device_busy_ms": round(busy, 2),
                                       "kernel_launches": launches, "top_kernels": rows, "top_host_ops": host,
-                                      "top_ops_device_incl": ops}
+                                      "top_ops_device_incl": ops, "idle": idle_gaps(prof, wall)}
         except Exception as e:  # the other variants still run; the record says what failed
             traceback.print_exc()
             errors[name] = f"{type(e).__name__}: {e}"[:2000]
@@ -549,6 +586,12 @@ def main() -> None:
         print("  -- ops (autograd nodes, aten) by device time of the kernels under them:")
         for r in pr["top_ops_device_incl"][:15]:
             print(f"  {r['device_ms_incl']:9.2f} ms {r['calls']:6d}x  {r['name']}")
+        idle = pr.get("idle") or {}
+        if idle:
+            print(f"  -- device idle {idle['idle_ms']:.1f} ms of a {idle['span_ms']:.1f} ms span "
+                  f"({idle['idle_gaps_over_50us']} gaps > 50 us: {idle['idle_ms_in_gaps_over_50us']:.1f} ms); largest:")
+            for g in idle["largest"][:6]:
+                print(f"  {g['us']:9.1f} us  after {g['after'][:40]}  before {g['before'][:40]}")
         print("  -- host, top self CPU:")
         for r in pr["top_host_ops"][:8]:
             print(f"  {r['self_cpu_ms']:9.2f} ms {r['calls']:6d}x  {r['name']}")
@@ -577,11 +620,17 @@ def mfu_result(cfg, a, results: dict, bits, batches) -> dict:
                        "median_phases_s": r["median_phases_s"],
                        "steps": [{k: x[k] for k in ("step", "tokens", "wall_s", "flops", "mfu")} for x in r["steps"]],
                        "device_busy_ms": pr.get("device_busy_ms"), "kernel_launches": pr.get("kernel_launches"),
+                       "profiled_step_wall_s": pr.get("wall_s_under_profiler"), "idle": pr.get("idle"),
                        "top_kernels": pr.get("top_kernels")}
     main = results.get("det_nofill") or {}
     before = results.get("det_unfused")
     summary = {"trainer_mfu": main.get("median_mfu"), "trainer_step_s": main.get("median_wall_s"),
-               "peak_tflops": a.peak_tflops, "model": a.model}
+               "trainer_mfu_is": "det_nofill (the production settings): model FLOPs / the median of the timed "
+                                 "steps' wall time / peak; phase timers are CUDA events read once per step (no host "
+                                 "sync inside the step)",
+               "peak_tflops": a.peak_tflops, "flops": fl["flops"], "model": a.model}
+    for n, r in results.items():
+        summary[f"step_s_{n}"] = r["median_wall_s"]
     if before:
         summary.update(trainer_mfu_unfused=before["median_mfu"], trainer_step_s_unfused=before["median_wall_s"])
     if bits:

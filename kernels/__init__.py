@@ -205,16 +205,16 @@ class _SlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (dest,) = ctx.saved_tensors
-        rows = g.index_select(0, dest)
-        return rows.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+        ones = torch.ones(dest.numel() // ctx.k, ctx.k, dtype=torch.float32, device=g.device)
+        return moe_combine(g, ones, rows=dest), None, None, None
 
 
 def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:
     """The experts' input rows: row j is token order[j] // k's row of x [T, D] (order [T*k]: the (token,
     slot) rows grouped by expert, dest its inverse: model.dispatch). Backward: each token's k slot
-    gradients gathered token-major (g[dest]) and summed over the slots by torch's sum over dim 1 of
-    [T, k, D] (the bits of the expand-copy-and-index_select it replaces, whose backward ran a sorting
-    index_put and that sum; -0 terms vanish in both: the sum starts at +0). One gather each way."""
+    gradients summed in fp32, slot 0 first, one rounding: moe_combine with unit weights over the rows
+    g[dest[t * k + j]] (the Triton backend reads them in place: no gathered copy, no separate sum).
+    The order is the combine's, defined here, not a library reduction's."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _SlotRows.apply(x, order, dest, int(k))
     return x.index_select(0, torch.div(order, k, rounding_mode="floor"))

@@ -218,9 +218,10 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T, k, D] expert outputs in top-k slot order, weights [T, k]: sum_j w_j * y_j in fp32,
-    slot 0 first, whatever produced y (any EP size, any rank order)."""
-    acc = y[:, 0].float() * weights[:, 0, None].float()
-    for j in range(1, y.shape[1]):
+    slot 0 first, from +0 (a token whose every term is -0 sums to +0), whatever produced y (any EP size,
+    any rank order)."""
+    acc = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
+    for j in range(y.shape[1]):
         acc = acc + y[:, j].float() * weights[:, j, None].float()
     return acc.to(y.dtype)
 
