@@ -180,6 +180,120 @@ def sweep_gemm(shard) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- main-config candidates
+def _main_candidates() -> dict:
+    """Configs for the compute-bound GEMMs (main config: the grouped expert GEMMs of a training
+    micro-batch, forward, dX, dW, and the lm head past one wave of tiles). BLOCK_K 64 / 128: the same
+    k16 MMA chain; FLATTEN: the next tile's loads under this one's epilogue (scheduling only)."""
+    c = {"pinned": dict(gemm.MATMUL_CONFIGS[BF])}
+    for bm, bn, bk, st, w in ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
+                              (256, 128, 64, 3, 8), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4)):
+        for f in (False, True):
+            c[f"{bm}x{bn}k{bk}s{st}w{w}" + ("f" if f else "")] = _g(bm, bn, bk, st, w, FLATTEN=f)
+    return c
+
+
+def _moe_gemms(g, T: int = 9990, E: int = 64, k: int = 8, d: int = 2048, inter: int = 768, vocab: int = 32000,
+               M: int = 10240):
+    """bench-moe-large's six expert GEMMs of one training micro-batch (T tokens, top-k of E with a skewed
+    router; rows sorted by expert, counts on the device: the training path) and its lm head and o_proj
+    forward (10,240 rows): name -> (FLOPs, fn)."""
+    bias = torch.rand(E, device=DEV, generator=g) * 2
+    ids = (torch.randn(T, E, device=DEV, generator=g) + bias).topk(k, -1).indices
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    R = T * k
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, device=DEV, generator=g) * s).to(BF)
+
+    x, a, gh, gy = rnd(R, d), rnd(R, inter), rnd(R, 2 * inter), rnd(R, d)
+    w_gu, w_dn, w_lm, w_o = rnd(E, 2 * inter, d, s=0.02), rnd(E, d, inter, s=0.02), rnd(vocab, d, s=0.02), rnd(
+        d, d, s=0.02)
+    f = 2 * R
+    return {
+        "fwd gate_up": (f * d * 2 * inter, lambda: tb.grouped_linear(x, w_gu, counts)),
+        "fwd down": (f * inter * d, lambda: tb.grouped_linear(a, w_dn, counts)),
+        "dX gate_up": (f * 2 * inter * d, lambda: tb.grouped_linear(gh, w_gu.transpose(1, 2), counts)),
+        "dX down": (f * d * inter, lambda: tb.grouped_linear(gy, w_dn.transpose(1, 2), counts)),
+        "dW gate_up": (f * 2 * inter * d, lambda: gemm.grouped_wgrad(gh, x, counts)),
+        "dW down": (f * d * inter, lambda: gemm.grouped_wgrad(gy, a, counts)),
+        "fwd lm_head": (2 * M * vocab * d, lambda: tb.linear(x[:M], w_lm)),
+        "fwd o_proj": (2 * M * d * d, lambda: tb.linear(x[:M], w_o)),
+    }
+
+
+def sweep_main(shard) -> list[dict]:
+    """The main config's candidates at the training step's compute-bound shapes: time, TFLOP/s and
+    whether every output equals the pinned config's bits."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    pinned, pinned_small = dict(gemm.MATMUL_CONFIGS[BF]), gemm.MATMUL_SMALL_M[BF]
+    cands = _main_candidates()
+    tables = {n: tuple(pinned_small) for n in cands}  # a table object per candidate: linear's plans key on it
+    names = [n for i, n in enumerate(cands) if shard is None or i % shard[1] == shard[0]]
+    cases = _moe_gemms(g, **(dict(T=24, E=4, k=2, d=64, inter=32, vocab=96, M=16) if TINY else {}))
+    rows = []
+    with torch.no_grad():
+        refs = {c: fn() for c, (_, fn) in cases.items()}
+        for name in names:
+            gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = cands[name], tables[name]
+            row = {"config": name}
+            for case, (flop, fn) in cases.items():
+                try:
+                    out = fn()
+                    t = eager_ms(fn)
+                    row[case] = {"ms": t, "tflops": flop / t / 1e9, "bits_equal_pinned": None if WARM
+                                 else bits_equal(out, refs[case])}
+                except Exception as e:  # out of shared memory, ...
+                    row[case] = {"error": f"{type(e).__name__}: {e}"[:160]}
+            gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = pinned, pinned_small
+            rows.append(row)
+            if not WARM:
+                log(f"main {name:18s} " + " ".join(
+                    f"{c.split()[0]}:{c.split()[1][:4]} {v['tflops']:4.0f}{'' if v['bits_equal_pinned'] else '!'}"
+                    if "tflops" in v else f"{c}: ERR" for c, v in row.items() if c != "config"))
+    return rows
+
+
+def sweep_lmhead(shard) -> list[dict]:
+    """The lm head (32000 x 2048) at M = 64 and 256 under CUDA graphs against cuBLAS: every main-config
+    candidate forced at every M (and the small-M family's widest members), rows against the pinned
+    main config's."""
+    g = torch.Generator(device=DEV).manual_seed(4)
+    pinned, pinned_small = dict(gemm.MATMUL_CONFIGS[BF]), gemm.MATMUL_SMALL_M[BF]
+    cands = _main_candidates() | {"n64x128k128s4": _g(64, 128, 128, 4, 4),
+                                  "n64x128k128s4f": _g(64, 128, 128, 4, 4, FLATTEN=True)}
+    names = [n for i, n in enumerate(cands) if shard is None or i % shard[1] == shard[0]]
+    N, K = GEMM_SHAPES.get("lm_head 32000x2048", (64, 256))
+    x, ws = gemm_data(N, K, g)
+    rows = []
+    with torch.no_grad():
+        ref = tb.linear(torch.cat([x, x]), ws[0])[: x.shape[0]]  # past the small-M rows: the main config
+        for M in (64, 256) if not TINY else (16,):
+            xm = x[:M]
+            t_cub = graph_ms([lambda w=w: xm @ w.t() for w in ws]) if shard is None else float("nan")
+            t_pin = graph_ms([lambda w=w: tb.linear(xm, w) for w in ws]) if shard is None else float("nan")
+            out = {"M": M, "cublas_us": 1e3 * t_cub, "pinned_us": 1e3 * t_pin, "pinned_ratio": t_cub / t_pin}
+            for name in names:
+                forced = dict(cands[name])
+                gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = forced, (0, 0, [forced])
+                try:
+                    y = tb.linear(xm, ws[0])
+                    t = graph_ms([lambda w=w: tb.linear(xm, w) for w in ws])
+                    out[name] = {"ratio": t_cub / t, "us": 1e3 * t,
+                                 "bits_equal_main": None if WARM else bits_equal(y, ref[:M])}
+                except Exception as e:
+                    out[name] = {"error": f"{type(e).__name__}: {e}"[:160]}
+                finally:
+                    gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = pinned, pinned_small
+            rows.append(out)
+            if not WARM:
+                best = sorted(((v["ratio"], k) for k, v in out.items() if isinstance(v, dict) and "ratio" in v
+                               and v["bits_equal_main"]), reverse=True)[:5]
+                log(f"lm_head M={M:4d} cublas {1e3 * t_cub:7.2f}us pinned {t_cub / t_pin:5.2f}x  best "
+                    + "  ".join(f"{k} {r:5.2f}x" for r, k in best))
+    return rows
+
+
 # ---------------------------------------------------------------- attention
 def attn_data(T: int, g, grad: bool = False):
     B = TOKENS // T
@@ -428,7 +542,7 @@ def bench_pinned(parts=("linear", "attention", "decode")) -> dict:
 def main() -> None:
     global WARM
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", default=None, help="gemm | fwd | bwd")
+    ap.add_argument("--sweep", default=None, help="gemm | fwd | bwd | main | lmhead")
     ap.add_argument("--warm", default=None, help="I/N: compile shard I of N of the candidates, no timing")
     ap.add_argument("--warm-part", default=None, help="linear | attention | decode: compile the pinned kernels "
                                                       "of that part, no timing")
@@ -442,7 +556,8 @@ def main() -> None:
         if a.sweep == "decode":  # compile only: the decode kernels of the pinned config
             decode_matches_prefill()
             return
-        rows = {"gemm": sweep_gemm, "fwd": sweep_fwd, "bwd": sweep_bwd}[a.sweep](shard)
+        rows = {"gemm": sweep_gemm, "fwd": sweep_fwd, "bwd": sweep_bwd, "main": sweep_main,
+                "lmhead": sweep_lmhead}[a.sweep](shard)
         if not WARM:
             extra = {}
             if a.sweep == "fwd":

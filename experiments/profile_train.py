@@ -6,12 +6,12 @@ deterministic Triton kernels vs the default ones (`kernels.mode=default`), in on
 Per variant: one warm-up step, then --steps timed steps (fresh samples each step, the same sample
 sets for every variant; the step's wall time between two synchronizes), device time per phase (CUDA
 events around each phase, read once per step: no host sync inside the step, so the instrumented step
-runs as the plain one): forward
-= score_micro_batch, backward = Tensor.backward, loss = policy_loss and its host copies, tree_add =
-TreeSum.add, tree = TreeSum.total,
-optimizer = optimizer_step (grad_norm, AdamW step, the copy back)), the number and wall time of
-Triton JIT compilations, then one step under torch.profiler: CUDA time per kernel name (top N), the
-host's top ops and the device's idle gaps inside the step (the largest with the kernels around them). Prints a table last; writes results/train_profile_<model>_<gpu>[_<name>].json.
+runs as the plain one): forward = score_micro_batch, backward = Tensor.backward, loss = policy_loss and
+its host copies, tree_add = TreeSum.add, tree = TreeSum.total, optimizer = optimizer_step (grad_norm,
+AdamW step, the copy back)), the number and wall time of Triton JIT compilations, then one step under
+torch.profiler: CUDA time per kernel name (top N), the host's top ops and the device's idle gaps inside
+the step (the largest with the kernels around them). Prints a table last; writes
+results/train_profile_<model>_<gpu>[_<name>].json.
 
     python experiments/profile_train.py [--variants det,det_nofill,default] [--steps 3] [--out DIR]
 

@@ -535,7 +535,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tens
     return out
 
 
-def _grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
     owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
     chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B."""
@@ -563,7 +563,7 @@ class _GroupedLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g = g.contiguous().to(x.dtype)
         gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
-        gw = _grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
+        gw = grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
 
