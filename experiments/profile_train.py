@@ -21,10 +21,11 @@ torch.utils.deterministic.fill_uninitialized_memory=False: what rlalign.factory.
 production step), det_unfused (det_nofill with the step's pieces as they were before the fused ones, for
 a before/after in one process: torch.optim.AdamW's step and a separate rounding copy into the model,
 fp32 copies of bf16 leaves before the gradient trees' adds, the MoE input rows as an expand copy + an
-index_select whose backward is a sorting index_put, the combine through a gathered copy, the response
-logits gathered and copied to fp32, the experts' SwiGLU on copies of the gate/up halves, the grad norm's
-per-expert squares in full, the MoE dispatch of a training micro-batch as the torch counting sort, the
-loss's host reads (pre-update logprobs, stats) and pageable copies per micro-batch; `unfused` below),
+index_select whose backward is a sorting index_put (the experts' first GEMM reading that copy), the
+combine through a gathered copy, the response logits gathered and copied to fp32, the experts' SwiGLU
+on copies of the gate/up halves, the grad norm's per-expert squares in full, the MoE dispatch of a
+training micro-batch as the torch counting sort, the loss's host reads (pre-update logprobs, stats) and
+pageable copies per micro-batch; `unfused` below),
 default (kernels.mode=default, deterministic algorithms off).
 
 --check-bits (with det_unfused and det_nofill): before the timed steps, one forward_backward of the
@@ -132,8 +133,9 @@ def unfused(timers=None, keep=()):
     def squares(x):
         return fo.tree_sum(x**2, 1) if x.dim() == 2 else ref.sum_of_squares(x)
 
-    saved = {"add": K.add_f32, "slot": K.moe_slot_rows, "combine": tb.moe_combine_rows,
-             "lp": K.token_logprobs_rows, "step": MasterWeights.step, "swiglu": K.swiglu_halves,
+    saved = {"add": K.add_f32, "slot": K.moe_slot_rows, "slot_linear": K.moe_slot_linear,
+             "combine": tb.moe_combine_rows, "lp": K.token_logprobs_rows, "step": MasterWeights.step,
+             "swiglu": K.swiglu_halves,
              "squares": K.sum_of_squares, "rows": D.MAX_ROWS, "loss": Trainer.__dict__["ppo_loss"]}
     if "syncs" not in keep:
         Trainer.ppo_loss = staticmethod(ppo_loss)
@@ -141,6 +143,8 @@ def unfused(timers=None, keep=()):
         K.add_f32 = lambda a, b, c=None: a.float() + b.float() if c is None else a.float() + (b.float() + c.float())
     if "slot" not in keep:
         K.moe_slot_rows = slot_rows
+        K.moe_slot_linear = lambda x, order, dest, k, w, counts: K.grouped_linear(K.moe_slot_rows(x, order, dest, k),
+                                                                                  w, counts)
     if "combine" not in keep:
         tb.moe_combine_rows = combine_rows
     if "lp" not in keep:
@@ -157,6 +161,7 @@ def unfused(timers=None, keep=()):
         yield
     finally:
         K.add_f32, K.moe_slot_rows, tb.moe_combine_rows = saved["add"], saved["slot"], saved["combine"]
+        K.moe_slot_linear = saved["slot_linear"]
         K.token_logprobs_rows, MasterWeights.step = saved["lp"], saved["step"]
         K.swiglu_halves, K.sum_of_squares, D.MAX_ROWS = saved["swiglu"], saved["squares"], saved["rows"]
         Trainer.ppo_loss = saved["loss"]

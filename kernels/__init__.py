@@ -220,6 +220,17 @@ def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: i
     return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
 
+def moe_slot_linear(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int, w: torch.Tensor,
+                    counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """grouped_linear(moe_slot_rows(x, order, dest, k), w, counts): the experts' first GEMM over the token
+    rows, the same bits forward and backward; the Triton backend (counts on x's device) reads x's rows in
+    place in the forward and the weight gradient instead of copying them into [T * k, D]."""
+    fused = getattr(_impl(x), "moe_slot_linear", None) if _state["mode"] == "deterministic" else None
+    if fused is not None and isinstance(counts, torch.Tensor) and counts.device == x.device:
+        return fused(x, order, dest, int(k), w, counts)
+    return grouped_linear(moe_slot_rows(x, order, dest, k), w, counts)
+
+
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, k, D] in top-k slot order -> [T, D]; deterministic: fp32, slot 0 first.
     rows [T*k] (optional): y is [R, D] (the experts' outputs in dispatch order) and slot j of token t

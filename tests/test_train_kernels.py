@@ -156,6 +156,35 @@ def test_triton_combine_rows_equals_gather_then_combine_forward_and_backward():
         tb.moe_combine_rows(y[:-1].clone().requires_grad_(), w0, dest)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_moe_slot_linear_equals_slot_rows_then_grouped_linear(backend):
+    """The experts' first GEMM over the token rows read in place: output, dX and dW are the bits of the
+    copied rows through grouped_linear (the Triton backend gathers inside the GEMM); twin: other rows."""
+    from rlalign.model.model import dispatch
+
+    x, _, order, dest, _ = _moe_case(T=45, k=3, E=5, D=32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    w = (torch.randn(5, 48, 32, generator=g) * 0.1).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(5, generator=g)[:3] for _ in range(45)]).to(DEV)
+    order, dest, counts = dispatch(ids.reshape(-1), 5)
+    go = torch.randn(order.numel(), 48, generator=g).to(torch.bfloat16).to(DEV)
+    outs = []
+    with kernels.use(mode="deterministic", backend=backend):
+        for fused in (True, False):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            if fused:
+                y = kernels.moe_slot_linear(xx, order, dest, 3, ww, counts)
+            else:
+                y = kernels.grouped_linear(kernels.moe_slot_rows(xx, order, dest, 3), ww, counts)
+            y.backward(go)
+            outs.append((y, xx.grad, ww.grad))
+        for a, b in zip(*outs):
+            assert same_bits(a, b)
+        with torch.no_grad():
+            assert same_bits(kernels.moe_slot_linear(x, order, dest, 3, w, counts), outs[0][0])
+            assert not same_bits(kernels.moe_slot_linear(x, order.flip(0), dest, 3, w, counts), outs[0][0])
+
+
 def test_add_f32_is_the_sum_of_the_fp32_conversions():
     g = torch.Generator().manual_seed(14)
     for da, db in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)):

@@ -8,7 +8,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
   attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
                split-K over fixed key chunks for few rows)
   elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds)
-  moe          moe_route, moe_combine
+  moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place)
   sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
@@ -33,7 +33,7 @@ from .elementwise import add_f32, paged_write, rope, swiglu, swiglu_halves
 from .embed import embedding
 from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
 from .logprob import log_softmax_gather, logprob_rows
-from .moe import moe_combine, moe_combine_rows, moe_route
+from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear
 from .norm import rmsnorm
 from .optim import adamw_, sum_of_squares
 from .sampling import filter_logits, gumbel_argmax
@@ -43,6 +43,7 @@ __all__ = [
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
     "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
+    "moe_slot_linear",
     "norm", "optim", "paged_write", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu", "swiglu_halves",
 ]
 

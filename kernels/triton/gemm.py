@@ -44,12 +44,11 @@ MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
 # interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
 INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
-# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in
-# COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
-# rows on each of 64 experts: 64 x 128 tiles, 4 stages, the tile loop flattened (the next tile's loads
-# issued under the current one) read each expert's weights at 79 % / 72 % of the HBM peak (gate_up /
-# down), where the plain small-M config's 64 x 32 tiles reached 40 % / 30 %. Past 128 rows per expert
-# (decode past 1,024 rows) the step is compute-bound: the main config's 128 x 256 tiles.
+# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in COUNTS
+# mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32 rows on each of
+# 64 experts: 64 x 128 tiles, 4 stages, the tile loop flattened (the next tile's loads under the current one)
+# read each expert's weights at 79 % / 72 % of the HBM peak (gate_up / down), where the plain small-M config's
+# 64 x 32 tiles reached 40 % / 30 %. Past 128 rows per expert the step is compute-bound: the main config.
 _GROUPED_SMALL = [(128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
                              FLATTEN=True))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
@@ -60,13 +59,13 @@ GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED
 # in the middle of a run, each new batch composition adding seconds of compilation. The layout
 # hints that matter are the constexpr flags below, decided by the host.
 @triton.jit(do_not_specialize=["num_tiles", "M1", "K1", "R"])
-def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
                  R, a_step, b_step, b_e, c_step, c_e,
                  P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
-                 FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr):
+                 FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr, GATHER: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -82,6 +81,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
     c_{p-1}; M_p = c_p, K_p = K1 (GROUP_K: M_p = M1, K_p = c_p, the weight gradient), a_off = s_p a_step,
     b_off = s_p b_step + p b_e, c_off = s_p c_step + p c_e. The tiles run up to their total, computed
     here; the grid is a bound the host knows without reading the sizes (no host sync).
+    GATHER (COUNTS only): sorted row s_p + i of A (of B under GROUP_K, whose K runs over rows) is row
+    idx[s_p + i] of a_ptr (b_ptr; its step 0): the MoE's token rows read in place, the same values
+    as from a gathered copy, hence the same bits.
 
     PER_N (table mode): each row also holds the problem's own N_p and C row stride ldc_p (rows of 8:
     first tile, M_p, K_p, a_off, b_off, c_off, N_p, ldc_p); N and scm are then unused. Several
@@ -183,24 +185,30 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, num_tiles, N, M1, K1, sam, sak, 
         rbn = tl.where(rn < N_t, rn, 0)
         if A_M_CONTIG:
             ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
+        if GATHER and not GROUP_K:
+            ram = tl.load(idx_ptr + s_p + ram)
         if B_N_CONTIG:
             rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
             rk = k0 + tl.arange(0, BLOCK_K)
+            if GATHER and GROUP_K:
+                rkb = tl.load(idx_ptr + s_p + rk, mask=rk < K, other=0)
+            else:
+                rkb = rk
             if EVEN_K:
                 if MASK_M:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
                 else:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
-                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
+                b = tl.load(b_base + rkb[:, None] * sbk + rbn[None, :] * sbn)
             else:
                 if MASK_M:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak,
                                 mask=(rk[None, :] < K) & (rm[:, None] < M), other=0.0)
                 else:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
-                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+                b = tl.load(b_base + rkb[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
             if UPCAST:
                 acc += host_free_dot(a, b)
             elif IEEE:
@@ -248,7 +256,7 @@ def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
 def _launch_cfg(cfg: dict) -> dict:
     """A config's kernel constexprs and launch options (FLATTEN, MASK_M off unless set: scheduling only,
     the tiles and their K order stay the config's)."""
-    return dict({"FLATTEN": False, "MASK_M": False}, **cfg)
+    return dict({"FLATTEN": False, "MASK_M": False, "GATHER": False}, **cfg)
 
 
 def _grouped_config(dtype, rows: int) -> dict:
@@ -268,7 +276,7 @@ def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strid
     plan = cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k))
     if plan is not None:
         launch, table = plan
-        launch(a, b, c, a if table is None else table)
+        launch(a, b, c, a if table is None else table, a)
 
 
 def _check_numel(numels: tuple) -> None:
@@ -301,8 +309,7 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
     if per_n:
         N = max(ns)  # the scalar slot: unused under PER_N
     single = not per_n and len(rows) == 1 and rows[0][3:] == (0, 0, 0)
-    # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the pointer slot
-    # then takes any tensor, never read)
+    # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the slot: any tensor, unread)
     table = None if single else host_table(rows, torch.int64, a.device)
     cfg = _launch_cfg(cfg)
     sms = num_sms(a.device)
@@ -315,19 +322,22 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
 
 
 def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int, strides: tuple, steps: tuple,
-                 group_k: bool, cfg: dict) -> None:
+                 group_k: bool, cfg: dict, idx: torch.Tensor | None = None) -> None:
     """Launch _gemm_kernel over P = len(counts) groups whose sizes stay on the device (COUNTS mode):
     rows sorted by group, R in all; steps (a_step, b_step, b_e, c_step, c_e) place group p at row s_p
-    (see the kernel). The grid is a bound known on the host, so nothing is read back: no sync."""
+    (see the kernel). The grid is a bound known on the host, so nothing is read back: no sync.
+    idx [R] (GATHER): sorted row i of A (of B when group_k) is row idx[i] of a (b); its step is 0."""
     numels = (a.numel(), b.numel(), c.numel())
+    gather = None if idx is None else idx.dtype
     key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
-           a.device, numels, counts.dtype)
-    launch = cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg))
+           a.device, numels, counts.dtype, gather)
+    launch = cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg,
+                                              gather is not None))
     if launch is not None:
-        launch(a, b, c, counts)
+        launch(a, b, c, counts, counts if idx is None else idx)
 
 
-def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg):
+def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gather=False):
     _check_numel(numels)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     if group_k:  # every group owns all tiles of its [M1, N] output
@@ -344,6 +354,7 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg):
                 ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
                 A_M_CONTIG=group_k and sam == 1 and sak != 1 and M1 % 16 == 0,
                 B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0, **cfg, PER_N=False)
+    meta["GATHER"] = gather
     return Launch(_gemm_kernel, (min(sms, bound),), (0, N, M1, K1, *strides, R, *steps), meta)
 
 
@@ -403,7 +414,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, b_transposed: bool, token_k: bool 
         return c.zero_() if K == 0 else c
     if copy_b:
         b = b.t().contiguous() if b_transposed else b.contiguous()
-    launch(a.contiguous() if copy_a else a, b, c, a)
+    launch(a.contiguous() if copy_a else a, b, c, a, a)
     return c
 
 
@@ -435,11 +446,10 @@ def linear(x, w, bias=None):
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
-# linears: several weights at one input in ONE launch (q, k, v of a decode step: three launches of
-# a few microseconds each, latency bound, become one), with the small-M rule over all its weights' tiles
-# (small_m_config). Any config of the family reduces K through the same k16 MMA chain into one fp32
-# accumulator, so the bits are the separate linears' whatever the tiles (tests/gpu/test_linears_gpu.py,
-# experiments/bench_linears.py: 178/178 outputs equal, M = 1..4096, every candidate).
+# linears: several weights at one input in ONE launch (q, k, v of a decode step: three latency-bound launches
+# become one), the small-M rule over all its weights' tiles. Any config of the family reduces K through the same
+# k16 MMA chain into one fp32 accumulator: the separate linears' bits whatever the tiles
+# (tests/gpu/test_linears_gpu.py, experiments/bench_linears.py: 178/178 outputs equal, M = 1..4096).
 
 
 def _linears_plan(x2, ws, ns, cfg):
@@ -492,7 +502,7 @@ def linears(x, ws, biases):
     buf = torch.empty(M * sum(ns), dtype=x.dtype, device=x.device)
     if plan is not None:
         launch, table, i0 = plan
-        launch(x2, ws[i0], buf, table)
+        launch(x2, ws[i0], buf, table, x2)
     outs, o = [], 0
     for n, b in zip(ns, biases):
         y = buf[o:o + M * n].view(*x.shape[:-1], n)
@@ -510,12 +520,13 @@ def _starts(counts: list[int]) -> list[int]:
     return out
 
 
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x [R, K] sorted by group, group e times w[e]^T (w [E, N, K], any strides) -> [R, N],
     ONE launch. Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order.
     counts: a host list (problem table built on the host) or a device tensor (table built in the
-    kernel; no host sync)."""
-    R, N = x.shape[0], w.shape[1]
+    kernel; no host sync). rows [R] (with device counts): sorted row i is x[rows[i]], read in place."""
+    R, N = x.shape[0] if rows is None else rows.numel(), w.shape[1]
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
         return out
@@ -525,7 +536,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tens
     if isinstance(counts, torch.Tensor):  # the sizes are unknown here: rows per group guessed as R / min(E, R)
         cfg = _grouped_config(x.dtype, -(-R // min(w.shape[0], R)))
         _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1], (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1),
-                     (x.stride(0), 0, w.stride(0), N, 0), False, cfg)
+                     (x.stride(0) if rows is None else 0, 0, w.stride(0), N, 0), False, cfg, rows)
         return out
     groups = sum(1 for c in counts if c)
     cfg = _grouped_config(x.dtype, -(-R // max(groups, 1)))
@@ -535,16 +546,18 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tens
     return out
 
 
-def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
     owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
-    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B."""
+    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B.
+    rows (with device counts): sorted row i of x is x[rows[i]], read in place."""
     E, N, K = len(counts), g.shape[1], x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
     g, x = g.contiguous(), x.contiguous()
     if isinstance(counts, torch.Tensor):  # group sizes on the device: K_p = c_p, read in the kernel
-        _gemm_counts(g, x, dw, counts, g.shape[0], K, N, 0, (1, N, K, 1, K, 1), (N, K, 0, 0, N * K), True,
-                     _config(x.dtype))
+        steps = (N, K if rows is None else 0, 0, 0, N * K)
+        _gemm_counts(g, x, dw, counts, g.shape[0], K, N, 0, (1, N, K, 1, K, 1), steps, True, _config(x.dtype), rows)
         return dw
     probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
     _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype), even_k=False)
@@ -556,13 +569,13 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, w, counts):
         ctx.save_for_backward(x, w)
         ctx.counts = counts
-        return _grouped_mm(x, w, counts)
+        return grouped_mm(x, w, counts)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.contiguous().to(x.dtype)
-        gx = _grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+        gx = grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
         gw = grouped_wgrad(g, x, ctx.counts).to(w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
@@ -590,5 +603,5 @@ def grouped_linear(x, w, counts: list[int] | torch.Tensor):
     w = w.to(x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _GroupedLinear.apply(x, w, counts)
-    return _grouped_mm(x, w, counts)
+    return grouped_mm(x, w, counts)
 

@@ -1,5 +1,6 @@
 """MoE row-local kernels: the router (fp32 softmax + top-k, ties to the lowest expert id) and the
-combine (fp32, top-k slot 0 first), forward and backward, one program per token."""
+combine (fp32, top-k slot 0 first), forward and backward, one program per token; the experts' first
+GEMM reading the token rows in place (moe_slot_linear)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import ROW_BLOCK, Launch, cached, check_inputs
+from .gemm import grouped_mm, grouped_wgrad
 
 
 @triton.jit
@@ -206,3 +208,44 @@ def moe_route(logits, top_k: int, renormalize: bool):
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Route.apply(logits.contiguous(), int(top_k), bool(renormalize))
     return _route(logits.contiguous(), int(top_k), bool(renormalize))
+
+
+# --- the experts' first GEMM over the token rows, read in place -----------------------------------
+class _SlotLinear(torch.autograd.Function):
+    """grouped_linear(x[rows], w, counts) with rows = order // k, forward and dW reading x's rows in
+    place (GATHER); dX: the sorted rows' gradients, then each token's k slots summed as moe_combine
+    with unit weights (fp32, slot 0 first), read through dest: kernels.moe_slot_rows' backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts, rows, dest, k):
+        ctx.save_for_backward(x, w, counts, rows, dest)
+        ctx.k = k
+        return grouped_mm(x, w, counts, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, counts, rows, dest = ctx.saved_tensors
+        g = g.contiguous().to(x.dtype)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            ones = torch.ones(x.shape[0], ctx.k, dtype=torch.float32, device=x.device)
+            gx = _combine(grouped_mm(g, w.transpose(1, 2), counts), ones, dest)[2]
+        if ctx.needs_input_grad[1]:
+            gw = grouped_wgrad(g, x, counts, rows).to(w.dtype)
+        return gx, gw, None, None, None, None
+
+
+def moe_slot_linear(x, order, dest, k: int, w, counts: torch.Tensor):
+    """grouped_linear(moe_slot_rows(x, order, dest, k), w, counts), the same bits, without the [T * k, D]
+    copy of x's rows (forward and weight gradient read them in place). counts: a tensor on x's device."""
+    check_inputs("moe_slot_linear", x, w)
+    T = x.shape[0]
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or order.shape != (T * k,) \
+            or dest.shape != (T * k,) or counts.shape != (w.shape[0],) or counts.device != x.device:
+        raise ValueError(f"triton moe_slot_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, k {k}, order "
+                         f"{tuple(order.shape)}, dest {tuple(dest.shape)}, counts {tuple(counts.shape)} do not fit")
+    x, w = x.contiguous(), w.to(x.dtype)
+    rows = torch.div(order, k, rounding_mode="floor")
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _SlotLinear.apply(x, w, counts, rows, dest.contiguous(), int(k))
+    return grouped_mm(x, w, counts, rows)

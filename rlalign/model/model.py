@@ -120,6 +120,13 @@ class Experts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         return expert_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj)
 
+    def forward_tokens(self, x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int,
+                       counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """forward(moe_slot_rows(x, order, dest, k), counts), the same bits: the first GEMM reads the
+        token rows of x [T, d] in place (rlalign.parallel's experts send the copied rows instead)."""
+        h = kernels.moe_slot_linear(x, order, dest, k, self.gate_up_proj, counts)  # [R, 2I]: gate | up
+        return kernels.grouped_linear(kernels.swiglu_halves(h), self.down_proj, counts)
+
 
 def expert_mlp(x_sorted: torch.Tensor, counts: list[int] | torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor) -> torch.Tensor:
@@ -149,8 +156,7 @@ class MoE(nn.Module):
             logits = tap("router", logits)
         weights, ids = kernels.moe_route(logits, k, self.norm_topk_prob)
         order, dest, counts = dispatch(ids.reshape(-1), self.num_experts)
-        x_in = kernels.moe_slot_rows(x, order, dest, k)  # row j: token order[j] // k
-        y_sorted = self.experts(x_in, counts)
+        y_sorted = self.experts.forward_tokens(x, order, dest, k, counts)  # row j: token order[j] // k
         return kernels.moe_combine(y_sorted, weights, rows=dest)  # slot j of token t: y_sorted[dest[t*k + j]]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlalign import kernels
 from rlalign.model.model import Experts, MoE, Transformer, dispatch, expert_mlp
 from rlalign.parallel import alltoall
 
@@ -102,6 +103,11 @@ class ExpertParallel(Experts):
         order, dest, local_counts = alltoall.by_expert(recv, cap, dispatch)
         y = expert_mlp(x_recv.index_select(0, order), local_counts, self.gate_up_proj, self.down_proj)
         return alltoall.return_rows(y.index_select(0, dest), send, cap, x_sorted.shape[0], self.group)
+
+    def forward_tokens(self, x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int,
+                       counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """The token rows copied out (they travel to their experts' ranks), then forward."""
+        return self.forward(kernels.moe_slot_rows(x, order, dest, k), counts)
 
     def _per_source(self, x_recv: torch.Tensor, recv_c: torch.Tensor) -> torch.Tensor:
         """Each source rank's rows through their own leaf view of this rank's expert weights, so
