@@ -99,16 +99,16 @@ def test_torch_backends_take_a_counts_tensor(impl):
 
 
 def _moe_forward_with_host_counts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The MoE forward as it was before the counts stayed on the device (bincount + tolist)."""
+    """The MoE forward with host counts (bincount + tolist), the token rows copied, the combine gathered."""
     T, d = x.shape
     k = moe.top_k
     weights, ids = kernels.moe_route(kernels.linear(x, moe.gate.weight), k, moe.norm_topk_prob)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
-    x_slots = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
-    y_sorted = moe.experts(x_slots.index_select(0, order), counts)
-    y = y_sorted.index_select(0, torch.argsort(order)).view(T, k, d)
+    dest = torch.argsort(order)
+    y_sorted = moe.experts(kernels.moe_slot_rows(x, order, dest, k), counts)  # the slots' rows, copied
+    y = y_sorted.index_select(0, dest).view(T, k, d)
     return kernels.moe_combine(y, weights)
 
 
