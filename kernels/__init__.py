@@ -106,6 +106,16 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _impl(x).rmsnorm(x, w, eps)
 
 
+def add_rmsnorm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rmsnorm(s, w, eps)) with s = h + a, the residual add: the bits of the add and the norm apart,
+    forward and backward; the Triton backend in one pass (one launch each way, no separate add)."""
+    fused = getattr(_impl(h), "add_rmsnorm", None) if _state["mode"] == "deterministic" else None
+    if fused is not None:
+        return fused(h, a, w, eps)
+    s = h + a
+    return s, rmsnorm(s, w, eps)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, H, D] rotated by rows cos/sin [N, D] of `rope_table` (rotate-half convention)."""
     return _impl(x).rope(x, cos, sin)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import same_bits
+from conftest import same_bits, tiny_model
 
 pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -183,6 +183,49 @@ def test_moe_slot_linear_equals_slot_rows_then_grouped_linear(backend):
         with torch.no_grad():
             assert same_bits(kernels.moe_slot_linear(x, order, dest, 3, w, counts), outs[0][0])
             assert not same_bits(kernels.moe_slot_linear(x, order.flip(0), dest, 3, w, counts), outs[0][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_equals_the_add_then_the_norm(dtype):
+    """The residual add fused into the norm: s, y and the gradients of h, a and the weight are the bits
+    of the add and the norm apart, with s used downstream (its gradient summed with the norm's) or not."""
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16 where torch's add rounds to nearest")
+    g = torch.Generator().manual_seed(31)
+    h, a, gs, gy = (torch.randn(37, 96, generator=g).to(dtype).to(DEV) for _ in range(4))
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEV)
+    for use_s in (True, False):
+        outs = []
+        for fused in (True, False):
+            hh, aa, ww = (t.clone().requires_grad_() for t in (h, a, w))
+            if fused:
+                s, y = tb.add_rmsnorm(hh, aa, ww, 1e-6)
+            else:
+                s = hh + aa
+                y = tb.rmsnorm(s, ww, 1e-6)
+            torch.autograd.backward([s, y] if use_s else [y], [gs, gy] if use_s else [gy])
+            outs.append((s, y, hh.grad, aa.grad, ww.grad))
+        for x, z in zip(*outs):
+            assert same_bits(x, z)
+    assert not same_bits(tb.rmsnorm(h, w, 1e-6), outs[0][1])  # twin: the norm of h alone
+
+
+@pytest.mark.slow  # the tiny model forward + backward twice through the interpreter
+def test_model_with_fused_residual_norms_equals_the_tapped_model():
+    """Quiet taps: the residual adds run fused into the norms; a tap that records (here: an identity)
+    runs them apart. Logits and every gradient keep their bits (fp32: the interpreter rounds exactly)."""
+    model = tiny_model("float32").to(DEV)
+    tokens = torch.randint(2, model.args.vocab_size, (23,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    outs = []
+    with kernels.use(mode="deterministic", backend="triton"):
+        for taps in (None, lambda name, x: x):
+            model.taps = taps
+            model.zero_grad(set_to_none=True)
+            z = model(tokens, [0, 9, 23])
+            z.float().square().sum().backward()
+            outs.append([z] + [p.grad for p in model.parameters()])
+    model.taps = None
+    assert all(same_bits(x, z) for x, z in zip(*outs))
 
 
 def test_add_f32_is_the_sum_of_the_fp32_conversions():

@@ -3,7 +3,7 @@
 The contract is the torch reference's: the bits of an output row depend only on that row's
 inputs. One module per kernel family, each kernel beside its wrapper and its pinned config:
   gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order
-  norm         rmsnorm (+ the ordered column sum of its weight-gradient partials)
+  norm         rmsnorm, add_rmsnorm (+ the ordered column sum of its weight-gradient partials)
   logprob      log_softmax_gather, logprob_rows (the trainer's: its backward writes the logits' gradient)
   attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
                split-K over fixed key chunks for few rows)
@@ -34,12 +34,13 @@ from .embed import embedding
 from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
 from .logprob import log_softmax_gather, logprob_rows
 from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear
-from .norm import rmsnorm
+from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
 from .sampling import filter_logits, gumbel_argmax
 
 __all__ = [
-    "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "attention",
+    "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",
+    "attention",
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
     "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",

@@ -1,5 +1,5 @@
-"""RMSNorm: one program per row; the weight gradient goes through private per-program partial
-sums, then one ordered column sum (no atomics)."""
+"""RMSNorm (and the residual add fused into it): one program per row; the weight gradient goes through
+private per-program partial sums, then one ordered column sum (no atomics)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,30 @@ from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 
 @triton.jit
-def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, BLOCK: tl.constexpr):
+def _row(x_ptr, a_ptr, s_ptr, off, m, RESID: tl.constexpr, STORE: tl.constexpr):
+    """x's row chunk in fp32; RESID: x + a rounded to x's dtype (the residual add), stored to s if STORE."""
+    x = tl.load(x_ptr + off, mask=m, other=0.0)
+    if RESID:
+        x = (x.to(tl.float32) + tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(s_ptr + off, x, mask=m)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_fwd(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, D, eps, BLOCK: tl.constexpr, RESID: tl.constexpr):
+    """y = rmsnorm(x) of one row; RESID: of s = x + a (rounded to the dtype, as a separate add), s stored."""
     row = tl.program_id(0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        x = _row(x_ptr, a_ptr, s_ptr, row * D + cols, cols < D, RESID, True)
         acc += x * x
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
     tl.store(r_ptr + row, rstd)
     for d0 in range(0, D, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        x = _row(x_ptr, a_ptr, s_ptr, row * D + cols, cols < D, RESID, False)  # recomputed: the same bits
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
         # as the reference: normalise, round to the dtype, then scale (the product of two
         # dtype values is exact in fp32, so one rounding at the store matches a dtype multiply)
@@ -31,9 +43,11 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, gs_ptr, R, D, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr, RESID: tl.constexpr):
     """Program p: dx for rows [p*ROWS, (p+1)*ROWS) and its private partial of dw (no atomics), summed
-    over its rows in order in registers, one column chunk at a time."""
+    over its rows in order in registers, one column chunk at a time. RESID: dx rounded to its dtype plus
+    gs (the residual stream's gradient of the same rows), rounded again: autograd's sum of the two."""
     p = tl.program_id(0)
     for i in range(ROWS):  # pass 1: each row's c = sum(g w x) rstd^3 / D
         row = p * ROWS + i
@@ -58,7 +72,11 @@ def _rmsnorm_bwd(x_ptr, w_ptr, g_ptr, r_ptr, c_ptr, dx_ptr, pw_ptr, R, D, ROWS: 
             c = tl.load(c_ptr + tl.minimum(row, R - 1))
             x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + row * D + cols, (g * w * rstd - x * c).to(dx_ptr.dtype.element_ty), mask=m)
+            dx = (g * w * rstd - x * c).to(dx_ptr.dtype.element_ty)
+            if RESID:
+                dx = (dx.to(tl.float32) + tl.load(gs_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)).to(
+                    dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + row * D + cols, dx, mask=m)
             pw = pw + g * x * rstd
         tl.store(pw_ptr + p * D + cols, pw, mask=cols < D)
 
@@ -98,53 +116,96 @@ def _colsum(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(D)
 
 
-def _plan_fwd(R: int, D: int, eps: float) -> Launch:
-    return Launch(_rmsnorm_fwd, (R,), (D, eps), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D))))
+def _plan_fwd(R: int, D: int, eps: float, resid: bool) -> Launch:
+    return Launch(_rmsnorm_fwd, (R,), (D, eps), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)), RESID=resid))
 
 
-def _forward(x2, w, eps):
+def _forward(x2, w, eps, a=None):
+    """(y, rstd, s): s = x2 + a when a is given (else x2), y = rmsnorm(s)."""
     R, D = x2.shape
     y = torch.empty_like(x2)
+    s = x2 if a is None else torch.empty_like(x2)
     rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
     if R:
-        cached(("rmsnorm", R, D, eps, x2.dtype), lambda: _plan_fwd(R, D, eps))(
-            x2, w if w.dtype == x2.dtype else w.to(x2.dtype), y, rstd)
-    return y, rstd
+        cached(("rmsnorm", R, D, eps, x2.dtype, a is not None), lambda: _plan_fwd(R, D, eps, a is not None))(
+            x2, x2 if a is None else a, w if w.dtype == x2.dtype else w.to(x2.dtype), y, s, rstd)
+    return y, rstd, s
+
+
+def _backward(s, w, rstd, g, gs):
+    """(ds, dw) of y = rmsnorm(s); gs (or None): the gradient s receives besides the norm's, added."""
+    R, D = s.shape
+    dx = torch.empty_like(s)
+    progs = triton.cdiv(R, _NORM_ROWS)
+    partial = torch.empty(max(progs, 1), D, dtype=torch.float32, device=s.device)
+    if R:
+        cbuf = torch.empty(R, dtype=torch.float32, device=s.device)
+        g = g.contiguous()
+        gs = g if gs is None else gs.contiguous().to(s.dtype)
+        key = ("rmsnorm_bwd", R, D, s.dtype, g.dtype, gs is not g)
+        cached(key, lambda: Launch(_rmsnorm_bwd, (progs,), (R, D), dict(
+            ROWS=_NORM_ROWS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)), RESID=gs is not g)))(
+            s, w.float(), g, rstd, cbuf, dx, partial, gs)
+    else:
+        partial.zero_()
+    return dx, _colsum(partial).to(w.dtype)  # one ordered reduction of the private partials
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w, eps):
-        y, rstd = _forward(x2, w, eps)
+        y, rstd, _ = _forward(x2, w, eps)
         ctx.save_for_backward(x2, w, rstd)
         return y
 
     @staticmethod
     def backward(ctx, g):
         x2, w, rstd = ctx.saved_tensors
-        R, D = x2.shape
-        dx = torch.empty_like(x2)
-        progs = triton.cdiv(R, _NORM_ROWS)
-        partial = torch.empty(max(progs, 1), D, dtype=torch.float32, device=x2.device)
-        if R:
-            cbuf = torch.empty(R, dtype=torch.float32, device=x2.device)
-            g = g.contiguous()
-            key = ("rmsnorm_bwd", R, D, x2.dtype, g.dtype)
-            cached(key, lambda: Launch(_rmsnorm_bwd, (progs,), (R, D), dict(
-                ROWS=_NORM_ROWS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)))))(
-                x2, w.float(), g, rstd, cbuf, dx, partial)
-        else:
-            partial.zero_()
-        dw = _colsum(partial)  # one ordered reduction of the private partials
-        return dx, dw.to(w.dtype), None
+        dx, dw = _backward(x2, w, rstd, g, None)
+        return dx, dw, None
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, a, w, eps):
+        y, rstd, s = _forward(h, w, eps, a)
+        ctx.save_for_backward(s, w, rstd)
+        ctx.set_materialize_grads(False)  # s unused downstream: its gradient is the norm's alone
+        return s, y
+
+    @staticmethod
+    def backward(ctx, gs, g):
+        s, w, rstd = ctx.saved_tensors
+        if g is None:
+            g = torch.zeros_like(s)
+        ds, dw = _backward(s, w, rstd, g, gs)
+        return ds, ds, dw, None
+
+
+def _rows2(x):
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def rmsnorm(x, w, eps: float):
     check_inputs("rmsnorm", x, w)
-    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = _rows2(x)
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
         y = _RMSNorm.apply(x2, w, eps)
     else:  # no graph to record: the same kernel without autograd's bookkeeping
         y = _forward(x2, w, eps)[0]
     return y if x2 is x else y.reshape(x.shape)
 
+
+def add_rmsnorm(h, a, w, eps: float):
+    """(s, rmsnorm(s, w, eps)) with s = h + a (the residual add, rounded to the dtype): one pass; the same
+    bits as the add and the norm apart, forward and backward (the norm's input gradient and the residual
+    stream's summed as autograd sums them)."""
+    check_inputs("add_rmsnorm", h, a, w)
+    if h.shape != a.shape or h.dtype != a.dtype:
+        raise ValueError(f"triton add_rmsnorm: h {tuple(h.shape)} {h.dtype} and a {tuple(a.shape)} {a.dtype} differ")
+    h2, a2 = _rows2(h), _rows2(a)
+    if torch.is_grad_enabled() and (h2.requires_grad or a2.requires_grad or w.requires_grad):
+        s, y = _AddRMSNorm.apply(h2, a2, w, eps)
+    else:
+        y, _, s = _forward(h2, w, eps, a2)
+    return s.view(h.shape), y.view(h.shape)

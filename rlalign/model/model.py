@@ -13,6 +13,7 @@ perturb); the same names fire in the trainer's forward and in the generator's st
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -252,20 +253,41 @@ class Transformer(nn.Module):
     def _tap(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return x if self.taps is None else self.taps(name, x)
 
-    def _block(self, i: int, layer: DecoderLayer, h: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer around `attend(x)` (packed prefill or paged attention), tapped per op."""
-        x = self._tap(f"layers.{i}.attn_norm", layer.input_layernorm(h))
-        h = h + self._tap(f"layers.{i}.attn", attend(x))
-        x = self._tap(f"layers.{i}.mlp_norm", layer.post_attention_layernorm(h))
+    def _quiet(self) -> bool:
+        """No tap records or changes anything: an add and the norm after it may run as one op."""
+        return self.taps is None or bool(getattr(self.taps, "inert", False))
+
+    def _add_norm(self, h, r, norm: RMSNorm, h_name: str | None, x_name: str):
+        """(h + r tapped as h_name, norm of it tapped as x_name); r None: h as it is. One fused op when the
+        taps are quiet (kernels.add_rmsnorm: the same bits)."""
+        if r is not None and self._quiet():
+            return kernels.add_rmsnorm(h, r, norm.weight, norm.eps)
+        if r is not None:
+            h = h + r if h_name is None else self._tap(h_name, h + r)
+        return h, self._tap(x_name, norm(h))
+
+    def _block(self, i: int, layer: DecoderLayer, h: torch.Tensor, r: torch.Tensor | None, attend):
+        """One decoder layer around `attend(x)` (packed prefill or paged attention), tapped per op. r: the
+        previous layer's MLP output, added to the residual h here (with the input norm); returns (h, this
+        layer's MLP output) for the next layer or the head to add."""
+        h, x = self._add_norm(h, r, layer.input_layernorm, f"layers.{i - 1}", f"layers.{i}.attn_norm")
+        a = self._tap(f"layers.{i}.attn", attend(x))
+        h, x = self._add_norm(h, a, layer.post_attention_layernorm, None, f"layers.{i}.mlp_norm")
         if isinstance(layer.mlp, MoE):
             m = layer.mlp(x, tap=lambda name, t: self._tap(f"layers.{i}.{name}", t))
         else:
             m = layer.mlp(x)
-        h = h + self._tap(f"layers.{i}.mlp", m)
-        return self._tap(f"layers.{i}", h)
+        return h, self._tap(f"layers.{i}.mlp", m)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        return self._tap("logits", self.lm_head(self._tap("norm", self.model.norm(h))))
+    def _layers(self, h: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        r = None
+        for i, layer in enumerate(self.model.layers):
+            h, r = self._block(i, layer, h, r, functools.partial(attend, i, layer))
+        return h, r
+
+    def _head(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        _, x = self._add_norm(h, r, self.model.norm, f"layers.{len(self.model.layers) - 1}", "norm")
+        return self._tap("logits", self.lm_head(x))
 
     def _check_positions(self, last: int) -> None:
         if last >= self.args.max_position_embeddings:
@@ -291,9 +313,8 @@ class Transformer(nn.Module):
             positions = positions.pin_memory().to(tokens.device, non_blocking=True)
         cos, sin = self._rope(positions.to(tokens.device))
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
-        for i, layer in enumerate(self.model.layers):
-            h = self._block(i, layer, h, lambda x, layer=layer: layer.self_attn(x, cos, sin, cu_seqlens))
-        return self._head(h)
+        h, r = self._layers(h, lambda i, layer, x: layer.self_attn(x, cos, sin, cu_seqlens))
+        return self._head(h, r)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache,
              block_table: torch.Tensor, slot_mapping: torch.Tensor,
@@ -305,12 +326,14 @@ class Transformer(nn.Module):
         bits equal the trainer's forward row at that position (batch invariance)."""
         cos, sin = self._rope(positions)  # engines check lengths at admission: no host sync
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
-        for i, layer in enumerate(self.model.layers):
-            h = self._block(i, layer, h, lambda x, i=i, layer=layer: layer.self_attn.paged(
-                x, cos, sin, cache, i, block_table, seq_idx, positions, slot_mapping))
+        h, r = self._layers(h, lambda i, layer, x: layer.self_attn.paged(
+            x, cos, sin, cache, i, block_table, seq_idx, positions, slot_mapping))
         if logit_rows is not None:
+            if r is not None and not self._quiet():  # the last layer's tap sees every row
+                h, r = self._tap(f"layers.{len(self.model.layers) - 1}", h + r), None
             h = h.index_select(0, logit_rows)
-        return self._head(h)
+            r = None if r is None else r.index_select(0, logit_rows)
+        return self._head(h, r)
 
 
 def build_model(args: ModelArgs, dtype: str | torch.dtype = "bfloat16", seed: int | None = 0,
