@@ -25,7 +25,7 @@ index_select whose backward is a sorting index_put (the experts' first GEMM read
 combine through a gathered copy, the response logits gathered and copied to fp32, the experts' SwiGLU
 on copies of the gate/up halves, the grad norm's per-expert squares in full, the MoE dispatch of a
 training micro-batch as the torch counting sort, the loss's host reads (pre-update logprobs, stats) and
-pageable copies per micro-batch; `unfused` below),
+pageable copies per micro-batch, the residual adds apart from the norms; `unfused` below),
 default (kernels.mode=default, deterministic algorithms off).
 
 --check-bits (with det_unfused and det_nofill): before the timed steps, one forward_backward of the
@@ -73,7 +73,7 @@ VARIANTS = {
 }
 
 
-PIECES = ("add", "slot", "combine", "lp", "swiglu", "squares", "dispatch", "step", "syncs")
+PIECES = ("add", "slot", "combine", "lp", "swiglu", "squares", "dispatch", "step", "syncs", "norm")
 
 
 @contextlib.contextmanager
@@ -130,12 +130,16 @@ def unfused(timers=None, keep=()):
 
         return loss_fn
 
+    def add_norm(h, a, w, eps):
+        s = h + a
+        return s, K.rmsnorm(s, w, eps)
+
     def squares(x):
         return fo.tree_sum(x**2, 1) if x.dim() == 2 else ref.sum_of_squares(x)
 
     saved = {"add": K.add_f32, "slot": K.moe_slot_rows, "slot_linear": K.moe_slot_linear,
              "combine": tb.moe_combine_rows, "lp": K.token_logprobs_rows, "step": MasterWeights.step,
-             "swiglu": K.swiglu_halves,
+             "swiglu": K.swiglu_halves, "norm": K.add_rmsnorm,
              "squares": K.sum_of_squares, "rows": D.MAX_ROWS, "loss": Trainer.__dict__["ppo_loss"]}
     if "syncs" not in keep:
         Trainer.ppo_loss = staticmethod(ppo_loss)
@@ -151,6 +155,8 @@ def unfused(timers=None, keep=()):
         K.token_logprobs_rows = logprobs_rows
     if "swiglu" not in keep:
         K.swiglu_halves = lambda h: K.swiglu(*h.chunk(2, dim=-1))
+    if "norm" not in keep:
+        K.add_rmsnorm = add_norm
     if "squares" not in keep:
         K.sum_of_squares = squares
     if "dispatch" not in keep:
@@ -161,7 +167,7 @@ def unfused(timers=None, keep=()):
         yield
     finally:
         K.add_f32, K.moe_slot_rows, tb.moe_combine_rows = saved["add"], saved["slot"], saved["combine"]
-        K.moe_slot_linear = saved["slot_linear"]
+        K.moe_slot_linear, K.add_rmsnorm = saved["slot_linear"], saved["norm"]
         K.token_logprobs_rows, MasterWeights.step = saved["lp"], saved["step"]
         K.swiglu_halves, K.sum_of_squares, D.MAX_ROWS = saved["swiglu"], saved["squares"], saved["rows"]
         Trainer.ppo_loss = saved["loss"]
@@ -373,7 +379,7 @@ def check_bits(trainer, samples, alg) -> dict:
            "grad_norm_equal": norm_fused == norm_unfused, "grad_norm": norm_fused}
     # each piece fused alone against all unfused: which one moves bits, if any
     pieces = {}
-    for piece in ("add", "slot", "combine", "lp", "swiglu", "dispatch"):
+    for piece in ("add", "slot", "combine", "lp", "swiglu", "dispatch", "norm"):
         old = {}
         with unfused(keep=(piece,)):
             trainer.forward_backward(samples, trainer.ppo_loss(samples, alg, old, None))
