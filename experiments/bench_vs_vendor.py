@@ -187,7 +187,8 @@ def _main_candidates() -> dict:
     k16 MMA chain; FLATTEN: the next tile's loads under this one's epilogue (scheduling only)."""
     c = {"pinned": dict(gemm.MATMUL_CONFIGS[BF])}
     for bm, bn, bk, st, w in ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
-                              (256, 128, 64, 3, 8), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4)):
+                              (256, 128, 64, 3, 8), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4), (64, 128, 64, 4, 4),
+                              (64, 128, 128, 4, 4)):
         for f in (False, True):
             c[f"{bm}x{bn}k{bk}s{st}w{w}" + ("f" if f else "")] = _g(bm, bn, bk, st, w, FLATTEN=f)
     return c
@@ -196,8 +197,9 @@ def _main_candidates() -> dict:
 def _moe_gemms(g, T: int = 9990, E: int = 64, k: int = 8, d: int = 2048, inter: int = 768, vocab: int = 32000,
                M: int = 10240):
     """bench-moe-large's six expert GEMMs of one training micro-batch (T tokens, top-k of E with a skewed
-    router; rows sorted by expert, counts on the device: the training path) and its lm head and o_proj
-    forward (10,240 rows): name -> (FLOPs, fn)."""
+    router; rows sorted by expert, counts on the device: the training path), its lm head, o_proj and k_proj
+    forward (10,240 rows) and the k_proj / q_proj / router weight gradients over those rows (the linear's
+    backward, K = tokens): name -> (FLOPs, fn)."""
     bias = torch.rand(E, device=DEV, generator=g) * 2
     ids = (torch.randn(T, E, device=DEV, generator=g) + bias).topk(k, -1).indices
     counts = torch.bincount(ids.reshape(-1), minlength=E)
@@ -210,7 +212,16 @@ def _moe_gemms(g, T: int = 9990, E: int = 64, k: int = 8, d: int = 2048, inter: 
     w_gu, w_dn, w_lm, w_o = rnd(E, 2 * inter, d, s=0.02), rnd(E, d, inter, s=0.02), rnd(vocab, d, s=0.02), rnd(
         d, d, s=0.02)
     f = 2 * R
-    return {
+    w_k, w_q, w_r = rnd(512, d, s=0.02), rnd(d, d, s=0.02), rnd(E, d, s=0.02)
+    wgrads = {}
+    for name, wt in (("k_proj", w_k), ("q_proj", w_q), ("router", w_r)):
+        wl = wt.detach().requires_grad_()
+        with torch.enable_grad():
+            y = tb.linear(x[:M], wl)
+        gy_ = rnd(M, wt.shape[0])
+        wgrads[f"dW {name}"] = (2 * M * wt.shape[0] * d, lambda y=y, wl=wl, gy_=gy_: torch.autograd.grad(
+            y, wl, gy_, retain_graph=True)[0])
+    return wgrads | {
         "fwd gate_up": (f * d * 2 * inter, lambda: tb.grouped_linear(x, w_gu, counts)),
         "fwd down": (f * inter * d, lambda: tb.grouped_linear(a, w_dn, counts)),
         "dX gate_up": (f * 2 * inter * d, lambda: tb.grouped_linear(gh, w_gu.transpose(1, 2), counts)),
@@ -219,6 +230,7 @@ def _moe_gemms(g, T: int = 9990, E: int = 64, k: int = 8, d: int = 2048, inter: 
         "dW down": (f * d * inter, lambda: gemm.grouped_wgrad(gy, a, counts)),
         "fwd lm_head": (2 * M * vocab * d, lambda: tb.linear(x[:M], w_lm)),
         "fwd o_proj": (2 * M * d * d, lambda: tb.linear(x[:M], w_o)),
+        "fwd k_proj": (2 * M * 512 * d, lambda: tb.linear(x[:M], w_k)),
     }
 
 
