@@ -232,21 +232,28 @@ def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
 
 def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     """The config of m rows against output widths ns (one launch: a linear, or linears' several weights)
-    on sms SMs: the small-M rule above, else the main config. Scheduling only: the bits are the main
-    config's whatever it picks."""
+    on sms SMs: the small-M rule above, else the main config (or the widest member where the main
+    config's tiles fill less than a wave). Scheduling only: the bits are the main config's whatever it picks."""
     if INTERPRET:
         return dict(INTERPRET_SMALL_M[1] if m <= INTERPRET_SMALL_M[0] else INTERPRET_MATMUL)
-    if dtype not in MATMUL_SMALL_M or m > MATMUL_SMALL_M[dtype][0]:
+    if dtype not in MATMUL_SMALL_M:
         return dict(MATMUL_CONFIGS[dtype])
-    _, mask_m, cfgs = MATMUL_SMALL_M[dtype]
+    max_m, mask_m, cfgs = MATMUL_SMALL_M[dtype]
 
     def tiles(cfg: dict) -> int:
         return triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns)
 
-    cfg = next((c for c in cfgs if tiles(c) <= sms), None)
+    main = MATMUL_CONFIGS[dtype]
+    if m > max_m:  # the main config, unless its tiles fill less than half a wave (a weight gradient of a
+        # narrow weight, K = the tokens: k/v's 512 x 2048 is 32 main tiles), then the widest member
+        if 2 * tiles(main) >= sms:
+            return dict(main)
+        cfg = cfgs[-1]
+    else:
+        cfg = next((c for c in cfgs if tiles(c) <= sms), None)
     if cfg is None:  # no member fits one wave: the main config where its own tiles fill one
-        if tiles(MATMUL_CONFIGS[dtype]) >= sms:
-            return dict(MATMUL_CONFIGS[dtype])
+        if tiles(main) >= sms:
+            return dict(main)
         cfg = cfgs[-1]
     if "FLATTEN" not in cfg:
         cfg = dict(cfg, FLATTEN=tiles(cfg) > sms)  # the next tile's loads under this one: with tiles to spare
