@@ -31,6 +31,16 @@ def test_triton_dispatch_equals_the_torch_counting_sort(n, e, skew):
     assert torch.equal(order[dest], torch.arange(n))  # dest inverts order
 
 
+@pytest.mark.parametrize("n,e,skew", [(5000, 3, False), (777, 5, True), (4097, 8, False), (2049, 2, True)])
+def test_triton_dispatch_in_segments_equals_the_torch_counting_sort(n, e, skew, monkeypatch):
+    """Past SEGMENT_ROWS (lowered here) the rows are counted and placed per (expert, segment): the same
+    integers."""
+    monkeypatch.setattr(dispatch, "SEGMENT_ROWS", 100)
+    flat = _ids(n, e, seed=n * e, skew=skew)
+    for w, g in zip(dispatch_torch(flat, e), dispatch.moe_dispatch(flat, e), strict=True):
+        assert torch.equal(g, w)
+
+
 def test_triton_dispatch_refuses_more_rows_than_a_launch_takes():
     with pytest.raises(ValueError, match="exceed MAX_ROWS"):
         dispatch.moe_dispatch(torch.zeros(dispatch.MAX_ROWS + 1, dtype=torch.long), 8)

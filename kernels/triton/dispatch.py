@@ -4,7 +4,9 @@ compare, scan, gathers, scatter, ~12 launches) costs more than the experts' GEMM
 One program per expert e, all independent (no atomics, no grid sync): it counts the rows whose expert
 is below e (its group's first place) and equal to e (its count), then walks the rows again in blocks,
 placing its own rows in order (place = start + rows of e before this one: a running count plus a scan
-of the block). Integers only: the same `order`, `dest`, `counts` as the torch version, exactly
+of the block). A training micro-batch's rows go in segments: a first launch counts them per (expert,
+segment), the second places each segment's rows from those counts (~8 programs per expert). Integers
+only: the same `order`, `dest`, `counts` as the torch version, exactly
 (tests/test_moe_dispatch.py, tests/gpu/test_engine_gpu.py). Each program reads the ids twice from L2
 (2,048 at a 256-row decode step of bench-moe-large, ~80k in a training micro-batch)."""
 
@@ -14,44 +16,78 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, cached
+from .common import Launch, cached, num_sms
 
 # rows per launch: the ids are read twice by every expert's program (from L2), so the cost grows
 # with rows x experts; beyond this the torch version's parallel launches take over. A training
 # micro-batch of bench-moe-large is ~80k rows (10k tokens x top-8): the torch version's [E, N] compare
 # and scan took ~0.15 ms of device time per MoE layer there
 MAX_ROWS = 1 << 20
+SEGMENT_ROWS = 16384  # past this, each expert's rows are counted and placed in segments (two launches)
 
 
-@triton.jit
-def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, N, E, BLOCK: tl.constexpr):
-    e = tl.program_id(0)
+@triton.jit(do_not_specialize=["N"])
+def _dispatch_count(ids_ptr, cnt_ptr, blw_ptr, N, E, S, SEG, BLOCK: tl.constexpr):
+    """Program (e, s): the rows of segment s ([s SEG, (s + 1) SEG)) whose expert is e (cnt[e, s]) and
+    below e (blw[e, s])."""
+    e, s = tl.program_id(0), tl.program_id(1)
     below = tl.zeros((BLOCK,), dtype=tl.int32)
     mine = tl.zeros((BLOCK,), dtype=tl.int32)
-    for n0 in range(0, N, BLOCK):
+    for n0 in range(s * SEG, tl.minimum(N, s * SEG + SEG), BLOCK):
         rows = n0 + tl.arange(0, BLOCK)
-        x = tl.load(ids_ptr + rows, mask=rows < N, other=E).to(tl.int32)  # masked rows: in no group
+        x = tl.load(ids_ptr + rows, mask=rows < N, other=E).to(tl.int32)
         below += (x < e).to(tl.int32)
         mine += (x == e).to(tl.int32)
-    count = tl.sum(mine, axis=0)
-    tl.store(counts_ptr + e, count.to(tl.int64))
-    run = tl.sum(below, axis=0)  # the group's first place, then its next free one
-    for n0 in range(0, N, BLOCK):
+    tl.store(cnt_ptr + e * S + s, tl.sum(mine, axis=0))
+    tl.store(blw_ptr + e * S + s, tl.sum(below, axis=0))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, cnt_ptr, blw_ptr, N, E, S, SEG, BLOCK: tl.constexpr,
+                     S2: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Program e (SEGMENTED: (e, s), the rows of segment s, their counts from _dispatch_count): the rows
+    of expert e placed in order, after the rows of lower experts and of e in earlier segments."""
+    e = tl.program_id(0)
+    if SEGMENTED:
+        s = tl.program_id(1)
+        ss = tl.arange(0, S2)
+        cnt = tl.load(cnt_ptr + e * S + ss, mask=ss < S, other=0)
+        count = tl.sum(cnt, axis=0)
+        run = tl.sum(tl.load(blw_ptr + e * S + ss, mask=ss < S, other=0), axis=0) + tl.sum(tl.where(ss < s, cnt, 0), 0)
+        lo = s * SEG
+        hi = tl.minimum(N, lo + SEG)
+        if s == 0:
+            tl.store(counts_ptr + e, count.to(tl.int64))
+    else:
+        below = tl.zeros((BLOCK,), dtype=tl.int32)
+        mine = tl.zeros((BLOCK,), dtype=tl.int32)
+        for n0 in range(0, N, BLOCK):
+            rows = n0 + tl.arange(0, BLOCK)
+            x = tl.load(ids_ptr + rows, mask=rows < N, other=E).to(tl.int32)  # masked rows: in no group
+            below += (x < e).to(tl.int32)
+            mine += (x == e).to(tl.int32)
+        count = tl.sum(mine, axis=0)
+        tl.store(counts_ptr + e, count.to(tl.int64))
+        run = tl.sum(below, axis=0)  # the group's first place, then its next free one
+        lo = 0
+        hi = N
+    for n0 in range(lo, hi, BLOCK):
         if count > 0 or e == 0:
             rows = n0 + tl.arange(0, BLOCK)
-            x = tl.load(ids_ptr + rows, mask=rows < N, other=E).to(tl.int32)
+            x = tl.load(ids_ptr + rows, mask=rows < hi, other=E).to(tl.int32)
             hit = (x == e).to(tl.int32)
             place = run + tl.cumsum(hit, axis=0) - 1
             tl.store(dest_ptr + rows, place.to(tl.int64), mask=hit > 0)
             tl.store(order_ptr + place, rows.to(tl.int64), mask=hit > 0)
             run += tl.sum(hit, axis=0)
             if e == 0:  # an id outside [0, E) (NaN router logits) is in no group: dest 0, never memory it does not own
-                tl.store(dest_ptr + rows, tl.zeros((BLOCK,), dtype=tl.int64), mask=(rows < N) & ((x < 0) | (x >= E)))
+                tl.store(dest_ptr + rows, tl.zeros((BLOCK,), dtype=tl.int64), mask=(rows < hi) & ((x < 0) | (x >= E)))
 
 
 def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, dest, counts) of the expert ids `flat` [N] (int64, token-major): see
-    rlalign.model.model.dispatch. N <= MAX_ROWS."""
+    rlalign.model.model.dispatch. N <= MAX_ROWS. Past SEGMENT_ROWS rows, two launches: each expert's
+    rows counted per segment, then placed per (expert, segment) (~8 programs per expert instead of one)."""
     N = flat.numel()
     if N > MAX_ROWS:
         raise ValueError(f"triton moe_dispatch: {N} rows exceed MAX_ROWS={MAX_ROWS} (use the torch version)")
@@ -62,7 +98,17 @@ def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     if num_experts == 0:
         return order, dest, counts
     block = max(16, min(2048, triton.next_power_of_2(max(N, 1))))  # a decode step's rows in one block
-    cached(("moe_dispatch", N, num_experts, flat.dtype), lambda: Launch(
-        _dispatch_kernel, (num_experts,), (N, num_experts), dict(BLOCK=block, num_warps=4)))(
-        flat, order, dest, counts)
+    segs = 1 if N <= SEGMENT_ROWS else max(1, 4 * num_sms(flat.device) // num_experts)
+    seg = block * triton.cdiv(triton.cdiv(max(N, 1), segs), block)
+    S = triton.cdiv(max(N, 1), seg)
+    cnt = torch.empty(num_experts * S, dtype=torch.int32, device=flat.device)
+    blw = torch.empty_like(cnt)
+    if S > 1:
+        cached(("moe_dispatch_count", N, num_experts, S, flat.dtype), lambda: Launch(
+            _dispatch_count, (num_experts, S), (N, num_experts, S, seg), dict(BLOCK=block, num_warps=4)))(
+            flat, cnt, blw)
+    cached(("moe_dispatch", N, num_experts, S, flat.dtype), lambda: Launch(
+        _dispatch_kernel, (num_experts, S), (N, num_experts, S, seg), dict(
+            BLOCK=block, S2=max(2, triton.next_power_of_2(S)), SEGMENTED=S > 1, num_warps=4)))(
+        flat, order, dest, counts, cnt, blw)
     return order, dest, counts

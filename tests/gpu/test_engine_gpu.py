@@ -130,7 +130,8 @@ def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, 
     assert same_rollouts(fresh, ref)
 
 
-@pytest.mark.parametrize("n,e", [(1, 64), (148, 16), (2048, 64), (2048, 128), (16384, 64), (999, 7)])
+@pytest.mark.parametrize("n,e", [(1, 64), (148, 16), (2048, 64), (2048, 128), (16384, 64), (999, 7), (79920, 64),
+                                 (20000, 7)])
 def test_triton_dispatch_equals_the_torch_counting_sort(n, e):
     from rlalign.kernels.triton.dispatch import moe_dispatch
     from rlalign.model.model import dispatch_torch
