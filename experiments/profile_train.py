@@ -36,7 +36,8 @@ kernels give other bits, recorded too).
 
 --result NAME: also NAME.json with the MFU of each variant: model FLOPs per step (6 x the active
 matmul parameters x tokens, plus causal attention's 6 x 2 x H x D x sum of L^2 / 2 over layers and
-sequences) / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H200 SXM).
+sequences) / step time / the GPU's dense bf16 peak (--peak-tflops, 989 for an H200 SXM). --vendor FILE: the
+kernel ratios of a bench_vs_vendor result written in the same call join that summary.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ import record  # noqa: E402
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
 
+VENDOR_KEYS = ("attn_fwd_over_sdpa_min", "attn_fwdbwd_over_sdpa_min", "linear_graph_over_cublas_min",
+               "linear_rows_equal_main_config_all", "decode_vs_prefill_rows_differing")
 PHASES = ("forward", "loss", "backward", "tree_add", "tree_total", "optimizer", "grad_norm", "adamw")
 
 
@@ -484,6 +487,8 @@ def main() -> None:
     ap.add_argument("--check-bits", action="store_true", help="unfused vs fused gradients and AdamW first")
     ap.add_argument("--result", default=None, help="also write RESULT.json: MFU per variant and the summary")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200 SXM: 989)")
+    ap.add_argument("--vendor", default=None, help="a bench_vs_vendor result of the same call: its kernel ratios "
+                                                    "join RESULT's summary")
     a = ap.parse_args()
     backend = "triton" if a.device == "cuda" else "torch"
 
@@ -617,7 +622,13 @@ def main() -> None:
     out = a.out or os.environ.get("OUT")
     print("wrote", record.write(f"train_profile_{a.model}_{gpu}" + (f"_{a.name}" if a.name else ""), payload, out))
     if a.result:
-        print("wrote", record.write(a.result, {**mfu_result(cfg, a, results, bits, batches), "errors": errors}, out))
+        res = mfu_result(cfg, a, results, bits, batches)
+        if a.vendor:
+            vendor = json.loads(Path(a.vendor).read_text())
+            res["summary"].update({k: vendor["summary"][k] for k in VENDOR_KEYS if k in vendor.get("summary", {})})
+            res["vendor"] = {"file": Path(a.vendor).name, "command": vendor.get("command"),
+                             "git_commit": vendor.get("git_commit"), "bars": vendor.get("bars")}
+        print("wrote", record.write(a.result, {**res, "errors": errors}, out))
 
 
 def mfu_result(cfg, a, results: dict, bits, batches) -> dict:
