@@ -628,6 +628,12 @@ def main() -> None:
             res["summary"].update({k: vendor["summary"][k] for k in VENDOR_KEYS if k in vendor.get("summary", {})})
             res["vendor"] = {"file": Path(a.vendor).name, "command": vendor.get("command"),
                              "git_commit": vendor.get("git_commit"), "bars": vendor.get("bars")}
+            sm = res["summary"]
+            res["what_it_shows"] += (
+                f" Kernels in the same call ({Path(a.vendor).name}): attention prefill fwd >= "
+                f"{sm.get('attn_fwd_over_sdpa_min', float('nan')):.2f}x, fwd+bwd >= "
+                f"{sm.get('attn_fwdbwd_over_sdpa_min', float('nan')):.2f}x SDPA flash; linear >= "
+                f"{sm.get('linear_graph_over_cublas_min', float('nan')):.2f}x cuBLAS under CUDA graphs.")
         print("wrote", record.write(a.result, {**res, "errors": errors}, out))
 
 
@@ -666,9 +672,24 @@ def mfu_result(cfg, a, results: dict, bits, batches) -> dict:
             "setup": {"model": a.model, "seqs": a.seqs, "prompt": a.prompt, "resp": a.resp, "micro_batch_size": a.mbs,
                       "trainer_ep": 1, "timed_steps": a.steps},
             "variants": variants, "bits": bits,
-            "what_it_shows": "bench-moe-large trainer step on one H200 at trainer EP 1 (128 RL-shaped sequences, "
-                             "micro-batch 32): step time, model-FLOP utilisation and the top kernels, fused pieces "
-                             "(det_nofill: production settings) vs the unfused ones (det_unfused) in one process."}
+            "what_it_shows": _shows(a, fl, variants, bits)}
+
+
+def _shows(a, fl: dict, variants: dict, bits) -> str:
+    """One paragraph with the numbers: each variant's step and MFU, where the device time went, the bits."""
+    parts = [f"{a.model} trainer step (Trainer.train_step, trainer EP 1, {a.seqs} RL-shaped sequences = "
+             f"{fl['tokens']} tokens, micro-batch {a.mbs}), {fl['flops'] / 1e12:.1f} TFLOP of model FLOPs a step, "
+             f"peak {a.peak_tflops:.0f} TFLOP/s; median of {a.steps} timed steps (phase timers: CUDA events, no host "
+             "sync):"]
+    for n, v in variants.items():
+        idle = (v.get("idle") or {}).get("idle_ms")
+        parts.append(f"{n} {v['median_step_s']} s = MFU {v['median_mfu']} (profiled step: device busy "
+                     f"{v.get('device_busy_ms')} ms, idle {idle} ms, {v.get('kernel_launches')} launches);")
+    if bits and "gradients" in bits:
+        parts.append(f"bits, fused vs unfused pieces from the same weights: {bits['gradients']} gradients, "
+                     f"{len(bits['gradients_differing'])} differing, logprobs equal {bits['logprobs_equal']}, grad "
+                     f"norm equal {bits.get('grad_norm_equal')}.")
+    return " ".join(parts)
 
 
 if __name__ == "__main__":
