@@ -235,10 +235,11 @@ def _moe_gemms(g, T: int = 9990, E: int = 64, k: int = 8, d: int = 2048, inter: 
 
 
 def sweep_main(shard) -> list[dict]:
-    """The main config's candidates at the training step's compute-bound shapes: time, TFLOP/s and
-    whether every output equals the pinned config's bits."""
+    """The main config's candidates (and the grouped weight gradient's) at the training step's compute-bound
+    shapes: time, TFLOP/s and whether every output equals the pinned configs' bits."""
     g = torch.Generator(device=DEV).manual_seed(3)
     pinned, pinned_small = dict(gemm.MATMUL_CONFIGS[BF]), gemm.MATMUL_SMALL_M[BF]
+    pinned_wgrad = gemm.GROUPED_WGRAD[BF]
     cands = _main_candidates()
     tables = {n: tuple(pinned_small) for n in cands}  # a table object per candidate: linear's plans key on it
     names = [n for i, n in enumerate(cands) if shard is None or i % shard[1] == shard[0]]
@@ -248,6 +249,7 @@ def sweep_main(shard) -> list[dict]:
         refs = {c: fn() for c, (_, fn) in cases.items()}
         for name in names:
             gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = cands[name], tables[name]
+            gemm.GROUPED_WGRAD[BF] = cands[name]
             row = {"config": name}
             for case, (flop, fn) in cases.items():
                 try:
@@ -258,6 +260,7 @@ def sweep_main(shard) -> list[dict]:
                 except Exception as e:  # out of shared memory, ...
                     row[case] = {"error": f"{type(e).__name__}: {e}"[:160]}
             gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = pinned, pinned_small
+            gemm.GROUPED_WGRAD[BF] = pinned_wgrad
             rows.append(row)
             if not WARM:
                 log(f"main {name:18s} " + " ".join(

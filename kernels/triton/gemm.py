@@ -52,6 +52,13 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 _GROUPED_SMALL = [(128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
                              FLATTEN=True))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
+# The grouped weight gradient (dW[e] = g_e^T x_e, K = the expert's rows): the main tiles with 4 stages and
+# the tile loop flattened (the next tile's loads under this one's epilogue: ~20 K steps a tile at a training
+# micro-batch's ~1,250 rows per expert): bench-moe-large's gate_up dW 534 -> 584 TFLOP/s, down_proj's
+# 474 -> 469 (bench_vs_vendor.py --sweep main, every output equal to the main config's bits). The forward
+# and dX keep the main config (flattened they ran at half its speed).
+_WGRAD = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8, FLATTEN=True)
+GROUPED_WGRAD: dict = {torch.bfloat16: _WGRAD, torch.float16: _WGRAD}
 
 
 # Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
@@ -81,9 +88,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
     c_{p-1}; M_p = c_p, K_p = K1 (GROUP_K: M_p = M1, K_p = c_p, the weight gradient), a_off = s_p a_step,
     b_off = s_p b_step + p b_e, c_off = s_p c_step + p c_e. The tiles run up to their total, computed
     here; the grid is a bound the host knows without reading the sizes (no host sync).
-    GATHER (COUNTS only): sorted row s_p + i of A (of B under GROUP_K, whose K runs over rows) is row
-    idx[s_p + i] of a_ptr (b_ptr; its step 0): the MoE's token rows read in place, the same values
-    as from a gathered copy, hence the same bits.
+    GATHER (COUNTS, not GROUP_K): sorted row s_p + i of A is row idx[s_p + i] of a_ptr (its step 0): the
+    MoE's token rows read in place, the same values as from a gathered copy, hence the same bits.
 
     PER_N (table mode): each row also holds the problem's own N_p and C row stride ldc_p (rows of 8:
     first tile, M_p, K_p, a_off, b_off, c_off, N_p, ldc_p); N and scm are then unused. Several
@@ -185,30 +191,26 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
         rbn = tl.where(rn < N_t, rn, 0)
         if A_M_CONTIG:
             ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
-        if GATHER and not GROUP_K:
+        if GATHER:
             ram = tl.load(idx_ptr + s_p + ram)
         if B_N_CONTIG:
             rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
             rk = k0 + tl.arange(0, BLOCK_K)
-            if GATHER and GROUP_K:
-                rkb = tl.load(idx_ptr + s_p + rk, mask=rk < K, other=0)
-            else:
-                rkb = rk
             if EVEN_K:
                 if MASK_M:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
                 else:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
-                b = tl.load(b_base + rkb[:, None] * sbk + rbn[None, :] * sbn)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
             else:
                 if MASK_M:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak,
                                 mask=(rk[None, :] < K) & (rm[:, None] < M), other=0.0)
                 else:
                     a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
-                b = tl.load(b_base + rkb[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
             if UPCAST:
                 acc += host_free_dot(a, b)
             elif IEEE:
@@ -264,6 +266,11 @@ def _launch_cfg(cfg: dict) -> dict:
     """A config's kernel constexprs and launch options (FLATTEN, MASK_M off unless set: scheduling only,
     the tiles and their K order stay the config's)."""
     return dict({"FLATTEN": False, "MASK_M": False, "GATHER": False}, **cfg)
+
+
+def _wgrad_config(dtype) -> dict:
+    """The pinned config of the grouped weight gradient."""
+    return dict(GROUPED_WGRAD[dtype]) if dtype in GROUPED_WGRAD and not INTERPRET else _config(dtype)
 
 
 def _grouped_config(dtype, rows: int) -> dict:
@@ -333,7 +340,7 @@ def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int
     """Launch _gemm_kernel over P = len(counts) groups whose sizes stay on the device (COUNTS mode):
     rows sorted by group, R in all; steps (a_step, b_step, b_e, c_step, c_e) place group p at row s_p
     (see the kernel). The grid is a bound known on the host, so nothing is read back: no sync.
-    idx [R] (GATHER): sorted row i of A (of B when group_k) is row idx[i] of a (b); its step is 0."""
+    idx [R] (GATHER, not group_k): sorted row i of A is row idx[i] of a; its step is 0."""
     numels = (a.numel(), b.numel(), c.numel())
     gather = None if idx is None else idx.dtype
     key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
@@ -553,21 +560,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tenso
     return out
 
 
-def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """dW[e] = g_e^T x_e for rows sorted by group: [E, N, K] in ONE launch, no atomics: each program
     owns a tile of one expert's dW and reduces that expert's rows in order, BLOCK_K at a time (the
-    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B.
-    rows (with device counts): sorted row i of x is x[rows[i]], read in place."""
+    chunks of matmul(g_e^T, x_e)). Read in place: g^T is an M-contiguous A, x an N-contiguous B."""
     E, N, K = len(counts), g.shape[1], x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
     g, x = g.contiguous(), x.contiguous()
     if isinstance(counts, torch.Tensor):  # group sizes on the device: K_p = c_p, read in the kernel
-        steps = (N, K if rows is None else 0, 0, 0, N * K)
-        _gemm_counts(g, x, dw, counts, g.shape[0], K, N, 0, (1, N, K, 1, K, 1), steps, True, _config(x.dtype), rows)
+        _gemm_counts(g, x, dw, counts, g.shape[0], K, N, 0, (1, N, K, 1, K, 1), (N, K, 0, 0, N * K), True,
+                     _wgrad_config(x.dtype))
         return dw
     probs = [(N, c, s * N, s * K, e * N * K) for e, (c, s) in enumerate(zip(counts, _starts(counts)))]
-    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _config(x.dtype), even_k=False)
+    _gemm(g, x, dw, probs, K, (1, N, K, 1, K, 1), _wgrad_config(x.dtype), even_k=False)
     return dw
 
 

@@ -212,9 +212,10 @@ def moe_route(logits, top_k: int, renormalize: bool):
 
 # --- the experts' first GEMM over the token rows, read in place -----------------------------------
 class _SlotLinear(torch.autograd.Function):
-    """grouped_linear(x[rows], w, counts) with rows = order // k, forward and dW reading x's rows in
-    place (GATHER); dX: the sorted rows' gradients, then each token's k slots summed as moe_combine
-    with unit weights (fp32, slot 0 first), read through dest: kernels.moe_slot_rows' backward."""
+    """grouped_linear(x[rows], w, counts) with rows = order // k, the forward reading x's rows in place
+    (GATHER; the [T * k, D] copy is made in the backward, for dW, instead of kept from the forward); dX:
+    the sorted rows' gradients, then each token's k slots summed as moe_combine with unit weights (fp32,
+    slot 0 first), read through dest: kernels.moe_slot_rows' backward."""
 
     @staticmethod
     def forward(ctx, x, w, counts, rows, dest, k):
@@ -231,13 +232,14 @@ class _SlotLinear(torch.autograd.Function):
             ones = torch.ones(x.shape[0], ctx.k, dtype=torch.float32, device=x.device)
             gx = _combine(grouped_mm(g, w.transpose(1, 2), counts), ones, dest)[2]
         if ctx.needs_input_grad[1]:
-            gw = grouped_wgrad(g, x, counts, rows).to(w.dtype)
+            gw = grouped_wgrad(g, x.index_select(0, rows), counts).to(w.dtype)
         return gx, gw, None, None, None, None
 
 
 def moe_slot_linear(x, order, dest, k: int, w, counts: torch.Tensor):
-    """grouped_linear(moe_slot_rows(x, order, dest, k), w, counts), the same bits, without the [T * k, D]
-    copy of x's rows (forward and weight gradient read them in place). counts: a tensor on x's device."""
+    """grouped_linear(moe_slot_rows(x, order, dest, k), w, counts), the same bits; the forward reads x's rows
+    in place, the [T * k, D] copy lives only in the backward (not from forward to backward). counts: a tensor
+    on x's device."""
     check_inputs("moe_slot_linear", x, w)
     T = x.shape[0]
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or order.shape != (T * k,) \
