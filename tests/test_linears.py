@@ -129,5 +129,6 @@ def test_linears_configs_keep_the_k_chunks_and_masked_rows_change_no_bit(monkeyp
     assert not pick[64, 2048].get("MASK_M") and pick[64, 2048]["BLOCK_N"] == 32 and pick[64, 4096]["BLOCK_N"] == 64
     assert pick[128, 2048]["BLOCK_N"] == 64 and pick[128, 4096]["BLOCK_N"] == 128
     assert pick[256, 2048]["BLOCK_N"] == 128 and pick[256, 4096]["BLOCK_N"] == 128  # nothing fits: the widest
-    assert gemm.small_m_config(bf, 257, moe, 132) == gemm.MATMUL_CONFIGS[bf]
+    assert gemm.small_m_config(bf, 257, moe, 132)["BLOCK_N"] == 128  # main tiles under half a wave: the widest
+    assert gemm.small_m_config(bf, 1024, moe, 132) == gemm.MATMUL_CONFIGS[bf]
     assert gemm.small_m_config(torch.float32, 8, moe, 132) == gemm.MATMUL_CONFIGS[torch.float32]

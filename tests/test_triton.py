@@ -268,8 +268,8 @@ def test_weight_gradient_keeps_the_k_mask_for_every_token_count_with_the_same_bi
 def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeypatch):
     # the pinned configs are a pure function of (dtype, rows, columns, SMs): at M <= 256 the narrowest
     # 64-row tiles whose count fits one wave, else the main config where its tiles fill a wave, else 128
-    # columns; the tile loop flattened for 64 columns and where a program runs several tiles; rows past M
-    # masked at M <= 32; the grouped
+    # columns; past 256 rows the main config unless its tiles fill less than half a wave; the tile loop
+    # flattened for 64 columns and where a program runs several tiles; rows past M masked at M <= 32; the grouped
     # GEMM at few rows per expert 128-wide with its tile loop flattened; every small-M config keeps
     # BLOCK_M 64 and a BLOCK_K that cuts the k16 MMA chain (128 or 256), never reorders it
     from rlalign.kernels.triton import gemm
@@ -287,7 +287,11 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert pick(33, 4096) == (32, False, False) and pick(128, 32000) == (128, False, True)
     assert [pick(256, n) for n in (512, 2048, 4096)] == [(16, False, False), (64, False, True), (128, False, False)]
     assert gemm.small_m_config(bf, 256, [32000], 132) == gemm.MATMUL_CONFIGS[bf]
-    assert gemm.small_m_config(bf, 257, [2048], 132) == gemm.MATMUL_CONFIGS[bf]
+    # past 256 rows: the main config, unless its tiles fill less than half a wave (then the widest member)
+    widest = gemm.MATMUL_SMALL_M[bf][2][-1]
+    assert [(pick(m, n)[0], gemm.small_m_config(bf, m, [n], 132)["BLOCK_M"]) for m, n in
+            ((257, 2048), (512, 2048), (2048, 2048), (10240, 512), (512, 32000))] == [
+        (widest["BLOCK_N"], 64), (widest["BLOCK_N"], 64), (256, 128), (256, 128), (256, 128)]
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
     assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["FLATTEN"]
     assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
