@@ -687,9 +687,12 @@ def _shows(a, fl: dict, variants: dict, bits) -> str:
         parts.append(f"{n} {v['median_step_s']} s = MFU {v['median_mfu']} (profiled step: device busy "
                      f"{v.get('device_busy_ms')} ms, idle {idle} ms, {v.get('kernel_launches')} launches);")
     if bits and "gradients" in bits:
+        moved = {k: v["gradients_differing"] for k, v in (bits.get("pieces_alone") or {}).items()
+                 if v["gradients_differing"] or not v["logprobs_equal"]}
         parts.append(f"bits, fused vs unfused pieces from the same weights: {bits['gradients']} gradients, "
                      f"{len(bits['gradients_differing'])} differing, logprobs equal {bits['logprobs_equal']}, grad "
-                     f"norm equal {bits.get('grad_norm_equal')}.")
+                     f"norm equal {bits.get('grad_norm_equal')}; pieces that move gradient bits alone: "
+                     + (", ".join(f"{k} ({v} gradients)" for k, v in moved.items()) or "none") + ".")
     return " ".join(parts)
 
 
