@@ -255,8 +255,8 @@ def test_weight_gradient_keeps_the_k_mask_for_every_token_count_with_the_same_bi
     counts = [bk, 0, 2 * bk + 5, 7]
     xg = torch.randn(sum(counts), 24, generator=g).to(DEV)
     gg = torch.randn(sum(counts), 40, generator=g).to(DEV)
-    host = gemm._grouped_wgrad(gg, xg, counts)
-    dev = gemm._grouped_wgrad(gg, xg, torch.tensor(counts, device=DEV))
+    host = gemm.grouped_wgrad(gg, xg, counts)
+    dev = gemm.grouped_wgrad(gg, xg, torch.tensor(counts, device=DEV))
     assert same_bits(host, dev) and not host[1].any()
     s = 0
     for e, c in enumerate(counts):
