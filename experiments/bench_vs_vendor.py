@@ -278,6 +278,7 @@ def sweep_lmhead(shard) -> list[dict]:
     cands = _main_candidates() | {"n64x128k128s4": _g(64, 128, 128, 4, 4),
                                   "n64x128k128s4f": _g(64, 128, 128, 4, 4, FLATTEN=True)}
     names = [n for i, n in enumerate(cands) if shard is None or i % shard[1] == shard[0]]
+    tables = {n: (0, 0, [dict(c)]) for n, c in cands.items()}  # alive all along: linear's plans key on their ids
     N, K = GEMM_SHAPES.get("lm_head 32000x2048", (64, 256))
     x, ws = gemm_data(N, K, g)
     rows = []
@@ -290,7 +291,7 @@ def sweep_lmhead(shard) -> list[dict]:
             out = {"M": M, "cublas_us": 1e3 * t_cub, "pinned_us": 1e3 * t_pin, "pinned_ratio": t_cub / t_pin}
             for name in names:
                 forced = dict(cands[name])
-                gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = forced, (0, 0, [forced])
+                gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF] = forced, tables[name]
                 try:
                     y = tb.linear(xm, ws[0])
                     t = graph_ms([lambda w=w: tb.linear(xm, w) for w in ws])
