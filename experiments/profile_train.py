@@ -106,11 +106,16 @@ def unfused(timers=None, keep=()):
     def logprobs_rows(logits, rows, tokens, temperature=1.0, top_k=0, top_p=1.0):
         return K.token_logprobs(logits[rows], tokens, temperature, top_k, top_p)
 
-    def step(self, grads, coef, model=None):
+    def step(self, grads, coef, model=None):  # torch.optim.AdamW's step on the masters, in AdamW's state
+        if not isinstance(getattr(self, "torch_opt", None), torch.optim.AdamW):
+            g = self.opt.param_groups[0]
+            self.torch_opt = torch.optim.AdamW(g["params"], lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                                               weight_decay=g["weight_decay"], foreach=False, fused=False)
+            self.torch_opt.state = self.opt.state
         for n, m in self.master.items():
             m.grad = grads[n] * coef if coef < 1.0 else grads[n]
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.torch_opt.step()
+        self.torch_opt.zero_grad(set_to_none=True)
         return set()
 
     def ppo_loss(samples, alg, old, ref):  # the loss with its host syncs per micro-batch

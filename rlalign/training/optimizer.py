@@ -1,10 +1,12 @@
 """The trainer's fp32 master weights and their AdamW: whole parameters, or (trainer.shard_dense) the
-experts whole and this rank's dense units (rlalign.training.shards). torch.optim.AdamW holds the
-hyperparameters and the state (step, exp_avg, exp_avg_sq: what checkpoints save); the update itself is
-kernels.adamw_ (one definition, IEEE fp32 operations one at a time: the same bits on every device;
-one pass per tensor on the Triton backend), which also rounds the update into the compute-dtype model."""
+experts whole and this rank's dense units (rlalign.training.shards). AdamW holds the hyperparameters
+and the state (step, exp_avg, exp_avg_sq: what checkpoints save); the update itself is kernels.adamw_
+(one definition, IEEE fp32 operations one at a time: the same bits on every device; one pass per tensor
+on the Triton backend), which also rounds the update into the compute-dtype model."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from omegaconf import DictConfig
@@ -13,7 +15,19 @@ from rlalign import kernels
 from rlalign.training.shards import DEFAULT_UNIT_NUMEL, Unit, assign_units, dense_units, gather_dense, unit_rows
 
 
-def adam_state(opt, m: torch.Tensor) -> dict:
+class AdamW:
+    """AdamW's hyperparameters (param_groups[0]: lr, betas, eps, weight_decay) and its state per master
+    (`state[m]`: step, exp_avg, exp_avg_sq), laid out as torch.optim.AdamW lays them out; the update is
+    kernels.adamw_. Not a torch.optim optimizer: building one imports torch._dynamo (~1.4 s of every
+    trainer process's start on a CPU core), and its own update is not the one the bits are kept in."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float, betas, eps: float, weight_decay: float):
+        self.param_groups = [{"params": list(params), "lr": lr, "betas": tuple(betas), "eps": eps,
+                              "weight_decay": weight_decay}]
+        self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+
+
+def adam_state(opt: AdamW, m: torch.Tensor) -> dict:
     """AdamW's state of master `m`, created (step 0, zero moments) if it has none yet, so that a
     checkpoint can be loaded into it in place."""
     st = opt.state[m]
@@ -43,10 +57,8 @@ class MasterWeights:
                 self.master[u.key] = torch.nn.Parameter(unit_rows(params[u.name].detach(), u).float().clone())
         else:
             self.master = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in params.items()}
-        self.opt = torch.optim.AdamW(
-            list(self.master.values()), lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
-            foreach=False, fused=False,
-        ) if self.master else None  # (a rank of a dense-only model may own no unit)
+        self.opt = AdamW(list(self.master.values()), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+                         ) if self.master else None  # (a rank of a dense-only model may own no unit)
 
     def my_units(self) -> list[Unit]:
         """The dense units whose fp32 master, AdamW state and (after the grad norm) gradient this

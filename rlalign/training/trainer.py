@@ -23,7 +23,7 @@ from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
 from rlalign.training.losses import policy_loss
-from rlalign.training.optimizer import MasterWeights
+from rlalign.training.optimizer import AdamW, MasterWeights
 from rlalign.training.plan import LossFn, Sample, micro_batch_share, step_plan
 from rlalign.training.scoring import micro_batches, score_micro_batch
 from rlalign.training.shards import Unit
@@ -83,7 +83,7 @@ class Trainer:
         return self.weights.master
 
     @property
-    def opt(self) -> torch.optim.Optimizer | None:
+    def opt(self) -> AdamW | None:
         return self.weights.opt
 
     def my_units(self) -> list[Unit]:
