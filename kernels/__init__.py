@@ -123,7 +123,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def rope_table(max_positions: int, head_dim: int, theta: float, device=None):
     """(cos, sin) fp32 [max_positions, head_dim], computed once in fp64: a pure function of the
-    arguments, indexed by position on both sides."""
+    arguments, indexed by position on both sides. On the meta device (a model's shapes only) empty
+    meta tensors: there are no values to compute, and meta's reference ops import torch._dynamo (~1.4 s)."""
+    if torch.empty(0, device=device).is_meta:
+        return (torch.empty(max_positions, head_dim, dtype=torch.float32, device=device),) * 2
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv[None]
     ang = torch.cat([ang, ang], -1)
