@@ -78,9 +78,12 @@ def test_negative_twin_other_counts_change_the_rows():
 
 def test_counts_past_the_rows_are_clamped_not_written_out_of_bounds():
     # a wrong tensor (sum 40 > 30 rows) cannot write past the output: groups are clamped to the rows
+    # (the group that runs past the rows is cut at them, not moved back onto the groups before it)
     x, w = _data(torch.float32)
     y = tb.grouped_linear(x, w, torch.tensor([3, 0, 20, 17, 0, 0], device=DEV))
     assert same_bits(y, tb.grouped_linear(x, w, [3, 0, 20, 7, 0, 0]))
+    y = tb.grouped_linear(x, w, torch.tensor([30, 0, 0, 25, 0, 0], device=DEV))
+    assert same_bits(y, tb.grouped_linear(x, w, [30, 0, 0, 0, 0, 0]))
 
 
 def test_bad_counts_tensor_is_refused():

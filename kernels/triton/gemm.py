@@ -106,8 +106,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
     if COUNTS:
         pr = tl.arange(0, P2)
         cnt = tl.maximum(tl.load(prob_ptr + pr, mask=pr < P, other=0).to(tl.int32), 0)
-        ends = tl.minimum(tl.cumsum(cnt, 0), R)
-        starts = ends - tl.minimum(cnt, ends)
+        csum = tl.cumsum(cnt, 0)
+        ends = tl.minimum(csum, R)
+        starts = tl.minimum(csum - cnt, R)  # a group past R rows is cut at R, never moved onto the one before
         cnt = ends - starts
         if GROUP_K:
             tiles = tl.where(pr < P, tl.cdiv(M1, BLOCK_M) * num_pid_n, 0)
