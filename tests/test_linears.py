@@ -110,7 +110,8 @@ def test_linears_negative_twin_other_k_order_differs():
 
 def test_linears_configs_keep_the_k_chunks_and_masked_rows_change_no_bit(monkeypatch):
     # the one launch's configs are linear's small-M rule over all its weights' tiles (BLOCK_K 128 at
-    # these shapes) up to 256 rows, the main config past them; the narrowest tiles that fit one wave;
+    # these shapes) up to 256 rows, past them the main config where its tiles fill half the SMs; the
+    # narrowest tiles that fit one wave;
     # MASK_M (rows past M masked, not read) is scheduling only
     x, ws, _ = _data(torch.bfloat16, seed=4, m=37)
     with torch.no_grad():

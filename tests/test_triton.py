@@ -269,9 +269,9 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     # the pinned configs are a pure function of (dtype, rows, columns, SMs): at M <= 256 the narrowest
     # 64-row tiles whose count fits one wave, else the main config where its tiles fill a wave, else 128
     # columns; past 256 rows the main config unless its tiles fill less than half a wave; the tile loop
-    # flattened for 64 columns and where a program runs several tiles; rows past M masked at M <= 32; the grouped
-    # GEMM at few rows per expert 128-wide with its tile loop flattened; every small-M config keeps
-    # BLOCK_M 64 and a BLOCK_K that cuts the k16 MMA chain (128 or 256), never reorders it
+    # flattened for 64 columns and where a program runs several tiles; rows past M masked at M <= 32; every
+    # config keeps BLOCK_M 64 or the main 128 and a BLOCK_K that cuts the main config's k16 MMA chain (64,
+    # 128 or 256), never reorders it
     from rlalign.kernels.triton import gemm
 
     monkeypatch.setattr(gemm, "INTERPRET", False)
@@ -293,10 +293,16 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
             ((257, 2048), (512, 2048), (2048, 2048), (10240, 512), (512, 32000))] == [
         (widest["BLOCK_N"], 64), (widest["BLOCK_N"], 64), (256, 128), (256, 128), (256, 128)]
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
-    assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["FLATTEN"]
+    # a decode step's router [64, 2048] at 2,048 rows: 16 main tiles, the 128-column member
+    assert pick(2048, 64) == (128, False, False) and pick(1024, 2048) == (128, False, True)
+    # grouped: 64 x 256 tiles up to 128 rows per expert, the main tiles with a fourth stage up to 256,
+    # then the main config
+    assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 256 and gemm._grouped_config(bf, 128)["BLOCK_M"] == 64
+    assert gemm._grouped_config(bf, 256) == dict(gemm.MATMUL_CONFIGS[bf], num_stages=4)
     assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
-    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL)]:
-        assert cfg["BLOCK_K"] in (128, 256) and cfg["BLOCK_M"] == 64
+    main = gemm.MATMUL_CONFIGS[bf]
+    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL)]:  # the main K chunks, cut
+        assert cfg["BLOCK_K"] % main["BLOCK_K"] == 0 and cfg["BLOCK_M"] in (64, main["BLOCK_M"])
 
 
 def test_linear_rows_identical_across_the_small_m_buckets(monkeypatch):

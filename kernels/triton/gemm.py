@@ -35,7 +35,9 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # M = 1..299). At M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program
 # reading the same row is an L2 hot spot (M = 1, N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS).
 # Measured: results/kernels_vs_vendor_h200.json (linear), results/linears_H200.json (q, k, v in one
-# launch). Past 256 rows: the main config.
+# launch). Past 256 rows: the main config, except where its tiles would not fill half the SMs (a narrow
+# weight's gradient; in decode the router [64, 2048] at 2,048 rows, 16 tiles): the 128-column member,
+# 39.8 -> 18.9 us for that router, o_proj at 1,024 rows 27.4 -> 23.4 us (results/sweep_decode_gemm_h200.json).
 _SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
@@ -44,13 +46,16 @@ MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
 # interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
 INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
-# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in COUNTS
-# mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32 rows on each of
-# 64 experts: 64 x 128 tiles, 4 stages, the tile loop flattened (the next tile's loads under the current one)
-# read each expert's weights at 79 % / 72 % of the HBM peak (gate_up / down), where the plain small-M config's
-# 64 x 32 tiles reached 40 % / 30 %. Past 128 rows per expert the step is compute-bound: the main config.
-_GROUPED_SMALL = [(128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4,
-                             FLATTEN=True))]
+# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in
+# COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
+# rows on each of 64 experts, at 1,024 / 2,048 rows ~128 / 256 (bench-moe-large's gate_up [1536, 2048]
+# and down [2048, 768], experiments/sweep_decode_gemm.py, results/sweep_decode_gemm_h200.json): up to
+# 128 rows per expert, 64 x 256 tiles of one warpgroup (at 32 rows 1.6 % faster than the 64 x 128
+# flattened tiles before, at 128 rows 15 % faster); up to 256, the main tiles with a fourth stage (3.6 %
+# faster at 256 rows); past that (prefill, training: one config there, so new token counts compile
+# nothing), the main config. Every one bitwise equal to the main config's rows (the same sweep).
+_GROUPED_SMALL = [(128, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)),
+                  (256, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 # The grouped weight gradient (dW[e] = g_e^T x_e, K = the expert's rows): the main tiles with 4 stages and
 # the tile loop flattened (the next tile's loads under this one's epilogue: ~20 K steps a tile at a training

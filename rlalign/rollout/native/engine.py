@@ -26,6 +26,7 @@ those steps replay decode graphs and take lookahead steps as a single GPU does.
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import numpy as np
@@ -89,9 +90,13 @@ class NativeEngine:
         runner = ModelRunner(self.model, state, sched, sample_ids, params, graphs, self.stats)
         if graphs is not None:
             graphs.begin(self.model, params)
+        collecting = gc.isenabled()
+        gc.disable()  # a full collection scans every object of the process (~0.1 s with torch loaded): not mid-loop
         try:
             lps, lp_rows = self._loop(sched, runner)
         finally:
+            if collecting:
+                gc.enable()
             if graphs is not None:
                 graphs.end()
             if self.lockstep is not None:
