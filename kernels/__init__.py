@@ -173,6 +173,7 @@ def attention_paged(
     seq_idx: torch.Tensor,
     positions: torch.Tensor,
     scale: float | None = None,
+    runs: list[tuple[int, int, int, int]] | None = None,
 ) -> torch.Tensor:
     """Attention of query rows of any sequences against a paged KV cache (one layer).
 
@@ -181,9 +182,12 @@ def attention_paged(
     j % page_size); seq_idx [N] (each row's sequence); positions [N] (each row's absolute position:
     it attends keys 0..positions[n] of its sequence, its own key already written). Rows may be fresh
     prefill chunks, chunks after a cached prefix, or decode rows, in any mix. Deterministic mode:
-    each row bitwise equal to attention_prefill's row at that position."""
+    each row bitwise equal to attention_prefill's row at that position. runs: what the caller knows
+    on the host about the last rows, (row0, n, pos0, seq) per prompt chunk (rows row0.. are positions
+    pos0.. of sequence seq, consecutive, up to row N-1): a schedule hint (the Triton backend runs them
+    as prefill tiles), never a change of bits; backends may ignore it."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _impl(q).attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale)
+    return _impl(q).attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale, runs)
 
 
 def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

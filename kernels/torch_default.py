@@ -81,7 +81,7 @@ def attention_decode(q, k_cache, v_cache, lengths, scale: float):
     return o[:, :, 0]
 
 
-def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float):
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float, runs=None):
     from rlalign.kernels.torch_deterministic import gather_pages
 
     if q.shape[0] == 0:

@@ -164,7 +164,7 @@ def gather_pages(pages: torch.Tensor, block_table: torch.Tensor, seq_idx: torch.
     return rows.reshape(rows.shape[0], n_pages * bs, *pages.shape[2:])[:, :n_keys]
 
 
-def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float) -> torch.Tensor:
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float, runs=None) -> torch.Tensor:
     """Each row q[n] against keys 0..positions[n] of sequence seq_idx[n], read through the block
     table: the decode reduction (a tree over the keys, zero-padded), hence the prefill row's bits.
     Keys past a row's position (other rows' keys, stale or unwritten page slots) are masked and their

@@ -88,6 +88,27 @@ def test_paged_mixed_step_of_prefill_chunks_and_decode_rows(monkeypatch):
     assert same_bits(out, pre[rows])
 
 
+def test_prompt_runs_as_prefill_tiles_equal_rows_alone():
+    """The engine's hint `runs` (prompt chunks after the decode rows) runs those rows as prefill tiles
+    read through the block table: the same bits as one program per row, and as prefill. Chunks: a
+    fresh prompt longer than a tile and a chunk after a cached prefix, behind two decode rows.
+    Twin: runs that misstate a chunk's first position move bits."""
+    lens = [37, 50, 9, 66]
+    q, k, v, cu = _packed(lens, seed=3)
+    pre = tb.attention_prefill(q, k, v, cu, 0.25)
+    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 20, seed=4)
+    rows = torch.cat([torch.tensor([cu[3] - 1, cu[2] + 4]), torch.arange(cu[0], cu[0] + 37),
+                      torch.arange(cu[1] + 30, cu[2])]).to(DEV)
+    runs = [(2, 37, 0, 0), (39, 20, 30, 1)]
+    args = (q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)
+    tiles = tb.attention_paged(*args, runs=runs)
+    assert same_bits(tiles, tb.attention_paged(*args)) and same_bits(tiles, pre[rows])
+    off = tb.attention_paged(*args, runs=[(2, 37, 0, 0), (39, 20, 29, 1)])
+    assert not same_bits(off, tiles) and same_bits(off[:39], tiles[:39])
+    with pytest.raises(ValueError, match="not the last rows"):
+        tb.attention_paged(*args, runs=[(2, 37, 0, 0)])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_equals_prefill_at_every_position_every_schedule(dtype, monkeypatch):
     T = 40

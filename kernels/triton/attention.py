@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
+from .common import INTERPRET, check_inputs, host_free_dot, host_table, num_sms, work_table
 
 # The pinned configs (how each was measured on the H200: experiments/README.md). Prefill, decode and
 # paged rows share BLOCK_N and CHUNK, the key blocks and chunks a row reduces over in order: part of the
@@ -199,7 +199,9 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
               PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
               BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1, NPRE: tl.constexpr = 0, OFF32: tl.constexpr = False):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
-    rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 1, decode: program
+    rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 3, paged prefill tiles:
+    the same, with k_row0 replaced by a sequence id whose keys are read through its block-table row (a
+    prompt chunk's rows in one tile instead of one program per row). MODE 1, decode: program
     (row w, kv head); work = lengths; row w attends keys w * skp + j * skn, j < lengths[w]. MODE 2,
     paged: program (row w, kv head); work = positions, seq_ptr = sequence ids; row w attends keys
     0..positions[w] of its sequence through block-table row bt_ptr + seq * sbt. Rows modes pack the
@@ -215,7 +217,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     bt = bt_ptr
-    if MODE == 0:
+    if (MODE == 0) or (MODE == 3):
         a0 = tl.program_id(0)
         w = tl.program_id(1)
         q_row0 = tl.load(work_ptr + w * 5)
@@ -229,7 +231,14 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         qpos = q_pos0 + rm
         qmask = rm < n_q
         H = tl.num_programs(0)
-        kbase = k_row0.to(tl.int64) * skn + hk * skh
+        if MODE == 0:
+            kbase = k_row0.to(tl.int64) * skn + hk * skh
+        else:  # k_row0 is the sequence: its block-table row
+            bt = bt_ptr + k_row0.to(tl.int64) * sbt
+            if OFF32:
+                kbase = hk * skh
+            else:
+                kbase = hk.to(tl.int64) * skh
     else:
         w = tl.program_id(0)
         hk = tl.program_id(1)
@@ -281,14 +290,14 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         f_end = tl.minimum(tl.maximum(n_full, k_lo), k_hi)
         for j0 in range(k_lo, f_end, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                        qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, False, NPRE,
+                                        qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE >= 2, UPCAST, IEEE, False, NPRE,
                                         OFF32)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
                                                     ap_ptr, rd, BLOCK_M, D, CHUNK, SPLIT)
         for j0 in range(f_end, k_hi, BLOCK_N):
             m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                        qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True, NPRE,
+                                        qk_scale, pages, p_lo, BLOCK_N, PAGE, MODE >= 2, UPCAST, IEEE, True, NPRE,
                                         OFF32)
             if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N >= k_hi):
                 M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr,
@@ -297,7 +306,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         for c0 in range(k_lo, k_hi, CHUNK):
             m_c, l_c, acc = _attn_chunk(q, k_ptr, v_ptr, kbase, bt, c0, tl.minimum(c0 + CHUNK, k_hi), n_keys, n_full,
                                         qpos, skp, skn, rd, qk_scale, pages, p_lo, BLOCK_M, BLOCK_N, D, PAGE,
-                                        MODE == 2, UPCAST, IEEE, NPRE, OFF32)
+                                        MODE >= 2, UPCAST, IEEE, NPRE, OFF32)
             M, L, A, m_c, l_c, acc = _chunk_end(c0, M, L, A, m_c, l_c, acc, qpos, qmask, idx0, mp_ptr, lp_ptr, ap_ptr,
                                                 rd, BLOCK_M, D, CHUNK, SPLIT)
     if not SPLIT:
@@ -689,13 +698,16 @@ def attention_decode(q, k_cache, v_cache, lengths, scale: float):
                              kc.shape[1], scale)[0]
 
 
-def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float):
+def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float, runs=None):
     """Rows of any sequences (prefill chunks, chunks after a cached prefix, decode rows, in any mix)
     against pages [P, page_size, Hk, D] through block_table [S, max_pages]: row n attends keys
     0..positions[n] of sequence seq_idx[n], key j at slot j % page_size of page
     block_table[s, j // page_size], in the key blocks, chunks and fold of prefill, so each row's bits
     equal the prefill row at that position. No host sync: seq_idx and positions are read on the device.
-    Slots past a row's position (unwritten, stale, NaN) are never loaded for it."""
+    Slots past a row's position (unwritten, stale, NaN) are never loaded for it. runs (host, optional):
+    (row0, n, pos0, seq) per prompt chunk, covering rows runs[0][0]..N-1 in order: rows row0.. are
+    positions pos0.. of sequence seq (what seq_idx and positions say); those rows run as prefill tiles
+    (MODE 3), the rows before them one program per row. The same bits either way."""
     check_inputs("attention_paged", q, k_pages, v_pages)
     if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"triton attention_paged: k_pages {tuple(k_pages.shape)} and v_pages "
@@ -706,7 +718,47 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale:
     if q.shape[0] == 0:
         return q.clone()
     kp, vp = _same_layout(k_pages, v_pages)
-    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    page = kp.shape[1]
-    return _attn_rows_launch(q.contiguous(), kp, vp, 2, positions.to(q.device), seq_idx.to(q.device),
-                             table.to(q.device), page, kp.stride()[:3], table.shape[1] * page, scale)[0]
+    table = (block_table if block_table.stride(1) == 1 else block_table.contiguous()).to(q.device)
+    page, q = kp.shape[1], q.contiguous()
+    n_keys_max = table.shape[1] * page
+    split = _check_runs(runs, q.shape[0])
+    if split is None:
+        return _attn_rows_launch(q, kp, vp, 2, positions.to(q.device), seq_idx.to(q.device), table, page,
+                                 kp.stride()[:3], n_keys_max, scale)[0]
+    o = torch.empty_like(q)
+    if split > 0:
+        o[:split] = _attn_rows_launch(q[:split], kp, vp, 2, positions[:split].to(q.device),
+                                      seq_idx[:split].to(q.device), table, page, kp.stride()[:3], n_keys_max, scale)[0]
+    _attn_tiles_launch(q, kp, vp, table, runs, o, scale)
+    return o
+
+
+def _check_runs(runs, N: int) -> int | None:
+    """The first row that `runs` covers (None without runs: every row runs alone); runs must be
+    consecutive, non-empty and end at row N."""
+    if not runs:
+        return None
+    end = runs[0][0]
+    for row0, n, _, _ in runs:
+        if row0 != end or n < 1:
+            raise ValueError(f"triton attention_paged: runs must be consecutive non-empty row ranges, got {runs[:4]}")
+        end += n
+    if end != N or runs[0][0] < 0:
+        raise ValueError(f"triton attention_paged: runs cover rows {runs[0][0]}..{end - 1}, not the last rows of {N}")
+    return runs[0][0]
+
+
+def _attn_tiles_launch(q, kp, vp, table, runs, o, scale: float) -> None:
+    """MODE 3: each run's rows in prefill tiles of BLOCK_M rows, keys through the run's block-table row."""
+    N, H, D = q.shape
+    Hk = kp.shape[-2]
+    cfg = _attn_cfg("prefill", q.dtype)
+    bm = cfg["BLOCK_M"]
+    items = [(r0 + i, min(bm, n - i), p0 + i, s, p0 + min(i + bm, n)) for r0, n, p0, s in runs for i in range(0, n, bm)]
+    work = host_table(items, torch.int32, q.device)
+    lse = torch.empty(N, H, dtype=torch.float32, device=q.device)
+    flags = {"OFF32": True} if _max_offset(kp) < 2**31 else {}
+    _attn_fwd[(H, len(items), 1)](
+        q, kp, vp, o, lse, work, work, table, o, o, o, o, 1, 1, q.stride(0), q.stride(1), *kp.stride()[:3],
+        o.stride(0), o.stride(1), table.stride(0), scale * LOG2E, G=H // Hk, D=D, PAGE=kp.shape[1], MODE=3,
+        SPLIT=False, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **flags, **cfg, **_no_fma())

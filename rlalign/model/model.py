@@ -92,11 +92,11 @@ class Attention(nn.Module):
         o = kernels.attention_prefill(q, k, v, cu_seqlens)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
-    def paged(self, x, cos, sin, cache, layer: int, block_table, seq_idx, positions, slot_mapping):
+    def paged(self, x, cos, sin, cache, layer: int, block_table, seq_idx, positions, slot_mapping, runs=None):
         q, k, v = self._qkv(x, cos, sin)
         cache.write(layer, slot_mapping, k.detach(), v.detach())
         k_pages, v_pages = cache.pages(layer)
-        o = kernels.attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions)
+        o = kernels.attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, runs=runs)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
@@ -318,16 +318,18 @@ class Transformer(nn.Module):
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache,
              block_table: torch.Tensor, slot_mapping: torch.Tensor,
-             logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+             logit_rows: torch.Tensor | None = None, runs: list[tuple[int, int, int, int]] | None = None
+             ) -> torch.Tensor:
         """One engine step over a paged cache: rows [N] of any mix of prefill chunks and decode
         tokens (tokens, absolute positions, sequence index into block_table, cache slot to write).
         `cache` has write(layer, slot_mapping, k, v) and pages(layer) (PagedKVCache, or an engine's
         view of its own pages). Returns logits of `logit_rows` (default: every row). Each row's
-        bits equal the trainer's forward row at that position (batch invariance)."""
+        bits equal the trainer's forward row at that position (batch invariance). runs: the prompt
+        chunks among the last rows, as the host knows them (kernels.attention_paged's schedule hint)."""
         cos, sin = self._rope(positions)  # engines check lengths at admission: no host sync
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         h, r = self._layers(h, lambda i, layer, x: layer.self_attn.paged(
-            x, cos, sin, cache, i, block_table, seq_idx, positions, slot_mapping))
+            x, cos, sin, cache, i, block_table, seq_idx, positions, slot_mapping, runs))
         if logit_rows is not None:
             if r is not None and not self._quiet():  # the last layer's tap sees every row
                 h, r = self._tap(f"layers.{len(self.model.layers) - 1}", h + r), None

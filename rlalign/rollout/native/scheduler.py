@@ -36,6 +36,7 @@ class Step:
     rows: list[tuple[Seq, int]] = field(default_factory=list)
     sample_at: list[tuple[Seq, int]] = field(default_factory=list)
     follow: list[int] | None = None
+    n_decode: int = 0  # rows[:n_decode] are decode rows, the rest prompt chunks (each one's rows consecutive)
 
 
 class Scheduler:
@@ -89,6 +90,7 @@ class Scheduler:
             if seq.decoding:
                 step.sample_at.append((seq, len(step.rows)))
                 step.rows.append((seq, len(seq.tokens) - 1))
+        step.n_decode = len(step.rows)
         self._add_prompt_chunks(step)
         return step
 
@@ -111,6 +113,7 @@ class Scheduler:
             step.sample_at.append((seq, len(step.rows)))
             step.rows.append((seq, len(seq.tokens)))
             step.follow.append(j)
+        step.n_decode = len(step.rows)
         self._add_prompt_chunks(step)
         return step if step.rows else None
 
