@@ -51,6 +51,10 @@ from rlalign.training.state import checkpoint_nbytes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 
+# an abandoned step leaves its workers busy (their trace-closing call queues behind it): the idle ones
+# answer within this, and the exit stays within the scheduler's kill deadline after run.stop_grace_s
+ABANDONED_TRACE_WAIT_S = 2.0
+
 
 class MismatchError(RuntimeError):
     pass
@@ -191,10 +195,10 @@ class Job:
             except ray.exceptions.RayError:  # the run is failing already; this error is not its cause
                 pass
 
-    def close(self) -> None:
+    def close(self, trace_timeout_s: float = 30.0) -> None:
         from rlalign import cluster
 
-        self.close_traces(timeout_s=30.0)
+        self.close_traces(timeout_s=trace_timeout_s)
         for g in (getattr(self, "trainers", None), getattr(self, "generators", None)):
             if g is not None:
                 g.kill()
@@ -511,8 +515,8 @@ def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resum
         stop.disarm()
         if logger is not None:
             logger.close()
-        if job is not None:
-            job.close()
+        if job is not None:  # abandoned: a worker busy with the step never answers, so no 30 s wait for it
+            job.close(trace_timeout_s=ABANDONED_TRACE_WAIT_S if stop.abandoned else 30.0)
     return last
 
 
