@@ -73,12 +73,14 @@ class ActorGroup:
         self.store = host_store(float(cfg_dict["dist"]["timeout_s"]))  # the group's rendezvous, job-long
         port = self.store.port
         remote_cls = ray.remote(worker_cls)
+        fault = os.environ.get("RLALIGN_FAULT")  # fault injection (rlalign.faults): reaches actors on any cluster
+        env = {"runtime_env": {"env_vars": {"RLALIGN_FAULT": fault}}} if fault else {}
         self.actors = []
-        for rank, (bundle, res) in enumerate(placement.slots[name]):
+        for rank, (bundle, slot) in enumerate(placement.slots[name]):
             strategy = PlacementGroupSchedulingStrategy(placement_group=placement.pg,
                                                         placement_group_bundle_index=bundle)
             self.actors.append(
-                remote_cls.options(scheduling_strategy=strategy, max_restarts=0, **res).remote(
+                remote_cls.options(scheduling_strategy=strategy, max_restarts=0, **slot, **env).remote(
                     cfg_dict, rank, world, port, threads
                 )
             )

@@ -100,6 +100,21 @@ def shared_runs():
         gates.train = rl.train
 
 
+def train_cli_with_fault(spec: str, args: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """`rlalign train ARGS` in this process with RLALIGN_FAULT=spec (rlalign.faults): (exit status,
+    stderr). The module's Ray cluster comes up first, so its raylet, and the actors of the module's
+    later runs, never inherit the fault; this run's actors get it through their runtime env
+    (actors/group.py)."""
+    from rlalign import cli, cluster
+    from rlalign.config import load_config
+
+    cluster.disconnect(cluster.connect(load_config([]).placement.num_cpus))
+    monkeypatch.setenv("RLALIGN_FAULT", spec)
+    capsys.readouterr()
+    rc = cli.main(["train", *args])
+    return rc, capsys.readouterr().err
+
+
 def tiny_model(dtype="bfloat16", seed=0, **over):
     return build_model(ModelArgs(**{**TINY, **over}), dtype, seed=seed)
 

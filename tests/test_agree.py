@@ -1,11 +1,10 @@
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import same_bits
+from conftest import same_bits, train_cli_with_fault
 
 from rlalign.agree import run_agree, score_batch
 from rlalign.config import load_config
@@ -36,9 +35,8 @@ def test_agree_default_mode_reports_the_mismatch(dtype):
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 
 
-def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def _refuse(name):
@@ -112,9 +110,10 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("site,method", [("generator.generate", "generate"),
                                          ("scoring.score_micro_batch", "train_step")])
-def test_train_runs_the_generation_and_scoring_functions_agree_certifies(tmp_path, site, method):
+def test_train_runs_the_generation_and_scoring_functions_agree_certifies(tmp_path, site, method, capsys, monkeypatch):
     """A fault planted in the function agree certifies stops `rlalign train` there (its actors are
     other processes: a spy cannot reach them, an environment-selected fault can)."""
-    p = _cli("train", "run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2", "task.samples_per_prompt=2",
-             "trainer.ep_size=1", "generator.ep_size=1", env={"RLALIGN_FAULT": f"{site}:0:1"})
-    assert p.returncode == 2 and f"failed in {method}()" in p.stderr, p.stderr[-2000:]
+    rc, err = train_cli_with_fault(f"{site}:0:1", ["run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2",
+                                                   "task.samples_per_prompt=2", "trainer.ep_size=1",
+                                                   "generator.ep_size=1"], capsys, monkeypatch)
+    assert rc == 2 and f"failed in {method}()" in err, err[-2000:]

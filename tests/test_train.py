@@ -1,13 +1,13 @@
 """The RL job on a local Ray cluster: metrics, corrections, resume, W&B, bad input and faults."""
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import train_cli_with_fault
 
 from rlalign.config import ConfigError, load_config
 from rlalign.rl import RewardError, train
@@ -23,9 +23,8 @@ def _rows(run_dir):
     return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_train_three_steps_trainer_ep2_generator_ep1(tmp_path):
@@ -193,14 +192,15 @@ def test_reward_error_is_reported_with_the_sample(tmp_path):
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path, async_save):
+def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path, async_save, capsys, monkeypatch):
     from rlalign import checkpoint as ckpt
 
-    p = _cli("train", *SMALL, "run.steps=4", f"run.dir={tmp_path}", "checkpoint.every=1",
-             f"checkpoint.async_save={str(async_save).lower()}", env={"RLALIGN_FAULT": "trainer.train_step:1:3"})
-    assert p.returncode == 2
-    line = p.stderr.strip().splitlines()[-1]
-    assert line.startswith("rlalign train: error: trainer rank 1 of 2 failed in train_step(): "), p.stderr[-3000:]
+    rc, err = train_cli_with_fault("trainer.train_step:1:3", [
+        *SMALL, "run.steps=4", f"run.dir={tmp_path}", "checkpoint.every=1",
+        f"checkpoint.async_save={str(async_save).lower()}"], capsys, monkeypatch)  # in-process: the module's Ray
+    assert rc == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("rlalign train: error: trainer rank 1 of 2 failed in train_step(): "), err[-3000:]
     assert f"; last complete checkpoint: {tmp_path}/checkpoints/step_00000" in line  # 0 or 1: the async write
     assert line.endswith(f"resume with: rlalign train {' '.join(SMALL)} run.steps=4 checkpoint.every=1 "
                          f"checkpoint.async_save={str(async_save).lower()} run.dir={tmp_path} checkpoint.resume=auto")
