@@ -115,6 +115,25 @@ def train_cli_with_fault(spec: str, args: list[str], capsys, monkeypatch) -> tup
     return rc, capsys.readouterr().err
 
 
+def flip_checkpoint_bit(ckpt_dir: Path, key: str) -> None:
+    """One bit of one checkpoint tensor changed (the lowest exponent bit of its first bf16 element:
+    half or twice the value), and meta.json's fingerprint with it (a checkpoint whose bits changed
+    before it was fingerprinted: loadable)."""
+    from safetensors import safe_open
+
+    from rlalign.monitor.fingerprint import fingerprint
+
+    meta = json.loads((ckpt_dir / "meta.json").read_text())
+    shard = ckpt_dir / meta["tensors"][key]["file"]
+    b = bytearray(shard.read_bytes())
+    n = int.from_bytes(b[:8], "little")
+    b[8 + n + json.loads(b[8:8 + n])[key]["data_offsets"][0] + 1] ^= 1  # element 0's lowest exponent bit (bf16)
+    shard.write_bytes(bytes(b))
+    with safe_open(str(shard), framework="pt") as st:
+        meta["tensors"][key]["fp"] = fingerprint(st.get_tensor(key))
+    (ckpt_dir / "meta.json").write_text(json.dumps(meta) + "\n")
+
+
 def tiny_model(dtype="bfloat16", seed=0, **over):
     return build_model(ModelArgs(**{**TINY, **over}), dtype, seed=seed)
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import flip_checkpoint_bit
 
 from rlalign.config import load_config
 from rlalign.gates import GateRefused, compare_runs, run_gate
@@ -330,11 +331,8 @@ def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(tmp
     rc, out, err = cli_compare("full", "fresh")
     assert rc == 0 and out.count("identical:") == 3, out + err
     assert "B begins at a resume (step 2) without the earlier steps" in out
-    # negative twin: resumed on other weights (a valid checkpoint of a run with another learning rate)
-    run("other", "run.steps=2", "trainer.lr=0.02")
-    swapped = tmp_path / "pert" / "checkpoints" / "step_000001"
-    shutil.rmtree(swapped)
-    shutil.copytree(tmp_path / "other" / "checkpoints" / "step_000001", swapped)
+    # negative twin: resumed on other weights (one bit of lm_head.weight flipped in a loadable checkpoint)
+    flip_checkpoint_bit(tmp_path / "pert" / "checkpoints" / "step_000001", "model/lm_head.weight")
     run("pert", "run.steps=3", "checkpoint.resume=auto")
     rc, out, err = cli_compare("full", "pert")
     assert rc == 1, out + err

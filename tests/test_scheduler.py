@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import flip_checkpoint_bit
 
 from rlalign import checkpoint as ckpt
 from rlalign import cli
@@ -356,25 +357,6 @@ def test_sigterm_during_a_step_finishes_it_checkpoints_it_and_a_resume_at_ep1_gi
     assert yaml.safe_load((d / "config.yaml").read_text())["trainer"]["ep_size"] == 1  # the latest segment's
 
 
-def _flip_expert_bit(ckpt_dir: Path, key: str) -> None:
-    """One bit of one expert's weight changed (the lowest exponent bit of its first bf16 element:
-    half or twice the value), and meta.json's fingerprint with it (a checkpoint whose bits changed
-    before it was fingerprinted: loadable)."""
-    from safetensors import safe_open
-
-    from rlalign.monitor.fingerprint import fingerprint
-
-    meta = json.loads((ckpt_dir / "meta.json").read_text())
-    shard = ckpt_dir / meta["tensors"][key]["file"]
-    b = bytearray(shard.read_bytes())
-    n = int.from_bytes(b[:8], "little")
-    b[8 + n + json.loads(b[8:8 + n])[key]["data_offsets"][0] + 1] ^= 1  # element 0's lowest exponent bit (bf16)
-    shard.write_bytes(bytes(b))
-    with safe_open(str(shard), framework="pt") as st:
-        meta["tensors"][key]["fp"] = fingerprint(st.get_tensor(key))
-    (ckpt_dir / "meta.json").write_text(json.dumps(meta) + "\n")
-
-
 @pytest.mark.slow
 def test_compare_an_ep2_run_resumed_at_ep1_with_the_uninterrupted_one_and_one_flipped_expert_bit(
         term_stopped, ref, runs, capsys):
@@ -397,7 +379,7 @@ def test_compare_an_ep2_run_resumed_at_ep1_with_the_uninterrupted_one_and_one_fl
     # twin: one changed bit in one expert's weight, resumed at EP 1 the same way
     flipped = runs / "flipped"
     tensor = "model.layers.1.mlp.experts.down_proj"
-    _flip_expert_bit(flipped / "checkpoints" / "step_000001", f"model/{tensor}/expert5")
+    flip_checkpoint_bit(flipped / "checkpoints" / "step_000001", f"model/{tensor}/expert5")
     train(load_config([*BASE, "trainer.ep_size=1", f"run.dir={flipped}", "checkpoint.resume=auto"]))
     assert _rows(flipped) != _rows(ref[0])
     capsys.readouterr()
