@@ -1,10 +1,13 @@
 # ruff: noqa: B023  (the benchmark lambdas run inside the loop iteration that defines them)
 """Paged decode attention of a bench-moe-large step at many rows (16 / 4 heads, D 128, page 16,
-shuffled pages, ragged contexts): the pinned decode config against launch variants (warps, stages,
-the block-table preload), each checked bitwise against the pinned one (scheduling only: the same
-bits), timed under a CUDA graph; the bandwidth each reaches on the keys and values it reads.
+shuffled pages, ragged contexts): a program per (row, kv head) against the persistent schedule and
+its settings (programs per SM, stages, rows sorted longest first or not) and split-K over every
+chunk, each checked bitwise against the first (scheduling only: the same bits), timed under a CUDA
+graph; the bandwidth each reaches on the keys and values it reads. --prefill: a prefill step's prompt
+rows (8,192 rows of prompts of 8-200 tokens) one program per row against the prefill tiles that
+read the pages through the block table (`runs`), bits and time.
 
-    python experiments/sweep_decode_attention.py [--rows 256,2048] [--ctx 8-456] [--out DIR]
+    python experiments/sweep_decode_attention.py [--rows 256,2048] [--ctx 8-456] [--prefill] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,23 +19,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vs_vendor  # noqa: E402
 from bench_vs_vendor import bits_equal, graph_ms  # noqa: E402
 from record import RESULTS, write  # noqa: E402
 
 from rlalign.kernels.triton import attention  # noqa: E402
 
 BF = torch.bfloat16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1, tiny shapes
+SCHEDULE = attention.chunks_per_program
 WHAT = "paged decode attention at many rows: launch variants, time and bits against the pinned config's"
 H, HK, D, PAGE = 16, 4, 128, 16
 PINNED = dict(attention.ATTN_FWD[BF]["decode"])
+# the first variant is the reference every other one is checked against bitwise
 VARIANTS = {
+    "rows": dict(FLAT_PER_SM=0),
     "pinned": {},
-    "w8": dict(num_warps=8),
-    "pre_s2": dict(PAGED_PRE_STAGES=2),
-    "pre_s4": dict(PAGED_PRE_STAGES=4),
-    "nopre_s3": dict(PAGED_PRE_MAX=0, PAGED_STAGES=3),
-    "nopre_s5": dict(PAGED_PRE_MAX=0),
-    "w8_pre_s4": dict(num_warps=8, PAGED_PRE_STAGES=4),
+    "flat_nosort": dict(FLAT_SORT=False),
+    "flat_s3": dict(FLAT_STAGES=3),
+    "flat_s4": dict(FLAT_STAGES=4),
+    "flat_sm1": dict(FLAT_PER_SM=1),
+    "flat_sm3": dict(FLAT_PER_SM=3),
+    "flat_sm4_s3": dict(FLAT_PER_SM=4, FLAT_STAGES=3),
+    "split1": dict(FLAT_PER_SM=0, SPLIT1=True),
 }
 
 
@@ -47,22 +56,78 @@ def case(N: int, lo: int, hi: int, g: torch.Generator):
         n = -(-c // PAGE)
         table[i, :n] = perm[o:o + n].int()
         o += n
-    k = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).cuda()
-    v = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).cuda()
-    q = torch.randn(N, H, D, generator=g).to(BF).cuda()
-    pos = (ctx - 1).cuda()
-    seq = torch.arange(N).cuda()
+    k = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
+    v = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
+    q = torch.randn(N, H, D, generator=g).to(BF).to(DEV)
+    pos = (ctx - 1).to(DEV)
+    seq = torch.arange(N).to(DEV)
     kv_bytes = int(ctx.sum()) * HK * D * 2 * 2
-    return (q, k, v, table.cuda(), seq, pos), kv_bytes
+    return (q, k, v, table.to(DEV), seq, pos), kv_bytes
+
+
+def eager_ms(fn, n: int = 7) -> float:
+    """Median ms of fn() launched eagerly (as the engine runs prefill steps: their tiles' work tables
+    are copied from the host per call, which a CUDA graph would not redo)."""
+    fn()
+    if DEV == "cpu":
+        return float("nan")
+    ts = []
+    for _ in range(n):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return sorted(ts)[n // 2]
+
+
+def prefill_case(rows: int, g: torch.Generator) -> dict:
+    """One prefill step's prompt rows over shuffled pages: one program per row vs prefill tiles (runs)."""
+    lens = []
+    while sum(lens) < rows:
+        lens.append(min(int(torch.randint(8, 201, (1,), generator=g)), rows - sum(lens)))
+    width = max(-(-n // PAGE) for n in lens)
+    pages = sum(-(-n // PAGE) for n in lens)
+    perm = torch.randperm(pages, generator=g)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    o, seq, pos, runs = 0, [], [], []
+    for s, n in enumerate(lens):
+        c = -(-n // PAGE)
+        table[s, :c] = perm[o:o + c].int()
+        o += c
+        runs.append((len(seq), n, 0, s))
+        seq += [s] * n
+        pos += list(range(n))
+    k = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
+    v = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
+    q = torch.randn(rows, H, D, generator=g).to(BF).to(DEV)
+    args = (q, k, v, table.to(DEV), torch.tensor(seq).to(DEV), torch.tensor(pos).to(DEV), D ** -0.5)
+    flops = 4 * H * D * sum(n * (n + 1) // 2 for n in lens)
+    out = {"rows": rows, "prompts": len(lens), "causal_flops": flops}
+    ref = attention.attention_paged(*args).clone()
+    for name, r in (("rows", None), ("tiles", runs)):
+        try:
+            same = bits_equal(attention.attention_paged(*args, runs=r), ref)
+            us = 1e3 * eager_ms(lambda: attention.attention_paged(*args, runs=r))
+            out[name] = {"us": us, "tflop_s": flops / us / 1e6, "bits_equal_rows": same}
+        except Exception as e:  # noqa: BLE001 - a compile error is a result here
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256,2048")
-    ap.add_argument("--ctx", default="8-456,200-456", help="LO-HI,...: contexts uniform in [LO, HI]")
+    ap.add_argument("--ctx", default="8-456,200-456,136-328", help="LO-HI,...: contexts uniform in [LO, HI]")
+    ap.add_argument("--prefill", type=int, default=0, help="also a prefill step of this many prompt rows")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="sweep_decode_attention_h200")
+    ap.add_argument("--only", default="", help="VARIANT,...: these variants only")
+    ap.add_argument("--warm", action="store_true", help="compile only (fills Triton's cache), write nothing")
     a = ap.parse_args()
+    bench_vs_vendor.WARM = a.warm or DEV == "cpu"
+    variants = {n: VARIANTS[n] for n in (a.only.split(",") if a.only else VARIANTS)}
     rows = []
     g = torch.Generator().manual_seed(0)
     for N in (int(x) for x in a.rows.split(",")):
@@ -73,23 +138,37 @@ def main() -> None:
             def call():
                 return attention.attention_paged(q, k, v, table, seq, pos, D ** -0.5)
 
-            attention.ATTN_FWD[BF]["decode"] = dict(PINNED)
-            ref = call().clone()
+            ref = None
             row = {"rows": N, "ctx": [lo, hi], "kv_bytes": kv_bytes}
-            for name, over in VARIANTS.items():
+            for name, over in variants.items():
+                over = dict(over)
+                split1 = over.pop("SPLIT1", False)
                 attention.ATTN_FWD[BF]["decode"] = dict(PINNED, **over)
+                attention.chunks_per_program = (lambda *_: 1) if split1 else SCHEDULE
                 try:
-                    same = bits_equal(call(), ref)
+                    out = call()
+                    if ref is None:
+                        ref = out.clone()
+                    same = bits_equal(out, ref)
                     us = 1e3 * graph_ms([call])
-                    row[name] = {"us": us, "tb_s": kv_bytes / us / 1e6, "bits_equal_pinned": same}
+                    row[name] = {"us": us, "tb_s": kv_bytes / us / 1e6, "bits_equal_rows": same}
                 except Exception as e:  # noqa: BLE001 - out of resources, ...
                     row[name] = {"error": f"{type(e).__name__}: {e}"[:160]}
             attention.ATTN_FWD[BF]["decode"] = dict(PINNED)
+            attention.chunks_per_program = SCHEDULE
             rows.append(row)
-            write(a.name, {"rows": rows, "variants": VARIANTS, "what_it_shows": WHAT}, a.out)
+            if a.warm:
+                continue
+            write(a.name, {"rows": rows, "variants": variants, "what_it_shows": WHAT}, a.out)
             print(f"rows {N:5d} ctx {lo:4d}-{hi:4d} kv {kv_bytes / 1e9:6.3f} GB | " + "  ".join(
-                f"{n} {r['us']:.1f}us {r['tb_s']:.2f}TB/s{'' if r['bits_equal_pinned'] else ' BITDIFF'}"
+                f"{n} {r['us']:.1f}us {r['tb_s']:.2f}TB/s{'' if r['bits_equal_rows'] else ' BITDIFF'}"
                 if "us" in r else f"{n} ERR" for n, r in row.items() if isinstance(r, dict)), flush=True)
+    result = {"rows": rows, "variants": variants, "what_it_shows": WHAT}
+    if a.prefill:
+        result["prefill"] = prefill_case(a.prefill, g)
+        if not a.warm:
+            write(a.name, result, a.out)
+        print("prefill", result["prefill"], flush=True)
     print("done", a.name)
 
 
