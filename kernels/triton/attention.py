@@ -3,8 +3,9 @@ reduces its keys in chunks of CHUNK keys (a fixed constant), each chunk in block
 0, 1, 2, ..., with the same online-softmax update from a fresh state; the chunk partials (m, l, acc)
 are then folded in chunk order, 0, 1, 2, ..., by one update (_fold). Where a chunk is computed does
 not change its bits: prefill tiles fold their chunks in registers; decode and paged rows either do
-the same (many rows) or give each chunk its own program and fold the stored partials in a second
-kernel (few rows: split-K, so a long context does not serialise on one program). Blocks past a row's
+the same (many rows: persistent programs, each running the key blocks of several rows in one loop so
+a row's start overlaps the row before it) or give each chunk its own program and fold the stored
+partials (few rows: split-K, so a long context does not serialise on one program). Blocks past a row's
 position are masked and change nothing, so decode == paged == prefill bitwise. Backward (FA2-style,
 no atomics): one program per key block owns dK/dV (summing the GQA heads and query blocks in order),
 one per query block owns dQ; both recompute p from the stored log-sum-exp.
@@ -33,7 +34,10 @@ from .common import INTERPRET, check_inputs, host_free_dot, host_table, num_sms,
 # from them with tl.gather (num_stages PAGED_PRE_STAGES), else it loads a table entry per key
 # (num_stages PAGED_STAGES: triton splits the stages between the table load and the K/V loads it feeds);
 # PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
-# checks the view's extent; else int64).
+# checks the view's extent; else int64). The persistent schedule of rows folded in registers
+# (flat_programs): FLAT_PER_SM programs per SM, each taking at most FLAT_MAX_ITEMS (row, kv head) items,
+# rows sorted longest first on the device (FLAT_SORT, up to FLAT_SORT_MAX rows; more rows: a program
+# per item), its loop pipelined over FLAT_STAGES stages (a table load per key: no preload).
 _FLAT_ON = dict(FLAT_PER_SM=2, FLAT_MAX_ITEMS=64, FLAT_SORT=True, FLAT_SORT_MAX=8192, FLAT_STAGES=5)
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=3, num_warps=4),
