@@ -14,6 +14,7 @@ from rlalign.kernels import sampling
 from rlalign.rollout.native.engine import NativeEngine, generate
 from rlalign.rollout.native.graphs import DecodeGraphs
 from rlalign.rollout.native.pages import grow
+from rlalign.rollout.native.runner import ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler
 from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids
 from rlalign.rollout.types import EngineConfig, SamplingParams
@@ -194,6 +195,43 @@ def test_lookahead_changes_no_token_and_no_bit(model, reference, monkeypatch):
             assert same_bits(a.logprobs, ref.logprobs) and same_bits(b.logprobs, ref.logprobs), f"sample {a.sample_id}"
     assert discarded > 0  # sequences ended by EOS while their next row was already enqueued
     assert any(mixed)  # prompt chunks enqueued ahead too, beside decode rows whose tokens were not read back
+
+
+def _runs_of(step) -> list[tuple[int, int, int, int]]:
+    """The prompt chunks of a step read from its rows (a prompt row: a position inside its prompt):
+    maximal runs of consecutive positions of one sequence, as (row0, n, pos0, slot)."""
+    runs: list[tuple[int, int, int, int]] = []
+    for i, (seq, p) in enumerate(step.rows):
+        if p >= seq.n_prompt:
+            continue
+        r0, n, p0, slot = runs[-1] if runs else (0, 0, 0, -1)
+        if slot == seq.slot and r0 + n == i and p0 + n == p:
+            runs[-1] = (r0, n + 1, p0, slot)
+        else:
+            runs.append((i, 1, p, seq.slot))
+    return runs
+
+
+def test_steps_name_their_prompt_chunks(model, monkeypatch):
+    """Step.runs (the Triton attention's prefill tiles) names every prompt chunk of every step, after its
+    decode rows, with and without lookahead, chunks beside decode rows included. Twin: runs that misstate
+    one chunk's first position are told apart."""
+    seen, run = [], ModelRunner.run
+
+    def spy(runner, step, *a, **k):
+        seen.append((list(step.runs), _runs_of(step), len(step.rows)))
+        return run(runner, step, *a, **k)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
+    for lookahead in (False, True):
+        NativeEngine(model, dataclasses.replace(SCHEDULES[2], lookahead=lookahead)).generate(
+            _prompts(11), [100 + i for i in range(11)], PARAMS)
+    assert all(named == read and (not named or sum(r[1] for r in named) == rows - named[0][0])
+               for named, read, rows in seen)
+    mixed = [named for named, _, _ in seen if named and named[0][0] > 0]
+    assert mixed  # chunks behind decode rows
+    r0, n, p0, slot = mixed[0][0]
+    assert [(r0, n, p0 + 1, slot), *mixed[0][1:]] != mixed[0]
 
 
 def test_both_engines_implement_the_generator_protocol():

@@ -50,20 +50,6 @@ def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     return host, done
 
 
-def prompt_runs(step: Step) -> list[tuple[int, int, int, int]] | None:
-    """The step's prompt chunks, the rows after its decode rows, as (row0, n, pos0, block-table row)
-    each (a chunk's rows are consecutive positions of one sequence); None when it has none."""
-    runs: list[tuple[int, int, int, int]] = []
-    for i in range(step.n_decode, len(step.rows)):
-        seq, p = step.rows[i]
-        if runs and step.rows[i - 1][0] is seq:
-            r0, n, p0, s = runs[-1]
-            runs[-1] = (r0, n + 1, p0, s)
-        else:
-            runs.append((i, 1, p, seq.slot))
-    return runs or None
-
-
 class ModelRunner:
     """Runs one call's steps on `model` over `state`'s pages; `graphs` (or None: eager) replays
     decode-only steps."""
@@ -102,7 +88,7 @@ class ModelRunner:
         pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), dev)
         set_rows(self.model, "gen.step.", [(self.sample_ids[seq.b], p) for seq, p in rows])
         logits = self.model.step(tokens, positions, seq_idx, self.state.cache, self.state.block_table, slot_mapping,
-                                 logit_rows=None if self.record_all else pick, runs=prompt_runs(step))
+                                 logit_rows=None if self.record_all else pick, runs=step.runs or None)
         if not step.sample_at:
             return None
         if self.record_all:

@@ -31,12 +31,14 @@ class Seq:
 class Step:
     """One engine step: `rows` (sequence, position) run through the model; the rows named in
     `sample_at` (sequence, row index) sample their sequence's next token. `follow` (lookahead):
-    row i's input token is the previous step's sampled token number follow[i], still on the device."""
+    row i's input token is the previous step's sampled token number follow[i], still on the device.
+    `runs`: the prompt chunks, the rows after the decode rows, each (first row, rows, first position,
+    block-table row) of consecutive positions of one sequence (the attention runs them as prefill tiles)."""
 
     rows: list[tuple[Seq, int]] = field(default_factory=list)
     sample_at: list[tuple[Seq, int]] = field(default_factory=list)
     follow: list[int] | None = None
-    n_decode: int = 0  # rows[:n_decode] are decode rows, the rest prompt chunks (each one's rows consecutive)
+    runs: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -72,10 +74,12 @@ class Scheduler:
             self.running.append(seq)
 
     def _add_prompt_chunks(self, step: Step) -> None:
-        """Prompt chunks of the sequences still prefilling, in admission order, within the budget."""
+        """Prompt chunks of the sequences still prefilling, in admission order, within the budget; each
+        one's rows (consecutive positions of one sequence) also named in step.runs."""
         for seq in self.running:
             n = int(min(self.budget - len(step.rows), seq.n_prompt - seq.n_cached)) if not seq.decoding else 0
             if n > 0:
+                step.runs.append((len(step.rows), n, seq.n_cached, seq.slot))
                 step.rows.extend((seq, p) for p in range(seq.n_cached, seq.n_cached + n))
                 seq.n_cached += n
                 if seq.decoding:
@@ -90,7 +94,6 @@ class Scheduler:
             if seq.decoding:
                 step.sample_at.append((seq, len(step.rows)))
                 step.rows.append((seq, len(seq.tokens) - 1))
-        step.n_decode = len(step.rows)
         self._add_prompt_chunks(step)
         return step
 
@@ -113,7 +116,6 @@ class Scheduler:
             step.sample_at.append((seq, len(step.rows)))
             step.rows.append((seq, len(seq.tokens)))
             step.follow.append(j)
-        step.n_decode = len(step.rows)
         self._add_prompt_chunks(step)
         return step if step.rows else None
 
