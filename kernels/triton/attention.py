@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, check_inputs, host_free_dot, host_table, num_sms, work_table
+from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 
 # The pinned configs (how each was measured on the H200: experiments/README.md). Prefill, decode and
 # paged rows share BLOCK_N and CHUNK, the key blocks and chunks a row reduces over in order: part of the
@@ -877,16 +877,22 @@ def _check_runs(runs, N: int) -> int | None:
 
 
 def _attn_tiles_launch(q, kp, vp, table, runs, o, scale: float) -> None:
-    """MODE 3: each run's rows in prefill tiles of BLOCK_M rows, keys through the run's block-table row."""
+    """MODE 3: each run's rows in prefill tiles of BLOCK_M rows, keys through the run's block-table row;
+    the work table built once per step (every layer's call hits the cache)."""
     N, H, D = q.shape
     Hk = kp.shape[-2]
     cfg = _attn_cfg("prefill", q.dtype)
     bm = cfg["BLOCK_M"]
-    items = [(r0 + i, min(bm, n - i), p0 + i, s, p0 + min(i + bm, n)) for r0, n, p0, s in runs for i in range(0, n, bm)]
-    work = host_table(items, torch.int32, q.device)
+
+    def items():
+        work = [(r0 + i, min(bm, n - i), p0 + i, s, p0 + min(i + bm, n))
+                for r0, n, p0, s in runs for i in range(0, n, bm)]
+        return sorted(work, key=lambda t: -t[4]), torch.int32  # longest first: the last wave is the short items
+
+    work = work_table(("paged_tiles", tuple(runs), bm), items, q.device)
     lse = torch.empty(N, H, dtype=torch.float32, device=q.device)
     flags = {"OFF32": True} if _max_offset(kp) < 2**31 else {}
-    _attn_fwd[(H, len(items), 1)](
+    _attn_fwd[(H, work.shape[0], 1)](
         q, kp, vp, o, lse, work, work, table, o, o, o, o, 1, 1, q.stride(0), q.stride(1), *kp.stride()[:3],
         o.stride(0), o.stride(1), table.stride(0), scale * LOG2E, G=H // Hk, D=D, PAGE=kp.shape[1], MODE=3,
         SPLIT=False, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **flags, **cfg, **_no_fma())
