@@ -45,6 +45,12 @@ VARIANTS = {
 }
 
 
+def randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 normal values drawn on the device from a generator seeded by g (host draws of GBs are slow)."""
+    dg = torch.Generator(device=DEV).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    return torch.randn(*shape, generator=dg, device=DEV).to(BF)
+
+
 def case(N: int, lo: int, hi: int, g: torch.Generator):
     ctx = torch.randint(lo, hi + 1, (N,), generator=g)
     width = -(-hi // PAGE)
@@ -56,9 +62,9 @@ def case(N: int, lo: int, hi: int, g: torch.Generator):
         n = -(-c // PAGE)
         table[i, :n] = perm[o:o + n].int()
         o += n
-    k = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
-    v = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
-    q = torch.randn(N, H, D, generator=g).to(BF).to(DEV)
+    k = randn(g, pages, PAGE, HK, D)
+    v = randn(g, pages, PAGE, HK, D)
+    q = randn(g, N, H, D)
     pos = (ctx - 1).to(DEV)
     seq = torch.arange(N).to(DEV)
     kv_bytes = int(ctx.sum()) * HK * D * 2 * 2
@@ -99,9 +105,9 @@ def prefill_case(rows: int, g: torch.Generator) -> dict:
         runs.append((len(seq), n, 0, s))
         seq += [s] * n
         pos += list(range(n))
-    k = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
-    v = torch.randn(pages, PAGE, HK, D, generator=g).to(BF).to(DEV)
-    q = torch.randn(rows, H, D, generator=g).to(BF).to(DEV)
+    k = randn(g, pages, PAGE, HK, D)
+    v = randn(g, pages, PAGE, HK, D)
+    q = randn(g, rows, H, D)
     args = (q, k, v, table.to(DEV), torch.tensor(seq).to(DEV), torch.tensor(pos).to(DEV), D ** -0.5)
     flops = 4 * H * D * sum(n * (n + 1) // 2 for n in lens)
     out = {"rows": rows, "prompts": len(lens), "causal_flops": flops}
