@@ -1,9 +1,9 @@
 # ruff: noqa: B023  (the benchmark lambdas run inside the loop iteration that defines them)
 """Paged decode attention of a bench-moe-large step at many rows (16 / 4 heads, D 128, page 16,
-shuffled pages, ragged contexts): a program per (row, kv head) against the persistent schedule and
-its settings (programs per SM, stages, rows sorted longest first or not) and split-K over every
-chunk, each checked bitwise against the first (scheduling only: the same bits), timed under a CUDA
-graph; the bandwidth each reaches on the keys and values it reads. --prefill: a prefill step's prompt
+shuffled pages, ragged contexts): the pinned decode config against launch variants (warps, stages,
+the block-table preload) and split-K over every chunk, each checked bitwise against the pinned one
+(scheduling only: the same bits), timed under a CUDA graph; the bandwidth each reaches on the keys
+and values it reads. --prefill: a prefill step's prompt
 rows (8,192 rows of prompts of 8-200 tokens) one program per row against the prefill tiles that
 read the pages through the block table (`runs`), bits and time.
 
@@ -33,15 +33,13 @@ H, HK, D, PAGE = 16, 4, 128, 16
 PINNED = dict(attention.ATTN_FWD[BF]["decode"])
 # the first variant is the reference every other one is checked against bitwise
 VARIANTS = {
-    "rows": dict(FLAT_PER_SM=0),
     "pinned": {},
-    "flat_nosort": dict(FLAT_SORT=False),
-    "flat_s3": dict(FLAT_STAGES=3),
-    "flat_s4": dict(FLAT_STAGES=4),
-    "flat_sm1": dict(FLAT_PER_SM=1),
-    "flat_sm3": dict(FLAT_PER_SM=3),
-    "flat_sm4_s3": dict(FLAT_PER_SM=4, FLAT_STAGES=3),
-    "split1": dict(FLAT_PER_SM=0, SPLIT1=True),
+    "w8": dict(num_warps=8),
+    "pre_s2": dict(PAGED_PRE_STAGES=2),
+    "pre_s4": dict(PAGED_PRE_STAGES=4),
+    "nopre_s3": dict(PAGED_PRE_MAX=0, PAGED_STAGES=3),
+    "nopre_s5": dict(PAGED_PRE_MAX=0),
+    "split1": dict(SPLIT1=True),  # split-K: a program per 256-key chunk, the row's last one folds them
 }
 
 
@@ -157,7 +155,7 @@ def main() -> None:
                         ref = out.clone()
                     same = bits_equal(out, ref)
                     us = 1e3 * graph_ms([call])
-                    row[name] = {"us": us, "tb_s": kv_bytes / us / 1e6, "bits_equal_rows": same}
+                    row[name] = {"us": us, "tb_s": kv_bytes / us / 1e6, "bits_equal_pinned": same}
                 except Exception as e:  # noqa: BLE001 - out of resources, ...
                     row[name] = {"error": f"{type(e).__name__}: {e}"[:160]}
             attention.ATTN_FWD[BF]["decode"] = dict(PINNED)
@@ -167,7 +165,7 @@ def main() -> None:
                 continue
             write(a.name, {"rows": rows, "variants": variants, "what_it_shows": WHAT}, a.out)
             print(f"rows {N:5d} ctx {lo:4d}-{hi:4d} kv {kv_bytes / 1e9:6.3f} GB | " + "  ".join(
-                f"{n} {r['us']:.1f}us {r['tb_s']:.2f}TB/s{'' if r['bits_equal_rows'] else ' BITDIFF'}"
+                f"{n} {r['us']:.1f}us {r['tb_s']:.2f}TB/s{'' if r['bits_equal_pinned'] else ' BITDIFF'}"
                 if "us" in r else f"{n} ERR" for n, r in row.items() if isinstance(r, dict)), flush=True)
     result = {"rows": rows, "variants": variants, "what_it_shows": WHAT}
     if a.prefill:

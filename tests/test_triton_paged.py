@@ -109,57 +109,6 @@ def test_prompt_runs_as_prefill_tiles_equal_rows_alone():
         tb.attention_paged(*args, runs=[(2, 37, 0, 0)])
 
 
-def _flat(monkeypatch, **over):
-    """Rows launches in registers (no split-K) with the persistent schedule's settings `over`."""
-    _schedule(monkeypatch, 0)
-    monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(attn.INTERPRET_ATTN["decode"], **over))
-
-
-@pytest.mark.parametrize("over", [dict(FLAT_PER_SM=1), dict(FLAT_PER_SM=2, FLAT_SORT=False),
-                                  dict(FLAT_MAX_ITEMS=4), dict(FLAT_PER_SM=0)])
-def test_persistent_rows_equal_prefill_rows(over, monkeypatch):
-    """Rows run by persistent programs (every key block of a program's (row, kv head) items in one loop;
-    4 or 8 programs on the interpreter's 4 SMs; rows sorted longest first or as given; at most 4 items
-    a program: 32 programs) or a program per item: prefill's bits, paged and decode."""
-    _flat(monkeypatch, **over)
-    lens = [5, 37, 1, 20]
-    q, k, v, cu = _packed(lens, seed=21)
-    pre = tb.attention_prefill(q, k, v, cu, 0.25)
-    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 12, seed=22)
-    perm = torch.randperm(len(pos), generator=torch.Generator().manual_seed(23)).to(DEV)
-    assert same_bits(tb.attention_paged(q[perm], kp, vp, table, seq_idx[perm], pos[perm], 0.25), pre[perm])
-    last = torch.tensor(cu[1:], device=DEV) - 1
-    kc = torch.zeros(len(lens), 40, 2, 16, dtype=k.dtype, device=DEV)
-    vc = torch.zeros_like(kc)
-    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        kc[s, : b - a], vc[s, : b - a] = k[a:b], v[a:b]
-    assert same_bits(tb.attention_decode(q[last], kc, vc, torch.tensor(lens, device=DEV), 0.25), pre[last])
-
-
-def test_persistent_rows_negative_twin_another_chunk_moves_bits(monkeypatch):
-    """The persistent loop folds at the chunk ends prefill folds at: with another chunk size (fp32) its
-    rows past the first chunk differ from prefill's, those inside it do not."""
-    _flat(monkeypatch, FLAT_PER_SM=1)
-    lens = [70, 9]
-    q, k, v, cu = _packed(lens, seed=24, dtype=torch.float32)
-    pre = tb.attention_prefill(q, k, v, cu, 0.25)
-    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 8, seed=25)
-    rows = torch.tensor([69, 40, 10, 75], device=DEV)
-    assert same_bits(tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25), pre[rows])
-    monkeypatch.setitem(attn.INTERPRET_ATTN, "CHUNK", 64)
-    other = tb.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], 0.25)
-    assert not same_bits(other[:2], pre[rows[:2]]) and same_bits(other[2:], pre[rows[2:]])
-
-
-def test_rows_by_length_orders_longest_first():
-    """The persistent schedule's row order: key counts descending, ties by row; positions count one key
-    more than lengths."""
-    pos = torch.tensor([3, 9, 0, 9, 4, 70], device=DEV)
-    order = torch.empty(6, dtype=torch.int32, device=DEV)
-    attn._rows_by_length[(1,)](pos, order, 6, ADD=1, BLOCK=8)
-    assert order.tolist() == [5, 1, 3, 4, 0, 2]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_equals_prefill_at_every_position_every_schedule(dtype, monkeypatch):
     T = 40

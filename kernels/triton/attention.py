@@ -3,9 +3,8 @@ reduces its keys in chunks of CHUNK keys (a fixed constant), each chunk in block
 0, 1, 2, ..., with the same online-softmax update from a fresh state; the chunk partials (m, l, acc)
 are then folded in chunk order, 0, 1, 2, ..., by one update (_fold). Where a chunk is computed does
 not change its bits: prefill tiles fold their chunks in registers; decode and paged rows either do
-the same (many rows: persistent programs, each running the key blocks of several rows in one loop so
-a row's start overlaps the row before it) or give each chunk its own program and fold the stored
-partials (few rows: split-K, so a long context does not serialise on one program). Blocks past a row's
+the same (many rows) or give each chunk its own program and fold the stored partials in a second
+kernel (few rows: split-K, so a long context does not serialise on one program). Blocks past a row's
 position are masked and change nothing, so decode == paged == prefill bitwise. Backward (FA2-style,
 no atomics): one program per key block owns dK/dV (summing the GQA heads and query blocks in order),
 one per query block owns dQ; both recompute p from the stored log-sum-exp.
@@ -34,18 +33,14 @@ from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 # from them with tl.gather (num_stages PAGED_PRE_STAGES), else it loads a table entry per key
 # (num_stages PAGED_STAGES: triton splits the stages between the table load and the K/V loads it feeds);
 # PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
-# checks the view's extent; else int64). The persistent schedule of rows folded in registers
-# (flat_programs): FLAT_PER_SM programs per SM, each taking at most FLAT_MAX_ITEMS (row, kv head) items,
-# rows sorted longest first on the device (FLAT_SORT, up to FLAT_SORT_MAX rows; more rows: a program
-# per item), its loop pipelined over FLAT_STAGES stages (a table load per key: no preload).
-_FLAT_ON = dict(FLAT_PER_SM=2, FLAT_MAX_ITEMS=64, FLAT_SORT=True, FLAT_SORT_MAX=8192, FLAT_STAGES=5)
+# checks the view's extent; else int64).
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=3, num_warps=4),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=256,
-                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True, **_FLAT_ON)),
+                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=0,
-                                    PAGED_STAGES=2, PAGED_OFF32=False, **dict(_FLAT_ON, FLAT_STAGES=0))),
+                                    PAGED_STAGES=2, PAGED_OFF32=False)),
 }
 ATTN_FWD[torch.float16] = ATTN_FWD[torch.bfloat16]
 # bwd: the dK/dV kernel (a key block per program), bwd_dq: the dQ kernel (a query block). Any fixed
@@ -59,8 +54,7 @@ ATTN_BWD = {
 ATTN_BWD[torch.float16] = ATTN_BWD[torch.bfloat16]
 # the interpreter: small tiles and a two-block chunk, so tiny tests cross chunk boundaries
 INTERPRET_ATTN = dict(CHUNK=32, prefill=dict(BLOCK_M=32, BLOCK_N=16),
-                      decode=dict(BLOCK_M=16, BLOCK_N=16, COMBINE_UNROLL=2, PAGED_PRE_MAX=256, PAGED_OFF32=True,
-                                  **_FLAT_ON),
+                      decode=dict(BLOCK_M=16, BLOCK_N=16, COMBINE_UNROLL=2, PAGED_PRE_MAX=256, PAGED_OFF32=True),
                       bwd=dict(BLOCK_M=16, BLOCK_N=16), bwd_dq=dict(BLOCK_M=16, BLOCK_N=16))
 # The split-K schedule of decode / paged rows (chunks_per_program; the same bits whatever it picks):
 # while the partials (fp32 m, l and acc [D] per row, head and chunk) number at most SPLIT_MAX_PARTIALS,
@@ -355,95 +349,6 @@ def _combine_rows(mp_ptr, lp_ptr, ap_ptr, o_ptr, lse_ptr, w, hk, n_keys, NC, H, 
     _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, gmask, H, son, soh, rd)
 
 
-@triton.jit
-def _attn_rows_flat(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, order_ptr, NI,
-                    sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
-                    G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CHUNK: tl.constexpr, PAGE: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr,
-                    IEEE: tl.constexpr, IPP: tl.constexpr, OFF32: tl.constexpr = False):
-    """Rows modes (1 decode, 2 paged) of _attn_fwd, persistent: program p of P takes the items (row of
-    rank r in order_ptr, kv head h) at slots s = r * HK + h = i * P + (p, or P - 1 - p for odd i), i < IPP
-    (a snake over the rows as ordered: longest first keeps the programs' key counts even), and runs
-    all their key blocks in ONE loop, so the loads of an item's first blocks are in flight while the
-    item before it ends. Per item the same operations as _attn_fwd's in-register path: blocks in
-    order from a fresh chunk state (always the masked form: the same values), each chunk folded into
-    (M, L, A) at its end in chunk order, the row stored after its last block."""
-    p = tl.program_id(0)
-    P = tl.num_programs(0)
-    rm = tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, D)
-    ii = tl.arange(0, IPP)
-    slot = ii * P + tl.where(ii % 2 == 0, p, P - 1 - p)
-    ok = slot < NI
-    rows = tl.load(order_ptr + slot // HK, mask=ok, other=0)
-    heads = slot % HK
-    if MODE == 1:
-        nk = tl.load(work_ptr + rows, mask=ok, other=0).to(tl.int32)
-        seqs = rows
-    else:
-        nk = tl.load(work_ptr + rows, mask=ok, other=0).to(tl.int32) + 1
-        seqs = tl.load(seq_ptr + rows, mask=ok, other=0).to(tl.int32)
-    nb = tl.where(ok, tl.maximum(tl.cdiv(nk, BLOCK_N), 1), 0)  # every item stores its row, even one with no keys
-    ends = tl.cumsum(nb, 0)
-    starts = ends - nb
-    H = HK * G
-    qmask = rm < G
-    if UPCAST:
-        q = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    else:
-        q = tl.zeros((BLOCK_M, D), dtype=q_ptr.dtype.element_ty)
-    M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    L = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    A = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    m_c = M
-    l_c = L
-    acc = A
-    for t in range(0, tl.sum(nb, 0)):
-        sel = ii == tl.sum((ends <= t).to(tl.int32), 0)  # the item block t belongs to
-        j0 = (t - tl.sum(tl.where(sel, starts, 0), 0)) * BLOCK_N
-        n_keys = tl.sum(tl.where(sel, nk, 0), 0)
-        w = tl.sum(tl.where(sel, rows, 0), 0)
-        hk = tl.sum(tl.where(sel, heads, 0), 0)
-        qrow = w + rm * 0
-        qhead = hk * G + rm
-        qpos = n_keys - 1 + rm * 0
-        if j0 == 0:  # an item's first block: its query rows
-            q = tl.load(q_ptr + qrow[:, None] * sqn + qhead[:, None] * sqh + rd[None, :], mask=qmask[:, None],
-                        other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-        if MODE == 1:
-            bt = bt_ptr
-            kbase = w.to(tl.int64) * skp + hk * skh
-        else:
-            bt = bt_ptr + tl.sum(tl.where(sel, seqs, 0), 0).to(tl.int64) * sbt
-            if OFF32:
-                kbase = hk * skh
-            else:
-                kbase = hk.to(tl.int64) * skh
-        m_c, l_c, acc = _attn_block(q, k_ptr, v_ptr, kbase, bt, j0, n_keys, qpos, skp, skn, rd, m_c, l_c, acc,
-                                    qk_scale, 0, 0, BLOCK_N, PAGE, MODE == 2, UPCAST, IEEE, True, 0, OFF32)
-        last = j0 + BLOCK_N >= n_keys
-        if ((j0 + BLOCK_N) % CHUNK == 0) | last:
-            M, L, A, m_c, l_c, acc = _chunk_end(j0, M, L, A, m_c, l_c, acc, qpos, qmask, 0, lse_ptr, lse_ptr, lse_ptr,
-                                                rd, BLOCK_M, D, CHUNK, False)
-        if last:
-            _attn_store(o_ptr, lse_ptr, M, L, A, qrow, qhead, qmask, H, son, soh, rd)
-            M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            L = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            A = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-
-
-@triton.jit
-def _rows_by_length(work_ptr, order_ptr, N, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    """order_ptr[0:N] = the rows by key count, longest first (ties: lower row first); one program."""
-    r = tl.arange(0, BLOCK)
-    n = tl.load(work_ptr + r, mask=r < N, other=0).to(tl.int64) + ADD
-    key = tl.where(r < N, (n << 24) | (BLOCK - 1 - r), -1)
-    key = tl.sort(key, 0, descending=True)
-    tl.store(order_ptr + r, (BLOCK - 1 - (key & ((1 << 24) - 1))).to(tl.int32), mask=r < N)
-
-
 LOG2E = 1.4426950408889634
 
 
@@ -504,7 +409,6 @@ def _max_offset(t: torch.Tensor) -> int:
 
 
 _PAGED = ("PAGED_PRE_MAX", "PAGED_PRE_STAGES", "PAGED_STAGES", "PAGED_OFF32")  # decode config keys of paged rows
-_FLAT = ("FLAT_PER_SM", "FLAT_MAX_ITEMS", "FLAT_SORT", "FLAT_SORT_MAX", "FLAT_STAGES")  # ... of persistent rows
 
 
 def _paged_flags(paged: dict, cfg: dict, k, page: int, spp: int, n_keys_max: int) -> dict:
@@ -542,7 +446,6 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     unroll = cfg.pop("COMBINE_UNROLL")
     paged = {key: cfg.pop(key, None) for key in _PAGED}
-    flat = {key: cfg.pop(key) for key in _FLAT}
     nc = triton.cdiv(max(n_keys_max, 1), cfg["CHUNK"])
     spp = chunks_per_program(N, H, Hk, nc, q.device)
     flags = dict(G=G, D=D, PAGE=page, MODE=mode, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **_no_fma())
@@ -550,12 +453,8 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
         flags.update(_paged_flags(paged, cfg, k, page, spp, n_keys_max))
     args = (q.stride(0), q.stride(1), *key_strides, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
-        n_prog = flat_programs(N, Hk, flat, q.device)
-        if n_prog:
-            _attn_flat_launch(q, k, v, o, lse, work, seq, table, n_prog, flat, args, flags, cfg)
-        else:
-            _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
-                                  **cfg)
+        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
+                              **cfg)
         return o, lse
     R = N * H * nc
     part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
@@ -564,33 +463,6 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
                                              nc, spp, *args, SPLIT=True, BLOCK_G=triton.next_power_of_2(G),
                                              UNROLL=unroll, **flags, **cfg)
     return o, lse
-
-
-def flat_programs(N: int, Hk: int, flat: dict, device) -> int:
-    """The persistent schedule of rows launches that fold in registers: P programs, each running the
-    blocks of up to FLAT_MAX_ITEMS (row, kv head) items in one loop; 0 = a program per item. Only where
-    an item is computed depends on this, never its bits."""
-    if not flat["FLAT_PER_SM"] or N > flat["FLAT_SORT_MAX"]:
-        return 0
-    return min(N * Hk, max(flat["FLAT_PER_SM"] * num_sms(device), triton.cdiv(N * Hk, flat["FLAT_MAX_ITEMS"])))
-
-
-def _attn_flat_launch(q, k, v, o, lse, work, seq, table, n_prog: int, flat: dict, args: tuple, flags: dict,
-                      cfg: dict) -> None:
-    """_attn_rows_flat over n_prog programs, the rows ordered longest first by _rows_by_length (one
-    program, on the device: no host sync) unless FLAT_SORT is off."""
-    N, Hk = q.shape[0], k.shape[-2]
-    if flat["FLAT_SORT"]:
-        order = torch.empty(N, dtype=torch.int32, device=q.device)
-        _rows_by_length[(1,)](work, order, N, ADD=int(flags["MODE"] == 2), BLOCK=triton.next_power_of_2(N),
-                              num_warps=4 if N <= 1024 else 8 if N <= 4096 else 16)
-    else:
-        order = torch.arange(N, dtype=torch.int32, device=q.device)
-    flags = {key: val for key, val in flags.items() if key != "NPRE"}
-    if "num_stages" in cfg and flat["FLAT_STAGES"]:
-        cfg = dict(cfg, num_stages=flat["FLAT_STAGES"])
-    _attn_rows_flat[(n_prog,)](q, k, v, o, lse, work, seq, table, order, N * Hk, *args, HK=Hk,
-                               IPP=triton.next_power_of_2(triton.cdiv(N * Hk, n_prog)), **flags, **cfg)
 
 
 _TICKETS: dict = {}  # device -> int32 counters of the split-K fold, zero between launches (each one resets its own)

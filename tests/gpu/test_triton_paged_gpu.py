@@ -212,38 +212,3 @@ def test_fused_split_k_in_a_cuda_graph():
     assert same_bits(out, attn.attention_decode(qs, kc, vc, lengths, SCALE))
     assert same_bits(out[1:], pre[lengths[1:] - 1])
     assert all(int(t.abs().sum()) == 0 for t in attn.ticket_buffers())
-
-
-@pytest.mark.parametrize("over", [dict(FLAT_PER_SM=0), dict(FLAT_SORT=False, FLAT_MAX_ITEMS=2), dict()])
-def test_persistent_rows_settings_leave_bits_alone(over, monkeypatch):
-    """Rows folded in registers by persistent programs (the pinned settings; rows as given, at most 2
-    items a program) or a program per (row, kv head): prefill's bits for paged rows of ragged shuffled
-    sequences; inside a CUDA graph replayed at other positions. (experiments/sweep_decode_attention.py
-    checks the other settings bitwise against a program per row.)"""
-    from rlalign.kernels.triton import attention as attn
-
-    cfg = attn.ATTN_FWD[torch.bfloat16]
-    monkeypatch.setitem(cfg, "decode", dict(cfg["decode"], **over))
-    _schedule(monkeypatch, 0)
-    lens = [1, 300, 4096, 1000, 77]
-    q, k, v, cu = _packed(lens, 20)
-    pre = attn.attention_prefill(q, k, v, cu, SCALE)
-    kp, vp, table, seq_idx, pos = _pages(k, v, lens, 16, 21)
-    rows = torch.randperm(len(pos), generator=torch.Generator().manual_seed(22))[:2048].cuda()
-    assert same_bits(attn.attention_paged(q[rows], kp, vp, table, seq_idx[rows], pos[rows], SCALE), pre[rows])
-    qs, ss, ps = q[rows[:512]].clone(), seq_idx[rows[:512]].clone(), pos[rows[:512]].clone()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        attn.attention_paged(qs, kp, vp, table, ss, ps, SCALE)
-        with torch.cuda.graph(g, stream=s):
-            out = attn.attention_paged(qs, kp, vp, table, ss, ps, SCALE)
-    torch.cuda.current_stream().wait_stream(s)
-    for r in (rows[512:1024], rows[1024:1536]):
-        qs.copy_(q[r])
-        ss.copy_(seq_idx[r])
-        ps.copy_(pos[r])
-        g.replay()
-        torch.cuda.synchronize()
-        assert same_bits(out, pre[r])
