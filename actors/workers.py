@@ -47,6 +47,7 @@ class GenerateOutput:
     peak_bytes: int | None = None  # CUDA: this process's peak allocated memory during the call
     seconds: float = 0.0  # the engine's generate() inside the worker (the rest of the phase: transport, trace)
     held_bytes: int | None = None  # CUDA, released after the call: the device memory this process still holds
+    monitor_s: float = 0.0  # the monitor's work in the call (records, their launch, the flush)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class TrainOutput:
     gc_s: float = 0.0  # this process's time in Python's cyclic garbage collector during the call
     seconds: float = 0.0  # Trainer.train_step inside the worker (the rest of the phase: transport, trace)
     sync: weight_sync.SyncOutput | None = None  # direct colocated sync: the trainer's side, taken after the update
+    monitor_s: float = 0.0  # the monitor's work in the call (records, their launch, the flush, the wait colocated)
 
 
 _GC = {"total_s": 0.0, "since": 0.0, "hooked": False}
@@ -125,6 +127,23 @@ class _WeightSync:
         store = getattr(self, "_store", None) if sync_rank == 0 else None
         self._sync = weight_sync.SyncGroup(backend, "127.0.0.1", port, sync_rank, sync_world,
                                            self.cfg.dist.timeout_s, store)
+
+
+def record_train_step(tr: Trace, t: Trainer, lps: dict, moments: bool) -> None:
+    """A trainer rank's records of one step: its logprobs, then gradients, AdamW moments (`moments`:
+    at the steps monitor.optim_every picks) and weights, in one launch (Trace.record_many)."""
+    tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
+    if t.invariant:  # names independent of the EP size: comparable across trainer EP sizes
+        tr.record_many([(RowNames(f"state/{name}", first) if first is not None else f"state/{name}", x)
+                        for name, x, first in t.topology_record_groups()
+                        if moments or not name.startswith("optim/")])
+        return
+    items: list = [(f"grad/{n}", t.grads[n]) for n in sorted(t.grads)]
+    for n, m in t.master.items():
+        st = t.opt.state.get(m, {}) if moments else {}
+        items += [(f"optim/{n}/{key}", st[key]) for key in ("exp_avg", "exp_avg_sq") if key in st]
+    params = dict(t.model.named_parameters())
+    tr.record_many(items + [(f"weights/{n}", params[n]) for n in sorted(params)])
 
 
 class _Monitored:
@@ -211,32 +230,21 @@ class TrainerWorker(_Monitored, _WeightSync):
         lps, stats = self.trainer.train_step(samples, OmegaConf.create(alg_dict))
         seconds = time.perf_counter() - t0
         sync = self._send_direct(handles=False) if getattr(self, "_sent_from", None) is not None else None
+        t1 = time.perf_counter()
         if self.trace is not None:
-            tr, t = self.trace, self.trainer
-            moments = step % self.cfg.monitor.optim_every == 0  # the AdamW moments at these steps only
-            tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
-            if t.invariant:  # names independent of the EP size: comparable across trainer EP sizes
-                tr.record_many([(RowNames(f"state/{name}", first) if first is not None else f"state/{name}", x)
-                                for name, x, first in t.topology_record_groups()
-                                if moments or not name.startswith("optim/")])
-            else:
-                items: list = [(f"grad/{n}", t.grads[n]) for n in sorted(t.grads)]
-                for n, m in t.master.items():
-                    st = t.opt.state.get(m, {}) if moments else {}
-                    items += [(f"optim/{n}/{key}", st[key]) for key in ("exp_avg", "exp_avg_sq") if key in st]
-                params = dict(t.model.named_parameters())
-                tr.record_many(items + [(f"weights/{n}", params[n]) for n in sorted(params)])
-            tr.flush()  # the fingerprints run on the device; their records are written at a later flush
+            record_train_step(self.trace, self.trainer, lps, step % self.cfg.monitor.optim_every == 0)
+            self.trace.flush()  # the fingerprints run on the device; their records are written at a later flush
             if self._colocated:  # on a shared GPU they would hold up the weight sync: finished in this phase
-                tr.fence()
+                self.trace.fence()
                 torch.cuda.current_stream().synchronize()
+        monitor_s = time.perf_counter() - t1
         self._steps += 1
         if self._steps == 1:  # the optimizer state and the kernels' caches exist now
             _gc_settle(self._own_process)
         if self._colocated and torch.cuda.mem_get_info()[0] < leave_free:
             torch.cuda.empty_cache()  # the generator maps its weights and KV cache back for the weight sync
         return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0,
-                           seconds, sync)
+                           seconds, sync, monitor_s)
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
@@ -329,13 +337,15 @@ class GeneratorWorker(_Monitored, _WeightSync):
         _reset_peak(self.cfg.device)
         t0 = time.perf_counter()
         outs = self.generator.generate(prompts, sample_ids, params)
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        seconds = t1 - t0
         if self.trace is not None:
             flat = [t for o in outs for t in o.tokens]
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
-        out = GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device, self._arena_bytes()), seconds)
+        out = GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device, self._arena_bytes()), seconds,
+                             monitor_s=time.perf_counter() - t1)
         if release:
             self.generator.release_memory(release_weights)
             self._released = True

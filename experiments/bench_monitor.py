@@ -36,7 +36,8 @@ import record  # noqa: E402
 
 HBM_PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # vendor peaks, GB/s
 TIMES = ("step_s", "generate_s", "train_s", "sync_s", "sync_trainer_s", "sync_generator_s", "sync_resume_s",
-         "sync_generator_call_s", "trainer_gc_s")
+         "sync_generator_call_s", "trainer_gc_s", "train_trainer_s", "train_monitor_s", "generate_engine_s",
+         "generate_monitor_s")
 
 
 def _part(out: Path, name: str, payload: dict) -> None:
@@ -272,7 +273,10 @@ def rl(a) -> None:
             entry.update(_pooled(entry["reps"]))
             m = rep["median_after_first"]
             print(f"{a.model} {run:12} rep {len(entry['reps'])} step {m['step_s']:.3f}s (generate "
-                  f"{m['generate_s']:.3f} train {m['train_s']:.3f} sync {m['sync_s'] * 1e3:.2f} ms) mismatched "
+                  f"{m['generate_s']:.3f} [engine {m['generate_engine_s'] or 0:.3f} monitor "
+                  f"{(m['generate_monitor_s'] or 0) * 1e3:.1f} ms] train {m['train_s']:.3f} [trainer "
+                  f"{m['train_trainer_s'] or 0:.3f} monitor {(m['train_monitor_s'] or 0) * 1e3:.1f} ms] "
+                  f"sync {m['sync_s'] * 1e3:.2f} ms) mismatched "
                   f"{rep['mismatched_tokens']} of {rep['tokens']}, {records} trace records, wall {rep['wall_s']:.0f}s",
                   flush=True)
             _part(out, name, res)  # after every run: a timeout keeps what finished

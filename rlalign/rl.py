@@ -241,6 +241,7 @@ def generate_rollouts(job: Job, batch: StepBatch, step: int) -> tuple[list[Rollo
     if held:  # what the generator still holds while the trainer trains
         job.inner["memory/generator_released_gib"] = max(held) / 2**30
     job.inner["time/generate_engine_s"] = max(o.seconds for o in outs)
+    job.inner["time/generate_monitor_s"] = max(o.monitor_s for o in outs)
     return [r for o in outs for r in o.rollouts], {k: v for o in outs for k, v in o.rows.items()}
 
 
@@ -274,6 +275,7 @@ def train_on(job: Job, cfg: DictConfig, batch: StepBatch, rollouts: list[Rollout
     job.peaks["trainer"] = _max_peak(outs)
     job.trainer_gc_s = max((o.gc_s for o in outs), default=0.0)
     job.inner["time/train_trainer_s"] = max(o.seconds for o in outs)
+    job.inner["time/train_monitor_s"] = max(o.monitor_s for o in outs)
     job.trainer_sync = outs[0].sync if len(outs) == 1 else None
     lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
     stats: dict[str, float] = {}
