@@ -135,8 +135,7 @@ def record_train_step(tr: Trace, t: Trainer, lps: dict, moments: bool) -> None:
     tr.record("train.logprobs", torch.cat(list(lps.values())) if lps else torch.zeros(0))
     if t.invariant:  # names independent of the EP size: comparable across trainer EP sizes
         tr.record_many([(RowNames(f"state/{name}", first) if first is not None else f"state/{name}", x)
-                        for name, x, first in t.topology_record_groups()
-                        if moments or not name.startswith("optim/")])
+                        for name, x, first in t.topology_record_groups(moments)])
         return
     items: list = [(f"grad/{n}", t.grads[n]) for n in sorted(t.grads)]
     for n, m in t.master.items():

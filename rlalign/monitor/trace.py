@@ -18,10 +18,12 @@ Cost. A step's records are fingerprinted in one launch per `record_many` (each b
 on a side stream of the tensors' GPU, which waits for the work that produced them and is not
 waited for by the work after them, until `fence` (the writer calls it before it next changes
 those tensors in place); the tensors are kept from reuse until the launch has read them. Results
-come back without a host wait: `flush` starts one copy to the host behind an event and writes the
-records whose results have arrived, in program order; the rest follow at a later flush, at
-`drain` (a checkpoint waits for it, so a trace holds every record up to the checkpoint it
-resumes from) or at `close`. The work table of a launch is assembled from per-tensor chunk lists
+come back without a host wait: `flush` starts one copy to the host behind an event and hands the
+writing to the trace's writer thread, which writes the records whose results have arrived, in
+program order (the JSON lines and the host-side fingerprints of `record_known` run there, while the
+caller goes on); the rest follow at a later flush, at `drain` (a checkpoint waits for it, so a trace
+holds every record up to the checkpoint it resumes from) or at `close`. Every other call first waits
+for the writer, whose errors are raised there. The work table of a launch is assembled from per-tensor chunk lists
 cached by (address mod 16, rows, row bytes, first word index), so a step over the same shapes
 builds no chunk list anew (kernels/fingerprint.py: segment_tables).
 """
@@ -34,6 +36,7 @@ import platform
 import warnings
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +153,8 @@ class Trace:
         self._open: list[tuple[list[dict], np.ndarray, torch.Tensor]] = []  # (records, salts, sums): not read back
         self._queue: deque[tuple[list[dict], Pending]] = deque()  # read back (or on the way), not written
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # per GPU: the stream the fingerprints run on
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="trace-writer")
+        self._writing: Future | None = None  # the flush the writer thread is doing
 
     def record(self, name: str, t: torch.Tensor) -> None:
         self.record_many([(name, t)])
@@ -162,6 +167,7 @@ class Trace:
         """Records in the given order, one launch per run of tensors on one device: (name, t) is
         one record of t; (RowNames, t) one record per dim-0 row of t (a tensor of shape
         t.shape[1:]), written as one line (per-expert records of a stacked expert tensor, in place)."""
+        self._join()
         parts, recs = [], []
         for name, t in items:
             if parts and t.device != parts[-1].tensor.device:
@@ -184,6 +190,7 @@ class Trace:
         """Records (name, shape, dtype) whose fingerprints the host has (the weight sync's of the same
         tensors: the same function), one per item from `fps()`, which runs when the records are
         written (the next flush), not now; written after everything recorded before them."""
+        self._join()
         self._read_back()
         recs = [{"step": self.step, "rank": self.rank, "name": n, "shape": list(shape), "dtype": _dtype_name(dt),
                  "fp": None} for n, shape, dt in items]
@@ -227,9 +234,19 @@ class Trace:
             else:
                 self._queue.append((recs, Pending(torch.cat([s for _, _, s in run]), salts)))
 
+    def _join(self) -> None:
+        """Wait for the writer thread's flush; its error, if any, is raised here."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
+
     def drain(self, wait: bool = True) -> None:
         """Write the records whose results are back (wait=True: all of them), in program order."""
+        self._join()
         self._read_back()
+        self._write_ready(wait)
+
+    def _write_ready(self, wait: bool) -> None:
         while self._queue and (wait or self._queue[0][1].ready()):
             recs, pending = self._queue.popleft()
             fps, at = pending.hex(), 0
@@ -286,15 +303,24 @@ class Trace:
         self._pending = {}
 
     def flush(self) -> None:
-        """Start reading back what was recorded; write what has arrived (never waits for the device)."""
-        self.drain(wait=False)
+        """Start reading back what was recorded; the writer thread writes what has arrived (never
+        waits for the device, nor for the writing)."""
+        self._join()
+        self._read_back()
+        self._writing = self._writer.submit(self._flush_written)
+
+    def _flush_written(self) -> None:
+        self._write_ready(wait=False)
         self._apply_replacements()
         self._f.flush()
 
     def close(self) -> None:
-        self.drain(wait=True)
-        self._apply_replacements()
-        self._f.close()
+        try:
+            self.drain(wait=True)
+            self._apply_replacements()
+        finally:
+            self._f.close()
+            self._writer.shutdown()
 
 
 def _history(path: Path, start_step: int) -> list[str]:

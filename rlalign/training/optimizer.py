@@ -77,6 +77,16 @@ class MasterWeights:
         return unit_rows(m.data, u), None if g is None else unit_rows(g, u), {
             k: (unit_rows(v, u) if k != "step" else v) for k, v in st.items()}
 
+    def held_for_records(self, u: Unit, grads: dict[str, torch.Tensor], moments: bool
+                         ) -> tuple[torch.Tensor | None, ...]:
+        """Unit u's (gradient, exp_avg, exp_avg_sq) on this rank as `held` gives them (views; None
+        where absent), only the gradient without `moments`: the monitor's per-step records."""
+        m = self.master[u.key] if self.shard else self.master[u.name]
+        g = grads.get(u.key if self.shard else u.name)
+        st = self.opt.state.get(m, {}) if moments and self.opt else {}
+        ts = (g, st.get("exp_avg"), st.get("exp_avg_sq")) if moments else (g,)
+        return ts if self.shard else tuple(None if t is None else unit_rows(t, u) for t in ts)
+
     def keep_own_grads(self, grads: dict[str, torch.Tensor], dense_names: list[str]) -> None:
         """Sharded: the dense gradients become copies of this rank's units (by unit key); the whole
         dense total (one flat buffer that every dense gradient is a view of) is released."""

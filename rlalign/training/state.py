@@ -55,29 +55,31 @@ def topology_records(model, weights: MasterWeights, grads: dict, rank: int) -> d
     return out
 
 
-def topology_record_groups(model, weights: MasterWeights, grads: dict, rank: int
+def topology_record_groups(model, weights: MasterWeights, grads: dict, rank: int, moments: bool = True
                            ) -> list[tuple[str, torch.Tensor, int | None]]:
     """topology_records as (name, tensor, None) and, for an expert tensor, ('.../expert', the rank's
     stacked tensor, its first global expert): row e is record name + str(first + e), read in place.
-    In name order ('grad/' < 'optim/' < 'weights/', then parameter names)."""
+    In name order ('grad/' < 'optim/' < 'weights/', then parameter names). moments=False: without the
+    AdamW moments ('optim/' records), whose views are then not built."""
     out: list[tuple[str, torch.Tensor, int | None]] = []
     params = dict(model.named_parameters())
-    held = {u.key: weights.held(u, grads) for u in weights.my_units()} if weights.shard or rank == 0 else {}
+    mine = {u.key: u for u in weights.my_units()} if weights.shard or rank == 0 else {}
+    kinds = ("grad", "optim/exp_avg", "optim/exp_avg_sq") if moments else ("grad",)
     for n in params:
         if is_expert_param(n):
             st = weights.opt.state.get(weights.master[n], {})
-            tensors = {"grad": grads.get(n), "optim/exp_avg": st.get("exp_avg"),
-                       "optim/exp_avg_sq": st.get("exp_avg_sq"), "weights": params[n].data}
+            tensors = {"grad": grads.get(n), "weights": params[n].data}
+            if moments:
+                tensors.update({"optim/exp_avg": st.get("exp_avg"), "optim/exp_avg_sq": st.get("exp_avg_sq")})
             for prefix, t in tensors.items():
                 if t is not None:
                     out.append((f"{prefix}/{n}/expert", t, rank * t.shape[0]))
             continue
-        mine = [u.key for u in weights.units_of[n] if u.key in held]
-        for prefix, get in (("grad", lambda h: h[1]), ("optim/exp_avg", lambda h: h[2].get("exp_avg")),
-                            ("optim/exp_avg_sq", lambda h: h[2].get("exp_avg_sq"))):
-            for key in mine:
-                if get(held[key]) is not None:
-                    out.append((f"{prefix}/{key}", get(held[key]), None))
+        for u in weights.units_of[n]:
+            if u.key in mine:
+                for prefix, t in zip(kinds, weights.held_for_records(u, grads, moments)):
+                    if t is not None:
+                        out.append((f"{prefix}/{u.key}", t, None))
         if rank == 0:
             out.append((f"weights/{n}", params[n].data, None))
     return sorted(out, key=lambda item: item[0].removesuffix("/expert") if item[2] is not None else item[0])

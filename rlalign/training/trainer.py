@@ -234,8 +234,8 @@ class Trainer:
     def topology_records(self) -> dict[str, torch.Tensor]:
         return state.topology_records(self.model, self.weights, self.grads, self.rank)
 
-    def topology_record_groups(self) -> list[tuple[str, torch.Tensor, int | None]]:
-        return state.topology_record_groups(self.model, self.weights, self.grads, self.rank)
+    def topology_record_groups(self, moments: bool = True) -> list[tuple[str, torch.Tensor, int | None]]:
+        return state.topology_record_groups(self.model, self.weights, self.grads, self.rank, moments)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         return state.checkpoint_state(self.model, self.weights, self.grads, self.dense_names, self.expert_names,
