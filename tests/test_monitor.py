@@ -97,6 +97,34 @@ def test_corrupt_traces_name_the_line(tmp_path):
         read_trace(_trace(tmp_path, "t6.jsonl", [HEADER, json.dumps({**rows, "fps": ["a", 7]}) + "\n"]))
 
 
+def test_the_trace_writer_thread_writes_in_program_order_and_its_errors_surface(tmp_path):
+    """flush hands the writing to the trace's writer thread: records land in program order (a known
+    record queued between two launched ones stays between them); an error while writing is raised by
+    the trace's next call, and nothing recorded after the failed record is written."""
+    from rlalign.monitor.trace import Trace
+
+    tr = Trace(tmp_path / "ok.jsonl", "trainer", 0, {})
+    tr.record("a", torch.arange(4))
+    tr.record_known([("k", (2,), torch.float32)], lambda: [fingerprint(torch.zeros(2))])
+    tr.record("b", torch.arange(3))
+    tr.flush()
+    tr.record("c", torch.ones(2))
+    tr.close()
+    recs = read_trace(tmp_path / "ok.jsonl")[1]
+    assert [r["name"] for r in recs] == ["a", "k", "b", "c"]
+    assert recs[1]["fp"] == fingerprint(torch.zeros(2)) and recs[0]["fp"] == fingerprint(torch.arange(4))
+
+    bad = Trace(tmp_path / "bad.jsonl", "trainer", 0, {})  # the twin: the known record's fingerprints fail
+    bad.record("a", torch.arange(4))
+    bad.record_known([("k", (2,), torch.float32)], lambda: [][0])
+    bad.record("b", torch.arange(3))
+    bad.flush()
+    with pytest.raises(IndexError):
+        bad.record("c", torch.ones(2))
+    bad._f.close()
+    assert [r["name"] for r in read_trace(tmp_path / "bad.jsonl")[1]] == ["a"]
+
+
 def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path, capsys):
     a = _trace(tmp_path, "a.jsonl", [HEADER, REC])
     b = _trace(tmp_path, "b.jsonl", [HEADER.replace('"seed": 0', '"seed": 1'), REC.replace('"ab"', '"cd"')])
