@@ -180,14 +180,32 @@ def test_ray_address_attaches_with_the_clusters_own_resources_and_leaves_it_runn
     assert "0.0/2.0 CPU" in st.stdout, st.stdout
 
 
+# a driver as `rlalign train` starts one (rl.Job: cluster.connect(placement.num_cpus), None by default),
+# with one task on the cluster it got, then the end of the run's disconnect
+PRIVATE = """
+import ray
+from rlalign import cluster
+initialized = cluster.connect(None)
+assert initialized and ray.get(ray.remote(lambda: 7).remote()) == 7
+cluster.disconnect(initialized)
+"""
+
+
+def _private_driver(env) -> tuple[int, int, str]:
+    p = subprocess.Popen([sys.executable, "-c", PRIVATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    out, err = p.communicate(timeout=120)
+    return p.pid, p.returncode, err
+
+
 @pytest.mark.slow
-def test_private_run_ignores_a_running_cluster_found_through_the_session_file(head, tmp_path):
+def test_private_run_ignores_a_running_cluster_found_through_the_session_file(head):
     env = _env(RAY_TMPDIR=head.root)  # Ray's default lookup now finds head's ray_current_cluster
     p = subprocess.run([sys.executable, "-c", "import ray; ray.init(num_cpus=1, include_dashboard=False)"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode != 0 and TRAP in p.stderr  # twin: the trap is live for a plain ray.init(num_cpus=...)
     before = head.drivers()
-    pid, rc, out, err = _train(tmp_path, "run.steps=1", env=env)
+    pid, rc, err = _private_driver(env)
     assert rc == 0, err[-3000:]
     assert not [ln for ln in head.drivers() - before if ln.endswith(f"_{pid}.log")]  # not on head's cluster
     assert head.status().returncode == 0
@@ -209,7 +227,7 @@ def test_ray_job_submit_runs_train_on_that_cluster(head, tmp_path):
 
 
 @pytest.mark.slow
-def test_private_run_ignores_a_stale_session_file(tmp_path):
+def test_private_run_ignores_a_stale_session_file():
     root = tempfile.mkdtemp(prefix="rls", dir="/tmp")
     try:
         os.makedirs(os.path.join(root, "ray"))
@@ -218,7 +236,7 @@ def test_private_run_ignores_a_stale_session_file(tmp_path):
         p = subprocess.run([sys.executable, "-c", "import ray; ray.init(num_cpus=1, include_dashboard=False)"],
                            capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode != 0 and TRAP in p.stderr  # twin: what the file does to a plain ray.init
-        pid, rc, out, err = _train(tmp_path, "run.steps=1", env=env)
+        pid, rc, err = _private_driver(env)
         assert rc == 0, err[-3000:]
     finally:
         shutil.rmtree(root, ignore_errors=True)
