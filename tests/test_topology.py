@@ -150,27 +150,32 @@ SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch
          "checkpoint.every=1", "model.dtype=float32"]  # fp32: bf16 gradients often sum exactly in any order
 
 
-def test_a_run_resumes_at_another_trainer_ep_size_bitwise(tmp_path):
-    """2 steps at trainer EP 2, resumed at EP 4 to step 3 == 3 uninterrupted steps at EP 1: every
-    metric (time/* aside) and the final weights fingerprint. (Step 0's rewards are all 0, so its
-    gradients too: the checkpoint after step 1 is the first whose AdamW moments are not 0, and
-    step 2's update is made of the moments loaded at EP 4.)"""
+GATE = ["monitor.fingerprints=layers", "run.steps=3"]  # what the baseline gate below adds to its runs
+
+
+def test_a_run_resumes_at_another_trainer_ep_size_bitwise(tmp_path, shared_runs):
+    """3 steps at trainer EP 2, resumed from its checkpoint after step 1 at EP 4 (into a new run dir)
+    == 3 uninterrupted steps at EP 1: every metric (time/* aside) and the final weights fingerprint.
+    (Step 0's rewards are all 0, so its gradients too: the checkpoint after step 1 is the first whose
+    AdamW moments are not 0, and step 2's update is made of the moments loaded at EP 4.) The EP 1 and
+    EP 2 runs are the baseline gate's below (shared_runs: trained once in the module)."""
     from rlalign.rl import train
 
-    ref = train(load_config([*SMALL, "trainer.ep_size=1", "run.steps=3", f"run.dir={tmp_path / 'ref'}"]))
-    train(load_config([*SMALL, "trainer.ep_size=2", "run.steps=2", f"run.dir={tmp_path / 'moved'}"]))
-    moved = train(load_config([*SMALL, "trainer.ep_size=4", "run.steps=3", f"run.dir={tmp_path / 'moved'}",
-                               "checkpoint.resume=auto"]))
-    assert moved["start_step"] == 2 and _rows(tmp_path / "ref")[1]["actor/grad_norm"] > 0
-    assert _rows(tmp_path / "moved") == _rows(tmp_path / "ref")
-    assert moved["sync/weights_fp"] == ref["sync/weights_fp"]
+    full = {ep: shared_runs(load_config([*SMALL, *GATE, f"trainer.ep_size={ep}", f"run.dir={tmp_path / f'ep{ep}'}"]))
+            for ep in (1, 2)}
+    ckpt = tmp_path / "ep2" / "checkpoints" / "step_000001"
+    moved = train(load_config([*SMALL, *GATE, "trainer.ep_size=4", f"run.dir={tmp_path / 'moved'}",
+                               f"checkpoint.resume={ckpt}"]))
+    ref = _rows(tmp_path / "ep1")
+    assert moved["start_step"] == 2 and ref[1]["actor/grad_norm"] > 0
+    assert _rows(tmp_path / "ep2") == ref and _rows(tmp_path / "moved") == ref[2:]
+    assert moved["sync/weights_fp"] == full[1]["sync/weights_fp"] == full[2]["sync/weights_fp"]
 
 
 def _gate(tmp_path, candidate):
     from rlalign.gates import run_gate
 
-    over = [*SMALL, "trainer.ep_size=1", "run.steps=2", "checkpoint.every=0",
-            f"gate.candidate={candidate}"]
+    over = [*SMALL, "trainer.ep_size=1", "run.steps=3", f"gate.candidate={candidate}"]  # runs a, b: the test above's
     return run_gate("baseline", over, load_config([*over, f"run.dir={tmp_path}"]))
 
 
