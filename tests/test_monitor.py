@@ -14,7 +14,7 @@ from rlalign.config import load_config
 from rlalign.gates import GateRefused, compare_runs, run_gate
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
-from rlalign.monitor.trace import TraceError, read_trace
+from rlalign.monitor.trace import TraceError, env_difference, fixed_environment, read_trace
 
 pytestmark = pytest.mark.usefixtures("shared_runs")  # a config run before in the module: copied (conftest.py)
 
@@ -193,25 +193,18 @@ def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path):
     assert not ok and "first divergence: gen.step.sample" in text
 
 
-@pytest.mark.slow
-def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs):
-    for name, seed in (("a", 0), ("b", 1)):  # seed 0: the repeatability gate's run
-        shared_runs(load_config([*GATE_RUN, "monitor.fingerprints=layers", f"run.dir={tmp_path / name}",
-                                 f"seed={seed}"]))
-    with pytest.raises(GateRefused, match=r"fixed environments differ.*seed: 0 vs 1"):
-        compare_runs(tmp_path / "a", tmp_path / "b")
-
-
 # --- generator-vs-trainer divergence report -------------------------------------------------------------
+def _divergence_config(run_dir, site):
+    return load_config([*GATE_RUN, f"run.dir={run_dir}", "monitor.fingerprints=layers", "model.dtype=float32",
+                        f"monitor.inject=generator:{site}:default"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("site, first", [("layers.1.attn", "layers.1.attn"), ("layers.0.mlp", "layers.0.router")])
-def test_divergence_report_names_the_injected_layer(tmp_path, site, first):
+def test_divergence_report_names_the_injected_layer(tmp_path, site, first, shared_runs):
     from rlalign.monitor.report import make_report
-    from rlalign.rl import train
 
-    cfg = load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers",
-                       "monitor.on_mismatch=warn", "model.dtype=float32", f"monitor.inject=generator:{site}:default"])
-    train(cfg)
+    shared_runs(_divergence_config(tmp_path, site))
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["consistency/mismatched_tokens"] > 0
     assert row["consistency/first_divergent_op"] == first
@@ -220,6 +213,20 @@ def test_divergence_report_names_the_injected_layer(tmp_path, site, first):
     out = make_report(tmp_path)
     assert {p.name for p in out.iterdir()} >= {"reward.png", "mismatch.png", "abs_diff_hist.png", "divergence.png",
                                               "summary.md"}
+
+
+@pytest.mark.slow
+def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs):
+    """Two runs of the module (the repeatability gate's and the divergence report's: shared_runs) whose
+    model.dtype differs; and the seed is part of the fixed environment (twin: the injected fault, a
+    monitor key, is not)."""
+    shared_runs(load_config([*GATE_RUN, "monitor.fingerprints=layers", f"run.dir={tmp_path / 'a'}"]))
+    shared_runs(_divergence_config(tmp_path / "b", "layers.1.attn"))
+    with pytest.raises(GateRefused, match=r"fixed environments differ.*model.dtype: 'bfloat16' vs 'float32'"):
+        compare_runs(tmp_path / "a", tmp_path / "b")
+    env = {over: fixed_environment(load_config([over])) for over in ("seed=0", "seed=1", "monitor.inject=x:y:z")}
+    assert env_difference(env["seed=0"], env["seed=1"]) == ["seed"]
+    assert env_difference(env["seed=0"], env["monitor.inject=x:y:z"]) == []
 
 
 @pytest.mark.slow
