@@ -177,7 +177,8 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys
 
 @pytest.mark.slow
 def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path):
-    ok, text = _gate("baseline", tmp_path / "ep", "run.steps=2")  # candidate: generator EP 2
+    ok, text = _gate("baseline", tmp_path / "ep", "run.steps=3", "checkpoint.every=1",  # candidate: generator EP 2
+                     "checkpoint.keep=0")  # run a: the replay gate's (shared_runs)
     assert ok, text
     ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",  # run a: GATE_RUN's
                      'gate.candidate=["monitor.inject=both:layers.1.attn:default"]')
