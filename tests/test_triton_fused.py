@@ -59,6 +59,23 @@ def test_moe_combine_through_rows_equals_the_gathered_combine(backend):
         assert ys.grad is not None and wg.grad is not None
 
 
+def test_moe_combine_bits_do_not_depend_on_its_column_chunks(monkeypatch):
+    """The Triton combine runs a program per (token, chunk of columns): a row of 1100 columns in chunks of
+    512 (three programs, the last partial), 64, or one program per row (2048) gives the same bits; the
+    slot order reversed differs (the comparison can fail)."""
+    T, k, d = 24, 8, 1100
+    y = _randn(T * k, d, seed=6)
+    w = torch.softmax(_randn(T, k, seed=7, dtype=torch.float32), -1)
+    dest = torch.randperm(T * k, generator=torch.Generator().manual_seed(8)).to(DEV)
+    outs = []
+    for block in (512, 64, 2048):
+        monkeypatch.setattr(tb.moe, "_COMBINE_BLOCK", block)
+        outs.append((tb.moe_combine(y.view(T, k, d), w), tb.moe_combine_rows(y, w, dest)))
+    for a, b in outs[1:]:
+        assert same_bits(a, outs[0][0]) and same_bits(b, outs[0][1])
+    assert not same_bits(tb.moe_combine(y.view(T, k, d).flip(1), w.flip(1)), outs[0][0])
+
+
 def test_moe_combine_rows_refuses_rows_that_do_not_fit():
     with pytest.raises(ValueError, match="rows"):
         tb.moe_combine_rows(_randn(6, 8), torch.ones(2, 3, device=DEV), torch.arange(5, device=DEV))

@@ -53,8 +53,13 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # 128 rows per expert, 64 x 256 tiles of one warpgroup (at 32 rows 1.6 % faster than the 64 x 128
 # flattened tiles before, at 128 rows 15 % faster); up to 256, the main tiles with a fourth stage (3.6 %
 # faster at 256 rows); past that (prefill, training: one config there, so new token counts compile
-# nothing), the main config. Every one bitwise equal to the main config's rows (the same sweep).
-_GROUPED_SMALL = [(128, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)),
+# nothing), the main config. Every one bitwise equal to the main config's rows (the same sweep). Up to 32
+# rows (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile
+# changes under the other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us
+# (3.67 TB/s of weights; a device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal
+# (experiments/bench_decode_bandwidth.py, results/decode_bandwidth_h200.json).
+_GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
+                  (128, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)),
                   (256, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 # The grouped weight gradient (dW[e] = g_e^T x_e, K = the expert's rows): the main tiles with 4 stages and
@@ -93,8 +98,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
     c_{p-1}; M_p = c_p, K_p = K1 (GROUP_K: M_p = M1, K_p = c_p, the weight gradient), a_off = s_p a_step,
     b_off = s_p b_step + p b_e, c_off = s_p c_step + p c_e. The tiles run up to their total, computed
     here; the grid is a bound the host knows without reading the sizes (no host sync).
-    GATHER (COUNTS, not GROUP_K): sorted row s_p + i of A is row idx[s_p + i] of a_ptr (its step 0): the
-    MoE's token rows read in place, the same values as from a gathered copy, hence the same bits.
+    GATHER = g > 0 (COUNTS, not GROUP_K): sorted row s_p + i of A is row idx[s_p + i] // g of a_ptr (its step
+    0; idx: the dispatch order of (token, slot) rows, g: the slots per token): the MoE's token rows read in
+    place, the same values as from a gathered copy, hence the same bits.
 
     PER_N (table mode): each row also holds the problem's own N_p and C row stride ldc_p (rows of 8:
     first tile, M_p, K_p, a_off, b_off, c_off, N_p, ldc_p); N and scm are then unused. Several
@@ -197,8 +203,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
         rbn = tl.where(rn < N_t, rn, 0)
         if A_M_CONTIG:
             ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
-        if GATHER:
-            ram = tl.load(idx_ptr + s_p + ram)
+        if GATHER > 0:
+            ram = tl.load(idx_ptr + s_p + ram) // GATHER
         if B_N_CONTIG:
             rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -268,10 +274,12 @@ def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     return dict(cfg, MASK_M=True) if m <= mask_m else cfg
 
 
-def _launch_cfg(cfg: dict) -> dict:
-    """A config's kernel constexprs and launch options (FLATTEN, MASK_M off unless set: scheduling only,
-    the tiles and their K order stay the config's)."""
-    return dict({"FLATTEN": False, "MASK_M": False, "GATHER": False}, **cfg)
+def _launch_cfg(cfg: dict, device) -> tuple[dict, int]:
+    """(A config's kernel constexprs and launch options, its number of persistent programs): FLATTEN, MASK_M
+    off unless set; PER_SM (default 1) programs per SM. Scheduling only: the tiles and their K order stay
+    the config's."""
+    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0}, **cfg)
+    return cfg, cfg.pop("PER_SM", 1) * num_sms(device)
 
 
 def _wgrad_config(dtype) -> dict:
@@ -331,8 +339,7 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
     single = not per_n and len(rows) == 1 and rows[0][3:] == (0, 0, 0)
     # one problem at offset 0 (a plain matmul) needs no table: M, K as arguments (the slot: any tensor, unread)
     table = None if single else host_table(rows, torch.int64, a.device)
-    cfg = _launch_cfg(cfg)
-    sms = num_sms(a.device)
+    cfg, sms = _launch_cfg(cfg, a.device)
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg,
                 PER_N=per_n)
@@ -342,22 +349,22 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
 
 
 def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int, strides: tuple, steps: tuple,
-                 group_k: bool, cfg: dict, idx: torch.Tensor | None = None) -> None:
+                 group_k: bool, cfg: dict, idx: torch.Tensor | None = None, per: int = 1) -> None:
     """Launch _gemm_kernel over P = len(counts) groups whose sizes stay on the device (COUNTS mode):
     rows sorted by group, R in all; steps (a_step, b_step, b_e, c_step, c_e) place group p at row s_p
     (see the kernel). The grid is a bound known on the host, so nothing is read back: no sync.
-    idx [R] (GATHER, not group_k): sorted row i of A is row idx[i] of a; its step is 0."""
+    idx [R] (GATHER, not group_k): sorted row i of A is row idx[i] // per of a; its step is 0."""
     numels = (a.numel(), b.numel(), c.numel())
-    gather = None if idx is None else idx.dtype
+    gather = None if idx is None else (idx.dtype, per)
     key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
            a.device, numels, counts.dtype, gather)
     launch = cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg,
-                                              gather is not None))
+                                              0 if idx is None else per))
     if launch is not None:
         launch(a, b, c, counts, counts if idx is None else idx)
 
 
-def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gather=False):
+def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gather: int = 0):
     _check_numel(numels)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     if group_k:  # every group owns all tiles of its [M1, N] output
@@ -367,8 +374,7 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gathe
     if bound == 0:
         return None
     sam, sak, sbk, sbn = strides[:4]
-    cfg = _launch_cfg(cfg)
-    sms = num_sms(a.device)
+    cfg, sms = _launch_cfg(cfg, a.device)
     meta = dict(P=P, P2=max(2, triton.next_power_of_2(P)), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
                 ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
@@ -541,11 +547,11 @@ def _starts(counts: list[int]) -> list[int]:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+               rows: torch.Tensor | None = None, per: int = 1) -> torch.Tensor:
     """Rows of x [R, K] sorted by group, group e times w[e]^T (w [E, N, K], any strides) -> [R, N],
     ONE launch. Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order.
     counts: a host list (problem table built on the host) or a device tensor (table built in the
-    kernel; no host sync). rows [R] (with device counts): sorted row i is x[rows[i]], read in place."""
+    kernel; no host sync). rows [R] (with device counts): sorted row i is x[rows[i] // per], read in place."""
     R, N = x.shape[0] if rows is None else rows.numel(), w.shape[1]
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
@@ -556,7 +562,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tenso
     if isinstance(counts, torch.Tensor):  # the sizes are unknown here: rows per group guessed as R / min(E, R)
         cfg = _grouped_config(x.dtype, -(-R // min(w.shape[0], R)))
         _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1], (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1),
-                     (x.stride(0) if rows is None else 0, 0, w.stride(0), N, 0), False, cfg, rows)
+                     (x.stride(0) if rows is None else 0, 0, w.stride(0), N, 0), False, cfg, rows, per)
         return out
     groups = sum(1 for c in counts if c)
     cfg = _grouped_config(x.dtype, -(-R // max(groups, 1)))

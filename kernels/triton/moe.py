@@ -14,21 +14,25 @@ from .gemm import grouped_mm, grouped_wgrad
 
 @triton.jit
 def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[t, j] in fp32, slot 0 first. ROWS: y[t, j] is row rows[t * K + j]
-    of y [R, Dm] (the expert outputs in dispatch order, read in place)."""
+    """out[t, chunk] = sum_j w[t, j] * y[t, j, chunk] in fp32, slot 0 first; program (t, chunk of BLOCK
+    columns): elementwise along the row, so the chunking never changes a bit. ROWS: y[t, j] is row
+    rows[t * K + j] of y [R, Dm] (the expert outputs in dispatch order, read in place)."""
     t = tl.program_id(0).to(tl.int64)  # (t * K + j) * Dm passes 2**31 for large token counts
-    for d0 in range(0, Dm, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for j in range(K):
-            wj = tl.load(w_ptr + t * K + j)
-            if ROWS:
-                row = tl.load(rows_ptr + t * K + j)
-            else:
-                row = t * K + j
-            yj = tl.load(y_ptr + row * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
-            acc = acc + yj * wj
-        tl.store(o_ptr + t * Dm + cols, acc.to(o_ptr.dtype.element_ty), mask=cols < Dm)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(K):
+        wj = tl.load(w_ptr + t * K + j)
+        if ROWS:
+            row = tl.load(rows_ptr + t * K + j)
+        else:
+            row = t * K + j
+        yj = tl.load(y_ptr + row * Dm + cols, mask=cols < Dm, other=0.0).to(tl.float32)
+        acc = acc + yj * wj
+    tl.store(o_ptr + t * Dm + cols, acc.to(o_ptr.dtype.element_ty), mask=cols < Dm)
+
+
+_COMBINE_BLOCK = 512  # columns per forward program (2 warps, 16-byte loads): a decode step's few tokens
+# still spread over every SM (one program per token walking its row left most SMs idle)
 
 
 @triton.jit
@@ -63,8 +67,9 @@ def _combine(y, w, rows=None):
     out = torch.empty(T, Dm, dtype=y.dtype, device=y.device)
     if T:
         rows = w if rows is None else rows.contiguous()  # the pointer slot, unread without ROWS
-        cached(("combine", T, K, Dm, y.dtype, rows.dtype, rows is w), lambda: Launch(
-            _combine_fwd, (T,), (K, Dm), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(Dm)), ROWS=rows is not w)))(
+        block = min(_COMBINE_BLOCK, triton.next_power_of_2(Dm))
+        cached(("combine", T, K, Dm, y.dtype, rows.dtype, rows is w, block), lambda: Launch(
+            _combine_fwd, (T, triton.cdiv(Dm, block)), (K, Dm), dict(BLOCK=block, ROWS=rows is not w, num_warps=2)))(
             y, w, out, rows)
     return y, w, out
 
@@ -212,26 +217,27 @@ def moe_route(logits, top_k: int, renormalize: bool):
 
 # --- the experts' first GEMM over the token rows, read in place -----------------------------------
 class _SlotLinear(torch.autograd.Function):
-    """grouped_linear(x[rows], w, counts) with rows = order // k, the forward reading x's rows in place
+    """grouped_linear(x[order // k], w, counts), the forward reading x's rows in place
     (GATHER; the [T * k, D] copy is made in the backward, for dW, instead of kept from the forward); dX:
     the sorted rows' gradients, then each token's k slots summed as moe_combine with unit weights (fp32,
     slot 0 first), read through dest: kernels.moe_slot_rows' backward."""
 
     @staticmethod
-    def forward(ctx, x, w, counts, rows, dest, k):
-        ctx.save_for_backward(x, w, counts, rows, dest)
+    def forward(ctx, x, w, counts, order, dest, k):
+        ctx.save_for_backward(x, w, counts, order, dest)
         ctx.k = k
-        return grouped_mm(x, w, counts, rows)
+        return grouped_mm(x, w, counts, order, k)
 
     @staticmethod
     def backward(ctx, g):
-        x, w, counts, rows, dest = ctx.saved_tensors
+        x, w, counts, order, dest = ctx.saved_tensors
         g = g.contiguous().to(x.dtype)
         gx = gw = None
         if ctx.needs_input_grad[0]:
             ones = torch.ones(x.shape[0], ctx.k, dtype=torch.float32, device=x.device)
             gx = _combine(grouped_mm(g, w.transpose(1, 2), counts), ones, dest)[2]
         if ctx.needs_input_grad[1]:
+            rows = torch.div(order, ctx.k, rounding_mode="floor")
             gw = grouped_wgrad(g, x.index_select(0, rows), counts).to(w.dtype)
         return gx, gw, None, None, None, None
 
@@ -246,8 +252,7 @@ def moe_slot_linear(x, order, dest, k: int, w, counts: torch.Tensor):
             or dest.shape != (T * k,) or counts.shape != (w.shape[0],) or counts.device != x.device:
         raise ValueError(f"triton moe_slot_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, k {k}, order "
                          f"{tuple(order.shape)}, dest {tuple(dest.shape)}, counts {tuple(counts.shape)} do not fit")
-    x, w = x.contiguous(), w.to(x.dtype)
-    rows = torch.div(order, k, rounding_mode="floor")
+    x, w, order = x.contiguous(), w.to(x.dtype), order.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _SlotLinear.apply(x, w, counts, rows, dest.contiguous(), int(k))
-    return grouped_mm(x, w, counts, rows)
+        return _SlotLinear.apply(x, w, counts, order, dest.contiguous(), int(k))
+    return grouped_mm(x, w, counts, order, int(k))  # token order[i] // k, divided in the kernel: no launch
