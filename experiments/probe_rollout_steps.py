@@ -81,7 +81,7 @@ class StepTimer:
         return out
 
 
-def kernel_table(fn, reps: int = 1, top: int = 16) -> tuple[float, list]:
+def kernel_table(fn, reps: int = 1, top: int = 24) -> tuple[float, list]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
