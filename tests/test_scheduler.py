@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import flip_checkpoint_bit
 
 from rlalign import checkpoint as ckpt
 from rlalign import cli
@@ -360,6 +359,8 @@ def test_sigterm_during_a_step_finishes_it_checkpoints_it_and_a_resume_at_ep1_gi
 @pytest.mark.slow
 def test_compare_an_ep2_run_resumed_at_ep1_with_the_uninterrupted_one_and_one_flipped_expert_bit(
         term_stopped, ref, runs, capsys):
+    from conftest import flip_checkpoint_bit  # here: the reward subprocesses import this module as tests.test_scheduler
+
     from rlalign.monitor.compare import compare_files
     from rlalign.rl import train
 
