@@ -45,17 +45,16 @@ def _deterministic_mode():
         yield
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_ray_cluster_per_module(request):
-    """A module's in-process runs (train, gates) share one private Ray cluster: the first run's
-    connect() starts it, the later ones find Ray up and attach, and the shutdown is deferred to the
-    module's end. Starting and stopping a cluster costs ~5 s here, once per run otherwise.
-    test_cluster checks connect/disconnect themselves and keeps the real ones."""
+@pytest.fixture(scope="session", autouse=True)
+def _one_ray_cluster_per_worker():
+    """The in-process runs (train, gates) of a pytest process (an xdist worker: every module it
+    takes) share one private Ray cluster: the first run's connect() starts it, the later ones find
+    Ray up and attach, and the shutdown is deferred to the session's end. Starting and stopping a
+    cluster costs ~7 s here, once per module or run otherwise. Environment variables set after it
+    started do not reach its actors (train_cli_with_fault below). test_cluster's drivers are
+    processes of their own, with their own clusters."""
     from rlalign import cluster
 
-    if request.module.__name__.rsplit(".", 1)[-1] == "test_cluster":
-        yield
-        return
     real, started = cluster.disconnect, []
     cluster.disconnect = lambda initialized: started.append(True) if initialized else None
     try:
