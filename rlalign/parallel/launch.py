@@ -1,6 +1,6 @@
 """Process groups without Ray: join one (gloo on CPU, NCCL on GPU), or run a function on `world`
-spawned ranks (torch.multiprocessing) that each join one — how `rlalign agree` and the GPU tests
-run the workers of actors/workers.py without Ray.
+ranks (torch.multiprocessing, forked from a server that holds the imports) that each join one — how
+`rlalign agree` and the GPU tests run the workers of actors/workers.py without Ray.
 
 A rank that raises or dies makes the launcher stop the others at once and raise an error naming
 that rank; collectives carry a timeout (dist.timeout_s) so nothing waits forever.
@@ -97,8 +97,12 @@ def _blame(world: int, procs, errors: dict[int, str]) -> WorkerError:
 
 def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", timeout_s: float = 60.0) -> list:
     """fn(rank, world, group, *args) on `world` spawned ranks; returns results in rank order.
-    fn must be importable (module level) and return picklable data (dataclasses, tensors)."""
-    ctx = mp.get_context("spawn")
+    fn must be importable (module level) and return picklable data (dataclasses, tensors).
+    The ranks fork from a server process that imported torch and rlalign's workers once (started on
+    the first call, before any CUDA use: a fresh process per rank paid ~1 s of imports on every
+    call); they see the environment as it was when the server started."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["rlalign.actors.workers"])
     q = ctx.Queue()
     store = host_store(timeout_s)  # lives until the ranks are done (this frame)
     port = store.port
