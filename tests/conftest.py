@@ -151,8 +151,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # worker, so its module fixtures — a Ray cluster, a vLLM engine — are built once). Workers take modules in
 # collection order; the modules measured longest (`--durations`, 2-core machine) come first so that both
 # workers finish close together. Modules not named keep their order after these.
-LONGEST_FIRST = ("test_vllm", "test_train", "test_cluster", "test_scheduler", "test_monitor", "test_ep",
-                 "test_triton_paged", "test_topology", "test_triton", "test_shard", "test_agree", "test_train_kernels",
+LONGEST_FIRST = ("test_vllm", "test_train", "test_cluster", "test_scheduler", "test_monitor", "test_triton_paged",
+                 "test_triton", "test_topology", "test_shard", "test_train_kernels", "test_agree", "test_ep",
                  "test_moe_counts", "test_sampling_stats", "test_engine", "test_weight_sync", "test_triton_sampling",
                  "test_checkpoint", "test_config", "test_fingerprint", "test_linears", "test_sampling")
 
