@@ -147,6 +147,31 @@ def test_a_dead_rank_fails_the_others_fast_with_its_name():
         launch.run_workers(3, _raise_on_rank, (), timeout_s=120)
 
 
+def _env_of(rank, world, group, name):
+    return os.environ.get(name)
+
+
+def _put_env(q, name):
+    q.put(os.environ.get(name))
+
+
+def test_ranks_run_with_the_callers_environment_of_each_call(monkeypatch):
+    """The ranks fork from a server started at the first call; each call's ranks still see the
+    caller's environment as it is now (as spawned processes would)."""
+    import multiprocessing as mp
+
+    name = "RLALIGN_TEST_RANK_ENV"
+    monkeypatch.setenv(name, "first")
+    assert launch.run_workers(2, _env_of, (name,)) == ["first", "first"]
+    monkeypatch.setenv(name, "second")
+    assert launch.run_workers(2, _env_of, (name,)) == ["second", "second"]
+    q = mp.get_context("forkserver").SimpleQueue()  # the twin: a bare child of the same server
+    p = mp.get_context("forkserver").Process(target=_put_env, args=(q, name))
+    p.start()
+    p.join()
+    assert q.get() != "second"  # keeps the server's environment
+
+
 def test_shard_range_covers_everything_once():
     for n in (0, 1, 5, 64):
         for w in (1, 2, 3, 4):

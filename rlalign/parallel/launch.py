@@ -65,9 +65,11 @@ def init_group(device: str, rank: int, world: int, port: int, timeout_s: float, 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-def _entry(rank, world, port, device, timeout_s, threads, fn, args, q):
+def _entry(rank, world, port, device, timeout_s, threads, fn, args, q, env):
     status, payload = "error", ""
     try:
+        os.environ.clear()  # the caller's environment now, not the fork server's at its start
+        os.environ.update(env)
         torch.set_num_threads(threads)
         init_group(device, rank, world, port, timeout_s, local_gpu=rank)
         # plain pickle: tensors travel as bytes, not as shared-memory handles that die with this process
@@ -100,7 +102,7 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     fn must be importable (module level) and return picklable data (dataclasses, tensors).
     The ranks fork from a server process that imported torch and rlalign's workers once (started on
     the first call, before any CUDA use: a fresh process per rank paid ~1 s of imports on every
-    call); they see the environment as it was when the server started."""
+    call); each rank runs with the caller's environment of this call (os.environ), as a spawned one would."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rlalign.actors.workers"])
     q = ctx.Queue()
@@ -108,7 +110,8 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     port = store.port
     threads = max(1, (os.cpu_count() or 1) // world)
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, device, timeout_s, threads, fn, args, q), daemon=True)
+        ctx.Process(target=_entry, args=(r, world, port, device, timeout_s, threads, fn, args, q, dict(os.environ)),
+                    daemon=True)
         for r in range(world)
     ]
     for p in procs:
