@@ -33,7 +33,7 @@ def _sync() -> None:
 
 
 def _monitor_part(trace, trainer, lps, step: int, every: int) -> dict:
-    from actors.workers import record_train_step
+    from rlalign.actors.workers import record_train_step
 
     t0 = time.perf_counter()
     trace.step = step

@@ -295,9 +295,10 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
     # a decode step's router [64, 2048] at 2,048 rows: 16 main tiles, the 128-column member
     assert pick(2048, 64) == (128, False, False) and pick(1024, 2048) == (128, False, True)
-    # grouped: 64 x 256 tiles up to 128 rows per expert, the main tiles with a fourth stage up to 256,
-    # then the main config
-    assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 256 and gemm._grouped_config(bf, 128)["BLOCK_M"] == 64
+    # grouped: 64 x 128 tiles with two programs per SM up to 32 rows per expert, 64 x 256 tiles up to 128,
+    # the main tiles with a fourth stage up to 256, then the main config
+    assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["PER_SM"] == 2
+    assert gemm._grouped_config(bf, 33)["BLOCK_N"] == 256 and gemm._grouped_config(bf, 128)["BLOCK_M"] == 64
     assert gemm._grouped_config(bf, 256) == dict(gemm.MATMUL_CONFIGS[bf], num_stages=4)
     assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
     main = gemm.MATMUL_CONFIGS[bf]
