@@ -67,25 +67,30 @@ class MasterWeights:
             return list(self.units)
         return [u for u, r in zip(self.units, self.owners) if r == self.rank]
 
+    def _whole(self, u: Unit) -> tuple[str, bool]:
+        """(the key unit u's master and gradient are stored under, whether its rows must be cut out)."""
+        return (u.key, False) if self.shard else (u.name, True)
+
+    def _view(self, t: torch.Tensor | None, u: Unit, cut: bool) -> torch.Tensor | None:
+        return unit_rows(t, u) if cut and t is not None else t
+
     def held(self, u: Unit, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """(fp32 master, gradient or None, AdamW state or {}) of unit u on this rank (views)."""
-        if self.shard:
-            m = self.master[u.key]
-            return m.data, grads.get(u.key), (self.opt.state.get(m, {}) if self.opt else {})
-        m, g = self.master[u.name], grads.get(u.name)
-        st = self.opt.state.get(m, {})
-        return unit_rows(m.data, u), None if g is None else unit_rows(g, u), {
-            k: (unit_rows(v, u) if k != "step" else v) for k, v in st.items()}
+        key, cut = self._whole(u)
+        m = self.master[key]
+        st = self.opt.state.get(m, {}) if self.opt else {}
+        return self._view(m.data, u, cut), self._view(grads.get(key), u, cut), {
+            k: (self._view(v, u, cut) if k != "step" else v) for k, v in st.items()}
 
     def held_for_records(self, u: Unit, grads: dict[str, torch.Tensor], moments: bool
                          ) -> tuple[torch.Tensor | None, ...]:
         """Unit u's (gradient, exp_avg, exp_avg_sq) on this rank as `held` gives them (views; None
-        where absent), only the gradient without `moments`: the monitor's per-step records."""
-        m = self.master[u.key] if self.shard else self.master[u.name]
-        g = grads.get(u.key if self.shard else u.name)
-        st = self.opt.state.get(m, {}) if moments and self.opt else {}
-        ts = (g, st.get("exp_avg"), st.get("exp_avg_sq")) if moments else (g,)
-        return ts if self.shard else tuple(None if t is None else unit_rows(t, u) for t in ts)
+        where absent), only the gradient without `moments`: the monitor's per-step records (no master
+        view, no moment views at the steps that skip them)."""
+        key, cut = self._whole(u)
+        st = self.opt.state.get(self.master[key], {}) if moments and self.opt else {}
+        ts = (grads.get(key), st.get("exp_avg"), st.get("exp_avg_sq")) if moments else (grads.get(key),)
+        return tuple(self._view(t, u, cut) for t in ts)
 
     def keep_own_grads(self, grads: dict[str, torch.Tensor], dense_names: list[str]) -> None:
         """Sharded: the dense gradients become copies of this rank's units (by unit key); the whole
