@@ -5,7 +5,7 @@ step); the last call is the one timed (its graphs were captured by the first) an
 rescored by the trainer (0 mismatched expected).
 
     python experiments/bench_rollout_scale.py [--model bench-moe-large] [--cases 256x256,2048x256]
-        [--calls 2] [--budget-s 80] [--out DIR] [--name rollout_scale_h200]
+        [--calls 2] [--budget-s 80] [--max-batched N] [--out DIR] [--name rollout_scale_h200]
 
 Roofline per decode step: max(memory time, compute time). Memory: the weights the step reads
 (dense, the lm head, the experts its rows route to if routing is uniform) plus every live row's
@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2,
                     help="generate() calls per run (seeds 7, 8, ...): the first captures, the last is timed")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: no limit)")
+    ap.add_argument("--max-batched", type=int, default=None,
+                    help="generator.max_num_batched_tokens (default: the config default)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="rollout_scale_h200")
     a = ap.parse_args()
@@ -92,6 +94,8 @@ def main() -> None:
     hbm = next((v for key, v in HBM_PEAK.items() if key in gpu), 4.8e12)
     flops = next((v for key, v in BF16_DENSE_PEAK.items() if key in gpu), 989.4e12)
     engine = EngineConfig()  # the config defaults
+    if a.max_batched is not None:
+        engine.max_num_batched_tokens = a.max_batched
     results, summary = {}, {"mismatched_tokens": 0}
 
     def save():
