@@ -118,3 +118,27 @@ def test_model_step_negative_twin_default_mode_differs():
         with kernels.use(mode="default"):
             got = _step_rows(model, prompts, 1)
     assert not all(same_bits(got[s], ref[cu[s] : cu[s + 1]]) for s in range(2))
+
+
+
+def test_model_step_keep_zeroes_the_dropped_rows_logits_only():
+    """keep=False rows (a decode graph's padding rows) get logits of exactly zero, also where their own
+    hidden rows are non-finite; kept rows' bits equal a step without keep. Twin: without keep, the
+    dropped row's logits are not zero (and a NaN row's are not finite)."""
+    model = tiny_model()
+    a = model.args
+    cache = PagedKVCache(a, 8, 4, model.dtype)
+    table = torch.tensor([[0, 1], [2, 3], [7, 7]], dtype=torch.int32)
+    toks, pos, sidx = torch.tensor([5, 9, 3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2])
+    slot = torch.tensor([0, 8, 28])
+    keep = torch.tensor([True, True, False])
+    with torch.no_grad():
+        plain = model.step(toks, pos, sidx, cache, table, slot)
+        kept = model.step(toks, pos, sidx, cache, table, slot, keep=keep)
+        h = torch.randn(3, a.hidden_size).to(model.dtype)
+        h[2] = float("nan")
+        poisoned = model._head(h, None)
+        masked = model._head(h, None, keep)
+    assert plain[2].abs().sum() > 0 and not torch.isfinite(poisoned[2]).all()  # the twins
+    assert same_bits(kept[:2], plain[:2]) and same_bits(masked[:2], poisoned[:2])
+    assert torch.equal(kept[2], torch.zeros_like(kept[2])) and torch.equal(masked[2], torch.zeros_like(masked[2]))

@@ -285,8 +285,13 @@ class Transformer(nn.Module):
             h, r = self._block(i, layer, h, r, functools.partial(attend, i, layer))
         return h, r
 
-    def _head(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, r: torch.Tensor | None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the final norm of h + r; rows where `keep` [N] bool is False get logits of exactly
+        zero (their normed rows zeroed before the lm head: a product of zeros; a pass over [N, d] instead
+        of [N, vocab]; the other rows' bits are untouched)."""
         _, x = self._add_norm(h, r, self.model.norm, f"layers.{len(self.model.layers) - 1}", "norm")
+        if keep is not None:
+            x = torch.where(keep[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
         return self._tap("logits", self.lm_head(x))
 
     def _check_positions(self, last: int) -> None:
@@ -318,14 +323,16 @@ class Transformer(nn.Module):
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache,
              block_table: torch.Tensor, slot_mapping: torch.Tensor,
-             logit_rows: torch.Tensor | None = None, runs: list[tuple[int, int, int, int]] | None = None
-             ) -> torch.Tensor:
+             logit_rows: torch.Tensor | None = None, runs: list[tuple[int, int, int, int]] | None = None,
+             keep: torch.Tensor | None = None) -> torch.Tensor:
         """One engine step over a paged cache: rows [N] of any mix of prefill chunks and decode
         tokens (tokens, absolute positions, sequence index into block_table, cache slot to write).
         `cache` has write(layer, slot_mapping, k, v) and pages(layer) (PagedKVCache, or an engine's
         view of its own pages). Returns logits of `logit_rows` (default: every row). Each row's
         bits equal the trainer's forward row at that position (batch invariance). runs: the prompt
-        chunks among the last rows, as the host knows them (kernels.attention_paged's schedule hint)."""
+        chunks among the last rows, as the host knows them (kernels.attention_paged's schedule hint).
+        keep [N] bool (with every row's logits): rows whose logits are zeroed (a decode graph's padding rows:
+        any value they computed, even a non-finite one, never reaches the sampler)."""
         cos, sin = self._rope(positions)  # engines check lengths at admission: no host sync
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         h, r = self._layers(h, lambda i, layer, x: layer.self_attn.paged(
@@ -335,7 +342,7 @@ class Transformer(nn.Module):
                 h, r = self._tap(f"layers.{len(self.model.layers) - 1}", h + r), None
             h = h.index_select(0, logit_rows)
             r = None if r is None else r.index_select(0, logit_rows)
-        return self._head(h, r)
+        return self._head(h, r, keep)
 
 
 def build_model(args: ModelArgs, dtype: str | torch.dtype = "bfloat16", seed: int | None = 0,

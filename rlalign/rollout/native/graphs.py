@@ -93,8 +93,7 @@ class DecodeGraphs:
 
     def _run(self, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, positions, seq_idx, slots, valid, ids = static
-        logits = self.model.step(tokens, positions, seq_idx, self.cache, self.block_table, slots)
-        logits = torch.where((valid > 0)[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        logits = self.model.step(tokens, positions, seq_idx, self.cache, self.block_table, slots, keep=valid > 0)
         # the call's own distribution (every field the eager path uses), the seed moved into the ids
         return sample_next(logits, dataclasses.replace(self.params, seed=GRAPH_SEED), ids, positions + 1)
 
