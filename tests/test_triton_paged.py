@@ -154,17 +154,20 @@ def test_split_k_fold_leaves_bits_alone(page_size, monkeypatch):
     assert all(int(t.abs().sum()) == 0 for t in attn.ticket_buffers())  # every launch reset its counters
 
 
+@pytest.mark.parametrize("heads_minor", [False, True])
 @pytest.mark.parametrize("pre_max,off32", [(256, True), (0, False)])  # the bf16 and the fp32 configs' settings
-def test_preloaded_pages_leave_bits_alone(pre_max, off32, monkeypatch):
+def test_preloaded_pages_leave_bits_alone(pre_max, off32, heads_minor, monkeypatch):
     """A program's table entries loaded all at once before its key loop and picked by tl.gather (up to
     PAGED_PRE_MAX of them) or loaded per key block, with int32 or int64 key offsets; pages smaller than,
-    equal to and not dividing the 32-key chunk, split-K and in registers: the bits of prefill."""
+    equal to and not dividing the 32-key chunk, split-K and in registers, on a (row, kv head) grid or a
+    1-D one with a row's kv heads adjacent (HEADS_MINOR): the bits of prefill."""
     lens = [70, 9, 33]
     q, k, v, cu = _packed(lens, seed=14)
     pre_out = tb.attention_prefill(q, k, v, cu, 0.25)
     rows = torch.tensor([69, 31, 32, 0, 75, 78, 111, 100, 47], device=DEV)
     base = dict(attn.INTERPRET_ATTN["decode"])
-    monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, PAGED_PRE_MAX=pre_max, PAGED_OFF32=off32))
+    monkeypatch.setitem(attn.INTERPRET_ATTN, "decode", dict(base, PAGED_PRE_MAX=pre_max, PAGED_OFF32=off32,
+                                                                  HEADS_MINOR=heads_minor))
     for page_size in (8, 16, 48):
         kp, vp, table, seq_idx, pos = _pages(k, v, lens, page_size, 24, seed=15)
         for spp in (1, 2, 0):

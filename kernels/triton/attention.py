@@ -33,11 +33,12 @@ from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 # from them with tl.gather (num_stages PAGED_PRE_STAGES), else it loads a table entry per key
 # (num_stages PAGED_STAGES: triton splits the stages between the table load and the K/V loads it feeds);
 # PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
-# checks the view's extent; else int64).
+# checks the view's extent; else int64); HEADS_MINOR, rows folded in registers run on a 1-D grid with a
+# row's kv heads adjacent (program w * Hk + hk) instead of (row, kv head) with the rows adjacent.
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=3, num_warps=4),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=256,
-                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True)),
+                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True, HEADS_MINOR=False)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=0,
                                     PAGED_STAGES=2, PAGED_OFF32=False)),
@@ -197,7 +198,8 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
               sqn, sqh, skp, skn, skh, son, soh, sbt, qk_scale,
               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
               PAGE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-              BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1, NPRE: tl.constexpr = 0, OFF32: tl.constexpr = False):
+              BLOCK_G: tl.constexpr = 1, UNROLL: tl.constexpr = 1, NPRE: tl.constexpr = 0, OFF32: tl.constexpr = False,
+              HK_MINOR: tl.constexpr = 0):
     """MODE 0, prefill: program (query head, work item w = (q_row0, n_q, q_pos0, k_row0, n_keys)); tile
     rows are positions q_pos0.. of rows q_row0.. attending keys k_row0.. . MODE 3, paged prefill tiles:
     the same, with k_row0 replaced by a sequence id whose keys are read through its block-table row (a
@@ -240,8 +242,12 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
             else:
                 kbase = hk.to(tl.int64) * skh
     else:
-        w = tl.program_id(0)
-        hk = tl.program_id(1)
+        if HK_MINOR > 0:  # a 1-D grid, the kv heads of a row adjacent: program (w * HK_MINOR + hk)
+            w = tl.program_id(0) // HK_MINOR
+            hk = tl.program_id(0) % HK_MINOR
+        else:
+            w = tl.program_id(0)
+            hk = tl.program_id(1)
         if MODE == 1:
             n_keys = tl.load(work_ptr + w).to(tl.int32)
             kbase = w.to(tl.int64) * skp + hk * skh
@@ -257,7 +263,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, work_ptr, seq_ptr, bt_ptr, mp
         qhead = hk * G + rm
         qpos = q_pos0 + rm * 0
         qmask = rm < G
-        H = tl.num_programs(1) * G
+        H = (HK_MINOR if HK_MINOR > 0 else tl.num_programs(1)) * G
     q = tl.load(q_ptr + qrow[:, None] * sqn + qhead[:, None] * sqh + rd[None, :], mask=qmask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -445,6 +451,7 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"triton attention decode: {G} query heads per kv head exceed BLOCK_M={cfg['BLOCK_M']}")
     unroll = cfg.pop("COMBINE_UNROLL")
+    heads_minor = cfg.pop("HEADS_MINOR", False)
     paged = {key: cfg.pop(key, None) for key in _PAGED}
     nc = triton.cdiv(max(n_keys_max, 1), cfg["CHUNK"])
     spp = chunks_per_program(N, H, Hk, nc, q.device)
@@ -453,8 +460,9 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
         flags.update(_paged_flags(paged, cfg, k, page, spp, n_keys_max))
     args = (q.stride(0), q.stride(1), *key_strides, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
-        _attn_fwd[(N, Hk, 1)](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, **flags,
-                              **cfg)
+        grid, minor = ((N * Hk, 1, 1), Hk) if heads_minor else ((N, Hk, 1), 0)
+        _attn_fwd[grid](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, HK_MINOR=minor,
+                        **flags, **cfg)
         return o, lse
     R = N * H * nc
     part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
