@@ -39,8 +39,8 @@ VARIANTS = {
     "pre_s4": dict(PAGED_PRE_STAGES=4),
     "nopre_s3": dict(PAGED_PRE_MAX=0, PAGED_STAGES=3),
     "nopre_s5": dict(PAGED_PRE_MAX=0),
-    "heads_minor": dict(HEADS_MINOR=True),
-    "heads_minor_s4": dict(HEADS_MINOR=True, PAGED_PRE_STAGES=4),
+    "rows_minor": dict(HEADS_MINOR=False),
+    "heads_minor_s4": dict(PAGED_PRE_STAGES=4),
     "split1": dict(SPLIT1=True),  # split-K: a program per 256-key chunk, the row's last one folds them
 }
 

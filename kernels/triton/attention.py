@@ -34,11 +34,13 @@ from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
 # (num_stages PAGED_STAGES: triton splits the stages between the table load and the K/V loads it feeds);
 # PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
 # checks the view's extent; else int64); HEADS_MINOR, rows folded in registers run on a 1-D grid with a
-# row's kv heads adjacent (program w * Hk + hk) instead of (row, kv head) with the rows adjacent.
+# row's kv heads adjacent (program w * Hk + hk) instead of (row, kv head) with the rows adjacent: at
+# 2,048 rows 1-6 % faster (the kv heads of a key share its DRAM pages), at 256 rows the same
+# (results/sweep_decode_attention_heads_h200.json).
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=3, num_warps=4),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=256,
-                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True, HEADS_MINOR=False)),
+                                     PAGED_PRE_STAGES=3, PAGED_STAGES=5, PAGED_OFF32=True, HEADS_MINOR=True)),
     torch.float32: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=2, num_warps=4),
                         decode=dict(BLOCK_M=64, num_stages=2, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=0,
                                     PAGED_STAGES=2, PAGED_OFF32=False)),
