@@ -216,6 +216,28 @@ def test_embedding_backward_sums_each_tokens_rows_in_order_without_atomics():
     assert same_bits(tb.embedding(w, tok), w[tok])
 
 
+@pytest.mark.parametrize("D", [96, 2048])
+def test_rmsnorm_rows_are_the_same_bits_in_any_batch(D):
+    # the forward holds fwd_config(D)["ROWS"] rows a program: a row alone, at any place in a tile or in a
+    # partial last tile has the bits it has in the whole batch (plain and with the residual add)
+    from rlalign.kernels.triton import norm
+
+    rows = norm.fwd_config(D)["ROWS"]
+    g = torch.Generator().manual_seed(11)
+    R = 2 * rows + 5
+    x, a = (torch.randn(R, D, generator=g).to(DEV) for _ in range(2))
+    w = (torch.rand(D, generator=g) + 0.5).to(DEV)
+    full, (s_full, y_full) = tb.rmsnorm(x, w, 1e-6), tb.add_rmsnorm(x, a, w, 1e-6)
+    for lo, hi in ((0, 1), (3, 4), (rows - 1, rows + 2), (R - 1, R), (5, R), (0, R - 2)):
+        assert same_bits(tb.rmsnorm(x[lo:hi], w, 1e-6), full[lo:hi]), (lo, hi)
+        s, y = tb.add_rmsnorm(x[lo:hi], a[lo:hi], w, 1e-6)
+        assert same_bits(s, s_full[lo:hi]) and same_bits(y, y_full[lo:hi]), (lo, hi)
+    # negative twin: the same rows with the columns in another order (the same sums, reduced in another
+    # order) change bits, so the comparisons above see the reduction order
+    rolled = tb.rmsnorm(x.roll(1, -1), w.roll(1, -1), 1e-6).roll(-1, -1)
+    assert not same_bits(rolled, full)
+
+
 def test_rmsnorm_dw_column_sum_is_the_chunked_order_of_the_partials():
     # the weight gradient's partials [P, D] are summed in chunks of _COLSUM_CHUNK rows in order, then
     # the chunk sums the same way: an order fixed by P alone (the same at every EP size), parallel

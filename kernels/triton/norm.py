@@ -1,5 +1,6 @@
-"""RMSNorm (and the residual add fused into it): one program per row; the weight gradient goes through
-private per-program partial sums, then one ordered column sum (no atomics)."""
+"""RMSNorm (and the residual add fused into it): the forward reads each row once, several rows per
+program when D is small (a count fixed by D); the weight gradient goes through private per-program
+partial sums, then one ordered column sum (no atomics)."""
 
 from __future__ import annotations
 
@@ -10,36 +11,29 @@ import triton.language as tl
 from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 
-@triton.jit
-def _row(x_ptr, a_ptr, s_ptr, off, m, RESID: tl.constexpr, STORE: tl.constexpr):
-    """x's row chunk in fp32; RESID: x + a rounded to x's dtype (the residual add), stored to s if STORE."""
+@triton.jit(do_not_specialize=["R"])
+def _rmsnorm_fwd(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, R, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                 RESID: tl.constexpr):
+    """y = rmsnorm(x) of rows [p*ROWS, (p+1)*ROWS), each row read once and kept in registers; RESID: of
+    s = x + a (rounded to the dtype, as a separate add), s stored. A row's sum of squares is the tile's
+    reduction along its columns: the same order for every row of every launch (ROWS, BLOCK and the
+    warps are a function of D alone), so a row's bits never depend on R or on the other rows."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    m = (rows < R)[:, None] & (cols < D)[None, :]
+    off = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + off, mask=m, other=0.0)
     if RESID:
         x = (x.to(tl.float32) + tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if STORE:
-            tl.store(s_ptr + off, x, mask=m)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _rmsnorm_fwd(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, D, eps, BLOCK: tl.constexpr, RESID: tl.constexpr):
-    """y = rmsnorm(x) of one row; RESID: of s = x + a (rounded to the dtype, as a separate add), s stored."""
-    row = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
-        x = _row(x_ptr, a_ptr, s_ptr, row * D + cols, cols < D, RESID, True)
-        acc += x * x
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
-    tl.store(r_ptr + row, rstd)
-    for d0 in range(0, D, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
-        x = _row(x_ptr, a_ptr, s_ptr, row * D + cols, cols < D, RESID, False)  # recomputed: the same bits
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-        # as the reference: normalise, round to the dtype, then scale (the product of two
-        # dtype values is exact in fp32, so one rounding at the store matches a dtype multiply)
-        y = (x * rstd).to(w.dtype).to(tl.float32) * w.to(tl.float32)
-        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=cols < D)
+        tl.store(s_ptr + off, x, mask=m)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS]
+    tl.store(r_ptr + rows, rstd, mask=rows < R)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    # as the reference: normalise, round to the dtype, then scale (the product of two dtype values is
+    # exact in fp32, so one rounding at the store matches a dtype multiply)
+    y = (x * rstd[:, None]).to(w.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -116,8 +110,21 @@ def _colsum(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(D)
 
 
+_FWD_TILE = 4096  # elements per forward program: rows of D <= 2048 share a program, whole rows each
+
+
+def fwd_config(D: int) -> dict:
+    """The forward's launch constants, a function of D alone (they fix each row's reduction order):
+    the row whole in one block of next_power_of_2(D) columns, as many rows per program as fill
+    _FWD_TILE elements, 4 warps per 2048 elements of the tile (16 at most)."""
+    block = triton.next_power_of_2(D)
+    rows = max(1, _FWD_TILE // block)
+    return dict(ROWS=rows, BLOCK=block, num_warps=min(16, max(4, rows * block // 512)))
+
+
 def _plan_fwd(R: int, D: int, eps: float, resid: bool) -> Launch:
-    return Launch(_rmsnorm_fwd, (R,), (D, eps), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)), RESID=resid))
+    cfg = fwd_config(D)
+    return Launch(_rmsnorm_fwd, (triton.cdiv(R, cfg["ROWS"]),), (R, D, eps), dict(cfg, RESID=resid))
 
 
 def _forward(x2, w, eps, a=None):

@@ -43,6 +43,25 @@ def test_grouped_rows_equal_matmul_rows_and_decode_equals_prefill():
         assert same_bits(dec[0], pre[t]), t
 
 
+@pytest.mark.parametrize("D", [128, 2048])
+def test_rmsnorm_rows_identical_in_any_batch(D):
+    # the forward's several rows a program (D 128: the q/k norms) and its warps fixed by D: a row's bits
+    # are the same alone, at any offset and in a partial last program
+    from rlalign.kernels import triton as tb
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    R = 8192 * 16 if D == 128 else 8192
+    x, a = (torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    w = (torch.rand(D, device="cuda", generator=g) + 0.5).bfloat16()
+    full, (s_full, y_full) = tb.rmsnorm(x, w, 1e-6), tb.add_rmsnorm(x, a, w, 1e-6)
+    for lo, hi in ((0, 1), (7, 8), (1, 34), (31, 300), (R - 1, R), (5, 2048 * 16 + 5), (0, R - 3)):
+        assert same_bits(tb.rmsnorm(x[lo:hi], w, 1e-6), full[lo:hi]), (lo, hi)
+        s, y = tb.add_rmsnorm(x[lo:hi], a[lo:hi], w, 1e-6)
+        assert same_bits(s, s_full[lo:hi]) and same_bits(y, y_full[lo:hi]), (lo, hi)
+    rolled = tb.rmsnorm(x.roll(1, -1), w.roll(1, -1), 1e-6).roll(-1, -1)  # twin: another reduction order
+    assert not same_bits(rolled, full)
+
+
 def _colsum_reference(x, chunk):
     while x.shape[0] > 1:
         parts = []
