@@ -225,7 +225,7 @@ def rope(x, cos, sin):
 
 # --- the KV-cache write of an engine step -----------------------------------------------------------------
 @triton.jit(do_not_specialize=["N"])
-def _paged_write(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, N, W, skn, svn, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def paged_write_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, N, W, skn, svn, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Rows [p*ROWS, (p+1)*ROWS) of k and v (W = Hk * D contiguous elements each) into slots slots[n] of
     the flat pages."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -266,7 +266,7 @@ def paged_write(k_pages, v_pages, slots, k, v) -> None:
     if N:
         def plan():
             cfg = paged_write_config(N, W, num_sms(k.device))
-            return Launch(_paged_write, (triton.cdiv(N, cfg["ROWS"]),), (N, W, k.stride(0), v.stride(0)), cfg)
+            return Launch(paged_write_kernel, (triton.cdiv(N, cfg["ROWS"]),), (N, W, k.stride(0), v.stride(0)), cfg)
         cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype, k.device), plan)(
             k, v, k_pages, v_pages, slots.contiguous())
 

@@ -12,7 +12,7 @@ from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rmsnorm_fwd(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, R, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+def rmsnorm_fwd_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, R, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                  RESID: tl.constexpr):
     """y = rmsnorm(x) of rows [p*ROWS, (p+1)*ROWS), each row read once and kept in registers; RESID: of
     s = x + a (rounded to the dtype, as a separate add), s stored. A row's sum of squares is the tile's
@@ -124,7 +124,7 @@ def fwd_config(D: int) -> dict:
 
 def _plan_fwd(R: int, D: int, eps: float, resid: bool) -> Launch:
     cfg = fwd_config(D)
-    return Launch(_rmsnorm_fwd, (triton.cdiv(R, cfg["ROWS"]),), (R, D, eps), dict(cfg, RESID=resid))
+    return Launch(rmsnorm_fwd_kernel, (triton.cdiv(R, cfg["ROWS"]),), (R, D, eps), dict(cfg, RESID=resid))
 
 
 def _forward(x2, w, eps, a=None):
