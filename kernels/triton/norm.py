@@ -13,7 +13,7 @@ from .common import ROW_BLOCK, Launch, cached, check_inputs
 
 @triton.jit(do_not_specialize=["R"])
 def rmsnorm_fwd_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, R, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                 RESID: tl.constexpr):
+                       RESID: tl.constexpr):
     """y = rmsnorm(x) of rows [p*ROWS, (p+1)*ROWS), each row read once and kept in registers; RESID: of
     s = x + a (rounded to the dtype, as a separate add), s stored. A row's sum of squares is the tile's
     reduction along its columns: the same order for every row of every launch (ROWS, BLOCK and the
