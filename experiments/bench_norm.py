@@ -1,18 +1,16 @@
-"""RMSNorm forward (plain and with the residual add) and the paged KV write: the kernels before (one
-program per row; the norm reading each row twice in chunks of 1024) vs the tree's, bits and speed in
-one run.
+"""RMSNorm forward (plain and with the residual add): the kernel before (one program per row, each row
+read twice in chunks of 1024) vs the tree's, bits and speed in one run.
 
     python experiments/bench_norm.py [--out DIR] [--candidates]
 
 Shapes (bench-moe-large): D 2048 at 256 / 2048 / 8192 rows (the layer norms of a decode step and of a
-prefill chunk), D 128 at T x 16 and T x 4 rows for T = 256, 2048, 8192 (the q and k norms), the paged
-write of T rows of 4 x 128 for T = 256, 2048, 8192. Each variant runs 16 launches on 16 distinct
-buffers (a step's 16 layers) captured in one CUDA graph; times are medians of triton.testing.do_bench
-of the replay per launch, variants alternating (two rounds, the faster kept). Bits: each variant's
-rows alone (first, a run across a program boundary, last) equal to its rows in the whole batch;
-old vs new (equal where the reduction order is unchanged; the paged write is a copy: always);
-max |y - reference| against an fp64 reference of the same formula. --candidates: other launch
-constants (rows a program, warps) of the new kernels, each checked the same way.
+prefill chunk), D 128 at T x 16 and T x 4 rows for T = 256, 2048, 8192 (the q and k norms). Each
+variant runs 16 launches on 16 distinct buffers (a step's 16 layers) captured in one CUDA graph; times
+are medians of triton.testing.do_bench of the replay per launch, variants alternating (two rounds, the
+faster kept). Bits: each variant's rows alone (first, a run across a program boundary, last) equal to
+its rows in the whole batch; old vs new (equal only where the other reduction order happens to round
+alike); max |y - reference| against an fp64 reference of the same formula. --candidates: other launch
+constants (rows a program, warps) of the new kernel, each checked the same way.
 """
 
 from __future__ import annotations
@@ -30,19 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS, write  # noqa: E402
 
 from rlalign.kernels import triton as tb  # noqa: E402
-from rlalign.kernels.triton import elementwise, norm  # noqa: E402
-from rlalign.kernels.triton.common import Launch, num_sms  # noqa: E402
+from rlalign.kernels.triton import norm  # noqa: E402
+from rlalign.kernels.triton.common import Launch  # noqa: E402
 
 BF = torch.bfloat16
 PEAK = 4.8e12
 LAYERS = 16
 EPS = 1e-6
-HK, HD = 4, 128
 DEV = "cuda"
 NORM_CASES = [(2048, r) for r in (256, 2048, 8192)] + [(128, t * h) for t in (256, 2048, 8192) for h in (16, 4)]
-WRITE_ROWS = (256, 2048, 8192)
 NORM_CANDIDATES = {2048: [(1, 4), (1, 8), (2, 16), (4, 16)], 128: [(16, 4), (32, 4), (64, 8), (64, 16)]}
-WRITE_CANDIDATES = [(1, 2), (2, 4), (4, 2), (8, 4)]
 
 
 @triton.jit
@@ -74,17 +69,6 @@ def _old_rmsnorm_fwd(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, D, eps, BLOCK: tl
         tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=cols < D)
 
 
-@triton.jit
-def _old_paged_write(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, W, skn, svn, BLOCK: tl.constexpr):
-    """The paged write before: one program per row."""
-    n = tl.program_id(0).to(tl.int64)
-    s = tl.load(slot_ptr + n).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    m = offs < W
-    tl.store(kp_ptr + s * W + offs, tl.load(k_ptr + n * skn + offs, mask=m), mask=m)
-    tl.store(vp_ptr + s * W + offs, tl.load(v_ptr + n * svn + offs, mask=m), mask=m)
-
-
 def norm_variant(plan):
     """f(x, a or None, w) -> (y, s) through plan(R, D, resid) -> Launch (s: x when a is None)."""
     def run(x, a, w):
@@ -112,25 +96,6 @@ def norm_variants(D: int, candidates: bool) -> dict:
         cfg = dict(ROWS=rows, BLOCK=triton.next_power_of_2(D), num_warps=warps)
         out[f"r{rows}w{warps}"] = norm_variant(lambda R, D, resid, cfg=cfg: Launch(
             norm.rmsnorm_fwd_kernel, (triton.cdiv(R, cfg["ROWS"]),), (R, D, EPS), dict(cfg, RESID=resid)))
-    return out
-
-
-def write_variant(plan):
-    """f(kp, vp, slots, k, v) through plan(N, W, skn, svn) -> Launch."""
-    def run(kp, vp, slots, k, v):
-        N = k.shape[0]
-        plan(N, HK * HD, k.stride(0), v.stride(0))(k, v, kp, vp, slots)
-    return run
-
-
-def write_variants(candidates: bool) -> dict:
-    out = {"old": write_variant(lambda N, W, skn, svn: Launch(_old_paged_write, (N,), (W, skn, svn), dict(
-               BLOCK=triton.next_power_of_2(W)))),
-           "new": elementwise.paged_write}
-    for rows, warps in WRITE_CANDIDATES if candidates else ():
-        cfg = dict(ROWS=rows, BLOCK=HK * HD, num_warps=warps)
-        out[f"r{rows}w{warps}"] = write_variant(lambda N, W, skn, svn, cfg=cfg: Launch(
-            elementwise.paged_write_kernel, (triton.cdiv(N, cfg["ROWS"]),), (N, W, skn, svn), cfg))
     return out
 
 
@@ -198,41 +163,13 @@ def norm_case(D: int, R: int, resid: bool, candidates: bool, g) -> dict:
             "new_equals_old": {k: bits(eager["new"][i], eager["old"][i]) for i, k in enumerate(("y", "s"))}}
 
 
-def write_case(N: int, candidates: bool, g) -> dict:
-    slots_total = 16 * max(N, 256) * 4
-    sets = []
-    for _ in range(LAYERS):
-        kp = torch.zeros(slots_total // 16, 16, HK, HD, dtype=BF, device=DEV)
-        sets.append((kp, torch.zeros_like(kp), torch.randperm(slots_total, device=DEV, generator=g)[:N],
-                     torch.randn(N, HK, HD, device=DEV, generator=g).to(BF),
-                     torch.randn(N, HK, HD, device=DEV, generator=g).to(BF)))
-    kp, vp, slots, k, v = sets[0]
-    want_k, want_v = kp.clone(), vp.clone()
-    want_k.flatten(0, 1).index_copy_(0, slots, k)
-    want_v.flatten(0, 1).index_copy_(0, slots, v)
-    variants = write_variants(candidates)
-    equal = {}
-    for n, f in variants.items():
-        kp.zero_()
-        vp.zero_()
-        f(kp, vp, slots, k, v)
-        equal[n] = bits(kp, want_k) and bits(vp, want_v)
-    fns = {n: (lambda f=f: [f(*s) for s in sets]) for n, f in variants.items()}
-    t, _ = timed(fns)
-    nbytes = 4 * N * HK * HD * 2 + N * 8
-    return {"op": "paged_write", "rows": N, "W": HK * HD, **speeds(t, nbytes),
-            "config_new": elementwise.paged_write_config(N, HK * HD, num_sms(kp.device)),
-            "equal_to_index_copy": equal}
-
-
 def summary(rows: list) -> dict:
-    def pick(op, D=None):
-        return {str(r["rows"]): round(r["speedup_new_vs_old"], 3) for r in rows if r["op"] == op and r.get("D") == D}
-    ok = all(all(r.get("rows_alone_equal_rows_in_batch", r.get("equal_to_index_copy")).values()) for r in rows)
+    def pick(op, D):
+        return {str(r["rows"]): round(r["speedup_new_vs_old"], 3) for r in rows if r["op"] == op and r["D"] == D}
+    ok = all(all(r["rows_alone_equal_rows_in_batch"].values()) for r in rows)
     return {"speedup_rmsnorm_d2048": pick("rmsnorm", 2048), "speedup_add_rmsnorm_d2048": pick("add_rmsnorm", 2048),
-            "speedup_rmsnorm_d128": pick("rmsnorm", 128), "speedup_paged_write": pick("paged_write"),
-            "bits_checks_pass": ok, "slower_cases": [f"{r['op']} D={r.get('D')} rows={r['rows']}" for r in rows
-                                                     if r["speedup_new_vs_old"] < 0.97]}
+            "speedup_rmsnorm_d128": pick("rmsnorm", 128), "bits_checks_pass": ok,
+            "slower_cases": [f"{r['op']} D={r['D']} rows={r['rows']}" for r in rows if r["speedup_new_vs_old"] < 0.97]}
 
 
 def main() -> None:
@@ -248,27 +185,20 @@ def main() -> None:
                 rows.append(norm_case(D, R, resid, a.candidates, g))
                 print(rows[-1]["op"], D, R, {k: round(v, 2) for k, v in rows[-1]["us"].items()}, flush=True)
                 torch.cuda.empty_cache()
-        for N in WRITE_ROWS:
-            rows.append(write_case(N, a.candidates, g))
-            print("paged_write", N, {k: round(v, 2) for k, v in rows[-1]["us"].items()}, flush=True)
-            torch.cuda.empty_cache()
     s = summary(rows)
-    what = (f"RMSNorm forward and the paged KV write on one H200 (16 launches in a CUDA graph, median per launch), "
-            f"the tree's kernels vs one program per row: new/old speed rmsnorm D 2048 {s['speedup_rmsnorm_d2048']}, "
-            f"add_rmsnorm D 2048 {s['speedup_add_rmsnorm_d2048']}, q/k norms D 128 {s['speedup_rmsnorm_d128']} "
-            f"(by rows), paged write {s['speedup_paged_write']}; rows alone == rows in the batch and the write == "
-            f"index_copy in every case: {s['bits_checks_pass']}.")
+    what = (f"RMSNorm forward on one H200 (16 launches in a CUDA graph, median per launch), the tree's kernel vs "
+            f"one program per row: new/old speed rmsnorm D 2048 {s['speedup_rmsnorm_d2048']}, add_rmsnorm D 2048 "
+            f"{s['speedup_add_rmsnorm_d2048']}, q/k norms D 128 {s['speedup_rmsnorm_d128']} (by rows); rows alone "
+            f"== rows in the batch in every case: {s['bits_checks_pass']}.")
     print("wrote", write("norm_H200", {"summary": s, "rows": rows, "what_it_shows": what,
                                        "hbm_peak_bytes_per_s": PEAK, "layers": LAYERS}, a.out))
     print(f"{'op':12s} {'D':>5s} {'rows':>7s} {'old us':>8s} {'new us':>8s} {'x':>5s} {'new %HBM':>8s}  bits  "
           f"candidates us")
     for r in rows:
-        chk = r.get("rows_alone_equal_rows_in_batch", r.get("equal_to_index_copy"))
-        eq = "" if r["op"] == "paged_write" else f" y==old {r['new_equals_old']['y']}"
         cand = " ".join(f"{k} {v:.2f}" for k, v in r["us"].items() if k not in ("old", "new"))
-        print(f"{r['op']:12s} {r.get('D', '-'):>5} {r['rows']:7d} {r['us']['old']:8.2f} {r['us']['new']:8.2f} "
+        print(f"{r['op']:12s} {r['D']:>5} {r['rows']:7d} {r['us']['old']:8.2f} {r['us']['new']:8.2f} "
               f"{r['speedup_new_vs_old']:5.2f} {100 * r['fraction_of_hbm_peak']['new']:7.1f}%  "
-              f"{all(chk.values())}{eq}  {cand}")
+              f"{all(r['rows_alone_equal_rows_in_batch'].values())} y==old {r['new_equals_old']['y']}  {cand}")
     print("summary", s)
     if not s["bits_checks_pass"]:
         sys.exit(1)

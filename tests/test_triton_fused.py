@@ -108,25 +108,6 @@ def test_paged_write_equals_index_copy(backend):
     assert not same_bits(kp2, want_k)
 
 
-def test_paged_write_with_several_rows_a_program_equals_index_copy():
-    # enough rows that a program writes several (paged_write_config), the last program's rows partly past N
-    from rlalign.kernels.triton import elementwise
-
-    P, ps, hk, d, n = 12, 4, 2, 16, 45
-    assert elementwise.paged_write_config(n, hk * d, 4)["ROWS"] > 1  # the interpreter's 4 SMs
-    kp = torch.zeros(P, ps, hk, d, dtype=torch.bfloat16, device=DEV)
-    vp = torch.zeros_like(kp)
-    k, v = _randn(n, hk, d, seed=8), _randn(n, hk, d, seed=9)
-    slots = torch.randperm(P * ps, generator=torch.Generator().manual_seed(3))[:n].to(DEV)
-    want_k, want_v = kp.clone(), vp.clone()
-    want_k.flatten(0, 1).index_copy_(0, slots, k)
-    want_v.flatten(0, 1).index_copy_(0, slots, v)
-    tb.paged_write(kp, vp, slots, k, v)
-    assert same_bits(kp, want_k) and same_bits(vp, want_v)
-    tb.paged_write(kp, vp, slots.flip(0), k, v)  # negative twin: the rows to other slots
-    assert not same_bits(kp, want_k)
-
-
 def test_paged_write_refuses_pages_of_another_shape():
     kp = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="paged_write"):

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, cached, check_inputs, num_sms
+from .common import Launch, cached, check_inputs
 
 _EW_BLOCK = 1024
 
@@ -224,30 +224,15 @@ def rope(x, cos, sin):
 
 
 # --- the KV-cache write of an engine step -----------------------------------------------------------------
-@triton.jit(do_not_specialize=["N"])
-def paged_write_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, N, W, skn, svn, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows [p*ROWS, (p+1)*ROWS) of k and v (W = Hk * D contiguous elements each) into slots slots[n] of
-    the flat pages."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    s = tl.load(slot_ptr + rows, mask=rows < N, other=0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = (rows < N)[:, None] & (cols < W)[None, :]
-    n = rows.to(tl.int64)[:, None]
-    dst = s[:, None] * W + cols[None, :]
-    tl.store(kp_ptr + dst, tl.load(k_ptr + n * skn + cols[None, :], mask=m), mask=m)
-    tl.store(vp_ptr + dst, tl.load(v_ptr + n * svn + cols[None, :], mask=m), mask=m)
-
-
-_PAGED_WRITE_TILE = 2048  # elements of k (and of v) per program at most
-
-
-def paged_write_config(N: int, W: int, sms: int) -> dict:
-    """Rows per program: a power of two, up to _PAGED_WRITE_TILE elements, while two programs per SM
-    remain (a copy: any split gives the same bits); warps for 8 elements a thread, 4 at most."""
-    block = triton.next_power_of_2(W)
-    rows = max(1, min(_PAGED_WRITE_TILE // block, N // (2 * sms)))
-    rows = 1 << (rows.bit_length() - 1)
-    return dict(ROWS=rows, BLOCK=block, num_warps=max(1, min(4, rows * block // 256)))
+@triton.jit
+def _paged_write(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, W, skn, svn, BLOCK: tl.constexpr):
+    """Row n of k and v (W = Hk * D contiguous elements each) into slot slots[n] of the flat pages."""
+    n = tl.program_id(0).to(tl.int64)
+    s = tl.load(slot_ptr + n).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < W
+    tl.store(kp_ptr + s * W + offs, tl.load(k_ptr + n * skn + offs, mask=m), mask=m)
+    tl.store(vp_ptr + s * W + offs, tl.load(v_ptr + n * svn + offs, mask=m), mask=m)
 
 
 def paged_write(k_pages, v_pages, slots, k, v) -> None:
@@ -264,10 +249,8 @@ def paged_write(k_pages, v_pages, slots, k, v) -> None:
                          f"slots {tuple(slots.shape)} do not fit")
     k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
     if N:
-        def plan():
-            cfg = paged_write_config(N, W, num_sms(k.device))
-            return Launch(paged_write_kernel, (triton.cdiv(N, cfg["ROWS"]),), (N, W, k.stride(0), v.stride(0)), cfg)
-        cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype, k.device), plan)(
+        cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype), lambda: Launch(
+            _paged_write, (N,), (W, k.stride(0), v.stride(0)), dict(BLOCK=triton.next_power_of_2(W))))(
             k, v, k_pages, v_pages, slots.contiguous())
 
 
