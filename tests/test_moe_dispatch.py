@@ -33,9 +33,10 @@ def test_triton_dispatch_equals_the_torch_counting_sort(n, e, skew):
 
 @pytest.mark.parametrize("n,e,skew", [(5000, 3, False), (777, 5, True), (4097, 8, False), (2049, 2, True)])
 def test_triton_dispatch_in_segments_equals_the_torch_counting_sort(n, e, skew, monkeypatch):
-    """Past SEGMENT_ROWS (lowered here) the rows are counted and placed per (expert, segment): the same
-    integers."""
+    """Past SEGMENT_ROWS (lowered here) the rows are counted and placed per (expert, segment of SEGMENT
+    rows, a block each): the same integers."""
     monkeypatch.setattr(dispatch, "SEGMENT_ROWS", 100)
+    monkeypatch.setattr(dispatch, "SEGMENT", 256)
     flat = _ids(n, e, seed=n * e, skew=skew)
     for w, g in zip(dispatch_torch(flat, e), dispatch.moe_dispatch(flat, e), strict=True):
         assert torch.equal(g, w)
@@ -54,3 +55,19 @@ def test_triton_dispatch_gives_an_id_outside_the_experts_no_group_and_a_safe_des
     assert counts.tolist() == [1, 1, 1, 2, 0, 0, 0, 0]
     assert dest[1] == 0 and dest[5] == 0
     assert order[:5].tolist() == [4, 2, 6, 0, 3] and dest[[0, 2, 3, 4, 6]].tolist() == [3, 1, 4, 0, 2]
+
+
+def test_triton_dispatch_in_segments_gives_an_id_outside_the_experts_no_group(monkeypatch):
+    """The segmented path: rows with id == num_experts in several segments get dest 0 and no group, the
+    others the torch counting sort's places among themselves (twin: with those rows moved to expert 0,
+    expert 0's count changes)."""
+    monkeypatch.setattr(dispatch, "SEGMENT_ROWS", 10)
+    monkeypatch.setattr(dispatch, "SEGMENT", 16)
+    flat = _ids(70, 8, seed=5)
+    flat[[3, 20, 21, 69]] = 8
+    order, dest, counts = dispatch.moe_dispatch(flat, 8)
+    good = flat < 8
+    w_order, w_dest, w_counts = dispatch_torch(flat[good], 8)
+    assert torch.equal(counts, w_counts) and bool((dest[~good] == 0).all())
+    assert torch.equal(dest[good], w_dest) and torch.equal(order[:66], good.nonzero()[:, 0][w_order])
+    assert not torch.equal(dispatch.moe_dispatch(torch.where(good, flat, 0), 8)[2], counts)

@@ -197,6 +197,32 @@ def test_router_and_rope_kernels_match_the_reference_row_by_row(renorm):
     assert same_bits(tb.rope(x[4:6], cos[4:6], sin[4:6]), outs[0][0][4:6])
 
 
+@pytest.mark.parametrize("experts", [12, 16])
+def test_router_picks_by_one_key_max_ties_lowest_id_and_nan_rows_no_expert(experts):
+    """Each pick is the largest remaining weight, ties to the lowest id, weights in pick order (a torch
+    sort of the kernel's own softmax values by (-p, id)); a row with a NaN or infinite logit gets ids
+    outside [0, E) (no expert; the dispatch leaves it in no group) while its neighbours keep theirs.
+    Twins: a row of distinct logits reversed picks other ids; a finite row's ids are experts."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, experts, generator=g)
+    z[1] = z[1].round()  # exact ties
+    z[2, :4] = 2.5
+    z[4, 3] = float("nan")
+    z[5, 0] = float("inf")
+    w, ids = tb.moe_route(z.to(DEV), 4, False)
+    w, ids = w.cpu(), ids.cpu()
+    for r in range(4):
+        p = w[r]
+        assert torch.equal(ids[r], torch.tensor(sorted(range(experts), key=lambda e: (-z[r, e].item(), e))[:4]))
+        assert torch.equal(p, p.sort(descending=True, stable=True).values)
+    assert ids[2].tolist() == [0, 1, 2, 3]
+    assert bool(((ids[4:] >= experts) & (ids[4:] < 2 * experts)).all())
+    assert not bool(((w[4:] >= 0) & (w[4:] <= 1)).any())  # NaN, or the padding's -1: no probability
+    assert bool((ids[:4] < experts).all())
+    flipped = tb.moe_route(z[:1].flip(1).to(DEV), 4, False)[1].cpu()
+    assert not torch.equal(flipped, ids[:1])
+
+
 def test_embedding_backward_sums_each_tokens_rows_in_order_without_atomics():
     # equal to the sequential index backward (position order), bits; repeated tokens and unused rows
     g = torch.Generator().manual_seed(8)

@@ -4,11 +4,12 @@ compare, scan, gathers, scatter, ~12 launches) costs more than the experts' GEMM
 One program per expert e, all independent (no atomics, no grid sync): it counts the rows whose expert
 is below e (its group's first place) and equal to e (its count), then walks the rows again in blocks,
 placing its own rows in order (place = start + rows of e before this one: a running count plus a scan
-of the block). A training micro-batch's rows go in segments: a first launch counts them per (expert,
-segment), the second places each segment's rows from those counts (~8 programs per expert). Integers
+of the block). Past SEGMENT_ROWS rows (a 2,048-token decode step of bench-moe-large has 16k, a training
+micro-batch ~80k) they go in segments: a first launch counts them per (expert, segment of SEGMENT
+rows), the second places each segment's rows from those counts, one block per program. Integers
 only: the same `order`, `dest`, `counts` as the torch version, exactly
-(tests/test_moe_dispatch.py, tests/gpu/test_engine_gpu.py). Each program reads the ids twice from L2
-(2,048 at a 256-row decode step of bench-moe-large, ~80k in a training micro-batch)."""
+(tests/test_moe_dispatch.py, tests/gpu/test_engine_gpu.py). Every expert's programs read all the ids
+(from L2), twice: rows x experts reads, spread over experts x segments programs."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, cached, num_sms
+from .common import Launch, cached
 
 # rows per launch: the ids are read twice by every expert's program (from L2), so the cost grows
 # with rows x experts; beyond this the torch version's parallel launches take over. A training
 # micro-batch of bench-moe-large is ~80k rows (10k tokens x top-8): the torch version's [E, N] compare
 # and scan took ~0.15 ms of device time per MoE layer there
 MAX_ROWS = 1 << 20
-SEGMENT_ROWS = 16384  # past this, each expert's rows are counted and placed in segments (two launches)
+SEGMENT_ROWS = 4096  # past this, each expert's rows are counted and placed in segments (two launches)
+SEGMENT = 1024  # rows per segment: one block per (expert, segment) program, ~1k programs at 2,048 tokens x top-8
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -58,6 +60,7 @@ def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, cnt_ptr, blw_ptr,
         hi = tl.minimum(N, lo + SEG)
         if s == 0:
             tl.store(counts_ptr + e, count.to(tl.int64))
+        todo = tl.sum(tl.where(ss == s, cnt, 0), 0)  # this segment's rows of e
     else:
         below = tl.zeros((BLOCK,), dtype=tl.int32)
         mine = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -69,10 +72,11 @@ def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, cnt_ptr, blw_ptr,
         count = tl.sum(mine, axis=0)
         tl.store(counts_ptr + e, count.to(tl.int64))
         run = tl.sum(below, axis=0)  # the group's first place, then its next free one
+        todo = count
         lo = 0
         hi = N
     for n0 in range(lo, hi, BLOCK):
-        if count > 0 or e == 0:
+        if todo > 0 or e == 0:
             rows = n0 + tl.arange(0, BLOCK)
             x = tl.load(ids_ptr + rows, mask=rows < hi, other=E).to(tl.int32)
             hit = (x == e).to(tl.int32)
@@ -87,7 +91,8 @@ def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, cnt_ptr, blw_ptr,
 def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, dest, counts) of the expert ids `flat` [N] (int64, token-major): see
     rlalign.model.model.dispatch. N <= MAX_ROWS. Past SEGMENT_ROWS rows, two launches: each expert's
-    rows counted per segment, then placed per (expert, segment) (~8 programs per expert instead of one)."""
+    rows counted per segment of SEGMENT rows, then placed per (expert, segment): a program per block of
+    rows, not one walking N / SEGMENT blocks in turn."""
     N = flat.numel()
     if N > MAX_ROWS:
         raise ValueError(f"triton moe_dispatch: {N} rows exceed MAX_ROWS={MAX_ROWS} (use the torch version)")
@@ -97,10 +102,12 @@ def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     counts = torch.empty(num_experts, dtype=torch.long, device=flat.device)
     if num_experts == 0:
         return order, dest, counts
-    block = max(16, min(2048, triton.next_power_of_2(max(N, 1))))  # a decode step's rows in one block
-    segs = 1 if N <= SEGMENT_ROWS else max(1, 4 * num_sms(flat.device) // num_experts)
-    seg = block * triton.cdiv(triton.cdiv(max(N, 1), segs), block)
-    S = triton.cdiv(max(N, 1), seg)
+    if N <= SEGMENT_ROWS:  # one program per expert, a decode step's rows in one or two blocks
+        block = max(16, min(2048, triton.next_power_of_2(max(N, 1))))
+        seg = N
+    else:
+        block = seg = SEGMENT
+    S = triton.cdiv(max(N, 1), max(seg, 1))
     cnt = torch.empty(num_experts * S, dtype=torch.int32, device=flat.device)
     blw = torch.empty_like(cnt)
     if S > 1:

@@ -13,14 +13,15 @@ from .gemm import grouped_mm, grouped_wgrad
 
 
 @triton.jit
-def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, K, Dm, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _combine_fwd(y_ptr, w_ptr, o_ptr, rows_ptr, Dm, K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """out[t, chunk] = sum_j w[t, j] * y[t, j, chunk] in fp32, slot 0 first; program (t, chunk of BLOCK
     columns): elementwise along the row, so the chunking never changes a bit. ROWS: y[t, j] is row
-    rows[t * K + j] of y [R, Dm] (the expert outputs in dispatch order, read in place)."""
+    rows[t * K + j] of y [R, Dm] (the expert outputs in dispatch order, read in place). K is unrolled:
+    the K row indices and rows are loaded together, not one slot's after the other's."""
     t = tl.program_id(0).to(tl.int64)  # (t * K + j) * Dm passes 2**31 for large token counts
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(K):
+    for j in tl.static_range(K):
         wj = tl.load(w_ptr + t * K + j)
         if ROWS:
             row = tl.load(rows_ptr + t * K + j)
@@ -69,7 +70,8 @@ def _combine(y, w, rows=None):
         rows = w if rows is None else rows.contiguous()  # the pointer slot, unread without ROWS
         block = min(_COMBINE_BLOCK, triton.next_power_of_2(Dm))
         cached(("combine", T, K, Dm, y.dtype, rows.dtype, rows is w, block), lambda: Launch(
-            _combine_fwd, (T, triton.cdiv(Dm, block)), (K, Dm), dict(BLOCK=block, ROWS=rows is not w, num_warps=2)))(
+            _combine_fwd, (T, triton.cdiv(Dm, block)), (Dm,), dict(K=K, BLOCK=block, ROWS=rows is not w,
+                                                                       num_warps=2)))(
             y, w, out, rows)
     return y, w, out
 
@@ -123,26 +125,46 @@ def moe_combine(y, weights):
 
 # --- router: softmax + top-k (+ renormalise), fwd/bwd ----------------------------------------------
 @triton.jit
-def _route_fwd(z_ptr, w_ptr, id_ptr, E, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_fwd(z_ptr, w_ptr, id_ptr, E, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """One row: fp32 softmax over the E logits, then K times the largest remaining probability (ties
-    to the lowest expert id), weights renormalised over the K picks (summed in pick order)."""
+    to the lowest expert id), weights renormalised over the K picks (summed in pick order). A pick is
+    one max over int64 keys (the probability's bits above, BLOCK_E - 1 - id below: probabilities are
+    >= +0 and the padding -1, so the keys order as (probability, -id)). A row with NaN or infinite
+    logits (a NaN sum) gets K times the pick of a max-then-lowest-id search over its probabilities
+    (weight max(p), id E: no expert), which removes nothing."""
     row = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     z = tl.load(z_ptr + row * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z, axis=0))
-    p = p / tl.sum(p, axis=0)
+    s = tl.sum(p, axis=0)
+    p = p / s
     p = tl.where(e < E, p, -1.0)
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    bad = s != s
+    nan_pick = s
+    nan_id = E
+    if bad:
+        nan_pick = tl.max(p, axis=0)
+        nan_id = tl.min(tl.where(p == nan_pick, e, BLOCK_E), axis=0)
+    slot = tl.arange(0, BLOCK_K)
+    w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
     total = 0.0
     for j in tl.static_range(K):
-        mx = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == mx, e, BLOCK_E), axis=0)
-        tl.store(w_ptr + row * K + j, mx)
-        tl.store(id_ptr + row * K + j, idx.to(tl.int64))
+        key = tl.max(keys, axis=0)
+        hi = key >> 32
+        idx = BLOCK_E - 1 - (key - (hi << 32))
+        keys = tl.where(e == idx, -(1 << 62), keys)
+        mx = tl.where(bad, nan_pick, hi.to(tl.int32).to(tl.float32, bitcast=True))
+        idx = tl.where(bad, nan_id, idx)
+        w = tl.where(slot == j, mx, w)
+        ids = tl.where(slot == j, idx, ids)
         total = total + mx
-        p = tl.where(e == idx, -1.0, p)
     if RENORM:
-        for j in tl.static_range(K):
-            tl.store(w_ptr + row * K + j, tl.load(w_ptr + row * K + j) / total)
+        w = w / total
+    tl.store(w_ptr + row * K + slot, w, mask=slot < K)
+    tl.store(id_ptr + row * K + slot, ids, mask=slot < K)
 
 
 @triton.jit
@@ -172,14 +194,23 @@ def _route_bwd(z_ptr, w_ptr, id_ptr, g_ptr, dz_ptr, E, K: tl.constexpr, RENORM: 
     tl.store(dz_ptr + row * E + e, dz.to(dz_ptr.dtype.element_ty), mask=e < E)
 
 
+def route_warps(block_e: int) -> int:
+    """Warps of a router program: one logit per thread and no copied warps (64 experts: 2), up to 4.
+    A sum's order is set by the distinct values per thread and per warp: the order 4 warps give (they
+    hold a 64-expert row twice)."""
+    return max(1, min(4, block_e // 32))
+
+
 def _route(logits, k, renorm):
     T, E = logits.shape
+    block_e = max(16, triton.next_power_of_2(E))
+    warps = route_warps(block_e)
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T:
-        cached(("route", T, E, k, renorm, logits.dtype), lambda: Launch(
-            _route_fwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=max(16, triton.next_power_of_2(E)))))(
-            logits, w, ids)
+        cached(("route", T, E, k, renorm, logits.dtype, warps), lambda: Launch(
+            _route_fwd, (T,), (E,), dict(K=k, RENORM=renorm, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+                                         num_warps=warps)))(logits, w, ids)
     return w, ids
 
 
