@@ -195,13 +195,13 @@ CANDIDATES = {**SMALL, **LARGE}
 
 def with_grouped(cfg: dict | None, fn):
     """fn() with every grouped-GEMM bucket in cfg (None: the pinned tables)."""
-    saved = gemm.GROUPED_SMALL_M[BF]
+    saved = gemm.GROUPED_SMALL_M[BF], gemm.GROUPED_SHORT_K[BF]
     if cfg is not None:
-        gemm.GROUPED_SMALL_M[BF] = [(1 << 30, cfg)]
+        gemm.GROUPED_SMALL_M[BF], gemm.GROUPED_SHORT_K[BF] = [(1 << 30, cfg)], None
     try:
         return fn()
     finally:
-        gemm.GROUPED_SMALL_M[BF] = saved
+        gemm.GROUPED_SMALL_M[BF], gemm.GROUPED_SHORT_K[BF] = saved
 
 
 def expert_rows(T: int, g: torch.Generator) -> dict:

@@ -46,19 +46,20 @@ CANDIDATES = {  # "pinned": the op set's own tables (what a decode step runs tod
 }
 
 
-SAVED = (dict(gemm.MATMUL_CONFIGS[BF]), gemm.MATMUL_SMALL_M[BF], gemm.GROUPED_SMALL_M[BF])
+SAVED = (dict(gemm.MATMUL_CONFIGS[BF]), gemm.MATMUL_SMALL_M[BF], gemm.GROUPED_SMALL_M[BF], gemm.GROUPED_SHORT_K[BF])
 TABLES: list = []
 
 
 def use(cfg: dict | None) -> None:
     """Every GEMM of the op set in cfg (main config, no small-M or grouped buckets); None: the pinned tables."""
     if cfg is None:
-        gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF], gemm.GROUPED_SMALL_M[BF] = dict(SAVED[0]), *SAVED[1:]
+        gemm.MATMUL_CONFIGS[BF], gemm.MATMUL_SMALL_M[BF], gemm.GROUPED_SMALL_M[BF], gemm.GROUPED_SHORT_K[BF] = (
+            dict(SAVED[0]), *SAVED[1:])
     else:  # a new small-M table object each time: linear's plans are keyed by its id (kept alive: no reuse)
         gemm.MATMUL_CONFIGS[BF] = dict(cfg)
         gemm.MATMUL_SMALL_M[BF] = (0, 0, SAVED[1][2])
         TABLES.append(gemm.MATMUL_SMALL_M[BF])
-        gemm.GROUPED_SMALL_M[BF] = []
+        gemm.GROUPED_SMALL_M[BF], gemm.GROUPED_SHORT_K[BF] = [], None
 
 
 def shapes(T: int, g: torch.Generator) -> dict:

@@ -349,6 +349,12 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert gemm._grouped_config(bf, 33)["BLOCK_N"] == 256 and gemm._grouped_config(bf, 128)["BLOCK_M"] == 64
     assert gemm._grouped_config(bf, 256) == dict(gemm.MATMUL_CONFIGS[bf], num_stages=4)
     assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
+    # short K (the experts' down, K 768, weights K-contiguous) past 128 rows per group: the main tiles, the tile
+    # loop flattened
+    flat = dict(gemm.MATMUL_CONFIGS[bf], FLATTEN=True)
+    assert gemm._grouped_config(bf, 129, 768) == gemm._grouped_config(bf, 10**6, 64) == flat
+    assert gemm._grouped_config(bf, 128, 768)["BLOCK_M"] == 64
+    assert gemm._grouped_config(bf, 129, 769) == gemm._grouped_config(bf, 129) == gemm._grouped_config(bf, 256)
     main = gemm.MATMUL_CONFIGS[bf]
     for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL)]:  # the main K chunks, cut
         assert cfg["BLOCK_K"] % main["BLOCK_K"] == 0 and cfg["BLOCK_M"] in (64, main["BLOCK_M"])

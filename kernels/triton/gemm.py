@@ -62,6 +62,13 @@ _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_
                   (128, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)),
                   (256, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
+# Short K (at most 768: <= 12 K chunks a tile, the experts' down [768 -> 2048]) past 128 rows per group, weights
+# read K-contiguous (the forward; dX's N-contiguous weights ran flattened at half speed): the main tiles with the
+# tile loop flattened (the next tile's loads under this one's epilogue): bench-moe-large's down at 2,048 / 4,096
+# / 8,192 tokens 136-143 -> 125-126, 227-261 -> 207-218, 448-467 -> 390-393 us, bits equal
+# (experiments/sweep_grouped_sched.py, counts from a router and iid). (max K, past rows per group, config)
+_SHORT_K = (768, 128, dict(MATMUL_CONFIGS[torch.bfloat16], FLATTEN=True))
+GROUPED_SHORT_K: dict = {torch.bfloat16: _SHORT_K, torch.float16: _SHORT_K}
 # The grouped weight gradient (dW[e] = g_e^T x_e, K = the expert's rows): the main tiles with 4 stages and
 # the tile loop flattened (the next tile's loads under this one's epilogue: ~20 K steps a tile at a training
 # micro-batch's ~1,250 rows per expert): bench-moe-large's gate_up dW 534 -> 584 TFLOP/s, down_proj's
@@ -287,8 +294,12 @@ def _wgrad_config(dtype) -> dict:
     return dict(GROUPED_WGRAD[dtype]) if dtype in GROUPED_WGRAD and not INTERPRET else _config(dtype)
 
 
-def _grouped_config(dtype, rows: int) -> dict:
-    """The pinned config of the grouped GEMM (forward, dX) at `rows` rows per group."""
+def _grouped_config(dtype, rows: int, k: int | None = None) -> dict:
+    """The pinned config of the grouped GEMM (forward, dX) at `rows` rows per group and K = k of K-contiguous
+    weights (None: any K, or weights read otherwise)."""
+    short = None if INTERPRET or k is None else GROUPED_SHORT_K.get(dtype)
+    if short is not None and k <= short[0] and rows > short[1]:
+        return dict(short[2])
     return _config(dtype, rows, GROUPED_SMALL_M)
 
 
@@ -560,12 +571,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tenso
         w = w.contiguous()
     x = _usable(x)
     if isinstance(counts, torch.Tensor):  # the sizes are unknown here: rows per group guessed as R / min(E, R)
-        cfg = _grouped_config(x.dtype, -(-R // min(w.shape[0], R)))
+        cfg = _grouped_config(x.dtype, -(-R // min(w.shape[0], R)), x.shape[1] if w.stride(2) == 1 else None)
         _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1], (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1),
                      (x.stride(0) if rows is None else 0, 0, w.stride(0), N, 0), False, cfg, rows, per)
         return out
     groups = sum(1 for c in counts if c)
-    cfg = _grouped_config(x.dtype, -(-R // max(groups, 1)))
+    cfg = _grouped_config(x.dtype, -(-R // max(groups, 1)), x.shape[1] if w.stride(2) == 1 else None)
     st = _starts(counts)
     probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
     _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1), cfg)
