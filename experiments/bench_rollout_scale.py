@@ -1,11 +1,11 @@
 """Rollouts at scale on one GPU: the native engine (deterministic Triton kernels, CUDA graphs, the
 config defaults) at a few batch sizes, plain sampling (T 1) and top-p (T 0.8, top-p 0.95) on the
 same prompts. Each run makes --calls generate() calls on one engine (what an RL run does once per
-step); the last call is the one timed (its graphs were captured by the first) and its tokens are
-rescored by the trainer (0 mismatched expected).
+step, seeds 7, 8, ...); the first captures the graphs, the last --timed calls are timed (tokens/s:
+their median) and every timed call's tokens are rescored by the trainer (0 mismatched expected).
 
     python experiments/bench_rollout_scale.py [--model bench-moe-large] [--cases 256x256,2048x256]
-        [--calls 2] [--budget-s 80] [--max-batched N] [--out DIR] [--name rollout_scale_h200]
+        [--calls 2] [--timed 1] [--budget-s 80] [--max-batched N] [--out DIR] [--name rollout_scale_h200]
 
 Roofline per decode step: max(memory time, compute time). Memory: the weights the step reads
 (dense, the lm head, the experts its rows route to if routing is uniform) plus every live row's
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from record import RESULTS, write  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
+from rlalign.training.scoring import score  # noqa: E402
 
 BF16_DENSE_PEAK = {"H200": 989.4e12, "H100": 989.4e12}  # FLOP/s, dense (no sparsity)
 SAMPLING = {"plain": dict(temperature=1.0), "top_p": dict(temperature=0.8, top_p=0.95)}
@@ -73,6 +75,22 @@ def roofline(args, model, rollouts, hbm_peak: float, flop_peak: float) -> dict:
             "active_params_per_token": n_dense_matmul + k * per_expert}
 
 
+def timed(model, outs: list, r: dict, params: SamplingParams, n: int) -> None:
+    """r's speed as the median of the last n calls' tokens/s; the n - 1 calls before the last (which run()
+    rescored) rescored by the trainer too, their mismatches added."""
+    if not 1 <= n <= len(outs) - 1:
+        raise ValueError(f"--timed {n}: must be 1 .. calls - 1 = {len(outs) - 1} (the first call captures)")
+    rates = sorted(r["calls_tokens_per_s"][-n:])
+    r.update(tokens_per_s=rates[n // 2] if n % 2 else (rates[n // 2 - 1] + rates[n // 2]) / 2, timed_calls=n)
+    r["seconds"] = r["tokens"] / r["tokens_per_s"]
+    for c in range(len(outs) - n, len(outs) - 1):
+        rolls = outs[c]
+        with torch.no_grad():
+            lps = score(model, [x.prompt for x in rolls], [x.tokens for x in rolls], micro_batch_size=64,
+                        **replace(params, seed=params.seed + c).logprob_kwargs())
+        r["mismatched_tokens"] += sum(int((x.logprobs != lp.float().cpu()).sum()) for x, lp in zip(rolls, lps))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bench-moe-large")
@@ -80,6 +98,7 @@ def main() -> None:
     ap.add_argument("--sampling", default="plain,top_p")
     ap.add_argument("--calls", type=int, default=2,
                     help="generate() calls per run (seeds 7, 8, ...): the first captures, the last is timed")
+    ap.add_argument("--timed", type=int, default=1, help="the last this many calls are timed (median) and rescored")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: no limit)")
     ap.add_argument("--max-batched", type=int, default=None,
                     help="generator.max_num_batched_tokens (default: the config default)")
@@ -122,6 +141,7 @@ def main() -> None:
                 results[f"{case}_{name}"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(case, name, "FAILED", results[f"{case}_{name}"]["error"], flush=True)
                 continue
+            timed(model, outs, r, params, a.timed)
             roof = roofline(args, model, outs[-1], hbm, flops)
             r.update(roofline=roof, fraction_of_roofline=r["tokens_per_s"] / roof["roofline_tokens_per_s"],
                      sampling=SAMPLING[name])
