@@ -343,20 +343,20 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
     # a decode step's router [64, 2048] at 2,048 rows: 16 main tiles, the 128-column member
     assert pick(2048, 64) == (128, False, False) and pick(1024, 2048) == (128, False, True)
-    # grouped: 64 x 128 tiles with two programs per SM up to 32 rows per expert, 64 x 256 tiles up to 128,
-    # the main tiles with a fourth stage up to 256, then the main config
+    # grouped: 64 x 128 tiles with two programs per SM up to 32 rows per expert; up to 128 the main tiles with a
+    # fourth stage, a program per tile, an expert's last tile of <= 64 rows half high; up to 256 the main tiles
+    # with a fourth stage, then the main config; short K (the experts' down, K 768, weights read
+    # K-contiguous) past 128 rows per group: the main tiles, the tile loop flattened
     assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["PER_SM"] == 2
-    assert gemm._grouped_config(bf, 33)["BLOCK_N"] == 256 and gemm._grouped_config(bf, 128)["BLOCK_M"] == 64
+    half = dict(gemm.MATMUL_CONFIGS[bf], num_stages=4, HALF_TAIL=True, PER_SM=gemm.TILE_PER_PROGRAM)
+    assert gemm._grouped_config(bf, 33) == gemm._grouped_config(bf, 128, 768) == half
     assert gemm._grouped_config(bf, 256) == dict(gemm.MATMUL_CONFIGS[bf], num_stages=4)
     assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
-    # short K (the experts' down, K 768, weights K-contiguous) past 128 rows per group: the main tiles, the tile
-    # loop flattened
     flat = dict(gemm.MATMUL_CONFIGS[bf], FLATTEN=True)
     assert gemm._grouped_config(bf, 129, 768) == gemm._grouped_config(bf, 10**6, 64) == flat
-    assert gemm._grouped_config(bf, 128, 768)["BLOCK_M"] == 64
     assert gemm._grouped_config(bf, 129, 769) == gemm._grouped_config(bf, 129) == gemm._grouped_config(bf, 256)
     main = gemm.MATMUL_CONFIGS[bf]
-    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL)]:  # the main K chunks, cut
+    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL), flat]:  # the main K chunks, cut
         assert cfg["BLOCK_K"] % main["BLOCK_K"] == 0 and cfg["BLOCK_M"] in (64, main["BLOCK_M"])
 
 
@@ -404,3 +404,35 @@ def test_gemm_flattened_tile_loop_changes_no_bit():
     out = torch.empty(40, 48, device=DEV)
     gemm._gemm(x, w[0].t().contiguous(), out, [(40, 64, 0, 0, 0)], 48, (64, 1, 48, 1, 48, 1), cfg)
     assert same_bits(out, ref_m)
+
+
+def test_gemm_half_tail_tiles_change_no_bit():
+    # HALF_TAIL (a problem's last tile of at most BLOCK_M / 2 rows runs half as high) schedules the same rows
+    # through the same K chunks: device counts (rows read in place or gathered), the host table and a plain
+    # matmul give the main tiles' bits; remainders below, at and past half a tile (the interpreter's 32-row
+    # tiles). Negative twin: half tiles with other K chunks (BLOCK_K 32; the interpreter rounds per chunk)
+    from rlalign.kernels.triton import gemm
+
+    g = torch.Generator().manual_seed(13)
+    counts = [40, 0, 25, 16, 32, 49]
+    R = sum(counts)
+    x = torch.randn(R, 64, generator=g).to(DEV)
+    w = torch.randn(len(counts), 48, 64, generator=g).to(DEV)
+    order = torch.randperm(R, generator=g).to(DEV)
+    base = gemm._config(torch.float32)
+    ref_g = gemm.grouped_mm(x, w, counts)
+    ref_r = gemm.grouped_mm(x, w, torch.tensor(counts, device=DEV), order, 2)
+    assert same_bits(ref_r, gemm.grouped_mm(x[order // 2], w, counts))
+    strides, steps = (64, 1, 1, 64, 48, 1), (64, 0, 48 * 64, 48, 0)
+    probs = [(c, 64, s * 64, e * 48 * 64, s * 48) for e, (c, s) in enumerate(zip(counts, gemm._starts(counts))) if c]
+    for cfg in ({**base, "HALF_TAIL": True}, {**base, "HALF_TAIL": True, "BLOCK_K": 32}):
+        outs = [torch.empty(R, 48, device=DEV) for _ in range(3)]
+        gemm._gemm_counts(x, w, outs[0], torch.tensor(counts, device=DEV), R, 48, 0, 64, strides, steps, False, cfg)
+        gemm._gemm_counts(x, w, outs[1], torch.tensor(counts, device=DEV), R, 48, 0, 64, strides,
+                          (0, *steps[1:]), False, cfg, order, 2)
+        gemm._gemm(x, w, outs[2], probs, 48, strides, cfg)
+        m = torch.empty(40, 48, device=DEV)
+        gemm._gemm(x, w[0].t().contiguous(), m, [(40, 64, 0, 0, 0)], 48, (64, 1, 48, 1, 48, 1), cfg)
+        same = [same_bits(outs[0], ref_g), same_bits(outs[1], ref_r), same_bits(outs[2], ref_g),
+                same_bits(m, tb.matmul(x[:40], w[0].t().contiguous()))]
+        assert same == ([True] * 4 if cfg["BLOCK_K"] == base["BLOCK_K"] else [False] * 4), (cfg, same)

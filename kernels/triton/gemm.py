@@ -57,9 +57,12 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # rows (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile
 # changes under the other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us
 # (3.67 TB/s of weights; a device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal
-# (experiments/bench_decode_bandwidth.py, results/decode_bandwidth_h200.json).
+# (experiments/bench_decode_bandwidth.py, results/decode_bandwidth_h200.json). The main tiles run an expert's
+# last tile of at most 64 rows 64 rows high (HALF_TAIL: ~half the MMAs; counts near 256 +- 16 at 2,048 tokens
+# leave half the experts a third tile of a few rows): MEASURE (experiments/sweep_grouped_sched.py).
+TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
-                  (128, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)),
+                  (128, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM)),
                   (256, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 # Short K (at most 768: <= 12 K chunks a tile, the experts' down [768 -> 2048]) past 128 rows per group, weights
@@ -78,6 +81,49 @@ _WGRAD = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num
 GROUPED_WGRAD: dict = {torch.bfloat16: _WGRAD, torch.float16: _WGRAD}
 
 
+@triton.jit
+def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc, scn,
+          BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+          EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, MASK_M: tl.constexpr,
+          GATHER: tl.constexpr):
+    """C[m0 : m0 + BM, pid_n's BLOCK_N columns] of one problem (_gemm_kernel's flags): K in BLOCK_K chunks, in
+    order, through one fp32 accumulator; a row's bits do not depend on BM."""
+    rm = m0 + tl.arange(0, BM)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
+    rbn = tl.where(rn < N_t, rn, 0)
+    if A_M_CONTIG:
+        ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
+    if GATHER > 0:
+        ram = tl.load(idx_ptr + s_p + ram) // GATHER
+    if B_N_CONTIG:
+        rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            if MASK_M:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
+            else:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
+            b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
+        else:
+            if MASK_M:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak,
+                            mask=(rk[None, :] < K) & (rm[:, None] < M), other=0.0)
+            else:
+                a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
+            b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
+        if UPCAST:
+            acc += host_free_dot(a, b)
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    mask = (rm[:, None] < M) & (rn[None, :] < N_t)
+    tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, acc.to(c_base.dtype.element_ty), mask=mask)
+
+
 # Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
 # otherwise compile a new variant whenever one of them turns divisible by 16 (or equals 1), i.e.
 # in the middle of a run, each new batch composition adding seconds of compilation. The layout
@@ -89,7 +135,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
-                 FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr, GATHER: tl.constexpr):
+                 FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr, GATHER: tl.constexpr,
+                 HALF_TAIL: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -117,7 +164,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
 
     Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid), FLATTEN
     lets triton pipeline the loads of a program's next tile under its current one (one loop over (tile, K
-    chunk)); each tile still runs its own K chunks in order."""
+    chunk)); each tile still runs its own K chunks in order. HALF_TAIL: a problem's last M tile holding at most
+    BLOCK_M / 2 rows runs as a tile BLOCK_M / 2 high (the same K chunks and MMA chain: its rows' bits are the
+    full tile's, at about half the MMAs)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
@@ -163,6 +212,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
             N_t = N
             ldc = scm
         elif SINGLE:
+            s_p = 0
             local = tile
             M = M1
             K = K1
@@ -173,6 +223,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
             ldc = scm
         else:
             p = tl.sum((firsts <= tile).to(tl.int32)) - 1  # the problem this tile belongs to
+            s_p = 0
             row = prob_ptr + p * (8 if PER_N else 6)
             local = (tile - tl.load(row)).to(tl.int32)
             if PER_N:
@@ -204,40 +255,18 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
         size_m = min(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (local % size_m)
         pid_n = (local % in_group) // size_m
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
-        rbn = tl.where(rn < N_t, rn, 0)
-        if A_M_CONTIG:
-            ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
-        if GATHER > 0:
-            ram = tl.load(idx_ptr + s_p + ram) // GATHER
-        if B_N_CONTIG:
-            rbn = tl.max_contiguous(tl.multiple_of(rbn, 16), 16)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
-            rk = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                if MASK_M:
-                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
-                else:
-                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
-                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
+        if HALF_TAIL:  # a last M tile holding at most BLOCK_M / 2 rows: the same rows in one tile half as high
+            if M - pid_m * BLOCK_M <= BLOCK_M // 2:
+                _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
+                      ldc, scn, BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG,
+                      MASK_M, GATHER)
             else:
-                if MASK_M:
-                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak,
-                                mask=(rk[None, :] < K) & (rm[:, None] < M), other=0.0)
-                else:
-                    a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
-                b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
-            if UPCAST:
-                acc += host_free_dot(a, b)
-            elif IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        mask = (rm[:, None] < M) & (rn[None, :] < N_t)
-        tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
+                      ldc, scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M,
+                      GATHER)
+        else:
+            _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc,
+                  scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER)
 
 
 def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
@@ -285,7 +314,7 @@ def _launch_cfg(cfg: dict, device) -> tuple[dict, int]:
     """(A config's kernel constexprs and launch options, its number of persistent programs): FLATTEN, MASK_M
     off unless set; PER_SM (default 1) programs per SM. Scheduling only: the tiles and their K order stay
     the config's."""
-    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0}, **cfg)
+    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False}, **cfg)
     return cfg, cfg.pop("PER_SM", 1) * num_sms(device)
 
 

@@ -62,6 +62,48 @@ def test_rmsnorm_rows_identical_in_any_batch(D):
     assert not same_bits(rolled, full)
 
 
+def test_grouped_schedules_keep_the_main_configs_bits(monkeypatch):
+    # bench-moe-large's expert GEMMs (gate_up over the token rows gathered in place, down) at decode and
+    # prefill sizes: the pinned buckets and every schedule a bucket may take (an expert's last tile of <= 64
+    # rows half high, a program per tile, the tile loop flattened, 3 or 4 stages) give the main config's
+    # bits, device counts and a host list alike; experts end with tails on both sides of 64 rows.
+    # Negative twin: another K order
+    from rlalign.kernels.triton import gemm
+
+    bf = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(6)
+    main = dict(gemm.MATMUL_CONFIGS[bf])
+    small = dict(gemm.GROUPED_SMALL_M[bf][0][1])
+    gu = (torch.randn(64, 1536, 2048, device="cuda", generator=g) * 0.02).to(bf)
+    dn = (torch.randn(64, 2048, 768, device="cuda", generator=g) * 0.02).to(bf)
+    pinned = (list(gemm.GROUPED_SMALL_M[bf]), gemm.GROUPED_SHORT_K[bf])
+    grid = gemm.TILE_PER_PROGRAM
+    forced = [dict(main, **kw) for kw in (dict(HALF_TAIL=True), dict(HALF_TAIL=True, num_stages=4),
+                                          dict(PER_SM=grid, num_stages=4), dict(HALF_TAIL=True, PER_SM=grid),
+                                          dict(HALF_TAIL=True, PER_SM=grid, num_stages=4), dict(FLATTEN=True))]
+    forced += [dict(small, FLATTEN=True), dict(small, FLATTEN=True, num_stages=3)]
+
+    def run(tables, xt, h, counts, order, host=False):
+        monkeypatch.setitem(gemm.GROUPED_SMALL_M, bf, tables[0])
+        monkeypatch.setitem(gemm.GROUPED_SHORT_K, bf, tables[1])
+        outs = [gemm.grouped_mm(xt, gu, counts, order, 8), gemm.grouped_mm(h, dn, counts)]
+        return outs + [gemm.grouped_mm(h, dn, counts.tolist())] if host else outs
+
+    for T in (256, 1024, 4096):
+        ids = torch.randn(T, 64, device="cuda", generator=g).topk(8, dim=1).indices.reshape(-1)
+        counts, order = torch.bincount(ids, minlength=64), torch.argsort(ids, stable=True)
+        tails = [c % 128 for c in counts.tolist()]
+        assert T == 256 or (any(0 < r <= 64 for r in tails) and any(r > 64 for r in tails)), tails
+        args = (torch.randn(T, 2048, device="cuda", generator=g).to(bf),
+                torch.randn(8 * T, 768, device="cuda", generator=g).to(bf), counts, order)
+        ref = run(([], None), *args, host=True)  # past the (empty) table: the main config
+        assert all(same_bits(a, b) for a, b in zip(run(pinned, *args, host=True), ref)), T
+        for cfg in forced:
+            assert all(same_bits(a, b) for a, b in zip(run(([(2**31, cfg)], None), *args), ref)), (T, cfg)
+    h = args[1]
+    assert not same_bits(gemm.grouped_mm(h.flip(1), dn.flip(2), counts), ref[1])
+
+
 def _colsum_reference(x, chunk):
     while x.shape[0] > 1:
         parts = []
