@@ -57,9 +57,11 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # rows (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile
 # changes under the other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us
 # (3.67 TB/s of weights; a device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal
-# (experiments/bench_decode_bandwidth.py, results/decode_bandwidth_h200.json). The main tiles run an expert's
-# last tile of at most 64 rows 64 rows high (HALF_TAIL: ~half the MMAs; counts near 256 +- 16 at 2,048 tokens
-# leave half the experts a third tile of a few rows): MEASURE (experiments/sweep_grouped_sched.py).
+# (experiments/bench_decode_bandwidth.py, results/decode_bandwidth_h200.json). Up to 128 rows per expert
+# (1,024 tokens: counts 128 +- 11, a second tile of a few rows for half the experts): the main tiles with a
+# fourth stage, an expert's last tile of at most 64 rows run 64 rows high (HALF_TAIL: half the MMAs) and a
+# program per tile (the hardware hands out tiles of two sizes): gate_up 156 -> 141 us, down 91 -> 80 us
+# against the 64 x 256 tiles, bits equal (experiments/sweep_grouped_sched.py, results/sweep_grouped_sched_h200.json).
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
                   (128, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM)),
