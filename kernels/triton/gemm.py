@@ -46,22 +46,20 @@ MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
 # interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
 INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
-# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in
-# COUNTS mode): [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32
-# rows on each of 64 experts, at 1,024 / 2,048 rows ~128 / 256 (bench-moe-large's gate_up [1536, 2048]
-# and down [2048, 768], experiments/sweep_decode_gemm.py, results/sweep_decode_gemm_h200.json): up to
-# 128 rows per expert, 64 x 256 tiles of one warpgroup (at 32 rows 1.6 % faster than the 64 x 128
-# flattened tiles before, at 128 rows 15 % faster); up to 256, the main tiles with a fourth stage (3.6 %
-# faster at 256 rows); past that (prefill, training: one config there, so new token counts compile
-# nothing), the main config. Every one bitwise equal to the main config's rows (the same sweep). Up to 32
-# rows (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile
-# changes under the other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us
-# (3.67 TB/s of weights; a device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal
-# (experiments/bench_decode_bandwidth.py, results/decode_bandwidth_h200.json). Up to 128 rows per expert
-# (1,024 tokens: counts 128 +- 11, a second tile of a few rows for half the experts): the main tiles with a
-# fourth stage, an expert's last tile of at most 64 rows run 64 rows high (HALF_TAIL: half the MMAs) and a
-# program per tile (the hardware hands out tiles of two sizes): gate_up 156 -> 141 us, down 91 -> 80 us
-# against the 64 x 256 tiles, bits equal (experiments/sweep_grouped_sched.py, results/sweep_grouped_sched_h200.json).
+# The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in COUNTS mode):
+# [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32 rows on each of 64 experts, at
+# 1,024 / 2,048 rows ~128 / 256 (bench-moe-large's gate_up [1536, 2048] and down [2048, 768],
+# experiments/sweep_decode_gemm.py, results/sweep_decode_gemm_h200.json): up to 256, the main tiles with a fourth
+# stage (3.6 % faster at 256 rows); past that (prefill, training: one config there, so new token counts compile
+# nothing), the main config. Every one bitwise equal to the main config's rows (the same sweep). Up to 32 rows
+# (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile changes under the
+# other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us (3.67 TB/s of weights; a
+# device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal (experiments/bench_decode_bandwidth.py,
+# results/decode_bandwidth_h200.json). Up to 128 rows per expert (1,024 tokens: counts 128 +- 11, a second tile of
+# a few rows for half the experts): the main tiles with a fourth stage, an expert's last tile of at most 64 rows
+# run 64 rows high (HALF_TAIL: half the MMAs) and a program per tile (the hardware hands out tiles of two sizes):
+# gate_up 159-160 -> 146-147 us, down 91-92 -> 81.5 us against the 64 x 256 tiles, bits equal
+# (experiments/sweep_grouped_sched.py, results/sweep_grouped_sched_h200.json).
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
                   (128, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM)),
