@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import HBM_PEAK, run  # noqa: E402
 from record import RESULTS, write  # noqa: E402
 
+from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
@@ -85,7 +86,7 @@ def timed(model, outs: list, r: dict, params: SamplingParams, n: int) -> None:
     r["seconds"] = r["tokens"] / r["tokens_per_s"]
     for c in range(len(outs) - n, len(outs) - 1):
         rolls = outs[c]
-        with torch.no_grad():
+        with torch.no_grad(), kernels.use(mode="deterministic", backend="triton"):  # run()'s scoring kernels
             lps = score(model, [x.prompt for x in rolls], [x.tokens for x in rolls], micro_batch_size=64,
                         **replace(params, seed=params.seed + c).logprob_kwargs())
         r["mismatched_tokens"] += sum(int((x.logprobs != lp.float().cpu()).sum()) for x, lp in zip(rolls, lps))
