@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vs_vendor  # noqa: E402
 from record import RESULTS, write  # noqa: E402
 
 from rlalign.kernels.triton import common, elementwise, gemm, moe  # noqa: E402
@@ -38,36 +38,16 @@ from rlalign.model.model import dispatch_torch  # noqa: E402
 
 BF = torch.bfloat16
 DEV = "cpu" if TINY else "cuda"
+bench_vs_vendor.WARM = WARM
 # bench-moe-large: d, experts, top-k, expert width, vocab, q / kv widths
 D, E, TOPK, INTER, V, NQ, NKV = (2048, 64, 8, 768, 32000, 2048, 512) if not TINY else (64, 4, 2, 32, 96, 64, 16)
 WHAT = ("decode-step GEMMs of bench-moe-large: time, weight bytes / time vs a device copy and a read stream of the "
         "same bytes; expert GEMM candidates (configs, TMA weight loads) with their bits against the pinned path")
 
 
-def graph_us(fn, reps: int = 9) -> float:
+def graph_us(fn) -> float:
     """Median us per call of fn replayed from a CUDA graph (wall clock per call on the CPU)."""
-    fn()
-    if WARM:
-        return float("nan")
-    if TINY:
-        t = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(1e3 * e0.elapsed_time(e1))
-    return sorted(ts)[len(ts) // 2]
+    return 1e3 * bench_vs_vendor.graph_ms([fn])
 
 
 @triton.jit
