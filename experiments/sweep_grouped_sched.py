@@ -104,7 +104,7 @@ def routed(T: int, how: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return torch.bincount(ids, minlength=E), torch.argsort(ids, stable=True)
 
 
-def shapes(T: int, how: str, g: torch.Generator) -> tuple[dict, dict]:
+def shapes(T: int, how: str, g: torch.Generator, dx: bool = False) -> tuple[dict, dict]:
     d, E, k, inter = 2048, 64, 8, 768
     counts, order = routed(T, how, g)
     c = counts.tolist()
@@ -114,8 +114,14 @@ def shapes(T: int, how: str, g: torch.Generator) -> tuple[dict, dict]:
     h = torch.randn(T * k, inter, generator=g, device="cuda").to(BF)
     gu = (torch.randn(E, 2 * inter, d, generator=g, device="cuda") * 0.02).to(BF)
     dn = (torch.randn(E, d, inter, generator=g, device="cuda") * 0.02).to(BF)
-    return {"gate_up": lambda: gemm.grouped_mm(xt, gu, counts, order, k),
-            "down": lambda: gemm.grouped_mm(h, dn, counts)}, info
+    fns = {"gate_up": lambda: gemm.grouped_mm(xt, gu, counts, order, k),
+           "down": lambda: gemm.grouped_mm(h, dn, counts)}
+    if dx:  # the backward's dX of both: weights read N-contiguous (training's micro-batches)
+        g_up = torch.randn(T * k, 2 * inter, generator=g, device="cuda").to(BF)
+        g_dn = torch.randn(T * k, d, generator=g, device="cuda").to(BF)
+        fns["gate_up_dx"] = lambda: gemm.grouped_mm(g_up, gu.transpose(1, 2), counts)
+        fns["down_dx"] = lambda: gemm.grouped_mm(g_dn, dn.transpose(1, 2), counts)
+    return fns, info
 
 
 def main() -> None:
@@ -125,6 +131,7 @@ def main() -> None:
     ap.add_argument("--candidates", default=",".join(CANDIDATES))
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="sweep_grouped_sched_h200")
+    ap.add_argument("--dx", action="store_true", help="also the dX GEMMs (N-contiguous weights)")
     ap.add_argument("--warm", default="", help="I/N: compile only every N-th (shape, candidate) from the I-th")
     a = ap.parse_args()
     warm = tuple(int(v) for v in a.warm.split("/")) if a.warm else None
@@ -132,7 +139,7 @@ def main() -> None:
     with torch.no_grad():
         for how in a.routing.split(","):
             for T in (int(t) for t in a.tokens.split(",")):
-                fns, info = shapes(T, how, torch.Generator(device="cuda").manual_seed(T))
+                fns, info = shapes(T, how, torch.Generator(device="cuda").manual_seed(T), a.dx)
                 for name, fn in fns.items():
                     use(MAIN)
                     ref = fn().clone()

@@ -62,8 +62,7 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # (experiments/sweep_grouped_sched.py, results/sweep_grouped_sched_h200.json).
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
-                  (128, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM)),
-                  (256, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4))]
+                  (512, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 # Short K (at most 768: <= 12 K chunks a tile, the experts' down [768 -> 2048]) past 128 rows per group, weights
 # read K-contiguous (the forward; dX's N-contiguous weights ran flattened at half speed): the main tiles with the
