@@ -48,18 +48,18 @@ MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256
 INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # The grouped (expert) GEMM forward / dX, keyed by rows per group (the host's guess R / groups in COUNTS mode):
 # [(max rows, config)]; past the last, the main config. Decode at 256 rows puts ~32 rows on each of 64 experts, at
-# 1,024 / 2,048 rows ~128 / 256 (bench-moe-large's gate_up [1536, 2048] and down [2048, 768],
-# experiments/sweep_decode_gemm.py, results/sweep_decode_gemm_h200.json): up to 256, the main tiles with a fourth
-# stage (3.6 % faster at 256 rows); past that (prefill, training: one config there, so new token counts compile
-# nothing), the main config. Every one bitwise equal to the main config's rows (the same sweep). Up to 32 rows
+# 1,024 / 2,048 rows ~128 / 256 (bench-moe-large's gate_up [1536, 2048] and down [2048, 768]); past the table
+# (prefill, training: one config there, so new token counts compile nothing), the main config. Up to 32 rows
 # (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile changes under the
 # other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us (3.67 TB/s of weights; a
 # device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal (experiments/bench_decode_bandwidth.py,
-# results/decode_bandwidth_h200.json). Up to 128 rows per expert (1,024 tokens: counts 128 +- 11, a second tile of
-# a few rows for half the experts): the main tiles with a fourth stage, an expert's last tile of at most 64 rows
-# run 64 rows high (HALF_TAIL: half the MMAs) and a program per tile (the hardware hands out tiles of two sizes):
-# gate_up 159-160 -> 146-147 us, down 91-92 -> 81.5 us against the 64 x 256 tiles, bits equal
-# (experiments/sweep_grouped_sched.py, results/sweep_grouped_sched_h200.json).
+# results/decode_bandwidth_h200.json). Up to 512 rows per expert (1,024-4,096 tokens: an expert's last tile often
+# holds a few rows): the main tiles with a fourth stage, an expert's last tile of at most 64 rows run 64 rows high
+# (HALF_TAIL: half the MMAs) and a program per tile (the hardware hands out tiles of two sizes). At 1,024 tokens
+# gate_up 159-160 -> 146-147 us, down 91-92 -> 81.5 us against the 64 x 256 tiles (results/sweep_grouped_sched_h200.json);
+# gate_up at 2,048 tokens 248-249 -> 229-230 us, at 4,096 429-430 -> 412 against the main tiles (4 stages / 3);
+# the backward's dX (weights N-contiguous) at 1,024-4,096 tokens 0.67-1.02x (results/sweep_grouped_sched_dx_h200.json).
+# Bits equal to the main config's in every case (experiments/sweep_grouped_sched.py).
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
                   (512, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM))]
