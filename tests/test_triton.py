@@ -343,18 +343,18 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
     # a decode step's router [64, 2048] at 2,048 rows: 16 main tiles, the 128-column member
     assert pick(2048, 64) == (128, False, False) and pick(1024, 2048) == (128, False, True)
-    # grouped: 64 x 128 tiles with two programs per SM up to 32 rows per expert; up to 128 the main tiles with a
-    # fourth stage, a program per tile, an expert's last tile of <= 64 rows half high; up to 256 the main tiles
-    # with a fourth stage, then the main config; short K (the experts' down, K 768, weights read
-    # K-contiguous) past 128 rows per group: the main tiles, the tile loop flattened
+    # grouped: 64 x 128 tiles with two programs per SM up to 32 rows per expert; up to 512 the main tiles with a
+    # fourth stage, a program per tile, an expert's last tile of <= 64 rows half high; then the main config;
+    # short K (the experts' down, K 768, weights read K-contiguous) past 128 rows per group: the main tiles, the
+    # tile loop flattened
     assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["PER_SM"] == 2
     half = dict(gemm.MATMUL_CONFIGS[bf], num_stages=4, HALF_TAIL=True, PER_SM=gemm.TILE_PER_PROGRAM)
     assert gemm._grouped_config(bf, 33) == gemm._grouped_config(bf, 128, 768) == half
-    assert gemm._grouped_config(bf, 256) == dict(gemm.MATMUL_CONFIGS[bf], num_stages=4)
-    assert gemm._grouped_config(bf, 257) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
+    assert gemm._grouped_config(bf, 256) == gemm._grouped_config(bf, 512) == half
+    assert gemm._grouped_config(bf, 513) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
     flat = dict(gemm.MATMUL_CONFIGS[bf], FLATTEN=True)
     assert gemm._grouped_config(bf, 129, 768) == gemm._grouped_config(bf, 10**6, 64) == flat
-    assert gemm._grouped_config(bf, 129, 769) == gemm._grouped_config(bf, 129) == gemm._grouped_config(bf, 256)
+    assert gemm._grouped_config(bf, 129, 769) == gemm._grouped_config(bf, 129) == gemm._grouped_config(bf, 512)
     main = gemm.MATMUL_CONFIGS[bf]
     for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL), flat]:  # the main K chunks, cut
         assert cfg["BLOCK_K"] % main["BLOCK_K"] == 0 and cfg["BLOCK_M"] in (64, main["BLOCK_M"])
