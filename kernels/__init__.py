@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -288,20 +290,54 @@ def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s
     (fused or _det.adamw_)(p, g, m, v, scalars, out)
 
 
-def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """fp32 filter(logits / temperature) [B, V]: what `sample` draws from and `token_logprobs`
-    scores under (computed once per step by a sampler that needs both: `sample_tempered`,
-    `tempered_logprobs`)."""
+def inverse_temperature(temperature: float) -> float:
+    """The temperature step's factor: 1 / fp32(temperature), rounded to fp32 (a Python float holding an
+    fp32 value; the quotient in double rounds to fp32's correctly rounded quotient)."""
+    t = struct.unpack("<f", struct.pack("<f", temperature))[0]
+    return struct.unpack("<f", struct.pack("<f", 1.0 / t))[0]
+
+
+def temper(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32(logits) * scale [B, V] (scale = inverse_temperature(t); the product only when scale != 1):
+    the temperature step, one definition for every backend and device: an exact upcast and one IEEE
+    fp32 product. (torch's CUDA division of a tensor by a Python scalar t is this product; its CPU
+    kernel divides.) The Triton consumers compute it in registers from the logits in place."""
     z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    fused = getattr(_impl(z), "filter_logits", None)  # the Triton backend: one kernel, the same bits
-    return (fused or sampling.filter_logits)(z, top_k, top_p)
+    return z if scale == 1.0 else z * scale
 
 
-def tempered_logprobs(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(z)[tokens] [N] fp32 for z = tempered(logits, ...)."""
-    return _impl(z).log_softmax_gather(z, tokens)
+class Tempered(NamedTuple):
+    """The tempered, filtered logits a sampler draws from and scores under: temper(logits, scale) [B, V].
+    The filter (top-k / top-p) writes its fp32 output (scale 1 then); without one, logits are the
+    model's, in their dtype, and no backend's consumer needs a copy of them."""
+
+    logits: torch.Tensor
+    scale: float = 1.0
+
+    def values(self) -> torch.Tensor:
+        return temper(self.logits, self.scale)
+
+
+def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tempered:
+    """filter(temper(logits, inverse_temperature(temperature))) [B, V]: what `sample` draws from and
+    `token_logprobs` scores under (computed once per step by a sampler that needs both: `sample_tempered`,
+    `tempered_logprobs`)."""
+    scale = 1.0 if temperature == 1.0 else inverse_temperature(temperature)
+    if not (top_k and top_k < logits.shape[-1]) and top_p >= 1.0:
+        return Tempered(logits, scale)
+    fused = getattr(_impl(logits), "filter_logits", None)  # the Triton backend: one kernel, the same bits
+    if fused is not None:
+        return Tempered(fused(logits, top_k, top_p, scale))
+    return Tempered(sampling.filter_logits(temper(logits, scale), top_k, top_p))
+
+
+def tempered_logprobs(z: Tempered, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(z.values())[tokens] [N] fp32 for z = tempered(logits, ...)."""
+    impl = _impl(z.logits)
+    fused = getattr(impl, "tempered_logprobs", None)  # the Triton backend: the logits read in place
+    if fused is not None:
+        return fused(z.logits, z.scale, tokens)
+    return impl.log_softmax_gather(z.values(), tokens)
 
 
 def token_logprobs(
@@ -340,15 +376,16 @@ def sample(
     return sample_tempered(z, seed, sample_ids, positions, greedy)
 
 
-def sample_tempered(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
+def sample_tempered(z: Tempered, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
                     greedy: bool = False) -> torch.Tensor:
     """`sample` from z = tempered(logits, ...) (temperature 1.0 when greedy)."""
-    if greedy:
-        return sampling.first_argmax(z)
-    fused = getattr(_impl(z), "gumbel_argmax", None)  # the Triton backend: one kernel, the same tokens
+    if greedy:  # the upcast keeps the order: the first maximum of the logits is the tempered values'
+        return sampling.first_argmax(z.logits if z.scale == 1.0 else z.values())
+    fused = getattr(_impl(z.logits), "gumbel_argmax", None)  # the Triton backend: one kernel, the same tokens
     if fused is not None:
-        return fused(z, seed, sample_ids, positions)
-    return sampling.first_argmax(z + sampling.gumbel(seed, sample_ids, positions, z.shape[-1]))
+        return fused(z.logits, seed, sample_ids, positions, z.scale)
+    v = z.values()
+    return sampling.first_argmax(v + sampling.gumbel(seed, sample_ids, positions, v.shape[-1]))
 
 
 def fingerprint_sums(parts) -> torch.Tensor:

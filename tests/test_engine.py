@@ -94,7 +94,8 @@ def test_rekeyed_sample_ids_draw_the_seeds_noise():
     for seed in (0, 5, 2**63 + 3, -7, 2**64 - 1, 1_000_003 * 17 + 4):
         k = rekey_sample_ids(ids, seed)
         assert torch.equal(sampling.uniform(seed, ids, pos, 64), sampling.uniform(GRAPH_SEED, k, pos, 64))
-        assert torch.equal(kernels.sample_tempered(z, seed, ids, pos), kernels.sample_tempered(z, GRAPH_SEED, k, pos))
+        t = kernels.Tempered(z)
+        assert torch.equal(kernels.sample_tempered(t, seed, ids, pos), kernels.sample_tempered(t, GRAPH_SEED, k, pos))
     triton_backend = pytest.importorskip("rlalign.kernels.triton")
     k = rekey_sample_ids(ids, 99)
     fused = triton_backend.gumbel_argmax

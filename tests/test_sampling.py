@@ -117,3 +117,16 @@ def test_sample_next_is_sample_then_token_logprobs(kw):
     assert same_bits(tok, kernels.sample(logits, 5, ids, pos, greedy=params.greedy, **lk))
     assert same_bits(lp, kernels.token_logprobs(logits, tok, **lk))
     assert not same_bits(lp, kernels.token_logprobs(logits, tok, **{**lk, "temperature": 1.3}))
+
+
+def test_the_temperature_step_is_the_product_by_the_fp32_inverse():
+    """kernels.temper: fp32(logits) * fp32(1 / fp32(t)), one IEEE product (what torch's CUDA kernel computes
+    for logits.float() / t, and what the Triton consumers compute in registers); the twin: torch's CPU
+    kernel divides, which gives other bits for many fp32 values."""
+    z = torch.randn(300, 300, generator=torch.Generator().manual_seed(0))  # fp32: products of 24-bit significands
+    for t in (0.8, 0.7, 1.3):
+        s = kernels.inverse_temperature(t)
+        want = z.float() * torch.tensor(1.0, dtype=torch.float32).div(torch.tensor(t, dtype=torch.float32)).item()
+        assert same_bits(kernels.temper(z, s), want)
+        assert not same_bits(kernels.temper(z, s), z.float() / t)
+    assert kernels.inverse_temperature(0.8) == 1.25 and kernels.temper(z, 1.0).dtype == torch.float32

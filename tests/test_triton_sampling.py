@@ -68,7 +68,7 @@ def test_the_filter_kernel_keeps_the_torch_searchs_set(top_k, top_p):
     z = _filter_rows()
     want = sampling.filter_logits(z, top_k, top_p)
     with kernels.use(backend="triton"):
-        got = kernels.tempered(z, 1.0, top_k, top_p)
+        got = kernels.tempered(z, 1.0, top_k, top_p).values()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.isfinite(want).sum() < torch.isfinite(z).sum()  # something was filtered
 
@@ -96,3 +96,53 @@ def test_a_row_without_a_finite_maximum_is_an_error():
         with pytest.raises(RuntimeError, match="no finite maximum"):
             gumbel_argmax(y, 0, ids, pos)
     gumbel_argmax(z, 0, ids, pos)  # twin: the clean rows draw
+
+
+def _bf16_logits(temperature):
+    """bf16 logits [6, 1500] (a vocabulary past one BLOCK): a NaN entry (row 0), -inf entries (row 1),
+    +inf (row 2), a peaked row (3), flat ones; the fp32 factor of the temperature."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(6, 1500, generator=g) * torch.tensor([1.0, 1.0, 1.0, 6.0, 0.3, 2.0])[:, None]).bfloat16()
+    logits[0, 11] = float("nan")
+    logits[1, ::3] = float("-inf")
+    logits[2, 40] = float("inf")
+    scale = 1.0 if temperature == 1.0 else kernels.inverse_temperature(temperature)
+    return logits.to(DEV), scale
+
+
+def _int_bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8, 1.3])
+def test_the_consumers_read_bf16_logits_as_their_fp32_copy(temperature):
+    """The Gumbel draw, the filter and the logprob on bf16 logits (upcast and scaled in registers) give
+    the bits they give on the fp32 copy kernels.temper(logits, scale): NaN and inf rows included (the
+    draw on the rows it accepts)."""
+    from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs
+
+    logits, scale = _bf16_logits(temperature)
+    z = kernels.temper(logits, scale)
+    ids, pos = torch.arange(6, device=DEV) * 5 + 1, torch.arange(6, device=DEV) + 9
+    tok = gumbel_argmax(logits[1:], 2**63 + 5, ids[1:], pos[1:], scale)
+    assert torch.equal(tok, gumbel_argmax(z[1:], 2**63 + 5, ids[1:], pos[1:]))
+    tok = torch.cat([tok[:1], tok])
+    assert torch.equal(_int_bits(tempered_logprobs(logits, scale, tok)), _int_bits(log_softmax_gather(z, tok)))
+    for top_k, top_p in ((0, 0.9), (7, 0.8), (40, 1.0)):
+        got = filter_logits(logits, top_k, top_p, scale)
+        assert torch.equal(_int_bits(got), _int_bits(filter_logits(z, top_k, top_p)))
+        assert torch.isnan(got[0, 11]) and torch.isfinite(got[3]).sum() < 1500
+
+
+def test_negative_twin_the_neighbouring_factor_gives_other_bits():
+    """The in-register product is the one computed: the next fp32 factor above 1 / 0.8 moves the logprobs
+    and the filtered values."""
+    from rlalign.kernels.triton.logprob import tempered_logprobs
+
+    logits, scale = _bf16_logits(0.8)
+    up = torch.nextafter(torch.tensor(scale), torch.tensor(2.0)).item()
+    tok = torch.zeros(6, dtype=torch.long, device=DEV)
+    lp = tempered_logprobs(logits, scale, tok)
+    assert not torch.equal(_int_bits(tempered_logprobs(logits, up, tok)), _int_bits(lp))
+    kept = filter_logits(logits, 0, 0.9, scale)
+    assert not torch.equal(_int_bits(filter_logits(logits, 0, 0.9, up)), _int_bits(kept))

@@ -4,7 +4,8 @@ The contract is the torch reference's: the bits of an output row depend only on 
 inputs. One module per kernel family, each kernel beside its wrapper and its pinned config:
   gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order
   norm         rmsnorm, add_rmsnorm (+ the ordered column sum of its weight-gradient partials)
-  logprob      log_softmax_gather, logprob_rows (the trainer's: its backward writes the logits' gradient)
+  logprob      log_softmax_gather, tempered_logprobs (the logits read in place), logprob_rows (the
+               trainer's: its backward writes the logits' gradient)
   attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
                split-K over fixed key chunks for few rows)
   elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds)
@@ -32,7 +33,7 @@ from .common import INTERPRET, SUPPORTED
 from .elementwise import add_f32, paged_write, rope, swiglu, swiglu_halves
 from .embed import embedding
 from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
-from .logprob import log_softmax_gather, logprob_rows
+from .logprob import log_softmax_gather, logprob_rows, tempered_logprobs
 from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
@@ -46,6 +47,7 @@ __all__ = [
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
     "moe_slot_linear",
     "norm", "optim", "paged_write", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu", "swiglu_halves",
+    "tempered_logprobs",
 ]
 
 

@@ -36,6 +36,24 @@ def bf16_bits(x):
     return tl.where(x != x, 0x7FC0, r)
 
 
+_MUL_RN = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def upcast_scaled(x, scale, SCALED: tl.constexpr):
+    """rlalign.kernels.temper's values in registers: fp32(x) (exact), times the fp32 scale when SCALED,
+    rounded once (IEEE mul.rn on the GPU: no later add of a kernel compiled with FP fusion contracts it
+    into an FMA; the interpreter rounds every op)."""
+    x = x.to(tl.float32)
+    if SCALED:
+        if _MUL_RN:
+            x = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, scale], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            x = x * scale
+    return x
+
+
 def check_inputs(name: str, *ts: torch.Tensor) -> None:
     """Every tensor of op `name` in a supported dtype, all on one device; else a clear error."""
     device = ts[0].device

@@ -9,26 +9,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROW_BLOCK, Launch, bf16_bits, cached, check_inputs
+from .common import ROW_BLOCK, Launch, bf16_bits, cached, check_inputs, upcast_scaled
 
 
 @triton.jit
-def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, scale, V, BLOCK: tl.constexpr, SCALED: tl.constexpr):
+    """z: the logits in any float dtype, read as upcast_scaled's fp32 values. The loads hold 4 elements a
+    thread whatever the dtype (max_contiguous): the layout of the sums, and so their grouping, is the
+    fp32 load's (a bf16 load would take 8 and sum in another order)."""
     row = tl.program_id(0)
+    offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
-        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        cols = v0 + offs
+        z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
         m = tl.maximum(m, z)
     mx = tl.max(m, axis=0)
     s = tl.zeros((BLOCK,), dtype=tl.float32)
     for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
-        z = tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+        cols = v0 + offs
+        z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
         s += tl.exp(z - mx)
     lse = mx + tl.log(tl.sum(s, axis=0))
     tok = tl.load(t_ptr + row)
-    zt = tl.load(z_ptr + row * V + tok)
+    zt = upcast_scaled(tl.load(z_ptr + row * V + tok), scale, SCALED)
     tl.store(out_ptr + row, zt - lse)
     tl.store(lse_ptr + row, lse)
 
@@ -60,14 +64,15 @@ def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, rows_ptr, V, BLOCK: tl.co
             tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
 
 
-def _forward(z, tokens):
+def _forward(z, tokens, scale=1.0):
+    """(log p(tokens), lse) [N] fp32 of temper(z, scale) for z [N, V] contiguous in any float dtype."""
     N, V = z.shape
     out = torch.empty(N, dtype=torch.float32, device=z.device)
     lse = torch.empty(N, dtype=torch.float32, device=z.device)
     if N:
-        cached(("logprob", N, V, tokens.dtype), lambda: Launch(_logprob_fwd, (N,), (V,),
-                                                  dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)))))(
-            z, tokens, out, lse)
+        cached(("logprob", N, V, z.dtype, tokens.dtype, scale), lambda: Launch(
+            _logprob_fwd, (N,), (scale, V), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)),
+                                                  SCALED=scale != 1.0)))(z, tokens, out, lse)
     return out, lse
 
 
@@ -98,6 +103,18 @@ def log_softmax_gather(z, tokens):
     if torch.is_grad_enabled() and z.requires_grad:
         return _LogProb.apply(z, tokens)
     return _forward(z, tokens)[0]
+
+
+def tempered_logprobs(logits, scale, tokens):
+    """log_softmax_gather(rlalign.kernels.temper(logits, scale), tokens), the same bits, reading logits
+    [N, V] (any float dtype) in place: no fp32 copy, no pass for the temperature. With a gradient to
+    compute, the composition itself (its backward is torch's and log_softmax_gather's)."""
+    check_inputs("tempered_logprobs", logits)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        from rlalign.kernels import temper
+
+        return log_softmax_gather(temper(logits, scale), tokens)
+    return _forward(logits.contiguous(), tokens.contiguous(), scale)[0]
 
 
 def _rows_forward(logits, rows, tokens):

@@ -30,7 +30,7 @@ import triton.language as tl
 from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 
-from .common import INTERPRET
+from .common import INTERPRET, upcast_scaled
 
 _U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -118,7 +118,18 @@ def _value_bin(z, zm, scale, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, LOG2E: tl.constexpr,
+def _level_load(z_row, o_row, cols, n, whole, scale, SCALED: tl.constexpr):
+    """A chunk of a search level's values: the row's tempered values (whole) or the compacted ones."""
+    if whole == 1:
+        z = upcast_scaled(tl.load(z_row + cols, mask=cols < n, other=float("-inf")), scale, SCALED)
+    else:
+        z = tl.load(o_row + cols, mask=cols < n, other=float("-inf"))
+    return z
+
+
+@triton.jit
+def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.constexpr, IS_P: tl.constexpr,
+            LOG2E: tl.constexpr,
             LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
             E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
             BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
@@ -131,21 +142,20 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     jw = tl.arange(0, WAYS)
     ways = (jw + 1).to(tl.int64)
     above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
-    src = z_row
     n = V
-    whole = tl.full((), 1, tl.int32)  # whether the next level reads the whole row (its total mass)
+    whole = tl.full((), 1, tl.int32)  # whether the next level reads the whole row (z_row: its total mass)
     span = zm - zlo
-    scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
-    if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
+    bins = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
+    if (span > 0.0) & (bins > 0.0) & (bins < 3.0e38):  # a finite spread, bins of a finite positive width
         acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
         for v0 in range(0, V, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
-            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            z = upcast_scaled(tl.load(z_row + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
             key = _order_key(z).to(tl.int64)
             w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
                         E3, E4, E5, SCALE)
-            b = _value_bin(z, zm, scale, WAYS)
+            b = _value_bin(z, zm, bins, WAYS)
             acc += tl.where(b[:, None] == jw[None, :], w[:, None], 0)
             tot += w
         hist = tl.sum(acc, axis=0)  # [WAYS] the weight in each bin
@@ -159,11 +169,11 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
         kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
         for v0 in range(0, V, SBLOCK):
             cols = v0 + tl.arange(0, SBLOCK)
-            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            z = upcast_scaled(tl.load(z_row + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
             key = _order_key(z)
             w = _weight(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
-            sel = (w > 0) & (_value_bin(z, zm, scale, WAYS) == star)
+            sel = (w > 0) & (_value_bin(z, zm, bins, WAYS) == star)
             pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(o_row + pos, z, mask=sel)
             count += tl.sum(sel.to(tl.int32), axis=0)
@@ -172,7 +182,6 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
         tl.debug_barrier()
         lo = tl.min(kmin, axis=0).to(tl.int64) - 1
         hi = tl.maximum(tl.max(kmax, axis=0).to(tl.int64), lo + 1)  # no weighted value in the bin: done
-        src = o_row
         n = count
         whole = 0
     while hi - lo > 1:
@@ -182,7 +191,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
         tot = tl.zeros((BLOCK,), tl.int64)
         for v0 in range(0, n, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
-            z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+            z = _level_load(z_row, o_row, cols, n, whole, scale, SCALED)
             key = _order_key(z)
             w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
@@ -201,7 +210,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             count = tl.zeros((), tl.int32)
             for v0 in range(0, n, SBLOCK):
                 cols = v0 + tl.arange(0, SBLOCK)
-                z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+                z = _level_load(z_row, o_row, cols, n, whole, scale, SCALED)
                 key = _order_key(z).to(tl.int64)
                 sel = _weight(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
                               E2, E3, E4, E5, SCALE) > 0
@@ -210,14 +219,14 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
                 tl.store(o_row + pos, z, mask=sel)
                 count += tl.sum(sel.to(tl.int32), axis=0)
             tl.debug_barrier()
-            src = o_row
             n = count
         whole = 0
     return hi
 
 
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
-def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_P: tl.constexpr,
+def _filter_kernel(z_ptr, out_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr, DO_K: tl.constexpr,
+                   DO_P: tl.constexpr,
                    LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr,
                    E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr,
                    SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
@@ -231,7 +240,7 @@ def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
-        z = tl.load(z_row + cols, mask=mask, other=float("-inf"))
+        z = upcast_scaled(tl.load(z_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
         key = _order_key(z)
         kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
@@ -243,24 +252,25 @@ def _filter_kernel(z_ptr, out_ptr, V, top_k, top_p_bits, DO_K: tl.constexpr, DO_
     top_p = top_p_bits.to(tl.float64, bitcast=True)
     if DO_K:
         cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
-                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK)
+                      zf, scale, SCALED, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK,
+                      SBLOCK)
     if DO_P:  # values 24 or more below the max have mass 0: the bins span the rest
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
-                      tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
-                      BLOCK, SBLOCK)
+                      tl.maximum(zf, zm - 24.0), scale, SCALED, True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5,
+                      SCALE, WAYS, BLOCK, SBLOCK)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
-        z = tl.load(z_row + cols, mask=mask, other=0.0)
+        z = upcast_scaled(tl.load(z_row + cols, mask=mask, other=0.0), scale, SCALED)
         keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
         tl.store(o_row + cols, tl.where(keep, z, float("-inf")), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
-def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, mix2, V,
-                          SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                          C3: tl.constexpr, C4: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, mix2, scale, V,
+                          SCALED: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
+                          C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, LN2_HI: tl.constexpr,
+                          LN2_LO: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
@@ -273,7 +283,7 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, 
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         mask = cols < V
-        z = tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf"))
+        z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
         hv = _mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
         u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         g = -_log(-_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
@@ -298,32 +308,41 @@ _EXP_CONST = dict(LOG2E=fo.LOG2E, LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO,
 assert len(fo.EXP_COEFFS) == 6
 
 
-def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """rlalign.kernels.sampling.filter_logits (the same kept set, the same bits) for z [B, V] fp32."""
-    if z.dtype != torch.float32 or z.dim() != 2:
-        raise TypeError(f"triton filter_logits: z must be a 2-D fp32 tensor, got {z.dtype} {tuple(z.shape)}")
+def _check(name: str, z: torch.Tensor) -> None:
+    if z.dtype not in (torch.float32, torch.bfloat16, torch.float16) or z.dim() != 2:
+        raise TypeError(f"triton {name}: z must be a 2-D float tensor (fp32, bf16, fp16), got {z.dtype} "
+                        f"{tuple(z.shape)}")
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+    """rlalign.kernels.sampling.filter_logits(rlalign.kernels.temper(z, scale), top_k, top_p) (the same
+    kept set, the same bits) for z [B, V] in any float dtype, read in place: fp32 [B, V]."""
+    _check("filter_logits", z)
     B, V = z.shape
     do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
     if not (do_k or do_p) or B == 0:
-        return z
+        from rlalign.kernels import temper
+
+        return temper(z, scale)
     if not sys.float_info.min <= top_p <= 1.0:
         raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
     if do_p and V >= sampling.MAX_VOCAB:
         raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
     z = z.contiguous()
-    out = torch.empty_like(z)
+    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=8)
-    _filter_kernel[(B,)](z, out, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0], DO_K=do_k,
-                         DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK,
-                         SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
+    _filter_kernel[(B,)](z, out, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
+                         SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=FILTER_WAYS,
+                         BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
     return out
 
 
-def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """first_argmax(z + gumbel(seed, sample_ids, positions, V)) for z [B, V] fp32: the token ids [B]
+def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
+                  scale: float = 1.0) -> torch.Tensor:
+    """first_argmax(temper(z, scale) + gumbel(seed, sample_ids, positions, V)) for z [B, V] in any float
+    dtype (rlalign.kernels.temper: read in place, upcast and scaled in registers): the token ids [B]
     (int64); a row with NaN or no finite value is the same device-side error as first_argmax's."""
-    if z.dtype != torch.float32 or z.dim() != 2:
-        raise TypeError(f"triton gumbel_argmax: z must be a 2-D fp32 tensor, got {z.dtype} {tuple(z.shape)}")
+    _check("gumbel_argmax", z)
     B, V = z.shape
     out = torch.empty(B, dtype=torch.long, device=z.device)
     if B:
@@ -332,7 +351,8 @@ def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, position
         pos = positions.to(device=z.device, dtype=torch.long).contiguous()
         s64 = (seed & _U64) - (1 << 64) if (seed & _U64) >= (1 << 63) else seed & _U64
         opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-        _gumbel_argmax_kernel[(B,)](z, ids, pos, out, s64, GOLDEN, MIX1, MIX2, V, BLOCK=BLOCK, **_CONST, **opts)
+        _gumbel_argmax_kernel[(B,)](z, ids, pos, out, s64, GOLDEN, MIX1, MIX2, scale, V, SCALED=scale != 1.0,
+                                    BLOCK=BLOCK, **_CONST, **opts)
     torch._assert_async(((out >= 0) & (out < V)).all(),
                         "sample: a row has no finite maximum (NaN or all -inf logits); no token can be drawn")
     return out
