@@ -125,6 +125,7 @@ def main() -> None:
     ref = load_reference(a.reference)
     g = torch.Generator(device="cuda").manual_seed(0)
     names = ["T1", "T0.8 top-p 0.95"] if a.quick else list(CONFIGS)
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
     rows = []
     with kernels.use(mode="deterministic", backend="triton"):
         for V in (32000, 151936):
@@ -136,12 +137,13 @@ def main() -> None:
                     print(f"B={B:5d} V={V:6d} {cname:24s} upcast {r['upcast_us']:8.1f} us  fused {r['fused_us']:8.1f} "
                           f"us  ratio {r['fused_us'] / r['upcast_us']:.3f}  bits "
                           f"{'equal' if ok else 'DIFFER ' + str(r)}", flush=True)
+                    out = {"rows": rows, "calls_per_replay": CALLS,
+                           "reference": a.reference or "this tree's kernels on the fp32 copy",
+                           "what_it_shows": "one sampling step (tempered + Gumbel draw + logprob), upcast-first vs "
+                                            "in-register, bf16 logits normal(0, 2), seed past 2**63; us per step"}
+                    path = write(f"bench_sampler_passes_{gpu}", out, a.out)
                     torch.cuda.empty_cache()
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    out = {"rows": rows, "calls_per_replay": CALLS, "reference": a.reference or "this tree's kernels on the fp32 copy",
-           "what_it_shows": "one sampling step (tempered + Gumbel draw + logprob), upcast-first vs in-register, "
-                            "bf16 logits normal(0, 2), seed past 2**63; us per step"}
-    print("wrote", write(f"bench_sampler_passes_{gpu}", out, a.out))
+    print("wrote", path)
 
 
 if __name__ == "__main__":
