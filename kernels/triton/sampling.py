@@ -1,4 +1,7 @@
-"""The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw.
+"""The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw. Both read the tempered
+logits rlalign.kernels.temper(logits, scale) from the logits in place, in any float dtype: upcast (exact)
+and scaled in registers (common.upcast_scaled), so a step writes no fp32 copy of [B, V] and makes no
+pass for the temperature; the filter writes its fp32 output, which the draw and the logprob then read.
 
 filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
 max and key range, then the threshold search, level by level: first FILTER_WAYS bins of equal width
