@@ -13,11 +13,16 @@ from .common import ROW_BLOCK, Launch, bf16_bits, cached, check_inputs, upcast_s
 
 
 @triton.jit
-def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, scale, V, BLOCK: tl.constexpr, SCALED: tl.constexpr):
-    """z: the logits in any float dtype, read as upcast_scaled's fp32 values. The loads hold 4 elements a
-    thread whatever the dtype (max_contiguous): the layout of the sums, and so their grouping, is the
-    fp32 load's (a bf16 load would take 8 and sum in another order)."""
-    row = tl.program_id(0)
+def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, rows_ptr, scale, V, BLOCK: tl.constexpr, SCALED: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """Output i: row i of z, or (ROWS) row rows[i]; z: the logits in any float dtype, read as upcast_scaled's
+    fp32 values. The loads hold 4 elements a thread whatever the dtype (max_contiguous): the layout of
+    the sums, and so their grouping, is the fp32 load's (a bf16 load would take 8 and sum in another order)."""
+    i = tl.program_id(0)
+    if ROWS:
+        row = tl.load(rows_ptr + i)
+    else:
+        row = i
     offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for v0 in range(0, V, BLOCK):
@@ -31,10 +36,10 @@ def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, scale, V, BLOCK: tl.constexpr, 
         z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
         s += tl.exp(z - mx)
     lse = mx + tl.log(tl.sum(s, axis=0))
-    tok = tl.load(t_ptr + row)
+    tok = tl.load(t_ptr + i)
     zt = upcast_scaled(tl.load(z_ptr + row * V + tok), scale, SCALED)
-    tl.store(out_ptr + row, zt - lse)
-    tl.store(lse_ptr + row, lse)
+    tl.store(out_ptr + i, zt - lse)
+    tl.store(lse_ptr + i, lse)
 
 
 @triton.jit
@@ -64,15 +69,17 @@ def _logprob_bwd(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, rows_ptr, V, BLOCK: tl.co
             tl.store(dz_ptr + row * V + cols, d, mask=cols < V)
 
 
-def _forward(z, tokens, scale=1.0):
-    """(log p(tokens), lse) [N] fp32 of temper(z, scale) for z [N, V] contiguous in any float dtype."""
-    N, V = z.shape
+def _forward(z, tokens, scale=1.0, rows=None):
+    """(log p(tokens), lse) [N] fp32 of temper(z, scale) for z [N, V] contiguous in any float dtype, or of
+    its rows `rows` [N] (read in place)."""
+    N, V = (z.shape[0] if rows is None else rows.shape[0]), z.shape[1]
     out = torch.empty(N, dtype=torch.float32, device=z.device)
     lse = torch.empty(N, dtype=torch.float32, device=z.device)
     if N:
-        cached(("logprob", N, V, z.dtype, tokens.dtype, scale), lambda: Launch(
-            _logprob_fwd, (N,), (scale, V), dict(BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)),
-                                                  SCALED=scale != 1.0)))(z, tokens, out, lse)
+        key = ("logprob", N, V, z.dtype, tokens.dtype, scale, None if rows is None else rows.dtype)
+        cached(key, lambda: Launch(_logprob_fwd, (N,), (scale, V), dict(
+            BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), SCALED=scale != 1.0, ROWS=rows is not None)))(
+            z, tokens, out, lse, tokens if rows is None else rows)
     return out, lse
 
 
@@ -118,10 +125,8 @@ def tempered_logprobs(logits, scale, tokens):
 
 
 def _rows_forward(logits, rows, tokens):
-    """The forward on an fp32 copy of the rows, as token_logprobs computes it: the sums' grouping in
-    the kernel follows the layout triton picks for the loaded dtype, so the fp32 rows keep the
-    generator's bits (a bf16 read in place would not)."""
-    return _forward(logits.index_select(0, rows).float(), tokens)
+    """The forward on the rows, read in place (no gathered copy, no fp32 copy)."""
+    return _forward(logits, tokens, rows=rows)
 
 
 class _LogProbRows(torch.autograd.Function):
