@@ -123,15 +123,21 @@ def _combine_kernel(best_ptr, idx_ptr, out_ptr, V, S: tl.constexpr, SP: tl.const
     tl.store(out_ptr + row, tl.where((n > 0) | (m == float("-inf")), V, first))
 
 
-def pinned(z, ids, pos, seed):
-    """The product kernel without the wrapper's device assert (rows without a token give V)."""
-    B, V = z.shape
-    out = torch.empty(B, dtype=torch.long, device=z.device)
-    s64 = (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
-    opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-    ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, s64, GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False, BLOCK=ts.BLOCK,
-                                   **_CONST, **opts)
-    return out
+def pinned_config(block: int = ts.BLOCK, warps: int = 4):
+    """The product kernel (at another chunk / warp count), without the wrapper's device assert (rows
+    without a token give V)."""
+    def run(z, ids, pos, seed):
+        B, V = z.shape
+        out = torch.empty(B, dtype=torch.long, device=z.device)
+        s64 = (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
+        opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=warps)
+        ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, s64, GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False, BLOCK=block,
+                                       **_CONST, **opts)
+        return out
+    return run
+
+
+pinned = pinned_config()
 
 
 def variant(magic: bool, block: int, warps: int, split: int = 1):
@@ -155,10 +161,10 @@ def variant(magic: bool, block: int, warps: int, split: int = 1):
     return run
 
 
-CANDIDATES = {"pinned": pinned, "lanes": variant(False, 1024, 4), "magic+lanes": variant(True, 1024, 4),
-              "magic+lanes w8": variant(True, 1024, 8), "magic+lanes b2048 w8": variant(True, 2048, 8),
-              "magic+lanes b512": variant(True, 512, 4), "magic+lanes split4": variant(True, 1024, 4, 4),
-              "magic+lanes split8": variant(True, 1024, 4, 8)}
+CANDIDATES = {"pinned": pinned, "w8": pinned_config(1024, 8), "b2048 w8": pinned_config(2048, 8),
+              "b512": pinned_config(512, 4), "b2048": pinned_config(2048, 4), "lanes b512": variant(False, 512, 4),
+              "lanes w8": variant(False, 1024, 8), "magic+lanes b512": variant(True, 512, 4),
+              "lanes b512 split4": variant(False, 512, 4, 4), "lanes b512 split8": variant(False, 512, 4, 8)}
 
 
 def main() -> None:
