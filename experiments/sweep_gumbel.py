@@ -161,10 +161,10 @@ def variant(magic: bool, block: int, warps: int, split: int = 1):
     return run
 
 
-CANDIDATES = {"pinned": pinned, "w8": pinned_config(1024, 8), "b2048 w8": pinned_config(2048, 8),
-              "b512": pinned_config(512, 4), "b2048": pinned_config(2048, 4), "lanes b512": variant(False, 512, 4),
-              "lanes w8": variant(False, 1024, 8), "magic+lanes b512": variant(True, 512, 4),
-              "lanes b512 split4": variant(False, 512, 4, 4), "lanes b512 split8": variant(False, 512, 4, 8)}
+CANDIDATES = {"pinned": pinned, "w8": pinned_config(1024, 8), "b512": pinned_config(512, 4),
+              "b2048 w8": pinned_config(2048, 8), "lanes b512": variant(False, 512, 4),
+              "magic+lanes b512": variant(True, 512, 4), "lanes b512 split4": variant(False, 512, 4, 4),
+              "lanes b512 split8": variant(False, 512, 4, 8)}
 
 
 def main() -> None:

@@ -1,7 +1,10 @@
-"""The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw. Both read the tempered
-logits rlalign.kernels.temper(logits, scale) from the logits in place, in any float dtype: upcast (exact)
-and scaled in registers (common.upcast_scaled), so a step writes no fp32 copy of [B, V] and makes no
-pass for the temperature; the filter writes its fp32 output, which the draw and the logprob then read.
+"""The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw. Both take the tempered
+logits rlalign.kernels.temper(logits, scale) from the logits in any float dtype, upcast (exact) and
+scaled in registers (common.upcast_scaled): a step makes no separate fp32 copy of [B, V] and no pass
+for the temperature. The filter's first pass writes the tempered values into its fp32 output: its search
+levels read them there as they read an fp32 row (one write beats upcasting and scaling at every level:
+bf16 levels took ~10 % longer, experiments/bench_sampler_passes.py), and the draw and the logprob then
+read the filtered output.
 
 filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
 max and key range, then the threshold search, level by level: first FILTER_WAYS bins of equal width
@@ -121,18 +124,7 @@ def _value_bin(z, zm, scale, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _level_load(z_row, o_row, cols, n, whole, scale, SCALED: tl.constexpr):
-    """A chunk of a search level's values: the row's tempered values (whole) or the compacted ones."""
-    if whole == 1:
-        z = upcast_scaled(tl.load(z_row + cols, mask=cols < n, other=float("-inf")), scale, SCALED)
-    else:
-        z = tl.load(o_row + cols, mask=cols < n, other=float("-inf"))
-    return z
-
-
-@triton.jit
-def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.constexpr, IS_P: tl.constexpr,
-            LOG2E: tl.constexpr,
+def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, LOG2E: tl.constexpr,
             LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
             E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
             BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
@@ -145,20 +137,21 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.co
     jw = tl.arange(0, WAYS)
     ways = (jw + 1).to(tl.int64)
     above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
+    src = z_row
     n = V
-    whole = tl.full((), 1, tl.int32)  # whether the next level reads the whole row (z_row: its total mass)
+    whole = tl.full((), 1, tl.int32)  # whether the next level reads the whole row (its total mass)
     span = zm - zlo
-    bins = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
-    if (span > 0.0) & (bins > 0.0) & (bins < 3.0e38):  # a finite spread, bins of a finite positive width
+    scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
+    if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
         acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
         for v0 in range(0, V, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
-            z = upcast_scaled(tl.load(z_row + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             key = _order_key(z).to(tl.int64)
             w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
                         E3, E4, E5, SCALE)
-            b = _value_bin(z, zm, bins, WAYS)
+            b = _value_bin(z, zm, scale, WAYS)
             acc += tl.where(b[:, None] == jw[None, :], w[:, None], 0)
             tot += w
         hist = tl.sum(acc, axis=0)  # [WAYS] the weight in each bin
@@ -172,11 +165,11 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.co
         kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
         for v0 in range(0, V, SBLOCK):
             cols = v0 + tl.arange(0, SBLOCK)
-            z = upcast_scaled(tl.load(z_row + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             key = _order_key(z)
             w = _weight(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
-            sel = (w > 0) & (_value_bin(z, zm, bins, WAYS) == star)
+            sel = (w > 0) & (_value_bin(z, zm, scale, WAYS) == star)
             pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(o_row + pos, z, mask=sel)
             count += tl.sum(sel.to(tl.int32), axis=0)
@@ -185,6 +178,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.co
         tl.debug_barrier()
         lo = tl.min(kmin, axis=0).to(tl.int64) - 1
         hi = tl.maximum(tl.max(kmax, axis=0).to(tl.int64), lo + 1)  # no weighted value in the bin: done
+        src = o_row
         n = count
         whole = 0
     while hi - lo > 1:
@@ -194,7 +188,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.co
         tot = tl.zeros((BLOCK,), tl.int64)
         for v0 in range(0, n, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
-            z = _level_load(z_row, o_row, cols, n, whole, scale, SCALED)
+            z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
             key = _order_key(z)
             w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
@@ -213,7 +207,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.co
             count = tl.zeros((), tl.int32)
             for v0 in range(0, n, SBLOCK):
                 cols = v0 + tl.arange(0, SBLOCK)
-                z = _level_load(z_row, o_row, cols, n, whole, scale, SCALED)
+                z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
                 key = _order_key(z).to(tl.int64)
                 sel = _weight(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
                               E2, E3, E4, E5, SCALE) > 0
@@ -222,20 +216,30 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, scale, SCALED: tl.co
                 tl.store(o_row + pos, z, mask=sel)
                 count += tl.sum(sel.to(tl.int32), axis=0)
             tl.debug_barrier()
+            src = o_row
             n = count
         whole = 0
     return hi
 
 
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
-def _filter_kernel(z_ptr, out_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr, DO_K: tl.constexpr,
-                   DO_P: tl.constexpr,
-                   LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr,
-                   E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr,
-                   SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr, COPY: tl.constexpr,
+                   DO_K: tl.constexpr, DO_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
+                   LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
+                   E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
+                   SBLOCK: tl.constexpr):
+    """COPY: the first pass writes the row's tempered values (upcast_scaled of the logits in any dtype) to
+    the output row, which the search levels then read (fp32, as they would the tempered row itself) with
+    `work` as their compaction space, and the last pass filters in place. Without COPY, z is the fp32
+    tempered row and the output row is the compaction space."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * V
-    o_row = out_ptr + row * V
+    x_row = z_ptr + row * V
+    if COPY:
+        z_row = out_ptr + row * V
+        o_row = work_ptr + row * V
+    else:
+        z_row = x_row
+        o_row = out_ptr + row * V
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
     zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
@@ -243,30 +247,33 @@ def _filter_kernel(z_ptr, out_ptr, scale, V, top_k, top_p_bits, SCALED: tl.const
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
-        z = upcast_scaled(tl.load(z_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        if COPY:
+            tl.store(z_row + cols, z, mask=mask)
         key = _order_key(z)
         kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, z)
         zmin = tl.where(z > float("-inf"), tl.minimum(zmin, z), zmin)
+    if COPY:
+        tl.debug_barrier()  # the levels read values other threads wrote
     zm = tl.max(zmax, axis=0)
     zf = tl.min(zmin, axis=0)
     cut = tl.min(kmin, axis=0).to(tl.int64)  # keeps every value
     top_p = top_p_bits.to(tl.float64, bitcast=True)
     if DO_K:
         cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
-                      zf, scale, SCALED, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK,
-                      SBLOCK)
+                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK)
     if DO_P:  # values 24 or more below the max have mass 0: the bins span the rest
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
-                      tl.maximum(zf, zm - 24.0), scale, SCALED, True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5,
-                      SCALE, WAYS, BLOCK, SBLOCK)
+                      tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
+                      BLOCK, SBLOCK)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
-        z = upcast_scaled(tl.load(z_row + cols, mask=mask, other=0.0), scale, SCALED)
+        z = tl.load(z_row + cols, mask=mask, other=0.0)
         keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
-        tl.store(o_row + cols, tl.where(keep, z, float("-inf")), mask=mask)
+        tl.store(out_ptr + row * V + cols, tl.where(keep, z, float("-inf")), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
@@ -333,10 +340,12 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
         raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
     z = z.contiguous()
     out = torch.empty(B, V, dtype=torch.float32, device=z.device)
+    copy = z.dtype != torch.float32 or scale != 1.0  # the tempered values are not z itself: written first
+    work = torch.empty_like(out) if copy else out
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=8)
-    _filter_kernel[(B,)](z, out, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
-                         SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE, WAYS=FILTER_WAYS,
-                         BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
+    _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
+                         SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
+                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
     return out
 
 
