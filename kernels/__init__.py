@@ -250,6 +250,26 @@ def moe_slot_linear(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k:
     return grouped_linear(moe_slot_rows(x, order, dest, k), w, counts)
 
 
+def moe_slot_swiglu(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int, w: torch.Tensor,
+                    counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """swiglu_halves(moe_slot_linear(x, order, dest, k, w, counts)) (w [E, 2I, D]: gate | up) -> [T * k, I], the
+    same bits; the Triton backend (counts on x's device, no gradient wanted) in one GEMM whose epilogue applies
+    the SwiGLU: the [T * k, 2I] product is never written nor read back."""
+    fused = getattr(_impl(x), "moe_slot_swiglu", None) if _state["mode"] == "deterministic" else None
+    if fused is not None and isinstance(counts, torch.Tensor) and counts.device == x.device:
+        return fused(x, order, dest, int(k), w, counts)
+    return swiglu_halves(moe_slot_linear(x, order, dest, k, w, counts))
+
+
+def grouped_swiglu(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """swiglu_halves(grouped_linear(x, w, counts)) (w [E, 2I, K]: gate | up) -> [R, I], the same bits; the
+    Triton backend without a gradient in one GEMM whose epilogue applies the SwiGLU."""
+    fused = getattr(_impl(x), "grouped_swiglu", None) if _state["mode"] == "deterministic" else None
+    if fused is not None:
+        return fused(x, w, counts)
+    return swiglu_halves(grouped_linear(x, w, counts))
+
+
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, k, D] in top-k slot order -> [T, D]; deterministic: fp32, slot 0 first.
     rows [T*k] (optional): y is [R, D] (the experts' outputs in dispatch order) and slot j of token t

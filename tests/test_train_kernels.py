@@ -185,6 +185,48 @@ def test_moe_slot_linear_equals_slot_rows_then_grouped_linear(backend):
             assert not same_bits(kernels.moe_slot_linear(x, order.flip(0), dest, 3, w, counts), outs[0][0])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_swiglu_in_the_gate_up_gemm_equals_the_gemm_then_swiglu(backend):
+    """moe_slot_swiglu / grouped_swiglu: without a gradient the Triton backend's one GEMM (SwiGLU in its epilogue,
+    the last output tile ragged: I = 40), with one the two ops (outputs, dX, dW), in the bits of swiglu_halves
+    over the plain GEMM, an inf and a NaN row included. Twin: the SwiGLU of the product before its rounding."""
+    from rlalign.model.model import dispatch
+
+    x, _, _, _, _ = _moe_case(T=45, k=3, E=5, D=32, seed=23)
+    x[0, 3], x[1, 9] = float("inf"), float("nan")
+    g = torch.Generator().manual_seed(24)
+    w = (torch.randn(5, 80, 32, generator=g) * 0.3).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(5, generator=g)[:3] for _ in range(45)]).to(DEV)
+    order, dest, counts = dispatch(ids.reshape(-1), 5)
+    xs = x.index_select(0, order // 3)
+    go = torch.randn(order.numel(), 40, generator=g).to(torch.bfloat16).to(DEV)
+    with kernels.use(mode="deterministic", backend=backend):
+        with torch.no_grad():
+            want = kernels.swiglu_halves(kernels.moe_slot_linear(x, order, dest, 3, w, counts))
+            tok = order // 3  # want's rows in dispatch order: token 0's hold an inf, token 1's are NaN
+            assert want[tok == 0].isinf().any() and want[tok == 1].isnan().all() and want[tok > 1].isfinite().all()
+            assert same_bits(kernels.moe_slot_swiglu(x, order, dest, 3, w, counts), want)
+            for c in (counts, counts.tolist()):
+                assert same_bits(kernels.grouped_swiglu(xs, w, c), want)
+        outs = []
+        for fused in (True, False):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            if fused:
+                y = kernels.moe_slot_swiglu(xx, order, dest, 3, ww, counts)
+            else:
+                y = kernels.swiglu_halves(kernels.moe_slot_linear(xx, order, dest, 3, ww, counts))
+            y.backward(go)
+            outs.append((y, xx.grad, ww.grad))
+        for a, b in zip(*outs):
+            assert same_bits(a, b)
+        assert same_bits(outs[0][0], want)
+    h = torch.cat([xs[r0:r0 + c].double() @ w[e].double().t() for e, (r0, c) in
+                   enumerate(zip(torch.cumsum(counts, 0).tolist(), counts.tolist()))
+                   for r0 in [r0 - c]]).float()
+    unrounded = (torch.nn.functional.silu(h[:, :40]) * h[:, 40:]).to(torch.bfloat16)
+    assert not same_bits(unrounded[tok > 1], want[tok > 1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rmsnorm_equals_the_add_then_the_norm(dtype):
     """The residual add fused into the norm: s, y and the gradients of h, a and the weight are the bits

@@ -2,14 +2,16 @@
 
 The contract is the torch reference's: the bits of an output row depend only on that row's
 inputs. One module per kernel family, each kernel beside its wrapper and its pinned config:
-  gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order
+  gemm         matmul, linear, grouped_linear: persistent tiles, no split-K, K reduced in order; grouped_swiglu
+               (the SwiGLU in the grouped GEMM's epilogue)
   norm         rmsnorm, add_rmsnorm (+ the ordered column sum of its weight-gradient partials)
   logprob      log_softmax_gather, tempered_logprobs (the logits read in place), logprob_rows (the
                trainer's: its backward writes the logits' gradient)
   attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
                split-K over fixed key chunks for few rows)
   elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds)
-  moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place)
+  moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
+               moe_slot_swiglu (the same with grouped_swiglu's epilogue)
   sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
@@ -32,9 +34,9 @@ from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, at
 from .common import INTERPRET, SUPPORTED
 from .elementwise import add_f32, paged_write, rope, swiglu, swiglu_halves
 from .embed import embedding
-from .gemm import MATMUL_CONFIGS, grouped_linear, linear, linears, matmul
+from .gemm import MATMUL_CONFIGS, grouped_linear, grouped_swiglu, linear, linears, matmul
 from .logprob import log_softmax_gather, logprob_rows, tempered_logprobs
-from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear
+from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear, moe_slot_swiglu
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
 from .sampling import filter_logits, gumbel_argmax
@@ -43,9 +45,10 @@ __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",
     "attention",
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
-    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "gumbel_argmax", "linear", "linears",
+    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu", "gumbel_argmax", "linear",
+    "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
-    "moe_slot_linear",
+    "moe_slot_linear", "moe_slot_swiglu",
     "norm", "optim", "paged_write", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu", "swiglu_halves",
     "tempered_logprobs",
 ]

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, SUPPORTED, Launch, cached, check_inputs, host_free_dot, host_table, num_sms
+from .elementwise import _silu_mul, swiglu_halves
 
 # The contract: one config per dtype (and one for the interpreter), never autotuned. How each
 # config was chosen and measured (H200): experiments/README.md (results/triton_NVIDIA_H200.json, History).
@@ -84,13 +85,26 @@ GROUPED_WGRAD: dict = {torch.bfloat16: _WGRAD, torch.float16: _WGRAD}
 def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc, scn,
           BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
           EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, MASK_M: tl.constexpr,
-          GATHER: tl.constexpr):
+          GATHER: tl.constexpr, SWIGLU: tl.constexpr):
     """C[m0 : m0 + BM, pid_n's BLOCK_N columns] of one problem (_gemm_kernel's flags): K in BLOCK_K chunks, in
-    order, through one fp32 accumulator; a row's bits do not depend on BM."""
+    order, through one fp32 accumulator; a row's bits do not depend on BM. SWIGLU: B's N_t columns are
+    [gate | up] (N_t / 2 each) and the tile owns output columns n0 .. n0 + BLOCK_N / 2 (n0 = pid_n BLOCK_N / 2)
+    of swiglu(gate, up): its accumulator's first half holds gate columns n0.., its second half up columns
+    N_t / 2 + n0.. (the same K chunks and MMA chain per element as the plain GEMM's), rounded to C's dtype as the
+    plain store rounds, then _silu_mul's fp32 formula and a second rounding: swiglu_halves of the plain output."""
     rm = m0 + tl.arange(0, BM)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
-    rbn = tl.where(rn < N_t, rn, 0)
+    if SWIGLU:
+        half = N_t // 2
+        rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the output columns
+        j = tl.arange(0, BLOCK_N)
+        rbn = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)
+        rbn = tl.where(rbn < half, rbn + tl.where(j < BLOCK_N // 2, 0, half), 0)
+        N_out = half
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rbn = tl.where(rn < N_t, rn, 0)
+        N_out = N_t
     if A_M_CONTIG:
         ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
     if GATHER > 0:
@@ -119,8 +133,12 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    mask = (rm[:, None] < M) & (rn[None, :] < N_t)
-    tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, acc.to(c_base.dtype.element_ty), mask=mask)
+    out = acc.to(c_base.dtype.element_ty)
+    if SWIGLU:
+        gate, up = tl.split(tl.permute(tl.reshape(out, (BM, 2, BLOCK_N // 2)), (0, 2, 1)))
+        out = _silu_mul(gate, up).to(c_base.dtype.element_ty)
+    mask = (rm[:, None] < M) & (rn[None, :] < N_out)
+    tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, out, mask=mask)
 
 
 # Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
@@ -135,7 +153,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
                  FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr, GATHER: tl.constexpr,
-                 HALF_TAIL: tl.constexpr):
+                 HALF_TAIL: tl.constexpr, SWIGLU: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -160,6 +178,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
     linears of one input (q, k, v) in one launch: b_off places each weight relative to b_ptr.
     MASK_M: A rows past M are masked loads (zeros) instead of reads of row 0 (scheduling only: those
     rows are never stored, a row's MMAs ignore the other rows).
+    SWIGLU (no PER_N): B's N columns are [gate | up] and C [*, N / 2] receives swiglu(gate, up) of the product
+    rounded to C's dtype (_tile): the bits of swiglu_halves over the plain GEMM's output, without writing it.
 
     Scheduling only (never the bits): NUM_SMS is the number of persistent programs (the grid), FLATTEN
     lets triton pipeline the loads of a program's next tile under its current one (one loop over (tile, K
@@ -258,14 +278,14 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
             if M - pid_m * BLOCK_M <= BLOCK_M // 2:
                 _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
                       ldc, scn, BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG,
-                      MASK_M, GATHER)
+                      MASK_M, GATHER, SWIGLU)
             else:
                 _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
                       ldc, scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M,
-                      GATHER)
+                      GATHER, SWIGLU)
         else:
             _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc,
-                  scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER)
+                  scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU)
 
 
 def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
@@ -313,7 +333,7 @@ def _launch_cfg(cfg: dict, device) -> tuple[dict, int]:
     """(A config's kernel constexprs and launch options, its number of persistent programs): FLATTEN, MASK_M
     off unless set; PER_SM (default 1) programs per SM. Scheduling only: the tiles and their K order stay
     the config's."""
-    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False}, **cfg)
+    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False, "SWIGLU": False}, **cfg)
     return cfg, cfg.pop("PER_SM", 1) * num_sms(device)
 
 
@@ -371,7 +391,7 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
         ALIGNED=all(v % 16 == 0 for r in rows for v in r[3:6]),
         EVEN_K=even_k and all(r[2] % cfg["BLOCK_K"] == 0 for r in rows),
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
-        B_N_CONTIG=sbn == 1 and sbk != 1 and all(n % 16 == 0 for n in ns),
+        B_N_CONTIG=sbn == 1 and sbk != 1 and all(n % (32 if cfg.get("SWIGLU") else 16) == 0 for n in ns),
     )
     if per_n:
         N = max(ns)  # the scalar slot: unused under PER_N
@@ -418,7 +438,7 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gathe
                 IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
                 ALIGNED=all(v % 16 == 0 for v in steps), EVEN_K=not group_k and K1 % cfg["BLOCK_K"] == 0,
                 A_M_CONTIG=group_k and sam == 1 and sak != 1 and M1 % 16 == 0,
-                B_N_CONTIG=sbn == 1 and sbk != 1 and N % 16 == 0, **cfg, PER_N=False)
+                B_N_CONTIG=sbn == 1 and sbk != 1 and N % (32 if cfg["SWIGLU"] else 16) == 0, **cfg, PER_N=False)
     meta["GATHER"] = gather
     return Launch(_gemm_kernel, (min(sms, bound),), (0, N, M1, K1, *strides, R, *steps), meta)
 
@@ -586,13 +606,18 @@ def _starts(counts: list[int]) -> list[int]:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor,
-               rows: torch.Tensor | None = None, per: int = 1) -> torch.Tensor:
+               rows: torch.Tensor | None = None, per: int = 1, swiglu: bool = False) -> torch.Tensor:
     """Rows of x [R, K] sorted by group, group e times w[e]^T (w [E, N, K], any strides) -> [R, N],
     ONE launch. Every row's bits equal matmul(row, w[e]^T): same kernel, same config, same K order.
     counts: a host list (problem table built on the host) or a device tensor (table built in the
-    kernel; no host sync). rows [R] (with device counts): sorted row i is x[rows[i] // per], read in place."""
+    kernel; no host sync). rows [R] (with device counts): sorted row i is x[rows[i] // per], read in place.
+    swiglu: w's N rows are [gate | up] and the result is swiglu_halves of the product, [R, N / 2], from the
+    same launch (the kernel's SWIGLU: the same config and tiles, the same bits)."""
     R, N = x.shape[0] if rows is None else rows.numel(), w.shape[1]
-    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if swiglu and N % 2:
+        raise ValueError(f"triton grouped_mm: swiglu over w {tuple(w.shape)}: N must be [gate | up], even")
+    n_out = N // 2 if swiglu else N
+    out = torch.empty(R, n_out, dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
         return out
     if w.stride(2) != 1 and w.stride(1) != 1:
@@ -600,14 +625,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tenso
     x = _usable(x)
     if isinstance(counts, torch.Tensor):  # the sizes are unknown here: rows per group guessed as R / min(E, R)
         cfg = _grouped_config(x.dtype, -(-R // min(w.shape[0], R)), x.shape[1] if w.stride(2) == 1 else None)
-        _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1], (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1),
-                     (x.stride(0) if rows is None else 0, 0, w.stride(0), N, 0), False, cfg, rows, per)
+        if swiglu:
+            cfg["SWIGLU"] = True
+        _gemm_counts(x, w, out, counts, R, N, 0, x.shape[1],
+                     (x.stride(0), x.stride(1), w.stride(2), w.stride(1), n_out, 1),
+                     (x.stride(0) if rows is None else 0, 0, w.stride(0), n_out, 0), False, cfg, rows, per)
         return out
     groups = sum(1 for c in counts if c)
     cfg = _grouped_config(x.dtype, -(-R // max(groups, 1)), x.shape[1] if w.stride(2) == 1 else None)
+    if swiglu:
+        cfg["SWIGLU"] = True
     st = _starts(counts)
-    probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * N) for e, (c, s) in enumerate(zip(counts, st)) if c]
-    _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), N, 1), cfg)
+    probs = [(c, x.shape[1], s * x.stride(0), e * w.stride(0), s * n_out)
+             for e, (c, s) in enumerate(zip(counts, st)) if c]
+    _gemm(x, w, out, probs, N, (x.stride(0), x.stride(1), w.stride(2), w.stride(1), n_out, 1), cfg)
     return out
 
 
@@ -643,12 +674,8 @@ class _GroupedLinear(torch.autograd.Function):
         return gx, gw, None
 
 
-def grouped_linear(x, w, counts: list[int] | torch.Tensor):
-    """Expert GEMMs over rows sorted by expert ([R, K] x [E, N, K] -> [R, N]): one launch forward,
-    one for dX, one for dW (plus the layout copies). counts: a host list, or an integer tensor on x's
-    device whose values are never read on the host (no sync: the path a CUDA graph can capture; the
-    caller promises they sum to R, the kernel clamps them to R so a wrong tensor cannot write out of
-    bounds). Same bits either way."""
+def _grouped_args(x, w, counts: list[int] | torch.Tensor):
+    """(counts, w) of grouped_linear checked: a device tensor or a host list of ints; w in x's dtype."""
     check_inputs("grouped_linear", x, w)
     if isinstance(counts, torch.Tensor) and counts.device != x.device:
         counts = counts.tolist()
@@ -663,8 +690,27 @@ def grouped_linear(x, w, counts: list[int] | torch.Tensor):
                          f"(len {len(counts)}, sum {sum(counts)}) do not fit")
     else:
         counts = [int(c) for c in counts]
-    w = w.to(x.dtype)
+    return counts, w.to(x.dtype)
+
+
+def grouped_linear(x, w, counts: list[int] | torch.Tensor):
+    """Expert GEMMs over rows sorted by expert ([R, K] x [E, N, K] -> [R, N]): one launch forward,
+    one for dX, one for dW (plus the layout copies). counts: a host list, or an integer tensor on x's
+    device whose values are never read on the host (no sync: the path a CUDA graph can capture; the
+    caller promises they sum to R, the kernel clamps them to R so a wrong tensor cannot write out of
+    bounds). Same bits either way."""
+    counts, w = _grouped_args(x, w, counts)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _GroupedLinear.apply(x, w, counts)
     return grouped_mm(x, w, counts)
+
+
+def grouped_swiglu(x, w, counts: list[int] | torch.Tensor):
+    """swiglu_halves(grouped_linear(x, w, counts)) (w [E, 2I, K]: gate | up) -> [R, I], the same bits; without a
+    gradient ONE launch that never writes the [R, 2I] product (the GEMM's epilogue applies the SwiGLU), with
+    one the two ops (their backward needs the product)."""
+    counts, w = _grouped_args(x, w, counts)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return swiglu_halves(_GroupedLinear.apply(x, w, counts))
+    return grouped_mm(x, w, counts, swiglu=True)
 

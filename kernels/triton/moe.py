@@ -1,6 +1,6 @@
 """MoE row-local kernels: the router (fp32 softmax + top-k, ties to the lowest expert id) and the
 combine (fp32, top-k slot 0 first), forward and backward, one program per token; the experts' first
-GEMM reading the token rows in place (moe_slot_linear)."""
+GEMM reading the token rows in place (moe_slot_linear; moe_slot_swiglu with the SwiGLU in its epilogue)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import ROW_BLOCK, Launch, cached, check_inputs
+from .elementwise import swiglu_halves
 from .gemm import grouped_mm, grouped_wgrad
 
 
@@ -273,17 +274,32 @@ class _SlotLinear(torch.autograd.Function):
         return gx, gw, None, None, None, None
 
 
-def moe_slot_linear(x, order, dest, k: int, w, counts: torch.Tensor):
-    """grouped_linear(moe_slot_rows(x, order, dest, k), w, counts), the same bits; the forward reads x's rows
-    in place, the [T * k, D] copy lives only in the backward (not from forward to backward). counts: a tensor
-    on x's device."""
+def _slot_args(x, order, dest, k: int, w, counts: torch.Tensor):
+    """(x, w, order) of moe_slot_linear checked and made readable in place."""
     check_inputs("moe_slot_linear", x, w)
     T = x.shape[0]
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or order.shape != (T * k,) \
             or dest.shape != (T * k,) or counts.shape != (w.shape[0],) or counts.device != x.device:
         raise ValueError(f"triton moe_slot_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, k {k}, order "
                          f"{tuple(order.shape)}, dest {tuple(dest.shape)}, counts {tuple(counts.shape)} do not fit")
-    x, w, order = x.contiguous(), w.to(x.dtype), order.contiguous()
+    return x.contiguous(), w.to(x.dtype), order.contiguous()
+
+
+def moe_slot_linear(x, order, dest, k: int, w, counts: torch.Tensor):
+    """grouped_linear(moe_slot_rows(x, order, dest, k), w, counts), the same bits; the forward reads x's rows
+    in place, the [T * k, D] copy lives only in the backward (not from forward to backward). counts: a tensor
+    on x's device."""
+    x, w, order = _slot_args(x, order, dest, k, w, counts)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _SlotLinear.apply(x, w, counts, order, dest.contiguous(), int(k))
     return grouped_mm(x, w, counts, order, int(k))  # token order[i] // k, divided in the kernel: no launch
+
+
+def moe_slot_swiglu(x, order, dest, k: int, w, counts: torch.Tensor):
+    """swiglu_halves(moe_slot_linear(x, order, dest, k, w, counts)) (w [E, 2I, D]: gate | up) -> [T * k, I], the
+    same bits; without a gradient ONE launch that never writes the [T * k, 2I] product (grouped_mm's swiglu), with
+    one the two ops (their backward needs the product)."""
+    x, w, order = _slot_args(x, order, dest, k, w, counts)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return swiglu_halves(_SlotLinear.apply(x, w, counts, order, dest.contiguous(), int(k)))
+    return grouped_mm(x, w, counts, order, int(k), swiglu=True)

@@ -125,16 +125,15 @@ class Experts(nn.Module):
                        counts: list[int] | torch.Tensor) -> torch.Tensor:
         """forward(moe_slot_rows(x, order, dest, k), counts), the same bits: the first GEMM reads the
         token rows of x [T, d] in place (rlalign.parallel's experts send the copied rows instead)."""
-        h = kernels.moe_slot_linear(x, order, dest, k, self.gate_up_proj, counts)  # [R, 2I]: gate | up
-        return kernels.grouped_linear(kernels.swiglu_halves(h), self.down_proj, counts)
+        a = kernels.moe_slot_swiglu(x, order, dest, k, self.gate_up_proj, counts)  # silu(gate) * up [R, I]
+        return kernels.grouped_linear(a, self.down_proj, counts)
 
 
 def expert_mlp(x_sorted: torch.Tensor, counts: list[int] | torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over rows sorted by expert: [R, d] -> [R, d]; each row's bits are its own.
     counts [E]: a host list or a tensor on the rows' device (kept there: no host sync)."""
-    h = kernels.grouped_linear(x_sorted, gate_up, counts)  # [R, 2I]: gate | up
-    return kernels.grouped_linear(kernels.swiglu_halves(h), down, counts)
+    return kernels.grouped_linear(kernels.grouped_swiglu(x_sorted, gate_up, counts), down, counts)
 
 
 class Router(nn.Module):

@@ -104,6 +104,43 @@ def test_grouped_schedules_keep_the_main_configs_bits(monkeypatch):
     assert not same_bits(gemm.grouped_mm(h.flip(1), dn.flip(2), counts), ref[1])
 
 
+def test_swiglu_in_the_gate_up_epilogue_has_the_two_ops_bits():
+    # bench-moe-large's gate_up over the token rows gathered in place at 256 / 1,024 / 2,048 / 8,192 tokens (every
+    # bucket of the pinned table): the GEMM with the SwiGLU in its epilogue gives swiglu_halves(GEMM)'s bits, rows
+    # holding inf / NaN and rows whose sums overflow included; host-list counts with empty and ragged experts too.
+    # Negative twin: the SwiGLU of the product before its bf16 rounding (an fp32 GEMM)
+    from rlalign import kernels
+    from rlalign.kernels import triton as tb
+    from rlalign.kernels.triton import gemm
+
+    bf = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    gu = (torch.randn(64, 1536, 2048, device="cuda", generator=g) * 0.02).to(bf)
+    for T in (256, 1024, 2048, 8192):
+        ids = torch.randn(T, 64, device="cuda", generator=g).topk(8, dim=1).indices.reshape(-1)
+        counts, order = torch.bincount(ids, minlength=64), torch.argsort(ids, stable=True)
+        x = torch.randn(T, 2048, device="cuda", generator=g).to(bf)
+        x[0, 5], x[1, 17], x[2, 1000] = float("inf"), float("-inf"), float("nan")
+        x[3], x[4] = 3e38, -3e38
+        want = tb.swiglu_halves(gemm.grouped_mm(x, gu, counts, order, 8))
+        assert want.isnan().any() and want.isinf().any(), T
+        assert same_bits(gemm.grouped_mm(x, gu, counts, order, 8, swiglu=True), want), T
+        dest = torch.empty_like(order)
+        dest[order] = torch.arange(order.numel(), device="cuda")
+        with torch.no_grad(), kernels.use(backend="triton"):
+            assert same_bits(kernels.moe_slot_swiglu(x, order, dest, 8, gu, counts), want), T
+    host = [int(c) for c in torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(8))]
+    host[3] = host[40] = 0
+    host[7] = 1
+    xs = torch.randn(sum(host), 2048, device="cuda", generator=g).to(bf)
+    want = tb.swiglu_halves(gemm.grouped_mm(xs, gu, host))
+    assert same_bits(gemm.grouped_mm(xs, gu, host, swiglu=True), want)
+    assert same_bits(tb.grouped_swiglu(xs, gu, torch.tensor(host, device="cuda")), want)
+    h32 = gemm.grouped_mm(xs.float(), gu.float(), host)
+    unrounded = (torch.nn.functional.silu(h32[:, :768]) * h32[:, 768:]).to(bf)
+    assert not same_bits(unrounded, want)
+
+
 def _colsum_reference(x, chunk):
     while x.shape[0] > 1:
         parts = []
