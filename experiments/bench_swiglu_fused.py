@@ -7,13 +7,20 @@ bits, on the timed inputs and on inputs holding inf / NaN entries and rows whose
 variant under a CUDA graph (sweep_grouped_sched's CALLS launches a replay), the graphs replayed in turn
 (interleaved_us), median.
 
-    python experiments/bench_swiglu_fused.py [--tokens 256,1024,2048,4096,8192] [--out DIR]
+--engine CASES (e.g. 256x256,2048x256): the native engine on bench-moe-large (probe_rollout_steps.py's prompts),
+two engines of one model, one with the fused op and one with the two ops (the Triton backend's moe_slot_swiglu
+hidden: kernels.moe_slot_swiglu composes them), each run once to compile and capture; then their generate()
+calls in turn (wall time, tokens and logprobs compared bitwise) and their largest decode graphs replayed in turn.
+
+    python experiments/bench_swiglu_fused.py [--tokens 256,1024,2048,4096,8192] [--engine CASES] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,8 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_vendor import bits_equal  # noqa: E402
 from record import RESULTS, write  # noqa: E402
-from sweep_grouped_sched import capture, interleaved_us, routed  # noqa: E402
+from sweep_grouped_sched import CALLS, capture, interleaved_us, routed  # noqa: E402
 
+from rlalign import kernels  # noqa: E402
+from rlalign.kernels import triton as tb  # noqa: E402
 from rlalign.kernels.triton import elementwise, gemm  # noqa: E402
 
 BF = torch.bfloat16
@@ -37,18 +46,85 @@ def with_specials(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@contextlib.contextmanager
+def two_ops():
+    """The Triton backend without its fused ops: kernels.moe_slot_swiglu / grouped_swiglu compose the two."""
+    saved = tb.moe_slot_swiglu, tb.grouped_swiglu
+    tb.moe_slot_swiglu = tb.grouped_swiglu = None
+    try:
+        yield
+    finally:
+        tb.moe_slot_swiglu, tb.grouped_swiglu = saved
+
+
+def engine_ab(cases: str) -> dict:
+    from probe_rollout_steps import prompts_of
+
+    from rlalign.config import load_config, model_args
+    from rlalign.model import build_model
+    from rlalign.rollout.native.engine import NativeEngine
+    from rlalign.rollout.types import EngineConfig, SamplingParams
+
+    args = model_args(load_config(["model=bench-moe-large"]))
+    model = build_model(args, "bfloat16", seed=0, device="cuda")
+    ctx = {"fused": contextlib.nullcontext, "two_ops": two_ops}
+    out = {}
+    with kernels.use(mode="deterministic", backend="triton"):
+        for case in cases.split(","):
+            B, new = (int(x) for x in case.split("x"))
+            prompts, ids = prompts_of(B, args.vocab_size), list(range(B))
+            params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=7)
+            engines, results, walls = {}, {}, {n: [] for n in ctx}
+            for n, c in ctx.items():
+                engines[n] = NativeEngine(model, EngineConfig())
+                with c():
+                    results[n] = engines[n].generate(prompts, ids, params)  # compile, capture
+            for rep in range(2):
+                for n in (list(ctx) if rep % 2 == 0 else list(ctx)[::-1]):
+                    with ctx[n]():
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        results[n] = engines[n].generate(prompts, ids, params)
+                        torch.cuda.synchronize()
+                        walls[n].append(time.perf_counter() - t0)
+            f, u = results["fused"], results["two_ops"]
+            row = {"tokens": sum(len(o.tokens) for o in f),
+                   "tokens_equal": all(a.tokens == b.tokens for a, b in zip(f, u)),
+                   "logprobs_equal": all(bits_equal_f32(a.logprobs, b.logprobs) for a, b in zip(f, u)),
+                   "wall_s": {n: min(v) for n, v in walls.items()}}
+            row["tokens_per_s"] = {n: row["tokens"] / w for n, w in row["wall_s"].items()}
+            size = max(engines["fused"].state.graphs.graphs)
+            graphs = {n: e.state.graphs.graphs[size][0] for n, e in engines.items()}
+            row["decode_replay_bucket"] = size
+            row["decode_replay_ms"] = {n: us * CALLS / 1e3 for n, us in interleaved_us(graphs).items()}  # 1 a replay
+            for e in engines.values():
+                e.close()
+            del engines, graphs
+            torch.cuda.empty_cache()
+            out[case] = row
+            print(f"engine {case}: tokens_equal {row['tokens_equal']} logprobs_equal {row['logprobs_equal']} | "
+                  + "  ".join(f"{n} {row['tokens_per_s'][n]:,.0f} tok/s ({row['wall_s'][n]:.3f} s) decode replay "
+                              f"{row['decode_replay_ms'][n]:.3f} ms" for n in ctx), flush=True)
+    return out
+
+
+def bits_equal_f32(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="bench_swiglu_fused_h200")
+    ap.add_argument("--engine", default="", help="CASES (BxNEW,...): the engine with the fused op and with two ops")
     a = ap.parse_args()
     d, E, k, inter = 2048, 64, 8, 768
     rows = []
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(0)
         gu = (torch.randn(E, 2 * inter, d, generator=g, device="cuda") * 0.02).to(BF)
-        for T in (int(t) for t in a.tokens.split(",")):
+        for T in (int(t) for t in a.tokens.split(",") if t):
             g = torch.Generator(device="cuda").manual_seed(T)
             counts, order = routed(T, "router", g)
             xt = torch.randn(T, d, generator=g, device="cuda").to(BF)
@@ -75,7 +151,9 @@ def main() -> None:
                   f"(nonfinite {row['specials_nonfinite']}) | gemm {us['gemm']:.1f} "
                   f"gemm+swiglu {us['gemm_swiglu']:.1f} "
                   f"fused {us['fused']:.1f} us ({us['fused'] / us['gemm_swiglu']:.3f}x)", flush=True)
-    print("wrote", write(a.name, {"rows": rows, "what_it_shows": WHAT}, a.out))
+            write(a.name, {"rows": rows, "what_it_shows": WHAT}, a.out)
+    engine = engine_ab(a.engine) if a.engine else {}
+    print("wrote", write(a.name, {"rows": rows, "engine": engine, "what_it_shows": WHAT}, a.out))
 
 
 if __name__ == "__main__":
