@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_vendor import bits_equal  # noqa: E402
 from record import RESULTS, write  # noqa: E402
-from sweep_grouped_sched import CALLS, capture, interleaved_us, routed  # noqa: E402
+from sweep_grouped_sched import CALLS, capture, interleaved_us, routed, use  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import triton as tb  # noqa: E402
@@ -36,6 +36,18 @@ from rlalign.kernels.triton import elementwise, gemm  # noqa: E402
 
 BF = torch.bfloat16
 WHAT = "gate_up GEMM + swiglu_halves vs the SwiGLU in the GEMM's epilogue: bits and time under CUDA graphs"
+MAIN = dict(gemm.MATMUL_CONFIGS[BF])
+GRID = gemm.TILE_PER_PROGRAM
+# --sweep: schedules of the fused op (one config for every size; the same K chunks: the bits are checked). The
+# epilogue's exp and division (2 MUFU ops an output) stall the tile's MMAs: tiles small enough for two or more
+# programs an SM overlap one program's epilogue with another's MMAs
+SWEEP = {
+    "n128_w4_s4_x2": dict(MAIN, BLOCK_N=128, num_warps=4, num_stages=4, PER_SM=2),
+    "n128_w4_s3_grid": dict(MAIN, BLOCK_N=128, num_warps=4, num_stages=3, PER_SM=GRID),
+    "n128_w8_s4_grid": dict(MAIN, BLOCK_N=128, num_warps=8, num_stages=4, PER_SM=GRID),
+    "m64_w4_s4_grid": dict(MAIN, BLOCK_M=64, num_warps=4, num_stages=4, PER_SM=GRID),
+    "main_s4_grid": dict(MAIN, num_stages=4, PER_SM=GRID),
+}
 
 
 def with_specials(x: torch.Tensor) -> torch.Tensor:
@@ -117,10 +129,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="bench_swiglu_fused_h200")
+    ap.add_argument("--sweep", action="store_true", help="also the fused op under SWEEP's schedules")
     ap.add_argument("--engine", default="", help="CASES (BxNEW,...): the engine with the fused op and with two ops")
     a = ap.parse_args()
     d, E, k, inter = 2048, 64, 8, 768
-    rows = []
+    rows, sweep = [], a.sweep
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(0)
         gu = (torch.randn(E, 2 * inter, d, generator=g, device="cuda") * 0.02).to(BF)
@@ -142,6 +155,16 @@ def main() -> None:
                    "bits_equal_host_counts": bits_equal(gemm.grouped_mm(xg, gu, hc, swiglu=True),
                                                         elementwise.swiglu_halves(gemm.grouped_mm(xg, gu, hc)))}
             graphs = {n: capture(f) for n, f in fns.items()}
+            pinned = (list(gemm.GROUPED_SMALL_M[BF]), gemm.GROUPED_SHORT_K[BF])
+            for name, cfg in (SWEEP.items() if sweep and T > 256 else ()):
+                use(cfg)
+                try:
+                    row[f"bits_equal_{name}"] = bits_equal(fns["fused"](), ref)
+                    graphs[name] = capture(fns["fused"])
+                except Exception as e:  # noqa: BLE001 - out of shared memory, ...
+                    row[f"error_{name}"] = f"{type(e).__name__}: {e}"[:160]
+                finally:
+                    use(pinned)
             row["us"] = interleaved_us(graphs)
             del graphs
             rows.append(row)
@@ -150,7 +173,9 @@ def main() -> None:
                   f"{row['bits_equal']}/{row['bits_equal_specials']}/{row['bits_equal_host_counts']} "
                   f"(nonfinite {row['specials_nonfinite']}) | gemm {us['gemm']:.1f} "
                   f"gemm+swiglu {us['gemm_swiglu']:.1f} "
-                  f"fused {us['fused']:.1f} us ({us['fused'] / us['gemm_swiglu']:.3f}x)", flush=True)
+                  f"fused {us['fused']:.1f} us ({us['fused'] / us['gemm_swiglu']:.3f}x)"
+                  + "".join(f" | {n} {us[n]:.1f}{'' if row[f'bits_equal_{n}'] else ' BITDIFF'}"
+                            for n in SWEEP if n in us), flush=True)
             write(a.name, {"rows": rows, "what_it_shows": WHAT}, a.out)
     engine = engine_ab(a.engine) if a.engine else {}
     print("wrote", write(a.name, {"rows": rows, "engine": engine, "what_it_shows": WHAT}, a.out))
