@@ -254,9 +254,11 @@ def moe_slot_swiglu(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k:
                     counts: list[int] | torch.Tensor) -> torch.Tensor:
     """swiglu_halves(moe_slot_linear(x, order, dest, k, w, counts)) (w [E, 2I, D]: gate | up) -> [T * k, I], the
     same bits; the Triton backend (counts on x's device, no gradient wanted) in one GEMM whose epilogue applies
-    the SwiGLU: the [T * k, 2I] product is never written nor read back."""
+    the SwiGLU: the [T * k, 2I] product is never written nor read back. With a gradient: the two ops (their
+    backward needs the product)."""
     fused = getattr(_impl(x), "moe_slot_swiglu", None) if _state["mode"] == "deterministic" else None
-    if fused is not None and isinstance(counts, torch.Tensor) and counts.device == x.device:
+    if fused is not None and isinstance(counts, torch.Tensor) and counts.device == x.device \
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return fused(x, order, dest, int(k), w, counts)
     return swiglu_halves(moe_slot_linear(x, order, dest, k, w, counts))
 
@@ -265,7 +267,7 @@ def grouped_swiglu(x: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.T
     """swiglu_halves(grouped_linear(x, w, counts)) (w [E, 2I, K]: gate | up) -> [R, I], the same bits; the
     Triton backend without a gradient in one GEMM whose epilogue applies the SwiGLU."""
     fused = getattr(_impl(x), "grouped_swiglu", None) if _state["mode"] == "deterministic" else None
-    if fused is not None:
+    if fused is not None and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return fused(x, w, counts)
     return swiglu_halves(grouped_linear(x, w, counts))
 
