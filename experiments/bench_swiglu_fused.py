@@ -128,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--name", default="bench_swiglu_fused_h200")
+    ap.add_argument("--name", default="bench_swiglu_epilogue_h200")
     ap.add_argument("--sweep", action="store_true", help="also the fused op under SWEEP's schedules")
     ap.add_argument("--engine", default="", help="CASES (BxNEW,...): the engine with the fused op and with two ops")
     a = ap.parse_args()
