@@ -39,8 +39,9 @@ WHAT = "gate_up GEMM + swiglu_halves vs the SwiGLU in the GEMM's epilogue: bits 
 MAIN = dict(gemm.MATMUL_CONFIGS[BF])
 GRID = gemm.TILE_PER_PROGRAM
 # --sweep: schedules of the fused op (one config for every size; the same K chunks: the bits are checked). The
-# epilogue's exp and division (2 MUFU ops an output) stall the tile's MMAs: tiles small enough for two or more
-# programs an SM overlap one program's epilogue with another's MMAs
+# epilogue's exp and division (2 MUFU ops an output) stall the tile's MMAs; tiles small enough for two or more
+# programs an SM might overlap one program's epilogue with another's MMAs. Measured (H200, R2 of 2026-12-02,
+# results/bench_swiglu_epilogue_h200.json): every one 1.0-1.6x slower than the pinned tables, bits equal
 SWEEP = {
     "n128_w4_s4_x2": dict(MAIN, BLOCK_N=128, num_warps=4, num_stages=4, PER_SM=2),
     "n128_w4_s3_grid": dict(MAIN, BLOCK_N=128, num_warps=4, num_stages=3, PER_SM=GRID),
