@@ -57,9 +57,10 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # results/decode_bandwidth_h200.json). Up to 512 rows per expert (1,024-4,096 tokens: an expert's last tile often
 # holds a few rows): the main tiles with a fourth stage, an expert's last tile of at most 64 rows run 64 rows high
 # (HALF_TAIL: half the MMAs) and a program per tile (the hardware hands out tiles of two sizes). At 1,024 tokens
-# gate_up 159-160 -> 146-147 us, down 91-92 -> 81.5 us against the 64 x 256 tiles (results/sweep_grouped_sched_h200.json);
-# gate_up at 2,048 tokens 248-249 -> 229-230 us, at 4,096 429-430 -> 412 against the main tiles (4 stages / 3);
-# the backward's dX (weights N-contiguous) at 1,024-4,096 tokens 0.67-1.02x (results/sweep_grouped_sched_dx_h200.json).
+# gate_up 159-160 -> 146-147 us, down 91-92 -> 81.5 us against the 64 x 256 tiles
+# (results/sweep_grouped_sched_h200.json); gate_up at 2,048 tokens 248-249 -> 229-230 us, at 4,096 429-430 -> 412
+# against the main tiles (4 stages / 3); the backward's dX (weights N-contiguous) at 1,024-4,096 tokens 0.67-1.02x
+# (results/sweep_grouped_sched_dx_h200.json).
 # Bits equal to the main config's in every case (experiments/sweep_grouped_sched.py).
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
