@@ -1,7 +1,7 @@
 """The sampling step's passes over [rows, vocab] on one GPU: the composition that upcasts first (an fp32
 copy of the bf16 logits, the temperature as a division pass, then the top-k/top-p filter, the Gumbel-max
-draw and the logprob on fp32) against kernels.tempered / sample_tempered / tempered_logprobs (the
-consumers read the bf16 logits in place, upcast and scale them in registers). Bits: the tokens, the
+draw and the logprob on fp32) against kernels.tempered / sample_tempered_logprobs (the consumers read the
+bf16 logits in place, upcast and scale them in registers; the draw and its logprob in one launch). Bits: the tokens, the
 logprobs (generator's step and trainer's token_logprobs) and the filtered values, compared exactly.
 Time: each step under a CUDA graph (CALLS steps per replay), the two graphs replayed in turn (REPS
 rounds, median: sweep_grouped_sched.interleaved_us).
@@ -65,9 +65,9 @@ def upcast_step(ref, logits, ids, pos, temperature, top_k, top_p):
 
 
 def fused_step(logits, ids, pos, temperature, top_k, top_p):
+    """rollout.sampling.sample_next's kernels (the decode graphs' step)."""
     z = kernels.tempered(logits, temperature, top_k, top_p)
-    tok = kernels.sample_tempered(z, SEED, ids, pos)
-    return tok, kernels.tempered_logprobs(z, tok), z
+    return (*kernels.sample_tempered_logprobs(z, SEED, ids, pos), z)
 
 
 def capture(fn):

@@ -131,8 +131,8 @@ def pinned_config(block: int = ts.BLOCK, warps: int = 4):
         out = torch.empty(B, dtype=torch.long, device=z.device)
         s64 = (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
         opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=warps)
-        ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, s64, GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False, BLOCK=block,
-                                       **_CONST, **opts)
+        ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, out, s64, GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False,
+                                       LOGPROB=False, BLOCK=block, **_CONST, **opts)
         return out
     return run
 

@@ -410,6 +410,17 @@ def sample_tempered(z: Tempered, seed: int, sample_ids: torch.Tensor, positions:
     return sampling.first_argmax(v + sampling.gumbel(seed, sample_ids, positions, v.shape[-1]))
 
 
+def sample_tempered_logprobs(z: Tempered, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
+                             greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, tempered_logprobs(z, tokens)) for tokens = sample_tempered(z, ...), the same bits: the
+    sampler's step; the Triton backend draws and scores in one launch."""
+    fused = None if greedy else getattr(_impl(z.logits), "gumbel_argmax_logprobs", None)
+    if fused is not None:
+        return fused(z.logits, seed, sample_ids, positions, z.scale)
+    tok = sample_tempered(z, seed, sample_ids, positions, greedy)
+    return tok, tempered_logprobs(z, tok)
+
+
 def fingerprint_sums(parts) -> torch.Tensor:
     """(A, B) [N, 2] int32 of every result of `parts` (a sequence of kernels.fingerprint.Part; a
     rows part gives one result per dim-0 row), on the parts' device: the raw sums of the one

@@ -146,3 +146,21 @@ def test_negative_twin_the_neighbouring_factor_gives_other_bits():
     assert not torch.equal(_int_bits(tempered_logprobs(logits, up, tok)), _int_bits(lp))
     kept = filter_logits(logits, 0, 0.9, scale)
     assert not torch.equal(_int_bits(filter_logits(logits, 0, 0.9, up)), _int_bits(kept))
+
+
+@pytest.mark.parametrize("temperature,vocab", [(1.0, 1500), (0.8, 1500), (1.3, 700)])
+def test_the_draw_with_its_logprob_is_the_draw_then_the_logprob(temperature, vocab):
+    """gumbel_argmax_logprobs: the tokens of gumbel_argmax and the bits of tempered_logprobs at them, in one
+    launch (a vocabulary under a block: the logprob kernel's smaller block); the twin: another seed's
+    tokens score other logprobs."""
+    from rlalign.kernels.triton.logprob import tempered_logprobs
+    from rlalign.kernels.triton.sampling import gumbel_argmax_logprobs
+
+    logits, scale = _bf16_logits(temperature)
+    logits = logits[1:, :vocab]
+    ids, pos = torch.arange(5, device=DEV) * 3 + 2, torch.arange(5, device=DEV) + 40
+    tok, lp = gumbel_argmax_logprobs(logits, 2**63 + 5, ids, pos, scale)
+    assert torch.equal(tok, gumbel_argmax(logits, 2**63 + 5, ids, pos, scale))
+    assert torch.equal(_int_bits(lp), _int_bits(tempered_logprobs(logits, scale, tok)))
+    tok2, lp2 = gumbel_argmax_logprobs(logits, 6, ids, pos, scale)
+    assert not torch.equal(tok2, tok) and not torch.equal(_int_bits(lp2), _int_bits(lp))

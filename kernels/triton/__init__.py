@@ -12,7 +12,8 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
   elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds)
   moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
-  sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw)
+  sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw),
+               gumbel_argmax_logprobs (the draw and its logprob in one launch)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
@@ -39,14 +40,14 @@ from .logprob import log_softmax_gather, logprob_rows, tempered_logprobs
 from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear, moe_slot_swiglu
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
-from .sampling import filter_logits, gumbel_argmax
+from .sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",
     "attention",
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
-    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu", "gumbel_argmax", "linear",
-    "linears",
+    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu", "gumbel_argmax",
+    "gumbel_argmax_logprobs", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
     "moe_slot_linear", "moe_slot_swiglu",
     "norm", "optim", "paged_write", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu", "swiglu_halves",

@@ -36,7 +36,7 @@ import triton.language as tl
 from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 
-from .common import INTERPRET, upcast_scaled
+from .common import INTERPRET, ROW_BLOCK, upcast_scaled
 
 _U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -277,10 +277,12 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
-def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, mix2, scale, V,
-                          SCALED: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
-                          C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, LN2_HI: tl.constexpr,
-                          LN2_LO: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden, mix1, mix2, scale, V,
+                          SCALED: tl.constexpr, LOGPROB: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr,
+                          C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                          LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, BLOCK: tl.constexpr):
+    """LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits (its BLOCK, its 4-element loads,
+    its ops in order): the row's max taken in the draw's pass, then the sum of exp(z - max) and the gather."""
     row = tl.program_id(0).to(tl.int64)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
@@ -290,10 +292,14 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, 
     best = float("-inf")
     best_i = V
     nan = 0
+    zmax = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)  # the logprob's layout for every load (one layout here)
     for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
+        cols = v0 + offs
         mask = cols < V
         z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        if LOGPROB:
+            zmax = tl.maximum(zmax, z)
         hv = _mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
         u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         g = -_log(-_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
@@ -305,7 +311,18 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, 
         take = m > best  # strictly greater: an equal maximum in a later chunk keeps the first index
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
-    tl.store(out_ptr + row, tl.where((nan > 0) | (best == float("-inf")), V, best_i))
+    tok = tl.where((nan > 0) | (best == float("-inf")), V, best_i)
+    tl.store(out_ptr + row, tok)
+    if LOGPROB:
+        mx = tl.max(zmax, axis=0)
+        s = tl.zeros((BLOCK,), dtype=tl.float32)
+        for v0 in range(0, V, BLOCK):
+            cols = v0 + offs
+            z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
+            s += tl.exp(z - mx)
+        lse = mx + tl.log(tl.sum(s, axis=0))
+        zt = upcast_scaled(tl.load(z_ptr + row * V + tl.minimum(tok, V - 1)), scale, SCALED)
+        tl.store(lp_ptr + row, zt - lse)
 
 
 _CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
@@ -349,22 +366,35 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     return out
 
 
-def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
-                  scale: float = 1.0) -> torch.Tensor:
-    """first_argmax(temper(z, scale) + gumbel(seed, sample_ids, positions, V)) for z [B, V] in any float
-    dtype (rlalign.kernels.temper: read in place, upcast and scaled in registers): the token ids [B]
-    (int64); a row with NaN or no finite value is the same device-side error as first_argmax's."""
+def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
     _check("gumbel_argmax", z)
     B, V = z.shape
     out = torch.empty(B, dtype=torch.long, device=z.device)
+    lp = torch.empty(B if logprobs else 0, dtype=torch.float32, device=z.device)
     if B:
         z = z.contiguous()
         ids = sample_ids.to(device=z.device, dtype=torch.long).contiguous()
         pos = positions.to(device=z.device, dtype=torch.long).contiguous()
         s64 = (seed & _U64) - (1 << 64) if (seed & _U64) >= (1 << 63) else seed & _U64
         opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-        _gumbel_argmax_kernel[(B,)](z, ids, pos, out, s64, GOLDEN, MIX1, MIX2, scale, V, SCALED=scale != 1.0,
-                                    BLOCK=BLOCK, **_CONST, **opts)
+        block = min(ROW_BLOCK, triton.next_power_of_2(V)) if logprobs else BLOCK  # the logprob kernel's
+        _gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, s64, GOLDEN, MIX1, MIX2, scale, V,
+                                    SCALED=scale != 1.0, LOGPROB=logprobs, BLOCK=block, **_CONST, **opts)
     torch._assert_async(((out >= 0) & (out < V)).all(),
                         "sample: a row has no finite maximum (NaN or all -inf logits); no token can be drawn")
-    return out
+    return out, lp
+
+
+def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
+                  scale: float = 1.0) -> torch.Tensor:
+    """first_argmax(temper(z, scale) + gumbel(seed, sample_ids, positions, V)) for z [B, V] in any float
+    dtype (rlalign.kernels.temper: read in place, upcast and scaled in registers): the token ids [B]
+    (int64); a row with NaN or no finite value is the same device-side error as first_argmax's."""
+    return _draw(z, seed, sample_ids, positions, scale, False)[0]
+
+
+def gumbel_argmax_logprobs(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
+                           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logprob.tempered_logprobs(z, scale, tokens)) for tokens = gumbel_argmax(z, ...), the same
+    bits, in one launch: the draw's pass over the row also takes the row's max for the logprob."""
+    return _draw(z, seed, sample_ids, positions, scale, True)

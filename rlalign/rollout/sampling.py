@@ -19,9 +19,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, sample_ids: torch.
     """The tokens at absolute `positions` [B] drawn from logits [B, V], and their fp32 logprobs
     under the distribution they were drawn from."""
     z = kernels.tempered(logits, **params.logprob_kwargs())  # once: the tokens' distribution
-    tok = kernels.sample_tempered(z, params.seed, sample_ids, positions, greedy=params.greedy)
-    if tap_fn is not None:
-        tok = tap_fn(tok)
+    if tap_fn is None:
+        return kernels.sample_tempered_logprobs(z, params.seed, sample_ids, positions, greedy=params.greedy)
+    tok = tap_fn(kernels.sample_tempered(z, params.seed, sample_ids, positions, greedy=params.greedy))
     return tok, kernels.tempered_logprobs(z, tok)
 
 

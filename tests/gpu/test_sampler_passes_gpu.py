@@ -8,7 +8,7 @@ import torch
 
 from rlalign import kernels
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs
-from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax
+from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
 from rlalign.rollout.sampling import sample_next
 from rlalign.rollout.types import SamplingParams
 
@@ -52,6 +52,8 @@ def test_consumers_read_bf16_logits_as_their_fp32_copy(rows, vocab, temperature)
     lp = tempered_logprobs(logits, s, tok)
     assert torch.equal(_int_bits(lp), _int_bits(log_softmax_gather(z, tok)))
     assert torch.isnan(lp[[0, 2]]).all() and not torch.isnan(lp[[1, *range(3, rows)]]).any()  # NaN, +inf rows
+    tok1, lp1 = gumbel_argmax_logprobs(logits[1:], 2**63 + 11, ids[1:], pos[1:], s)  # the draw and its logprob
+    assert torch.equal(tok1, tok[1:]) and torch.equal(_int_bits(lp1), _int_bits(lp[1:]))
     for top_k, top_p in ((0, 0.95), (50, 0.9), (20, 1.0)):
         got = filter_logits(logits, top_k, top_p, s)
         assert torch.equal(_int_bits(got), _int_bits(filter_logits(z, top_k, top_p)))
@@ -76,3 +78,12 @@ def test_generator_step_and_trainer_scoring_agree(kw):
         assert torch.equal(_int_bits(kernels.token_logprobs(logits, tok, **lk)), _int_bits(lp))
         twin = kernels.token_logprobs(logits, tok, **{**lk, "temperature": lk["temperature"] * 1.01})
         assert not torch.equal(_int_bits(twin), _int_bits(lp))
+
+
+def test_negative_twin_the_draw_scores_another_seeds_tokens_otherwise():
+    logits = _logits(256, 32000, 3)[3:]
+    ids, pos = torch.arange(253, device="cuda"), torch.arange(253, device="cuda") + 1
+    tok, lp = gumbel_argmax_logprobs(logits, 1, ids, pos, 1.25)
+    tok2, lp2 = gumbel_argmax_logprobs(logits, 2, ids, pos, 1.25)
+    assert (tok2 != tok).sum() > 100 and not torch.equal(_int_bits(lp2), _int_bits(lp))
+    assert torch.equal(_int_bits(tempered_logprobs(logits, 1.25, tok2)), _int_bits(lp2))
