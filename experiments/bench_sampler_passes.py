@@ -10,7 +10,8 @@ rounds, median: sweep_grouped_sched.interleaved_us).
 
 --reference DIR: the upcasting composition's kernels from DIR/sampling.py and DIR/logprob.py (copies
 of kernels/triton/ at the commit to compare with), loaded beside this tree's; by default this tree's
-kernels on the fp32 copy. Writes results/bench_sampler_passes_<gpu>.json.
+kernels on the fp32 copy. A reference with in-place kernels (logprob.tempered_logprobs) is also timed
+as `separate`: its draw and logprob in two launches. Writes results/bench_sampler_passes_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ def upcast_step(ref, logits, ids, pos, temperature, top_k, top_p):
     return tok, rl.log_softmax_gather(z, tok), z
 
 
+def separate_step(ref, logits, ids, pos, temperature, top_k, top_p):
+    """The reference's in-place kernels with the draw and the logprob in two launches (a reference that
+    has them: tempered_logprobs)."""
+    rs, rl = ref
+    scale = 1.0 if temperature == 1.0 else kernels.inverse_temperature(temperature)
+    z = logits
+    if (top_k and top_k < z.shape[-1]) or top_p < 1.0:
+        z, scale = rs.filter_logits(z, top_k, top_p, scale), 1.0
+    tok = rs.gumbel_argmax(z, SEED, ids, pos, scale)
+    return tok, rl.tempered_logprobs(z, scale, tok), kernels.Tempered(z, scale)
+
+
 def fused_step(logits, ids, pos, temperature, top_k, top_p):
     """rollout.sampling.sample_next's kernels (the decode graphs' step)."""
     z = kernels.tempered(logits, temperature, top_k, top_p)
@@ -110,8 +123,13 @@ def run_case(ref, B: int, V: int, cname: str, g: torch.Generator) -> dict:
         row["negative_twin_next_scale_differs"] = None if twin is None else not bits(twin, lp_new)
     graphs = {"upcast": capture(lambda: upcast_step(ref, logits, ids, pos, temperature, top_k, top_p)),
               "fused": capture(lambda: fused_step(logits, ids, pos, temperature, top_k, top_p))}
+    if hasattr(ref[1], "tempered_logprobs"):
+        t_sep, lp_sep, z_sep = separate_step(ref, logits, ids, pos, temperature, top_k, top_p)
+        row["separate_equal"] = bits(t_sep, t_new) and bits(lp_sep, lp_new) and bits(z_sep.values(), z_new.values())
+        graphs["separate"] = capture(lambda: separate_step(ref, logits, ids, pos, temperature, top_k, top_p))
     us = interleaved_us(graphs)
-    row["upcast_us"], row["fused_us"] = us["upcast"], us["fused"]
+    for name, t in us.items():
+        row[f"{name}_us"] = t
     del graphs
     return row
 
@@ -134,8 +152,10 @@ def main() -> None:
                     r = run_case(ref, B, V, cname, g)
                     rows.append(r)
                     ok = all(r[k] for k in EQUAL)
-                    print(f"B={B:5d} V={V:6d} {cname:24s} upcast {r['upcast_us']:8.1f} us  fused {r['fused_us']:8.1f} "
-                          f"us  ratio {r['fused_us'] / r['upcast_us']:.3f}  bits "
+                    ok = ok and r.get("separate_equal", True)
+                    sep = f"  separate {r['separate_us']:8.1f} us" if "separate_us" in r else ""
+                    print(f"B={B:5d} V={V:6d} {cname:24s} upcast {r['upcast_us']:8.1f} us{sep}  fused "
+                          f"{r['fused_us']:8.1f} us  ratio {r['fused_us'] / r['upcast_us']:.3f}  bits "
                           f"{'equal' if ok else 'DIFFER ' + str(r)}", flush=True)
                     out = {"rows": rows, "calls_per_replay": CALLS,
                            "reference": a.reference or "this tree's kernels on the fp32 copy",

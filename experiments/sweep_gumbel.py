@@ -1,12 +1,13 @@
-"""The Gumbel-max draw's kernel (kernels/triton/sampling.py _gumbel_argmax_kernel) against variants that
-must draw the same tokens: the pinned kernel reduces each 1,024-column chunk to the row's running best
-(two block reductions a chunk); `lanes` keeps a best (value, first index) per lane and reduces once at
-the end (exact: max is exact, the first index of the maximum is the least index among the lanes' firsts);
-`magic` converts the exact small integers (the hash's 23 bits, the logarithm's exponent) to fp32 by the
-1.5 * 2**23 bit trick (an integer add and an exact fp32 subtract) instead of I2F; `split S` runs S
-programs per row over vocabulary segments and combines their bests in segment order in a second launch
-(more programs for few rows). Tokens compared with the pinned kernel's on every row (NaN and all -inf
-rows: the raw kernels' out-of-range id); time under CUDA graphs, interleaved (sweep_grouped_sched).
+"""The Gumbel-max draw's kernel (kernels/triton/sampling.py _gumbel_argmax_kernel: `pinned`) against
+variants that must draw the same tokens: `chunks` reduces each 1,024-column chunk to the row's running
+best (two block reductions a chunk; the kernel pinned before the lanes); `lanes` keeps a best (value,
+first index) per lane and reduces once at the end (exact: max is exact, the first index of the maximum
+is the least index among the lanes' firsts); `magic` converts the exact small integers (the hash's 23
+bits, the logarithm's exponent) to fp32 by the 1.5 * 2**23 bit trick (an integer add and an exact fp32
+subtract) instead of I2F; `split S` runs S programs per row over vocabulary segments and combines their
+bests in segment order in a second launch (more programs for few rows). Tokens compared with `chunks`'
+on every row (NaN and all -inf rows: the raw kernels' out-of-range id); time under CUDA graphs,
+interleaved (sweep_grouped_sched).
 
     python experiments/sweep_gumbel.py [--out DIR]
 """
@@ -123,27 +124,65 @@ def _combine_kernel(best_ptr, idx_ptr, out_ptr, V, S: tl.constexpr, SP: tl.const
     tl.store(out_ptr + row, tl.where((n > 0) | (m == float("-inf")), V, first))
 
 
-def pinned_config(block: int = ts.BLOCK, warps: int = 4):
-    """The product kernel (at another chunk / warp count), without the wrapper's device assert (rows
-    without a token give V)."""
+@triton.jit(do_not_specialize=["seed"])
+def _chunks_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, mix2, V, SQRT2: tl.constexpr,
+                   C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                   LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, BLOCK: tl.constexpr):
+    """The draw as pinned before the lanes: each BLOCK chunk reduced to the row's running best."""
+    row = tl.program_id(0).to(tl.int64)
+    sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
+    pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
+    h = _mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
+    h = _mix64(h ^ sid, golden, mix1, mix2)
+    h = _mix64(h ^ pos, golden, mix1, mix2)
+    best = float("-inf")
+    best_i = V
+    nan = 0
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < V
+        z = tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        g = _noise(h, cols, golden, mix1, mix2, False, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
+        x = tl.where(mask, z + g, float("-inf"))
+        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
+        x = tl.where(x != x, float("-inf"), x)
+        m = tl.max(x, axis=0)
+        i = tl.min(tl.where(x == m, cols, V), axis=0)
+        take = m > best
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, m, best)
+    tl.store(out_ptr + row, tl.where((nan > 0) | (best == float("-inf")), V, best_i))
+
+
+def _s64(seed: int) -> int:
+    return (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
+
+
+def chunks(block: int = 1024, warps: int = 4):
+    """The chunk-reduced draw (rows without a token give V)."""
     def run(z, ids, pos, seed):
-        B, V = z.shape
-        out = torch.empty(B, dtype=torch.long, device=z.device)
-        s64 = (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
+        out = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
         opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=warps)
-        ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, out, s64, GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False,
-                                       LOGPROB=False, BLOCK=block, **_CONST, **opts)
+        _chunks_kernel[(z.shape[0],)](z, ids, pos, out, _s64(seed), GOLDEN, MIX1, MIX2, z.shape[1], BLOCK=block,
+                                      **_CONST, **opts)
         return out
     return run
 
 
-pinned = pinned_config()
+def pinned(z, ids, pos, seed):
+    """The product kernel, without the wrapper's device assert."""
+    B, V = z.shape
+    out = torch.empty(B, dtype=torch.long, device=z.device)
+    opts = {} if INTERPRET else dict(enable_fp_fusion=False)
+    ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, out, _s64(seed), GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False,
+                                   LOGPROB=False, DRAW_BLOCK=ts.DRAW_BLOCK, BLOCK=1024, **_CONST, **opts)
+    return out
 
 
 def variant(magic: bool, block: int, warps: int, split: int = 1):
     def run(z, ids, pos, seed):
         B, V = z.shape
-        s64 = (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
+        s64 = _s64(seed)
         seg = triton.cdiv(triton.cdiv(V, split), block) * block
         S = triton.cdiv(V, seg)
         out = torch.empty(B, dtype=torch.long, device=z.device)
@@ -161,10 +200,9 @@ def variant(magic: bool, block: int, warps: int, split: int = 1):
     return run
 
 
-CANDIDATES = {"pinned": pinned, "w8": pinned_config(1024, 8), "b512": pinned_config(512, 4),
-              "b2048 w8": pinned_config(2048, 8), "lanes b512": variant(False, 512, 4),
-              "magic+lanes b512": variant(True, 512, 4), "lanes b512 split4": variant(False, 512, 4, 4),
-              "lanes b512 split8": variant(False, 512, 4, 8)}
+CANDIDATES = {"chunks": chunks(), "pinned": pinned, "chunks w8": chunks(1024, 8), "chunks b2048 w8": chunks(2048, 8),
+              "lanes b512": variant(False, 512, 4), "magic+lanes b512": variant(True, 512, 4),
+              "lanes b512 split4": variant(False, 512, 4, 4), "lanes b512 split8": variant(False, 512, 4, 8)}
 
 
 def main() -> None:
@@ -184,7 +222,7 @@ def main() -> None:
             ids = torch.randint(0, 2**40, (B,), generator=g, device="cuda")
             pos = torch.randint(0, 4096, (B,), generator=g, device="cuda")
             seed = 2**63 + 11
-            ref = pinned(z, ids, pos, seed)
+            ref = chunks()(z, ids, pos, seed)
             row = {"rows": B, "vocab": V, "tokens_equal": {}, "us": {}}
             graphs = {}
             for name, fn in CANDIDATES.items():

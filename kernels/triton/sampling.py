@@ -19,7 +19,8 @@ splitmix64 hash of (seed, sample id, position, vocab index) -> u exact in fp32 -
 with fixed_order.log's add/mul/div formula) added to the tempered, filtered logits z, and the first
 index of the maximum — the token `first_argmax(z + gumbel(...))` draws, bit for bit (checked
 against it on the GPU and under the interpreter), without the ~40 elementwise passes over [B, V]
-of the torch formulation. One program per row, the vocabulary in fixed BLOCK chunks in order.
+of the torch formulation. One program per row; each of DRAW_BLOCK lanes keeps its best column, one
+reduction at the end.
 Compiled without FMA contraction (enable_fp_fusion=False): every add and mul rounds on its own, as
 in torch's elementwise kernels; divisions are IEEE (div_rn)."""
 
@@ -40,7 +41,8 @@ from .common import INTERPRET, ROW_BLOCK, upcast_scaled
 
 _U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-BLOCK = 1024
+DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the time of 1,024-column chunks reduced
+# chunk by chunk at 2048 x 32000, 0.77x at 256 x 32000 (experiments/results/sweep_gumbel_h200.json, 'lanes b512')
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
 FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, compaction, the output)
 
@@ -280,8 +282,10 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
 def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden, mix1, mix2, scale, V,
                           SCALED: tl.constexpr, LOGPROB: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr,
                           C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-                          LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, BLOCK: tl.constexpr):
-    """LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits (its BLOCK, its 4-element loads,
+                          LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, DRAW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """The draw: each of DRAW_BLOCK lanes keeps the best value of its columns and the first column holding
+    it, one reduction at the end (the first index of the row's maximum: the least of the lanes' firsts).
+    LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits (its BLOCK, its 4-element loads,
     its ops in order): the row's max taken in the draw's pass, then the sum of exp(z - max) and the gather."""
     row = tl.program_id(0).to(tl.int64)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
@@ -289,13 +293,12 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden
     h = _mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
     h = _mix64(h ^ sid, golden, mix1, mix2)
     h = _mix64(h ^ pos, golden, mix1, mix2)
-    best = float("-inf")
-    best_i = V
-    nan = 0
-    zmax = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-    offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)  # the logprob's layout for every load (one layout here)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + offs
+    best = tl.full((DRAW_BLOCK,), float("-inf"), tl.float32)
+    best_i = tl.full((DRAW_BLOCK,), V, tl.int32)
+    nan = tl.zeros((DRAW_BLOCK,), tl.int32)
+    zmax = tl.full((DRAW_BLOCK,), float("-inf"), tl.float32)
+    for v0 in range(0, V, DRAW_BLOCK):
+        cols = v0 + tl.arange(0, DRAW_BLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
         if LOGPROB:
@@ -304,17 +307,18 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden
         u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         g = -_log(-_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
         x = tl.where(mask, z + g, float("-inf"))
-        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
+        nan = tl.maximum(nan, (x != x).to(tl.int32))
         x = tl.where(x != x, float("-inf"), x)
-        m = tl.max(x, axis=0)
-        i = tl.min(tl.where(x == m, cols, V), axis=0)
-        take = m > best  # strictly greater: an equal maximum in a later chunk keeps the first index
-        best_i = tl.where(take, i, best_i)
-        best = tl.where(take, m, best)
-    tok = tl.where((nan > 0) | (best == float("-inf")), V, best_i)
+        take = x > best  # strictly greater: a lane keeps the first column of its maximum
+        best_i = tl.where(take, cols, best_i)
+        best = tl.where(take, x, best)
+    m = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == m, best_i, V), axis=0)
+    tok = tl.where((tl.max(nan, axis=0) > 0) | (m == float("-inf")), V, first)
     tl.store(out_ptr + row, tok)
     if LOGPROB:
         mx = tl.max(zmax, axis=0)
+        offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)
         s = tl.zeros((BLOCK,), dtype=tl.float32)
         for v0 in range(0, V, BLOCK):
             cols = v0 + offs
@@ -377,9 +381,9 @@ def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
         pos = positions.to(device=z.device, dtype=torch.long).contiguous()
         s64 = (seed & _U64) - (1 << 64) if (seed & _U64) >= (1 << 63) else seed & _U64
         opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-        block = min(ROW_BLOCK, triton.next_power_of_2(V)) if logprobs else BLOCK  # the logprob kernel's
         _gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, s64, GOLDEN, MIX1, MIX2, scale, V,
-                                    SCALED=scale != 1.0, LOGPROB=logprobs, BLOCK=block, **_CONST, **opts)
+                                    SCALED=scale != 1.0, LOGPROB=logprobs, DRAW_BLOCK=DRAW_BLOCK,
+                                    BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), **_CONST, **opts)
     torch._assert_async(((out >= 0) & (out < V)).all(),
                         "sample: a row has no finite maximum (NaN or all -inf logits); no token can be drawn")
     return out, lp
