@@ -209,7 +209,9 @@ def test_new_token_counts_compile_nothing_after_the_first():
         x = torch.randn(T, 1024, device="cuda", generator=g).bfloat16().requires_grad_()
         h = tb.rmsnorm(tb.linear(x, w), nw, 1e-6)
         y = tb.swiglu(h, h)
-        counts = [int(c) for c in torch.randint(1, 2 * T // 16, (16,), generator=gen)]
+        # ~T / 8 rows per expert: past the grouped table's last bucket (512 rows) for every T here, as in
+        # training (~T / 16 straddled it: two configs, each compiled on first use)
+        counts = [int(c) for c in torch.randint(1, 4 * T // 16, (16,), generator=gen)]
         xe = torch.randn(sum(counts), 1024, device="cuda", generator=g).bfloat16().requires_grad_()
         (y.float().sum() + tb.grouped_linear(xe, we, counts).float().sum()).backward()
         torch.cuda.synchronize()
