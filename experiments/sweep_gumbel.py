@@ -1,4 +1,4 @@
-"""The Gumbel-max draw's kernel (kernels/triton/sampling.py _gumbel_argmax_kernel: `pinned`) against
+"""The Gumbel-max draw's kernel (kernels/triton/sampling.py gumbel_argmax_kernel: `pinned`) against
 variants that must draw the same tokens: `chunks` reduces each 1,024-column chunk to the row's running
 best (two block reductions a chunk; the kernel pinned before the lanes); `lanes` keeps a best (value,
 first index) per lane and reduces once at the end (exact: max is exact, the first index of the maximum
@@ -28,7 +28,7 @@ from sweep_grouped_sched import CALLS, interleaved_us  # noqa: E402
 
 from rlalign.kernels.triton import sampling as ts  # noqa: E402
 from rlalign.kernels.triton.common import INTERPRET  # noqa: E402
-from rlalign.kernels.triton.sampling import _CONST, GOLDEN, MIX1, MIX2, _log, _mix64  # noqa: E402
+from rlalign.kernels.triton.sampling import GOLDEN, LOG_CONST, MIX1, MIX2, fo_log, mix64  # noqa: E402
 
 
 @triton.jit
@@ -61,14 +61,14 @@ def _log_magic(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: t
 def _noise(h, cols, golden, mix1, mix2, MAGIC: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr,
            C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, LN2_HI: tl.constexpr,
            LN2_LO: tl.constexpr):
-    hv = _mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
+    hv = mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
     if MAGIC:
         k = (hv >> 41).to(tl.int32)
         u = (((k | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) + 0.5) * (1.0 / 8388608.0)
         return -_log_magic(-_log_magic(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4,
                            LN2_HI, LN2_LO)
     u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    return -_log(-_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
+    return -fo_log(-fo_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -82,9 +82,9 @@ def _lanes_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, best_ptr, seed, golden, mix1
     seg = tl.program_id(1)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
-    h = _mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
-    h = _mix64(h ^ sid, golden, mix1, mix2)
-    h = _mix64(h ^ pos, golden, mix1, mix2)
+    h = mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
+    h = mix64(h ^ sid, golden, mix1, mix2)
+    h = mix64(h ^ pos, golden, mix1, mix2)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_i = tl.full((BLOCK,), V, tl.int32)
     nan = tl.zeros((BLOCK,), tl.int32)
@@ -132,9 +132,9 @@ def _chunks_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, mix2, V
     row = tl.program_id(0).to(tl.int64)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
-    h = _mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
-    h = _mix64(h ^ sid, golden, mix1, mix2)
-    h = _mix64(h ^ pos, golden, mix1, mix2)
+    h = mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
+    h = mix64(h ^ sid, golden, mix1, mix2)
+    h = mix64(h ^ pos, golden, mix1, mix2)
     best = float("-inf")
     best_i = V
     nan = 0
@@ -155,7 +155,7 @@ def _chunks_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, seed, golden, mix1, mix2, V
 
 
 def _s64(seed: int) -> int:
-    return (seed & ts._U64) - (1 << 64) if (seed & ts._U64) >= (1 << 63) else seed & ts._U64
+    return (seed & ts.U64) - (1 << 64) if (seed & ts.U64) >= (1 << 63) else seed & ts.U64
 
 
 def chunks(block: int = 1024, warps: int = 4):
@@ -164,7 +164,7 @@ def chunks(block: int = 1024, warps: int = 4):
         out = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
         opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=warps)
         _chunks_kernel[(z.shape[0],)](z, ids, pos, out, _s64(seed), GOLDEN, MIX1, MIX2, z.shape[1], BLOCK=block,
-                                      **_CONST, **opts)
+                                      **LOG_CONST, **opts)
         return out
     return run
 
@@ -174,8 +174,8 @@ def pinned(z, ids, pos, seed):
     B, V = z.shape
     out = torch.empty(B, dtype=torch.long, device=z.device)
     opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-    ts._gumbel_argmax_kernel[(B,)](z, ids, pos, out, out, _s64(seed), GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False,
-                                   LOGPROB=False, DRAW_BLOCK=ts.DRAW_BLOCK, BLOCK=1024, **_CONST, **opts)
+    ts.gumbel_argmax_kernel[(B,)](z, ids, pos, out, out, _s64(seed), GOLDEN, MIX1, MIX2, 1.0, V, SCALED=False,
+                                   LOGPROB=False, DRAW_BLOCK=ts.DRAW_BLOCK, BLOCK=1024, **LOG_CONST, **opts)
     return out
 
 
@@ -189,12 +189,12 @@ def variant(magic: bool, block: int, warps: int, split: int = 1):
         opts = {} if INTERPRET else dict(num_warps=warps, enable_fp_fusion=False)
         if S == 1:
             _lanes_kernel[(B, 1)](z, ids, pos, out, out, s64, GOLDEN, MIX1, MIX2, V, seg, MAGIC=magic, SPLIT=False,
-                                  BLOCK=block, **opts, **_CONST)
+                                  BLOCK=block, **opts, **LOG_CONST)
             return out
         best = torch.empty(B, S, dtype=torch.float32, device=z.device)
         idx = torch.empty(B, S, dtype=torch.long, device=z.device)
         _lanes_kernel[(B, S)](z, ids, pos, idx, best, s64, GOLDEN, MIX1, MIX2, V, seg, MAGIC=magic, SPLIT=True,
-                              BLOCK=block, **opts, **_CONST)
+                              BLOCK=block, **opts, **LOG_CONST)
         _combine_kernel[(B,)](best, idx, out, V, S=S, SP=triton.next_power_of_2(S))
         return out
     return run

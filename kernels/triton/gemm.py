@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, SUPPORTED, Launch, cached, check_inputs, host_free_dot, host_table, num_sms
-from .elementwise import _silu_mul, swiglu_halves
+from .elementwise import silu_mul, swiglu_halves
 
 # The contract: one config per dtype (and one for the interpreter), never autotuned. How each
 # config was chosen and measured (H200): experiments/README.md (results/triton_NVIDIA_H200.json, History).
@@ -92,7 +92,7 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
     [gate | up] (N_t / 2 each) and the tile owns output columns n0 .. n0 + BLOCK_N / 2 (n0 = pid_n BLOCK_N / 2)
     of swiglu(gate, up): its accumulator's first half holds gate columns n0.., its second half up columns
     N_t / 2 + n0.. (the same K chunks and MMA chain per element as the plain GEMM's), rounded to C's dtype as the
-    plain store rounds, then _silu_mul's fp32 formula and a second rounding: swiglu_halves of the plain output."""
+    plain store rounds, then silu_mul's fp32 formula and a second rounding: swiglu_halves of the plain output."""
     rm = m0 + tl.arange(0, BM)
     ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
     if SWIGLU:
@@ -137,7 +137,7 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
     out = acc.to(c_base.dtype.element_ty)
     if SWIGLU:
         gate, up = tl.split(tl.permute(tl.reshape(out, (BM, 2, BLOCK_N // 2)), (0, 2, 1)))
-        out = _silu_mul(gate, up).to(c_base.dtype.element_ty)
+        out = silu_mul(gate, up).to(c_base.dtype.element_ty)
     mask = (rm[:, None] < M) & (rn[None, :] < N_out)
     tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, out, mask=mask)
 

@@ -39,7 +39,7 @@ from rlalign.kernels import sampling
 
 from .common import INTERPRET, ROW_BLOCK, upcast_scaled
 
-_U64 = (1 << 64) - 1
+U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the time of 1,024-column chunks reduced
 # chunk by chunk at 2048 x 32000, 0.77x at 256 x 32000 (experiments/results/sweep_gumbel_h200.json, 'lanes b512')
@@ -48,7 +48,7 @@ FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, c
 
 
 @triton.jit
-def _mix64(x, golden, mix1, mix2):
+def mix64(x, golden, mix1, mix2):
     x = x + golden
     x = (x ^ (x >> 30)) * mix1
     x = (x ^ (x >> 27)) * mix2
@@ -56,7 +56,7 @@ def _mix64(x, golden, mix1, mix2):
 
 
 @triton.jit
-def _log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+def fo_log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
          C4: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr):
     """fixed_order.log for positive normal fp32 x (what the sampler feeds it)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -279,7 +279,7 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
-def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden, mix1, mix2, scale, V,
+def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden, mix1, mix2, scale, V,
                           SCALED: tl.constexpr, LOGPROB: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr,
                           C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                           LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, DRAW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
@@ -290,9 +290,9 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden
     row = tl.program_id(0).to(tl.int64)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
-    h = _mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
-    h = _mix64(h ^ sid, golden, mix1, mix2)
-    h = _mix64(h ^ pos, golden, mix1, mix2)
+    h = mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
+    h = mix64(h ^ sid, golden, mix1, mix2)
+    h = mix64(h ^ pos, golden, mix1, mix2)
     best = tl.full((DRAW_BLOCK,), float("-inf"), tl.float32)
     best_i = tl.full((DRAW_BLOCK,), V, tl.int32)
     nan = tl.zeros((DRAW_BLOCK,), tl.int32)
@@ -303,9 +303,9 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden
         z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
         if LOGPROB:
             zmax = tl.maximum(zmax, z)
-        hv = _mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
+        hv = mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
         u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        g = -_log(-_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
+        g = -fo_log(-fo_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
         x = tl.where(mask, z + g, float("-inf"))
         nan = tl.maximum(nan, (x != x).to(tl.int32))
         x = tl.where(x != x, float("-inf"), x)
@@ -329,7 +329,7 @@ def _gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden
         tl.store(lp_ptr + row, zt - lse)
 
 
-_CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
+LOG_CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
               C3=fo.ATANH_COEFFS[3], C4=fo.ATANH_COEFFS[4], LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO)
 assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclose(fo.SQRT2, 2 ** 0.5)
 
@@ -379,11 +379,11 @@ def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
         z = z.contiguous()
         ids = sample_ids.to(device=z.device, dtype=torch.long).contiguous()
         pos = positions.to(device=z.device, dtype=torch.long).contiguous()
-        s64 = (seed & _U64) - (1 << 64) if (seed & _U64) >= (1 << 63) else seed & _U64
+        s64 = (seed & U64) - (1 << 64) if (seed & U64) >= (1 << 63) else seed & U64
         opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-        _gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, s64, GOLDEN, MIX1, MIX2, scale, V,
+        gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, s64, GOLDEN, MIX1, MIX2, scale, V,
                                     SCALED=scale != 1.0, LOGPROB=logprobs, DRAW_BLOCK=DRAW_BLOCK,
-                                    BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), **_CONST, **opts)
+                                    BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), **LOG_CONST, **opts)
     torch._assert_async(((out >= 0) & (out < V)).all(),
                         "sample: a row has no finite maximum (NaN or all -inf logits); no token can be drawn")
     return out, lp
