@@ -13,11 +13,25 @@ from .common import ROW_BLOCK, Launch, bf16_bits, cached, check_inputs, upcast_s
 
 
 @triton.jit
+def row_lse(z_ptr, row, V, mx, scale, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """log sum exp of row `row` of z [*, V] (upcast_scaled's fp32 values) given the row's max mx: exp(z - mx)
+    summed in BLOCK chunks in order, then one reduction. The loads hold 4 elements a thread whatever the dtype
+    (max_contiguous): the layout of the sums, and so their grouping, is the fp32 load's (a bf16 load would take
+    8 and sum in another order). The one sum of the trainer's logprob and the sampler's draw-and-logprob."""
+    offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + offs
+        z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
+        s += tl.exp(z - mx)
+    return mx + tl.log(tl.sum(s, axis=0))
+
+
+@triton.jit
 def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, rows_ptr, scale, V, BLOCK: tl.constexpr, SCALED: tl.constexpr,
                  ROWS: tl.constexpr):
     """Output i: row i of z, or (ROWS) row rows[i]; z: the logits in any float dtype, read as upcast_scaled's
-    fp32 values. The loads hold 4 elements a thread whatever the dtype (max_contiguous): the layout of
-    the sums, and so their grouping, is the fp32 load's (a bf16 load would take 8 and sum in another order)."""
+    fp32 values; the max's loads hold 4 elements a thread as row_lse's do."""
     i = tl.program_id(0)
     if ROWS:
         row = tl.load(rows_ptr + i)
@@ -29,13 +43,7 @@ def _logprob_fwd(z_ptr, t_ptr, out_ptr, lse_ptr, rows_ptr, scale, V, BLOCK: tl.c
         cols = v0 + offs
         z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
         m = tl.maximum(m, z)
-    mx = tl.max(m, axis=0)
-    s = tl.zeros((BLOCK,), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + offs
-        z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
-        s += tl.exp(z - mx)
-    lse = mx + tl.log(tl.sum(s, axis=0))
+    lse = row_lse(z_ptr, row, V, tl.max(m, axis=0), scale, SCALED, BLOCK)
     tok = tl.load(t_ptr + i)
     zt = upcast_scaled(tl.load(z_ptr + row * V + tok), scale, SCALED)
     tl.store(out_ptr + i, zt - lse)

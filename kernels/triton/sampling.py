@@ -38,6 +38,7 @@ from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 
 from .common import INTERPRET, ROW_BLOCK, upcast_scaled
+from .logprob import row_lse
 
 U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -285,8 +286,8 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden,
                           LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, DRAW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """The draw: each of DRAW_BLOCK lanes keeps the best value of its columns and the first column holding
     it, one reduction at the end (the first index of the row's maximum: the least of the lanes' firsts).
-    LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits (its BLOCK, its 4-element loads,
-    its ops in order): the row's max taken in the draw's pass, then the sum of exp(z - max) and the gather."""
+    LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits: the row's max taken in the draw's
+    pass, then logprob.row_lse (the trainer's sum, its BLOCK and loads) and the gather."""
     row = tl.program_id(0).to(tl.int64)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
@@ -317,14 +318,7 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden,
     tok = tl.where((tl.max(nan, axis=0) > 0) | (m == float("-inf")), V, first)
     tl.store(out_ptr + row, tok)
     if LOGPROB:
-        mx = tl.max(zmax, axis=0)
-        offs = tl.max_contiguous(tl.arange(0, BLOCK), 4)
-        s = tl.zeros((BLOCK,), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK):
-            cols = v0 + offs
-            z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=cols < V, other=float("-inf")), scale, SCALED)
-            s += tl.exp(z - mx)
-        lse = mx + tl.log(tl.sum(s, axis=0))
+        lse = row_lse(z_ptr, row, V, tl.max(zmax, axis=0), scale, SCALED, BLOCK)
         zt = upcast_scaled(tl.load(z_ptr + row * V + tl.minimum(tok, V - 1)), scale, SCALED)
         tl.store(lp_ptr + row, zt - lse)
 
