@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import write  # noqa: E402
-from sweep_grouped_sched import CALLS, interleaved_us  # noqa: E402
+from sweep_grouped_sched import CALLS, capture, interleaved_us  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels.triton import logprob as tlogprob  # noqa: E402
@@ -81,17 +81,6 @@ def fused_step(logits, ids, pos, temperature, top_k, top_p):
     """rollout.sampling.sample_next's kernels (the decode graphs' step)."""
     z = kernels.tempered(logits, temperature, top_k, top_p)
     return (*kernels.sample_tempered_logprobs(z, SEED, ids, pos), z)
-
-
-def capture(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    g.replay()
-    return g
 
 
 def bits(a: torch.Tensor, b: torch.Tensor) -> bool:
