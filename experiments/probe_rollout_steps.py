@@ -5,12 +5,15 @@ launch gaps inside it) and the device's idle time between steps, summed by kind 
 rows, run eagerly; decode-only steps, graph replays). Then kernel tables: the largest decode graph
 replayed at the call's last (longest) contexts, and the prefill alone (a generate() sampling one token).
 
-    python experiments/probe_rollout_steps.py [--cases 256x256,2048x256] [--out DIR]
+    python experiments/probe_rollout_steps.py [--cases 256x256,2048x256] [--out DIR] [--host-profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -57,7 +60,9 @@ class StepTimer:
 
         ModelRunner.run = run
 
-    def table(self) -> dict:
+    def table(self, start=None, end=None) -> dict:
+        """start / end: events recorded just before generate() and after its return (the device time
+        before the first step: the host's set-up; after the last: the read-back and assembly)."""
         torch.cuda.synchronize()
         r = self.rec
         for a in r:
@@ -67,6 +72,9 @@ class StepTimer:
         out = {k: {"steps": len(v), "gpu_s": sum(a["gpu"] for a in v), "host_enqueue_s": sum(a["host"] for a in v),
                    "rows": sum(a["rows"] for a in v)} for k, v in kinds.items()}
         out["idle_between_steps_s"] = max(0.0, sum(idle))
+        if start is not None and r:
+            out["before_first_step_s"] = start.elapsed_time(r[0]["e0"]) / 1e3
+            out["after_last_step_s"] = r[-1]["e1"].elapsed_time(end) / 1e3
         dec = kinds["decode_steps"]
         pick = sorted({0, len(dec) // 4, len(dec) // 2, 3 * len(dec) // 4, len(dec) - 1}) if dec else []
         out["decode_curve"] = [{"i": i, "rows": dec[i]["rows"], "ctx_sum": dec[i]["ctx"],
@@ -92,18 +100,31 @@ def kernel_table(fn, reps: int = 1, top: int = 24) -> tuple[float, list]:
     return sum(x[1] for x in rows), rows[:top]
 
 
-def probe(model, args, B: int, new: int, timer: StepTimer) -> dict:
+def probe(model, args, B: int, new: int, timer: StepTimer, host_profile: bool = False) -> dict:
     prompts, ids = prompts_of(B, args.vocab_size), list(range(B))
     eng = NativeEngine(model, EngineConfig())
     params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=7)
     eng.generate(prompts, ids, params)  # compile, capture
     timer.rec.clear()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
+    start.record()
     outs = eng.generate(prompts, ids, params)
+    end.record()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    res = {"wall_s": wall, "tokens": sum(len(o.tokens) for o in outs), **timer.table(), "stats": dict(eng.stats)}
+    res = {"wall_s": wall, "tokens": sum(len(o.tokens) for o in outs), **timer.table(start, end),
+           "stats": dict(eng.stats)}
+    if host_profile:  # a third call under cProfile: where the host's time goes (its wall is not the one above)
+        prof = cProfile.Profile()
+        prof.enable()
+        eng.generate(prompts, ids, params)
+        torch.cuda.synchronize()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        res["host_profile_tottime"] = text.getvalue().splitlines()[-40:]
     res["tokens_per_s"] = res["tokens"] / wall
     graphs = eng.state.graphs
     size = max(graphs.graphs)
@@ -124,6 +145,7 @@ def main() -> None:
     ap.add_argument("--cases", default="256x256,2048x256")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="probe_rollout_steps_h200")
+    ap.add_argument("--host-profile", action="store_true", help="one more call per case under cProfile")
     a = ap.parse_args()
     args = model_args(load_config([f"model={a.model}"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")
@@ -133,7 +155,7 @@ def main() -> None:
         for case in a.cases.split(","):
             B, new = (int(x) for x in case.split("x"))
             try:
-                results[case] = r = probe(model, args, B, new, timer)
+                results[case] = r = probe(model, args, B, new, timer, a.host_profile)
             except Exception as e:  # noqa: BLE001 - recorded, the next case still runs
                 results[case] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(case, "FAILED", results[case]["error"], flush=True)
@@ -144,7 +166,9 @@ def main() -> None:
                 v = r[k]
                 print(f"  {k:14s} {v['steps']:4d} steps {v['rows']:8d} rows  gpu {v['gpu_s']:.3f} s  "
                       f"host enqueue {v['host_enqueue_s']:.3f} s")
-            print(f"  idle between steps {r['idle_between_steps_s']:.3f} s")
+            print(f"  idle between steps {r['idle_between_steps_s']:.3f} s, before the first step "
+                  f"{r.get('before_first_step_s', 0):.3f} s, after the last {r.get('after_last_step_s', 0):.3f} s")
+            print("\n".join(r.get("host_profile_tottime", [])))
             for c in r["decode_curve"]:
                 print(f"  decode step {c['i']:4d}: {c['rows']:5d} rows ctx {c['ctx_sum']:8d}  {c['ms']:.2f} ms")
             print("  by bucket", r["decode_by_bucket"])
