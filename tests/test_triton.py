@@ -348,7 +348,7 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     # short K (the experts' down, K 768, weights read K-contiguous) past 128 rows per group: the main tiles, the
     # tile loop flattened
     assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["PER_SM"] == 2
-    half = dict(gemm.MATMUL_CONFIGS[bf], num_stages=4, HALF_TAIL=True, PER_SM=gemm.TILE_PER_PROGRAM)
+    half = dict(gemm.MATMUL_CONFIGS[bf], num_stages=4, HALF_TAIL=True, PER_SM=gemm.TILE_PER_PROGRAM, TMA=False)
     assert gemm._grouped_config(bf, 33) == gemm._grouped_config(bf, 128, 768) == half
     assert gemm._grouped_config(bf, 256) == gemm._grouped_config(bf, 512) == half
     assert gemm._grouped_config(bf, 513) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
@@ -436,3 +436,41 @@ def test_gemm_half_tail_tiles_change_no_bit():
         same = [same_bits(outs[0], ref_g), same_bits(outs[1], ref_r), same_bits(outs[2], ref_g),
                 same_bits(m, tb.matmul(x[:40], w[0].t().contiguous()))]
         assert same == ([True] * 4 if cfg["BLOCK_K"] == base["BLOCK_K"] else [False] * 4), (cfg, same)
+
+
+def test_gemm_tma_loads_change_no_bit(monkeypatch):
+    # operands through tensor descriptors (a config's TMA key) read the same values into the same K chunks:
+    # device counts, the host table, a plain matmul and a linear give the pointer path's bits, with rows past a
+    # group read from the next group or past the operand; gathered rows, the one-launch linears and an operand at
+    # an address off 16 bytes keep pointers. Negative twin: descriptors with other K chunks (BLOCK_K 32; the
+    # interpreter rounds per chunk)
+    from rlalign.kernels.triton import common, gemm
+
+    g = torch.Generator().manual_seed(17)
+    counts = [40, 0, 25, 16, 33, 7]
+    R = sum(counts)
+    x = torch.randn(R, 64, generator=g).to(DEV)
+    w = torch.randn(len(counts), 48, 64, generator=g).to(DEV)
+    order = torch.randperm(R, generator=g).to(DEV)
+    ws = [torch.randn(n, 64, generator=g).to(DEV) for n in (48, 16, 16)]
+    flat = torch.empty(R * 64 + 1, device=DEV)
+    off = flat[1:].view(R, 64)  # 4 bytes past an aligned address
+    off.copy_(x)
+
+    def run():
+        dev = torch.tensor(counts, device=DEV)
+        return [gemm.grouped_mm(x, w, dev), gemm.grouped_mm(x, w, dev, order, 2), gemm.grouped_mm(x, w, counts),
+                tb.matmul(x, w[0].t()), tb.linear(x[:5], w[1]), *tb.linears(x, ws, [None] * 3),
+                gemm.grouped_mm(off, w, counts), tb.linear(off, w[2])]
+
+    ref = run()
+    for extra, equal in (({"TMA": True}, True), ({"TMA": True, "BLOCK_K": 32}, False)):
+        monkeypatch.setattr(gemm, "INTERPRET_MATMUL", dict(gemm.INTERPRET_MATMUL, **extra))
+        monkeypatch.setattr(gemm, "INTERPRET_SMALL_M", (8, dict(gemm.INTERPRET_SMALL_M[1], **extra)))
+        gemm._MATMUL_PLANS.clear()
+        outs = run()
+        tma = [v for v in [*common.cached_entries(), *gemm._MATMUL_PLANS.values()]
+               for v in (v if isinstance(v, tuple) else (v,)) if isinstance(v, gemm._TmaLaunch)]
+        assert len({id(t) for t in tma if t.tma.meta["BLOCK_K"] == extra.get("BLOCK_K", 16)}) == 5  # taken
+        same = [same_bits(a, b) for a, b in zip(outs, ref)]
+        assert same == [equal] * len(ref), (extra, same)

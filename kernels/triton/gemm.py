@@ -18,8 +18,8 @@ from .elementwise import silu_mul, swiglu_halves
 # The contract: one config per dtype (and one for the interpreter), never autotuned. How each
 # config was chosen and measured (H200): experiments/README.md (results/triton_NVIDIA_H200.json, History).
 MATMUL_CONFIGS = {
-    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
-    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8, TMA=True),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8, TMA=True),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=3, num_warps=4),
 }
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
@@ -42,7 +42,7 @@ INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 _SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
-            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4)]
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, TMA=True)]
 MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256, 32, _SMALL_M)}
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
 # interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
@@ -63,15 +63,17 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # (results/sweep_grouped_sched_dx_h200.json).
 # Bits equal to the main config's in every case (experiments/sweep_grouped_sched.py).
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
-_GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2)),
-                  (512, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM))]
+_GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2,
+                            TMA=True)),
+                  (512, dict(MATMUL_CONFIGS[torch.bfloat16], num_stages=4, HALF_TAIL=True, PER_SM=TILE_PER_PROGRAM,
+                             TMA=False))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 # Short K (at most 768: <= 12 K chunks a tile, the experts' down [768 -> 2048]) past 128 rows per group, weights
 # read K-contiguous (the forward; dX's N-contiguous weights ran flattened at half speed): the main tiles with the
 # tile loop flattened (the next tile's loads under this one's epilogue): bench-moe-large's down at 2,048 / 4,096
 # / 8,192 tokens 136-143 -> 125-126, 227-261 -> 207-218, 448-467 -> 390-393 us, bits equal
 # (experiments/sweep_grouped_sched.py, counts from a router and iid). (max K, past rows per group, config)
-_SHORT_K = (768, 128, dict(MATMUL_CONFIGS[torch.bfloat16], FLATTEN=True))
+_SHORT_K = (768, 128, dict(MATMUL_CONFIGS[torch.bfloat16], FLATTEN=True))  # TMA: the main config's
 GROUPED_SHORT_K: dict = {torch.bfloat16: _SHORT_K, torch.float16: _SHORT_K}
 # The grouped weight gradient (dW[e] = g_e^T x_e, K = the expert's rows): the main tiles with 4 stages and
 # the tile loop flattened (the next tile's loads under this one's epilogue: ~20 K steps a tile at a training
@@ -81,18 +83,36 @@ GROUPED_SHORT_K: dict = {torch.bfloat16: _SHORT_K, torch.float16: _SHORT_K}
 _WGRAD = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8, FLATTEN=True)
 GROUPED_WGRAD: dict = {torch.bfloat16: _WGRAD, torch.float16: _WGRAD}
 
+# TMA (a config's key): A's and B's chunks reach shared memory through tensor descriptors (the copy engine) instead
+# of pointer loads, where both operands allow it (K-contiguous, rows of a 16-byte multiple, offsets whole rows: the
+# forward GEMMs; a weight gradient, dX, the one-launch linears, gathered rows and SWIGLU's [gate | up] columns keep
+# pointers): the same K chunks into the same tl.dot, bits equal (tests/gpu/test_triton_gpu.py). Decided per config,
+# never by the batch (a new token count compiles nothing). Measured on bench-moe-large's shapes (H200, CUDA graphs,
+# experiments/sweep_gemm_tma.py, results/sweep_gemm_tma_h200.json, pointers -> TMA): the experts' down at 256 /
+# 2,048 / 8,192 tokens 63.1 -> 59.0, 126.3 -> 114.8, 444.4 -> 416.4 us; a sorted gate_up without the SwiGLU
+# epilogue at 8,192 tokens 729.2 -> 685.8; lm head at 2,048 / 8,192 rows 434.1 -> 420.9, 1727.6 -> 1652.4; router
+# [64, 2048] at 2,048 / 8,192 rows 16.0 -> 12.3, 32.6 -> 22.1 (its tiles overhang N: pointer loads re-read column 0,
+# the copy engine fills zeros). A program makes its descriptors once, about a microsecond: where each program runs
+# one tile or two it costs (lm head at 256 rows 56.9 -> 58.4), and where a program runs one tile each (the grouped
+# bucket of <= 512 rows, a program per tile: down at 1,024 tokens 81.5 -> 97.0, the sorted gate_up at 2,048 215.4 ->
+# 230.5) the config keeps pointers. B alone by TMA under gathered A rows ran 2-4 % slower (gate_up at 256-8,192
+# tokens), A alone (q/k/v in one launch) no faster.
 
 @triton.jit
 def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc, scn,
+          a_desc, b_desc, a_row, b_row,
           BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
           EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, MASK_M: tl.constexpr,
-          GATHER: tl.constexpr, SWIGLU: tl.constexpr):
+          GATHER: tl.constexpr, SWIGLU: tl.constexpr, TMA: tl.constexpr):
     """C[m0 : m0 + BM, pid_n's BLOCK_N columns] of one problem (_gemm_kernel's flags): K in BLOCK_K chunks, in
     order, through one fp32 accumulator; a row's bits do not depend on BM. SWIGLU: B's N_t columns are
     [gate | up] (N_t / 2 each) and the tile owns output columns n0 .. n0 + BLOCK_N / 2 (n0 = pid_n BLOCK_N / 2)
     of swiglu(gate, up): its accumulator's first half holds gate columns n0.., its second half up columns
     N_t / 2 + n0.. (the same K chunks and MMA chain per element as the plain GEMM's), rounded to C's dtype as the
-    plain store rounds, then silu_mul's fp32 formula and a second rounding: swiglu_halves of the plain output."""
+    plain store rounds, then silu_mul's fp32 formula and a second rounding: swiglu_halves of the plain output.
+    TMA (not with SWIGLU): A's [BM, BLOCK_K] and B's [BLOCK_N, BLOCK_K] chunks come through the tensor descriptors
+    a_desc / b_desc (K-contiguous, over the whole operands: the problem's rows start at a_row / b_row), the same
+    values into the same tl.dot."""
     rm = m0 + tl.arange(0, BM)
     ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
     if SWIGLU:
@@ -115,7 +135,10 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K in order, BLOCK_K at a time: the same for every M
         rk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
+        if TMA:  # rows past M, columns past N_t: the next problem's or zeros (past the operand), never stored
+            a = a_desc.load([a_row + m0, k0])
+            b = b_desc.load([b_row + pid_n * BLOCK_N, k0]).T  # K past the operand's: zeros, as the masked loads
+        elif EVEN_K:
             if MASK_M:
                 a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
             else:
@@ -146,15 +169,15 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
 # otherwise compile a new variant whenever one of them turns divisible by 16 (or equals 1), i.e.
 # in the middle of a run, each new batch composition adding seconds of compilation. The layout
 # hints that matter are the constexpr flags below, decided by the host.
-@triton.jit(do_not_specialize=["num_tiles", "M1", "K1", "R"])
+@triton.jit(do_not_specialize=["num_tiles", "M1", "K1", "R", "a_rows", "b_rows"])
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, sam, sak, sbk, sbn, scm, scn,
-                 R, a_step, b_step, b_e, c_step, c_e,
+                 R, a_step, b_step, b_e, c_step, c_e, a_rows, b_rows,
                  P: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, UPCAST: tl.constexpr,
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
                  FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr, GATHER: tl.constexpr,
-                 HALF_TAIL: tl.constexpr, SWIGLU: tl.constexpr):
+                 HALF_TAIL: tl.constexpr, SWIGLU: tl.constexpr, TMA: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -186,8 +209,23 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
     lets triton pipeline the loads of a program's next tile under its current one (one loop over (tile, K
     chunk)); each tile still runs its own K chunks in order. HALF_TAIL: a problem's last M tile holding at most
     BLOCK_M / 2 rows runs as a tile BLOCK_M / 2 high (the same K chunks and MMA chain: its rows' bits are the
-    full tile's, at about half the MMAs)."""
+    full tile's, at about half the MMAs).
+
+    TMA (both operands K-contiguous, rows of a 16-byte multiple, 16-byte aligned bases, every offset a whole number
+    of rows, one K = K1, no GATHER; the host checks): the chunks reach shared memory through tensor descriptors
+    (the copy engine) over the operands' a_rows (b_rows) x K1 elements, made once per program; the same K chunks
+    into the same tl.dot, so the same bits. Rows past M_p (columns past N_p) read the next problem's or zeros and
+    are never stored."""
     pid = tl.program_id(0)
+    a_desc = a_ptr
+    b_desc = b_ptr
+    a_half = a_ptr
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, K1], strides=[sam, 1], block_shape=[BLOCK_M, BLOCK_K])
+        if HALF_TAIL:
+            a_half = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, K1], strides=[sam, 1],
+                                               block_shape=[BLOCK_M // 2, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[b_rows, K1], strides=[sbn, 1], block_shape=[BLOCK_N, BLOCK_K])
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
     if COUNTS:
@@ -236,6 +274,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
             local = tile
             M = M1
             K = K1
+            a_off = 0
+            b_off = 0
             a_base = a_ptr
             b_base = b_ptr
             c_base = c_ptr
@@ -275,18 +315,24 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
         size_m = min(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (local % size_m)
         pid_n = (local % in_group) // size_m
+        a_row = 0
+        b_row = 0
+        if TMA:
+            a_row = (a_off // sam).to(tl.int32)
+            b_row = (b_off // sbn).to(tl.int32)
         if HALF_TAIL:  # a last M tile holding at most BLOCK_M / 2 rows: the same rows in one tile half as high
             if M - pid_m * BLOCK_M <= BLOCK_M // 2:
                 _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
-                      ldc, scn, BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG,
-                      MASK_M, GATHER, SWIGLU)
+                      ldc, scn, a_half, b_desc, a_row, b_row, BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K,
+                      A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA)
             else:
                 _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
-                      ldc, scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M,
-                      GATHER, SWIGLU)
+                      ldc, scn, a_desc, b_desc, a_row, b_row, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K,
+                      A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA)
         else:
             _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc,
-                  scn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU)
+                  scn, a_desc, b_desc, a_row, b_row, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG,
+                  B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA)
 
 
 def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
@@ -335,7 +381,60 @@ def _launch_cfg(cfg: dict, device) -> tuple[dict, int]:
     off unless set; PER_SM (default 1) programs per SM. Scheduling only: the tiles and their K order stay
     the config's."""
     cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False, "SWIGLU": False}, **cfg)
+    cfg.pop("TMA", None)  # decided by the plan (_tma_rows)
     return cfg, cfg.pop("PER_SM", 1) * num_sms(device)
+
+
+def _rows(t: torch.Tensor, stride: int, k: int) -> int:
+    """Rows of k elements, stride apart from t's first element, that lie inside t's span (its last element
+    included): the extent of a descriptor over t, so that no read leaves t's memory."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (span - k) // stride + 1
+
+
+def _tma_rows(cfg: dict, a, b, K: int | None, strides: tuple, a_offs, b_offs) -> tuple[int, int] | None:
+    """(a_rows, b_rows), the extents of the tensor descriptors over A and B, where cfg asks for TMA and both
+    operands allow it: read K-contiguous, rows of a 16-byte multiple, every problem's offset a whole number of
+    rows, one K (None: the problems' K differ); else None. The bases' alignment is checked per call
+    (_TmaLaunch)."""
+    sam, sak, sbk, sbn = strides[:4]
+    size = a.element_size()
+    if not cfg.get("TMA") or cfg.get("SWIGLU") or not K or sak != 1 or sbk != 1:  # SWIGLU: B's halves by pointers
+        return None
+    for stride, offs in ((sam, a_offs), (sbn, b_offs)):
+        if (stride * size) % 16 or stride < K or any(o % stride for o in offs):
+            return None
+    return _rows(a, sam, K), _rows(b, sbn, K)
+
+
+def _tma_alloc(size: int, alignment: int, stream):
+    """Global scratch for the kernels' tensor descriptors (128 bytes each per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+class _TmaLaunch:
+    """A plan's launch with its operands read through tensor descriptors, or the same plan through pointers
+    (the same bits) for a call whose A or B base is not 16-byte aligned."""
+
+    __slots__ = ("tma", "plain")
+
+    def __init__(self, tma: Launch, plain: Launch):
+        self.tma, self.plain = tma, plain
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if tensors[0].data_ptr() & 15 == 0 and tensors[1].data_ptr() & 15 == 0:
+            triton.set_allocator(_tma_alloc)  # a context variable: set in the thread that launches
+            self.tma(*tensors)
+        else:
+            self.plain(*tensors)
+
+
+def _launch(grid: tuple, scalars: tuple, meta: dict, rows: tuple[int, int] | None):
+    """The Launch of _gemm_kernel; through _TmaLaunch where rows (_tma_rows) holds the descriptors' extents."""
+    plain = Launch(_gemm_kernel, grid, (*scalars, 0, 0), dict(meta, TMA=False))
+    if rows is None:
+        return plain
+    return _TmaLaunch(Launch(_gemm_kernel, grid, (*scalars, *rows), dict(meta, TMA=True)), plain)
 
 
 def _wgrad_config(dtype) -> dict:
@@ -361,7 +460,7 @@ def _gemm(a, b, c, problems: list[tuple[int, int, int, int, int]], N: int, strid
     K loop stays masked whatever the count (one compiled variant; the same bits, see _gemm_plan)."""
     numels = (a.numel(), b.numel(), c.numel())
     key = ("gemm", tuple(problems), N, strides, tuple(cfg.values()), a.dtype, a.device, numels, even_k)
-    plan = cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k))
+    plan = cached(key, lambda: _gemm_plan(a, numels, problems, N, strides, cfg, even_k, (a, b)))
     if plan is not None:
         launch, table = plan
         launch(a, b, c, a if table is None else table, a)
@@ -372,11 +471,12 @@ def _check_numel(numels: tuple) -> None:
         raise ValueError(f"triton matmul: operands of {max(numels)} elements exceed the kernel's 32-bit tile offsets")
 
 
-def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
+def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True, ops: tuple | None = None):
     """(Launch, tile table or None) for these problems, or None when there is no tile. EVEN_K only
     drops the K mask (the loads read the same values): even_k=False keeps it, with the same bits.
     N None: every problem carries its own N_p and C row stride, (M_p, K_p, a_off, b_off, c_off, N_p,
-    ldc_p) (the kernel's PER_N table; strides' scm unused)."""
+    ldc_p) (the kernel's PER_N table; strides' scm unused). ops: (A, B) as the kernel reads them (tensors or
+    meta tensors of their shapes and strides), for the tensor descriptors' extents; None: pointer loads only."""
     _check_numel(numels)
     per_n = N is None
     rows, first = [], 0
@@ -394,6 +494,9 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
         A_M_CONTIG=sam == 1 and sak != 1 and all(r[1] % 16 == 0 for r in rows),
         B_N_CONTIG=sbn == 1 and sbk != 1 and all(n % (32 if cfg.get("SWIGLU") else 16) == 0 for n in ns),
     )
+    ks = {r[2] for r in rows}
+    K = ks.pop() if len(ks) == 1 else None
+    tma = None if per_n or not ops else _tma_rows(cfg, *ops, K, strides, [r[3] for r in rows], [r[4] for r in rows])
     if per_n:
         N = max(ns)  # the scalar slot: unused under PER_N
     single = not per_n and len(rows) == 1 and rows[0][3:] == (0, 0, 0)
@@ -403,9 +506,9 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True):
     meta = dict(P=len(rows), P2=max(2, triton.next_power_of_2(len(rows))), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=single, COUNTS=False, GROUP_K=False, **flags, **cfg,
                 PER_N=per_n)
-    M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0)
+    M1, K1 = (rows[0][1], rows[0][2]) if single else (0, 0 if tma is None else K)
     scalars = (first, N, M1, K1, *strides, 0, 0, 0, 0, 0, 0)
-    return Launch(_gemm_kernel, (min(sms, first),), scalars, meta), table
+    return _launch((min(sms, first),), scalars, meta, tma), table
 
 
 def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int, strides: tuple, steps: tuple,
@@ -419,12 +522,12 @@ def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int
     key = ("gemm-counts", counts.numel(), R, N, M1, K1, strides, steps, group_k, tuple(cfg.values()), a.dtype,
            a.device, numels, counts.dtype, gather)
     launch = cached(key, lambda: _counts_plan(a, numels, counts.numel(), R, N, M1, K1, strides, steps, group_k, cfg,
-                                              0 if idx is None else per))
+                                              0 if idx is None else per, b))
     if launch is not None:
         launch(a, b, c, counts, counts if idx is None else idx)
 
 
-def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gather: int = 0):
+def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gather: int = 0, b=None):
     _check_numel(numels)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     if group_k:  # every group owns all tiles of its [M1, N] output
@@ -434,6 +537,8 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gathe
     if bound == 0:
         return None
     sam, sak, sbk, sbn = strides[:4]
+    a_step, b_step, b_e = steps[:3]
+    tma = None if group_k or gather or b is None else _tma_rows(cfg, a, b, K1, strides, [a_step], [b_step, b_e])
     cfg, sms = _launch_cfg(cfg, a.device)
     meta = dict(P=P, P2=max(2, triton.next_power_of_2(P)), NUM_SMS=sms, UPCAST=INTERPRET,
                 IEEE=a.dtype == torch.float32, SINGLE=False, COUNTS=True, GROUP_K=group_k,
@@ -441,7 +546,7 @@ def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gathe
                 A_M_CONTIG=group_k and sam == 1 and sak != 1 and M1 % 16 == 0,
                 B_N_CONTIG=sbn == 1 and sbk != 1 and N % (32 if cfg["SWIGLU"] else 16) == 0, **cfg, PER_N=False)
     meta["GATHER"] = gather
-    return Launch(_gemm_kernel, (min(sms, bound),), (0, N, M1, K1, *strides, R, *steps), meta)
+    return _launch((min(sms, bound),), (0, N, M1, K1, *strides, R, *steps), meta, tma)
 
 
 def _usable(t: torch.Tensor) -> torch.Tensor:
@@ -470,8 +575,10 @@ def _matmul_plan(a, b, even_k: bool = True):
         return M, N, K, copy_a, copy_b, None
     sa = (K, 1) if copy_a else a.stride()  # read in place: K-, M- or N-contiguous operands, same bits
     sb = (N, 1) if copy_b else b.stride()
+    ops = (torch.empty_strided((M, K), sa, dtype=a.dtype, device="meta"),
+           torch.empty_strided((K, N), sb, dtype=b.dtype, device="meta"))
     plan = _gemm_plan(a, (a.numel(), b.numel(), M * N), [(M, K, 0, 0, 0)], N, (*sa, *sb, N, 1),
-                      small_m_config(a.dtype, M, [N], num_sms(a.device)), even_k)
+                      small_m_config(a.dtype, M, [N], num_sms(a.device)), even_k, ops)
     return M, N, K, copy_a, copy_b, plan[0]
 
 

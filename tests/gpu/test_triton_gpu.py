@@ -225,3 +225,71 @@ def test_new_token_counts_compile_nothing_after_the_first():
         JITFunction._do_compile = orig
     assert compiled == [], compiled
     assert gemm._gemm_kernel.do_not_specialize  # the switch this test is about
+
+
+def _tables_with(gemm, dtype, extra: dict) -> dict:
+    """The GEMM's pinned tables for dtype with extra set in every config."""
+    small = gemm.MATMUL_SMALL_M[dtype]
+    short = gemm.GROUPED_SHORT_K[dtype]
+    return {"MATMUL_CONFIGS": dict(gemm.MATMUL_CONFIGS[dtype], **extra),
+            "MATMUL_SMALL_M": (small[0], small[1], [dict(c, **extra) for c in small[2]]),
+            "GROUPED_SMALL_M": [(m, dict(c, **extra)) for m, c in gemm.GROUPED_SMALL_M[dtype]],
+            "GROUPED_SHORT_K": (*short[:2], dict(short[2], **extra))}
+
+
+def test_gemm_tma_loads_keep_the_pointer_paths_bits(monkeypatch):
+    # the pinned configs (TMA where they say so) and every config with TMA against the same
+    # configs through pointers: bench-moe-large's expert GEMMs (gate_up over gathered token rows: pointers; down:
+    # both operands by TMA; the sorted gate_up of training) at 256 / 1,024 / 4,096 tokens with ragged experts
+    # (an empty one, tails both sides of half a tile), device counts and a host list; the dense linears (lm head,
+    # o_proj, router, q/k/v in one launch) at M = 1 .. 2,048; rows holding NaN and inf; an operand 2 bytes off an
+    # aligned address (the pointer path). Negative twin: another K order
+    from rlalign.kernels.triton import common, gemm
+
+    bf = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(21)
+    gu = (torch.randn(64, 1536, 2048, device="cuda", generator=g) * 0.02).to(bf)
+    dn = (torch.randn(64, 2048, 768, device="cuda", generator=g) * 0.02).to(bf)
+    head = (torch.randn(32000, 2048, device="cuda", generator=g) * 0.02).to(bf)
+    router = (torch.randn(64, 2048, device="cuda", generator=g) * 0.02).to(bf)
+    qkv = [(torch.randn(n, 2048, device="cuda", generator=g) * 0.02).to(bf) for n in (2048, 512, 512)]
+    pinned = _tables_with(gemm, bf, {})
+
+    def use(tables):
+        for name, table in tables.items():
+            monkeypatch.setitem(getattr(gemm, name), bf, table)
+        gemm._MATMUL_PLANS.clear()
+
+    def run(xt, h, counts, order):
+        outs = [gemm.grouped_mm(xt, gu, counts, order, 8), gemm.grouped_mm(h, dn, counts),
+                gemm.grouped_mm(h, dn, counts.tolist()), gemm.grouped_mm(xt[order // 8], gu, counts.tolist())]
+        for m in (1, 17, 64, 256, 300, 2048):
+            outs += [gemm.linear(xt[:m], w) for w in (head, qkv[0], router)] + gemm.linears(xt[:m], qkv, [None] * 3)
+        return outs
+
+    taken = 0
+    for T in (256, 1024, 4096):
+        ids = torch.randn(T, 64, device="cuda", generator=g).topk(8, dim=1).indices.reshape(-1)
+        ids[ids == 5] = 6  # expert 5 empty
+        counts, order = torch.bincount(ids, minlength=64), torch.argsort(ids, stable=True)
+        xt = torch.randn(T, 2048, device="cuda", generator=g).to(bf)
+        h = torch.randn(8 * T, 768, device="cuda", generator=g).to(bf)
+        xt[3, 7], xt[T - 1, 100], h[9, 3], h[8 * T - 2, 700] = float("nan"), float("inf"), float("-inf"), float("nan")
+        off = torch.empty(T * 2048 + 1, device="cuda", dtype=bf)[1:].view(T, 2048)
+        off.copy_(xt)
+        h_off = torch.empty(8 * T * 768 + 1, device="cuda", dtype=bf)[1:].view(8 * T, 768)
+        h_off.copy_(h)
+        outs = {}
+        for name, tables in (("pointers", _tables_with(gemm, bf, {"TMA": False})), ("pinned", pinned),
+                             ("forced", _tables_with(gemm, bf, {"TMA": True}))):
+            use(tables)
+            outs[name] = run(xt, h, counts, order) + [gemm.linear(off, head), gemm.grouped_mm(h_off, dn, counts)]
+            for v in [*common.cached_entries(), *gemm._MATMUL_PLANS.values()]:
+                taken += sum(1 for t in (v if isinstance(v, tuple) else (v,))
+                             if isinstance(t, gemm._TmaLaunch) and t.tma.compiled and name != "pointers")
+        for name in ("pinned", "forced"):
+            same = [same_bits(a, b) for a, b in zip(outs[name], outs["pointers"])]
+            assert all(same), (T, name, same)
+        if T == 256:
+            assert not same_bits(gemm.grouped_mm(h.flip(1), dn.flip(2), counts), outs["pointers"][1])
+    assert taken > 0  # the descriptors' path ran
