@@ -441,9 +441,9 @@ def test_gemm_half_tail_tiles_change_no_bit():
 def test_gemm_tma_loads_change_no_bit(monkeypatch):
     # operands through tensor descriptors (a config's TMA key) read the same values into the same K chunks:
     # device counts, the host table, a plain matmul and a linear give the pointer path's bits, with rows past a
-    # group read from the next group or past the operand; gathered rows, the one-launch linears and an operand at
-    # an address off 16 bytes keep pointers. Negative twin: descriptors with other K chunks (BLOCK_K 32; the
-    # interpreter rounds per chunk)
+    # group read from the next group or past the operand; gathered rows, the one-launch linears, the SwiGLU
+    # epilogue's [gate | up] columns and an operand at an address off 16 bytes keep pointers. Negative twin:
+    # descriptors with other K chunks (BLOCK_K 32; the interpreter rounds per chunk)
     from rlalign.kernels.triton import common, gemm
 
     g = torch.Generator().manual_seed(17)
@@ -461,7 +461,8 @@ def test_gemm_tma_loads_change_no_bit(monkeypatch):
         dev = torch.tensor(counts, device=DEV)
         return [gemm.grouped_mm(x, w, dev), gemm.grouped_mm(x, w, dev, order, 2), gemm.grouped_mm(x, w, counts),
                 tb.matmul(x, w[0].t()), tb.linear(x[:5], w[1]), *tb.linears(x, ws, [None] * 3),
-                gemm.grouped_mm(off, w, counts), tb.linear(off, w[2])]
+                gemm.grouped_mm(off, w, counts), tb.linear(off, w[2]), gemm.grouped_mm(x, w, counts, swiglu=True),
+                gemm.grouped_mm(x, w, dev, swiglu=True)]
 
     ref = run()
     for extra, equal in (({"TMA": True}, True), ({"TMA": True, "BLOCK_K": 32}, False)):
