@@ -51,7 +51,7 @@ def _with(cfg, extra: dict):
 def use(extra: dict) -> None:
     for name in TABLES:
         getattr(gemm, name)[BF] = _with(PINNED[name][BF], extra)
-    gemm._MATMUL_PLANS.clear()
+    gemm.clear_plans()
 
 
 def grouped_cases(T: int, g: torch.Generator):

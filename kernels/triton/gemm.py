@@ -561,6 +561,11 @@ def _needs_copy(t: torch.Tensor) -> bool:
 _MATMUL_PLANS: dict = {}  # (shapes, strides, dtypes, devices) -> (M, N, K, copy a, copy b, Launch)
 
 
+def clear_plans() -> None:
+    """Forget the matmul launch plans (each holds the config its table gave): after a table entry changes."""
+    _MATMUL_PLANS.clear()
+
+
 def _matmul_plan(a, b, even_k: bool = True):
     """Everything about a matmul that its shapes, strides, dtypes and devices decide, checked once."""
     check_inputs("matmul", a, b)
