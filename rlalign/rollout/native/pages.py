@@ -34,12 +34,22 @@ class KVState:
         return (self.page_size == page_size and self.num_pages >= num_pages and self.rows >= rows
                 and self.width >= width and self.cache.k.dtype == dtype and self.cache.k.device == torch.device(dev))
 
-    def set_row(self, slot: int, pages: list[int]) -> None:
-        """Block-table row `slot` now lists `pages` (host mirror and device: a copy in stream order, no
-        host sync, so an admission does not wait for the steps in flight)."""
-        self.table_host[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        row = self.table_host[slot]
-        self.block_table[slot].copy_(row.pin_memory() if self.block_table.is_cuda else row, non_blocking=True)
+    def set_rows(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Block-table rows now list their pages, (slot, pages) each: the host mirror, then the changed rows
+        to the device in one copy in stream order (no host sync, so an admission does not wait for the
+        steps in flight; one copy for a whole admission instead of one per sequence)."""
+        if not rows:
+            return
+        table = self.table_host.numpy()
+        for slot, pages in rows:
+            table[slot, : len(pages)] = pages
+        if self.block_table.data_ptr() == self.table_host.data_ptr():  # on the CPU the mirror is the table
+            return
+        slots = torch.tensor([slot for slot, _ in rows], dtype=torch.long)
+        changed = self.table_host.index_select(0, slots)
+        dev = self.block_table.device
+        self.block_table.index_copy_(0, slots.pin_memory().to(dev, non_blocking=True),
+                                     changed.pin_memory().to(dev, non_blocking=True))
 
     def release(self) -> None:
         """The pages' memory back to the device (the graphs and the block table stay)."""

@@ -66,12 +66,14 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Admit queued requests while a slot and their pages are free."""
+        admitted = []
         while self.can_admit():
             b = self.queue.popleft()
             seq = Seq(b, list(self.prompts[b]), len(self.prompts[b]), self.free_slots.pop(),
                       [self.free_pages.pop() for _ in range(self.pages_of[b])])
-            self.state.set_row(seq.slot, seq.pages)
+            admitted.append((seq.slot, seq.pages))
             self.running.append(seq)
+        self.state.set_rows(admitted)
 
     def _add_prompt_chunks(self, step: Step) -> None:
         """Prompt chunks of the sequences still prefilling, in admission order, within the budget; each
