@@ -192,6 +192,27 @@ def attention_paged(
     return _impl(q).attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale, runs)
 
 
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, pages: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention's inputs after its projections: (rope(rmsnorm(q, q_w, eps), cos, sin), the same of k) for
+    q [N, H, D], k [N, Hk, D]. pages = (k_pages, v_pages, slots, v), an engine step: the rotated k and v are
+    written into the KV cache (paged_write) and the k returned is None. The same bits as the ops apart; the
+    Triton backend without a gradient in one launch (the per-head norms, the two rotations and the cache
+    write are five apart)."""
+    fused = getattr(_impl(q), "qk_norm_rope", None) if _state["mode"] == "deterministic" else None
+    if fused is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_w, k_w))) \
+            and (pages is None or (pages[0].is_contiguous() and pages[1].is_contiguous()
+                                   and pages[0].dtype == pages[1].dtype == q.dtype == pages[3].dtype)):
+        return fused(q, k, q_w, k_w, eps, cos, sin, pages)
+    q, k = rope(rmsnorm(q, q_w, eps), cos, sin), rope(rmsnorm(k, k_w, eps), cos, sin)
+    if pages is None:
+        return q, k
+    k_pages, v_pages, slots, v = pages
+    paged_write(k_pages, v_pages, slots, k.detach(), v.detach())
+    return q, None
+
+
 def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> None:
     """The KV-cache write of an engine step (the native engine's and vLLM's): rows k, v [N, Hk, D]

@@ -112,3 +112,64 @@ def test_paged_write_refuses_pages_of_another_shape():
     kp = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="paged_write"):
         tb.paged_write(kp, kp.clone(), torch.arange(3, device=DEV), _randn(3, 4, 8), _randn(3, 4, 8))
+
+
+def _qk_inputs(N, H, HK, D, dtype, seed=0):
+    q, k, v = (_randn(N, h, D, seed=seed + i, dtype=dtype) * 3 for i, h in enumerate((H, HK, HK)))
+    qw, kw = (1 + 0.1 * _randn(D, seed=seed + 3 + i, dtype=dtype) for i in range(2))
+    cos, sin = (t[torch.arange(N) % 50].to(DEV) for t in kernels.rope_table(64, D, 10000.0))
+    return q, k, v, qw, kw, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qk_norm_rope_is_the_norms_and_rotations_apart(dtype):
+    """One launch (q's and k's rows normed per head, then rotated; with pages, k and v written into the KV
+    cache) gives the bits of rmsnorm, rope and paged_write apart, for any number of rows; the rotation
+    before the norm (the other order) differs: the comparison can fail."""
+    N, H, HK, D, eps = 70, 4, 2, 16, 1e-6  # 280 q rows: two programs of the norm's 256-row tile
+    q, k, v, qw, kw, cos, sin = _qk_inputs(N, H, HK, D, dtype)
+    want_q, want_k = (tb.rope(tb.rmsnorm(x, w, eps), cos, sin) for x, w in ((q, qw), (k, kw)))
+    got_q, got_k = tb.qk_norm_rope(q, k, qw, kw, eps, cos, sin)
+    assert same_bits(got_q, want_q) and same_bits(got_k, want_k)
+    for m in (1, 5, N - 1):  # a row's bits do not depend on the rows beside it
+        sub_q, sub_k = tb.qk_norm_rope(q[:m], k[:m], qw, kw, eps, cos[:m], sin[:m])
+        assert same_bits(sub_q, want_q[:m]) and same_bits(sub_k, want_k[:m])
+    kp, vp = (torch.zeros(12, 8, HK, D, dtype=dtype, device=DEV) for _ in range(2))
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:N].to(DEV)
+    want_kp, want_vp = kp.clone(), vp.clone()
+    tb.paged_write(want_kp, want_vp, slots, want_k, v)
+    pq, pk = tb.qk_norm_rope(q, k, qw, kw, eps, cos, sin, (kp, vp, slots, v))
+    assert pk is None and same_bits(pq, want_q) and same_bits(kp, want_kp) and same_bits(vp, want_vp)
+    other = tb.rmsnorm(tb.rope(q, cos, sin), qw, eps)  # negative twin: rotate, then norm
+    assert not same_bits(other, want_q)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_qk_norm_rope_op_equals_the_ops_apart_with_and_without_autograd(backend):
+    N, H, HK, D, eps = 9, 4, 2, 16, 1e-6
+    q, k, v, qw, kw, cos, sin = _qk_inputs(N, H, HK, D, torch.bfloat16, seed=10)
+    with kernels.use(mode="deterministic", backend=backend):
+        want_q, want_k = (kernels.rope(kernels.rmsnorm(x, w, eps), cos, sin) for x, w in ((q, qw), (k, kw)))
+        got_q, got_k = kernels.qk_norm_rope(q, k, qw, kw, eps, cos, sin)
+        assert same_bits(got_q, want_q) and same_bits(got_k, want_k)
+        kp, vp = (torch.zeros(3, 4, HK, D, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+        slots = torch.arange(N, device=DEV).flip(0)
+        pq, pk = kernels.qk_norm_rope(q, k, qw, kw, eps, cos, sin, (kp, vp, slots, v))
+        assert pk is None and same_bits(pq, want_q)
+        assert same_bits(kp.flatten(0, 1)[slots], want_k) and same_bits(vp.flatten(0, 1)[slots], v)
+        # with autograd (the trainer): the ops apart, the same forward bits, gradients reach the weights
+        qg, wg = q.clone().requires_grad_(), qw.clone().requires_grad_()
+        aq, _ = kernels.qk_norm_rope(qg, k, wg, kw, eps, cos, sin)
+        assert same_bits(aq.detach(), want_q)
+        aq.float().sum().backward()
+        assert qg.grad is not None and wg.grad is not None
+        assert not same_bits(kernels.qk_norm_rope(q, k, kw, qw, eps, cos, sin)[0], want_q)  # the weights swapped
+
+
+def test_qk_norm_rope_refuses_shapes_that_do_not_fit():
+    q, k, v, qw, kw, cos, sin = _qk_inputs(3, 4, 2, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        tb.qk_norm_rope(q, k[:, :, :8], qw, kw, 1e-6, cos, sin)
+    kp = torch.zeros(2, 4, 3, 16, dtype=torch.bfloat16, device=DEV)  # 3 kv heads: not k's 2
+    with pytest.raises(ValueError, match="pages"):
+        tb.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, (kp, kp.clone(), torch.arange(3, device=DEV), v))

@@ -260,12 +260,12 @@ def test_vllm_shaped_pages_attend_like_prefill_rows():
     first = torch.cat([torch.arange(30), lens[0] + torch.arange(20)])  # seq 0: 0..29, seq 1: 0..19
     rest = torch.tensor([30, 31, 32, 33, 34, 35, 36, lens[0] + 20])  # a chunk after a cached prefix, a decode row
     for rows in (first, rest):
-        pages.write(0, slots[rows], k[rows], v[rows])
+        kernels.paged_write(*pages.pages(0), slots[rows], k[rows], v[rows])
         out = kernels.attention_paged(q[rows], *pages.pages(0), table, seq[rows], pos[rows], D ** -0.5)
         assert same_bits(out, ref[rows])
     # twin: a row whose slot mapping skips its page reads the garbage left there
     kv.fill_(float("nan"))
-    pages.write(0, slots[first][:-1], k[first][:-1], v[first][:-1])
+    kernels.paged_write(*pages.pages(0), slots[first][:-1], k[first][:-1], v[first][:-1])
     out = kernels.attention_paged(q[first], *pages.pages(0), table, seq[first], pos[first], D ** -0.5)
     assert not same_bits(out[-1:], ref[first][-1:])
 

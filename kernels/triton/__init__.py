@@ -9,7 +9,8 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                trainer's: its backward writes the logits' gradient)
   attention    attention_prefill, attention_decode, attention_paged (decode == paged == prefill bitwise;
                split-K over fixed key chunks for few rows)
-  elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds)
+  elementwise  swiglu, swiglu_halves, rope, add_f32 (the gradient trees' fp32 adds), paged_write, qk_norm_rope
+               (the attention's head norms, RoPE and KV-cache write in one launch)
   moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
   sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw),
@@ -33,7 +34,7 @@ import torch
 from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, optim, sampling
 from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, attention_prefill
 from .common import INTERPRET, SUPPORTED
-from .elementwise import add_f32, paged_write, rope, swiglu, swiglu_halves
+from .elementwise import add_f32, paged_write, qk_norm_rope, rope, swiglu, swiglu_halves
 from .embed import embedding
 from .gemm import MATMUL_CONFIGS, grouped_linear, grouped_swiglu, linear, linears, matmul
 from .logprob import log_softmax_gather, logprob_rows, tempered_logprobs
@@ -50,8 +51,8 @@ __all__ = [
     "gumbel_argmax_logprobs", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
     "moe_slot_linear", "moe_slot_swiglu",
-    "norm", "optim", "paged_write", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu", "swiglu_halves",
-    "tempered_logprobs",
+    "norm", "optim", "paged_write", "qk_norm_rope", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu",
+    "swiglu_halves", "tempered_logprobs",
 ]
 
 

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .common import Launch, cached, check_inputs
+from .norm import fwd_config, normed, row_rstd
 
 _EW_BLOCK = 1024
 
@@ -161,6 +162,13 @@ def swiglu(gate, up):
 
 # --- RoPE (rotate-half), fwd/bwd ---------------------------------------------------------------------
 @triton.jit
+def rotate(x1, x2, c1, c2, s1, s2):
+    """RoPE's rotation of a row's halves in fp32 (rotate-half): the one formula of the rope kernel and the
+    fused norm-and-rope."""
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
 def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sxn, sxh, syn, syh, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  SIGN: tl.constexpr):
     """Row n, all heads: y1 = x1 c1 - SIGN x2 s1, y2 = x2 c2 + SIGN x1 s2 in fp32 (SIGN = -1: the
@@ -176,8 +184,7 @@ def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sxn, sxh, syn, syh, HALF: tl.con
     s1 = tl.load(s_ptr + n * 2 * HALF + d)[None, :]
     s2 = tl.load(s_ptr + n * 2 * HALF + HALF + d)[None, :]
     if SIGN > 0:
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
+        y1, y2 = rotate(x1, x2, c1, c2, s1, s2)
     else:  # (R^T g): g1 c1 + g2 s2, g2 c2 - g1 s1
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
@@ -252,6 +259,107 @@ def paged_write(k_pages, v_pages, slots, k, v) -> None:
         cached(("paged_write", N, W, k.stride(0), v.stride(0), k.dtype, slots.dtype), lambda: Launch(
             _paged_write, (N,), (W, k.stride(0), v.stride(0)), dict(BLOCK=triton.next_power_of_2(W))))(
             k, v, k_pages, v_pages, slots.contiguous())
+
+
+# --- the attention's inputs of an engine step: q / k head norms, RoPE, the KV-cache write ---------------------
+@triton.jit
+def _norm_rope_rows(x_ptr, w_ptr, o_ptr, c_ptr, s_ptr, kp_ptr, slot_ptr, p, R, heads, D, eps, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr, HALF: tl.constexpr, WRITE: tl.constexpr):
+    """Rows [p ROWS, (p + 1) ROWS) of x [R = tokens x heads, D]: rmsnorm (the norm kernel's tile and
+    row_rstd: the same reduction order), rounded to the dtype as its store rounds, then the rope kernel's
+    rotation of the two halves (reloaded from x: the same elementwise ops). WRITE: into the token's slot
+    of the flat pages kp (slot x heads x D + head x D), else into o [R, D]."""
+    rows = p * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    live = rows < R
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=live[:, None] & (cols < D)[None, :],
+                other=0.0).to(tl.float32)
+    rstd = row_rstd(x, D, eps)
+    h = tl.arange(0, HALF)
+    m = live[:, None]
+    base = rows.to(tl.int64)[:, None] * D + h[None, :]
+    dt = o_ptr.dtype.element_ty
+    y1 = normed(tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32), rstd, tl.load(w_ptr + h)).to(dt)
+    y2 = normed(tl.load(x_ptr + base + HALF, mask=m, other=0.0).to(tl.float32), rstd,
+                tl.load(w_ptr + HALF + h)).to(dt)
+    tok = (rows // heads).to(tl.int64)
+    tab = tok[:, None] * D + h[None, :]
+    c1 = tl.load(c_ptr + tab, mask=m, other=0.0)
+    c2 = tl.load(c_ptr + tab + HALF, mask=m, other=0.0)
+    s1 = tl.load(s_ptr + tab, mask=m, other=0.0)
+    s2 = tl.load(s_ptr + tab + HALF, mask=m, other=0.0)
+    r1, r2 = rotate(y1.to(tl.float32), y2.to(tl.float32), c1, c2, s1, s2)
+    if WRITE:
+        slot = tl.load(slot_ptr + tok, mask=live, other=0).to(tl.int64)
+        dst = kp_ptr + (slot * heads + (rows % heads))[:, None] * D + h[None, :]
+    else:
+        dst = o_ptr + base
+    tl.store(dst, r1.to(dt), mask=m)
+    tl.store(dst + HALF, r2.to(dt), mask=m)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, ko_ptr, kp_ptr, vp_ptr, slot_ptr,
+                         N, eps, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr, WRITE: tl.constexpr):
+    """Programs [0, PQ): q's rows [N x H, D] normed and rotated into qo; [PQ, PQ + PK): k's, into ko or
+    (WRITE) the pages kp; WRITE, the rest: v's rows [N x HK, D] copied into the pages vp (paged_write's)."""
+    pid = tl.program_id(0)
+    PQ = tl.cdiv(N * H, ROWS)
+    PK = tl.cdiv(N * HK, ROWS)
+    if pid < PQ:
+        _norm_rope_rows(q_ptr, qw_ptr, qo_ptr, c_ptr, s_ptr, qo_ptr, slot_ptr, pid, N * H, H, D, eps, ROWS, BLOCK,
+                        D // 2, False)
+    elif pid < PQ + PK:
+        _norm_rope_rows(k_ptr, kw_ptr, ko_ptr, c_ptr, s_ptr, kp_ptr, slot_ptr, pid - PQ, N * HK, HK, D, eps, ROWS,
+                        BLOCK, D // 2, WRITE)
+    else:
+        rows = (pid - PQ - PK) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        live = rows < N * HK
+        slot = tl.load(slot_ptr + rows // HK, mask=live, other=0).to(tl.int64)
+        vals = tl.load(v_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=live[:, None])
+        tl.store(vp_ptr + (slot * HK + rows % HK)[:, None] * D + cols[None, :], vals, mask=live[:, None])
+
+
+def qk_norm_rope(q, k, qw, kw, eps: float, cos, sin, pages=None):
+    """(rope(rmsnorm(q, qw, eps), cos, sin), rope(rmsnorm(k, kw, eps), cos, sin)) for q [N, H, D], k [N, Hk, D]
+    (D a power of two), the same bits, in one launch, without a gradient. pages = (k_pages, v_pages, slots, v):
+    k's rotated rows and v's rows are written into slots [N] of the contiguous pages [P, page_size, Hk, D]
+    instead (paged_write's copy; the k returned is None)."""
+    check_inputs("qk_norm_rope", q, k, qw, kw)
+    N, H, D = q.shape
+    HK = k.shape[1]
+    if D & (D - 1) or D < 2 or k.shape != (N, HK, D) or qw.shape != (D,) or kw.shape != (D,):
+        raise ValueError(f"triton qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(qw.shape)} / "
+                         f"{tuple(kw.shape)} (head_dim a power of two, one weight per head dim)")
+    q, k = q.contiguous(), k.contiguous()
+    qw, kw = (w if w.dtype == q.dtype else w.to(q.dtype) for w in (qw, kw))
+    cos, sin = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (cos, sin))
+    qo = torch.empty_like(q)
+    write = pages is not None
+    if write:
+        k_pages, v_pages, slots, v = pages
+        v = v.contiguous()
+        if not (k_pages.is_contiguous() and v_pages.is_contiguous()) or k_pages.shape[2:] != (HK, D) \
+                or v_pages.shape != k_pages.shape or v.shape != k.shape or slots.shape != (N,) \
+                or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"triton qk_norm_rope: pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)} (contiguous "
+                             f"{k_pages.is_contiguous()}), k / v {tuple(k.shape)} / {tuple(v.shape)} {q.dtype}, "
+                             f"slots {tuple(slots.shape)} do not fit")
+        ko, slots = None, slots.contiguous()
+    else:
+        ko = torch.empty_like(k)
+    if N:
+        cfg = fwd_config(D)  # the norm kernel's tile and warps: its reduction order
+        rows = cfg["ROWS"]
+        grid = triton.cdiv(N * H, rows) + triton.cdiv(N * HK, rows) * (2 if write else 1)
+        key = ("qk_norm_rope", N, H, HK, D, eps, q.dtype, write, slots.dtype if write else None)
+        cached(key, lambda: Launch(_qk_norm_rope_kernel, (grid,), (N, eps), dict(
+            H=H, HK=HK, D=D, ROWS=rows, BLOCK=cfg["BLOCK"], WRITE=write, num_warps=cfg["num_warps"])))(
+            q, k, v if write else k, qw, kw, cos, sin, qo, ko if ko is not None else qo,
+            k_pages if write else qo, v_pages if write else qo, slots if write else cos)
+    return qo, ko
 
 
 # --- the gradient trees' adds: a + b in fp32 from leaves in any float dtype, one pass ------------------------

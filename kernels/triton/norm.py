@@ -27,13 +27,25 @@ def rmsnorm_fwd_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, r_ptr, R, D, eps, ROWS
         x = (x.to(tl.float32) + tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(s_ptr + off, x, mask=m)
     x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS]
+    rstd = row_rstd(x, D, eps)  # [ROWS]
     tl.store(r_ptr + rows, rstd, mask=rows < R)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    # as the reference: normalise, round to the dtype, then scale (the product of two dtype values is
-    # exact in fp32, so one rounding at the store matches a dtype multiply)
-    y = (x * rstd[:, None]).to(w.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
-    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + off, normed(x, rstd, w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def row_rstd(x, D, eps):
+    """1 / sqrt(mean(x^2) + eps) of each row of the fp32 tile x [ROWS, BLOCK] (columns past D zero): the
+    tile's reduction along its columns, whose order the tile's shape and warps fix (fwd_config)."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+
+
+@triton.jit
+def normed(x, rstd, w):
+    """The norm's output in fp32 before its store's rounding, as the reference: normalise, round to w's
+    dtype, then scale (the product of two dtype values is exact in fp32, so one rounding at the store
+    matches a dtype multiply). x [ROWS, C] fp32, rstd [ROWS], w [C]."""
+    return (x * rstd[:, None]).to(w.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -59,9 +59,6 @@ class PagedKVCache:
             self.k, self.v = alloc(shape, dtype).zero_(), alloc(shape, dtype).zero_()
         self.num_pages, self.page_size = num_pages, page_size
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kernels.paged_write(self.k[layer], self.v[layer], slot_mapping, k, v)
-
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
 
@@ -78,14 +75,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, args.rms_norm_eps)
         self.k_norm = RMSNorm(D, args.rms_norm_eps)
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin, pages=None):
+        """q, k, v [n, heads, D]: projected, q and k normed per head and rotated; pages = (k_pages, v_pages,
+        slots): k and v written into the KV cache instead (k returned None), kernels.qk_norm_rope."""
         n = x.shape[0]
         q, k, v = kernels.linears(x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj)],
                                   [p.bias for p in (self.q_proj, self.k_proj, self.v_proj)])
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin), v
+        q, k = kernels.qk_norm_rope(q.view(n, self.num_heads, self.head_dim),
+                                    k.view(n, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                                    self.k_norm.weight, self.q_norm.eps, cos, sin,  # one eps: rms_norm_eps
+                                    None if pages is None else (*pages, v.detach()))
+        return q, k, v
 
     def forward(self, x, cos, sin, cu_seqlens):
         q, k, v = self._qkv(x, cos, sin)
@@ -93,9 +94,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
     def paged(self, x, cos, sin, cache, layer: int, block_table, seq_idx, positions, slot_mapping, runs=None):
-        q, k, v = self._qkv(x, cos, sin)
-        cache.write(layer, slot_mapping, k.detach(), v.detach())
         k_pages, v_pages = cache.pages(layer)
+        q, _, _ = self._qkv(x, cos, sin, (k_pages, v_pages, slot_mapping))
         o = kernels.attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, runs=runs)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 

@@ -62,6 +62,38 @@ def test_rmsnorm_rows_identical_in_any_batch(D):
     assert not same_bits(rolled, full)
 
 
+@pytest.mark.parametrize("H,HK,D", [(16, 4, 128), (32, 4, 128), (8, 2, 64), (4, 1, 256)])
+def test_qk_norm_rope_has_the_ops_apart_bits(H, HK, D):
+    """The one-launch head norms + RoPE (+ the KV-cache write) against rmsnorm, rope and paged_write apart
+    on the GPU's compiled kernels (the reduction's tile and the rotation's contraction are the point: the
+    interpreter cannot see them), at decode and prefill row counts across the norm tile's edges."""
+    from rlalign import kernels
+    from rlalign.kernels import triton as tb
+
+    g = torch.Generator(device="cuda").manual_seed(H + D)
+    cos_t, sin_t = (t.cuda() for t in kernels.rope_table(4096, D, 1e6))
+    for dtype in (torch.bfloat16, torch.float32):
+        for N in (1, 3, 31, 256, 2048, 2049, 8192):
+            q, k, v = ((torch.randn(N, h, D, device="cuda", generator=g) * 4).to(dtype) for h in (H, HK, HK))
+            qw, kw = ((1 + 0.2 * torch.randn(D, device="cuda", generator=g)).to(dtype) for _ in range(2))
+            pos = torch.randint(0, 4096, (N,), device="cuda", generator=g)
+            cos, sin = cos_t[pos], sin_t[pos]
+            want_q, want_k = (tb.rope(tb.rmsnorm(x, w, 1e-6), cos, sin) for x, w in ((q, qw), (k, kw)))
+            got_q, got_k = tb.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+            assert same_bits(got_q, want_q) and same_bits(got_k, want_k), (dtype, N)
+            pages = -(-N // 16) + 3
+            kp, vp = (torch.full((pages, 16, HK, D), float("nan"), device="cuda", dtype=dtype) for _ in range(2))
+            slots = torch.randperm(pages * 16, device="cuda", generator=g)[:N]
+            want_kp, want_vp = kp.clone(), vp.clone()
+            tb.paged_write(want_kp, want_vp, slots, want_k, v)
+            pq, pk = tb.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, (kp, vp, slots, v))
+            assert pk is None and same_bits(pq, want_q), (dtype, N)
+            assert same_bits(kp, want_kp) and same_bits(vp, want_vp), (dtype, N)
+    half = torch.cat([tb.rmsnorm(q[..., : D // 2].contiguous(), qw[: D // 2], 1e-6),
+                      tb.rmsnorm(q[..., D // 2:].contiguous(), qw[D // 2:], 1e-6)], -1)
+    assert not same_bits(tb.rope(half, cos, sin), want_q)  # negative twin: each half normed on its own
+
+
 def test_grouped_schedules_keep_the_main_configs_bits(monkeypatch):
     # bench-moe-large's expert GEMMs (gate_up over the token rows gathered in place, down) at decode and
     # prefill sizes: the pinned buckets and every schedule a bucket may take (an expert's last tile of <= 64

@@ -23,7 +23,6 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from rlalign import kernels
 from rlalign.rollout.vllm.registry import BACKEND
 
 
@@ -37,14 +36,11 @@ def page_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, tor
 
 
 class VllmPages:
-    """The `cache` of Transformer.step over vLLM's per-layer KV tensors (write/pages, like
-    rlalign.model.PagedKVCache)."""
+    """The `cache` of Transformer.step over vLLM's per-layer KV tensors (pages(layer), like
+    rlalign.model.PagedKVCache; the step writes them with kernels.qk_norm_rope)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], head_dim: int):
         self.views = [page_views(t, head_dim) for t in kv_caches]
-
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kernels.paged_write(*self.views[layer], slot_mapping, k, v)
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.views[layer]
@@ -81,7 +77,7 @@ class RlalignAttentionMetadataBuilder(AttentionMetadataBuilder[RlalignAttentionM
 class RlalignAttentionImpl(AttentionImpl):
     """What vLLM builds for each Attention layer: the layers only make vLLM allocate the per-layer
     KV tensors. The model never calls them: RlalignQwen3MoeForCausalLM runs Transformer.step over
-    VllmPages, which writes with kernels.paged_write and attends with kernels.attention_paged."""
+    VllmPages, which writes with kernels.qk_norm_rope (paged_write's copy) and attends with kernels.attention_paged."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes=None,
                  sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
