@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlalign.model import Transformer
@@ -63,6 +64,29 @@ class ModelRunner:
         taps = getattr(model, "taps", None)
         self.record_all = isinstance(taps, TapRecorder) and taps.rows
 
+    def _meta(self, step: Step, ahead: int) -> np.ndarray:
+        """[4, n] int64: each row's input token (0 for the first `ahead`: taken on the device), position,
+        block-table row and KV slot. Decode rows one by one; a prompt chunk's rows (step.runs: consecutive
+        positions of one sequence) as array slices (a prefill step's 8,192 rows without a Python loop)."""
+        rows, n = step.rows, len(step.rows)
+        meta = np.empty((4, n), dtype=np.int64)
+        n_dec = step.runs[0][0] if step.runs else n
+        dec = rows[:n_dec]
+        if n_dec:
+            meta[0, :n_dec] = [0] * ahead + [seq.tokens[p] for seq, p in dec[ahead:]]
+            meta[1, :n_dec] = [p for _, p in dec]
+            meta[2, :n_dec] = [seq.slot for seq, _ in dec]
+            meta[3, :n_dec] = [self.sched.slot(seq, p) for seq, p in dec]
+        ps = self.state.page_size
+        for row0, cnt, pos0, table_row in step.runs:
+            seq, span = rows[row0][0], slice(row0, row0 + cnt)
+            pos = np.arange(pos0, pos0 + cnt, dtype=np.int64)
+            meta[0, span] = seq.tokens[pos0:pos0 + cnt]
+            meta[1, span] = pos
+            meta[2, span] = table_row
+            meta[3, span] = np.asarray(seq.pages, dtype=np.int64)[pos // ps] * ps + pos % ps
+        return meta
+
     def run(self, step: Step, previous: Launched | None = None, size: int | None = None, recapture: bool = False,
             eager: bool = False) -> Launched | None:
         """Enqueue `step` (its input tokens taken from `previous` on the device when step.follow is
@@ -72,9 +96,7 @@ class ModelRunner:
         self.stats["steps"] += 1
         self.stats["lookahead_steps"] += step.follow is not None
         ahead = 0 if step.follow is None else len(step.follow)  # the first rows' tokens come from `previous`
-        tok_host = [0] * ahead + [seq.tokens[p] for seq, p in rows[ahead:]]
-        meta = torch.tensor([tok_host, [p for _, p in rows], [seq.slot for seq, _ in rows],
-                             [self.sched.slot(seq, p) for seq, p in rows]], dtype=torch.long).reshape(4, n)
+        meta = torch.from_numpy(self._meta(step, ahead))
         b_idx = [seq.b for seq, _ in step.sample_at]
         src = None if step.follow is None else to_device(torch.tensor(step.follow, dtype=torch.long), dev)
         if self.graphs is not None and len(step.sample_at) == n and not eager:  # decode only: rows are the samples
