@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, check_inputs, host_free_dot, num_sms, work_table
+from .common import INTERPRET, Launch, cached, check_inputs, host_free_dot, num_sms, work_table
 
 # The pinned configs (how each was measured on the H200: experiments/README.md). Prefill, decode and
 # paged rows share BLOCK_N and CHUNK, the key blocks and chunks a row reduces over in order: part of the
@@ -380,6 +380,18 @@ def _head_dim_ok(D: int) -> None:
         raise ValueError(f"triton attention: head_dim={D} must be a power of two >= 16")
 
 
+_FWD_DEFAULTS = dict(BLOCK_G=1, UNROLL=1, NPRE=0, OFF32=False, HK_MINOR=0)  # _attn_fwd's constexpr defaults
+
+
+def _fwd(grid: tuple, tensors: tuple, scalars: tuple, meta: dict) -> None:
+    """_attn_fwd[grid](*tensors, *scalars, **meta) through a cached launch plan: triton's binding and
+    specialisation once per (grid, scalars, constexprs, dtypes), not at every call (an eager engine step
+    calls it in every layer); the same compiled kernel and arguments as the JIT path."""
+    meta = {**_FWD_DEFAULTS, **meta}
+    key = ("attn_fwd", tuple(grid), tuple(scalars), tuple(sorted(meta.items())), tuple(t.dtype for t in tensors))
+    cached(key, lambda: Launch(_attn_fwd, grid, scalars, meta))(*tensors)
+
+
 def _attn_prefill_launch(q, k, v, work, scale: float):
     """q [R, H, D]; k, v [Rk, Hk, D]; work an int32 table of items (q_row0, n_q, q_pos0, k_row0,
     n_keys) -> (o, lse2 [R, H])."""
@@ -390,10 +402,10 @@ def _attn_prefill_launch(q, k, v, work, scale: float):
     if work.shape[0] == 0:
         return o, lse
     cfg = _attn_cfg("prefill", q.dtype)
-    _attn_fwd[(H, work.shape[0], 1)](
-        q, k, v, o, lse, work, work, work, o, o, o, o, 1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
-        o.stride(0), o.stride(1), 0, scale * LOG2E, G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False,
-        UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **cfg, **_no_fma())
+    _fwd((H, work.shape[0], 1), (q, k, v, o, lse, work, work, work, o, o, o, o),
+         (1, 1, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1), o.stride(0), o.stride(1), 0, scale * LOG2E),
+         dict(G=H // k.shape[1], D=D, PAGE=1, MODE=0, SPLIT=False, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32,
+              **cfg, **_no_fma()))
     return o, lse
 
 
@@ -463,15 +475,14 @@ def _attn_rows_launch(q, k, v, mode: int, work, seq, table, page: int, key_strid
     args = (q.stride(0), q.stride(1), *key_strides, o.stride(0), o.stride(1), table.stride(0), scale * LOG2E)
     if not spp:
         grid, minor = ((N * Hk, 1, 1), Hk) if heads_minor else ((N, Hk, 1), 0)
-        _attn_fwd[grid](q, k, v, o, lse, work, seq, table, o, o, o, o, nc, 1, *args, SPLIT=False, HK_MINOR=minor,
-                        **flags, **cfg)
+        _fwd(grid, (q, k, v, o, lse, work, seq, table, o, o, o, o), (nc, 1, *args),
+             dict(SPLIT=False, HK_MINOR=minor, **flags, **cfg))
         return o, lse
     R = N * H * nc
     part = torch.empty(R * (D + 2), dtype=torch.float32, device=q.device)  # acc [R, D], m [R], l [R]
     ap, mp, lp = part[: R * D], part[R * D : R * (D + 1)], part[R * (D + 1) :]
-    _attn_fwd[(N, Hk, triton.cdiv(nc, spp))](q, k, v, o, lse, work, seq, table, mp, lp, ap, _tickets(N * Hk, q.device),
-                                             nc, spp, *args, SPLIT=True, BLOCK_G=triton.next_power_of_2(G),
-                                             UNROLL=unroll, **flags, **cfg)
+    _fwd((N, Hk, triton.cdiv(nc, spp)), (q, k, v, o, lse, work, seq, table, mp, lp, ap, _tickets(N * Hk, q.device)),
+         (nc, spp, *args), dict(SPLIT=True, BLOCK_G=triton.next_power_of_2(G), UNROLL=unroll, **flags, **cfg))
     return o, lse
 
 
@@ -774,7 +785,7 @@ def _attn_tiles_launch(q, kp, vp, table, runs, o, scale: float) -> None:
     work = work_table(("paged_tiles", tuple(runs), bm), items, q.device)
     lse = torch.empty(N, H, dtype=torch.float32, device=q.device)
     flags = {"OFF32": True} if _max_offset(kp) < 2**31 else {}
-    _attn_fwd[(H, work.shape[0], 1)](
-        q, kp, vp, o, lse, work, work, table, o, o, o, o, 1, 1, q.stride(0), q.stride(1), *kp.stride()[:3],
-        o.stride(0), o.stride(1), table.stride(0), scale * LOG2E, G=H // Hk, D=D, PAGE=kp.shape[1], MODE=3,
-        SPLIT=False, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32, **flags, **cfg, **_no_fma())
+    _fwd((H, work.shape[0], 1), (q, kp, vp, o, lse, work, work, table, o, o, o, o),
+         (1, 1, q.stride(0), q.stride(1), *kp.stride()[:3], o.stride(0), o.stride(1), table.stride(0), scale * LOG2E),
+         dict(G=H // Hk, D=D, PAGE=kp.shape[1], MODE=3, SPLIT=False, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32,
+              **flags, **cfg, **_no_fma()))
