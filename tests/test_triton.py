@@ -406,6 +406,16 @@ def test_gemm_flattened_tile_loop_changes_no_bit():
     assert same_bits(out, ref_m)
 
 
+
+def _grouped_inputs(seed: int, counts: list[int]):
+    """(generator, rows, x [R, 64], w [E, 48, 64], a row order) for the grouped GEMM's schedule tests."""
+    g = torch.Generator().manual_seed(seed)
+    R = sum(counts)
+    x = torch.randn(R, 64, generator=g).to(DEV)
+    w = torch.randn(len(counts), 48, 64, generator=g).to(DEV)
+    return g, R, x, w, torch.randperm(R, generator=g).to(DEV)
+
+
 def test_gemm_half_tail_tiles_change_no_bit():
     # HALF_TAIL (a problem's last tile of at most BLOCK_M / 2 rows runs half as high) schedules the same rows
     # through the same K chunks: device counts (rows read in place or gathered), the host table and a plain
@@ -413,12 +423,8 @@ def test_gemm_half_tail_tiles_change_no_bit():
     # tiles). Negative twin: half tiles with other K chunks (BLOCK_K 32; the interpreter rounds per chunk)
     from rlalign.kernels.triton import gemm
 
-    g = torch.Generator().manual_seed(13)
     counts = [40, 0, 25, 16, 32, 49]
-    R = sum(counts)
-    x = torch.randn(R, 64, generator=g).to(DEV)
-    w = torch.randn(len(counts), 48, 64, generator=g).to(DEV)
-    order = torch.randperm(R, generator=g).to(DEV)
+    g, R, x, w, order = _grouped_inputs(13, counts)
     base = gemm._config(torch.float32)
     ref_g = gemm.grouped_mm(x, w, counts)
     ref_r = gemm.grouped_mm(x, w, torch.tensor(counts, device=DEV), order, 2)
@@ -446,12 +452,8 @@ def test_gemm_tma_loads_change_no_bit(monkeypatch):
     # descriptors with other K chunks (BLOCK_K 32; the interpreter rounds per chunk)
     from rlalign.kernels.triton import common, gemm
 
-    g = torch.Generator().manual_seed(17)
     counts = [40, 0, 25, 16, 33, 7]
-    R = sum(counts)
-    x = torch.randn(R, 64, generator=g).to(DEV)
-    w = torch.randn(len(counts), 48, 64, generator=g).to(DEV)
-    order = torch.randperm(R, generator=g).to(DEV)
+    g, R, x, w, order = _grouped_inputs(17, counts)
     ws = [torch.randn(n, 64, generator=g).to(DEV) for n in (48, 16, 16)]
     flat = torch.empty(R * 64 + 1, device=DEV)
     off = flat[1:].view(R, 64)  # 4 bytes past an aligned address

@@ -1,5 +1,6 @@
 """Elementwise and row-local fused kernels: SwiGLU and RoPE (rotate-half), forward and backward; the
-paged KV-cache write."""
+paged KV-cache write; an engine step's attention inputs (q / k head norms, RoPE, the cache write) in one
+launch."""
 
 from __future__ import annotations
 
