@@ -46,6 +46,7 @@ DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the ti
 # chunk by chunk at 2048 x 32000, 0.77x at 256 x 32000 (experiments/results/sweep_gumbel_h200.json, 'lanes b512')
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
 FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, compaction, the output)
+FILTER_WARPS = 8  # warps of a row's program
 
 
 @triton.jit
@@ -357,7 +358,7 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     out = torch.empty(B, V, dtype=torch.float32, device=z.device)
     copy = z.dtype != torch.float32 or scale != 1.0  # the tempered values are not z itself: written first
     work = torch.empty_like(out) if copy else out
-    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=8)
+    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
     _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
                          SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
                          WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
