@@ -132,15 +132,10 @@ def tempered_logprobs(logits, scale, tokens):
     return _forward(logits.contiguous(), tokens.contiguous(), scale)[0]
 
 
-def _rows_forward(logits, rows, tokens):
-    """The forward on the rows, read in place (no gathered copy, no fp32 copy)."""
-    return _forward(logits, tokens, rows=rows)
-
-
 class _LogProbRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, rows, tokens):
-        out, lse = _rows_forward(logits, rows, tokens)
+        out, lse = _forward(logits, tokens, rows=rows)  # the rows read in place
         ctx.save_for_backward(logits, rows, tokens, lse)
         return out
 
@@ -173,4 +168,4 @@ def logprob_rows(logits, rows, tokens):
     logits = logits.contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
         return _LogProbRows.apply(logits, rows, tokens)
-    return _rows_forward(logits, rows, tokens)[0]
+    return _forward(logits, tokens, rows=rows)[0]

@@ -85,7 +85,7 @@ class Attention(nn.Module):
         q, k = kernels.qk_norm_rope(q.view(n, self.num_heads, self.head_dim),
                                     k.view(n, self.num_kv_heads, self.head_dim), self.q_norm.weight,
                                     self.k_norm.weight, self.q_norm.eps, cos, sin,  # one eps: rms_norm_eps
-                                    None if pages is None else (*pages, v.detach()))
+                                    None if pages is None else (*pages, v))
         return q, k, v
 
     def forward(self, x, cos, sin, cu_seqlens):
