@@ -1,5 +1,6 @@
 """The top-k / top-p filter's launch constants on one GPU: the row program's warps, its search block and
-ways (FILTER_BLOCK x FILTER_WAYS comparisons a level), the streaming chunk, each variant timed against the
+ways (FILTER_BLOCK x FILTER_WAYS comparisons a level), the streaming chunk, a level's integer weights summed
+per lane across the row or per block (FILTER_LANES), each variant timed against the
 pinned one on the engine's cases (bf16 logits read in place and tempered, kernels.sampling's cases).
 The search's answer is exact (integer sums), so every variant must give the pinned output's bits: checked.
 
@@ -24,16 +25,16 @@ from rlalign.kernels import (
 )
 from rlalign.kernels.triton import sampling as ts  # noqa: E402
 
-NAMES = ("FILTER_WARPS", "FILTER_BLOCK", "FILTER_WAYS", "FILTER_STREAM")
-VARIANTS = [(8, 256, 16, 1024), (4, 256, 16, 1024), (16, 256, 16, 1024), (8, 128, 16, 1024), (8, 512, 16, 1024),
-            (8, 256, 8, 1024), (8, 256, 32, 1024), (8, 128, 32, 1024), (4, 128, 16, 1024), (8, 256, 16, 2048),
-            (8, 256, 16, 512), (4, 128, 8, 1024)]
+NAMES = ("FILTER_WARPS", "FILTER_BLOCK", "FILTER_WAYS", "FILTER_STREAM", "FILTER_LANES")
+VARIANTS = [(8, 256, 16, 1024, True), (8, 256, 16, 1024, False), (4, 256, 16, 1024, False), (4, 128, 16, 1024, False),
+            (8, 512, 16, 1024, False), (16, 256, 16, 1024, False), (8, 256, 32, 1024, False), (8, 256, 8, 1024, False),
+            (8, 1024, 16, 1024, False), (4, 128, 16, 1024, True), (8, 256, 16, 2048, True)]
 CASES = [(2048, 32000, 1.0, 0.8, 0, 0.95), (2048, 32000, 4.0, 0.8, 0, 0.95), (256, 32000, 1.0, 0.8, 0, 0.95),
          (256, 151936, 1.0, 0.7, 20, 0.9)]  # rows, vocab, logit scale, temperature, top-k, top-p
 
 
 def label(v: tuple) -> str:
-    return "w{}_b{}_ways{}_s{}".format(*v)
+    return "w{}_b{}_ways{}_s{}".format(*v[:4]) + ("" if v[4] else "_blocksums")
 
 
 def use(v: tuple) -> None:
@@ -72,8 +73,8 @@ def main() -> None:
     equal = all(r["bits_equal_pinned"] for row in rows for r in row["variants"].values())
     best = {f"{r['rows']}x{r['vocab']} s{r['logit_scale']} k{r['top_k']} p{r['top_p']}":
             min(r["variants"].items(), key=lambda kv: kv[1]["ms"])[0] for r in rows}
-    shows = (f"The filter's launch constants (warps, search block, ways, stream chunk) against the pinned "
-             f"w{VARIANTS[0][0]} b{VARIANTS[0][1]} ways{VARIANTS[0][2]} s{VARIANTS[0][3]}; every variant's output "
+    shows = (f"The filter's launch constants (warps, search block, ways, stream chunk, lane or block sums) against "
+             f"the pinned {label(VARIANTS[0])}; every variant's output "
              f"bitwise equal to the pinned one: {equal}; fastest per case: {best}")
     print("wrote", write("sweep_filter_h200", {"cases": rows, "all_bits_equal": equal, "what_it_shows": shows}, a.out))
 

@@ -47,6 +47,7 @@ DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the ti
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
 FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, compaction, the output)
 FILTER_WARPS = 8  # warps of a row's program
+FILTER_LANES = True  # a search level's weights summed per lane across the row (else per block, every block)
 
 
 @triton.jit
@@ -131,13 +132,15 @@ def _value_bin(z, zm, scale, WAYS: tl.constexpr):
 def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, LOG2E: tl.constexpr,
             LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
             E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
-            BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, SBLOCK: tl.constexpr, LANES: tl.constexpr):
     """The least key c in (lo, hi] whose weight above it is below bound (top-p: below top_p times the
     row's total mass): rlalign.kernels.sampling.threshold_search's answer. Values of weight 0 never
     hold the answer (the weight above falls only at weighted keys) and are dropped from the levels.
     First level, when the row's values span (zlo, zm]: WAYS bins of equal width in value; the
     bin where the weight above crosses the bound is compacted. Then levels of WAYS thresholds
-    evenly spaced in keys, each compacting the keys between the two thresholds around the answer."""
+    evenly spaced in keys, each compacting the keys between the two thresholds around the answer. A level's
+    weights are integers (exact in any order): LANES, each of BLOCK lanes sums its own [WAYS] across the row
+    and the lanes are summed once; else the block's [WAYS] sums are added up block by block."""
     jw = tl.arange(0, WAYS)
     ways = (jw + 1).to(tl.int64)
     above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
@@ -149,6 +152,8 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
         acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
+        hist = tl.zeros((WAYS,), tl.int64)
+        total = tl.zeros((), tl.int64)
         for v0 in range(0, V, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
@@ -156,11 +161,17 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
                         E3, E4, E5, SCALE)
             b = _value_bin(z, zm, scale, WAYS)
-            acc += tl.where(b[:, None] == jw[None, :], w[:, None], 0)
-            tot += w
-        hist = tl.sum(acc, axis=0)  # [WAYS] the weight in each bin
+            if LANES:
+                acc += tl.where(b[:, None] == jw[None, :], w[:, None], 0)
+                tot += w
+            else:
+                hist += tl.sum(tl.where(b[:, None] == jw[None, :], w[:, None], 0), axis=0)
+                total += tl.sum(w, axis=0)
+        if LANES:
+            hist = tl.sum(acc, axis=0)  # [WAYS] the weight in each bin
+            total = tl.sum(tot, axis=0)
         if IS_P:
-            bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
+            bound = total.to(tl.float64) * top_p
         above = tl.cumsum(hist, axis=0) - hist  # the weight of the bins before each (higher values)
         star = tl.maximum(tl.sum((above.to(tl.float64) < bound).to(tl.int32), axis=0) - 1, 0)
         above_hi = tl.sum(tl.where(jw == star, above, 0), axis=0)
@@ -190,18 +201,27 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
         cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
         acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
+        hist = tl.zeros((WAYS,), tl.int64)
+        total = tl.zeros((), tl.int64)
         for v0 in range(0, n, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
             key = _order_key(z)
             w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
-            acc += tl.where(key[:, None] > cand32[None, :], w[:, None], 0)
-            tot += w
+            if LANES:
+                acc += tl.where(key[:, None] > cand32[None, :], w[:, None], 0)
+                tot += w
+            else:
+                hist += tl.sum(tl.where(key[:, None] > cand32[None, :], w[:, None], 0), axis=0)
+                total += tl.sum(w, axis=0)
+        if LANES:
+            hist = tl.sum(acc, axis=0)
+            total = tl.sum(tot, axis=0)
         if IS_P:
             if whole == 1:
-                bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
-        w_above = above_hi + tl.sum(acc, axis=0)
+                bound = total.to(tl.float64) * top_p
+        w_above = above_hi + hist
         ok = w_above.to(tl.float64) < bound
         new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
         above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
@@ -231,7 +251,7 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
                    DO_K: tl.constexpr, DO_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
                    LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                    E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
-                   SBLOCK: tl.constexpr):
+                   SBLOCK: tl.constexpr, LANES: tl.constexpr):
     """COPY: the first pass writes the row's tempered values (upcast_scaled of the logits in any dtype) to
     the output row, which the search levels then read (fp32, as they would the tempered row itself) with
     `work` as their compaction space, and the last pass filters in place. Without COPY, z is the fp32
@@ -267,11 +287,11 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
     top_p = top_p_bits.to(tl.float64, bitcast=True)
     if DO_K:
         cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
-                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK)
+                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK, LANES)
     if DO_P:  # values 24 or more below the max have mass 0: the bins span the rest
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
                       tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
-                      BLOCK, SBLOCK)
+                      BLOCK, SBLOCK, LANES)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -361,7 +381,8 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
     _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
                          SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
-                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
+                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, LANES=FILTER_LANES, **_EXP_CONST,
+                         **opts)
     return out
 
 
