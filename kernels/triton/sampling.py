@@ -47,7 +47,8 @@ DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the ti
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
 FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, compaction, the output)
 FILTER_WARPS = 8  # warps of a row's program
-FILTER_LANES = True  # a search level's weights summed per lane across the row (else per block, every block)
+FILTER_SUMS = 0  # a level's weights: 0 per lane in [BLOCK, WAYS], 1 per block, 2 per lane in [WAYS, BLOCK]
+FILTER_SKIP = False  # the compaction's weight test without the exp where the value is surely in or out
 
 
 @triton.jit
@@ -129,18 +130,75 @@ def _value_bin(z, zm, scale, WAYS: tl.constexpr):
 
 
 @triton.jit
+def _weighted(z, inside, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
+              E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr,
+              E5: tl.constexpr, SCALE: tl.constexpr, SKIP: tl.constexpr):
+    """_weight(...) > 0. SKIP (top-p): a mass is >= 1 where exp(z - zm) >= 2**-32, z - zm >= -22.18: values
+    above zm - 21.5 surely have one and values below zm - 23 surely not; the exp runs only for a block
+    that holds a value in between."""
+    if IS_P & SKIP:
+        d = z - zm
+        res = inside & (d > -21.5)
+        if tl.max((inside & (d >= -23.0) & (d <= -21.5)).to(tl.int32), axis=0) > 0:
+            res = _weight(z, inside, zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE) > 0
+        return res
+    return _weight(z, inside, zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE) > 0
+
+
+@triton.jit
+def _acc0(BLOCK: tl.constexpr, WAYS: tl.constexpr, SUMS: tl.constexpr):
+    if SUMS == 2:
+        return tl.zeros((WAYS, BLOCK), tl.int64)
+    return tl.zeros((BLOCK, WAYS), tl.int64)
+
+
+@triton.jit
+def _way_add(acc, tot, hist, total, x, ways, w, BINS: tl.constexpr, SUMS: tl.constexpr):
+    """A block's weights w added to the ways they count for: BINS, the way equal to x (a bin); else every
+    way below x (a threshold under the key). SUMS 0: per lane in acc [BLOCK, WAYS]; 2: per lane in acc
+    [WAYS, BLOCK] (a lane's ways in its own registers); 1: the block's [WAYS] sums into hist."""
+    if SUMS == 2:
+        if BINS:
+            hit = ways[:, None] == x[None, :]
+        else:
+            hit = ways[:, None] < x[None, :]
+        acc += tl.where(hit, w[None, :], 0)
+        tot += w
+    else:
+        if BINS:
+            hit = x[:, None] == ways[None, :]
+        else:
+            hit = x[:, None] > ways[None, :]
+        if SUMS == 0:
+            acc += tl.where(hit, w[:, None], 0)
+            tot += w
+        else:
+            hist += tl.sum(tl.where(hit, w[:, None], 0), axis=0)
+            total += tl.sum(w, axis=0)
+    return acc, tot, hist, total
+
+
+@triton.jit
+def _way_total(acc, tot, hist, total, SUMS: tl.constexpr):
+    if SUMS == 0:
+        return tl.sum(acc, axis=0), tl.sum(tot, axis=0)
+    if SUMS == 2:
+        return tl.sum(acc, axis=1), tl.sum(tot, axis=0)
+    return hist, total
+
+
+@triton.jit
 def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, LOG2E: tl.constexpr,
             LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
             E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
-            BLOCK: tl.constexpr, SBLOCK: tl.constexpr, LANES: tl.constexpr):
+            BLOCK: tl.constexpr, SBLOCK: tl.constexpr, SUMS: tl.constexpr, SKIP: tl.constexpr):
     """The least key c in (lo, hi] whose weight above it is below bound (top-p: below top_p times the
     row's total mass): rlalign.kernels.sampling.threshold_search's answer. Values of weight 0 never
     hold the answer (the weight above falls only at weighted keys) and are dropped from the levels.
     First level, when the row's values span (zlo, zm]: WAYS bins of equal width in value; the
     bin where the weight above crosses the bound is compacted. Then levels of WAYS thresholds
     evenly spaced in keys, each compacting the keys between the two thresholds around the answer. A level's
-    weights are integers (exact in any order): LANES, each of BLOCK lanes sums its own [WAYS] across the row
-    and the lanes are summed once; else the block's [WAYS] sums are added up block by block."""
+    weights are integers (exact in any order): SUMS says where they are summed (_way_add)."""
     jw = tl.arange(0, WAYS)
     ways = (jw + 1).to(tl.int64)
     above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
@@ -150,7 +208,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     span = zm - zlo
     scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
     if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
-        acc = tl.zeros((BLOCK, WAYS), tl.int64)
+        acc = _acc0(BLOCK, WAYS, SUMS)
         tot = tl.zeros((BLOCK,), tl.int64)
         hist = tl.zeros((WAYS,), tl.int64)
         total = tl.zeros((), tl.int64)
@@ -161,15 +219,8 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
                         E3, E4, E5, SCALE)
             b = _value_bin(z, zm, scale, WAYS)
-            if LANES:
-                acc += tl.where(b[:, None] == jw[None, :], w[:, None], 0)
-                tot += w
-            else:
-                hist += tl.sum(tl.where(b[:, None] == jw[None, :], w[:, None], 0), axis=0)
-                total += tl.sum(w, axis=0)
-        if LANES:
-            hist = tl.sum(acc, axis=0)  # [WAYS] the weight in each bin
-            total = tl.sum(tot, axis=0)
+            acc, tot, hist, total = _way_add(acc, tot, hist, total, b, jw, w, True, SUMS)
+        hist, total = _way_total(acc, tot, hist, total, SUMS)  # [WAYS] the weight in each bin, the row's
         if IS_P:
             bound = total.to(tl.float64) * top_p
         above = tl.cumsum(hist, axis=0) - hist  # the weight of the bins before each (higher values)
@@ -182,9 +233,9 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             cols = v0 + tl.arange(0, SBLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             key = _order_key(z)
-            w = _weight(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
-                        LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
-            sel = (w > 0) & (_value_bin(z, zm, scale, WAYS) == star)
+            sel = _weighted(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
+                            LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, SKIP)
+            sel = sel & (_value_bin(z, zm, scale, WAYS) == star)
             pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(o_row + pos, z, mask=sel)
             count += tl.sum(sel.to(tl.int32), axis=0)
@@ -199,7 +250,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     while hi - lo > 1:
         cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
         cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
-        acc = tl.zeros((BLOCK, WAYS), tl.int64)
+        acc = _acc0(BLOCK, WAYS, SUMS)
         tot = tl.zeros((BLOCK,), tl.int64)
         hist = tl.zeros((WAYS,), tl.int64)
         total = tl.zeros((), tl.int64)
@@ -209,15 +260,8 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             key = _order_key(z)
             w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
-            if LANES:
-                acc += tl.where(key[:, None] > cand32[None, :], w[:, None], 0)
-                tot += w
-            else:
-                hist += tl.sum(tl.where(key[:, None] > cand32[None, :], w[:, None], 0), axis=0)
-                total += tl.sum(w, axis=0)
-        if LANES:
-            hist = tl.sum(acc, axis=0)
-            total = tl.sum(tot, axis=0)
+            acc, tot, hist, total = _way_add(acc, tot, hist, total, key, cand32, w, False, SUMS)
+        hist, total = _way_total(acc, tot, hist, total, SUMS)
         if IS_P:
             if whole == 1:
                 bound = total.to(tl.float64) * top_p
@@ -233,8 +277,8 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
                 cols = v0 + tl.arange(0, SBLOCK)
                 z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
                 key = _order_key(z).to(tl.int64)
-                sel = _weight(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
-                              E2, E3, E4, E5, SCALE) > 0
+                sel = _weighted(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
+                                E2, E3, E4, E5, SCALE, SKIP)
                 pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.debug_barrier()
                 tl.store(o_row + pos, z, mask=sel)
@@ -251,7 +295,7 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
                    DO_K: tl.constexpr, DO_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
                    LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                    E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
-                   SBLOCK: tl.constexpr, LANES: tl.constexpr):
+                   SBLOCK: tl.constexpr, SUMS: tl.constexpr, SKIP: tl.constexpr):
     """COPY: the first pass writes the row's tempered values (upcast_scaled of the logits in any dtype) to
     the output row, which the search levels then read (fp32, as they would the tempered row itself) with
     `work` as their compaction space, and the last pass filters in place. Without COPY, z is the fp32
@@ -287,11 +331,11 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
     top_p = top_p_bits.to(tl.float64, bitcast=True)
     if DO_K:
         cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
-                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK, LANES)
+                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK, SUMS, SKIP)
     if DO_P:  # values 24 or more below the max have mass 0: the bins span the rest
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
                       tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
-                      BLOCK, SBLOCK, LANES)
+                      BLOCK, SBLOCK, SUMS, SKIP)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -381,7 +425,7 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
     _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
                          SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
-                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, LANES=FILTER_LANES, **_EXP_CONST,
+                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, SUMS=FILTER_SUMS, SKIP=FILTER_SKIP, **_EXP_CONST,
                          **opts)
     return out
 
