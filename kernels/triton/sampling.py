@@ -425,8 +425,8 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
     _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
                          SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
-                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, SUMS=FILTER_SUMS, SKIP=FILTER_SKIP, **_EXP_CONST,
-                         **opts)
+                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, SUMS=FILTER_SUMS, SKIP=FILTER_SKIP,
+                         **_EXP_CONST, **opts)
     return out
 
 
