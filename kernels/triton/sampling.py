@@ -146,13 +146,6 @@ def _weighted(z, inside, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl
 
 
 @triton.jit
-def _acc0(BLOCK: tl.constexpr, WAYS: tl.constexpr, SUMS: tl.constexpr):
-    if SUMS == 2:
-        return tl.zeros((WAYS, BLOCK), tl.int64)
-    return tl.zeros((BLOCK, WAYS), tl.int64)
-
-
-@triton.jit
 def _way_add(acc, tot, hist, total, x, ways, w, BINS: tl.constexpr, SUMS: tl.constexpr):
     """A block's weights w added to the ways they count for: BINS, the way equal to x (a bin); else every
     way below x (a threshold under the key). SUMS 0: per lane in acc [BLOCK, WAYS]; 2: per lane in acc
@@ -208,7 +201,10 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     span = zm - zlo
     scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
     if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
-        acc = _acc0(BLOCK, WAYS, SUMS)
+        if SUMS == 2:
+            acc = tl.zeros((WAYS, BLOCK), tl.int64)
+        else:
+            acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
         hist = tl.zeros((WAYS,), tl.int64)
         total = tl.zeros((), tl.int64)
@@ -250,7 +246,10 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     while hi - lo > 1:
         cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
         cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
-        acc = _acc0(BLOCK, WAYS, SUMS)
+        if SUMS == 2:
+            acc = tl.zeros((WAYS, BLOCK), tl.int64)
+        else:
+            acc = tl.zeros((BLOCK, WAYS), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
         hist = tl.zeros((WAYS,), tl.int64)
         total = tl.zeros((), tl.int64)
