@@ -1,7 +1,5 @@
 """The top-k / top-p filter's launch constants on one GPU: the row program's warps, its search block and
-ways (FILTER_BLOCK x FILTER_WAYS comparisons a level), the streaming chunk, a level's integer weights summed
-per lane ([BLOCK, WAYS] or [WAYS, BLOCK]) or per block (FILTER_SUMS), the compaction's weight test with the exp
-only where the value is near the mass floor (FILTER_SKIP), each variant timed against the
+ways (FILTER_WAYS x FILTER_BLOCK comparisons a level), the streaming chunk, each variant timed against the
 pinned one on the engine's cases (bf16 logits read in place and tempered, kernels.sampling's cases).
 The search's answer is exact (integer sums), so every variant must give the pinned output's bits: checked.
 
@@ -26,18 +24,15 @@ from rlalign.kernels import (
 )
 from rlalign.kernels.triton import sampling as ts  # noqa: E402
 
-NAMES = ("FILTER_WARPS", "FILTER_BLOCK", "FILTER_WAYS", "FILTER_STREAM", "FILTER_SUMS", "FILTER_SKIP")
-VARIANTS = [(8, 256, 16, 1024, 0, False), (8, 256, 16, 1024, 1, False), (8, 256, 16, 1024, 2, False),
-            (8, 256, 16, 1024, 0, True), (8, 256, 16, 1024, 2, True), (4, 256, 16, 1024, 2, True),
-            (4, 128, 16, 1024, 2, True), (8, 512, 16, 1024, 2, True), (4, 512, 16, 1024, 2, True),
-            (16, 512, 16, 1024, 2, True), (8, 256, 8, 1024, 2, True), (8, 256, 32, 1024, 2, True),
-            (4, 128, 16, 1024, 1, True), (8, 256, 16, 2048, 2, True)]
+NAMES = ("FILTER_WARPS", "FILTER_BLOCK", "FILTER_WAYS", "FILTER_STREAM")
+VARIANTS = [(8, 256, 16, 2048), (8, 256, 16, 1024), (4, 128, 16, 2048), (4, 256, 16, 2048), (8, 256, 8, 2048),
+            (8, 512, 16, 2048), (8, 256, 16, 4096)]
 CASES = [(2048, 32000, 1.0, 0.8, 0, 0.95), (2048, 32000, 4.0, 0.8, 0, 0.95), (256, 32000, 1.0, 0.8, 0, 0.95),
          (256, 151936, 1.0, 0.7, 20, 0.9)]  # rows, vocab, logit scale, temperature, top-k, top-p
 
 
 def label(v: tuple) -> str:
-    return "w{}_b{}_ways{}_s{}".format(*v[:4]) + ("", "_blocksums", "_waysminor")[v[4]] + ("_skip" if v[5] else "")
+    return "w{}_b{}_ways{}_s{}".format(*v)
 
 
 def use(v: tuple) -> None:

@@ -44,11 +44,12 @@ U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the time of 1,024-column chunks reduced
 # chunk by chunk at 2048 x 32000, 0.77x at 256 x 32000 (experiments/results/sweep_gumbel_h200.json, 'lanes b512')
-FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_BLOCK, FILTER_WAYS] comparisons
-FILTER_STREAM = 1024  # the chunk of the passes that only stream the row (max, compaction, the output)
+FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_WAYS, FILTER_BLOCK] comparisons
+FILTER_STREAM = 2048  # the chunk of the passes that only stream the row (max, compaction, the output)
+# [WAYS, BLOCK] sums with 2,048-column streams: 0.78-0.93x the time of [BLOCK, WAYS] and 1,024 at 2048 x 32000,
+# 256 x 32000 and 256 x 151936 (experiments/results/sweep_filter_h200.json, 'w8_b256_ways16_s2048_waysminor_skip'; its
+# exp-free compaction test timed 0.98-1.04x alone and is not kept)
 FILTER_WARPS = 8  # warps of a row's program
-FILTER_SUMS = 0  # a level's weights: 0 per lane in [BLOCK, WAYS], 1 per block, 2 per lane in [WAYS, BLOCK]
-FILTER_SKIP = False  # the compaction's weight test without the exp where the value is surely in or out
 
 
 @triton.jit
@@ -130,68 +131,18 @@ def _value_bin(z, zm, scale, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _weighted(z, inside, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
-              E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr,
-              E5: tl.constexpr, SCALE: tl.constexpr, SKIP: tl.constexpr):
-    """_weight(...) > 0. SKIP (top-p): a mass is >= 1 where exp(z - zm) >= 2**-32, z - zm >= -22.18: values
-    above zm - 21.5 surely have one and values below zm - 23 surely not; the exp runs only for a block
-    that holds a value in between."""
-    if IS_P & SKIP:
-        d = z - zm
-        res = inside & (d > -21.5)
-        if tl.max((inside & (d >= -23.0) & (d <= -21.5)).to(tl.int32), axis=0) > 0:
-            res = _weight(z, inside, zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE) > 0
-        return res
-    return _weight(z, inside, zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE) > 0
-
-
-@triton.jit
-def _way_add(acc, tot, hist, total, x, ways, w, BINS: tl.constexpr, SUMS: tl.constexpr):
-    """A block's weights w added to the ways they count for: BINS, the way equal to x (a bin); else every
-    way below x (a threshold under the key). SUMS 0: per lane in acc [BLOCK, WAYS]; 2: per lane in acc
-    [WAYS, BLOCK] (a lane's ways in its own registers); 1: the block's [WAYS] sums into hist."""
-    if SUMS == 2:
-        if BINS:
-            hit = ways[:, None] == x[None, :]
-        else:
-            hit = ways[:, None] < x[None, :]
-        acc += tl.where(hit, w[None, :], 0)
-        tot += w
-    else:
-        if BINS:
-            hit = x[:, None] == ways[None, :]
-        else:
-            hit = x[:, None] > ways[None, :]
-        if SUMS == 0:
-            acc += tl.where(hit, w[:, None], 0)
-            tot += w
-        else:
-            hist += tl.sum(tl.where(hit, w[:, None], 0), axis=0)
-            total += tl.sum(w, axis=0)
-    return acc, tot, hist, total
-
-
-@triton.jit
-def _way_total(acc, tot, hist, total, SUMS: tl.constexpr):
-    if SUMS == 0:
-        return tl.sum(acc, axis=0), tl.sum(tot, axis=0)
-    if SUMS == 2:
-        return tl.sum(acc, axis=1), tl.sum(tot, axis=0)
-    return hist, total
-
-
-@triton.jit
 def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, LOG2E: tl.constexpr,
             LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
             E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr,
-            BLOCK: tl.constexpr, SBLOCK: tl.constexpr, SUMS: tl.constexpr, SKIP: tl.constexpr):
+            BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The least key c in (lo, hi] whose weight above it is below bound (top-p: below top_p times the
     row's total mass): rlalign.kernels.sampling.threshold_search's answer. Values of weight 0 never
     hold the answer (the weight above falls only at weighted keys) and are dropped from the levels.
     First level, when the row's values span (zlo, zm]: WAYS bins of equal width in value; the
     bin where the weight above crosses the bound is compacted. Then levels of WAYS thresholds
-    evenly spaced in keys, each compacting the keys between the two thresholds around the answer. A level's
-    weights are integers (exact in any order): SUMS says where they are summed (_way_add)."""
+    evenly spaced in keys, each compacting the keys between the two thresholds around the answer.
+    A level's weights are summed per lane in [WAYS, BLOCK] (a lane's ways in its own registers, the
+    block's values not moved between threads), the lanes once at the end: integers, exact in any order."""
     jw = tl.arange(0, WAYS)
     ways = (jw + 1).to(tl.int64)
     above_hi = tl.zeros((), tl.int64)  # the weight of the keys above hi
@@ -201,13 +152,8 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     span = zm - zlo
     scale = tl.math.div_rn(tl.full((), WAYS, tl.float32), tl.where(span > 0.0, span, 1.0))
     if (span > 0.0) & (scale > 0.0) & (scale < 3.0e38):  # a finite spread, bins of a finite positive width
-        if SUMS == 2:
-            acc = tl.zeros((WAYS, BLOCK), tl.int64)
-        else:
-            acc = tl.zeros((BLOCK, WAYS), tl.int64)
+        acc = tl.zeros((WAYS, BLOCK), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
-        hist = tl.zeros((WAYS,), tl.int64)
-        total = tl.zeros((), tl.int64)
         for v0 in range(0, V, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
@@ -215,10 +161,11 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
                         E3, E4, E5, SCALE)
             b = _value_bin(z, zm, scale, WAYS)
-            acc, tot, hist, total = _way_add(acc, tot, hist, total, b, jw, w, True, SUMS)
-        hist, total = _way_total(acc, tot, hist, total, SUMS)  # [WAYS] the weight in each bin, the row's
+            acc += tl.where(jw[:, None] == b[None, :], w[None, :], 0)
+            tot += w
+        hist = tl.sum(acc, axis=1)  # [WAYS] the weight in each bin
         if IS_P:
-            bound = total.to(tl.float64) * top_p
+            bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
         above = tl.cumsum(hist, axis=0) - hist  # the weight of the bins before each (higher values)
         star = tl.maximum(tl.sum((above.to(tl.float64) < bound).to(tl.int32), axis=0) - 1, 0)
         above_hi = tl.sum(tl.where(jw == star, above, 0), axis=0)
@@ -229,9 +176,9 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             cols = v0 + tl.arange(0, SBLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             key = _order_key(z)
-            sel = _weighted(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
-                            LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, SKIP)
-            sel = sel & (_value_bin(z, zm, scale, WAYS) == star)
+            w = _weight(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
+                        LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
+            sel = (w > 0) & (_value_bin(z, zm, scale, WAYS) == star)
             pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(o_row + pos, z, mask=sel)
             count += tl.sum(sel.to(tl.int32), axis=0)
@@ -246,25 +193,20 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
     while hi - lo > 1:
         cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
         cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
-        if SUMS == 2:
-            acc = tl.zeros((WAYS, BLOCK), tl.int64)
-        else:
-            acc = tl.zeros((BLOCK, WAYS), tl.int64)
+        acc = tl.zeros((WAYS, BLOCK), tl.int64)
         tot = tl.zeros((BLOCK,), tl.int64)
-        hist = tl.zeros((WAYS,), tl.int64)
-        total = tl.zeros((), tl.int64)
         for v0 in range(0, n, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
             key = _order_key(z)
             w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
                         LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
-            acc, tot, hist, total = _way_add(acc, tot, hist, total, key, cand32, w, False, SUMS)
-        hist, total = _way_total(acc, tot, hist, total, SUMS)
+            acc += tl.where(cand32[:, None] < key[None, :], w[None, :], 0)
+            tot += w
         if IS_P:
             if whole == 1:
-                bound = total.to(tl.float64) * top_p
-        w_above = above_hi + hist
+                bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
+        w_above = above_hi + tl.sum(acc, axis=1)
         ok = w_above.to(tl.float64) < bound
         new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
         above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
@@ -276,8 +218,8 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
                 cols = v0 + tl.arange(0, SBLOCK)
                 z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
                 key = _order_key(z).to(tl.int64)
-                sel = _weighted(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
-                                E2, E3, E4, E5, SCALE, SKIP)
+                sel = _weight(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
+                              E2, E3, E4, E5, SCALE) > 0
                 pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.debug_barrier()
                 tl.store(o_row + pos, z, mask=sel)
@@ -294,7 +236,7 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
                    DO_K: tl.constexpr, DO_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
                    LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                    E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
-                   SBLOCK: tl.constexpr, SUMS: tl.constexpr, SKIP: tl.constexpr):
+                   SBLOCK: tl.constexpr):
     """COPY: the first pass writes the row's tempered values (upcast_scaled of the logits in any dtype) to
     the output row, which the search levels then read (fp32, as they would the tempered row itself) with
     `work` as their compaction space, and the last pass filters in place. Without COPY, z is the fp32
@@ -330,11 +272,11 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
     top_p = top_p_bits.to(tl.float64, bitcast=True)
     if DO_K:
         cut = _search(z_row, o_row, V, cut - 1, tl.max(kmax, axis=0).to(tl.int64), top_k.to(tl.float64), top_p, zm,
-                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK, SUMS, SKIP)
+                      zf, False, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS, BLOCK, SBLOCK)
     if DO_P:  # values 24 or more below the max have mass 0: the bins span the rest
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
                       tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
-                      BLOCK, SBLOCK, SUMS, SKIP)
+                      BLOCK, SBLOCK)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -424,8 +366,7 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
     _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
                          SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
-                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, SUMS=FILTER_SUMS, SKIP=FILTER_SKIP,
-                         **_EXP_CONST, **opts)
+                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
     return out
 
 
