@@ -71,7 +71,7 @@ def main() -> None:
     equal = all(r["bits_equal_pinned"] for row in rows for r in row["variants"].values())
     best = {f"{r['rows']}x{r['vocab']} s{r['logit_scale']} k{r['top_k']} p{r['top_p']}":
             min(r["variants"].items(), key=lambda kv: kv[1]["ms"])[0] for r in rows}
-    shows = (f"The filter's launch constants (warps, search block, ways, stream chunk, lane or block sums) against "
+    shows = (f"The filter's launch constants (warps, search block, ways, stream chunk) against "
              f"the pinned {label(VARIANTS[0])}; every variant's output "
              f"bitwise equal to the pinned one: {equal}; fastest per case: {best}")
     print("wrote", write("sweep_filter_h200", {"cases": rows, "all_bits_equal": equal, "what_it_shows": shows}, a.out))

@@ -47,8 +47,8 @@ DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the ti
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_WAYS, FILTER_BLOCK] comparisons
 FILTER_STREAM = 2048  # the chunk of the passes that only stream the row (max, compaction, the output)
 # [WAYS, BLOCK] sums with 2,048-column streams: 0.78-0.93x the time of [BLOCK, WAYS] and 1,024 at 2048 x 32000,
-# 256 x 32000 and 256 x 151936 (experiments/results/sweep_filter_h200.json, 'w8_b256_ways16_s2048_waysminor_skip'; its
-# exp-free compaction test timed 0.98-1.04x alone and is not kept)
+# 256 x 32000 and 256 x 151936 (experiments/results/sweep_filter_sums_h200.json,
+# 'w8_b256_ways16_s2048_waysminor_skip'; its exp-free compaction test timed 0.98-1.04x alone and is not kept)
 FILTER_WARPS = 8  # warps of a row's program
 
 
