@@ -29,6 +29,7 @@ from bench_vs_vendor import bits_equal, graph_ms  # noqa: E402
 from record import RESULTS, write  # noqa: E402
 
 from rlalign.kernels.triton import gemm  # noqa: E402
+from rlalign.kernels.triton.common import num_sms  # noqa: E402
 
 BF = torch.bfloat16
 D, VOCAB, EXPERTS = 2048, 32000, 64
@@ -127,6 +128,10 @@ def main() -> None:
             r = {"rows": M, "shape": name, "N": N, "K": D, "weight_mb": N * D * 2 / 1e6,
                  "pinned_us": 1e3 * graph_ms([pinned]), "cublas_us": 1e3 * graph_ms([lambda: F.linear(x, w)]),
                  "split": {}}
+            if len(ws) > 1:  # the pinned kernel on the weights stacked into one (one problem, the main tiles)
+                r["pinned_stacked_us"] = 1e3 * graph_ms([lambda: gemm.linear(x, w)])
+                r["pinned_stacked_config"] = str(gemm.small_m_config(BF, M, [N], num_sms(x.device)))
+                r["linears_config"] = str(gemm.small_m_config(BF, M, [v.shape[0] for v in ws], num_sms(x.device)))
             for S in SPLITS:
                 parts = torch.empty(S, M, N, device="cuda")
                 for tile in TILES:
@@ -143,7 +148,8 @@ def main() -> None:
                                        "differs_from_pinned": int((out != pinned()).sum())}
             best = min(r["split"].items(), key=lambda kv: kv[1]["us"])
             r["best_split"] = best[0]
-            print(f"M {M:5d} {name:8s} pinned {r['pinned_us']:7.1f} us  cublas {r['cublas_us']:7.1f}  best split "
+            print(f"M {M:5d} {name:8s} pinned {r['pinned_us']:7.1f} us (stacked {r.get('pinned_stacked_us', 0):.1f})  "
+                  f"cublas {r['cublas_us']:7.1f}  best split "
                   f"{best[0]} {best[1]['us']:7.1f} (fused {best[1]['fused_us']:7.1f}, bits = two-launch "
                   f"{best[1]['fused_bits_equal']}, rows = smallest M {best[1]['rows_bits_equal_smallest_m']})",
                   flush=True)
