@@ -46,9 +46,8 @@ DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the ti
 # chunk by chunk at 2048 x 32000, 0.77x at 256 x 32000 (experiments/results/sweep_gumbel_h200.json, 'lanes b512')
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_WAYS, FILTER_BLOCK] comparisons
 FILTER_STREAM = 2048  # the chunk of the passes that only stream the row (max, compaction, the output)
-# [WAYS, BLOCK] sums with 2,048-column streams: 0.78-0.93x the time of [BLOCK, WAYS] and 1,024 at 2048 x 32000,
-# 256 x 32000 and 256 x 151936 (experiments/results/sweep_filter_sums_h200.json,
-# 'w8_b256_ways16_s2048_waysminor_skip'; its exp-free compaction test timed 0.98-1.04x alone and is not kept)
+# [WAYS, BLOCK] sums with 2,048-column streams: 0.78-0.93x the time of [BLOCK, WAYS] sums with 1,024-column streams at
+# 2048 x 32000, 256 x 32000 and 256 x 151936 (experiments/results/sweep_filter_sums_h200.json)
 FILTER_WARPS = 8  # warps of a row's program
 
 
