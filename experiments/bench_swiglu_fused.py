@@ -32,12 +32,12 @@ from sweep_grouped_sched import CALLS, capture, interleaved_us, routed, use  # n
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import triton as tb  # noqa: E402
-from rlalign.kernels.triton import elementwise, gemm  # noqa: E402
+from rlalign.kernels.triton import elementwise, gemm, gemm_configs  # noqa: E402
 
 BF = torch.bfloat16
 WHAT = "gate_up GEMM + swiglu_halves vs the SwiGLU in the GEMM's epilogue: bits and time under CUDA graphs"
 MAIN = dict(gemm.MATMUL_CONFIGS[BF])
-GRID = gemm.TILE_PER_PROGRAM
+GRID = gemm_configs.TILE_PER_PROGRAM
 # --sweep: schedules of the fused op (one config for every size; the same K chunks: the bits are checked). The
 # epilogue's exp and division (2 MUFU ops an output) stall the tile's MMAs; tiles small enough for two or more
 # programs an SM might overlap one program's epilogue with another's MMAs. Measured (H200, R2 of 2026-12-02,

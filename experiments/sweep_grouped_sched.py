@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_vendor import bits_equal  # noqa: E402
 from record import RESULTS, write  # noqa: E402
 
-from rlalign.kernels.triton import gemm  # noqa: E402
+from rlalign.kernels.triton import gemm, gemm_configs  # noqa: E402
 
 BF = torch.bfloat16
 WHAT = "grouped GEMM schedules at 1,024-8,192 tokens: time and bits against the main config's"
@@ -32,7 +32,7 @@ OLD = ([(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, 
         (128, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4)),
         (256, dict(MAIN, num_stages=4))], None)  # past: the main config
 SMALL = dict(OLD[0][0][1])
-GRID = gemm.TILE_PER_PROGRAM
+GRID = gemm_configs.TILE_PER_PROGRAM
 CANDIDATES = {  # the tables (GROUPED_SMALL_M's, GROUPED_SHORT_K's) or one config for every size
     "old": OLD,
     "pinned": PINNED,

@@ -320,7 +320,7 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     # flattened for 64 columns and where a program runs several tiles; rows past M masked at M <= 32; every
     # config keeps BLOCK_M 64 or the main 128 and a BLOCK_K that cuts the main config's k16 MMA chain (64,
     # 128 or 256), never reorders it
-    from rlalign.kernels.triton import gemm
+    from rlalign.kernels.triton import gemm, gemm_configs
 
     monkeypatch.setattr(gemm, "INTERPRET", False)
     bf = torch.bfloat16
@@ -348,7 +348,7 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     # short K (the experts' down, K 768, weights read K-contiguous) past 128 rows per group: the main tiles, the
     # tile loop flattened
     assert gemm._grouped_config(bf, 32)["BLOCK_N"] == 128 and gemm._grouped_config(bf, 32)["PER_SM"] == 2
-    half = dict(gemm.MATMUL_CONFIGS[bf], num_stages=4, HALF_TAIL=True, PER_SM=gemm.TILE_PER_PROGRAM, TMA=False)
+    half = dict(gemm.MATMUL_CONFIGS[bf], num_stages=4, HALF_TAIL=True, PER_SM=gemm_configs.TILE_PER_PROGRAM, TMA=False)
     assert gemm._grouped_config(bf, 33) == gemm._grouped_config(bf, 128, 768) == half
     assert gemm._grouped_config(bf, 256) == gemm._grouped_config(bf, 512) == half
     assert gemm._grouped_config(bf, 513) == gemm.MATMUL_CONFIGS[bf] == gemm._config(bf)
@@ -356,7 +356,7 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert gemm._grouped_config(bf, 129, 768) == gemm._grouped_config(bf, 10**6, 64) == flat
     assert gemm._grouped_config(bf, 129, 769) == gemm._grouped_config(bf, 129) == gemm._grouped_config(bf, 512)
     main = gemm.MATMUL_CONFIGS[bf]
-    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm._GROUPED_SMALL), flat]:  # the main K chunks, cut
+    for cfg in [*gemm.MATMUL_SMALL_M[bf][2], *(c for _, c in gemm.GROUPED_SMALL_M[bf]), flat]:  # the main K chunks, cut
         assert cfg["BLOCK_K"] % main["BLOCK_K"] == 0 and cfg["BLOCK_M"] in (64, main["BLOCK_M"])
 
 

@@ -100,7 +100,7 @@ def test_grouped_schedules_keep_the_main_configs_bits(monkeypatch):
     # rows half high, a program per tile, the tile loop flattened, 3 or 4 stages) give the main config's
     # bits, device counts and a host list alike; experts end with tails on both sides of 64 rows.
     # Negative twin: another K order
-    from rlalign.kernels.triton import gemm
+    from rlalign.kernels.triton import gemm, gemm_configs
 
     bf = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -109,7 +109,7 @@ def test_grouped_schedules_keep_the_main_configs_bits(monkeypatch):
     gu = (torch.randn(64, 1536, 2048, device="cuda", generator=g) * 0.02).to(bf)
     dn = (torch.randn(64, 2048, 768, device="cuda", generator=g) * 0.02).to(bf)
     pinned = (list(gemm.GROUPED_SMALL_M[bf]), gemm.GROUPED_SHORT_K[bf])
-    grid = gemm.TILE_PER_PROGRAM
+    grid = gemm_configs.TILE_PER_PROGRAM
     forced = [dict(main, **kw) for kw in (dict(HALF_TAIL=True), dict(HALF_TAIL=True, num_stages=4),
                                           dict(PER_SM=grid, num_stages=4), dict(HALF_TAIL=True, PER_SM=grid),
                                           dict(HALF_TAIL=True, PER_SM=grid, num_stages=4), dict(FLATTEN=True))]
