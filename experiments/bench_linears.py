@@ -1,14 +1,12 @@
 """q, k, v as three `linear` launches vs one `linears` launch, bits and speed in one run.
 
-    python experiments/bench_linears.py [--out DIR] [--candidates] [--name NAME]
+    python experiments/bench_linears.py [--out DIR] [--candidates]
 
 Shapes: bench-moe-large (K 2048, N 2048/512/512) and the 30B one (K 2048, N 4096/512/512), M = 1, 8,
 16, 32, 64, 128, 256, 512, 4096. Each variant runs 16 layers of distinct weights (the decode step's 16 layers; the
 weights do not fit in L2) captured in one CUDA graph; times are medians of triton.testing.do_bench of
-the replay, per layer, the variants alternating (two rounds, the faster kept). "one" reads weights allocated
-apart (pointer loads), "packed" the same values as rows of one buffer per layer, as the native engine places
-them (one tensor descriptor where the config asks for TMA). Bits: every output of `linears` (eager and
-replayed) torch.equal to the separate linears'. --candidates: also other configs
+the replay, per layer, the variants alternating (two rounds, the faster kept). Bits: every output of
+`linears` (eager and replayed) torch.equal to the separate linears'. --candidates: also other configs
 of the family (BLOCK_K 64/128, the same MMA chain) for the one launch, to pick its table (each set as
 the only member of gemm.MATMUL_SMALL_M's family for its variant).
 """
@@ -33,7 +31,7 @@ BF = torch.bfloat16
 PEAK = 4.8e12
 LAYERS = 16
 SHAPES = {"bench-moe-large": (2048, (2048, 512, 512)), "qwen3-30b": (2048, (4096, 512, 512))}
-MS = (1, 8, 16, 32, 64, 128, 256, 512, 2048, 4096)
+MS = (1, 8, 16, 32, 64, 128, 256, 512, 4096)
 _64x32 = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4)
 _64x64f = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)
 _64x128f = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True)
@@ -60,10 +58,9 @@ def graph_of(fn):
     return gr, out
 
 
-def make_variants(x, layers, packed, candidates: dict) -> dict:
+def make_variants(x, layers, candidates: dict) -> dict:
     """name -> fn running the 16 layers: the separate linears, the one launch with its own config
-    ("one"; "packed": over `packed`, the same weights as rows of one buffer per layer), and with each
-    candidate config (the only entry of the small-M table, at every M)."""
+    ("one"), and with each candidate config (the only entry of the small-M table, at every M)."""
     pinned = gemm.MATMUL_SMALL_M[BF]
 
     def separate():
@@ -76,8 +73,7 @@ def make_variants(x, layers, packed, candidates: dict) -> dict:
         finally:
             gemm.MATMUL_SMALL_M[BF] = pinned
 
-    out = {"separate": separate, "one": one,
-           "packed": lambda: [gemm.linears(x, ws, [None] * 3) for ws in packed]}
+    out = {"separate": separate, "one": one}
     m = x.shape[0]
     out.update({name: (lambda cfg=cfg: one(cfg)) for name, (cfg, (lo, hi)) in candidates.items() if lo <= m <= hi})
     return out
@@ -87,7 +83,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--candidates", action="store_true")
-    ap.add_argument("--name", default="linears_H200")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, bad = [], []
@@ -95,12 +90,11 @@ def main() -> None:
         for shape, (K, ns) in SHAPES.items():
             layers = [[(torch.randn(n, K, device="cuda", generator=g) * 0.02).to(BF) for n in ns]
                       for _ in range(LAYERS)]
-            packed = [list(torch.cat(ws).split(list(ns))) for ws in layers]
             wbytes = sum(w.numel() * 2 for ws in layers for w in ws)
             for M in MS:
                 x = torch.randn(M, K, device="cuda", generator=g).to(BF)
                 ref = [[gemm.linear(x, w) for w in ws] for ws in layers]
-                variants = make_variants(x, layers, packed, CANDIDATES if a.candidates else {})
+                variants = make_variants(x, layers, CANDIDATES if a.candidates else {})
                 graphs, same = {}, {}
                 for name, fn in variants.items():
                     eager = fn()
@@ -132,7 +126,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     n_cases = sum(len(r["bits_equal"]) for r in rows)
     print(f"bits: {n_cases - len(bad)}/{n_cases} equal" + (f"; DIFF: {bad}" if bad else ""))
-    print("wrote", write(a.name, {
+    print("wrote", write("linears_H200", {
         "layers": LAYERS, "rows": rows, "candidates": CANDIDATES if a.candidates else {},
         "bits": {"cases": n_cases, "differing": bad}, "hbm_peak_bytes_per_s": PEAK}, a.out))
     if bad:

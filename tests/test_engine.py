@@ -136,29 +136,6 @@ def test_grow_leaves_headroom():
     assert all(n <= grow(n, 0) <= n * 1.07 + 1 for n in range(1, 5000, 37))
 
 
-def _qkv_adjacent(attn) -> bool:
-    ws = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-    return all(w.is_contiguous() for w in ws) and all(
-        a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(ws, ws[1:]))
-
-
-def test_engine_packs_each_layers_qkv_rows_one_after_another_and_keeps_every_value():
-    """kernels.linears reads q, k, v through one tensor descriptor when their rows tile one range (GPU:
-    tests/gpu/test_linears_gpu.py); the engine places them so, keeping the parameters and their values."""
-    m = tiny_model(seed=6)
-    attns = [layer.self_attn for layer in m.model.layers]
-    assert not any(_qkv_adjacent(a) for a in attns)  # negative twin: a model as built holds them apart
-    before = {k: v.clone() for k, v in m.state_dict().items()}
-    params = list(m.parameters())
-    NativeEngine(m)
-    assert all(_qkv_adjacent(a) for a in attns)
-    assert all(a is b for a, b in zip(m.parameters(), params))  # the same Parameters (an optimizer's references hold)
-    assert all(same_bits(v, before[k]) for k, v in m.state_dict().items())
-    q = attns[0].q_proj.weight.data_ptr()
-    NativeEngine(m)  # already placed: not moved again
-    assert attns[0].q_proj.weight.data_ptr() == q
-
-
 def test_decode_graphs_follow_weight_addresses_not_values(model):
     """What decides whether kept decode graphs are valid (no CUDA needed to check the logic): weight
     sync copies new values into the same tensors (GeneratorWorker.load_weights, weight_sync.receive)

@@ -423,7 +423,7 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True, ops: t
     )
     ks = {r[2] for r in rows}
     K = ks.pop() if len(ks) == 1 else None
-    tma = None if not ops else _tma_rows(cfg, *ops, K, strides, [r[3] for r in rows], [r[4] for r in rows])
+    tma = None if per_n or not ops else _tma_rows(cfg, *ops, K, strides, [r[3] for r in rows], [r[4] for r in rows])
     if per_n:
         N = max(ns)  # the scalar slot: unused under PER_N
     single = not per_n and len(rows) == 1 and rows[0][3:] == (0, 0, 0)
@@ -580,9 +580,7 @@ def linear(x, w, bias=None):
 def _linears_plan(x2, ws, ns, cfg):
     """(Launch, table, index of the base weight) for x2 [M, K] against weights ws ([N_i, K], one layout): weight
     i's offset from the lowest-addressed one (b_ptr) in elements, outputs packed one after another
-    (output i is [M, N_i], contiguous, at M * (N_0 + ... + N_{i-1})). Weights that tile one address range
-    (_one_span: rows of K elements, one after another, no gap) are read through a tensor descriptor over
-    that range where the config asks for TMA: every element it can reach belongs to one of them."""
+    (output i is [M, N_i], contiguous, at M * (N_0 + ... + N_{i-1}))."""
     M, K = x2.shape
     size = x2.element_size()
     i0 = min(range(len(ws)), key=lambda i: ws[i].data_ptr())
@@ -593,19 +591,8 @@ def _linears_plan(x2, ws, ns, cfg):
         co += M * n
     w0 = ws[0]
     strides = (x2.stride(0), x2.stride(1), w0.stride(1), w0.stride(0), 0, 1)
-    span = _one_span(ws)  # the descriptor's extent: the whole range, rows of K
-    ops = None if span is None else (x2, torch.empty((span, K), dtype=x2.dtype, device="meta"))
-    plan = _gemm_plan(x2, (x2.numel(), max(w.numel() for w in ws), max(ns) * M), probs, None, strides, cfg, ops=ops)
+    plan = _gemm_plan(x2, (x2.numel(), max(w.numel() for w in ws), max(ns) * M), probs, None, strides, cfg)
     return None if plan is None else (*plan, i0)  # no weight kept alive by the cache
-
-
-def _one_span(ws) -> int | None:
-    """The rows of the range the weights tile when, row-major and in address order, each starts where the one
-    before ends (views of one buffer: an engine's packed q, k, v); else None."""
-    ws = sorted(ws, key=lambda w: w.data_ptr())
-    ends = [w.data_ptr() + w.numel() * w.element_size() for w in ws]
-    tiled = all(w.is_contiguous() for w in ws) and all(e == w.data_ptr() for e, w in zip(ends, ws[1:]))
-    return sum(w.shape[0] for w in ws) if tiled else None
 
 
 def _linears_ok(x2, ws) -> bool:

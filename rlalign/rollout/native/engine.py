@@ -26,7 +26,6 @@ those steps replay decode graphs and take lookahead steps as a single GPU does.
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 
@@ -35,7 +34,6 @@ import torch
 
 from rlalign import kernels
 from rlalign.model import Transformer
-from rlalign.model.model import Attention
 from rlalign.parallel.ep import capacity_overflowed, set_step_rows
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.arena import ALIGN, DeviceArena
@@ -47,8 +45,7 @@ from rlalign.rollout.types import EngineConfig, Rollout, SamplingParams, check_p
 
 
 class NativeEngine:
-    """Generates with `model` itself (weight sync writes into its parameters; each attention's q, k, v
-    weights are moved into one buffer when the engine is made, _placement). `lockstep` (expert
+    """Generates with `model` itself (weight sync writes into its parameters). `lockstep` (expert
     parallelism): the rank's group; a rank with nothing left keeps stepping with empty batches so
     that collectives inside the model stay in lockstep."""
 
@@ -59,10 +56,7 @@ class NativeEngine:
         self.stats: dict = {}  # the last call's: steps, lookahead_steps, discarded_rows, fixed_capacity_steps
         # releasable (CUDA): the weights and the KV cache in DeviceArenas, so that release_memory gives
         # their memory back and resume_memory maps it at the same addresses (the graphs stay valid)
-        # each attention's q, k, v weights packed into one buffer (one operand of kernels.linears' launch)
         self.weights: DeviceArena | None = _weights_arena(model) if releasable else None
-        if not releasable:
-            _pack_qkv(model)
         self.released = False
         self.weights_stale = False  # released since the weights were last written (load_weights)
 
@@ -230,56 +224,17 @@ class NativeEngine:
         self.state = None
 
 
-def _placement(model: Transformer) -> list[list[torch.nn.Parameter]]:
-    """The parameters of `model` in groups that share one buffer, rows one after another: each attention's
-    q, k, v weights (kernels.linears then reads the three through one tensor descriptor), every other
-    parameter alone."""
-    groups, grouped = [], set()
-    for m in model.modules():
-        if isinstance(m, Attention):
-            ws = [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]
-            if len({(w.dtype, w.device, w.dim(), w.shape[1:]) for w in ws}) == 1:
-                groups.append(ws)
-                grouped.update(id(w) for w in ws)
-    return groups + [[p] for p in model.parameters() if id(p) not in grouped]
-
-
-def _place(group: list[torch.nn.Parameter], alloc) -> None:
-    """Move the group's parameters into one new buffer alloc(shape, dtype), rows one after another (same
-    values, new addresses: before any graph is captured)."""
-    first = group[0]
-    buf = alloc((sum(p.shape[0] for p in group), *first.shape[1:]), dtype=first.dtype)
-    row = 0
-    for p in group:
-        view = buf[row:row + p.shape[0]]
-        view.copy_(p.data)
-        p.data = view
-        row += p.shape[0]
-
-
-def _packed(group: list[torch.nn.Parameter]) -> bool:
-    """Whether the group's parameters already lie rows one after another (an earlier engine placed them)."""
-    return all(p.is_contiguous() for p in group) and all(
-        a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(group, group[1:]))
-
-
-@torch.no_grad()
-def _pack_qkv(model: Transformer) -> None:
-    """Each attention's q, k, v weights into one buffer of their device (_placement), unless already there."""
-    for group in _placement(model):
-        if len(group) > 1 and not _packed(group):
-            _place(group, functools.partial(torch.empty, device=group[0].device))
-
-
-@torch.no_grad()
 def _weights_arena(model: Transformer) -> DeviceArena:
-    """Move every parameter of `model` into one DeviceArena, placed as _placement groups them (same values;
-    new addresses, before any graph is captured)."""
-    groups = _placement(model)
-    nbytes = sum(-(-sum(p.numel() for p in g) * g[0].element_size() // ALIGN) * ALIGN for g in groups)
-    arena = DeviceArena(nbytes, groups[0][0].device)
-    for group in groups:
-        _place(group, arena.tensor)
+    """Move every parameter of `model` into one DeviceArena (same values; new addresses, before any
+    graph is captured)."""
+    params = list(model.parameters())
+    nbytes = sum(-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params)
+    arena = DeviceArena(nbytes, params[0].device)
+    with torch.no_grad():
+        for p in params:
+            t = arena.tensor(tuple(p.shape), p.dtype)
+            t.copy_(p.data)
+            p.data = t
     torch.cuda.empty_cache()
     return arena
 
