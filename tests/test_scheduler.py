@@ -426,24 +426,11 @@ def test_a_reward_past_its_time_limit_ends_the_run_naming_the_sample(runs, capsy
     assert f"; no complete checkpoint in {d} " in err[0] and err[0].endswith("checkpoint.resume=auto")
 
 
-def _wandb_steps(run_dir: Path) -> tuple[dict[int, dict], Path]:
-    from wandb_read import read_offline_run
-
-    (run,) = (run_dir / "wandb").glob("offline-run-*")
-    by_step: dict[int, dict] = {}
-    for row in read_offline_run(run)[0]:
-        by_step.setdefault(row["_step"], {}).update(row)
-    return by_step, run
-
-
-def _table(run: Path, row: dict, key: str) -> tuple[list, list]:
-    t = json.loads((run / "files" / row[f"{key}/path"]).read_text())
-    return t["columns"], t["data"]
-
-
 @pytest.mark.slow
 def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
-    steps, run = _wandb_steps(ref[0])
+    from wandb_read import history_by_step, logged_table  # here: see flip_checkpoint_bit's import
+
+    steps, run = history_by_step(ref[0])
     assert sorted(steps) == [0, 1, 2]
     metrics = {r["step"]: r for r in _rows(ref[0])}
     for s, row in steps.items():
@@ -455,42 +442,13 @@ def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
             assert key in row, key
         assert "consistency/worst_tokens/_type" not in row  # twin: no mismatch, no worst-token table
     assert [s for s, row in steps.items() if row.get("samples/_type") == "table-file"] == [0, 2]
-    cols, data = _table(run, steps[2], "samples")
+    cols, data = logged_table(run, steps[2], "samples")
     assert cols == ["sample_id", "prompt", "completion", "answer", "reward"] and data[0][0] == 2 * 16
     from rlalign.wandb_workspace import layout_keys
 
     logged = {k.split("/_type")[0] for row in steps.values() for k in row} | {"text_metrics"}
     missing = layout_keys() - logged - {"consistency/worst_tokens", "consistency/divergence_by_op"}
     assert not missing, missing  # every key of the workspace template is one the run logs
-
-
-@pytest.mark.slow
-def test_a_mismatching_run_logs_the_worst_tokens_and_the_first_divergent_op_to_wandb(runs):
-    from rlalign.rl import train
-
-    d = runs / "mismatch"
-    train(load_config([*SMALL, "run.steps=1", "trainer.ep_size=1", f"run.dir={d}", "kernels.mode=default",
-                       "model.dtype=float32", "monitor.fingerprints=layers", "logger=wandb",
-                       "logger.wandb.mode=offline"]))
-    steps, run = _wandb_steps(d)
-    row = steps[0]
-    assert row["consistency/mismatched_tokens"] > 0
-    cols, data = _table(run, row, "consistency/worst_tokens")
-    assert cols == ["sample_id", "position", "token", "generator_logprob", "trainer_logprob", "abs_diff", "first_op"]
-    detail = json.loads((d / "divergence.jsonl").read_text().splitlines()[0])
-    assert len(data) == len(detail["worst_tokens"]) > 0
-    assert [r[5] for r in data] == [w["abs_diff"] for w in detail["worst_tokens"]]
-    first = {(t["sample_id"], t["position"] + 1): t["first_op"] for t in detail["tokens"]}
-    assert [r[6] for r in data] == [first[(r[0], r[1])] for r in data] and any(r[6] for r in data)
-    cols, data = _table(run, row, "consistency/divergence_by_op")
-    assert cols == ["op", "differing_rows", "first_divergence_tokens"]
-    assert {r[0]: r[1] for r in data} == detail["by_op"]
-    assert sum(r[2] for r in data) == sum(detail["first_op_counts"].values())
-    from rlalign.monitor.report import make_report
-
-    text = (make_report(d) / "summary.md").read_text()
-    worst = max(detail["worst_tokens"], key=lambda w: w["abs_diff"])
-    assert "## worst tokens of the run" in text and f"| 0 | {worst['sample_id']} | {worst['position']} |" in text
 
 
 @pytest.mark.slow
