@@ -2,9 +2,8 @@
 dir, a hung reward; `rlalign compare` across trainer EP sizes; what an offline W&B run holds.
 
 One uninterrupted run (`ref`: 3 steps, trainer EP 2, W&B offline) is the reference the preempted
-and resumed runs must equal bit for bit. The run stopped while a checkpoint write hangs is a
-subprocess (its trainer ranks need RLALIGN_FAULT in their environment) and comes first, before
-this module's in-process Ray cluster starts (one cluster at a time).
+and resumed runs must equal bit for bit. The runs here are in-process, on the pytest process's Ray
+cluster (tests/conftest.py); a scheduler's SIGTERM is sent to this process.
 """
 
 import contextlib
@@ -246,29 +245,56 @@ def test_error_lines_are_cut_at_a_word_boundary():
 
 
 # --- slow: real runs -------------------------------------------------------------------------------------
-def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 300):
-    t = time.monotonic()
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() - t < limit_s, f"{path} did not appear"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def write_stopped(runs):
-    """`rlalign train` (a process of its own) whose step-1 checkpoint write hangs on trainer rank 0,
-    stopped by SIGTERM from outside with run.stop_grace_s=2: (run dir, returncode, stderr, seconds
-    from the signal to the exit)."""
+    """`rlalign train` in this process whose step-1 checkpoint write hangs on trainer rank 0
+    (RLALIGN_FAULT: set once the pytest process's Ray cluster is up, it reaches this run's actors
+    through their runtime env, actors/group.py), stopped by SIGTERM to this process (sent, as a
+    scheduler would, once the write has begun) with run.stop_grace_s=2: (run dir, exit status,
+    stderr, seconds from the signal to the return)."""
+    from rlalign import cluster
+
     d = runs / "write"
-    env = {**os.environ, "RLALIGN_FAULT": "checkpoint.write:0:2:hang"}
-    p = subprocess.Popen([sys.executable, "-m", "rlalign.cli", "train", *BASE, "checkpoint.every=1",
-                          "run.stop_grace_s=2", f"run.dir={d}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
-    _wait_for(d / "checkpoints" / "step_000001.tmp", p)
-    t = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    return d, p.returncode, err, time.monotonic() - t
+    cluster.disconnect(cluster.connect(load_config([]).placement.num_cpus))
+    sent: list[float] = []
+
+    def term_once_the_write_began():
+        t = time.monotonic()
+        while not (d / "checkpoints" / "step_000001.tmp").exists():
+            if time.monotonic() - t > 300:  # the run failed before it: its error is the test's
+                return
+            time.sleep(0.2)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_once_the_write_began, daemon=True).start()
+    os.environ["RLALIGN_FAULT"] = "checkpoint.write:0:2:hang"
+    log = runs / "write.stderr"
+    try:
+        with _stderr_into(log):
+            rc = cli.main(["train", *BASE, "checkpoint.every=1", "run.stop_grace_s=2", f"run.dir={d}"])
+    finally:
+        del os.environ["RLALIGN_FAULT"]
+    err = log.read_text()
+    assert sent, err[-3000:]
+    return d, rc, err, time.monotonic() - sent[0]
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path):
+    """sys.stderr and this process's file descriptor 2 (where Ray's C++ core writes, its SIGTERM
+    stack dump among it) into one file, as a process of its own would have them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w", buffering=1) as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(f):
+                yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 @pytest.mark.slow
