@@ -2,9 +2,8 @@
 dir, a hung reward; `rlalign compare` across trainer EP sizes; what an offline W&B run holds.
 
 One uninterrupted run (`ref`: 3 steps, trainer EP 2, W&B offline) is the reference the preempted
-and resumed runs must equal bit for bit. The run stopped while a checkpoint write hangs is a
-subprocess (its trainer ranks need RLALIGN_FAULT in their environment) and comes first, before
-this module's in-process Ray cluster starts (one cluster at a time).
+and resumed runs must equal bit for bit. The runs here are in-process, on the pytest process's Ray
+cluster (tests/conftest.py); a scheduler's SIGTERM is sent to this process.
 """
 
 import contextlib
@@ -246,29 +245,56 @@ def test_error_lines_are_cut_at_a_word_boundary():
 
 
 # --- slow: real runs -------------------------------------------------------------------------------------
-def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 300):
-    t = time.monotonic()
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() - t < limit_s, f"{path} did not appear"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def write_stopped(runs):
-    """`rlalign train` (a process of its own) whose step-1 checkpoint write hangs on trainer rank 0,
-    stopped by SIGTERM from outside with run.stop_grace_s=2: (run dir, returncode, stderr, seconds
-    from the signal to the exit)."""
+    """`rlalign train` in this process whose step-1 checkpoint write hangs on trainer rank 0
+    (RLALIGN_FAULT: set once the pytest process's Ray cluster is up, it reaches this run's actors
+    through their runtime env, actors/group.py), stopped by SIGTERM to this process (sent, as a
+    scheduler would, once the write has begun) with run.stop_grace_s=2: (run dir, exit status,
+    stderr, seconds from the signal to the return)."""
+    from rlalign import cluster
+
     d = runs / "write"
-    env = {**os.environ, "RLALIGN_FAULT": "checkpoint.write:0:2:hang"}
-    p = subprocess.Popen([sys.executable, "-m", "rlalign.cli", "train", *BASE, "checkpoint.every=1",
-                          "run.stop_grace_s=2", f"run.dir={d}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
-    _wait_for(d / "checkpoints" / "step_000001.tmp", p)
-    t = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    return d, p.returncode, err, time.monotonic() - t
+    cluster.disconnect(cluster.connect(load_config([]).placement.num_cpus))
+    sent: list[float] = []
+
+    def term_once_the_write_began():
+        t = time.monotonic()
+        while not (d / "checkpoints" / "step_000001.tmp").exists():
+            if time.monotonic() - t > 300:  # the run failed before it: its error is the test's
+                return
+            time.sleep(0.2)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_once_the_write_began, daemon=True).start()
+    os.environ["RLALIGN_FAULT"] = "checkpoint.write:0:2:hang"
+    log = runs / "write.stderr"
+    try:
+        with _stderr_into(log):
+            rc = cli.main(["train", *BASE, "checkpoint.every=1", "run.stop_grace_s=2", f"run.dir={d}"])
+    finally:
+        del os.environ["RLALIGN_FAULT"]
+    err = log.read_text()
+    assert sent, err[-3000:]
+    return d, rc, err, time.monotonic() - sent[0]
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path):
+    """sys.stderr and this process's file descriptor 2 (where Ray's C++ core writes, its SIGTERM
+    stack dump among it) into one file, as a process of its own would have them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w", buffering=1) as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(f):
+                yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 @pytest.mark.slow
@@ -426,24 +452,11 @@ def test_a_reward_past_its_time_limit_ends_the_run_naming_the_sample(runs, capsy
     assert f"; no complete checkpoint in {d} " in err[0] and err[0].endswith("checkpoint.resume=auto")
 
 
-def _wandb_steps(run_dir: Path) -> tuple[dict[int, dict], Path]:
-    from wandb_read import read_offline_run
-
-    (run,) = (run_dir / "wandb").glob("offline-run-*")
-    by_step: dict[int, dict] = {}
-    for row in read_offline_run(run)[0]:
-        by_step.setdefault(row["_step"], {}).update(row)
-    return by_step, run
-
-
-def _table(run: Path, row: dict, key: str) -> tuple[list, list]:
-    t = json.loads((run / "files" / row[f"{key}/path"]).read_text())
-    return t["columns"], t["data"]
-
-
 @pytest.mark.slow
 def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
-    steps, run = _wandb_steps(ref[0])
+    from wandb_read import history_by_step, logged_table  # here: see flip_checkpoint_bit's import
+
+    steps, run = history_by_step(ref[0])
     assert sorted(steps) == [0, 1, 2]
     metrics = {r["step"]: r for r in _rows(ref[0])}
     for s, row in steps.items():
@@ -455,42 +468,13 @@ def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
             assert key in row, key
         assert "consistency/worst_tokens/_type" not in row  # twin: no mismatch, no worst-token table
     assert [s for s, row in steps.items() if row.get("samples/_type") == "table-file"] == [0, 2]
-    cols, data = _table(run, steps[2], "samples")
+    cols, data = logged_table(run, steps[2], "samples")
     assert cols == ["sample_id", "prompt", "completion", "answer", "reward"] and data[0][0] == 2 * 16
     from rlalign.wandb_workspace import layout_keys
 
     logged = {k.split("/_type")[0] for row in steps.values() for k in row} | {"text_metrics"}
     missing = layout_keys() - logged - {"consistency/worst_tokens", "consistency/divergence_by_op"}
     assert not missing, missing  # every key of the workspace template is one the run logs
-
-
-@pytest.mark.slow
-def test_a_mismatching_run_logs_the_worst_tokens_and_the_first_divergent_op_to_wandb(runs):
-    from rlalign.rl import train
-
-    d = runs / "mismatch"
-    train(load_config([*SMALL, "run.steps=1", "trainer.ep_size=1", f"run.dir={d}", "kernels.mode=default",
-                       "model.dtype=float32", "monitor.fingerprints=layers", "logger=wandb",
-                       "logger.wandb.mode=offline"]))
-    steps, run = _wandb_steps(d)
-    row = steps[0]
-    assert row["consistency/mismatched_tokens"] > 0
-    cols, data = _table(run, row, "consistency/worst_tokens")
-    assert cols == ["sample_id", "position", "token", "generator_logprob", "trainer_logprob", "abs_diff", "first_op"]
-    detail = json.loads((d / "divergence.jsonl").read_text().splitlines()[0])
-    assert len(data) == len(detail["worst_tokens"]) > 0
-    assert [r[5] for r in data] == [w["abs_diff"] for w in detail["worst_tokens"]]
-    first = {(t["sample_id"], t["position"] + 1): t["first_op"] for t in detail["tokens"]}
-    assert [r[6] for r in data] == [first[(r[0], r[1])] for r in data] and any(r[6] for r in data)
-    cols, data = _table(run, row, "consistency/divergence_by_op")
-    assert cols == ["op", "differing_rows", "first_divergence_tokens"]
-    assert {r[0]: r[1] for r in data} == detail["by_op"]
-    assert sum(r[2] for r in data) == sum(detail["first_op_counts"].values())
-    from rlalign.monitor.report import make_report
-
-    text = (make_report(d) / "summary.md").read_text()
-    worst = max(detail["worst_tokens"], key=lambda w: w["abs_diff"])
-    assert "## worst tokens of the run" in text and f"| 0 | {worst['sample_id']} | {worst['position']} |" in text
 
 
 @pytest.mark.slow

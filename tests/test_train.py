@@ -1,13 +1,21 @@
-"""The RL job on a local Ray cluster: metrics, corrections, resume, W&B, bad input and faults."""
+"""The RL job on a local Ray cluster: metrics, corrections, resume, W&B, traces of resumed runs
+(`rlalign compare`), bad input and faults.
+
+One uninterrupted run (`full`: `rlalign train` as a process of its own, 3 steps at trainer EP 2,
+W&B offline) is the reference that the interrupted-and-resumed runs must equal bit for bit (metrics
+and traces); one run with the default kernels serves the corrections' metrics and the W&B tables
+of a mismatching run."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import train_cli_with_fault
+from conftest import flip_checkpoint_bit, train_cli_with_fault
+from wandb_read import history_by_step, logged_table
 
 from rlalign.config import ConfigError, load_config
 from rlalign.rl import RewardError, train
@@ -18,6 +26,10 @@ REQUIRED = ["step", "reward/mean", "consistency/mismatched_tokens", "consistency
             "consistency/mismatch_token_frac", "consistency/logprob_abs_diff_max", "time/step_s"]
 SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4"]
 ONE_TRAINER = [*SMALL, "trainer.ep_size=1"]  # one trainer actor: for tests whose check does not depend on the EP size
+WANDB = ["logger=wandb", "logger.wandb.mode=offline"]
+# the uninterrupted run and the resumed ones: a checkpoint after step 1 (the first with AdamW moments
+# that are not 0) and after the last step; trainer EP 2 (two trainer traces), KL to the reference model
+RESUMABLE = [*SMALL, "checkpoint.every=2", "algorithm.kl_coef=0.01"]
 
 
 def _rows(run_dir):
@@ -28,12 +40,41 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "rlalign.cli", *args], capture_output=True, text=True, timeout=600)
 
 
-def test_train_three_steps_trainer_ep2_generator_ep1(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def full(runs):
+    """`rlalign train` as a process of its own (its own Ray cluster): RESUMABLE for 3 steps at trainer
+    EP 2 and generator EP 1, W&B offline with a sample table every step: (run dir, the finished process,
+    seconds)."""
+    d = runs / "full"
     t = time.perf_counter()
-    p = _cli("train", "run.steps=3", f"run.dir={tmp_path}", "trainer.ep_size=2", "generator.ep_size=1")
-    wall = time.perf_counter() - t
+    p = _cli("train", *RESUMABLE, "run.steps=3", f"run.dir={d}", "trainer.ep_size=2", "generator.ep_size=1", *WANDB,
+             "logger.wandb.sample_table_every=1")
+    return d, p, time.perf_counter() - t
+
+
+@pytest.fixture(scope="module")
+def resumed(runs):
+    """RESUMABLE stopped after step 1 (run.steps=2), then resumed in its run dir to step 2; both
+    segments colocated: the generator gives its memory back after each generate and takes it back
+    for the weight sync (rlalign.rollout.generator.releases_memory). Returns the run dir and a copy
+    of it as it was before the resume (never changed)."""
+    d, before = runs / "part", runs / "part-before-resume"
+    colocated = [*RESUMABLE, "placement.colocate=true", "logger.console=false", f"run.dir={d}"]
+    train(load_config([*colocated, "run.steps=2"]))
+    shutil.copytree(d, before)
+    train(load_config([*colocated, "run.steps=3", "checkpoint.resume=auto"]))
+    return d, before
+
+
+def test_train_three_steps_trainer_ep2_generator_ep1(full):
+    d, p, wall = full
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = _rows(tmp_path)
+    rows = _rows(d)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert all(k in r for k in REQUIRED)
@@ -44,28 +85,53 @@ def test_train_three_steps_trainer_ep2_generator_ep1(tmp_path):
     print(f"rlalign train run.steps=3 (Ray start-up included): {wall:.1f}s")
 
 
-def test_default_kernels_train_report_mismatch_and_corrections(tmp_path):
-    cfg = load_config([*ONE_TRAINER, "run.steps=1", f"run.dir={tmp_path}", "kernels.mode=default",
-                       "model.dtype=float32", "algorithm.tis.enabled=true", "algorithm.icepop.enabled=true"])
-    train(cfg)
-    rows = _rows(tmp_path)
+@pytest.fixture(scope="module")
+def default_kernels(runs):
+    """One step with the default kernels (fp32, trainer EP 1), TIS and ICEPOP on, per-op row
+    fingerprints, W&B offline: a run whose generator and trainer disagree."""
+    d = runs / "default-kernels"
+    train(load_config([*ONE_TRAINER, "run.steps=1", f"run.dir={d}", "kernels.mode=default", "model.dtype=float32",
+                       "algorithm.tis.enabled=true", "algorithm.icepop.enabled=true", "monitor.fingerprints=layers",
+                       "logger.console=false", *WANDB]))
+    return d
+
+
+def test_default_kernels_train_report_mismatch_and_corrections(default_kernels):
+    rows = _rows(default_kernels)
     assert all(r["consistency/mismatched_tokens"] > 0 for r in rows)
     for key in ("tis/weight_mean", "tis/weight_max", "tis/weight_min", "tis/clipped_frac", "icepop/masked_frac"):
         assert all(key in r for r in rows), key
     assert rows[0]["tis/weight_max"] != 1.0 or rows[0]["tis/weight_min"] != 1.0
 
 
-def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    """... and the resumed run is colocated: its generator gives its memory back after each generate
-    and takes it back for the weight sync (rlalign.rollout.generator.releases_memory), no bit changes."""
-    base = [*SMALL, "checkpoint.every=2", "algorithm.kl_coef=0.01"]
-    full = tmp_path / "full"
-    train(load_config([*base, "run.steps=3", f"run.dir={full}"]))
-    part = tmp_path / "part"
-    colocated = ["placement.colocate=true"]
-    train(load_config([*base, *colocated, "run.steps=2", f"run.dir={part}"]))
-    assert (part / "checkpoints" / "step_000001" / "meta.json").is_file()
-    train(load_config([*base, *colocated, "run.steps=3", f"run.dir={part}", "checkpoint.resume=auto"]))
+def test_a_mismatching_run_logs_the_worst_tokens_and_the_first_divergent_op_to_wandb(default_kernels):
+    d = default_kernels
+    steps, run = history_by_step(d)
+    row = steps[0]
+    assert row["consistency/mismatched_tokens"] > 0
+    cols, data = logged_table(run, row, "consistency/worst_tokens")
+    assert cols == ["sample_id", "position", "token", "generator_logprob", "trainer_logprob", "abs_diff", "first_op"]
+    detail = json.loads((d / "divergence.jsonl").read_text().splitlines()[0])
+    assert len(data) == len(detail["worst_tokens"]) > 0
+    assert [r[5] for r in data] == [w["abs_diff"] for w in detail["worst_tokens"]]
+    first = {(t["sample_id"], t["position"] + 1): t["first_op"] for t in detail["tokens"]}
+    assert [r[6] for r in data] == [first[(r[0], r[1])] for r in data] and any(r[6] for r in data)
+    cols, data = logged_table(run, row, "consistency/divergence_by_op")
+    assert cols == ["op", "differing_rows", "first_divergence_tokens"]
+    assert {r[0]: r[1] for r in data} == detail["by_op"]
+    assert sum(r[2] for r in data) == sum(detail["first_op_counts"].values())
+    from rlalign.monitor.report import make_report
+
+    text = (make_report(d) / "summary.md").read_text()
+    worst = max(detail["worst_tokens"], key=lambda w: w["abs_diff"])
+    assert "## worst tokens of the run" in text and f"| 0 | {worst['sample_id']} | {worst['position']} |" in text
+
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(full, resumed):
+    """full (not colocated, a process of its own) == part (colocated; stopped after step 1, resumed):
+    no bit changes."""
+    full, part = full[0], resumed[0]
+    assert (resumed[1] / "checkpoints" / "step_000001" / "meta.json").is_file()
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     a, b = strip(_rows(full)), strip(_rows(part))
     assert [r["step"] for r in b] == [0, 1, 2]
@@ -75,22 +141,56 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert meta(full)["weights_fp"] == meta(part)["weights_fp"] == a[-1]["sync/weights_fp"]
 
 
-def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
+def test_wandb_offline_run_holds_metrics_and_config(full):
     pytest.importorskip("wandb")
-    cfg = load_config([*SMALL, "run.steps=2", f"run.dir={tmp_path}", "logger=wandb",
-                       "logger.wandb.sample_table_every=1", "logger.wandb.mode=offline"])
-    train(cfg)
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    d = full[0]
+    runs = list((d / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     from wandb_read import read_offline_run
 
     history, config = read_offline_run(runs[0])
     assert config["trainer"]["ep_size"] == 2 and config["task"]["name"] == "repeat"
     steps = [h for h in history if "reward/mean" in h]
-    assert [h["_step"] for h in steps] == [0, 1]
-    jsonl = _rows(tmp_path)
+    assert [h["_step"] for h in steps] == [0, 1, 2]
+    jsonl = _rows(d)
     assert [h["reward/mean"] for h in steps] == [r["reward/mean"] for r in jsonl]
     assert all(h["consistency/mismatched_tokens"] == 0 for h in steps)
+
+
+def _compare_cli(capsys, a, b):
+    """`rlalign compare A B` in this process: (exit status, stdout, stderr)."""
+    from rlalign import cli
+
+    capsys.readouterr()
+    rc = cli.main(["compare", str(a), str(b)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_rlalign_compare_of_resumed_runs_and_of_one_resumed_on_other_weights(full, resumed, tmp_path, capsys):
+    """The traces (two trainer ranks, one generator rank) of the run resumed in its run dir, and of
+    one resumed from the same checkpoint into a new run dir, equal the uninterrupted run's.
+    Negative twin: resumed on other weights (one bit of lm_head.weight flipped in a loadable
+    checkpoint)."""
+    full, (part, before) = full[0], resumed
+    ckpt = before / "checkpoints" / "step_000001"
+
+    def run(d, *over):
+        train(load_config([*RESUMABLE, "logger.console=false", "run.steps=3", f"run.dir={d}", *over]))
+
+    rc, out, err = _compare_cli(capsys, full, part)
+    assert rc == 0 and out.count("identical:") == 3, out + err
+    run(tmp_path / "fresh", f"checkpoint.resume={ckpt}")  # resumed into a new run dir
+    rc, out, err = _compare_cli(capsys, full, tmp_path / "fresh")
+    assert rc == 0 and out.count("identical:") == 3, out + err
+    assert "B begins at a resume (step 2) without the earlier steps" in out
+    pert = tmp_path / "pert"
+    shutil.copytree(before, pert)
+    flip_checkpoint_bit(pert / "checkpoints" / "step_000001", "model/lm_head.weight")
+    run(pert, "checkpoint.resume=auto")
+    rc, out, err = _compare_cli(capsys, full, pert)
+    assert rc == 1, out + err
+    assert "first difference at record" in out and "B: step 1 rank 0 weights/lm_head.weight" in out
 
 
 def _fails_fast(overrides, match, exc=(ConfigError, ValueError, FileNotFoundError)):

@@ -107,3 +107,19 @@ def read_offline_table(run_path: str | Path, key: str) -> tuple[list[str], list[
         raise KeyError(f"{run_path}: no table logged under {key!r}")
     t = json.loads((Path(run_path) / "files" / path).read_text())
     return t["columns"], t["data"]
+
+
+def history_by_step(run_dir: str | Path) -> tuple[dict[int, dict], Path]:
+    """The history of the one offline-run-* under RUN_DIR/wandb, its rows of a step merged: ({step:
+    row}, the offline-run directory)."""
+    (run,) = (Path(run_dir) / "wandb").glob("offline-run-*")
+    by_step: dict[int, dict] = {}
+    for row in read_offline_run(run)[0]:
+        by_step.setdefault(row["_step"], {}).update(row)
+    return by_step, run
+
+
+def logged_table(run_path: str | Path, row: dict, key: str) -> tuple[list[str], list[list]]:
+    """(columns, rows) of the table that history row `row` logged under `key`."""
+    t = json.loads((Path(run_path) / "files" / row[f"{key}/path"]).read_text())
+    return t["columns"], t["data"]
