@@ -1,7 +1,8 @@
-"""Ray hosting: a group of worker actors that form one torch.distributed process group.
+"""Ray hosting: a group of worker actors that form one torch.distributed process group, meeting
+at rank 0's node (its address from Ray, a port chosen there).
 
-    pg = Placement.create(cfg, [("trainer", 2), ("generator", 1)])
-    trainers = ActorGroup("trainer", TrainerWorker, 2, cfg_dict, pg)
+    placement = Placement.create(cfg, [("trainer", 2), ("generator", 1)])   # actors/placement.py
+    trainers = ActorGroup("trainer", TrainerWorker, 2, cfg_dict, placement)
     losses = trainers.call("train_step", per_rank=[(shard0, alg), (shard1, alg)])
 
 `call` waits on every rank; the first rank to fail kills the whole group and raises an error that
@@ -15,75 +16,70 @@ from __future__ import annotations
 import os
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlalign.parallel.launch import host_store
+from rlalign.actors.placement import Placement
+from rlalign.parallel.launch import host_store, init_group, use_interface
 
 
 class ActorFailed(RuntimeError):
     pass
 
 
-class Placement:
-    """One placement group for all actors of a job. CPU: fractional CPUs so the trainer and the
-    generator fit on a laptop. GPU: a bundle per GPU; colocated groups share the bundles (0.5 GPU
-    each) and so take turns on the same devices."""
+def hosted(worker_cls: type) -> type:
+    """`worker_cls` (a rank of rlalign.workers) started in two phases, as a Ray actor: construct
+    (nothing but the arguments), then rank 0 serves the group's rendezvous store on its own node
+    (`rendezvous`), then every rank joins the group there and builds its worker (`start`)."""
 
-    def __init__(self, pg: PlacementGroup, slots: dict[str, list[tuple[int, dict]]]):
-        self.pg, self.slots = pg, slots
+    class Hosted(worker_cls):
+        def __init__(self, cfg_dict: dict, rank: int, world: int, threads: int):
+            self._args = (cfg_dict, rank, world, threads)
+            self._group_store = None  # rank 0: serves the group as long as it lives
 
-    @classmethod
-    def create(cls, device: str, groups: list[tuple[str, int]], colocate: bool = False,
-               num_cpus: float | None = None) -> Placement:
-        total_cpus = float(num_cpus or ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        n_actors = sum(n for _, n in groups)
-        slots: dict[str, list[tuple[int, dict]]] = {}
-        bundles: list[dict] = []
-        if device.startswith("cuda"):
-            if colocate:
-                width = max(n for _, n in groups)
-                bundles = [{"GPU": 1, "CPU": 1} for _ in range(width)]
-                for name, n in groups:
-                    slots[name] = [(i, {"num_gpus": 0.5, "num_cpus": 0.5}) for i in range(n)]
-            else:
-                for name, n in groups:
-                    slots[name] = [(len(bundles) + i, {"num_gpus": 1, "num_cpus": 1}) for i in range(n)]
-                    bundles += [{"GPU": 1, "CPU": 1} for _ in range(n)]
-        else:
-            share = min(1.0, total_cpus / n_actors)
-            for name, n in groups:
-                slots[name] = [(len(bundles) + i, {"num_cpus": share}) for i in range(n)]
-                bundles += [{"CPU": share} for _ in range(n)]
-        pg = placement_group(bundles, strategy="PACK")
-        ready, _ = ray.wait([pg.ready()], timeout=60)
-        if not ready:
-            remove_placement_group(pg)
-            raise RuntimeError(f"cannot place {n_actors} actors ({bundles}) on this Ray cluster: "
-                               f"{ray.cluster_resources()}")
-        return cls(pg, slots)
+        def rendezvous(self) -> tuple[str, int]:
+            """Rank 0: the group's store, served on this node; (this node's address, its port)."""
+            host = ray.util.get_node_ip_address()
+            self._group_store = host_store(host, float(self._args[0]["dist"]["timeout_s"]))
+            return host, self._group_store.port
 
-    def remove(self) -> None:
-        remove_placement_group(self.pg)
+        def start(self, host: str, port: int) -> None:
+            cfg_dict, rank, world, threads = self._args
+            use_interface(ray.util.get_node_ip_address())
+            device, timeout_s = str(cfg_dict["device"]), float(cfg_dict["dist"]["timeout_s"])
+            init_group(device, rank, world, host, port, timeout_s, local_gpu=0)  # Ray: this actor's GPU is 0
+            worker_cls.__init__(self, cfg_dict, rank, world, group=dist.group.WORLD if world > 1 else None,
+                                threads=threads, local_gpu=0, own_process=True)
+
+        def node(self) -> str:
+            return ray.util.get_node_ip_address()
+
+    Hosted.__name__ = Hosted.__qualname__ = worker_cls.__name__  # Ray names the actor's process after it
+    return Hosted
 
 
 class ActorGroup:
-    def __init__(self, name: str, worker_cls, world: int, cfg_dict: dict, placement: Placement, threads: int = 1):
+    """`world` ranks of a worker class, one Ray actor each, placed by `placement`'s slots for `name`;
+    they form one torch.distributed group that meets at rank 0's node."""
+
+    def __init__(self, name: str, worker_cls, world: int, cfg_dict: dict, placement: Placement):
         self.name, self.world = name, world
-        self.store = host_store(float(cfg_dict["dist"]["timeout_s"]))  # the group's rendezvous, job-long
-        port = self.store.port
-        remote_cls = ray.remote(worker_cls)
+        self.slots = placement.slots[name]
+        remote_cls = ray.remote(hosted(worker_cls))
         fault = os.environ.get("RLALIGN_FAULT")  # fault injection (rlalign.faults): reaches actors on any cluster
         env = {"runtime_env": {"env_vars": {"RLALIGN_FAULT": fault}}} if fault else {}
         self.actors = []
-        for rank, (bundle, slot) in enumerate(placement.slots[name]):
+        for rank, slot in enumerate(self.slots):
             strategy = PlacementGroupSchedulingStrategy(placement_group=placement.pg,
-                                                        placement_group_bundle_index=bundle)
-            self.actors.append(
-                remote_cls.options(scheduling_strategy=strategy, max_restarts=0, **slot, **env).remote(
-                    cfg_dict, rank, world, port, threads
-                )
-            )
+                                                        placement_group_bundle_index=slot.bundle)
+            self.actors.append(remote_cls.options(scheduling_strategy=strategy, max_restarts=0, **slot.resources,
+                                                  **env).remote(cfg_dict, rank, world, slot.threads))
+        (self.address,) = self.call_rank0("rendezvous")  # the group's store: rank 0's node, a port chosen there
+        self.call("start", *self.address)
+
+    def call_rank0(self, method: str, *args) -> list:
+        """method on rank 0 alone (errors as call's)."""
+        return call_together([(self, method, [getattr(self.actors[0], method).remote(*args)])])[0]
 
     def submit(self, method: str, *args, per_rank: list[tuple] | None = None) -> list:
         """method on every rank (same args, or per_rank[r]), not waited for: pass to call_together."""
@@ -130,7 +126,8 @@ def call_together(calls: list[tuple[ActorGroup, str, list]]) -> list[list]:
             who = (lambda k: f"{calls[k][0].name} rank") if len(calls) > 1 else (lambda k: "rank")  # noqa: E731
             others = "; ".join(f"{who(k)} {r}: {clip(_actor_error(x), 160)}"
                                for (k, r), x in sorted(errors.items()) if (k, r) != (c, rank))
-            raise ActorFailed(f"{group.name} rank {rank} of {group.world} failed in {method}(): "
+            raise ActorFailed(f"{group.name} rank {rank} of {group.world} (node {group.slots[rank].node.address}) "
+                              f"failed in {method}(): "
                               f"{_actor_error(errors[(c, rank)])}" + (f" (then {others})" if others else "")) from None
     return [[results[(c, r)] for r in range(len(refs))] for c, (_, _, refs) in enumerate(calls)]
 

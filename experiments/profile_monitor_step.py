@@ -1,6 +1,6 @@
 """What the monitor's default fingerprints add to a trainer step on one GPU, piece by piece: a Trainer
 (trainer EP 1, deterministic Triton kernels, in this process, no Ray) on the RL step's batch shape, each
-step followed by what a trainer rank does with monitor.fingerprints=default (actors.workers.record_train_step
+step followed by what a trainer rank does with monitor.fingerprints=default (rlalign.workers.record_train_step
 + Trace.flush, then, as colocated, fence + synchronize). Per step: the train step alone (synchronized), the
 records' host time, the flush's host time, the wait for the fingerprints; then one step under
 torch.profiler (kernels by name, host ops) of the monitor part alone. Prints a table; writes
@@ -33,7 +33,7 @@ def _sync() -> None:
 
 
 def _monitor_part(trace, trainer, lps, step: int, every: int) -> dict:
-    from rlalign.actors.workers import record_train_step
+    from rlalign.workers import record_train_step
 
     t0 = time.perf_counter()
     trace.step = step

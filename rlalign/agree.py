@@ -1,7 +1,7 @@
 """`rlalign agree`: generate one batch, rescore it on the trainer side with another batch
 composition, and report how the two sides' per-token logprobs compare.
 
-Both sides run the worker classes of `rlalign train` (actors/workers.py): GeneratorWorker.generate
+Both sides run the worker classes of `rlalign train` (rlalign/workers.py): GeneratorWorker.generate
 and TrainerWorker.score, on torch.multiprocessing ranks at EP > 1 (in this process at EP 1)."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args
 from rlalign.factory import sampling_params
 from rlalign.logger import json_line
 from rlalign.monitor.consistency import compare
-from rlalign.parallel.launch import check_world, run_workers, shard_range
+from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import generator_plan
 from rlalign.rollout.types import Rollout
 from rlalign.training.plan import Sample
+from rlalign.workers import GeneratorWorker, TrainerWorker
 
 
 def random_prompts(cfg: DictConfig, vocab_size: int, first_token: int = 2) -> list[list[int]]:
@@ -61,20 +61,20 @@ def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int]
 
 
 def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, seed: int) -> list[Rollout]:
-    worker = GeneratorWorker(cfg_dict, rank, world, group=group)
+    worker = GeneratorWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
     part = shard_range(len(prompts), world, rank)
     params = sampling_params(worker.cfg, worker.model.args.eos_token_id, seed)
     return worker.generate([prompts[i] for i in part], [sample_ids[i] for i in part], params).rollouts
 
 
 def _score_rank(rank: int, world: int, group, cfg_dict: dict, samples: list[Sample]) -> list[torch.Tensor]:
-    worker = TrainerWorker(cfg_dict, rank, world, group=group)
+    worker = TrainerWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
     return worker.score([samples[i] for i in shard_range(len(samples), world, rank)])
 
 
 def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
     """fn on each rank of one side: spawned ranks over a process group, or this process at EP 1."""
-    check_world(ep_size, cfg.device, what)
+    check_local_world(ep_size, cfg.device, what)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if ep_size == 1:
         return [fn(0, 1, None, cfg_dict, *args)]

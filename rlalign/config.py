@@ -528,3 +528,10 @@ def model_args(cfg: DictConfig) -> ModelArgs:
     names = {f for f in ModelArgs.__dataclass_fields__}
     d = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in names}
     return ModelArgs.from_dict(d, where=f"model ({cfg.model.name})")
+
+
+def shares_gpu(cfg: DictConfig) -> bool:
+    """Whether the trainer and the generator take turns on the same GPUs (placement.colocate on
+    CUDA): each gives its memory back while the other works, and weights move by CUDA IPC. The one
+    place this is decided."""
+    return bool(cfg.placement.colocate) and str(cfg.device).startswith("cuda")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
-from rlalign.actors.workers import GeneratorWorker, TrainerWorker
 from rlalign.config import model_args
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.logger import RunLogger, json_line, truncate_jsonl
@@ -36,7 +34,7 @@ from rlalign.model import check_hf_dir, save_hf
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
 from rlalign.parallel import weight_sync
-from rlalign.parallel.launch import check_world, shard_range
+from rlalign.parallel.launch import shard_range
 from rlalign.parallel.weight_sync import SyncError
 from rlalign.rollout.generator import generator_plan, releases_memory
 from rlalign.rollout.types import Rollout, SamplingParams
@@ -48,6 +46,7 @@ from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.losses import grpo_advantages
 from rlalign.training.plan import Sample, merge_stat
 from rlalign.training.state import checkpoint_nbytes
+from rlalign.workers import GeneratorWorker, TrainerWorker
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 
@@ -75,9 +74,6 @@ def _prepare(cfg: DictConfig):
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {args.vocab_size}")
     generator_plan(cfg)
-    check_world(cfg.trainer.ep_size, cfg.device, "trainer.ep_size")
-    if not cfg.placement.colocate:
-        check_world(cfg.trainer.ep_size + cfg.generator.ep_size, cfg.device, "trainer.ep_size + generator.ep_size")
     max_new = sampling_params(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
     for ex in examples:
@@ -98,20 +94,21 @@ class Job:
 
     def __init__(self, cfg: DictConfig):
         from rlalign import cluster
-        from rlalign.actors.group import ActorGroup, Placement
+        from rlalign.actors.group import ActorGroup
+        from rlalign.actors.placement import Placement
+        from rlalign.actors.probe import check_shared_dir
 
         self.cfg = cfg
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
         n, m = cfg.trainer.ep_size, generator_plan(cfg).ranks
-        self.placement = Placement.create(cfg.device, [("trainer", n), ("generator", m)],
-                                          cfg.placement.colocate)  # the cluster's own CPUs
-        cpus = int(cfg.placement.num_cpus or os.cpu_count() or 1)
-        threads = max(1, cpus // (n + m))
+        self.placement = Placement.create(cfg, [("trainer", n), ("generator", m)])  # from the cluster's nodes
+        check_shared_dir(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g})
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement, threads)
-        self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, threads)
+        cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())  # the ranks' working directory is not ours
+        self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement)
+        self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement)
         self.sync_specs = None  # the weight sync's tensors, once its process group is up
-        self.ipc = cfg.device.startswith("cuda") and cfg.placement.colocate  # NCCL refuses two ranks on one GPU
+        self.ipc = self.placement.transport == "ipc"
         self.last_sync: dict = {}  # the latest sync's bytes, buckets and per-side seconds (step metrics)
         self.weights_fp: str | None = None
         self.trainer_gc_s = 0.0  # the step's longest time in Python's garbage collector on a trainer rank
@@ -163,16 +160,17 @@ class Job:
 
         bucket_bytes = self.cfg.sync.bucket_mb << 20
         m = self.generators.world
-        (t_specs, port), *_ = self.trainers.call("prepare_weight_sync", bucket_bytes, 0 if self.ipc else 1 + m)
+        host = self.placement.slots["trainer"][0].node.address  # the sync group meets at trainer rank 0's node
+        (t_specs, port), *_ = self.trainers.call("prepare_weight_sync", bucket_bytes, 0 if self.ipc else 1 + m, host)
         (g_specs, _), *_ = self.generators.call("prepare_weight_sync", bucket_bytes)
         weight_sync.check_specs(t_specs, g_specs)
         if not self.ipc:
             n = self.trainers.world
             call_together([
                 (self.trainers, "join_weight_sync", self.trainers.submit(
-                    "join_weight_sync", per_rank=[(port, 0 if r == 0 else -1, 1 + m) for r in range(n)])),
+                    "join_weight_sync", per_rank=[(host, port, 0 if r == 0 else -1, 1 + m) for r in range(n)])),
                 (self.generators, "join_weight_sync", self.generators.submit(
-                    "join_weight_sync", per_rank=[(port, 1 + g, 1 + m) for g in range(m)])),
+                    "join_weight_sync", per_rank=[(host, port, 1 + g, 1 + m) for g in range(m)])),
             ])
         self.sync_specs = t_specs
 

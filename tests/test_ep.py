@@ -116,7 +116,7 @@ def test_ep_size_must_divide_num_experts_before_any_process_starts():
 def test_ep_size_beyond_available_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"trainer.ep_size=4 needs 4 GPUs \(one rank each\); this machine has 2"):
-        launch.check_world(4, "cuda", "trainer.ep_size")
+        launch.check_local_world(4, "cuda", "trainer.ep_size")
 
 
 def _die_mid_step(rank, world, group, delay):
@@ -220,7 +220,7 @@ def test_the_launchers_store_holds_its_port_from_the_start():
 
     from rlalign.parallel.launch import host_store
 
-    store = host_store(5.0)
+    store = host_store("127.0.0.1", 5.0)
     with socket.socket() as s, pytest.raises(OSError):
         s.bind(("127.0.0.1", store.port))
     with socket.socket() as s:

@@ -140,8 +140,8 @@ def test_fixed_capacity_all_to_all_keeps_the_bits_and_reads_nothing_on_the_host(
 
 
 def _generate_rank(rank, world, group, cfg_dict, prompts):
-    from rlalign.actors.workers import GeneratorWorker
     from rlalign.factory import sampling_params
+    from rlalign.workers import GeneratorWorker
 
     worker = GeneratorWorker(cfg_dict, rank, world, group=group)
     part = launch.shard_range(len(prompts), world, rank)

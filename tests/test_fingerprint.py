@@ -201,8 +201,8 @@ def _trainer_trace_rank(rank, world, group, cfg_dict, runs):
     the gradients and moments were right)."""
     from omegaconf import OmegaConf
 
-    from rlalign.actors.workers import TrainerWorker
     from rlalign.training.trainer import Sample
+    from rlalign.workers import TrainerWorker
 
     for run_dir, flip in runs:
         cfg = OmegaConf.to_container(OmegaConf.merge(cfg_dict, {"run": {"dir": run_dir}}), resolve=True)
@@ -248,10 +248,10 @@ def test_a_flipped_bit_in_one_expert_on_one_trainer_rank_at_ep2_is_named_by_comp
 def test_the_trace_holds_the_adamw_moments_at_every_nth_step_and_all_else_every_step(tmp_path):
     from omegaconf import OmegaConf
 
-    from rlalign.actors.workers import TrainerWorker
     from rlalign.config import ConfigError, load_config
     from rlalign.monitor.trace import read_trace
     from rlalign.training.trainer import Sample
+    from rlalign.workers import TrainerWorker
 
     with pytest.raises(ConfigError, match=r"monitor.optim_every=0: must be >= 1"):
         load_config(["monitor.optim_every=0"])

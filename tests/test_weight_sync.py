@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from rlalign.config import load_config
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.parallel import launch, weight_sync
+from rlalign.parallel.launch import LOCAL_HOST
 from rlalign.parallel.weight_sync import SyncError
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def _cfg(seed: int) -> dict:
 def _sync_rank(rank, world, group, n, m, tamper):
     """Trainer ranks 0..n-1 (init seed 1), generator ranks n..n+m-1 (init seed 0): one sync. Returns
     (side, before, after, SyncOutput) with the unsharded weights on each side's rank 0."""
-    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+    from rlalign.workers import GeneratorWorker, TrainerWorker
 
     t_group, g_group = dist.new_group(list(range(n))), dist.new_group(list(range(n, n + m)))
     if rank < n:
@@ -37,10 +38,10 @@ def _sync_rank(rank, world, group, n, m, tamper):
     else:
         w = GeneratorWorker(_cfg(0), rank - n, m, group=g_group if m > 1 else None)
         side, before = "generator", w.full_state()
-    specs, port = w.prepare_weight_sync(BUCKET, 1 + m if side == "trainer" else 0)
+    specs, port = w.prepare_weight_sync(BUCKET, 1 + m if side == "trainer" else 0, LOCAL_HOST)
     box = [port]
     dist.broadcast_object_list(box, src=0)  # trainer rank 0's store port, to everyone
-    w.join_weight_sync(box[0], 0 if rank == 0 else (rank - n + 1 if side == "generator" else -1), 1 + m)
+    w.join_weight_sync(LOCAL_HOST, box[0], 0 if rank == 0 else (rank - n + 1 if side == "generator" else -1), 1 + m)
     if side == "trainer":
         out = w.send_weights()
         after = w.full_state()[0]
@@ -85,7 +86,7 @@ def test_generator_holds_the_trainers_bits_at_every_ep_pair(n, m):
 
 def _expert_entry():
     """The first expert tensor: (bucket index, byte offset of its middle, name)."""
-    from rlalign.actors.workers import GeneratorWorker
+    from rlalign.workers import GeneratorWorker
 
     w = GeneratorWorker(_cfg(0), 0, 1)
     plan = weight_sync.make_plan(weight_sync.tensor_specs(w.model, 1), BUCKET)
@@ -104,7 +105,7 @@ def test_a_flipped_bit_in_one_bucket_is_named_by_the_device_fingerprints():
 
 
 def test_a_bad_dense_copy_on_one_generator_rank_is_named_with_the_rank():
-    from rlalign.actors.workers import GeneratorWorker
+    from rlalign.workers import GeneratorWorker
 
     plan = weight_sync.make_plan(weight_sync.tensor_specs(GeneratorWorker(_cfg(0), 0, 1).model, 1), BUCKET)
     bucket, e = next((i, e) for i, b in enumerate(plan.buckets) for e in b.entries if not e.expert)
@@ -133,9 +134,9 @@ def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch
     in-process): handles once, then each train_step returns the trainer's fingerprints of its updated
     weights and the generator copies from the views it kept; both sides agree. Twin: a parameter that
     moved makes train_step return none (the driver then asks send_weights, which hands out handles)."""
-    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
     from rlalign.factory import sampling_params
     from rlalign.training.plan import Sample
+    from rlalign.workers import GeneratorWorker, TrainerWorker
 
     monkeypatch.setattr(weight_sync, "reduce_tensor", lambda t: (lambda t=t: t, ()))
     t, g = TrainerWorker(_cfg(1), 0, 1), GeneratorWorker(_cfg(0), 0, 1)

@@ -1,6 +1,6 @@
 """Process groups without Ray: join one (gloo on CPU, NCCL on GPU), or run a function on `world`
 ranks (torch.multiprocessing, forked from a server that holds the imports) that each join one — how
-`rlalign agree` and the GPU tests run the workers of actors/workers.py without Ray.
+`rlalign agree` and the GPU tests run the workers of rlalign/workers.py without Ray.
 
 A rank that raises or dies makes the launcher stop the others at once and raise an error naming
 that rank; collectives carry a timeout (dist.timeout_s) so nothing waits forever.
@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# run_workers forks every rank on this machine: its group meets on the loopback interface
+LOCAL_HOST = "127.0.0.1"
+
 
 class WorkerError(RuntimeError):
     pass
@@ -33,17 +36,49 @@ def shard_range(n: int, world: int, rank: int) -> range:
     return range(lo, lo + base + (1 if rank < extra else 0))
 
 
-def host_store(timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store of a group whose ranks are other processes, served by this one
-    on a port the OS picks (store.port) and holds from the start: no other job can take the port
-    between choosing it and binding it (a port probed free, released and bound later by rank 0 can
-    be, and then a rank may join another job's store). Keep it alive as long as the group: the ranks
-    use it for communicators (NCCL's, lazily) and subgroups."""
-    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a group whose ranks are other processes, served by this one on a
+    port the OS picks (store.port) and holds from the start: no other job can take the port between
+    choosing it and binding it (a port probed free, released and bound later by rank 0 can be, and
+    then a rank may join another job's store). The server listens on every interface; the ranks
+    reach it at `host`, this node's address. Keep it alive as long as the group: the ranks use it
+    for communicators (NCCL's, lazily) and subgroups."""
+    return dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def check_world(world: int, device: str, what: str) -> None:
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface that holds IPv4 address `ip` (None: none does)."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                addr = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(addr[20:24]) == ip:
+                return name
+    return None
+
+
+def use_interface(node_ip: str) -> None:
+    """Gloo and NCCL open their sockets on the interface of `node_ip` (the address this node is known
+    by in the cluster), unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME already say which: by default
+    they take the address the hostname resolves to, often 127.0.0.1 (/etc/hosts), which peers on
+    other nodes cannot reach."""
+    name = interface_of(node_ip)
+    if name is None:
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, name)
+
+
+def check_local_world(world: int, device: str, what: str) -> None:
+    """run_workers' `world` ranks fit this machine: one GPU each on CUDA."""
     if world < 1:
         raise ValueError(f"{what}={world}: must be >= 1")
     if device.startswith("cuda"):
@@ -52,8 +87,8 @@ def check_world(world: int, device: str, what: str) -> None:
             raise ValueError(f"{what}={world} needs {world} GPUs (one rank each); this machine has {n}")
 
 
-def init_group(device: str, rank: int, world: int, port: int, timeout_s: float, local_gpu: int) -> None:
-    """Join a process group through the store at `port` (host_store, served by the launcher): gloo
+def init_group(device: str, rank: int, world: int, host: str, port: int, timeout_s: float, local_gpu: int) -> None:
+    """Join a process group through the store at host:port (host_store, served by rank 0's node): gloo
     on CPU, NCCL on GPU (this process on GPU local_gpu), with a collective timeout so a dead peer
     fails the others instead of hanging them."""
     backend = "gloo"
@@ -61,7 +96,7 @@ def init_group(device: str, rank: int, world: int, port: int, timeout_s: float, 
         torch.cuda.set_device(local_gpu)
         backend = "nccl"
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
@@ -71,7 +106,7 @@ def _entry(rank, world, port, device, timeout_s, threads, fn, args, q, env):
         os.environ.clear()  # the caller's environment now, not the fork server's at its start
         os.environ.update(env)
         torch.set_num_threads(threads)
-        init_group(device, rank, world, port, timeout_s, local_gpu=rank)
+        init_group(device, rank, world, LOCAL_HOST, port, timeout_s, local_gpu=rank)
         # plain pickle: tensors travel as bytes, not as shared-memory handles that die with this process
         status, payload = "ok", pickle.dumps(fn(rank, world, dist.group.WORLD, *args))
         dist.destroy_process_group()
@@ -104,9 +139,9 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     the first call, before any CUDA use: a fresh process per rank paid ~1 s of imports on every
     call); each rank runs with the caller's environment of this call (os.environ), as a spawned one would."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rlalign.actors.workers"])
+    ctx.set_forkserver_preload(["rlalign.workers"])
     q = ctx.Queue()
-    store = host_store(timeout_s)  # lives until the ranks are done (this frame)
+    store = host_store(LOCAL_HOST, timeout_s)  # lives until the ranks are done (this frame)
     port = store.port
     threads = max(1, (os.cpu_count() or 1) // world)
     procs = [

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from rlalign.config import load_config
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.parallel import launch, weight_sync
+from rlalign.parallel.launch import LOCAL_HOST
 
 pytestmark = pytest.mark.gpu
 
@@ -29,20 +30,20 @@ def _full(model) -> dict:
 
 
 def _nccl_rank(rank, world, group):
-    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+    from rlalign.workers import GeneratorWorker, TrainerWorker
 
     w = TrainerWorker(_cfg(1, "cuda"), 0, 1) if rank == 0 else GeneratorWorker(_cfg(0, "cuda"), 0, 1)
-    specs, port = w.prepare_weight_sync(BUCKET, 2 if rank == 0 else 0)
+    specs, port = w.prepare_weight_sync(BUCKET, 2 if rank == 0 else 0, LOCAL_HOST)
     box = [port]
     dist.broadcast_object_list(box, src=0)
-    w.join_weight_sync(box[0], rank, 2)
+    w.join_weight_sync(LOCAL_HOST, box[0], rank, 2)
     out = w.send_weights() if rank == 0 else w.receive_weights()
     model = w.trainer.model if rank == 0 else w.model
     return specs, out, _full(model)
 
 
 def _ipc_rank(rank, world, group):
-    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+    from rlalign.workers import GeneratorWorker, TrainerWorker
 
     w = TrainerWorker(_cfg(1, "cuda:0"), 0, 1) if rank == 0 else GeneratorWorker(_cfg(0, "cuda:0"), 0, 1)
     specs, _ = w.prepare_weight_sync(BUCKET)
@@ -83,7 +84,7 @@ def _direct_rank(rank, world, group):
     """Three colocated syncs, one rank per side, the generator copying from the trainer's parameters:
     the second after an in-place update (no handles sent: the opened views read the new values), the
     third after a parameter moved (its handles sent again)."""
-    from rlalign.actors.workers import GeneratorWorker, TrainerWorker
+    from rlalign.workers import GeneratorWorker, TrainerWorker
 
     w = TrainerWorker(_cfg(1, "cuda:0"), 0, 1) if rank == 0 else GeneratorWorker(_cfg(0, "cuda:0"), 0, 1)
     specs, _ = w.prepare_weight_sync(BUCKET)

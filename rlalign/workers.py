@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlalign.checkpoint import AsyncSaver, load_shards
@@ -33,7 +32,6 @@ from rlalign.monitor.taps import attach_taps
 from rlalign.monitor.trace import RowNames, Trace, fixed_environment
 from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict
-from rlalign.parallel.launch import init_group
 from rlalign.rollout.generator import make_generator
 from rlalign.rollout.types import Rollout, SamplingParams
 from rlalign.training.plan import Sample
@@ -107,25 +105,27 @@ class _WeightSync:
     def _sync_model(self):
         raise NotImplementedError
 
-    def prepare_weight_sync(self, bucket_bytes: int, host_world: int = 0) -> tuple[list | None, int | None]:
+    def prepare_weight_sync(self, bucket_bytes: int, host_world: int = 0,
+                            host: str | None = None) -> tuple[list | None, int | None]:
         """The plan of this rank's model; (rank 0) its tensor specs for the driver to compare with the
-        other side's, and with host_world > 0 (trainer rank 0) the port of the sync group's store."""
+        other side's, and with host_world > 0 (trainer rank 0) the port of the sync group's store,
+        served here and reached at `host` (this node's address)."""
         self._plan = weight_sync.make_plan(weight_sync.tensor_specs(self._sync_model(), self.world), bucket_bytes)
         self._sync, self._kept, port = None, [], None
         self._sent_from, self._sources = None, None  # direct: the addresses handed out / the views opened
         if host_world and self.rank == 0:
-            self._store = weight_sync.SyncGroup.host_store("127.0.0.1", host_world, self.cfg.dist.timeout_s)
+            self._store = weight_sync.SyncGroup.host_store(host, host_world, self.cfg.dist.timeout_s)
             port = self._store.port
         return (self._plan.specs(), port) if self.rank == 0 else (None, None)
 
-    def join_weight_sync(self, port: int, sync_rank: int, sync_world: int) -> None:
+    def join_weight_sync(self, host: str, port: int, sync_rank: int, sync_world: int) -> None:
         """Join the trainer-rank-0 + generator-ranks process group (both sides at once; sync_rank -1:
         a trainer rank other than 0, which stays out)."""
         if sync_rank < 0:
             return
         backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
         store = getattr(self, "_store", None) if sync_rank == 0 else None
-        self._sync = weight_sync.SyncGroup(backend, "127.0.0.1", port, sync_rank, sync_world,
+        self._sync = weight_sync.SyncGroup(backend, host, port, sync_rank, sync_world,
                                            self.cfg.dist.timeout_s, store)
 
 
@@ -173,34 +173,32 @@ class _Monitored:
             self.trace = self.recorder.trace = None
 
 
-def _init(cfg_dict: dict, rank: int, world: int, port: int | None, threads: int, group):
-    """Config, kernels and process group of one rank. A Ray actor (port given) joins its group
-    here; a launcher's rank (rlalign.parallel.launch.run_workers) arrives with its group."""
+def _init(cfg_dict: dict, rank: int, world: int, threads: int, local_gpu: int | None):
+    """Config and kernels of one rank that has joined its group (or runs alone): on CUDA this
+    process computes on GPU `local_gpu` (under Ray: 0, the actor's CUDA_VISIBLE_DEVICES; a
+    launcher's rank r: r)."""
     if threads:
         torch.set_num_threads(max(1, threads))
     cfg = OmegaConf.create(cfg_dict)
-    if port is not None:
-        if cfg.device.startswith("cuda"):
-            cfg.device = "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        init_group(cfg.device, rank, world, port, cfg.dist.timeout_s, local_gpu=0)
-        group = dist.group.WORLD if world > 1 else None
-    elif group is not None and cfg.device.startswith("cuda"):
-        cfg.device = f"cuda:{rank}"  # the launcher gives rank r GPU r
+    if cfg.device.startswith("cuda") and local_gpu is not None:
+        cfg.device = f"cuda:{local_gpu}"
     apply_kernels(cfg)
-    return cfg, group
+    return cfg
 
 
 class TrainerWorker(_Monitored, _WeightSync):
     role = "trainer"
 
-    def __init__(self, cfg_dict: dict, rank: int, world: int, port: int | None = None, threads: int = 0,
-                 group=None):
-        self.cfg, self.group = _init(cfg_dict, rank, world, port, threads, group)
+    def __init__(self, cfg_dict: dict, rank: int, world: int, group=None, threads: int = 0,
+                 local_gpu: int | None = None, own_process: bool = False):
+        """One trainer rank of `world` in `group` (its EP group; None alone). `own_process`: a process
+        of its own (a Ray actor), whose live objects may be frozen out of the garbage collector."""
+        self.cfg, self.group = _init(cfg_dict, rank, world, threads, local_gpu), group
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
         self.saver = AsyncSaver()
         self._setup_monitor(self.trainer.model)
-        self._own_process, self._steps = port is not None, 0
+        self._own_process, self._steps = own_process, 0
         self._colocated = _colocated_cuda(self.cfg)
         _gc_settle(self._own_process)
 
@@ -309,9 +307,10 @@ class TrainerWorker(_Monitored, _WeightSync):
 class GeneratorWorker(_Monitored, _WeightSync):
     role = "generator"
 
-    def __init__(self, cfg_dict: dict, rank: int, world: int, port: int | None = None, threads: int = 0,
-                 group=None):
-        self.cfg, self.group = _init(cfg_dict, rank, world, port, threads, group)
+    def __init__(self, cfg_dict: dict, rank: int, world: int, group=None, threads: int = 0,
+                 local_gpu: int | None = None, own_process: bool = False):
+        """One generator rank of `world` in `group` (its EP group; None alone); as TrainerWorker."""
+        self.cfg, self.group = _init(cfg_dict, rank, world, threads, local_gpu), group
         self.rank, self.world = rank, world
         self.model = model_from_config(self.cfg)
         if self.group is not None:
@@ -319,7 +318,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         self._setup_monitor(self.model)
         self.generator = make_generator(self.cfg, self.model, self.group)  # self.model: the copy weight sync writes
         self._released = False
-        _gc_settle(port is not None)
+        _gc_settle(own_process)
 
     def pid(self) -> int:
         return os.getpid()
