@@ -84,7 +84,7 @@ class Placement:
         read where each landed."""
         nodes = cluster_nodes()
         colocated = shares_gpu(cfg)
-        bundles, slots = _bundles(str(cfg.device), groups, colocated, sum(n.cpus for n in nodes))
+        bundles, slots = _bundles(str(cfg.device), groups, colocated, [n.cpus for n in nodes])
         if not _fits(bundles, nodes):
             gpus = sum(b.get("GPU", 0) for b in bundles)
             need = (f"{gpus:g} GPUs, one per rank{' (the two groups share them)' if colocated else ''}, with 1 CPU each"
@@ -106,15 +106,27 @@ class Placement:
                  for name, s in placed.items()}
         return cls(pg, final, colocated, _transport(final, colocated, groups))
 
-    def nodes(self, name: str) -> list[Node]:
-        return [s.node for s in self.slots[name]]
+    def describe(self) -> str:
+        """'placement: trainer ranks on A,B; generator ranks on C; weight sync: broadcast' (node
+        addresses in rank order)."""
+        where = "; ".join(f"{name} ranks on {','.join(s.node.address for s in slots)}"
+                          for name, slots in self.slots.items())
+        return f"placement: {where}; weight sync: {self.transport}"
 
     def remove(self) -> None:
         remove_placement_group(self.pg)
 
 
+def _cpu_share(node_cpus: list[float], ranks: int) -> float:
+    """The largest CPU share per rank, at most 1, at which `ranks` ranks fit the nodes' CPUs (1 when
+    nothing does: the refusal then names the nodes)."""
+    fits = [c / k for c in node_cpus if c > 0 for k in range(1, ranks + 1)
+            if c / k <= 1 and sum(int(x * k / c + 1e-9) for x in node_cpus) >= ranks]
+    return max(fits, default=1.0)
+
+
 def _bundles(device: str, groups: list[tuple[str, int]], colocated: bool,
-             total_cpus: float) -> tuple[list[dict], dict[str, list[tuple[int, dict]]]]:
+             node_cpus: list[float]) -> tuple[list[dict], dict[str, list[tuple[int, dict]]]]:
     """The placement group's bundles and each group's (bundle index, actor resources) per rank."""
     slots: dict[str, list[tuple[int, dict]]] = {}
     bundles: list[dict] = []
@@ -128,7 +140,7 @@ def _bundles(device: str, groups: list[tuple[str, int]], colocated: bool,
             slots[name] = [(len(bundles) + i, {"num_gpus": 1, "num_cpus": 1}) for i in range(n)]
             bundles += [{"GPU": 1, "CPU": 1} for _ in range(n)]
         return bundles, slots
-    share = min(1.0, total_cpus / sum(n for _, n in groups)) if total_cpus else 1.0
+    share = _cpu_share(node_cpus, sum(n for _, n in groups))
     for name, n in groups:
         slots[name] = [(len(bundles) + i, {"num_cpus": share}) for i in range(n)]
         bundles += [{"CPU": share} for _ in range(n)]

@@ -99,11 +99,9 @@ class NetnsCluster:
         self._made: list[tuple[str, str]] = []
         try:
             self._network()
-            self._head(head_cpus, dashboard)
-            self.wait_nodes(1)  # a node started before the head's GCS answers times out
+            self._head(head_cpus, dashboard)  # a node started before the head's GCS answers times out
             for i in range(nodes):  # one at a time: on 2 cores concurrent starts time out registering
                 self._node(i, node_cpus)
-                self.wait_nodes(i + 2)
         except BaseException:
             self.close()
             raise
@@ -135,12 +133,23 @@ class NetnsCluster:
         return self.env(RAY_ADDRESS=f"{self.head_ip}:{self.port}", **extra)
 
     # --- Ray nodes -------------------------------------------------------------------------------------
-    def _start(self, name: str, args: list[str], ns: str | None) -> subprocess.Popen:
-        log = open(os.path.join(self.root, f"{name}.log"), "w")
+    def _start(self, name: str, args: list[str], ns: str | None, hide: tuple[str, ...] = ()) -> subprocess.Popen:
+        log_path = os.path.join(self.root, f"{name}.log")
+        log = open(log_path, "w")
         self.logs.append(log)
-        cmd = (["ip", "netns", "exec", ns] if ns else []) + [RAY, "start", *args, "--disable-usage-stats", "--block"]
+        start = [RAY, "start", *args, "--disable-usage-stats", "--block"]
+        if hide:  # the node's own (empty) view of these paths: a mount namespace with a tmpfs on each
+            mounts = " && ".join(f"mount -t tmpfs rlhide {path}" for path in hide)
+            start = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                     f"{mounts} && exec {' '.join(start)}"]
+        cmd = (["ip", "netns", "exec", ns] if ns else []) + start
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
         self.procs.append(p)
+        t = time.monotonic()
+        while "Ray runtime started" not in Path(log_path).read_text():
+            if p.poll() is not None or time.monotonic() - t > 120:
+                raise RuntimeError(f"Ray node {name} did not start:\n{self.log_tail()}")
+            time.sleep(0.3)
         return p
 
     def _head(self, cpus: int, dashboard: bool) -> None:
@@ -149,9 +158,33 @@ class NetnsCluster:
                              f"--include-dashboard={str(dashboard).lower()}", f"--dashboard-host={self.head_ip}",
                              f"--dashboard-port={self.dash}", f"--dashboard-agent-listen-port={_free_port()}"], None)
 
-    def _node(self, i: int, cpus: int) -> None:
-        self._start(f"node{i}", [f"--address={self.head_ip}:{self.port}", f"--node-ip-address={self.node_ips[i]}",
-                                 f"--num-cpus={cpus}"], self.namespaces[i])
+    def _node(self, i: int, cpus: int, hide: tuple[str, ...] = ()) -> subprocess.Popen:
+        return self._start(f"node{i}", [f"--address={self.head_ip}:{self.port}",
+                                        f"--node-ip-address={self.node_ips[i]}", f"--num-cpus={cpus}"],
+                           self.namespaces[i], hide)
+
+    def restart_node(self, i: int, cpus: int = 1, hide: tuple[str, ...] = ()) -> None:
+        """Stop node i (its `ray start` process and what it started), then start it again, seeing
+        empty directories at the paths in `hide`."""
+        self.stop_node(i)
+        self.procs[1 + i] = self._node(i, cpus, hide)
+        self.procs.pop()
+
+    def stop_node(self, i: int) -> None:
+        p = self.procs[1 + i]
+        tree = _children(p.pid)
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def status(self) -> str:
         p = subprocess.run([RAY, "status", f"--address={self.head_ip}:{self.port}"], capture_output=True, text=True,
