@@ -256,7 +256,7 @@ class TrainerWorker(_Monitored, _WeightSync):
 
     def send_weights(self, ipc: bool = False, direct: bool = False) -> weight_sync.SyncOutput:
         """All trainer ranks: the weights to the generator group (rlalign.parallel.weight_sync.send);
-        with ipc (colocated on CUDA) rank 0 keeps the buckets until release_weights(); direct (colocated,
+        with ipc (colocated on CUDA) rank 0 keeps the buckets until free_sync_buckets(); direct (colocated,
         one rank per side): nothing is packed, the generator reads the parameters (weight_sync.send_direct)."""
         if direct:
             return self._send_direct(handles=True)
@@ -274,7 +274,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         self._sent_from = where
         return out
 
-    def release_weights(self) -> None:
+    def free_sync_buckets(self) -> None:
         self._kept = []
         if self._colocated:  # the sync's buckets: room for the generator's next generate
             torch.cuda.empty_cache()
@@ -342,19 +342,14 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.record("gen.tokens", torch.tensor(flat, dtype=torch.long))
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
-        out = GenerateOutput(outs, self.recorder.pop_table(), _peak(self.cfg.device, self._arena_bytes()), seconds,
-                             monitor_s=time.perf_counter() - t1)
+        peak = _peak(self.cfg.device, self.generator.resident_bytes())
+        out = GenerateOutput(outs, self.recorder.pop_table(), peak, seconds, monitor_s=time.perf_counter() - t1)
         if release:
             self.generator.release_memory(release_weights)
             self._released = True
             if self.cfg.device.startswith("cuda"):
-                out.held_bytes = torch.cuda.memory_reserved() + self._arena_bytes()
+                out.held_bytes = torch.cuda.memory_reserved() + self.generator.resident_bytes()
         return out
-
-    def _arena_bytes(self) -> int:
-        """Device memory the engine holds outside torch's allocator, resident now."""
-        resident = getattr(self.generator, "arena_bytes", None)
-        return resident() if resident is not None else 0
 
     def _sync_model(self):
         return self.model
@@ -385,7 +380,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
 
     def full_state(self) -> dict | None:
         """All ranks take part; rank 0 returns the unsharded weights it holds, on the CPU."""
-        if getattr(self.generator, "weights_stale", False):
+        if self.generator.weights_stale():
             raise RuntimeError("the generator's weights were given back to the device after generating "
                                "(placement.colocate on CUDA) and not written since")
         full = full_state_dict(self.model, self.group)

@@ -203,8 +203,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # worker, so its module fixtures — a Ray cluster, a vLLM engine — are built once). Workers take modules in
 # collection order; the modules measured longest (`--durations`, 2-core machine) come first so that both
 # workers finish close together. Modules not named keep their order after these.
-LONGEST_FIRST = ("test_vllm", "test_train", "test_cluster", "test_scheduler", "test_monitor", "test_topology",
-                 "test_triton_paged", "test_triton", "test_shard", "test_sampling_stats", "test_ep", "test_agree",
+LONGEST_FIRST = ("test_vllm", "test_train", "test_multinode", "test_cluster", "test_scheduler", "test_monitor",
+                 "test_topology", "test_triton_paged", "test_triton", "test_shard", "test_sampling_stats", "test_ep",
+                 "test_agree",
                  "test_engine", "test_triton_sampling", "test_train_kernels", "test_config", "test_checkpoint",
                  "test_triton_fused", "test_weight_sync", "test_moe_counts", "test_cli", "test_report",
                  "test_checkpoint_limits", "test_ep_capacity", "test_fingerprint", "test_linears", "test_sampling")

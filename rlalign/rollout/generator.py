@@ -34,6 +34,12 @@ class Generator(Protocol):
     def close(self) -> None:
         """Free everything the engine holds."""
 
+    def resident_bytes(self) -> int:
+        """Device memory the engine holds outside torch's allocator, resident now (0: none)."""
+
+    def weights_stale(self) -> bool:
+        """Whether the weights were given back since they were last written (then nothing may read them)."""
+
 
 @dataclass(frozen=True)
 class GeneratorPlan:

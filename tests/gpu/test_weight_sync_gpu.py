@@ -52,7 +52,7 @@ def _ipc_rank(rank, world, group):
     out = box[0] if rank == 0 else w.receive_weights(-1, box[0].ipc, box[0].device_uuid)
     dist.barrier()  # the generator has copied: the trainer may drop its buckets
     if rank == 0:
-        w.release_weights()
+        w.free_sync_buckets()
         out.ipc = None
     model = w.trainer.model if rank == 0 else w.model
     return specs, out, _full(model)

@@ -58,13 +58,13 @@ class NativeEngine:
         # their memory back and resume_memory maps it at the same addresses (the graphs stay valid)
         self.weights: DeviceArena | None = _weights_arena(model) if releasable else None
         self.released = False
-        self.weights_stale = False  # released since the weights were last written (load_weights)
+        self.stale = False  # released since the weights were last written (load_weights)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
         """Sample continuations of `prompts`; rollouts in input order."""
         params.validate()
-        if self.weights_stale:
+        if self.stale:
             raise RuntimeError("generate: the engine's weights were released (release_memory) and not written since; "
                                "a weight sync (then load_weights) must come first")
         self.resume_memory()
@@ -180,7 +180,10 @@ class NativeEngine:
             self.state = state
         return state
 
-    def arena_bytes(self) -> int:
+    def weights_stale(self) -> bool:
+        return self.stale
+
+    def resident_bytes(self) -> int:
         """Device memory resident in this engine's arenas (not counted by torch's allocator)."""
         arenas = [self.weights, self.state.arena if self.state is not None else None]
         return sum(a.nbytes for a in arenas if a is not None and a.resident)
@@ -188,7 +191,7 @@ class NativeEngine:
     def load_weights(self) -> None:
         """The weights were written (weight sync writes the rank's model in place: same addresses, so
         kept decode graphs replay with the new values)."""
-        self.weights_stale = False
+        self.stale = False
 
     def release_memory(self, weights: bool = True) -> None:
         """Give the engine's device memory back between steps. Releasable: the KV cache's memory and,
@@ -204,7 +207,7 @@ class NativeEngine:
             self.state.release()
         if weights:
             self.weights.release()
-            self.weights_stale = True
+            self.stale = True
         self.released = True
         torch.cuda.empty_cache()  # what torch's allocator keeps for this process too
 

@@ -217,6 +217,12 @@ class VllmRankGenerator:
     def resume_memory(self) -> None:
         """Nothing was released."""
 
+    def resident_bytes(self) -> int:
+        return 0  # vLLM's memory is its workers', in their own processes
+
+    def weights_stale(self) -> bool:
+        return False
+
     def close(self) -> None:
         self.engine.shutdown()
         if self._tmp is not None:

@@ -1,0 +1,210 @@
+"""One RL step on the driver: the batch, the generator's rollouts, rewards, GRPO advantages, the
+trainer's update, the token-by-token comparison of both sides and the weight sync — composed from
+the values each phase returns (rlalign.job) into the step's metrics.
+
+    batch = make_batch(cfg, task, tok, step)
+    result = run_step(job, cfg, task, tok, rewards, step, weights_fp)   # StepResult
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlalign.config import model_args
+from rlalign.factory import model_from_config, sampling_params
+from rlalign.job import Job
+from rlalign.logger import json_line
+from rlalign.model import save_hf
+from rlalign.monitor.consistency import compare
+from rlalign.monitor.divergence import report, tap_order
+from rlalign.rollout.types import Rollout, SamplingParams
+from rlalign.tasks import Example
+from rlalign.tasks.reward_calls import RewardCall, RewardCaller
+from rlalign.training.losses import grpo_advantages
+from rlalign.training.plan import Sample
+
+
+class MismatchError(RuntimeError):
+    pass
+
+
+def step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+@dataclass
+class StepBatch:
+    """One step's work: the examples (each prompt repeated samples_per_prompt times), their
+    token ids, their sample ids (a pure function of the step) and the sampling parameters."""
+
+    examples: list[Example]
+    prompts: list[list[int]]
+    sample_ids: list[int]
+    params: SamplingParams
+
+
+def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
+    P, G = cfg.task.num_prompts, cfg.task.samples_per_prompt
+    examples = [ex for ex in task.examples(step, P) for _ in range(G)]
+    prompts = [tok.encode(ex.prompt, where=f"step {step} prompt") for ex in examples]
+    params = sampling_params(cfg, tok.eos_token_id, step_seed(cfg.seed, step), cfg.task.max_new_tokens)
+    return StepBatch(examples, prompts, [step * P * G + i for i in range(P * G)], params)
+
+
+def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[Rollout],
+                  step: int) -> tuple[list[float], list[str], int]:
+    """The rewards in sample order, the completions, and how many calls timed out (fallback used)."""
+    calls, texts = [], []
+    for ex, r in zip(batch.examples, rollouts):
+        completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
+        texts.append(completion)
+        calls.append(RewardCall(completion, ex, f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, "
+                                                f"completion {completion!r})"))
+    values, timed_out = rewards.score(calls, f"step {step}")
+    return values, texts, timed_out
+
+
+def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
+                 stats: dict[str, float]) -> dict:
+    N = len(rollouts)
+    upd_tokens = max(1, cons["tokens"] * cfg.algorithm.ppo_epochs)
+    lengths = [len(r.tokens) for r in rollouts]
+    sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
+    metrics = {
+        "reward/mean": sum(rewards) / N,
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "prompt/tokens": sum(len(r.prompt) for r in rollouts),
+        "prompt/length_mean": sum(len(r.prompt) for r in rollouts) / N,
+        "response/tokens": sum(lengths),
+        "response/length_mean": sum(lengths) / N,
+        "response/length_min": min(lengths),
+        "response/length_max": max(lengths),
+        "response/clip_frac": sum(r.finish_reason == "length" for r in rollouts) / N,  # stopped by max_new_tokens
+        "response/eos_frac": sum(r.finish_reason == "eos" for r in rollouts) / N,
+        # mean -log p of the sampled tokens under the generator: the Monte-Carlo estimate of the
+        # per-token entropy of the sampling distribution
+        "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
+        **{f"consistency/{k}": v for k, v in cons.items()},
+        "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
+        "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
+        "actor/ratio_mean": stats.get("ratio_sum", 0.0) / upd_tokens,
+        "actor/ratio_max": stats.get("ratio_max", 0.0),
+        "actor/ratio_min": stats.get("ratio_min", 0.0),
+        "actor/grad_norm": stats.get("grad_norm_last", 0.0),
+        "actor/lr": cfg.trainer.lr,
+    }
+    if cfg.algorithm.tis.enabled:
+        metrics.update({
+            "tis/weight_mean": stats["tis_weight_sum"] / upd_tokens,
+            "tis/weight_max": stats["tis_weight_max"],
+            "tis/weight_min": stats["tis_weight_min"],
+            "tis/clipped_frac": stats["tis_clipped_sum"] / upd_tokens,
+        })
+    if cfg.algorithm.icepop.enabled:
+        metrics["icepop/masked_frac"] = stats["icepop_masked_sum"] / upd_tokens
+    if cfg.algorithm.kl_coef > 0:
+        metrics["kl/ref_k3"] = stats.get("ref_kl_sum", 0.0) / upd_tokens
+    return metrics
+
+
+@dataclass
+class StepResult:
+    metrics: dict  # the step's line of metrics.jsonl (without the loop's own times)
+    samples: list[dict]  # one row per sample: prompt, completion, answer, reward
+    detail: dict | None  # when tokens differ: worst tokens and where each mismatch began
+    weights_fp: str  # the generator's weights after the step's sync
+
+
+def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, step: int,
+             weights_fp: str) -> StepResult:
+    """generate -> rewards -> GRPO advantages -> train -> compare the two sides -> weight sync.
+    `weights_fp`: what the generator holds going in (a mismatch dump names it)."""
+    t0 = time.perf_counter()
+    batch = make_batch(cfg, task, tok, step)
+    gen = job.generate(batch.prompts, batch.sample_ids, batch.params, step)
+    rollouts = gen.rollouts
+    t1 = time.perf_counter()
+    rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
+    adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
+    t2 = time.perf_counter()
+    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
+    trained = job.train(samples, step, gen.need_bytes)
+    t3 = time.perf_counter()
+    cons = compare([r.logprobs for r in rollouts], trained.logprobs)
+    detail = None
+    if cons["mismatched_tokens"]:
+        detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows)
+        if cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
+            dump = dump_mismatch(job, cfg, step, detail, batch, rollouts, weights_fp)
+            raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
+                                f"generator and trainer in deterministic mode (max |d| "
+                                f"{cons['logprob_abs_diff_max']:.3g}, first divergence: "
+                                f"{detail['first_divergent_op'] or 'unknown (monitor.fingerprints=layers names it)'}); "
+                                f"batch, weights and config dumped to {dump} (replay: rlalign agree "
+                                f"agree.replay={dump})")
+    t4 = time.perf_counter()
+    synced = job.sync_weights(step, trained.direct_sync)
+    t5 = time.perf_counter()
+
+    metrics = step_metrics(cfg, rewards, rollouts, cons, trained.stats)
+    metrics["reward/timeouts"] = timed_out
+    metrics.update({"sync/weights_fp": synced.weights_fp, **synced.metrics, "time/generate_s": t1 - t0,
+                    "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
+                    "time/sync_s": t5 - t4, **gen.metrics, **trained.metrics})
+    seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
+    metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
+                    "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
+    rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": rew}
+            for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
+    if detail is not None:
+        if detail["first_divergent_op"]:
+            metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
+        with (Path(cfg.run.dir) / "divergence.jsonl").open("a") as f:
+            f.write(json_line({"step": step, **detail}) + "\n")
+        if cfg.kernels.mode == "deterministic":
+            metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens "
+                                            f"differ (first divergence: {detail['first_divergent_op']})")
+    return StepResult(metrics, rows, detail, synced.weights_fp)
+
+
+def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table) -> dict:
+    """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
+
+    bad, worst = [], []
+    for p, r, t in zip(prompts, rollouts, train_lps):
+        g = r.logprobs
+        for j in torch.nonzero(g.view(torch.int32) != t.view(torch.int32)).flatten().tolist():
+            pos = len(p) + j - 1  # the logits row that predicted token j
+            bad.append((r.sample_id, pos))
+            worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
+                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
+    worst.sort(key=lambda w: -w["abs_diff"])
+    args = model_args(cfg)
+    rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
+        "first_divergent_op": None, "tokens": [], "by_op": {}}
+    return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
+
+
+def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollout],
+                  weights_fp: str) -> Path:
+    """The offending batch, the generator's weights (a HF directory) and the config, for replay."""
+    out = Path(cfg.run.dir) / f"mismatch-step{step:06d}"
+    out.mkdir(parents=True, exist_ok=True)
+    state = job.generator_state()
+    model = model_from_config(OmegaConf.merge(cfg, {"device": "cpu"}))
+    model.load_state_dict(state)
+    save_hf(model, out / "weights")
+    record = {"step": step, "sampling": dataclasses.asdict(batch.params), "prompts": batch.prompts,
+              "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
+              "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
+              "weights_fp": weights_fp, **detail}
+    (out / "batch.json").write_text(json_line(record) + "\n")
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return out
