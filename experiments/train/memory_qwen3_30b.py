@@ -33,6 +33,7 @@ What is counted, per rank (bytes):
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -61,31 +62,32 @@ def activations_per_token(a) -> dict[str, int]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-30b-a3b-shape", help="a configs/model option")
-    ap.add_argument("--ep", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens of one micro-batch on one rank")
-    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per optimizer step")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    cfg = load_config([f"model={a.model}", f"trainer.ep_size={a.ep}"])
+def model_shapes(model: str, ep: int) -> tuple:
+    """(ModelArgs, dense parameter shapes {name: shape}, expert parameter count) of configs/model/MODEL.yaml,
+    built on the meta device (no memory)."""
+    cfg = load_config([f"model={model}", f"trainer.ep_size={ep}"])
     args = model_args(cfg)
-    model = build_model(args, "bfloat16", seed=None, device="meta")
-    params = dict(model.named_parameters())
-    dense = [n for n in params if not is_expert_param(n)]
-    D = sum(params[n].numel() for n in dense)
-    E = sum(p.numel() for n, p in params.items() if is_expert_param(n))
-    W = a.ep
-    E_loc = E // W
-    units = dense_units([(n, tuple(params[n].shape)) for n in dense], DEFAULT_UNIT_NUMEL)
+    params = dict(build_model(args, "bfloat16", seed=None, device="meta").named_parameters())
+    dense = {n: tuple(p.shape) for n, p in params.items() if not is_expert_param(n)}
+    return args, dense, sum(p.numel() for n, p in params.items() if is_expert_param(n))
+
+
+def trainer_memory(args, dense: dict, E: int, ep: int, tokens: int, micro_batches: int, world: int | None = None
+                   ) -> dict:
+    """Bytes per trainer rank (the most loaded one) with the experts split over `ep` ranks and the dense state
+    (data parallel, sharded with trainer.shard_dense) over `world` ranks (default ep; world = ep x dp when each
+    expert has dp replicas, whose expert gradient nodes meet once per step)."""
+    W = world or ep
+    D = sum(math.prod(s) for s in dense.values())
+    E_loc = E // ep
+    units = dense_units(list(dense.items()), DEFAULT_UNIT_NUMEL)
     owners = assign_units([u.numel for u in units], W)
     shares = [sum(u.numel for u, r in zip(units, owners) if r == k) for k in range(W)]
     D_share = max(shares)
 
     per_tok = activations_per_token(args)
     act_layer = sum(per_tok.values())
-    act_bytes = a.tokens * (act_layer * args.num_layers * 2 + args.vocab_size * 4)
+    act_bytes = tokens * (act_layer * args.num_layers * 2 + args.vocab_size * 4)
 
     def budget(shard: bool) -> dict:
         held = D_share if shard else D
@@ -101,10 +103,10 @@ def main() -> None:
             "clipped gradient copies at AdamW (grads * coef)": (held + E_loc) * 4,
             "all-gather of updated dense weights (bf16)": (W + 1) * D_share * 2 if shard else 0,
         }
-        M = a.micro_batches
+        M = micro_batches
         streamed = (W * M).bit_length() + 1  # reduce_nodes: maximal subtrees + the one arriving
         expert_tree = max(bin(i).count("1") for i in range(1, M + 1)) * E_loc * 4
-        layer_leaves = W * (E_loc // args.num_layers) * 2  # one MoE layer's per-source bf16 gradients
+        layer_leaves = ep * (E_loc // args.num_layers) * 2  # one MoE layer's per-source bf16 gradients
         backward = {
             "during backward: bf16 autograd gradients (dense + one layer's per-source expert leaves)":
                 D * 2 + layer_leaves,
@@ -116,6 +118,8 @@ def main() -> None:
             "after backward: expert gradient tree (fp32; = the expert gradients at 1 micro-batch per rank)":
                 expert_tree,
         }
+        if W > ep:
+            backward["after backward: a replica's expert tree node, received to merge (fp32)"] = E_loc * 4
         p = sum(persistent.values())
         base = p - persistent["fp32 gradients kept between steps"]  # replaced at the next forward_backward
         during = sum(v for k, v in backward.items() if k.startswith("during"))
@@ -130,17 +134,33 @@ def main() -> None:
         out["fits_h200"] = max(out["peak_at_optimizer_step_gib"], out["peak_in_backward_gib"]) <= H200_GIB
         return out
 
-    result = {
-        "model": f"configs/model/{a.model}.yaml",
-        "trainer_ep": W,
+    return {
         "params": {"total": D + E, "dense": D, "expert": E, "expert_per_rank": E_loc},
         "dense_sharding": {"unit_numel": DEFAULT_UNIT_NUMEL, "units": len(units), "share_per_rank": shares,
                            "max_share_fraction": D_share / D, "ideal_fraction": 1 / W},
-        "micro_batch": {"tokens_per_rank": a.tokens, "micro_batches_per_rank": a.micro_batches,
+        "micro_batch": {"tokens_per_rank": tokens, "micro_batches_per_rank": micro_batches,
                         "activation_elements_per_token_per_layer": per_tok,
                         "activation_gib": act_bytes / GIB},
         "unsharded": budget(False),
         "sharded": budget(True),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b-shape", help="a configs/model option")
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens of one micro-batch on one rank")
+    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per optimizer step")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    W = a.ep
+    args, dense, E = model_shapes(a.model, W)
+    mem = trainer_memory(args, dense, E, W, a.tokens, a.micro_batches)
+    result = {
+        "model": f"configs/model/{a.model}.yaml",
+        "trainer_ep": W,
+        **mem,
         "h200_usable_gib": H200_GIB,
         "note": "computed from shapes, not measured; bytes per rank of the most loaded rank. Dense sharding "
                 "saves 16 bytes per dense parameter held elsewhere (master, 2 moments, kept gradient); the "
@@ -152,8 +172,10 @@ def main() -> None:
         print(f"{k:10s} persistent {b['persistent_gib']:7.1f} GiB  optimizer-step peak "
               f"{b['peak_at_optimizer_step_gib']:7.1f} GiB  backward peak {b['peak_in_backward_gib']:7.1f} GiB  "
               f"fits one H200 ({H200_GIB:.0f} GiB): {b['fits_h200']}")
-    print(f"dense {D / 1e9:.3f} B params, experts {E / 1e9:.2f} B ({E_loc / 1e9:.2f} B per rank); max dense share "
-          f"{D_share / D:.4f} of the dense state (ideal {1 / W:.4f}) in {len(units)} units")
+    p, sh = mem["params"], mem["dense_sharding"]
+    print(f"dense {p['dense'] / 1e9:.3f} B params, experts {p['expert'] / 1e9:.2f} B "
+          f"({p['expert_per_rank'] / 1e9:.2f} B per rank); max dense share {sh['max_share_fraction']:.4f} of the "
+          f"dense state (ideal {1 / W:.4f}) in {sh['units']} units")
     name = "memory_qwen3_30b" if a.model == "qwen3-30b-a3b-shape" else f"memory_{a.model}_ep{W}"
     print("wrote", record.write(name, {"result": result}, a.out))
 
