@@ -72,11 +72,13 @@ def model_shapes(model: str, ep: int) -> tuple:
     return args, dense, sum(p.numel() for n, p in params.items() if is_expert_param(n))
 
 
-def trainer_memory(args, dense: dict, E: int, ep: int, tokens: int, micro_batches: int, world: int | None = None
-                   ) -> dict:
+def trainer_memory(args, dense: dict, E: int, ep: int, tokens: int, micro_batches: int, world: int | None = None,
+                   dense_leaves_held: bool = True) -> dict:
     """Bytes per trainer rank (the most loaded one) with the experts split over `ep` ranks and the dense state
     (data parallel, sharded with trainer.shard_dense) over `world` ranks (default ep; world = ep x dp when each
-    expert has dp replicas, whose expert gradient nodes meet once per step)."""
+    expert has dp replicas, whose expert gradient nodes meet once per step). dense_leaves_held=False: a proposed
+    reduction that sends each dense leaf's slices to their owners as the leaf is made (each owner runs the tree
+    of its slice), instead of keeping a rank's own leaves until every rank broadcasts its nodes."""
     W = world or ep
     D = sum(math.prod(s) for s in dense.values())
     E_loc = E // ep
@@ -112,9 +114,10 @@ def trainer_memory(args, dense: dict, E: int, ep: int, tokens: int, micro_batche
                 D * 2 + layer_leaves,
             "during backward: activations": act_bytes,
             "during backward: expert gradient tree (fp32 nodes of the steps and layers done)": expert_tree,
-            "during backward: dense gradient tree (own bf16 leaves of the earlier micro-batches)": (M - 1) * D * 2,
+            "during backward: dense gradient tree (own bf16 leaves of the earlier micro-batches)":
+                (M - 1) * D * 2 if dense_leaves_held else 0,
             "after backward: dense gradient tree (own bf16 leaves + reduce_nodes' streamed fp32 nodes)":
-                M * D * 2 + streamed * D * 4,
+                M * D * 2 + streamed * D * 4 if dense_leaves_held else D * 2 + streamed * D * 4 // W,
             "after backward: expert gradient tree (fp32; = the expert gradients at 1 micro-batch per rank)":
                 expert_tree,
         }
