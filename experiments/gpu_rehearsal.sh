@@ -54,6 +54,6 @@ checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run"
     trainer.shard_dense=true run.steps=$STEPS task.num_prompts=$TRAIN_PROMPTS task.samples_per_prompt=$SPP \
     task.max_new_tokens=$NEW checkpoint.every=0 monitor.on_mismatch=warn run.dir=$run 2>&1 \
     | grep -E "^step|Error|error" | tail -8
-  python3 experiments/gpu_rl_summary.py $run "train_${MODEL}_tep${TEP}_gep${gep}_${TAG}" --out "$OUT" \
+  python3 experiments/rl/gpu_rl_summary.py $run "train_${MODEL}_tep${TEP}_gep${gep}_${TAG}" --out "$OUT" \
     --warmup 1 --command "$cmd"
 done

@@ -3,7 +3,8 @@ machine, date, code, command and `what_it_shows`), so the table cannot drift fro
 
     python experiments/table.py            print the table
     python experiments/table.py --write    rewrite it in experiments/README.md
-    python experiments/table.py --check    exit 1 when README.md's table is not the generated one
+    python experiments/table.py --check    exit 1 when README.md's table is not the generated one, or a
+                                           result's script is neither in the tree nor at its commit
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +26,8 @@ HEADER = ("| result | machine | date | code | command | what it shows |\n"
 # a result file is named by benchmark, model and machine; these suffixes name a run instead (older
 # runs live in git history)
 RUN_SUFFIX = re.compile(r"_(v\d+|s\d+|session\d*|before|after|old|new|run\d+|final|explore|fused)(_|\.json$)")
+SCRIPT = re.compile(r"experiments/[\w/.-]+?\.(?:py|sh)\b")
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 
 def _cell(value) -> str:
@@ -61,6 +65,29 @@ def table(results: Path = RESULTS) -> str:
     return "\n".join([HEADER, *rows])
 
 
+def git_succeeds(*args: str) -> bool:
+    return subprocess.run(["git", *args], cwd=HERE, capture_output=True).returncode == 0
+
+
+def scripts_missing(results: Path = RESULTS) -> list[str]:
+    """The scripts a result's command names that are neither in the tree (a group folder's file of that name:
+    moved) nor at the result's `git_commit` or `script_commit` (removed: the result keeps its commit). Empty
+    outside a git checkout (no history to look in)."""
+    if not git_succeeds("rev-parse", "--git-dir"):
+        return []
+    here = {p.name for p in HERE.rglob("*") if p.suffix in (".py", ".sh")}
+    out = []
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text())
+        commits = COMMIT.findall(f"{record.get('git_commit') or ''} {record.get('script_commit') or ''}")
+        for script in sorted(set(SCRIPT.findall(str(record.get("command") or "")))):
+            held = any(git_succeeds("cat-file", "-e", f"{c}:{script}") for c in commits)
+            if Path(script).name not in here and not held:
+                out.append(f"experiments/results/{path.name}: {script} is neither in the tree nor at its commit "
+                           f"{commits or '(none)'}; name a commit that holds it as `script_commit`")
+    return out
+
+
 def with_table(readme: str, tbl: str) -> str:
     """readme with the text between BEGIN and END replaced by tbl."""
     start, end = readme.find(BEGIN), readme.find(END)
@@ -81,6 +108,8 @@ def main() -> None:
     text = README.read_text()
     new = with_table(text, tbl)
     if a.check:
+        if missing := scripts_missing():
+            sys.exit("\n".join(missing))
         sys.exit(0 if new == text else "experiments/README.md: the results table is stale; run "
                  "`python experiments/table.py --write`")
     README.write_text(new)

@@ -17,7 +17,7 @@ def embedding(weight, tokens):
 
 
 def grouped_linear(x, w, counts: list[int] | torch.Tensor):
-    """The per-expert F.linear loop (experiments/bench_triton.py also measures torch._grouped_mm)."""
+    """The per-expert F.linear loop (experiments/kernels/bench_triton.py also measures torch._grouped_mm)."""
     if isinstance(counts, torch.Tensor):  # split sizes on the host (a sync on a GPU)
         counts = counts.tolist()
     counts = [*counts, x.shape[0] - sum(counts)]  # rows past the groups: padding, zeros out

@@ -27,7 +27,7 @@ the previous checkpoint the latest one.
 Bounded staging. DCP writes one file at a time: the file's tensors are copied from the trainer's
 own (device) tensors to host memory, serialised and written, then the next file's. A save needs a
 small multiple of one bucket in host memory (the host copies, safetensors' per-tensor bytes and
-the file's bytes: 3-4 buckets), never the whole state (experiments/bench_checkpoint_host_memory.py).
+the file's bytes: 3-4 buckets), never the whole state (experiments/train/bench_checkpoint_host_memory.py).
 
 Asynchronous saves. AsyncSaver.save() fingerprints this rank's tensors on their device and returns;
 a background thread writes them bucket by bucket from the trainer's own tensors (over a gloo group

@@ -40,6 +40,8 @@ def private_offences(path: Path, text: str) -> list[str]:
     relative import, or a sibling script of experiments/)."""
     tree = ast.parse(text)
     siblings = {p.stem for p in (ROOT / path).parent.glob("*.py")}
+    if path.parts[0] == "experiments":  # a group folder's scripts import experiments/record.py too
+        siblings |= {p.stem for p in (ROOT / "experiments").glob("*.py")}
     ours, out = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
@@ -87,5 +89,6 @@ def test_negative_twins_are_found(tmp_path):
     assert private_offences(bad, "from .common import _cached\n")
     assert private_offences(bad, "from rlalign.kernels.triton import common\ncommon._CACHE.clear()\n")
     assert private_offences(bad, "import helper\nhelper._x = 1\n")
+    assert private_offences(Path("experiments/rl/x.py"), "import record\nrecord._git('x')\n")
     assert private_offences(bad, "import rlalign.training.trainer as tr\ntr.Trainer._collect_leaves = None\n")
     assert not private_offences(bad, "import torch\ntorch._grouped_mm\nfrom rlalign import kernels\nkernels.use\n")

@@ -1,9 +1,10 @@
-"""experiments/: the README's results table is the one generated from results/*.json, and result files
-are named by benchmark, model and machine (no run suffixes)."""
+"""experiments/: the README's results table is the one generated from results/*.json, result files are named by
+benchmark, model and machine (no run suffixes), and every result's script is in the tree or at its commit."""
 
 import importlib.util
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,17 @@ def test_every_result_says_what_it_shows(tmp_path):
     (tmp_path / "bench_x_cpu.json").write_text(json.dumps({"command": "python experiments/bench_x.py"}))
     with pytest.raises(ValueError, match="what_it_shows"):
         table.table(tmp_path)
+
+
+def test_every_results_script_is_in_the_tree_or_at_its_commit(tmp_path):
+    assert table.scripts_missing() == []
+    if not table.git_succeeds("rev-parse", "--git-dir"):
+        pytest.skip("not a git checkout: no history to look in")
+    # negative twin: a script that never existed, at a commit that exists (the one table.py came in with)
+    head = subprocess.run(["git", "log", "-1", "--format=%H", "--", "experiments/table.py"], cwd=EXPERIMENTS,
+                          capture_output=True, text=True).stdout.strip()
+    (tmp_path / "bench_gone_cpu.json").write_text(json.dumps({"command": "python experiments/bench_gone.py",
+                                                              "git_commit": head, "what_it_shows": "x"}))
+    (tmp_path / "bench_moved_cpu.json").write_text(json.dumps({"command": "python experiments/table.py",
+                                                               "git_commit": "", "what_it_shows": "x"}))
+    assert [m.split(":")[0] for m in table.scripts_missing(tmp_path)] == ["experiments/results/bench_gone_cpu.json"]

@@ -18,15 +18,14 @@ import triton.language as tl
 
 from .common import INTERPRET, Launch, cached, check_inputs, host_free_dot, num_sms, work_table
 
-# The pinned configs (how each was measured on the H200: experiments/README.md). Prefill, decode and
+# The pinned configs (how each was measured on the H200: experiments/README.md, History). Prefill, decode and
 # paged rows share BLOCK_N and CHUNK, the key blocks and chunks a row reduces over in order: part of the
 # contract. CHUNK is a constant, never a function of the batch or the GPU: only where a chunk is computed
 # (chunks_per_program) varies with them, never its bits. Tile heights may differ between the kinds: all
 # are wgmma tiles (BLOCK_M >= 64; decode with BLOCK_M=16 takes mma.sync and was not bitwise equal to
 # prefill). fp32 tiles take twice the shared memory: fewer stages. bf16 prefill: 64-row tiles of one
-# warpgroup (two tiles' accumulators, the chunk's and the fold's, stay in registers), 1.01x / 1.07x the
-# speed of SDPA's flash kernel at T 512 / 4096 where 128-row tiles of 8 warps ran 0.86x / 1.03x, same bits
-# (experiments/bench_vs_vendor.py --sweep fwd).
+# warpgroup (two tiles' accumulators, the chunk's and the fold's, stay in registers; faster than 128-row
+# tiles of 8 warps, same bits).
 # decode (rows modes), none of them moves a bit: COMBINE_UNROLL, the chunk partials the split-K fold
 # loads at once; PAGED_PRE_MAX, a paged program loads the block-table entries of its keys in one vector
 # load before its key loop while they number at most this many (0: never), and picks each block's pages
@@ -34,9 +33,8 @@ from .common import INTERPRET, Launch, cached, check_inputs, host_free_dot, num_
 # (num_stages PAGED_STAGES: triton splits the stages between the table load and the K/V loads it feeds);
 # PAGED_OFF32, a paged program's key offsets in int32 when every offset of the page pool fits (the host
 # checks the view's extent; else int64); HEADS_MINOR, rows folded in registers run on a 1-D grid with a
-# row's kv heads adjacent (program w * Hk + hk) instead of (row, kv head) with the rows adjacent: at
-# 2,048 rows 1-6 % faster (the kv heads of a key share its DRAM pages), at 256 rows the same
-# (results/sweep_decode_attention_heads_h200.json).
+# row's kv heads adjacent (program w * Hk + hk) instead of (row, kv head) with the rows adjacent (the kv
+# heads of a key share its DRAM pages).
 ATTN_FWD = {
     torch.bfloat16: dict(BLOCK_N=64, CHUNK=256, prefill=dict(BLOCK_M=64, num_stages=3, num_warps=4),
                          decode=dict(BLOCK_M=64, num_stages=3, num_warps=4, COMBINE_UNROLL=16, PAGED_PRE_MAX=256,
@@ -96,8 +94,8 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     (the kernel runs without FMA contraction, so both forms round the same operations). PAGED: key j
     is slot j % PAGE of page bt_ptr[j // PAGE], looked up per key (_page_of: loaded, or picked from
     the program's preloaded entries), so a block may span pages or share one (BLOCK_N and PAGE either
-    way round; one lookup per page, addresses built as [pages, PAGE] and flattened, measured 1.7-2x
-    slower on the H200); otherwise key j is row kbase + j * skn."""
+    way round; one lookup per page, addresses built as [pages, PAGE] and flattened, ran slower on the
+    H200); otherwise key j is row kbase + j * skn."""
     rn = j0 + tl.arange(0, BLOCK_N)
     kmask = rn < n_keys
     if PAGED:

@@ -1,11 +1,10 @@
-"""The GEMM kernel's pinned configs (kernels/triton/gemm.py), per dtype and M bucket, with the measurements
-that chose them. Scheduling only: every config of a family reduces K through the same chain, so the bits are
-the main config's whatever the bucket."""
+"""The GEMM kernel's pinned configs (kernels/triton/gemm.py), per dtype and M bucket. Scheduling only: every
+config of a family reduces K through the same chain, so the bits are the main config's whatever the bucket.
+The measurements that chose them (H200): experiments/README.md, History, "GEMM configs"."""
 
 import torch
 
-# The contract: one config per dtype (and one for the interpreter), never autotuned. How each
-# config was chosen and measured (H200): experiments/README.md (results/triton_NVIDIA_H200.json, History).
+# The contract: one config per dtype (and one for the interpreter), never autotuned.
 MATMUL_CONFIGS = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8, TMA=True),
     torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8, TMA=True),
@@ -14,20 +13,15 @@ MATMUL_CONFIGS = {
 INTERPRET_MATMUL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4)
 # Small M (decode, small batches: M <= 256 rows), for linear and linears alike: tiles 64 rows high, the
 # narrowest of 16 / 32 / 64 / 128 columns whose tiles fit in one wave (<= one per SM); where none fits,
-# the main config once its own tiles fill a wave (the lm head at 256 rows ran 0.68x cuBLAS in 64 x 128
-# tiles), else 128 columns. No split-K: more, narrower tiles keep the SMs busy. FLATTEN (the next tile's
-# loads under the current one): the 64-column member always (as measured), the 128-column one only where
-# a program runs several tiles (in one wave it ran 0.89x cuBLAS flattened, 1.01x not). A config may join
-# only if every element still reduces K in the main config's order through the same chain of k16 MMAs
-# into one fp32 accumulator (BLOCK_K 64, 128 or 256 cut that chain at other points, never reorder it),
-# and its rows measured bitwise equal to the main config's on the GPU (experiments/bench_vs_vendor.py
-# --sweep gemm: 20 candidates, 0 rows differing at M = 1, 16, 64, 256; tests/gpu/test_triton_gpu.py:
-# M = 1..299). At M <= 32 the rows past M are masked (MASK_M) instead of read from row 0: every program
-# reading the same row is an L2 hot spot (M = 1, N = K = 4096 under CUDA graphs: 0.34x -> 1.01x cuBLAS).
-# Measured: results/kernels_vs_vendor_h200.json (linear), results/linears_H200.json (q, k, v in one
-# launch). Past 256 rows: the main config, except where its tiles would not fill half the SMs (a narrow
-# weight's gradient; in decode the router [64, 2048] at 2,048 rows, 16 tiles): the 128-column member,
-# 39.8 -> 18.9 us for that router, o_proj at 1,024 rows 27.4 -> 23.4 us (results/sweep_decode_gemm_h200.json).
+# the main config once its own tiles fill a wave, else 128 columns. No split-K: more, narrower tiles keep
+# the SMs busy. FLATTEN (the next tile's loads under the current one): the 64-column member always, the
+# 128-column one only where a program runs several tiles. A config may join only if every element still
+# reduces K in the main config's order through the same chain of k16 MMAs into one fp32 accumulator
+# (BLOCK_K 64, 128 or 256 cut that chain at other points, never reorder it), and its rows are bitwise equal
+# to the main config's on the GPU (tests/gpu/test_triton_gpu.py: M = 1..299). At M <= 32 the rows past M
+# are masked (MASK_M) instead of read from row 0: every program reading the same row is an L2 hot spot.
+# Past 256 rows: the main config, except where its tiles would not fill half the SMs (a narrow weight's
+# gradient; in decode the router [64, 2048] at 2,048 rows, 16 tiles): the 128-column member.
 _SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_stages=6, num_warps=4),
             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
@@ -41,16 +35,9 @@ INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
 # 1,024 / 2,048 rows ~128 / 256 (bench-moe-large's gate_up [1536, 2048] and down [2048, 768]); past the table
 # (prefill, training: one config there, so new token counts compile nothing), the main config. Up to 32 rows
 # (decode up to 256 tokens) 64 x 128 tiles with two programs per SM (PER_SM: one program's tile changes under the
-# other's loads): the experts' gate_up over the gathered token rows 116.7 -> 109.6 us (3.67 TB/s of weights; a
-# device copy of the same bytes 4.14), down 61.4 -> 62.2 us, bits equal (experiments/bench_decode_bandwidth.py,
-# results/decode_bandwidth_h200.json). Up to 512 rows per expert (1,024-4,096 tokens: an expert's last tile often
-# holds a few rows): the main tiles with a fourth stage, an expert's last tile of at most 64 rows run 64 rows high
-# (HALF_TAIL: half the MMAs) and a program per tile (the hardware hands out tiles of two sizes). At 1,024 tokens
-# gate_up 159-160 -> 146-147 us, down 91-92 -> 81.5 us against the 64 x 256 tiles
-# (results/sweep_grouped_sched_h200.json); gate_up at 2,048 tokens 248-249 -> 229-230 us, at 4,096 429-430 -> 412
-# against the main tiles (4 stages / 3); the backward's dX (weights N-contiguous) at 1,024-4,096 tokens 0.67-1.02x
-# (results/sweep_grouped_sched_dx_h200.json).
-# Bits equal to the main config's in every case (experiments/sweep_grouped_sched.py).
+# other's loads). Up to 512 rows per expert (1,024-4,096 tokens: an expert's last tile often holds a few rows): the
+# main tiles with a fourth stage, an expert's last tile of at most 64 rows run 64 rows high (HALF_TAIL: half the
+# MMAs) and a program per tile (the hardware hands out tiles of two sizes). Bits equal to the main config's.
 TILE_PER_PROGRAM = 1024  # PER_SM this high: the grid is the host's bound on the tiles, a program per tile
 _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, PER_SM=2,
                             TMA=True)),
@@ -58,17 +45,13 @@ _GROUPED_SMALL = [(32, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_
                              TMA=False))]
 GROUPED_SMALL_M: dict = {torch.bfloat16: _GROUPED_SMALL, torch.float16: _GROUPED_SMALL}
 # Short K (at most 768: <= 12 K chunks a tile, the experts' down [768 -> 2048]) past 128 rows per group, weights
-# read K-contiguous (the forward; dX's N-contiguous weights ran flattened at half speed): the main tiles with the
-# tile loop flattened (the next tile's loads under this one's epilogue): bench-moe-large's down at 2,048 / 4,096
-# / 8,192 tokens 136-143 -> 125-126, 227-261 -> 207-218, 448-467 -> 390-393 us, bits equal
-# (experiments/sweep_grouped_sched.py, counts from a router and iid). (max K, past rows per group, config)
+# read K-contiguous (dX's N-contiguous weights ran flattened at half speed): the main tiles with the tile loop
+# flattened (the next tile's loads under this one's epilogue). (max K, past rows per group, config)
 _SHORT_K = (768, 128, dict(MATMUL_CONFIGS[torch.bfloat16], FLATTEN=True))  # TMA: the main config's
 GROUPED_SHORT_K: dict = {torch.bfloat16: _SHORT_K, torch.float16: _SHORT_K}
 # The grouped weight gradient (dW[e] = g_e^T x_e, K = the expert's rows): the main tiles with 4 stages and
 # the tile loop flattened (the next tile's loads under this one's epilogue: ~20 K steps a tile at a training
-# micro-batch's ~1,250 rows per expert): bench-moe-large's gate_up dW 534 -> 584 TFLOP/s, down_proj's
-# 474 -> 469 (bench_vs_vendor.py --sweep main, every output equal to the main config's bits). The forward
-# and dX keep the main config (flattened they ran at half its speed).
+# micro-batch's ~1,250 rows per expert). The forward and dX keep the main config (flattened: half its speed).
 _WGRAD = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8, FLATTEN=True)
 GROUPED_WGRAD: dict = {torch.bfloat16: _WGRAD, torch.float16: _WGRAD}
 
@@ -77,13 +60,5 @@ GROUPED_WGRAD: dict = {torch.bfloat16: _WGRAD, torch.float16: _WGRAD}
 # forward GEMMs, and the one-launch linears where their weights tile one address range; a weight gradient, dX,
 # linears of weights apart, gathered rows and SWIGLU's [gate | up] columns keep pointers): the same K chunks into
 # the same tl.dot, bits equal (tests/gpu/test_triton_gpu.py, test_linears_gpu.py). Decided per config, never by
-# the batch (a new token count compiles nothing). Measured on bench-moe-large's shapes (H200, CUDA graphs,
-# experiments/sweep_gemm_tma.py, results/sweep_gemm_tma_h200.json, pointers -> TMA): the experts' down at 256 /
-# 2,048 / 8,192 tokens 63.1 -> 59.0, 126.3 -> 114.8, 444.4 -> 416.4 us; a sorted gate_up without the SwiGLU
-# epilogue at 8,192 tokens 729.2 -> 685.8; lm head at 2,048 / 8,192 rows 434.1 -> 420.9, 1727.6 -> 1652.4; router
-# [64, 2048] at 2,048 / 8,192 rows 16.0 -> 12.3, 32.6 -> 22.1 (its tiles overhang N: pointer loads re-read column 0,
-# the copy engine fills zeros). A program makes its descriptors once, about a microsecond: where each program runs
-# one tile or two it costs (lm head at 256 rows 56.9 -> 58.4), and where a program runs one tile each (the grouped
-# bucket of <= 512 rows, a program per tile: down at 1,024 tokens 81.5 -> 97.0, the sorted gate_up at 2,048 215.4 ->
-# 230.5) the config keeps pointers. B alone by TMA under gathered A rows ran 2-4 % slower (gate_up at 256-8,192
-# tokens), A alone (q/k/v in one launch) no faster.
+# the batch (a new token count compiles nothing). A program makes its descriptors once, about a microsecond:
+# where a program runs one tile each (the grouped bucket of <= 512 rows) the config keeps pointers.

@@ -298,9 +298,7 @@ def moe_slot_linear(x, order, dest, k: int, w, counts: torch.Tensor):
 def moe_slot_swiglu(x, order, dest, k: int, w, counts: torch.Tensor):
     """swiglu_halves(moe_slot_linear(x, order, dest, k, w, counts)) (w [E, 2I, D]: gate | up) -> [T * k, I], the
     same bits; without a gradient ONE launch that never writes the [T * k, 2I] product (grouped_mm's swiglu), with
-    one the two ops (their backward needs the product). bench-moe-large's gate_up at 256-8,192 tokens (H200, CUDA
-    graphs): 0.96-0.98x the two launches' time, the largest decode graph 14.85 -> 14.65 ms at 2,048 rows
-    (experiments/bench_swiglu_fused.py, results/bench_swiglu_epilogue_h200.json, bench_swiglu_engine_h200.json)."""
+    one the two ops (their backward needs the product). Measured: experiments/README.md, History."""
     x, w, order = _slot_args(x, order, dest, k, w, counts)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return swiglu_halves(_SlotLinear.apply(x, w, counts, order, dest.contiguous(), int(k)))

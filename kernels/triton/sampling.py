@@ -2,9 +2,8 @@
 logits rlalign.kernels.temper(logits, scale) from the logits in any float dtype, upcast (exact) and
 scaled in registers (common.upcast_scaled): a step makes no separate fp32 copy of [B, V] and no pass
 for the temperature. The filter's first pass writes the tempered values into its fp32 output: its search
-levels read them there as they read an fp32 row (one write beats upcasting and scaling at every level:
-bf16 levels took ~10 % longer, experiments/bench_sampler_passes.py), and the draw and the logprob then
-read the filtered output.
+levels read them there as they read an fp32 row (one write beats upcasting and scaling at every level),
+and the draw and the logprob then read the filtered output.
 
 filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
 max and key range, then the threshold search, level by level: first FILTER_WAYS bins of equal width
@@ -42,12 +41,10 @@ from .logprob import row_lse
 
 U64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread): 0.91x the time of 1,024-column chunks reduced
-# chunk by chunk at 2048 x 32000, 0.77x at 256 x 32000 (experiments/results/sweep_gumbel_h200.json, 'lanes b512')
+DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread), each keeping its own best over the chunks
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_WAYS, FILTER_BLOCK] comparisons
 FILTER_STREAM = 2048  # the chunk of the passes that only stream the row (max, compaction, the output)
-# [WAYS, BLOCK] sums with 2,048-column streams: 0.78-0.93x the time of [BLOCK, WAYS] sums with 1,024-column streams at
-# 2048 x 32000, 256 x 32000 and 256 x 151936 (experiments/results/sweep_filter_sums_h200.json)
+# [WAYS, BLOCK]: a lane's ways sit in its own registers (no shuffle through shared memory to sum a level)
 FILTER_WARPS = 8  # warps of a row's program
 
 
