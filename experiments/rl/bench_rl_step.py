@@ -302,8 +302,8 @@ def parts(a) -> None:
     from rlalign.config import load_config
     from rlalign.factory import apply_kernels, model_from_config
     from rlalign.parallel import weight_sync
-    from rlalign.rl import make_batch, score_rewards
     from rlalign.rollout.generator import make_generator
+    from rlalign.step import make_batch, score_rewards
     from rlalign.tasks import make_task
     from rlalign.tasks.reward_calls import RewardCaller
     from rlalign.tasks.tokenizer import make_tokenizer

@@ -32,7 +32,7 @@ from record import RESULTS, environment  # noqa: E402
 
 from rlalign import cluster  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
-from rlalign.rl import Job  # noqa: E402
+from rlalign.job import Job  # noqa: E402
 from rlalign.training.trainer import Sample  # noqa: E402
 
 TARGETS_S = {"bench-moe": 0.2, "bench-moe-large": 2.0}  # seconds per sync, 2xH200
@@ -85,17 +85,19 @@ def bench_one(model: str, mode: str, a) -> dict:
         res["actors_start_s"] = time.perf_counter() - t
         log(f"{model} {mode}: actors up in {res['actors_start_s']:.1f}s")
         t = time.perf_counter()
-        fp0 = job.sync_weights(-1)
+        first = job.sync_weights(-1)
+        fp0 = first.weights_fp
         res["first_sync_s"] = time.perf_counter() - t  # plans, process group, NCCL init
-        res["bytes"], res["buckets"] = job.last_sync["sync/bytes"], job.last_sync["sync/buckets"]
+        res["bytes"], res["buckets"] = first.metrics["sync/bytes"], first.metrics["sync/buckets"]
         res["perturb_train_step_s"] = _perturb(job, cfg, 0)
         _perturb(job, cfg, 1)  # the weights move again: what the generator holds next came by the device path
         times, fps, sides = [], set(), []
         for k in range(a.reps):
             t = time.perf_counter()
-            fps.add(job.sync_weights(k))
+            synced = job.sync_weights(k)
             times.append(time.perf_counter() - t)
-            sides.append((job.last_sync["time/sync_trainer_s"], job.last_sync["time/sync_generator_s"]))
+            fps.add(synced.weights_fp)
+            sides.append((synced.metrics["time/sync_trainer_s"], synced.metrics["time/sync_generator_s"]))
         res["device"] = {"median_s": statistics.median(times), "min_s": min(times), "times_s": times,
                          "trainer_side_median_s": statistics.median(s[0] for s in sides),
                          "generator_side_median_s": statistics.median(s[1] for s in sides),
