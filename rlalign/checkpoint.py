@@ -75,17 +75,23 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     FORMAT,
     FPS,
     META,
+    PROBE_MAX_BYTES,
     ST_DTYPE,
     SUFFIX,
     CheckpointError,
     Damage,
+    Progress,
     cause,
     checkpoint_dir,
     damaged,
     fsync_dir,
+    grace_warning,
     list_complete,
+    measure_write_rate,
     newest_intact,
     oneline,
+    probe_bytes,
+    published,
     rank_of_file,
     read_header,
     read_json,
@@ -93,9 +99,12 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     resolve_resume,
     run_dir_of,
     shard_name,
+    size_text,
     step_of,
     tmp_path,
     verify,
+    wait_published,
+    watch_save,
     write_json_atomic,
 )
 from rlalign.faults import maybe_fail
@@ -334,6 +343,22 @@ class AsyncSaver:
         return pending.result() if pending is not None else None
 
 
+def _counting_planner(progress: Progress | None):
+    """DCP's default load planner, reporting the bytes read so far to `progress` (None: silent)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Counting(DefaultLoadPlanner):
+        done = 0
+
+        def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+            super().commit_tensor(read_item, tensor)
+            if progress is not None:
+                self.done += tensor.numel() * tensor.element_size()
+                progress.update(self.done)
+
+    return Counting()
+
+
 def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None) -> dict:
     """Load a checkpoint into `state` (Trainer.checkpoint_state() of this rank; all ranks call it
     together). Checks the files (verify), reads into CPU buffers through DCP's safetensors reader,
@@ -353,17 +378,20 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
             raise damaged(path, Damage(e["file"], f"tensor {k!r} is {e['dtype']}{e['shape']}, the trainer holds "
                                                     f"{ST_DTYPE.get(t.dtype, t.dtype)}{list(t.shape)}"))
         buf[k] = torch.empty(t.shape, dtype=t.dtype)
+    progress = Progress(f"rlalign: loading {path} (rank 0's part)", sum(t.numel() * t.element_size()
+                                                                       for t in buf.values()))
     try:
         with _quiet_single_process():
             dcp = _dcp()
             dcp.load(buf, storage_reader=dcp.HuggingFaceStorageReader(str(path)), process_group=group,
-                     no_dist=not _dist_on())
+                     no_dist=not _dist_on(), planner=_counting_planner(progress if rank == 0 else None))
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         failed, cause = _dcp_cause(e, rank)
         what = f"read failed on rank {failed}: {cause(cause)}"
         raise damaged(path, Damage("(safetensors shards)", what)) from None
+    progress.done(result="read")
     fps = state_fingerprints(buf)
     for k in sorted(buf):
         got, want = fps[k], index[k]["fp"]
@@ -395,10 +423,6 @@ def held_at_once(existing: int, saves: int, keep: int) -> int:
     return peak - existing
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
-
-
 def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], every: int, total_steps: int,
                 keep: int) -> dict:
     """Refuse a run whose checkpoints do not fit the free space of run_dir/checkpoints (statvfs of
@@ -417,12 +441,13 @@ def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], ever
     st = os.statvfs(probe)
     free = st.f_bavail * st.f_frsize
     if need > free:
-        what = " + ".join(f"{k} {_gb(v)}" for k, v in parts.items() if v)
-        times = f"{count} checkpoints of {_gb(size)} at once" if count > 1 else f"one checkpoint of {_gb(size)}"
+        what = " + ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v)
+        one = size_text(size)
+        times = f"{count} checkpoints of {one} at once" if count > 1 else f"one checkpoint of {one}"
         fewer = "checkpoint.keep=1 (fewer at once), " if count > 1 else ""
         raise CheckpointError(
-            f"not enough disk for checkpoints: {d} needs {_gb(need)} ({times}: {what}) but its file system has "
-            f"{_gb(free)} free; set run.dir=<a directory with room>, {fewer}or checkpoint.enabled=false "
+            f"not enough disk for checkpoints: {d} needs {size_text(need)} ({times}: {what}) but its file system has "
+            f"{size_text(free)} free; set run.dir=<a directory with room>, {fewer}or checkpoint.enabled=false "
             f"(no checkpoints)")
     return {"checkpoint_bytes": size, "checkpoints_at_once": count, "needed_bytes": need, "free_bytes": free,
             "dir": str(d)}

@@ -5,6 +5,7 @@
     rlalign gate repeatability|baseline|replay [overrides]   PASS/FAIL, and the first divergence
     rlalign compare TRACE_A TRACE_B   first differing fingerprint record (files or run dirs)
     rlalign report  RUN_DIR           plots and a summary of a run
+    rlalign export  CHECKPOINT_DIR OUT_DIR   the checkpoint's model as a Hugging Face directory
 
 `rlalign COMMAND --help` lists the config groups and common keys. An error prints one line,
 `rlalign COMMAND: error: ...`, and exits 2 (RLALIGN_DEBUG=1 adds the traceback); Ctrl-C exits 130.
@@ -248,10 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd in ("compare", "report"):
+    if cmd in ("compare", "report", "export"):
         return _run(cmd, lambda: _passthrough(cmd, rest))
     if cmd not in COMMANDS:
-        print(f"rlalign: error: unknown command {cmd!r}; one of: {', '.join([*COMMANDS, 'compare', 'report'])} "
+        known = ", ".join([*COMMANDS, "compare", "report", "export"])
+        print(f"rlalign: error: unknown command {cmd!r}; one of: {known} "
               f"(rlalign --help)", file=sys.stderr)
         return 2
     state = {"overrides": [], "cfg": None}
@@ -259,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _passthrough(cmd: str, rest: list[str]) -> int:
+    if cmd == "export":
+        from rlalign.export import main as export_main
+
+        return export_main(rest)
     if any(a in ("-h", "--help") for a in rest):
         print({"compare": "usage: rlalign compare TRACE_A TRACE_B   (two trace files, or two run directories)\n"
                           "run directories: stream by stream, without the stale per-rank streams of earlier\n"
