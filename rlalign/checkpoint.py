@@ -81,6 +81,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     CheckpointError,
     Damage,
     Progress,
+    SaveWatch,
     cause,
     checkpoint_dir,
     damaged,
@@ -104,7 +105,6 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     tmp_path,
     verify,
     wait_published,
-    watch_save,
     write_json_atomic,
 )
 from rlalign.faults import maybe_fail
@@ -333,7 +333,8 @@ class AsyncSaver:
             bad = [r for r, v in enumerate(ok) if not v]
             raise CheckpointError(f"checkpoint of step {step} not written: rank(s) {bad} failed{_previous(path, step)}")
         if publish is not None and rank == 0:
-            return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"])
+            return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"],
+                            publish.get("export_hf", False))
         return None
 
     def wait(self) -> Path | None:
@@ -490,10 +491,26 @@ def _index(tmp: Path) -> dict:
     return {"world": len(fps), "files": files, "tensors": dict(sorted(tensors.items()))}
 
 
-def complete(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
-    """Publish a written .tmp checkpoint: index it into meta.json (written last, atomically) and
-    rename the directory into place; prune old ones beyond `keep`. A failure raises CheckpointError
-    (the step, the path, the cause) after removing the .tmp directory."""
+def _export(tmp: Path, final: Path, step: int) -> CheckpointError | None:
+    """checkpoint.export_hf: the model as a Hugging Face directory inside the checkpoint (step_N/hf),
+    before it is renamed into place, so that a published checkpoint has it; a failure is returned
+    (raised once the checkpoint itself is published)."""
+    from rlalign.export import HF_DIR, export_hf
+
+    try:
+        export_hf(tmp, tmp / HF_DIR, overwrite=True, what=f"rlalign train: export of step {step}")
+    except (OSError, ValueError, RuntimeError) as e:
+        shutil.rmtree(tmp / HF_DIR, ignore_errors=True)
+        return CheckpointError(oneline(f"checkpoint of step {step} is complete ({final}), but its Hugging Face "
+                                       f"export failed: {cause(e)}; export it with: rlalign export {final} OUT_DIR"))
+    return None
+
+
+def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = False) -> Path:
+    """Publish a written .tmp checkpoint: index it into meta.json (written last, atomically), with
+    export_hf its model as step_N/hf, and rename the directory into place; prune old ones beyond
+    `keep`. A failure raises CheckpointError (the step, the path, the cause) after removing the .tmp
+    directory; a failed export only after publishing the checkpoint."""
     tmp = tmp_path(run_dir, step)
     final = checkpoint_dir(run_dir) / f"step_{step:06d}"
     try:
@@ -511,6 +528,11 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
         for p in tmp.iterdir():
             if FPS.match(p.name):
                 p.unlink()
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(tmp, step, e) from None
+    failed = _export(tmp, final, step) if export_hf else None
+    try:
         fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -526,4 +548,6 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     if keep > 0:
         for p in list_complete(run_dir)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
+    if failed is not None:
+        raise failed
     return final

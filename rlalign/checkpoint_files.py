@@ -323,7 +323,9 @@ def read_meta(path: Path) -> dict:
 
 # --- sizes, rates and progress (saves, loads, exports) -------------------------------------------
 def size_text(n: float) -> str:
-    """Bytes as '3.23 MB' / '61.2 GB' (3 significant digits)."""
+    """Bytes as '100 kB' / '3.23 MB' / '61.2 GB' (3 significant digits)."""
+    if n < 1e6:
+        return f"{n / 1e3:.3g} kB"
     return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
 
 
@@ -361,7 +363,7 @@ class Progress:
         self.next = now + self.every_s
         rate = done / max(now - self.t0, 1e-9)
         left = f", ~{_seconds_text((self.total - done) / rate)} left" if rate > 0 and done < self.total else ""
-        pct = 100 * done / max(self.total, 1)
+        pct = min(100.0, 100 * done / max(self.total, 1))  # file headers and indexes come on top of the tensors
         self._print(f"{self.what}: {size_text(done)} of {size_text(self.total)} ({pct:.0f} %, "
                     f"{size_text(rate)}/s{left})")
 
@@ -394,25 +396,38 @@ def published(run_dir: Path, step: int) -> Path | None:
     return final if (final / META).is_file() else None
 
 
-def watch_save(run_dir: Path, step: int, total: int, poll_s: float = 0.5):
-    """A daemon thread that prints the progress of the checkpoint of `step` being written (bytes of its
-    .tmp directory; the driver sees the ranks' files on the shared run dir) until it is published or
-    its .tmp directory goes (a failed write). Returns a threading.Event that stops it sooner."""
-    stop = threading.Event()
-    tmp = tmp_path(run_dir, step)
+class SaveWatch:
+    """A daemon thread that prints the progress of the checkpoint of `step` being written (the bytes of
+    its .tmp directory: the driver sees the ranks' files on the shared run dir) and a closing line
+    once it is published; it ends then, when its .tmp directory, once seen, goes (a failed write), or
+    at close()."""
 
-    def watch() -> None:
-        progress = Progress(f"rlalign train: checkpoint of step {step}", total)
-        while not stop.wait(poll_s):
-            if published(run_dir, step) is not None:
-                progress.done(result="written")
-                return
-            if not tmp.is_dir():
-                return
-            progress.update(dir_bytes(tmp))
+    def __init__(self, run_dir: Path, step: int, total: int, poll_s: float = 0.5):
+        self.run_dir, self.step, self.poll_s = run_dir, step, poll_s
+        self.progress = Progress(f"rlalign train: checkpoint of step {step}", total)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"rlalign-checkpoint-watch-{step}")
+        self._thread.start()
 
-    threading.Thread(target=watch, daemon=True, name=f"rlalign-checkpoint-progress-{step}").start()
-    return stop
+    def _watch(self) -> None:
+        tmp, seen = tmp_path(self.run_dir, self.step), False
+        while True:
+            stopping = self._stop.wait(self.poll_s)
+            if published(self.run_dir, self.step) is not None:
+                self.progress.done(result="written")
+                return
+            if stopping:
+                return
+            if tmp.is_dir():
+                seen = True
+                self.progress.update(dir_bytes(tmp))
+            elif seen:
+                return
+
+    def close(self) -> None:
+        """Stop watching (the closing line first, if the checkpoint is published by now)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def wait_published(run_dir: Path, step: int, timeout_s: float | None, poll_s: float = 0.1) -> Path | None:

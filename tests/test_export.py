@@ -222,3 +222,32 @@ def test_rlalign_export_command(exported, tmp_path, capsys):
     assert cli.main(["export", str(path)]) == 2
     assert "expected CHECKPOINT_DIR OUT_DIR, got 1 argument(s)" in capsys.readouterr().err
     assert cli.main(["export", "--help"]) == 0 and "usage: rlalign export" in capsys.readouterr().out
+
+
+def test_checkpoint_export_hf_writes_the_export_inside_the_checkpoint_before_it_is_published(trained, tmp_path,
+                                                                                            monkeypatch):
+    from rlalign import export
+
+    tr, cfg = trained
+    meta = {"data_position": 1, "weights_fp": "-", **model_meta(model_args(cfg), "bfloat16", None)}
+    saver = ckpt.AsyncSaver()
+    saver.save(tr.checkpoint_state(), ckpt.tmp_path(tmp_path, 0), publish={
+        "run_dir": str(tmp_path), "step": 0, "meta": meta, "keep": 0, "export_hf": True})
+    path = saver.wait()
+    got, want = load_hf(path / "hf").state_dict(), tr.model.state_dict()
+    assert all(same_bits(got[k], want[k]) for k in want)
+    fresh, _ = _trainer()
+    ckpt.load_shards(fresh.checkpoint_state(), path)  # the hf directory inside does not disturb a resume
+    assert all(same_bits(fresh.model.state_dict()[k], want[k]) for k in want)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "write_hf_dir", full)  # twin: a failed export costs the checkpoint nothing
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(tmp_path, 1))
+    with pytest.raises(CheckpointError, match=rf"checkpoint of step 1 is complete \({tmp_path}/checkpoints/step_000001"
+                                              r"\), but its Hugging Face export failed: No space left on device"):
+        ckpt.complete(tmp_path, 1, meta, keep=0, export_hf=True)
+    assert ckpt.verify(tmp_path / "checkpoints" / "step_000001", tensors=True)["step"] == 1
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_000001")) == [
+        "meta.json", "shard-00001-model-00001-of-00001.safetensors"]
