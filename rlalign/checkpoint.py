@@ -45,6 +45,14 @@ Disk space. check_space() runs before Ray starts: the checkpoint's size is the t
 on the meta device), times the checkpoints the run holds at once (checkpoint.keep + the one being
 written); a run whose checkpoint directory has less free space is refused in one line.
 
+Progress. A load that lasts more than a few seconds prints rank 0's bytes read, rate and time left
+on stderr (checkpoint_files.Progress, from DCP's planner as tensors arrive); a save's progress is
+printed by the driver, which watches the .tmp directory (checkpoint_files.SaveWatch).
+
+Hugging Face export. With publish["export_hf"] (checkpoint.export_hf), complete() writes the model as
+a Hugging Face directory into the checkpoint (step_N/hf, rlalign.export) before renaming it into
+place; a failed export leaves the checkpoint complete and is raised after publishing it.
+
 All non-tensor state is JSON: meta.json (python_rng as [version, [state...], gauss_next], torch_rng
 as a list of bytes) and the ranks' fingerprint files, which complete() folds into meta.json.
 
@@ -498,7 +506,7 @@ def _export(tmp: Path, final: Path, step: int) -> CheckpointError | None:
     from rlalign.export import HF_DIR, export_hf
 
     try:
-        export_hf(tmp, tmp / HF_DIR, overwrite=True, what=f"rlalign train: export of step {step}")
+        export_hf(tmp, tmp / HF_DIR, overwrite=True, what=f"rlalign train: export of step {step}", note=False)
     except (OSError, ValueError, RuntimeError) as e:
         shutil.rmtree(tmp / HF_DIR, ignore_errors=True)
         return CheckpointError(oneline(f"checkpoint of step {step} is complete ({final}), but its Hugging Face "

@@ -9,9 +9,9 @@
 
 `rlalign COMMAND --help` lists the config groups and common keys. An error prints one line,
 `rlalign COMMAND: error: ...`, and exits 2 (RLALIGN_DEBUG=1 adds the traceback); Ctrl-C exits 130.
-`rlalign train` stopped by one of run.stop_signals exits 128 + the signal's number (SIGTERM: 143);
-its line, like that of an error once the run has started, names the last complete checkpoint and
-the command that resumes from it.
+`rlalign train` stopped by one of run.stop_signals or Ctrl-C (after its checkpoint: rlalign.stop)
+exits 128 + the signal's number (SIGTERM: 143, SIGINT: 130); its line, like that of an error once
+the run has started, names the last complete checkpoint and the command that resumes from it.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ _KEYS = {
         ("checkpoint.enabled", "false: no checkpoint at all, not even the last (e.g. a model too large for the disk)"),
         ("checkpoint.resume", "never | auto | a checkpoint directory"),
         ("checkpoint.bucket_mb", "file size of a checkpoint's buckets: a save holds 3-4 of them in host memory"),
-        ("run.stop_signals", "signals that finish the step and its checkpoint, then stop (exit 128+N)"),
+        ("run.stop_signals", "signals that checkpoint the newest state, then stop (exit 128+N; Ctrl-C too)"),
         ("run.stop_grace_s", "seconds a stop signal leaves the step and its checkpoint, then abandons them"),
+        ("checkpoint.export_hf", "also write each checkpoint's model as a Hugging Face directory (step_N/hf)"),
         ("task.reward_timeout_s", "time limit of one reward call (null: none); past it the run ends naming the sample"),
         ("task.reward_timeout_fallback", "the reward of a call past the limit instead (null: an error)"),
         ("task.reward_workers", "reward calls running at once (threads)"),
@@ -161,9 +162,10 @@ def help_text(cmd: str) -> str:
         lines += ["  0   done, or nothing to do (checkpoint.resume found the run complete: a retry of a finished job)",
                   "  2   error (one line: rlalign train: error: ...); also when another job holds run.dir",
                   "      (RUN_DIR/.rlalign.lock names it; a crashed job's lock does not count)",
-                  "  130 interrupted (Ctrl-C): the step in flight is abandoned",
+                  "  130 stopped by Ctrl-C (SIGINT), as by SIGTERM:",
                   "  143 stopped by SIGTERM (128 + N for a signal N in run.stop_signals, e.g. 138 for SIGUSR1):",
-                  "      the step in flight and its checkpoint finished (or, past run.stop_grace_s, abandoned)",
+                  "      at once when a checkpoint covers the steps done, else once the newest state is",
+                  "      checkpointed (past run.stop_grace_s, or on a second signal: at once)",
                   "  The lines of 130, 143 and of an error after the run started name the last complete",
                   "  checkpoint and the command that resumes from it."]
     else:

@@ -187,8 +187,9 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
-              shard_bytes: int = DEFAULT_SHARD_BYTES, what: str = "rlalign export") -> dict:
-    """Write the checkpoint's model to `out` as a Hugging Face directory (module docstring); a summary."""
+              shard_bytes: int = DEFAULT_SHARD_BYTES, what: str = "rlalign export", note: bool = True) -> dict:
+    """Write the checkpoint's model to `out` as a Hugging Face directory (module docstring); a summary.
+    `note`: say on stderr which tokenizer files come along (a run's exports at each checkpoint do not)."""
     checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose another directory or pass --overwrite to replace it")
@@ -196,8 +197,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
         raise ValueError(f"{out} is the checkpoint itself; write the export elsewhere (e.g. {checkpoint / HF_DIR})")
     meta = verify(checkpoint)
     args, dtype, tokenizer = model_of(checkpoint, meta)
-    files, note = tokenizer_files(tokenizer)
-    print(f"{what}: {note}", file=sys.stderr, flush=True)
+    files, found = tokenizer_files(tokenizer)
+    if note:
+        print(f"{what}: {found}", file=sys.stderr, flush=True)
     with ExitStack() as stack:
         entries = plan(checkpoint, meta, args, dtype, _Reader(checkpoint, meta, stack))
         total = sum(n for _, n, _ in entries)

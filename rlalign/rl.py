@@ -163,8 +163,10 @@ class Saves:
 
     def wait(self, job: Job) -> None:
         """Until the save in flight is complete (its CheckpointError if it could not be written)."""
-        job.wait_checkpoint()
-        self.in_flight = None
+        try:
+            job.wait_checkpoint()
+        finally:
+            self.in_flight = None
 
     def wait_on_disk(self, timeout_s: float | None) -> Path | None:
         """The save in flight, once published (None: it failed, or not within timeout_s)."""
@@ -280,9 +282,10 @@ class _Run:
         stop, k = self.stop, self.done
         if stop.cut and not stop.abandoned:
             try:
-                if not self.cfg.checkpoint.enabled or k < self.start:
-                    return stop.stopped(f"during step {k + 1}, at once (no step of this run had finished or no "
-                                        f"checkpoint to write)")
+                if not self.cfg.checkpoint.enabled:
+                    return stop.stopped(f"during step {k + 1}, at once (checkpoint.enabled=false: nothing to save)")
+                if k < self.start:
+                    return stop.stopped(f"during step {self.start}, at once: no step of this run had finished")
                 if self.saves.covered >= k:
                     self.doing = f"while waiting for the checkpoint of step {k} being written"
                     done = ckpt.published(self.run_dir, k) or self.saves.wait_on_disk(None)
@@ -315,9 +318,13 @@ class _Run:
             done = self.saves.wait_on_disk(bound)
         except KeyboardInterrupt:
             raise self.stop.stopped(f"{self.doing} ({type(e).__name__}: {e})") from e
-        print(f"rlalign train: the checkpoint of step {step} is complete: {done}" if done else
-              f"rlalign train: the checkpoint of step {step} was not written within {bound:.0f} s (left as a .tmp, "
-              f"which resume ignores)", file=sys.stderr, flush=True)
+        if done is not None:
+            what = f"is complete: {done}"
+        elif ckpt.tmp_path(self.run_dir, step).is_dir():
+            what = f"was not written within {bound:.0f} s (left as a .tmp, which resume ignores)"
+        else:
+            what = "could not be written (its .tmp is gone)"
+        print(f"rlalign train: the checkpoint of step {step} {what}", file=sys.stderr, flush=True)
 
     def _close(self) -> None:
         self.stop.disarm()
