@@ -361,6 +361,9 @@ class Progress:
         if now < self.next:
             return
         self.next = now + self.every_s
+        if done <= 0:
+            self._print(f"{self.what}: nothing yet of {size_text(self.total)} after {_seconds_text(now - self.t0)}")
+            return
         rate = done / max(now - self.t0, 1e-9)
         left = f", ~{_seconds_text((self.total - done) / rate)} left" if rate > 0 and done < self.total else ""
         pct = min(100.0, 100 * done / max(self.total, 1))  # file headers and indexes come on top of the tensors

@@ -121,7 +121,7 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
 class Saves:
     """The run's checkpoints as the driver sees them: `covered`, the newest step with a checkpoint
     written or being written; `in_flight`, a background save not yet waited for. A save's progress
-    is printed from the disk (checkpoint_files.watch_save); a failing run waits for the save in
+    is printed from the disk (checkpoint_files.SaveWatch); a failing run waits for the save in
     flight on the disk too (its meta.json appears when trainer rank 0 publishes it), which needs no
     answer from a trainer rank that is busy with a step or dead."""
 
