@@ -94,7 +94,7 @@ def test_a_model_directory_without_a_tokenizer_says_the_char_tokenizer_is_used(m
     shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*"))
     tok = make_tokenizer(None, str(bare))
     assert isinstance(tok, CharTokenizer)
-    with pytest.raises(ValueError, match=rf"holds none of tokenizer.json.*task.tokenizer=DIR"):
+    with pytest.raises(ValueError, match=r"holds none of tokenizer.json.*task.tokenizer=DIR"):
         tok.encode("é", where="data.jsonl:2")
     assert isinstance(make_tokenizer(str(model_dir), str(bare)), HFTokenizer)  # task.tokenizer=DIR names one
 
