@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import record  # noqa: E402
 
-SECTIONS = ("probe", "vendor", "trainer", "rollout", "rl")
+SECTIONS = ("vendor", "trainer", "rollout", "rl", "probe")
 ATTN_SHAPES = ((8, 1024), (2, 4096), (16, 512))  # (B, T); 32 / 8 heads, D 128
 MOE_GEMMS = ((4096, 768, 2048), (4096, 2048, 768))  # (M, N, K)
 GOALS = {"tax": 1.10, "attn_fwd_over_best_sdpa_min": 0.85, "attn_fwdbwd_over_best_sdpa_min": 0.85,
@@ -48,7 +48,7 @@ GOALS = {"tax": 1.10, "attn_fwd_over_best_sdpa_min": 0.85, "attn_fwdbwd_over_bes
 
 
 def rel_err(a, b) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -85,9 +85,10 @@ def probe(a) -> dict:
     gq_ref = torch.autograd.grad(ref, q, ref.detach())[0]
     out["prefill_ragged_rel_err"] = {"fwd": rel_err(o, ref), "dq": rel_err(gq, gq_ref),
                                      "varlen_broken": dflt._BROKEN.get("varlen")}
-    page, P = 16, 4096
+    page = 16
     for rows, ctx in ((1, 4000), (8, 1500), (256, 300)):
-        table = torch.randperm(P, device="cuda", generator=g)[: rows * (-(-ctx // page) + 2)].view(rows, -1).int()
+        P = rows * (-(-ctx // page) + 2)
+        table = torch.randperm(P, device="cuda", generator=g).view(rows, -1).int()
         kp, vp = (torch.randn(P, page, Hk, D, device="cuda", generator=g).bfloat16() for _ in range(2))
         pos = torch.randint(ctx // 2, ctx, (rows,), device="cuda", generator=g)
         seq = torch.arange(rows, device="cuda")
