@@ -236,9 +236,31 @@ def trainer(a) -> dict:
         med = timed[len(timed) // 2] if len(timed) % 2 else sum(timed[len(timed) // 2 - 1: len(timed) // 2 + 1]) / 2
         fl = model_flops(cfg, batches[1])["flops"]
         res["variants"][name] = {"mode": mode, "steps_s": walls, "median_s": med, "mfu": fl / med / 989e12}
+        res["variants"][name]["profile"] = _profile(lambda: tr.train_step(batches[1], cfg.algorithm), mode)
     torch.use_deterministic_algorithms(False)
     res["tax"] = res["variants"]["det_nofill"]["median_s"] / res["variants"]["default"]["median_s"]
     return res
+
+
+def _profile(step, mode: str) -> dict:
+    """One more step under torch.profiler: device busy time, launches, the top kernels and ops."""
+    import torch
+    from profile_train import kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlalign import kernels
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with kernels.use(mode=mode, backend="triton"), profile(activities=acts) as p:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    busy, launches, rows, _, ops = kernel_table(p, 15)
+    print(f"  {mode}: busy {busy:.1f} ms of {1e3 * wall:.1f} ms under the profiler, {launches} launches; top: "
+          + "; ".join(f"{r['name'][:50]} {r['device_ms']:.1f}" for r in rows[:8]), flush=True)
+    return {"wall_s_under_profiler": wall, "device_busy_ms": busy, "launches": launches, "top_kernels": rows,
+            "top_ops": ops}
 
 
 # --- rollouts ------------------------------------------------------------------------------------------
@@ -273,7 +295,8 @@ def rollout(a) -> dict:
         for mode in ("deterministic", "default"):
             torch.cuda.empty_cache()
             try:
-                outs, r = run(model, prompts, params, mode, EngineConfig(), warm=False, calls=2, score_micro_batch=64)
+                outs, r = run(model, prompts, params, mode, EngineConfig(), warm=False, calls=2,
+                              score_micro_batch=64 if args.vocab_size < 65536 else 16)  # logits < 2**31 elements
             except Exception as e:  # noqa: BLE001 - recorded, the other runs still go
                 traceback.print_exc()
                 case[mode] = {"error": f"{type(e).__name__}: {e}"[:800]}

@@ -5,7 +5,8 @@ version of each op, in the model dtype, the way vLLM / Hugging Face / torchtitan
   linear          F.linear (cuBLAS / oneDNN)
   grouped_linear  torch._grouped_mm (CUTLASS grouped GEMM, group offsets on the device: no host sync)
   attention       prefill and training: SDPA, causal, GQA by enable_gqa (torch's backend choice, or
-                  SDPA_BACKENDS), ragged batches through varlen flash attention; engine decode: a split-KV
+                  SDPA_BACKENDS: cuDNN on the H200); ragged batches padded when that adds at most 25 % (cuDNN
+                  takes no ragged batch), else varlen flash attention; engine decode: a split-KV
                   paged kernel (kernels/triton/splitkv.py, flash-decoding); engine prompt chunks: the keys
                   gathered from the pages, then the prefill path
   rmsnorm         F.rms_norm (fused on CUDA)
@@ -131,6 +132,15 @@ def _sdpa_causal(q, k, v, scale: float):
     return o.transpose(1, 2)
 
 
+PAD_LIMIT = 1.25  # ragged batches padded at most this much run cuDNN's SDPA (1.6-1.8x torch's varlen flash, H200)
+
+
+def _cudnn_sdpa(q) -> bool:
+    """Whether SDPA has its cuDNN backend for q here (sm90+, bf16 / fp16)."""
+    return (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+            and q.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
 def _varlen(q, k, v, cu_seqlens: list[int], max_len: int, scale: float):
     """Flash attention over the packed sequences (torch.nn.attention.varlen), or None where it is missing."""
     why = _BROKEN.get("varlen")
@@ -164,9 +174,10 @@ def attention_prefill(q, k, v, cu_seqlens: list[int], scale: float):
     B, T, N = len(lens), max(lens), q.shape[0]
     if all(n == T for n in lens):  # one length: [B, T] views, no padding
         return _sdpa_causal(*(t.view(B, T, *t.shape[1:]) for t in (q, k, v)), scale).reshape(q.shape)
-    o = _varlen(q, k, v, cu_seqlens, T, scale)
-    if o is not None:
-        return o
+    if not (q.is_cuda and _cudnn_sdpa(q) and B * T <= PAD_LIMIT * N):  # cuDNN takes no ragged batch here
+        o = _varlen(q, k, v, cu_seqlens, T, scale)
+        if o is not None:
+            return o
     idx = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lens)]).to(q.device)  # row -> padded slot
     padded = [t.new_zeros(B * T, *t.shape[1:]).index_copy(0, idx, t).view(B, T, *t.shape[1:]) for t in (q, k, v)]
     return _sdpa_causal(*padded, scale).reshape(B * T, *q.shape[1:]).index_select(0, idx)[:N]
