@@ -232,8 +232,9 @@ def _decode_rows(q, k_pages, v_pages, block_table, seq_idx, positions, scale: fl
     from rlalign.kernels.torch_deterministic import gather_pages
 
     n_keys = int(positions.max()) + 1
-    k, v = (gather_pages(p, block_table, seq_idx, n_keys) for p in (k_pages, v_pages))
-    out.copy_(attention_decode(q, k, v, positions + 1, scale))
+    valid = (torch.arange(n_keys, device=q.device)[None, :] <= positions[:, None])[:, :, None, None]
+    k, v = (torch.where(valid, gather_pages(p, block_table, seq_idx, n_keys), 0) for p in (k_pages, v_pages))
+    out.copy_(attention_decode(q, k, v, positions + 1, scale))  # (slots past a row's keys: zeros, not garbage)
 
 
 def attention_paged(q, k_pages, v_pages, block_table, seq_idx, positions, scale: float, runs=None):
