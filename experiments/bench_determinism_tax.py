@@ -70,7 +70,7 @@ def probe(a) -> dict:
     go = torch.randn(R, N, device="cuda", generator=g).bfloat16()
     y = dflt.grouped_linear(x, w, counts)
     gx, gw = torch.autograd.grad(y, (x, w), go)
-    y2 = dflt._grouped_loop(x, w, counts)
+    y2 = dflt.grouped_linear_loop(x, w, counts)
     gx2, gw2 = torch.autograd.grad(y2, (x, w), go)
     out["grouped_mm_rel_err"] = {"y": rel_err(y, y2), "dx": rel_err(gx, gx2), "dw": rel_err(gw, gw2)}
     H, Hk, D = 32, 8, 128
@@ -84,7 +84,7 @@ def probe(a) -> dict:
     gq = torch.autograd.grad(o, q, o.detach())[0]
     gq_ref = torch.autograd.grad(ref, q, ref.detach())[0]
     out["prefill_ragged_rel_err"] = {"fwd": rel_err(o, ref), "dq": rel_err(gq, gq_ref),
-                                     "varlen_broken": dflt._BROKEN.get("varlen")}
+                                     "varlen_broken": dflt.BROKEN_PATHS.get("varlen")}
     page = 16
     for rows, ctx in ((1, 4000), (8, 1500), (256, 300)):
         P = rows * (-(-ctx // page) + 2)
@@ -98,7 +98,7 @@ def probe(a) -> dict:
         keys = table.shape[1] * page
         out[f"splitkv_rows{rows}"] = {"rel_err": rel_err(od, refd), "splits": splitkv.num_splits(rows, Hk, keys,
                                                                                                  qd.device)}
-    out["fallbacks_logged"] = sorted(map(list, dflt._FALLBACKS))
+    out["fallbacks_logged"] = sorted(map(list, dflt.LOGGED_FALLBACKS))
     print(json.dumps(out, indent=1), flush=True)
     return out
 

@@ -28,14 +28,14 @@ import torch.nn.functional as F
 
 log = logging.getLogger("rlalign.kernels")
 SDPA_BACKENDS: list | None = None  # None: torch's own choice; else a priority list of SDPBackend
-_FALLBACKS: set[tuple[str, str]] = set()
-_BROKEN: dict[str, str] = {}  # vendor paths that raised once: (reason) -> not tried again
+LOGGED_FALLBACKS: set[tuple[str, str]] = set()
+BROKEN_PATHS: dict[str, str] = {}  # vendor paths that raised once: (reason) -> not tried again
 
 
 def fallback(op: str, why: str, instead: str) -> None:
     """One logged line per (op, reason): a vendor kernel is missing and `instead` runs."""
-    if (op, why) not in _FALLBACKS:
-        _FALLBACKS.add((op, why))
+    if (op, why) not in LOGGED_FALLBACKS:
+        LOGGED_FALLBACKS.add((op, why))
         log.warning("kernels.mode=default: %s: %s; running %s instead", op, why, instead)
 
 
@@ -62,8 +62,8 @@ def embedding(weight, tokens):
 # --- grouped GEMM ----------------------------------------------------------------------------------------
 def _grouped_mm_missing(x, w) -> str | None:
     """Why torch._grouped_mm cannot run these operands (None: it can)."""
-    if "grouped_mm" in _BROKEN:
-        return _BROKEN["grouped_mm"]
+    if "grouped_mm" in BROKEN_PATHS:
+        return BROKEN_PATHS["grouped_mm"]
     if not x.is_cuda:
         return "torch._grouped_mm needs CUDA"
     if not hasattr(torch, "_grouped_mm"):
@@ -85,10 +85,10 @@ def grouped_linear(x, w, counts: list[int] | torch.Tensor):
         offs = c.to(x.device, non_blocking=True).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     fallback("grouped_linear", why, "a loop of F.linear per expert")
-    return _grouped_loop(x, w, counts)
+    return grouped_linear_loop(x, w, counts)
 
 
-def _grouped_loop(x, w, counts):
+def grouped_linear_loop(x, w, counts):
     if isinstance(counts, torch.Tensor):  # split sizes on the host (a sync on a GPU)
         counts = counts.tolist()
     counts = [*counts, x.shape[0] - sum(counts)]  # rows past the groups: padding, zeros out
@@ -143,7 +143,7 @@ def _cudnn_sdpa(q) -> bool:
 
 def _varlen(q, k, v, cu_seqlens: list[int], max_len: int, scale: float):
     """Flash attention over the packed sequences (torch.nn.attention.varlen), or None where it is missing."""
-    why = _BROKEN.get("varlen")
+    why = BROKEN_PATHS.get("varlen")
     if why is None and not q.is_cuda:
         why = "varlen flash attention needs CUDA"
     if why is None:
@@ -162,7 +162,7 @@ def _varlen(q, k, v, cu_seqlens: list[int], max_len: int, scale: float):
     try:
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
     except RuntimeError as e:  # e.g. a head count or dtype it does not take: not tried again
-        _BROKEN["varlen"] = f"varlen flash attention failed ({str(e).splitlines()[0][:160]})"
+        BROKEN_PATHS["varlen"] = f"varlen flash attention failed ({str(e).splitlines()[0][:160]})"
         return _varlen(q, k, v, cu_seqlens, max_len, scale)
 
 

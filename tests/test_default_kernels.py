@@ -60,7 +60,7 @@ def test_default_prefill_ragged_matches_the_reference():
 
 
 def test_a_missing_vendor_kernel_is_named_in_one_logged_line(caplog):
-    dflt._FALLBACKS.clear()
+    dflt.LOGGED_FALLBACKS.clear()
     x, w = torch.randn(10, 32), torch.randn(3, 16, 32)
     with caplog.at_level(logging.WARNING, logger="rlalign.kernels"), kernels.use(mode="default"):
         a = kernels.grouped_linear(x, w, [3, 4, 3])
