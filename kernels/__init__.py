@@ -4,7 +4,9 @@ Two modes behind one switch:
   deterministic  batch-invariant: an output row's bits depend only on that row's inputs (not on
                  batch size, position, padding, prefill vs decode); MoE combine in fp32 in
                  top-k slot order. Backends: torch (CPU/GPU reference), triton (GPU).
-  default        plain torch (oneDNN/MKL/cuBLAS, SDPA): fast, not invariant.
+  default        the fast vendor path a user would otherwise run (cuBLAS, torch._grouped_mm, SDPA /
+                 varlen flash, a split-KV paged decode kernel, torch sampling ops; kernels/torch_default.py
+                 lists them): not invariant, the yardstick of the determinism tax.
 
     kernels.set_mode("deterministic", backend="torch")
     with kernels.use(mode="default"): ...
@@ -67,8 +69,14 @@ def _impl(x: torch.Tensor) -> ModuleType:
 
 def capturable(x: torch.Tensor) -> bool:
     """Whether the ops on x's device run without host syncs (a CUDA graph can capture them): the
-    Triton op set on CUDA. The torch backends read MoE group sizes on the host."""
-    return x.is_cuda and _state["mode"] == "deterministic" and _state["backend"] in ("triton", "auto")
+    Triton op set on CUDA, and the default op set where its vendor kernels are there (torch._grouped_mm
+    with group offsets on the device, the split-KV decode kernel). The torch backend reads MoE group
+    sizes on the host."""
+    if not x.is_cuda:
+        return False
+    if _state["mode"] == "default":
+        return _default.capturable(x)
+    return _state["backend"] in ("triton", "auto")
 
 
 # --- the op API -----------------------------------------------------------------------------

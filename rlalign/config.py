@@ -169,7 +169,9 @@ class TaskConfig:
     name: str = "repeat"  # repeat | reverse | add | jsonl
     path: str | None = None  # JSONL dataset for name=jsonl
     reward: str | None = None  # 'pkg.module:function'; None = the task's default
-    tokenizer: str | None = None  # local HF tokenizer directory; None = the char tokenizer
+    # a local HF tokenizer directory; 'char': the char tokenizer; None: model.path's when it holds one, else 'char'
+    tokenizer: str | None = None
+    chat: bool = False  # each prompt as the user turn of the tokenizer's chat template + the generation prompt
     num_prompts: int = 16  # prompts per step
     samples_per_prompt: int = 8  # GRPO group size
     max_new_tokens: int | None = None  # replaces generator.max_new_tokens in `rlalign train`

@@ -64,10 +64,13 @@ def _prepare(cfg: DictConfig):
     context), the model directory's tensors (headers only), sizes and sampling."""
     t = cfg.task
     task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
-    tok = make_tokenizer(t.tokenizer)
+    tok = make_tokenizer(t.tokenizer, cfg.model.path, t.chat)
+    if cfg.model.path or t.tokenizer:
+        print(f"rlalign train: tokenizer: {tok.describe()}", file=sys.stderr, flush=True)
     args = check_hf_dir(cfg.model.path, cfg.model.dtype) if cfg.model.path else model_args(cfg)
     if tok.vocab_size > args.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {args.vocab_size}")
+        raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
+                         f"only {args.vocab_size}")
     generator_plan(cfg)
     max_new = sampling_params(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
@@ -79,8 +82,8 @@ def _prepare(cfg: DictConfig):
                              f"the model's context of {args.max_position_embeddings} positions")
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
-    rewards.score([RewardCall(ex.answer, ex, f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)")],
-                  "the check before the run:")
+    where = f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)"
+    rewards.score([RewardCall(ex.answer_text(), ex, where)], "the check before the run:")
     return task, tok, rewards
 
 

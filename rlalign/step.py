@@ -161,8 +161,8 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
     metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
                     "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
-    rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": rew}
-            for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
+    rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer_text(),
+             "reward": rew} for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
     if detail is not None:
         if detail["first_divergent_op"]:
             metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]

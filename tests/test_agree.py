@@ -66,7 +66,7 @@ def test_cli_rejects_bad_config_with_the_valid_keys(capsys):
 def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     """`rlalign agree` certifies the code `rlalign train` runs: the same GeneratorWorker.generate
     and the trainer's score_micro_batch (spied here in-process; train's side below)."""
-    from rlalign.actors import workers
+    from rlalign import workers
     from rlalign.agree import run_agree
     from rlalign.training import trainer
 

@@ -317,7 +317,7 @@ def parts(a) -> None:
     apply_kernels(cfg)
     t = cfg.task
     task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
-    tok = make_tokenizer(t.tokenizer)
+    tok = make_tokenizer(t.tokenizer, cfg.model.path, t.chat)
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     trainer = Trainer(cfg)
     model = model_from_config(cfg)

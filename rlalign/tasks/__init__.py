@@ -7,41 +7,33 @@ Built-in:
   repeat   "c:" -> "cccc"      (a letter repeated `length` times; learnable from scratch in minutes)
   reverse  "abc>" -> "cba"
   add      "12+7=" -> "19"
-  jsonl    lines {"prompt": ..., "answer": ...} from task.path, reward by import path
+  jsonl    lines {"prompt": "...", "answer": ANY, ...fields} from task.path, reward by import path
+           (rlalign.tasks.reward_fn: the row's extra fields reach the reward by name)
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlalign.tasks import rewards
-
-RewardFn = Callable[[str, str, str], float]
+from rlalign.tasks.reward_fn import Reward, load_reward
+from rlalign.tasks.rewards import answer_text
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: str
-    answer: str
+    answer: Any  # any JSON value, passed to the reward unchanged
     source: str = field(default="", compare=False)  # "FILE:LINE" for dataset examples
+    fields: dict[str, Any] = field(default_factory=dict)  # a dataset row's other fields, for the reward
 
-
-def load_reward(path: str) -> RewardFn:
-    """'pkg.module:function' -> the function; a bare name means rlalign.tasks.rewards."""
-    mod_name, _, fn_name = path.rpartition(":") if ":" in path else ("rlalign.tasks.rewards", ":", path)
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:
-        raise ValueError(f"task.reward={path!r}: cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"task.reward={path!r}: module {mod_name!r} has no function {fn_name!r}")
-    return fn
+    def answer_text(self) -> str:
+        """The answer as a completion would spell it: a string as is, any other value as JSON."""
+        return answer_text(self.answer)
 
 
 class Task:
@@ -50,7 +42,7 @@ class Task:
 
     def __init__(self, seed: int, reward: str | None = None):
         self.seed = seed
-        self.reward_fn = load_reward(reward or self.default_reward)
+        self.reward_fn: Reward = load_reward(reward or self.default_reward)
 
     def examples(self, step: int, n: int) -> list[Example]:
         rng = random.Random(f"{self.name}:{self.seed}:{step}")
@@ -65,7 +57,7 @@ class Task:
 
     def reward(self, completion: str, ex: Example):
         """The reward function's value as returned (the caller checks it is a finite number)."""
-        return self.reward_fn(completion, ex.answer, ex.prompt)
+        return self.reward_fn(completion, ex)
 
 
 class Repeat(Task):
@@ -115,6 +107,7 @@ class JsonlTask(Task):
             raise ValueError("task.name=jsonl needs task.path (a JSONL file of {\"prompt\", \"answer\"} lines)")
         self.path = Path(path)
         self.data = read_jsonl(self.path)
+        self.reward_fn.check_rows(self.data)
 
     def all_examples(self):
         return self.data
@@ -148,13 +141,13 @@ def read_jsonl(path: Path) -> list[Example]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{no}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not isinstance(
-                obj.get("answer"), str
-            ):
-                raise ValueError(f"{path}:{no}: expected an object with string fields 'prompt' and 'answer'")
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
+                raise ValueError(f"{path}:{no}: expected an object with a string field 'prompt' and a field 'answer' "
+                                 f"(any JSON value; other fields reach the reward by name)")
             if not obj["prompt"]:
                 raise ValueError(f"{path}:{no}: empty prompt")
-            out.append(Example(obj["prompt"], obj["answer"], source=f"{path}:{no}"))
+            prompt, answer = obj.pop("prompt"), obj.pop("answer")
+            out.append(Example(prompt, answer, source=f"{path}:{no}", fields=obj))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
@@ -175,4 +168,4 @@ def make_task(name: str, seed: int, reward: str | None = None, path: str | None 
                          "keeps the previous task's kwargs)") from None
 
 
-__all__ = ["Example", "Task", "make_task", "load_reward", "read_jsonl", "rewards"]
+__all__ = ["Example", "Reward", "Task", "make_task", "load_reward", "read_jsonl", "rewards"]

@@ -8,8 +8,9 @@ a daemon thread (at most `workers` at a time; results in call order, so the valu
 on `workers`); a call still running after task.reward_timeout_s is left behind (a thread cannot be
 killed; a daemon thread does not hold up the process's exit) and is either an error naming the
 sample (RewardError, which ends the run) or, with task.reward_timeout_fallback set, that value
-(reported on stderr and counted in reward/timeouts). A scoring phase that takes longer than
-`progress_s` reports its progress on stderr every `progress_s` seconds.
+(reported on stderr and counted in reward/timeouts). A call that raises is a RewardError naming the
+sample and the file and line of the user's code where it raised (reward_fn.user_frame). A scoring
+phase that takes longer than `progress_s` reports its progress on stderr every `progress_s` seconds.
 
 Values: a finite real number. A bool, a 0-d tensor or array (torch, numpy) is converted with
 float() / .item(), which is said once per run; NaN/inf are refused, not skipped: they would reach
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from rlalign.tasks import Example
+from rlalign.tasks.reward_fn import user_frame
 
 
 class RewardError(RuntimeError):
@@ -84,8 +86,9 @@ class RewardCaller:
                 continue
             del running[i]
             if not ok:
-                raise RewardError(f"reward function raised on {calls[i].where}: {type(value).__name__}: {value}") \
-                    from value
+                at = user_frame(value)
+                raise RewardError(f"reward function raised on {calls[i].where}: {type(value).__name__}: {value}"
+                                  f"{f' (at {at})' if at else ''}") from value
             results[i] = self._check(value, calls[i].where)
             finished += 1
         return results, timed_out

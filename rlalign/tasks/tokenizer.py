@@ -1,5 +1,13 @@
 """Tokenizers: a character-level one for the built-in tasks (fits the tiny models' 64 ids) and a
-Hugging Face tokenizer from a local directory for real checkpoints."""
+Hugging Face tokenizer from a local directory for real checkpoints.
+
+Which one a run uses (task.tokenizer; make_tokenizer is the one place this is decided):
+    null    the model directory's (model.path) when it holds one, else the char tokenizer
+    char    the char tokenizer, whatever model.path holds
+    DIR     the Hugging Face tokenizer in DIR
+With task.chat=true a prompt is the user turn of the tokenizer's chat template followed by its
+generation prompt. The eos id is the tokenizer's.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +17,28 @@ from pathlib import Path
 
 PAD_ID, EOS_ID = 0, 1
 CHARS = string.digits + string.ascii_lowercase + "+-*=:;,. ?!()<>|#@"  # 54 symbols, ids 2..55
+# files that make a directory a Hugging Face tokenizer (AutoTokenizer reads them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class CharTokenizer:
     pad_token_id, eos_token_id = PAD_ID, EOS_ID
+    name = "the char tokenizer"
 
-    def __init__(self, chars: str = CHARS):
-        self.chars = chars
+    def __init__(self, chars: str = CHARS, hint: str = ""):
+        self.chars, self.hint = chars, hint
         self.vocab_size = len(chars) + 2
         self._id = {c: i + 2 for i, c in enumerate(chars)}
 
     def encode(self, text: str, where: str = "text") -> list[int]:
         bad = sorted({c for c in text if c not in self._id})
         if bad:
-            raise ValueError(f"{where}: characters {bad!r} are not in the char tokenizer's alphabet {self.chars!r}")
+            raise ValueError(f"{where}: characters {bad!r} are not in the char tokenizer's alphabet "
+                             f"{self.chars!r}{self.hint}")
         return [self._id[c] for c in text]
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.vocab_size} ids){self.hint}"
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i - 2] if 2 <= i < self.vocab_size else "" for i in ids)
@@ -32,22 +47,74 @@ class CharTokenizer:
 class HFTokenizer:
     """A tokenizer loaded from a local directory (tokenizer.json etc.); no hub access."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, chat: bool = False):
         if not Path(path).is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
+        self.name, self.chat = f"the tokenizer in {path}", chat
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # a broken file: one line naming the directory
+            text = " ".join(str(e).split())[:300]
+            raise ValueError(f"{self.name}: cannot load it ({type(e).__name__}: {text})") from None
+        if self.tok.eos_token_id is None:
+            raise ValueError(f"{self.name} has no eos token, so no rollout could end: set \"eos_token\" in "
+                             f"{Path(path) / 'tokenizer_config.json'}")
+        if chat and not self.tok.chat_template:
+            raise ValueError(f"task.chat=true: {self.name} has no chat template (\"chat_template\" in "
+                             f"tokenizer_config.json, or chat_template.jinja)")
         self.eos_token_id = self.tok.eos_token_id
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, where: str = "text") -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+        """A prompt's ids (with task.chat: its user turn in the chat template, then the generation
+        prompt); text the tokenizer knows only as its unknown token is refused, naming `where`."""
+        if self.chat:
+            text = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=False)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        unk = self.tok.unk_token_id
+        if unk is not None and unk in ids:
+            self._refuse_unknown(text, where)
+        return ids
+
+    def _refuse_unknown(self, text: str, where: str) -> None:
+        unk = self.tok.unk_token
+        try:
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            spans = sorted({text[s:e] for i, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
+                            if i == self.tok.unk_token_id} - {unk})  # the unknown token written out is no error
+        except NotImplementedError:  # a slow tokenizer has no offsets
+            spans = None if unk not in text else []
+        if spans == []:
+            return
+        what = f"text {spans!r}" if spans else "text"
+        raise ValueError(f"{where}: {what} not in the vocabulary of {self.name} (it encodes to its unknown token "
+                         f"{unk!r})")
+
+    def describe(self) -> str:
+        chat = ", its chat template applied to each prompt" if self.chat else ""
+        return f"{self.name} ({self.vocab_size} ids, eos {self.tok.eos_token!r} = id {self.eos_token_id}{chat})"
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def make_tokenizer(path: str | None):
-    return HFTokenizer(path) if path else CharTokenizer()
+def has_tokenizer(path: str | os.PathLike | None) -> bool:
+    return bool(path) and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def make_tokenizer(spec: str | None, model_path: str | None = None, chat: bool = False):
+    """The run's tokenizer from task.tokenizer (`spec`), model.path and task.chat (module docstring)."""
+    if spec == "char" or (spec is None and not has_tokenizer(model_path)):
+        if chat:
+            raise ValueError("task.chat=true needs a tokenizer with a chat template, and the char tokenizer has "
+                             "none (model.path holds no tokenizer files; set task.tokenizer=DIR)")
+        hint = ""
+        if model_path and spec is None:
+            hint = (f" (model.path={model_path} holds none of {', '.join(TOKENIZER_FILES)}, so the built-in char "
+                    f"tokenizer is used; task.tokenizer=DIR names a Hugging Face tokenizer)")
+        return CharTokenizer(hint=hint)
+    return HFTokenizer(spec or model_path, chat)

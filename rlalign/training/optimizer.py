@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlalign import kernels
+from rlalign.kernels import torch_default as _default
 from rlalign.training.shards import DEFAULT_UNIT_NUMEL, Unit, assign_units, dense_units, gather_dense, unit_rows
 
 
@@ -107,6 +108,8 @@ class MasterWeights:
         if self.opt is None:
             return set()
         group = self.opt.param_groups[0]
+        if kernels.current()["mode"] == "default" and _fused_adamw(self.opt, self.master, grads, coef):
+            return set()  # kernels.mode=default: torch's fused AdamW; write_into rounds the masters
         params = dict(model.named_parameters()) if model is not None else {}
         scalars: dict[float, torch.Tensor] = {}
         written = set()
@@ -136,6 +139,29 @@ class MasterWeights:
         for n, p in model.named_parameters():
             if n in self.master and n not in skip:  # unsharded: all; sharded: the experts (dense: gather_dense)
                 p.copy_(self.master[n].to(p.dtype))
+
+
+def _fused_adamw(opt: AdamW, master: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], coef: float) -> bool:
+    """kernels.mode=default: one torch._fused_adamw_ over every master (torch.optim.AdamW(fused=True)'s
+    kernel, not bitwise kernels.adamw_); False (logged once) where torch has none for this device."""
+    ms = list(master.values())
+    if not hasattr(torch, "_fused_adamw_") or ms[0].device.type not in ("cuda", "cpu"):
+        _default.fallback("adamw", "torch._fused_adamw_ is missing here", "kernels.adamw_ per tensor")
+        return False
+    group = opt.param_groups[0]
+    sts = [adam_state(opt, m) for m in ms]
+    for st in sts:
+        st["step"] += 1
+    steps = {float(st["step"]) for st in sts}
+    gs = [g if g.is_contiguous() else g.contiguous() for g in (grads[n] for n in master)]
+    if coef != 1.0:
+        gs = torch._foreach_mul(gs, coef)
+    on_dev = {t: torch.full((), t, dtype=torch.float32, device=ms[0].device) for t in steps}
+    torch._fused_adamw_([m.data for m in ms], gs, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
+                        [], [on_dev[float(st["step"])] for st in sts], lr=group["lr"], beta1=group["betas"][0],
+                        beta2=group["betas"][1], weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                        maximize=False)
+    return True
 
 
 def adamw_scalars(lr: float, betas, eps: float, weight_decay: float, step: float, coef: float,
