@@ -4,7 +4,7 @@ transformers (`AutoModelForCausalLM.from_pretrained`), vLLM and rlalign (`model.
     OUT_DIR/config.json                          Qwen3MoeForCausalLM, the run's model arguments and dtype
     OUT_DIR/model-0000i-of-0000n.safetensors     the weights the run sampled with (the model dtype, as
     OUT_DIR/model.safetensors.index.json           trained: not the fp32 masters), experts one by one
-    OUT_DIR/tokenizer.json, ...                  the run's task.tokenizer files, when it had one
+    OUT_DIR/tokenizer.json, ...                  the run's Hugging Face tokenizer files, when it had one
 
 The checkpoint's files are checked first (verify: meta.json, every shard's header) and every tensor
 read is checked against its fingerprint in meta.json; nothing is unpickled (JSON and safetensors
@@ -62,6 +62,7 @@ def _from_segments(path: Path, step: int) -> tuple[ModelArgs, str, str | None]:
 
     from rlalign.config import model_args
     from rlalign.rundir import read_segments
+    from rlalign.tasks.tokenizer import tokenizer_dir
 
     run_dir = run_dir_of(path)
     segs = [s for s in read_segments(run_dir) if s["start_step"] <= step] if run_dir is not None else []
@@ -69,7 +70,7 @@ def _from_segments(path: Path, step: int) -> tuple[ModelArgs, str, str | None]:
         raise CheckpointError(f"checkpoint {path}: meta.json names no model (written before checkpoints recorded "
                               f"it) and no run segments.jsonl says which model wrote step {step}")
     cfg = OmegaConf.create(segs[-1]["config"])
-    return model_args(cfg), cfg.model.dtype, cfg.task.tokenizer
+    return model_args(cfg), cfg.model.dtype, tokenizer_dir(cfg.task.tokenizer, cfg.model.path)
 
 
 def model_of(path: Path, meta: dict) -> tuple[ModelArgs, str, str | None]:
@@ -167,7 +168,7 @@ def plan(path: Path, meta: dict, args: ModelArgs, dtype: str, reader: _Reader) -
 def tokenizer_files(tokenizer: str | None) -> tuple[list[Path], str]:
     """The tokenizer files to copy and a note on what was found."""
     if not tokenizer:
-        return [], "no tokenizer files: the run used rlalign's built-in character tokenizer (task.tokenizer unset)"
+        return [], "no tokenizer files: the run used rlalign's built-in char tokenizer"
     d = Path(tokenizer)
     files = [d / f for f in TOKENIZER_FILES if (d / f).is_file()]
     if not files:
@@ -216,7 +217,7 @@ USAGE = """usage: rlalign export CHECKPOINT_DIR OUT_DIR [--overwrite] [--shard-m
 
 The model of a checkpoint (RUN_DIR/checkpoints/step_N, or a run directory: its newest intact one)
 as a Hugging Face directory: config.json, safetensors shards with model.safetensors.index.json, and
-the run's tokenizer files when it had a task.tokenizer. transformers' from_pretrained, vLLM and
+the run's tokenizer files when it had a Hugging Face tokenizer. transformers' from_pretrained, vLLM and
 rlalign's model.path=OUT_DIR load it. The weights are the model dtype the run sampled with.
   --overwrite    replace OUT_DIR if it exists (else refused)
   --shard-mb N   shards of at most N MB (default 5000)

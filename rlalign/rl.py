@@ -46,7 +46,7 @@ from rlalign.step import MismatchError, run_step
 from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
-from rlalign.tasks.tokenizer import make_tokenizer
+from rlalign.tasks.tokenizer import make_tokenizer, tokenizer_dir
 from rlalign.training.state import checkpoint_nbytes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
@@ -133,7 +133,8 @@ class Saves:
         self.in_flight: int | None = None
         self.nbytes, self.save_s = 0, 0.0  # the checkpoint's size and its estimated write time (measure())
         # meta.json records the model, so that `rlalign export` needs nothing but the checkpoint
-        self.model = model_meta(model_args(cfg), cfg.model.dtype, cfg.task.tokenizer) if cfg.checkpoint.enabled else {}
+        tokenizer = tokenizer_dir(cfg.task.tokenizer, cfg.model.path)
+        self.model = model_meta(model_args(cfg), cfg.model.dtype, tokenizer) if cfg.checkpoint.enabled else {}
         self._watch = None
 
     def measure(self, nbytes: int) -> None:

@@ -163,7 +163,7 @@ def test_the_runs_tokenizer_files_come_along(trained, tmp_path, capsys):
     assert loaded.encode("a:b", add_special_tokens=False) == [2, 12, 3]
     path = _save(tr, cfg, tmp_path / "char")  # twin: the char tokenizer has no files to copy
     assert export_hf(path, tmp_path / "hf2")["tokenizer"] == []
-    assert "no tokenizer files: the run used rlalign's built-in character tokenizer" in capsys.readouterr().err
+    assert "no tokenizer files: the run used rlalign's built-in char tokenizer" in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_its_model_in_meta_json_takes_it_from_the_run_segments(trained, tmp_path):
