@@ -7,7 +7,9 @@ and TrainerWorker.score, on torch.multiprocessing ranks at EP > 1 (in this proce
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ from rich.table import Table
 
 from rlalign.config import model_args
 from rlalign.factory import sampling_params
-from rlalign.logger import json_line
+from rlalign.logger import Phases, json_line
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import generator_plan
@@ -55,15 +57,16 @@ def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int]
         raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
     batch = json.loads((d / "batch.json").read_text())
     s = batch["sampling"]
-    gen = {k: s[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy")}
-    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}, "generator": gen})
+    gen = {k: s[k] for k in ("temperature", "top_k", "top_p", "greedy")}
+    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}, "generator": gen,
+                                "agree": {"max_new_tokens": s["max_new_tokens"]}})
     return cfg, batch["prompts"], batch["sample_ids"], s["seed"], batch
 
 
 def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, seed: int) -> list[Rollout]:
     worker = GeneratorWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
     part = shard_range(len(prompts), world, rank)
-    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, seed)
+    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, seed, worker.cfg.agree.max_new_tokens)
     return worker.generate([prompts[i] for i in part], [sample_ids[i] for i in part], params).rollouts
 
 
@@ -95,7 +98,12 @@ def score_batch(cfg: DictConfig, prompts, responses, sample_ids=None) -> list[to
     return [lp for part in parts for lp in part]
 
 
-def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
+def _where(ranks: int) -> str:
+    return "in this process" if ranks == 1 else f"on {ranks} spawned ranks"
+
+
+def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> tuple[dict, list[Rollout]]:
+    """The batch generated and rescored, compared token by token; `phase` hears each phase as it begins."""
     t0 = time.perf_counter()
     replay = None
     if cfg.agree.replay:
@@ -103,8 +111,13 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     else:
         prompts, seed = random_prompts(cfg, model_args(cfg).vocab_size), cfg.seed
         ids = list(range(len(prompts)))
+    plan = generator_plan(cfg)
+    phase(f"generating {len(prompts)} sequences of up to {cfg.agree.max_new_tokens} tokens (generator EP "
+          f"{plan.ranks}, {plan.backend} engine, {_where(plan.ranks)}; each rank builds the model first)")
     rollouts = generate_batch(cfg, prompts, ids, seed=seed)
     t1 = time.perf_counter()
+    phase(f"scoring the {sum(len(r.tokens) for r in rollouts)} generated tokens on the trainer side (EP "
+          f"{cfg.trainer.ep_size}, {_where(cfg.trainer.ep_size)}; another order and other micro-batches)")
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
     train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled],
@@ -165,10 +178,21 @@ def print_report(result: dict, console=None) -> None:
         t.add_row(*r)
     console.print(t)
     console.print("[green]bitwise agreement[/green]" if ok else "[red]MISMATCH: generator and trainer disagree[/red]")
+    print(f"rlalign agree: {verdict(result)}", file=sys.stderr, flush=True)  # unwrapped: a log's (or make demo's) line
+
+
+def verdict(result: dict) -> str:
+    """The comparison in one line: '304 of 306 tokens differ between the generator's and the trainer's
+    logprobs (kernels.mode=default; max |Δ logprob| 0.0045)'."""
+    n, of = result["mismatched_tokens"], result["tokens"]
+    what = f"{n} of {of} tokens differ between the generator's and the trainer's logprobs"
+    if n == 0:
+        return f"{what}: bitwise agreement (kernels.mode={result['kernels']})"
+    return f"{what} (kernels.mode={result['kernels']}; max |Δ logprob| {result['max_abs_diff']:.2g})"
 
 
 def main(cfg: DictConfig) -> int:
-    result, _ = run_agree(cfg)
+    result, _ = run_agree(cfg, Phases("rlalign agree"))
     print_report(result)
     print(json_line(result), flush=True)
     return 0

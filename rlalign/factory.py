@@ -33,10 +33,10 @@ def model_from_config(cfg: DictConfig, dtype: str | None = None) -> Transformer:
 
 def sampling_params(cfg: DictConfig, eos_token_id: int | None = None, seed: int = 0,
                     max_new_tokens: int | None = None) -> SamplingParams:
-    """The generator's sampling (generator.* keys; max_new_tokens replaced when given); its
-    logprob_kwargs() are what the trainer scores with too."""
-    p = SamplingParams(**vars(keys_of(SamplingConfig, cfg.generator)), eos_token_id=eos_token_id, seed=seed)
-    if max_new_tokens:
-        p.max_new_tokens = max_new_tokens
+    """The generator's sampling (generator.* keys) for completions of `max_new_tokens` (the workload's:
+    task.max_new_tokens in train, agree.max_new_tokens in agree; None only where no sequence is drawn,
+    e.g. the trainer's logprob_kwargs()); its logprob_kwargs() are what the trainer scores with too."""
+    length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    p = SamplingParams(**vars(keys_of(SamplingConfig, cfg.generator)), **length, eos_token_id=eos_token_id, seed=seed)
     p.validate()
     return p

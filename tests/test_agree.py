@@ -44,7 +44,7 @@ def _refuse(name):
 
 
 def test_cli_last_line_is_the_json_report():
-    p = _cli("agree", "agree.num_prompts=6", "generator.max_new_tokens=5", "trainer.ep_size=1")  # in-process ranks
+    p = _cli("agree", "agree.num_prompts=6", "agree.max_new_tokens=5", "trainer.ep_size=1")  # in-process ranks
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout.strip().splitlines()[-1], parse_constant=_refuse)  # standard JSON only
     assert set(res) >= {"tokens", "mismatched_tokens", "max_abs_diff", "mean_abs_diff", "kernels", "dtype",
@@ -85,7 +85,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     spy(workers.TrainerWorker, "score", "score")
     spy(trainer, "score_micro_batch", "score_micro_batch")
     res, _ = run_agree(load_config(["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=4",
-                                    "generator.max_new_tokens=8"]))
+                                    "agree.max_new_tokens=8"]))
     assert res["mismatched_tokens"] == 0
     assert calls["generate"] == 1 and calls["score"] == 1 and calls["score_micro_batch"] >= 1
     # negative twin: an agree whose generation bypasses the worker is caught by the same check
@@ -98,12 +98,13 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     def bypass(rank, world, group, cfg_dict, prompts, sample_ids, seed):
         cfg = OmegaConf.create(cfg_dict)
         model = model_from_config(cfg)
-        return generate(model, prompts, sample_ids, sampling_params(cfg, model.args.eos_token_id, seed))
+        params = sampling_params(cfg, model.args.eos_token_id, seed, cfg.agree.max_new_tokens)
+        return generate(model, prompts, sample_ids, params)
 
     monkeypatch.setattr(agree, "_generate_rank", bypass)
     calls.update(generate=0, score=0)
     run_agree(load_config(["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=4",
-                           "generator.max_new_tokens=8"]))
+                           "agree.max_new_tokens=8"]))
     assert calls["generate"] == 0 and calls["score"] == 1
 
 

@@ -15,12 +15,15 @@ __all__ = ["EngineConfig", "Rollout", "SamplingParams", "check_prompts"]
 @dataclass
 class SamplingParams(SamplingConfig):
     """One call's sampling: the generator.* distribution (defaults: the config schema's) plus what
-    is the call's own, not a config key: the stop token and the seed."""
+    is the call's own, not a generator.* key: the length, the stop token and the seed."""
 
+    max_new_tokens: int = 48  # the workload's (task.max_new_tokens, agree.max_new_tokens)
     eos_token_id: int | None = None  # None: no stop token, every sequence runs to max_new_tokens
     seed: int = 0
 
     def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         self.validate_sampling()
 
     @property
