@@ -2,6 +2,7 @@
 and by nobody else at the same time.
 
     with RunLock(run_dir):          # a second job on the directory is refused, naming the holder
+        claim_run_dir(run_dir, resume, overwrite)          # another run's steps: refused, or deleted
         record_segment(run_dir, start_step, resume, cfg)   # segments.jsonl + config.yaml
 
 RunLock holds an exclusive flock(2) on RUN_DIR/.rlalign.lock for the job's lifetime and writes
@@ -10,6 +11,11 @@ process ends, however it ends (kill -9, OOM killer, a node's NFS lease running o
 crashed job never blocks the next one: the file still names the crashed holder, which the next
 job reports as a stale lock it takes over. A clean exit empties the file. Only the file's
 contents are rewritten, never the file itself, so every job locks the same inode.
+
+A directory that holds another run's work (its logged steps, a checkpoint, trace records) is not
+written over silently: claim_run_dir refuses it in one line naming what it holds, unless
+checkpoint.resume continues that run or run.overwrite=true deletes its files (and only its files)
+first.
 
 segments.jsonl gets one record per start of the run: the step it starts at, the checkpoint it
 resumed from, host/pid/time and the whole resolved config, so a resumed run that changed keys
