@@ -121,7 +121,10 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
         record_segment(run_dir, start, resume, OmegaConf.to_container(cfg, resolve=True),
                        OmegaConf.to_yaml(cfg, resolve=True))
         last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase)
-    return summarize(run_dir, cfg.run.steps, start, last)
+    summary = summarize(run_dir, cfg.run.steps, start, last)
+    if cfg.logger.console:
+        print(f"rlalign train: {done_line(summary, cfg.kernels.mode)}", file=sys.stderr, flush=True)
+    return summary
 
 
 class Saves:
@@ -379,7 +382,5 @@ def done_line(summary: dict, kernels_mode: str) -> str:
 
 def main(cfg: DictConfig, status: dict | None = None) -> int:
     summary = train(cfg, status)
-    if cfg.logger.console and not summary.get("nothing_to_do"):
-        print(f"rlalign train: {done_line(summary, cfg.kernels.mode)}", file=sys.stderr, flush=True)
     print(json_line(summary), flush=True)
     return 0
