@@ -50,6 +50,11 @@ def test_cli_last_line_is_the_json_report():
     assert set(res) >= {"tokens", "mismatched_tokens", "max_abs_diff", "mean_abs_diff", "kernels", "dtype",
                         "trainer_ep", "generator_ep"}
     assert res["mismatched_tokens"] == 0
+    err = p.stderr.strip().splitlines()  # what it runs as it begins, then its closing line
+    assert any(ln.startswith("rlalign agree: [") and "generating 6 sequences of up to 5 tokens" in ln for ln in err)
+    assert any("scoring the " in ln and "on the trainer side (EP 1, in this process" in ln for ln in err)
+    assert err[-1] == (f"rlalign agree: 0 of {res['tokens']} tokens differ between the generator's and the trainer's "
+                       f"logprobs: bitwise agreement (kernels.mode=deterministic)")
 
 
 def test_cli_rejects_bad_config_with_the_valid_keys(capsys):

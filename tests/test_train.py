@@ -83,6 +83,15 @@ def test_train_three_steps_trainer_ep2_generator_ep1(full):
         assert r["consistency/logprob_abs_diff_max"] == 0.0
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["mismatched_tokens_total"] == 0
+    err = p.stderr.splitlines()  # start-up phases as they begin, a line per step, the closing line
+    phases = [ln.split("] ", 1)[1] for ln in err if re.match(r"rlalign train: \[\d+\.\d s\] ", ln)]
+    assert phases[:3] == ["starting Ray (a private local cluster)",
+                          "starting 2 trainer ranks (EP 2), each building its model shard",
+                          "starting 1 generator rank (EP 1, native engine)"], err
+    steps = [ln for ln in err if ln.startswith("[")]
+    assert [s.split("  ")[0] for s in steps] == ["[1/3] step 0", "[2/3] step 1", "[3/3] step 2"]
+    assert all(f" {k} " in s for s in steps for k in ("loss", "kl", "tok/s", "mismatched 0/3", "ETA"))
+    assert f"rlalign train: done: run.steps=3 in {d}; 0 of {summary['tokens_total']} tokens differ " in p.stderr
     print(f"rlalign train run.steps=3 (Ray start-up included): {wall:.1f}s")
 
 
