@@ -1,8 +1,10 @@
 """Structured, validated configuration: Hydra YAML (configs/) composed onto these dataclasses.
 
 `load_config(["kernels.mode=default", "trainer.ep_size=2"])` composes configs/config.yaml with
-its groups (model, task, algorithm, kernels, logger) and the overrides. A key that the schema
-doesn't know fails with the valid keys listed; values are type-checked by OmegaConf.
+its groups (model, task, algorithm, kernels, logger) and the overrides; a ConfigSource adds a
+user's directory of options and experiments (rlalign/config_search.py). A key that the schema
+doesn't know fails with the valid keys listed, in the user's files too; values are type-checked by
+OmegaConf.
 
 The dataclasses below are the one place where defaults live: configs/config.yaml holds only the
 defaults list (which group option is chosen), and a group file (configs/GROUP/OPTION.yaml) holds
@@ -21,16 +23,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlalign.config_search import (
+    ConfigError,
+    ConfigSource,
+    check_group_overrides,
+    compose_from,
+    config_file,
+    group_options,
+    search_dirs,
+)
 from rlalign.model.args import ModelArgs, read_args
 from rlalign.stop import STOP_SIGNALS
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# rlalign's own configs: the repository's configs/ in a checkout, rlalign/configs/ in an installed
+# wheel (pyproject.toml's package-dir ships configs/ there)
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIR = _PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs"
 
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda fmt: datetime.datetime.now().strftime(fmt), use_cache=True)
@@ -326,10 +339,6 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def _valid_keys(schema: DictConfig, dotted: str) -> tuple[str, list[str]]:
     """The deepest existing parent of `dotted` and its keys."""
     parts = dotted.split(".")
@@ -350,38 +359,59 @@ def _unknown_key_error(schema: DictConfig, key: str, origin: str) -> ConfigError
     return ConfigError(f"unknown config key {key!r} in {origin}{hint}; valid keys {where}: {', '.join(keys)}")
 
 
-def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None) -> DictConfig:
-    """Compose configs/config.yaml + overrides onto the Config schema; errors name the key."""
-
+def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None,
+                source: ConfigSource | None = None) -> DictConfig:
+    """Compose the primary config (configs/config.yaml, or source.name) + overrides onto the Config
+    schema over the search path: config_dir (rlalign's own configs/ unless a test gives another),
+    then source.user_dir and hydra.searchpath=[...]'s directories. Errors name the key, the option or
+    the file."""
+    source = source or ConfigSource()
+    dirs, overrides = search_dirs(Path(config_dir or CONFIG_DIR), source, list(overrides or []))
     # free-form maps (task.kwargs.*) take new keys: force-add them
-    overrides = [("++" + o) if _is_free_key(o.split("=", 1)[0]) and not o.startswith("+") else o
-                 for o in (overrides or [])]
+    overrides = [("++" + o) if _is_free_key(o.split("=", 1)[0]) and not o.startswith("+") else o for o in overrides]
     schema = OmegaConf.structured(Config)
+    groups = group_options(dirs)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if "=" not in o:
             raise ConfigError(f"override {o!r} is not of the form key=value")
-        if key in ("model", "task", "algorithm", "kernels", "logger") or key.startswith("hydra"):
+        if key in groups or key.startswith("hydra"):
             continue  # group selection
         if OmegaConf.select(schema, key, default="__missing__") == "__missing__" and not _is_free_key(key):
             raise _unknown_key_error(schema, key, "the command line")
-    cdir = str(Path(config_dir or CONFIG_DIR).resolve())
-
+    check_group_overrides(dirs, overrides)
     ConfigStore.instance().store(name="rlalign_schema", node=Config)  # config.yaml's first default
     try:
-        with initialize_config_dir(config_dir=cdir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose_from(dirs, source.name, overrides)
     except (ConfigCompositionException, HydraException, OmegaConfBaseException) as e:
-        text = f"{e}\n{e.__cause__ or ''}"
-        key = re.search(r"full_key: (\S+)", text)
-        if key and re.search(r"Key '[^']+' not in '", text):
-            origin = re.search(r"In '([^']+)'", text)
-            where = f"{cdir}/{origin[1]}.yaml" if origin else f"{cdir}/config.yaml"
-            raise _unknown_key_error(schema, key[1], where) from None
-        detail = "; ".join(ln.strip() for ln in str(e.__cause__ or "").splitlines()[:1] if ln.strip())
-        raise ConfigError(f"cannot compose the config from {cdir}: {e}" + (f" ({detail})" if detail else "")) from None
+        raise _composition_error(e, schema, dirs) from None
     validate(cfg)
     return cfg
+
+
+def chosen_options(source: ConfigSource | None = None) -> dict[str, str]:
+    """{group: option} of the primary config's defaults (what --help marks as the default)."""
+    source = source or ConfigSource()
+    dirs, _ = search_dirs(CONFIG_DIR, source, [])
+    ConfigStore.instance().store(name="rlalign_schema", node=Config)
+    choices = compose_from(dirs, source.name, [], return_hydra_config=True).hydra.runtime.choices
+    return {g: str(o) for g, o in choices.items() if not g.startswith("hydra/") and o is not None}
+
+
+def _composition_error(e: Exception, schema: DictConfig, dirs: list[Path]) -> ConfigError:
+    """One line for Hydra's and OmegaConf's composition errors, naming the file they come from."""
+    text = f"{e}\n{e.__cause__ or ''}"
+    origin = re.search(r"In '([^']+)'", text)
+    where = str(config_file(dirs, origin[1]) or origin[1]) if origin else "the command line"
+    key = re.search(r"full_key: (\S+)", text)
+    if key and re.search(r"Key '[^']+' not in '", text):
+        return _unknown_key_error(schema, key[1], where)
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if key and origin and len(lines) > 1:  # "In 'model/x': ValidationError raised ...", then OmegaConf's line
+        return ConfigError(f"{where}: {key[1]}: {lines[1]}")
+    cause = str(e.__cause__ or "").strip().splitlines()
+    detail = f" ({cause[0].strip()})" if cause else ""
+    return ConfigError(f"cannot compose the config from {', '.join(map(str, dirs))}: {'; '.join(lines)}{detail}")
 
 
 def _is_free_key(key: str) -> bool:

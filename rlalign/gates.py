@@ -22,6 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign.config import load_config
+from rlalign.config_search import ConfigSource
 from rlalign.monitor.compare import first_state_difference, run_streams, state_difference_line, trainer_state
 from rlalign.monitor.trace import env_difference, first_divergence
 from rlalign.rl import train
@@ -138,26 +139,27 @@ def _flat(d: dict, p: str = "") -> dict:
     return out
 
 
-def _train(cfg: DictConfig, run_dir: Path, extra: list[str]) -> None:
+def _train(cfg: DictConfig, run_dir: Path, extra: list[str], source: ConfigSource | None) -> None:
 
-    train(load_config([*extra, f"run.dir={run_dir}"]))
+    train(load_config([*extra, f"run.dir={run_dir}"], source=source))
 
 
-def run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, str]:
-    """Run one gate (both runs on one Ray cluster: RAY_ADDRESS's, else a private one); returns
-    (passed, the report's text)."""
+def run_gate(kind: str, overrides: list[str], cfg: DictConfig,
+             source: ConfigSource | None = None) -> tuple[bool, str]:
+    """Run one gate (both runs on one Ray cluster: RAY_ADDRESS's, else a private one; each run's config
+    composed from `source`, as cfg was); returns (passed, the report's text)."""
     from rlalign import cluster
 
     if kind not in GATES:
         raise ValueError(f"unknown gate {kind!r}; one of {', '.join(GATES)}")
     initialized = cluster.connect(cfg.placement.num_cpus)
     try:
-        return _run_gate(kind, overrides, cfg)
+        return _run_gate(kind, overrides, cfg, source)
     finally:
         cluster.disconnect(initialized)
 
 
-def _run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, str]:
+def _run_gate(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSource | None) -> tuple[bool, str]:
     base = Path(cfg.run.dir) / f"gate-{kind}"
     if base.exists():
         shutil.rmtree(base)
@@ -171,17 +173,18 @@ def _run_gate(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[bool, s
         k = cfg.gate.replay_step + 1 if cfg.gate.replay_step is not None else cfg.run.steps // 2
         if not 0 < k < cfg.run.steps:
             raise ValueError(f"gate.replay_step={k - 1}: must be in [0, run.steps-2] (run.steps={cfg.run.steps})")
-        _train(cfg, a, [*common, f"checkpoint.every={k}", "checkpoint.keep=0"])
+        _train(cfg, a, [*common, f"checkpoint.every={k}", "checkpoint.keep=0"], source)
         src = a / "checkpoints" / f"step_{k - 1:06d}"
         (b / "checkpoints").mkdir(parents=True)
         shutil.copytree(src, b / "checkpoints" / src.name)
         shutil.copy(a / "metrics.jsonl", b / "metrics.jsonl")
         shutil.copytree(a / "traces", b / "traces")
-        _train(cfg, b, [*common, *candidate, "checkpoint.resume=auto", f"checkpoint.every={k}", "checkpoint.keep=0"])
+        _train(cfg, b, [*common, *candidate, "checkpoint.resume=auto", f"checkpoint.every={k}", "checkpoint.keep=0"],
+               source)
         from_step = k
     else:
-        _train(cfg, a, common)
-        _train(cfg, b, [*common, *candidate])
+        _train(cfg, a, common, source)
+        _train(cfg, b, [*common, *candidate], source)
         allowed = tuple(sorted({o.split("=", 1)[0].lstrip("+") for o in candidate}))
         allowed += tuple("topology." + t for t in ("trainer_ep", "generator_ep") if any(
             o.startswith(t.replace("_ep", ".ep_size")) for o in candidate))
