@@ -410,8 +410,8 @@ def _execute(cmd: str, gate: str | None, overrides: list[str], state: dict) -> i
 
 
 def _multirun(cmd: str, gate: str | None, args: Args, state: dict) -> int:
-    """--multirun: every job's config composed first, then the jobs one after another (rlalign/sweep.py);
-    a job's input error is its line and status 2, and the sweep goes on."""
+    """--multirun: every job's config composed first, then the jobs one after another on one Ray cluster
+    (rlalign/sweep.py); a job's input error is its line and status 2, and the sweep goes on."""
     from rlalign import sweep
     from rlalign.config import load_config
 
@@ -433,7 +433,14 @@ def _multirun(cmd: str, gate: str | None, args: Args, state: dict) -> int:
             print(_error_line(cmd, e, state), file=sys.stderr, flush=True)
             return 2
 
-    return sweep.run(cmd, sweep_dir, jobs, run_one)
+    from rlalign import cluster
+
+    # the jobs share one Ray cluster (RAY_ADDRESS's, else a private one), as a gate's two runs do
+    initialized = cluster.connect(jobs[0].cfg.placement.num_cpus) if cmd in sweep.RUN_DIR_COMMANDS else False
+    try:
+        return sweep.run(cmd, sweep_dir, jobs, run_one)
+    finally:
+        cluster.disconnect(initialized)
 
 
 def stdout_closed() -> bool:
