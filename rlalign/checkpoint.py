@@ -45,6 +45,14 @@ Disk space. check_space() runs before Ray starts: the checkpoint's size is the t
 on the meta device), times the checkpoints the run holds at once (checkpoint.keep + the one being
 written); a run whose checkpoint directory has less free space is refused in one line.
 
+Progress. A load that lasts more than a few seconds prints rank 0's bytes read, rate and time left
+on stderr (checkpoint_files.Progress, from DCP's planner as tensors arrive); a save's progress is
+printed by the driver, which watches the .tmp directory (checkpoint_files.SaveWatch).
+
+Hugging Face export. With publish["export_hf"] (checkpoint.export_hf), complete() writes the model as
+a Hugging Face directory into the checkpoint (step_N/hf, rlalign.export) before renaming it into
+place; a failed export leaves the checkpoint complete and is raised after publishing it.
+
 All non-tensor state is JSON: meta.json (python_rng as [version, [state...], gauss_next], torch_rng
 as a list of bytes) and the ranks' fingerprint files, which complete() folds into meta.json.
 
@@ -75,17 +83,24 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     FORMAT,
     FPS,
     META,
+    PROBE_MAX_BYTES,
     ST_DTYPE,
     SUFFIX,
     CheckpointError,
     Damage,
+    Progress,
+    SaveWatch,
     cause,
     checkpoint_dir,
     damaged,
     fsync_dir,
+    grace_warning,
     list_complete,
+    measure_write_rate,
     newest_intact,
     oneline,
+    probe_bytes,
+    published,
     rank_of_file,
     read_header,
     read_json,
@@ -93,9 +108,11 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     resolve_resume,
     run_dir_of,
     shard_name,
+    size_text,
     step_of,
     tmp_path,
     verify,
+    wait_published,
     write_json_atomic,
 )
 from rlalign.faults import maybe_fail
@@ -324,7 +341,8 @@ class AsyncSaver:
             bad = [r for r, v in enumerate(ok) if not v]
             raise CheckpointError(f"checkpoint of step {step} not written: rank(s) {bad} failed{_previous(path, step)}")
         if publish is not None and rank == 0:
-            return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"])
+            return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"],
+                            publish.get("export_hf", False))
         return None
 
     def wait(self) -> Path | None:
@@ -332,6 +350,22 @@ class AsyncSaver:
         publish), else None; raises its CheckpointError."""
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
+
+
+def _counting_planner(progress: Progress | None):
+    """DCP's default load planner, reporting the bytes read so far to `progress` (None: silent)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Counting(DefaultLoadPlanner):
+        done = 0
+
+        def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+            super().commit_tensor(read_item, tensor)
+            if progress is not None:
+                self.done += tensor.numel() * tensor.element_size()
+                progress.update(self.done)
+
+    return Counting()
 
 
 def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None) -> dict:
@@ -353,17 +387,20 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
             raise damaged(path, Damage(e["file"], f"tensor {k!r} is {e['dtype']}{e['shape']}, the trainer holds "
                                                     f"{ST_DTYPE.get(t.dtype, t.dtype)}{list(t.shape)}"))
         buf[k] = torch.empty(t.shape, dtype=t.dtype)
+    progress = Progress(f"rlalign: loading {path} (rank 0's part)", sum(t.numel() * t.element_size()
+                                                                       for t in buf.values()))
     try:
         with _quiet_single_process():
             dcp = _dcp()
             dcp.load(buf, storage_reader=dcp.HuggingFaceStorageReader(str(path)), process_group=group,
-                     no_dist=not _dist_on())
+                     no_dist=not _dist_on(), planner=_counting_planner(progress if rank == 0 else None))
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         failed, cause = _dcp_cause(e, rank)
         what = f"read failed on rank {failed}: {cause(cause)}"
         raise damaged(path, Damage("(safetensors shards)", what)) from None
+    progress.done(result="read")
     fps = state_fingerprints(buf)
     for k in sorted(buf):
         got, want = fps[k], index[k]["fp"]
@@ -395,10 +432,6 @@ def held_at_once(existing: int, saves: int, keep: int) -> int:
     return peak - existing
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
-
-
 def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], every: int, total_steps: int,
                 keep: int) -> dict:
     """Refuse a run whose checkpoints do not fit the free space of run_dir/checkpoints (statvfs of
@@ -417,12 +450,13 @@ def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], ever
     st = os.statvfs(probe)
     free = st.f_bavail * st.f_frsize
     if need > free:
-        what = " + ".join(f"{k} {_gb(v)}" for k, v in parts.items() if v)
-        times = f"{count} checkpoints of {_gb(size)} at once" if count > 1 else f"one checkpoint of {_gb(size)}"
+        what = " + ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v)
+        one = size_text(size)
+        times = f"{count} checkpoints of {one} at once" if count > 1 else f"one checkpoint of {one}"
         fewer = "checkpoint.keep=1 (fewer at once), " if count > 1 else ""
         raise CheckpointError(
-            f"not enough disk for checkpoints: {d} needs {_gb(need)} ({times}: {what}) but its file system has "
-            f"{_gb(free)} free; set run.dir=<a directory with room>, {fewer}or checkpoint.enabled=false "
+            f"not enough disk for checkpoints: {d} needs {size_text(need)} ({times}: {what}) but its file system has "
+            f"{size_text(free)} free; set run.dir=<a directory with room>, {fewer}or checkpoint.enabled=false "
             f"(no checkpoints)")
     return {"checkpoint_bytes": size, "checkpoints_at_once": count, "needed_bytes": need, "free_bytes": free,
             "dir": str(d)}
@@ -465,10 +499,26 @@ def _index(tmp: Path) -> dict:
     return {"world": len(fps), "files": files, "tensors": dict(sorted(tensors.items()))}
 
 
-def complete(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
-    """Publish a written .tmp checkpoint: index it into meta.json (written last, atomically) and
-    rename the directory into place; prune old ones beyond `keep`. A failure raises CheckpointError
-    (the step, the path, the cause) after removing the .tmp directory."""
+def _export(tmp: Path, final: Path, step: int) -> CheckpointError | None:
+    """checkpoint.export_hf: the model as a Hugging Face directory inside the checkpoint (step_N/hf),
+    before it is renamed into place, so that a published checkpoint has it; a failure is returned
+    (raised once the checkpoint itself is published)."""
+    from rlalign.export import HF_DIR, export_hf
+
+    try:
+        export_hf(tmp, tmp / HF_DIR, overwrite=True, what=f"rlalign train: export of step {step}", note=False)
+    except (OSError, ValueError, RuntimeError) as e:
+        shutil.rmtree(tmp / HF_DIR, ignore_errors=True)
+        return CheckpointError(oneline(f"checkpoint of step {step} is complete ({final}), but its Hugging Face "
+                                       f"export failed: {cause(e)}; export it with: rlalign export {final} OUT_DIR"))
+    return None
+
+
+def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = False) -> Path:
+    """Publish a written .tmp checkpoint: index it into meta.json (written last, atomically), with
+    export_hf its model as step_N/hf, and rename the directory into place; prune old ones beyond
+    `keep`. A failure raises CheckpointError (the step, the path, the cause) after removing the .tmp
+    directory; a failed export only after publishing the checkpoint."""
     tmp = tmp_path(run_dir, step)
     final = checkpoint_dir(run_dir) / f"step_{step:06d}"
     try:
@@ -486,6 +536,11 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
         for p in tmp.iterdir():
             if FPS.match(p.name):
                 p.unlink()
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(tmp, step, e) from None
+    failed = _export(tmp, final, step) if export_hf else None
+    try:
         fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -501,4 +556,6 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     if keep > 0:
         for p in list_complete(run_dir)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
+    if failed is not None:
+        raise failed
     return final

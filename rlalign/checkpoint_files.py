@@ -11,6 +11,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -317,3 +319,167 @@ def read_meta(path: Path) -> dict:
     if not isinstance(meta, dict):
         raise damaged(Path(path), Damage(META, "not a JSON object"))
     return meta
+
+
+# --- sizes, rates and progress (saves, loads, exports) -------------------------------------------
+def size_text(n: float) -> str:
+    """Bytes as '100 kB' / '3.23 MB' / '61.2 GB' (3 significant digits)."""
+    if n < 1e6:
+        return f"{n / 1e3:.3g} kB"
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def _seconds_text(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+class Progress:
+    """Progress lines of a long transfer on stderr (never stdout, whose last line is a command's JSON
+    summary): nothing for one that ends within `after_s`; then a line every `every_s` with the bytes
+    done, the rate and the time left, and one when it ends. `clock` and `out` are for tests."""
+
+    AFTER_S = 3.0
+    EVERY_S = 5.0
+
+    def __init__(self, what: str, total: int, after_s: float | None = None, every_s: float | None = None,
+                 clock=None, out=None):
+        self.what, self.total = what, total
+        self.after_s = self.AFTER_S if after_s is None else after_s
+        self.every_s = self.EVERY_S if every_s is None else every_s
+        self.clock = clock or time.monotonic
+        self.out = out
+        self.t0 = self.clock()
+        self.next = self.t0 + self.after_s
+        self.printed = False
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.out or sys.stderr, flush=True)
+        self.printed = True
+
+    def update(self, done: int) -> None:
+        now = self.clock()
+        if now < self.next:
+            return
+        self.next = now + self.every_s
+        if done <= 0:
+            self._print(f"{self.what}: nothing yet of {size_text(self.total)} after {_seconds_text(now - self.t0)}")
+            return
+        rate = done / max(now - self.t0, 1e-9)
+        left = f", ~{_seconds_text((self.total - done) / rate)} left" if rate > 0 and done < self.total else ""
+        pct = min(100.0, 100 * done / max(self.total, 1))  # file headers and indexes come on top of the tensors
+        self._print(f"{self.what}: {size_text(done)} of {size_text(self.total)} ({pct:.0f} %, "
+                    f"{size_text(rate)}/s{left})")
+
+    def done(self, done: int | None = None, result: str = "done") -> None:
+        """The closing line, when a progress line was printed (a short transfer stays silent)."""
+        if self.printed:
+            n = self.total if done is None else done
+            s = self.clock() - self.t0
+            rate = size_text(n / max(s, 1e-9))
+            self._print(f"{self.what}: {result}: {size_text(n)} in {_seconds_text(s)} ({rate}/s)")
+
+
+def dir_bytes(path: Path) -> int:
+    """The bytes of the files directly in `path` (0 if it is gone)."""
+    total = 0
+    try:
+        for p in path.iterdir():
+            try:
+                total += p.stat().st_size
+            except OSError:
+                pass
+    except OSError:
+        return 0
+    return total
+
+
+def published(run_dir: Path, step: int) -> Path | None:
+    """The complete checkpoint of `step` (its meta.json is present: rank 0 renamed it into place), or None."""
+    final = checkpoint_dir(run_dir) / f"step_{step:06d}"
+    return final if (final / META).is_file() else None
+
+
+class SaveWatch:
+    """A daemon thread that prints the progress of the checkpoint of `step` being written (the bytes of
+    its .tmp directory: the driver sees the ranks' files on the shared run dir) and a closing line
+    once it is published; it ends then, when its .tmp directory, once seen, goes (a failed write), or
+    at close()."""
+
+    def __init__(self, run_dir: Path, step: int, total: int, poll_s: float = 0.5):
+        self.run_dir, self.step, self.poll_s = run_dir, step, poll_s
+        self.progress = Progress(f"rlalign train: checkpoint of step {step}", total)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"rlalign-checkpoint-watch-{step}")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        tmp, seen = tmp_path(self.run_dir, self.step), False
+        while True:
+            stopping = self._stop.wait(self.poll_s)
+            if published(self.run_dir, self.step) is not None:
+                self.progress.done(result="written")
+                return
+            if stopping:
+                return
+            if tmp.is_dir():
+                seen = True
+                self.progress.update(dir_bytes(tmp))
+            elif seen:
+                return
+
+    def close(self) -> None:
+        """Stop watching (the closing line first, if the checkpoint is published by now)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def wait_published(run_dir: Path, step: int, timeout_s: float | None, poll_s: float = 0.1) -> Path | None:
+    """Wait, watching the disk, until the checkpoint of `step` is published: its path; None when its
+    .tmp directory is gone without it (the write failed) or after timeout_s. Needs no answer from a
+    trainer rank (busy with a step, or dead). A signal handler's exception interrupts it."""
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    tmp = tmp_path(run_dir, step)
+    while True:
+        done = published(run_dir, step)
+        if done is not None:
+            return done
+        if not tmp.is_dir() or (end is not None and time.monotonic() >= end):
+            return published(run_dir, step)
+        time.sleep(poll_s)
+
+
+PROBE_MIN_BYTES, PROBE_MAX_BYTES = 4 << 20, 64 << 20
+
+
+def measure_write_rate(directory: Path, nbytes: int) -> float:
+    """Bytes per second of one writer into `directory`: a file of `nbytes` random bytes written,
+    fsynced and removed (random, so that a compressing file system does not flatter it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(nbytes)
+    probe = directory / f".write-probe-{os.getpid()}"
+    try:
+        t0 = time.perf_counter()
+        _write_file(probe, data)
+        seconds = time.perf_counter() - t0
+    finally:
+        probe.unlink(missing_ok=True)
+    return nbytes / max(seconds, 1e-9)
+
+
+def probe_bytes(checkpoint_bytes: int) -> int:
+    """The probe's size: the checkpoint's, within [4 MiB, 64 MiB]."""
+    return min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, checkpoint_bytes))
+
+
+def grace_warning(checkpoint_bytes: int, rate: float, grace_s: float, where: Path) -> str | None:
+    """One line when a checkpoint of `checkpoint_bytes` at `rate` bytes/s (one writer) takes longer than
+    run.stop_grace_s, naming the knobs of the orchestrators that send the stop signal; else None."""
+    seconds = checkpoint_bytes / rate
+    if seconds <= grace_s:
+        return None
+    return (f"a checkpoint of {size_text(checkpoint_bytes)} takes ~{_seconds_text(seconds)} at the "
+            f"{size_text(rate)}/s measured in {where}, longer than run.stop_grace_s={grace_s:g} s: a stop signal "
+            f"(preemption, Ctrl-C) may end the run before its checkpoint is written; raise run.stop_grace_s above "
+            f"~{seconds:.0f} s and the orchestrator's grace above that (Kubernetes: terminationGracePeriodSeconds; "
+            f"Slurm: KillWait, or sbatch --signal=TERM@SECONDS to be signalled earlier), or save every step "
+            f"(checkpoint.every=1: a stop then waits only for the write already under way)")

@@ -5,6 +5,7 @@
     rlalign gate repeatability|baseline|replay [overrides]   PASS/FAIL, and the first divergence
     rlalign compare TRACE_A TRACE_B   first differing fingerprint record (files or run dirs)
     rlalign report  RUN_DIR           plots and a summary of a run
+    rlalign export  CHECKPOINT_DIR OUT_DIR   the checkpoint's model as a Hugging Face directory
     rlalign --version
 
 Hydra's options: --config-dir DIR (-cd) adds your config directory (its GROUP/OPTION.yaml files and
@@ -12,9 +13,9 @@ experiment configs) after rlalign's own, --config-name NAME (-cn) picks the prim
 -m/--multirun runs a command once per combination of comma-separated values (rlalign/sweep.py).
 `rlalign COMMAND --help` lists the config groups and common keys. An error prints one line,
 `rlalign COMMAND: error: ...`, and exits 2 (RLALIGN_DEBUG=1 adds the traceback); Ctrl-C exits 130.
-`rlalign train` stopped by one of run.stop_signals exits 128 + the signal's number (SIGTERM: 143);
-its line, like that of an error once the run has started, names the last complete checkpoint and
-the command that resumes from it.
+`rlalign train` stopped by one of run.stop_signals or Ctrl-C (after its checkpoint: rlalign.stop)
+exits 128 + the signal's number (SIGTERM: 143, SIGINT: 130); its line, like that of an error once
+the run has started, names the last complete checkpoint and the command that resumes from it.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ _KEYS = {
         ("checkpoint.enabled", "false: no checkpoint at all, not even the last (e.g. a model too large for the disk)"),
         ("checkpoint.resume", "never | auto | a checkpoint directory"),
         ("checkpoint.bucket_mb", "file size of a checkpoint's buckets: a save holds 3-4 of them in host memory"),
-        ("run.stop_signals", "signals that finish the step and its checkpoint, then stop (exit 128+N)"),
+        ("run.stop_signals", "signals that checkpoint the newest state, then stop (exit 128+N; Ctrl-C too)"),
         ("run.stop_grace_s", "seconds a stop signal leaves the step and its checkpoint, then abandons them"),
+        ("checkpoint.export_hf", "also write each checkpoint's model as a Hugging Face directory (step_N/hf)"),
         ("task.reward_timeout_s", "time limit of one reward call (null: none); past it the run ends naming the sample"),
         ("task.reward_timeout_fallback", "the reward of a call past the limit instead (null: an error)"),
         ("task.reward_workers", "reward calls running at once (threads)"),
@@ -191,9 +193,10 @@ def help_text(cmd: str, source: ConfigSource | None = None) -> str:
         lines += ["  0   done, or nothing to do (checkpoint.resume found the run complete: a retry of a finished job)",
                   "  2   error (one line: rlalign train: error: ...); also when another job holds run.dir",
                   "      (RUN_DIR/.rlalign.lock names it; a crashed job's lock does not count)",
-                  "  130 interrupted (Ctrl-C): the step in flight is abandoned",
+                  "  130 stopped by Ctrl-C (SIGINT), as by SIGTERM:",
                   "  143 stopped by SIGTERM (128 + N for a signal N in run.stop_signals, e.g. 138 for SIGUSR1):",
-                  "      the step in flight and its checkpoint finished (or, past run.stop_grace_s, abandoned)",
+                  "      at once when a checkpoint covers the steps done, else once the newest state is",
+                  "      checkpointed (past run.stop_grace_s, or on a second signal: at once)",
                   "  The lines of 130, 143 and of an error after the run started name the last complete",
                   "  checkpoint and the command that resumes from it."]
     else:
@@ -315,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--version" in argv[:2]:
         return _run("", lambda: _say(version(), 0))
     cmd, rest = argv[0], argv[1:]
-    if cmd in ("compare", "report"):
+    if cmd in ("compare", "report", "export"):
         return _run(cmd, lambda: _passthrough(cmd, rest))
     if cmd not in COMMANDS:
-        print(f"rlalign: error: unknown command {cmd!r}; one of: {', '.join([*COMMANDS, 'compare', 'report'])} "
+        known = ", ".join([*COMMANDS, "compare", "report", "export"])
+        print(f"rlalign: error: unknown command {cmd!r}; one of: {known} "
               f"(rlalign --help)", file=sys.stderr)
         return 2
     state = {"overrides": [], "cfg": None}
@@ -331,6 +335,10 @@ def _say(text: str, status: int) -> int:
 
 
 def _passthrough(cmd: str, rest: list[str]) -> int:
+    if cmd == "export":
+        from rlalign.export import main as export_main
+
+        return export_main(rest)
     if any(a in ("-h", "--help") for a in rest):
         print({"compare": "usage: rlalign compare TRACE_A TRACE_B   (two trace files, or two run directories)\n"
                           "run directories: stream by stream, without the stale per-rank streams of earlier\n"

@@ -248,6 +248,7 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
     bucket_mb: int = 512  # files of at most this size: a save holds 3-4 in host memory, never the whole state
+    export_hf: bool = False  # also the model as a Hugging Face directory in each checkpoint (step_N/hf; rlalign export)
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 RLALIGN_FAULT="<site>:<rank>:<n>" makes the process running <site> as <rank> exit abruptly
 (os._exit, no cleanup, no message) on its n-th call; "<site>:<rank>:<n>:hang" makes that call
-block forever instead (a stuck file system, a hung collective). Sites: trainer.train_step,
-trainer.score, generator.generate, scoring.score_micro_batch, checkpoint.write (a trainer rank's
-checkpoint write, in its writer thread) (rank = the process group rank, 0 without one).
+block forever instead (a stuck file system, a hung collective), "...:sleep=S" S seconds (a slow
+one). Sites: trainer.train_step, trainer.score, generator.generate, scoring.score_micro_batch,
+checkpoint.write (a trainer rank's checkpoint write, in its writer thread) (rank = the process
+group rank, 0 without one).
 Unset (always, outside tests), it costs one dict lookup.
 """
 
@@ -28,4 +29,7 @@ def maybe_fail(site: str, rank: int) -> None:
     if _calls[site] == int(n):
         if action == ["hang"]:
             threading.Event().wait()
+        if action and action[0].startswith("sleep="):
+            threading.Event().wait(float(action[0].removeprefix("sleep=")))
+            return
         os._exit(13)

@@ -75,6 +75,9 @@ class Job:
         self.generator_releases = releases_memory(cfg)
         self.generator_releases_weights = not (cfg.kernels.mode == "deterministic"
                                                and cfg.monitor.on_mismatch == "raise")
+        # the step whose update the trainer group was last asked for: until then it holds the state of the
+        # step before (a stop signal during a step's generation may checkpoint that state at once, rl.py)
+        self.trainer_step: int | None = None
 
     def open_traces(self, start_step: int) -> None:
         self.trainers.call("open_trace", start_step)
@@ -105,6 +108,7 @@ class Job:
         """One update of the trainer group on the whole step (each rank runs its share of the fixed
         micro-batch partition); `leave_free`: bytes a shared GPU keeps for the generator."""
         alg = OmegaConf.to_container(self.cfg.algorithm, resolve=True)
+        self.trainer_step = step
         outs = self.trainers.call("train_step", samples, alg, step, leave_free)
         lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
         stats: dict[str, float] = {}

@@ -10,8 +10,17 @@ Everything that can be wrong in the config, the task or the data fails before an
 
 Under a scheduler: the run holds its directory (rlalign.rundir.RunLock: a second job is refused);
 a resume whose checkpoint is already at run.steps has nothing to do and returns at once (a retry of
-a finished job); run.stop_signals (SIGTERM) finish the step and its checkpoint, then stop
-(rlalign.stop); segments.jsonl keeps the config of every start.
+a finished job); segments.jsonl keeps the config of every start.
+
+Stopping (rlalign.stop: run.stop_signals and SIGINT). When a checkpoint written or being written
+covers every step done, the step in flight is cut at once and the run exits once that checkpoint is
+complete (no new save); when the step in flight has not yet reached the trainer's update, it is cut
+at once and the trainer's unchanged state is checkpointed; otherwise the step finishes and its
+checkpoint is written. All within run.stop_grace_s. Before Ray starts, a probe of run.dir's write
+rate estimates a checkpoint's write time and warns in one line when it exceeds run.stop_grace_s.
+
+Failing (a reward, a worker, a mismatch): the checkpoint being written is first given time to
+finish (Saves.error_wait_s), watched on the disk, so that the error's line names it.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
 from rlalign.config import model_args
+from rlalign.export import model_meta
 from rlalign.factory import sampling_params
 from rlalign.job import Job
 from rlalign.logger import RunLogger, json_line, truncate_jsonl
@@ -36,7 +46,7 @@ from rlalign.step import MismatchError, run_step
 from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
-from rlalign.tasks.tokenizer import make_tokenizer
+from rlalign.tasks.tokenizer import make_tokenizer, tokenizer_dir
 from rlalign.training.state import checkpoint_nbytes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
@@ -44,6 +54,8 @@ __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "mai
 # an abandoned step leaves its workers busy (their trace-closing call queues behind it): the idle ones
 # answer within this, and the exit stays within the scheduler's kill deadline after run.stop_grace_s
 ABANDONED_TRACE_WAIT_S = 2.0
+# a failing run waits this long (or 4x the estimated save time, if longer) for the checkpoint being written
+SAVE_IN_FLIGHT_MIN_WAIT_S = 60.0
 
 
 def _prepare(cfg: DictConfig):
@@ -80,7 +92,8 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
     holds its directory, so that an error from then on names the checkpoint to resume from."""
     task, tok, rewards = _prepare(cfg)
     run_dir = Path(cfg.run.dir)
-    with RunLock(run_dir) as lock, StopSignals(list(cfg.run.stop_signals), cfg.run.stop_grace_s) as stop:
+    signals = [*cfg.run.stop_signals, "SIGINT"]  # Ctrl-C stops as a scheduler's SIGTERM does (exit 130)
+    with RunLock(run_dir) as lock, StopSignals(signals, cfg.run.stop_grace_s) as stop:
         note = stale_note(lock)
         if note:
             print(f"rlalign train: note: {note}", file=sys.stderr, flush=True)
@@ -91,9 +104,12 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"done (raise run.steps to train further)", file=sys.stderr, flush=True)
             return {**summarize(run_dir, cfg.run.steps, start, {}), "nothing_to_do": True,
                     "sync/weights_fp": ckpt.read_meta(resume).get("weights_fp")}
+        saves = Saves(cfg, run_dir, start - 1)
         if cfg.checkpoint.enabled:  # before Ray starts: a checkpoint that cannot fit fails now, not after the steps
-            ckpt.check_space(run_dir, checkpoint_nbytes(cfg), range(start, cfg.run.steps), cfg.checkpoint.every,
-                             cfg.run.steps, cfg.checkpoint.keep)
+            parts = checkpoint_nbytes(cfg)
+            ckpt.check_space(run_dir, parts, range(start, cfg.run.steps), cfg.checkpoint.every, cfg.run.steps,
+                             cfg.checkpoint.keep)
+            saves.measure(sum(parts.values()))
         if status is not None:
             status["run_dir"] = run_dir
         if resume is not None:
@@ -101,86 +117,227 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"{start}..{cfg.run.steps - 1}", file=sys.stderr, flush=True)
         record_segment(run_dir, start, resume, OmegaConf.to_container(cfg, resolve=True),
                        OmegaConf.to_yaml(cfg, resolve=True))
-        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop)
+        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves)
     return summarize(run_dir, cfg.run.steps, start, last)
 
 
-def _save(job: Job, cfg: DictConfig, run_dir: Path, step: int, weights_fp: str, wait: bool) -> None:
-    """The checkpoint of `step`: staged now; written (and published by trainer rank 0) in the
-    background unless `wait`."""
-    tmp = ckpt.tmp_path(run_dir, step)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    publish = {"run_dir": str(run_dir.resolve()), "step": step, "keep": cfg.checkpoint.keep,
-               "meta": {"data_position": step + 1, "weights_fp": weights_fp}}
-    job.save_checkpoint(str(tmp.resolve()), publish, wait)
+class Saves:
+    """The run's checkpoints as the driver sees them: `covered`, the newest step with a checkpoint
+    written or being written; `in_flight`, a background save not yet waited for. A save's progress
+    is printed from the disk (checkpoint_files.SaveWatch); a failing run waits for the save in
+    flight on the disk too (its meta.json appears when trainer rank 0 publishes it), which needs no
+    answer from a trainer rank that is busy with a step or dead."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, covered: int):
+        self.cfg, self.run_dir, self.covered = cfg, run_dir, covered
+        self.in_flight: int | None = None
+        self.nbytes, self.save_s = 0, 0.0  # the checkpoint's size and its estimated write time (measure())
+        # meta.json records the model, so that `rlalign export` needs nothing but the checkpoint
+        tokenizer = tokenizer_dir(cfg.task.tokenizer, cfg.model.path)
+        self.model = model_meta(model_args(cfg), cfg.model.dtype, tokenizer) if cfg.checkpoint.enabled else {}
+        self._watch = None
+
+    def measure(self, nbytes: int) -> None:
+        """The write rate of run.dir's checkpoints directory (a probe file, removed): the estimated
+        save time, and one line when it exceeds run.stop_grace_s."""
+        d = ckpt.checkpoint_dir(self.run_dir)
+        rate = ckpt.measure_write_rate(d, ckpt.probe_bytes(nbytes))
+        self.nbytes, self.save_s = nbytes, nbytes / rate
+        warning = ckpt.grace_warning(nbytes, rate, self.cfg.run.stop_grace_s, d)
+        if warning:
+            print(f"rlalign train: warning: {warning}", file=sys.stderr, flush=True)
+
+    @property
+    def error_wait_s(self) -> float:
+        """How long a failing run waits for the save in flight."""
+        return max(SAVE_IN_FLIGHT_MIN_WAIT_S, 4 * self.save_s)
+
+    def save(self, job: Job, step: int, weights_fp: str, wait: bool) -> None:
+        """The checkpoint of `step`: staged now; written (and published by trainer rank 0) in the
+        background unless `wait`."""
+        tmp = ckpt.tmp_path(self.run_dir, step)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        publish = {"run_dir": str(self.run_dir.resolve()), "step": step, "keep": self.cfg.checkpoint.keep,
+                   "export_hf": self.cfg.checkpoint.export_hf,
+                   "meta": {"data_position": step + 1, "weights_fp": weights_fp, **self.model}}
+        self.close()
+        self._watch = ckpt.SaveWatch(self.run_dir, step, self.nbytes)
+        job.save_checkpoint(str(tmp.resolve()), publish, wait)
+        self.covered, self.in_flight = step, None if wait else step
+
+    def wait(self, job: Job) -> None:
+        """Until the save in flight is complete (its CheckpointError if it could not be written)."""
+        try:
+            job.wait_checkpoint()
+        finally:
+            self.in_flight = None
+
+    def wait_on_disk(self, timeout_s: float | None) -> Path | None:
+        """The save in flight, once published (None: it failed, or not within timeout_s)."""
+        step, self.in_flight = self.in_flight, None
+        return ckpt.wait_published(self.run_dir, step, timeout_s) if step is not None else None
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
 
 def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None, start: int,
-         stop: StopSignals) -> dict:
-    """Steps start..run.steps-1 on the actor groups; the last step's metrics. A stop signal ends
-    the loop after the step in flight and its checkpoint (Stopped); one past the grace period
-    abandons the step (Stopped, abandoned)."""
-    job = logger = None
-    last: dict = {}
-    doing = "while starting the actors"
-    truncate_jsonl(run_dir / "divergence.jsonl", start)
-    try:
-        job = Job(cfg)
-        job.open_traces(start)
-        if resume is not None:
-            job.load_checkpoint(str(resume.resolve()))
-        weights_fp = job.sync_weights(start - 1).weights_fp
+         stop: StopSignals, saves: Saves) -> dict:
+    """Steps start..run.steps-1 on the actor groups; the last step's metrics (_Run)."""
+    return _Run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves).run()
 
-        logger = RunLogger(cfg, run_dir, start, cfg.run.steps)
-        every, saved = cfg.checkpoint.every, True  # step start-1 is the resumed checkpoint (or before any)
-        for step in range(start, cfg.run.steps):
-            if stop.requested:  # before the next step: the last one's checkpoint, then stop
-                if step > start:
-                    doing = f"while writing the checkpoint of step {step - 1}"
-                    if not saved:
-                        _save(job, cfg, run_dir, step - 1, weights_fp, wait=True)
-                    job.wait_checkpoint()
-                raise stop.stopped(f"after step {step - 1} and its checkpoint" if step > start else
-                                   f"before step {step}")
-            doing = f"during step {step}"
-            t0 = time.perf_counter()
-            result = run_step(job, cfg, task, tok, rewards, step, weights_fp)
-            metrics, weights_fp = result.metrics, result.weights_fp
-            if "consistency/alert" in metrics:
-                logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
-            t1 = time.perf_counter()
-            due = ckpt.is_due(step, every, cfg.run.steps)
-            saved = due or not cfg.checkpoint.enabled  # nothing left to save (checkpoint.enabled=false: none at all)
-            if due and cfg.checkpoint.enabled:
-                _save(job, cfg, run_dir, step, weights_fp, wait=not cfg.checkpoint.async_save)
-            metrics["time/checkpoint_s"] = time.perf_counter() - t1
-            metrics["time/step_s"] = time.perf_counter() - t0
-            metrics["time/step_tok_per_s"] = (metrics["prompt/tokens"] + metrics["response/tokens"]) / metrics[
-                "time/step_s"]
-            logger.log(step, metrics, result.detail)
-            logger.log_samples(step, result.samples)
-            last = metrics
-        doing = f"while writing the checkpoint of step {cfg.run.steps - 1}"
-        job.wait_checkpoint()  # the last checkpoint is complete before the run ends
-        job.close_traces()
-    except Stopped:
-        raise
-    except KeyboardInterrupt:
-        if stop.abandoned:  # the grace period ended, or a second signal came (not Ctrl-C: that stays 130)
-            raise stop.stopped(f"{doing} (abandoned: not done within run.stop_grace_s={stop.grace_s:g} s, or "
-                               f"signalled again)") from None
-        raise
-    except Exception as e:
-        if stop.requested:  # e.g. the signal reached the actors too (Slurm signals every process of the job)
-            raise stop.stopped(f"{doing} ({type(e).__name__}: {e})") from e
-        raise
-    finally:
-        stop.disarm()
-        if logger is not None:
-            logger.close()
-        if job is not None:  # abandoned: a worker busy with the step never answers, so no 30 s wait for it
-            job.close(trace_timeout_s=ABANDONED_TRACE_WAIT_S if stop.abandoned else 30.0)
-    return last
+
+class _Run:
+    """Steps start..run.steps-1 on the actor groups (train() holds the run dir and the signals)."""
+
+    def __init__(self, cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None,
+                 start: int, stop: StopSignals, saves: Saves):
+        self.cfg, self.task, self.tok, self.rewards = cfg, task, tok, rewards
+        self.run_dir, self.resume, self.start, self.stop, self.saves = run_dir, resume, start, stop, saves
+        self.job: Job | None = None
+        self.logger: RunLogger | None = None
+        self.done, self.weights_fp = start - 1, ""  # the last step done (logged) and its weights' fingerprint
+        self.doing, self.last = "while starting the actors", {}
+        stop.plan = self.stop_plan
+
+    def stop_plan(self) -> str | None:
+        """At a stop signal (in its handler): what stopping at once does, or None to finish the step in
+        flight first (its update has begun, and no checkpoint covers the step before it)."""
+        if not self.cfg.checkpoint.enabled:
+            return "checkpoint.enabled=false, nothing to save"
+        if self.saves.covered >= self.done:
+            if self.done < self.start:
+                return "no step of this run has finished"
+            return (f"the checkpoint of step {self.done} covers the steps done"
+                    + (" (waiting for its write)" if self.saves.in_flight is not None else ""))
+        trained = self.job.trainer_step if self.job is not None else None
+        if trained is None or trained <= self.done:
+            return f"writing the checkpoint of step {self.done} (the step in flight has not changed the trainer)"
+        return None
+
+    def run(self) -> dict:
+        """The last step's metrics. A stop signal ends it with Stopped (rlalign.stop); an error first
+        lets the checkpoint being written finish (within Saves.error_wait_s)."""
+        truncate_jsonl(self.run_dir / "divergence.jsonl", self.start)
+        try:
+            self._start()
+            for step in range(self.start, self.cfg.run.steps):
+                if self.stop.requested:  # after the step the signal came in: its checkpoint, then stop
+                    raise self._stop_between_steps(step)
+                self.doing = f"during step {step}"
+                self._step(step)
+            self.doing = f"while writing the checkpoint of step {self.cfg.run.steps - 1}"
+            self.saves.wait(self.job)  # the last checkpoint is complete before the run ends
+            self.job.close_traces()
+        except Stopped:
+            raise
+        except KeyboardInterrupt:
+            if not self.stop.requested:
+                raise
+            raise self._stopped_now() from None
+        except Exception as e:
+            self._failed(e)
+            raise
+        finally:
+            self._close()
+        return self.last
+
+    def _start(self) -> None:
+        job = self.job = Job(self.cfg)
+        job.open_traces(self.start)
+        if self.resume is not None:
+            job.load_checkpoint(str(self.resume.resolve()))
+        self.weights_fp = job.sync_weights(self.start - 1).weights_fp
+        self.logger = RunLogger(self.cfg, self.run_dir, self.start, self.cfg.run.steps)
+
+    def _step(self, step: int) -> None:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        result = run_step(self.job, cfg, self.task, self.tok, self.rewards, step, self.weights_fp)
+        metrics = result.metrics
+        if "consistency/alert" in metrics:
+            self.logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
+        t1 = time.perf_counter()
+        if ckpt.is_due(step, cfg.checkpoint.every, cfg.run.steps) and cfg.checkpoint.enabled:
+            self.saves.save(self.job, step, result.weights_fp, wait=not cfg.checkpoint.async_save)
+        metrics["time/checkpoint_s"] = time.perf_counter() - t1
+        metrics["time/step_s"] = time.perf_counter() - t0
+        metrics["time/step_tok_per_s"] = (metrics["prompt/tokens"] + metrics["response/tokens"]) / metrics[
+            "time/step_s"]
+        self.logger.log(step, metrics, result.detail)
+        self.logger.log_samples(step, result.samples)
+        self.last, self.weights_fp, self.done = metrics, result.weights_fp, step
+
+    def _stop_between_steps(self, step: int) -> Stopped:
+        """A stop signal came during the last step, which is done now: its checkpoint, then Stopped."""
+        if step > self.start:
+            self.doing = f"while writing the checkpoint of step {step - 1}"
+            if self.cfg.checkpoint.enabled and self.saves.covered < step - 1:
+                self.saves.save(self.job, step - 1, self.weights_fp, wait=True)
+            self.saves.wait(self.job)
+        return self.stop.stopped(f"after step {step - 1} and its checkpoint" if step > self.start else
+                                 f"before step {step}")
+
+    def _stopped_now(self) -> Stopped:
+        """Stopped for a stop signal that interrupted the run: cut at once (stop_plan), after the checkpoint
+        that covers the steps done is complete; or abandoned (past run.stop_grace_s, or a second signal)."""
+        stop, k = self.stop, self.done
+        if stop.cut and not stop.abandoned:
+            try:
+                if not self.cfg.checkpoint.enabled:
+                    return stop.stopped(f"during step {k + 1}, at once (checkpoint.enabled=false: nothing to save)")
+                if k < self.start:
+                    return stop.stopped(f"during step {self.start}, at once: no step of this run had finished")
+                if self.saves.covered >= k:
+                    self.doing = f"while waiting for the checkpoint of step {k} being written"
+                    done = ckpt.published(self.run_dir, k) or self.saves.wait_on_disk(None)
+                    if done is None:
+                        return stop.stopped(f"during step {k + 1}: the checkpoint of step {k} could not be written")
+                    return stop.stopped(f"during step {k + 1}, at once: the checkpoint of step {k} covers the steps "
+                                        f"done (no new save)")
+                self.doing = f"while writing the checkpoint of step {k}"
+                self.saves.save(self.job, k, self.weights_fp, wait=True)
+                return stop.stopped(f"during step {k + 1}, at once, after writing the checkpoint of step {k} "
+                                    f"(the step in flight had not changed the trainer)")
+            except KeyboardInterrupt:  # the grace period ended, or a second signal came
+                pass
+        return stop.stopped(f"{self.doing} (abandoned: not done within run.stop_grace_s={stop.grace_s:g} s, or "
+                            f"signalled again)")
+
+    def _failed(self, e: Exception) -> None:
+        """The run failed: first the checkpoint being written (within Saves.error_wait_s), so that the error's
+        line names it; a stop signal meanwhile ends the wait (Stopped)."""
+        if self.stop.requested:  # e.g. the signal reached the actors too (Slurm signals every process of the job)
+            raise self.stop.stopped(f"{self.doing} ({type(e).__name__}: {e})") from e
+        step = self.saves.in_flight
+        if step is None or ckpt.published(self.run_dir, step) is not None:
+            return
+        bound = self.saves.error_wait_s
+        print(f"rlalign train: {type(e).__name__} {self.doing}; waiting up to {bound:.0f} s for the checkpoint of "
+              f"step {step} being written", file=sys.stderr, flush=True)
+        self.stop.plan = lambda: "no longer waiting for the checkpoint being written"
+        try:
+            done = self.saves.wait_on_disk(bound)
+        except KeyboardInterrupt:
+            raise self.stop.stopped(f"{self.doing} ({type(e).__name__}: {e})") from e
+        if done is not None:
+            what = f"is complete: {done}"
+        elif ckpt.tmp_path(self.run_dir, step).is_dir():
+            what = f"was not written within {bound:.0f} s (left as a .tmp, which resume ignores)"
+        else:
+            what = "could not be written (its .tmp is gone)"
+        print(f"rlalign train: the checkpoint of step {step} {what}", file=sys.stderr, flush=True)
+
+    def _close(self) -> None:
+        self.stop.disarm()
+        self.saves.close()
+        if self.logger is not None:
+            self.logger.close()
+        if self.job is not None:  # a step cut short or abandoned: a worker busy with it never answers
+            busy = self.stop.abandoned or self.stop.cut
+            self.job.close(trace_timeout_s=ABANDONED_TRACE_WAIT_S if busy else 30.0)
 
 
 def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:

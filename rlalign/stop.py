@@ -1,15 +1,17 @@
-"""Stopping a run on a scheduler's signal: finish the step in flight, checkpoint it, exit 128 + N.
+"""Stopping a run on a scheduler's signal or Ctrl-C: keep the newest state, checkpointed, exit 128 + N.
 
 Slurm (scancel, preemption, `--signal=USR1@T`) and Kubernetes (pod deletion, node drain) send
 SIGTERM, then SIGKILL once a grace period ends (Slurm's KillWait and Kubernetes'
 terminationGracePeriodSeconds are 30 s by default). While `rlalign train` runs, the first of
-run.stop_signals is a request: the RL loop finishes the step in flight, writes its checkpoint (or
-waits for the one being written) and raises Stopped; the CLI names the checkpoint and the resume
-command and exits 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1), the status a
-shell reports for a process that signal ended. When the step and its checkpoint are not done
-within run.stop_grace_s seconds, or a second stop signal comes, the step is abandoned at once:
-the newest complete checkpoint stays the newest (a half-written one is a .tmp that resume
-ignores). SIGINT (Ctrl-C) keeps its meaning: stop at once, exit 130.
+run.stop_signals or SIGINT (Ctrl-C) is a request, and the run's `plan` says at once how to meet it
+(rlalign.rl): when a checkpoint (written or being written) covers every step done, or the step in
+flight has not yet changed the trainer, the step is cut at once (`cut`; the checkpoint being
+written is waited for, or the trainer's unchanged state written); otherwise the RL loop finishes
+the step in flight and writes its checkpoint. Then Stopped: the CLI names the checkpoint and the
+resume command and exits 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130 for
+SIGINT), the status a shell reports for a process that signal ended. When that is not done
+within run.stop_grace_s seconds, or a second signal comes, the run is abandoned at once: the
+newest complete checkpoint stays the newest (a half-written one is a .tmp that resume ignores).
 
 Ray's driver installs a SIGTERM handler of its own (a stack dump, then exit 1);
 rlalign.cluster.connect() keeps the handler the process had, and StopSignals replaces whatever is
@@ -21,6 +23,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 # signals run.stop_signals may name (SIGINT stays Ctrl-C; SIGALRM times the grace period)
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
@@ -47,14 +50,17 @@ class _Abandon(KeyboardInterrupt):
 
 class StopSignals:
     """The run's stop-signal handlers, installed for the life of a `with` block (main thread only:
-    Python delivers signals there). `requested` once a stop signal came; `abandoned` once the
-    grace period ended or a second one came."""
+    Python delivers signals there). `requested` once a stop signal came; `cut` when the run's
+    plan() stopped the step in flight at once; `abandoned` once the grace period ended or a second
+    signal came. plan() runs in the handler: what stopping at once does (a line's text), or None
+    to finish the step in flight first."""
 
     def __init__(self, names: list[str], grace_s: float, what: str = "rlalign train"):
-        self.signums = [signal.Signals[n] for n in names]
+        self.signums = [signal.Signals[n] for n in dict.fromkeys(names)]
         self.grace_s, self.what = grace_s, what
         self.signum: int | None = None
-        self.abandoned = False
+        self.abandoned = self.cut = False
+        self.plan: Callable[[], str | None] | None = None
         self._old: dict[int, object] = {}
 
     @property
@@ -88,10 +94,14 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.signum is None and self.grace_s > 0:
             self.signum = signum
-            print(f"{self.what}: {name} received: finishing the step in flight and its checkpoint "
-                  f"(up to run.stop_grace_s={self.grace_s:g} s; another {name} stops at once)",
-                  file=sys.stderr, flush=True)
+            now = self.plan() if self.plan is not None else None
+            doing = f"stopping at once: {now}" if now else "finishing the step in flight and its checkpoint"
+            print(f"{self.what}: {name} received: {doing} (up to run.stop_grace_s={self.grace_s:g} s; another "
+                  f"{name} stops without waiting)", file=sys.stderr, flush=True)
             signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+            if now:
+                self.cut = True
+                raise _Abandon(name)
             return
         if self.signum is None:
             self.signum = signum

@@ -33,18 +33,21 @@ from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.rewards import char_match
 
 SMALL = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4", "logger.console=false"]
-REWARD = "task.reward=tests.test_scheduler:char_match_or_term"  # char_match; SIGTERM on call RLALIGN_TEST_TERM_AT
+REWARD = "task.reward=tests.test_scheduler:char_match_or_term"  # char_match; a signal on call RLALIGN_TEST_TERM_AT
 BASE = [*SMALL, REWARD, "run.steps=3"]
 CALLS = {"n": 0}
 RELEASE = threading.Event()  # what the blocking reward waits for
 
 
 def char_match_or_term(completion, answer, prompt=""):
-    """char_match; sends this process SIGTERM on its call number $RLALIGN_TEST_TERM_AT (as a
-    scheduler would, at a point of the run the test chooses)."""
+    """char_match; sends this process SIGTERM (or $RLALIGN_TEST_SIGNAL; 'raise': raises instead) on its
+    call number $RLALIGN_TEST_TERM_AT (as a scheduler would, at a point of the run the test chooses)."""
     CALLS["n"] += 1
     if CALLS["n"] == int(os.environ.get("RLALIGN_TEST_TERM_AT", "0")):
-        os.kill(os.getpid(), signal.SIGTERM)
+        what = os.environ.get("RLALIGN_TEST_SIGNAL", "SIGTERM")
+        if what == "raise":
+            raise ValueError("the verifier crashed")
+        os.kill(os.getpid(), signal.Signals[what])
     return char_match(completion, answer)
 
 
@@ -308,7 +311,9 @@ def test_sigterm_while_a_checkpoint_write_hangs_abandons_it_and_names_the_last_i
     assert last.endswith(f"; last complete checkpoint: {d}/checkpoints/step_000000; resume with: "
                          + _resume_cmd(d, *BASE, "checkpoint.every=1", "run.stop_grace_s=2"))
     assert "SIGTERM received at time" not in err and "Traceback" not in err  # not Ray's stack dump
-    assert "SIGTERM received: finishing the step in flight and its checkpoint" in err
+    # step 1 logged or not yet when the signal came: its hung checkpoint is waited for either way
+    assert ("SIGTERM received: stopping at once: the checkpoint of step 1 covers the steps done (waiting for its "
+            "write)" in err) or "SIGTERM received: finishing the step in flight and its checkpoint" in err, err
     assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000000", "step_000001.tmp"]
     assert ckpt.verify(d / "checkpoints" / "step_000000", tensors=True)["step"] == 0
     with pytest.raises(ckpt.CheckpointError, match="meta.json: missing"):  # twin: the half-written one
@@ -342,30 +347,35 @@ def test_resuming_after_the_hung_write_gives_the_uninterrupted_bits(write_stoppe
 
 @pytest.fixture(scope="module")
 def term_stopped(runs):
-    """In-process `rlalign train` (checkpoint.every=0) that gets SIGTERM during step 1 (from its
-    reward function, at the first sample of step 1): (run dir, rc, stderr); a copy of the dir as
-    it was then goes to runs/flipped."""
+    """In-process `rlalign train` (checkpoint.every=0) that gets SIGTERM during step 1 once its update
+    is done (at the start of its weight sync): (run dir, rc, stderr); a copy of the dir as it was then
+    goes to runs/flipped."""
+    from rlalign.job import Job
+
     d = runs / "term"
-    mod = _this_module()
-    mod.CALLS["n"] = 0
-    os.environ["RLALIGN_TEST_TERM_AT"] = "18"  # 1 check before the run + 16 samples of step 0, then step 1
+    sync = Job.sync_weights
+
+    def term_at_step_1(job, step, *a):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return sync(job, step, *a)
+
     err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            rc = cli.main(["train", *BASE, "checkpoint.every=0", f"run.dir={d}"])
-    finally:
-        del os.environ["RLALIGN_TEST_TERM_AT"]
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stderr(err):
+        m.setattr(Job, "sync_weights", term_at_step_1)
+        rc = cli.main(["train", *BASE, "checkpoint.every=0", f"run.dir={d}"])
     shutil.copytree(d, runs / "flipped")
     return d, rc, err.getvalue()
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_step_finishes_it_checkpoints_it_and_a_resume_at_ep1_gives_the_bits(term_stopped, ref,
-                                                                                            capsys):
+def test_sigterm_after_a_steps_update_finishes_it_checkpoints_it_and_a_resume_at_ep1_gives_the_bits(
+        term_stopped, ref, capsys):
     from rlalign.rl import train
 
     d, rc, err = term_stopped
     assert rc == 143, err[-3000:]
+    assert "SIGTERM received: finishing the step in flight and its checkpoint" in err
     assert err.strip().splitlines()[-1] == ("rlalign train: stopped by SIGTERM after step 1 and its checkpoint; last "
                                             f"complete checkpoint: {d}/checkpoints/step_000001; resume with: "
                                             + _resume_cmd(d, *BASE, "checkpoint.every=0"))
@@ -431,6 +441,113 @@ def test_a_retry_of_a_finished_job_has_nothing_to_do(ref, capsys, monkeypatch):
         got = json.loads(out)
         assert got["nothing_to_do"] and got["sync/weights_fp"] == summary["sync/weights_fp"]
     assert ((d / "segments.jsonl").read_text(), (d / "metrics.jsonl").read_text()) == before
+
+
+# --- a stop covered by a checkpoint, a stop before the update, an error during a save ---------------------
+def _run_to_call_18(d, what, monkeypatch, *over, fault=None):
+    """`rlalign train BASE OVER` in this process whose reward, at its first call of step 1 (call 18: 1
+    check before the run + 16 samples of step 0), sends this process `what` (a signal's name) or
+    raises ('raise'); RLALIGN_FAULT=fault on its actors (set once the process's Ray cluster is up, so
+    only this run's actors get it): (exit status, stderr)."""
+    from rlalign import cluster
+
+    cluster.disconnect(cluster.connect(load_config([]).placement.num_cpus))
+    _this_module().CALLS["n"] = 0
+    monkeypatch.setenv("RLALIGN_TEST_TERM_AT", "18")
+    monkeypatch.setenv("RLALIGN_TEST_SIGNAL", what)
+    if fault is not None:
+        monkeypatch.setenv("RLALIGN_FAULT", fault)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(["train", *BASE, *over, f"run.dir={d}"])
+    return rc, err.getvalue()
+
+
+@pytest.mark.slow
+def test_a_reward_error_lets_the_save_in_flight_finish_and_the_resume_gives_the_uninterrupted_bits(
+        runs, ref, capsys, monkeypatch):
+    from rlalign.rl import train
+
+    d = runs / "reward-error"  # step 0's write takes 6 s more on rank 0: still in flight when step 1's reward raises
+    rc, err = _run_to_call_18(d, "raise", monkeypatch, "checkpoint.every=1", fault="checkpoint.write:0:1:sleep=6")
+    assert rc == 2, err[-3000:]
+    assert "rlalign train: RewardError during step 1; waiting up to 60 s for the checkpoint of step 0 being " \
+           "written" in err
+    assert f"rlalign train: the checkpoint of step 0 is complete: {d}/checkpoints/step_000000" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlalign train: error: reward function raised on sample 16 (step 1, ") and \
+        "ValueError: the verifier crashed" in last
+    assert last.endswith(f"; last complete checkpoint: {d}/checkpoints/step_000000; resume with: "
+                         + _resume_cmd(d, *BASE, "checkpoint.every=1"))
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000000"]
+    assert ckpt.verify(d / "checkpoints" / "step_000000", tensors=True)["step"] == 0
+    monkeypatch.delenv("RLALIGN_FAULT")
+    got = train(load_config([*BASE, "checkpoint.every=1", f"run.dir={d}", "checkpoint.resume=auto"]))
+    assert f"resumed from {d}/checkpoints/step_000000 (step 0); running steps 1..2" in capsys.readouterr().err
+    assert _rows(d) == _rows(ref[0]) and got["sync/weights_fp"] == ref[1]["sync/weights_fp"]
+
+
+@pytest.mark.slow
+def test_a_save_in_flight_that_outlasts_the_bound_is_left_behind_and_the_error_names_no_checkpoint(runs, monkeypatch):
+    from rlalign import rl
+
+    d = runs / "reward-error-slow-save"  # twin: the write outlasts the wait (1 s here)
+    monkeypatch.setattr(rl, "SAVE_IN_FLIGHT_MIN_WAIT_S", 1.0)
+    rc, err = _run_to_call_18(d, "raise", monkeypatch, "checkpoint.every=1", fault="checkpoint.write:0:1:sleep=600")
+    assert rc == 2, err[-3000:]
+    assert "rlalign train: the checkpoint of step 0 was not written within 1 s (left as a .tmp, which resume " \
+           "ignores)" in err
+    assert f"; no complete checkpoint in {d} " in err.strip().splitlines()[-1]
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000000.tmp"]
+
+
+@pytest.fixture(scope="module")
+def sigint_stopped(runs):
+    """checkpoint.every=1 and checkpoint.export_hf=true, Ctrl-C (SIGINT) at the first reward of step 1,
+    while step 0's checkpoint is written in the background: (run dir, rc, stderr)."""
+    d = runs / "sigint"
+    with pytest.MonkeyPatch.context() as m:
+        rc, err = _run_to_call_18(d, "SIGINT", m, "checkpoint.every=1", "checkpoint.export_hf=true")
+    return d, rc, err
+
+
+@pytest.mark.slow
+def test_sigint_covered_by_a_recent_async_checkpoint_stops_at_once_without_a_new_save(sigint_stopped, ref):
+    from rlalign.model import load_hf
+    from rlalign.monitor.fingerprint import combined, state_fingerprints
+
+    d, rc, err = sigint_stopped
+    assert rc == 130, err[-3000:]
+    assert "rlalign train: SIGINT received: stopping at once: the checkpoint of step 0 covers the steps done" in err
+    assert err.strip().splitlines()[-1] == (
+        "rlalign train: stopped by SIGINT during step 1, at once: the checkpoint of step 0 covers the steps done (no "
+        f"new save); last complete checkpoint: {d}/checkpoints/step_000000; resume with: "
+        + _resume_cmd(d, *BASE, "checkpoint.every=1", "checkpoint.export_hf=true"))
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000000"]  # no new save, no .tmp
+    assert _rows(d) == _rows(ref[0])[:1]
+    meta = ckpt.verify(d / "checkpoints" / "step_000000", tensors=True)
+    # checkpoint.export_hf: the exported model holds the weights the generator sampled with after step 0
+    model = load_hf(d / "checkpoints" / "step_000000" / "hf")
+    assert combined(state_fingerprints(dict(model.named_parameters()))) == meta["weights_fp"] == \
+        _rows(ref[0])[0]["sync/weights_fp"]
+
+
+@pytest.mark.slow
+def test_sigterm_before_a_steps_update_saves_the_unchanged_trainer_at_once(runs, sigint_stopped, ref, monkeypatch):
+    d = runs / "term-cut"  # twin: no checkpoint covers step 0 (checkpoint.every=0), so a save happens
+    rc, err = _run_to_call_18(d, "SIGTERM", monkeypatch, "checkpoint.every=0")
+    assert rc == 143, err[-3000:]
+    assert "SIGTERM received: stopping at once: writing the checkpoint of step 0 (the step in flight has not " \
+           "changed the trainer)" in err
+    assert err.strip().splitlines()[-1] == (
+        "rlalign train: stopped by SIGTERM during step 1, at once, after writing the checkpoint of step 0 (the step "
+        f"in flight had not changed the trainer); last complete checkpoint: {d}/checkpoints/step_000000; resume "
+        "with: " + _resume_cmd(d, *BASE, "checkpoint.every=0"))
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000000"]
+    assert _rows(d) == _rows(ref[0])[:1]
+    # the state written at the stop is the one the background save after step 0 wrote, tensor for tensor
+    meta, other = (ckpt.verify(x / "checkpoints" / "step_000000", tensors=True) for x in (d, sigint_stopped[0]))
+    assert meta["tensors"] == other["tensors"] and meta["weights_fp"] == other["weights_fp"]
 
 
 @pytest.mark.slow

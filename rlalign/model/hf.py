@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -186,13 +186,55 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
 
 def save_hf(model: Transformer, path: str | os.PathLike) -> None:
     """Write config.json + model.safetensors atomically (temp dir, then rename into place)."""
+    dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
+    entries = [(k, t.numel() * t.element_size(), lambda t=t: t) for k, t in hf_state_dict(model).items()]
+    write_hf_dir(path, model.args.to_hf_config(dtype), entries)
+
+
+INDEX = "model.safetensors.index.json"
+HFEntry = tuple[str, int, Callable[[], torch.Tensor]]  # (HF tensor name, bytes, load)
+
+
+def _shards(entries: list[HFEntry], shard_bytes: int) -> list[list[HFEntry]]:
+    """Consecutive groups of at most shard_bytes (a larger tensor: a group of its own)."""
+    groups: list[list[HFEntry]] = []
+    filled = 0
+    for e in entries:
+        if not groups or (filled and filled + e[1] > shard_bytes):
+            groups.append([])
+            filled = 0
+        groups[-1].append(e)
+        filled += e[1]
+    return groups
+
+
+def write_hf_dir(path: str | os.PathLike, config: dict, entries: list[HFEntry], shard_bytes: int | None = None,
+                 files: Iterable[Path] = (), on_bytes: Callable[[int], None] | None = None) -> None:
+    """A Hugging Face model directory at `path`, atomically (a temp dir renamed into place, replacing
+    `path`): config.json; the entries as safetensors, read one shard at a time (`load` is called when
+    its shard is written) — one model.safetensors when shard_bytes is None, else
+    model-0000i-of-0000n.safetensors of at most shard_bytes each and model.safetensors.index.json;
+    `files` copied in (a tokenizer's). on_bytes(n): the tensor bytes written so far."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(model.args.to_hf_config(dtype), indent=2) + "\n")
+        groups = _shards(entries, shard_bytes) if shard_bytes else [entries]
+        names = (["model.safetensors"] if shard_bytes is None else
+                 [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+        written, weight_map = 0, {}
+        for name, group in zip(names, groups):
+            save_file({k: load() for k, _, load in group}, str(tmp / name), metadata={"format": "pt"})
+            written += sum(n for _, n, _ in group)
+            weight_map.update({k: name for k, _, _ in group})
+            if on_bytes is not None:
+                on_bytes(written)
+        if shard_bytes is not None:
+            index = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in files:
+            shutil.copyfile(f, tmp / Path(f).name)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

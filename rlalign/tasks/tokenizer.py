@@ -106,9 +106,16 @@ def has_tokenizer(path: str | os.PathLike | None) -> bool:
     return bool(path) and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
 
 
+def tokenizer_dir(spec: str | None, model_path: str | None = None) -> str | None:
+    """The directory of the run's Hugging Face tokenizer, or None for the char tokenizer (module docstring)."""
+    if spec == "char" or (spec is None and not has_tokenizer(model_path)):
+        return None
+    return spec or model_path
+
+
 def make_tokenizer(spec: str | None, model_path: str | None = None, chat: bool = False):
     """The run's tokenizer from task.tokenizer (`spec`), model.path and task.chat (module docstring)."""
-    if spec == "char" or (spec is None and not has_tokenizer(model_path)):
+    if tokenizer_dir(spec, model_path) is None:
         if chat:
             raise ValueError("task.chat=true needs a tokenizer with a chat template, and the char tokenizer has "
                              "none (model.path holds no tokenizer files; set task.tokenizer=DIR)")
@@ -117,4 +124,4 @@ def make_tokenizer(spec: str | None, model_path: str | None = None, chat: bool =
             hint = (f" (model.path={model_path} holds none of {', '.join(TOKENIZER_FILES)}, so the built-in char "
                     f"tokenizer is used; task.tokenizer=DIR names a Hugging Face tokenizer)")
         return CharTokenizer(hint=hint)
-    return HFTokenizer(spec or model_path, chat)
+    return HFTokenizer(tokenizer_dir(spec, model_path), chat)

@@ -1,0 +1,253 @@
+"""`rlalign export`: a checkpoint's model as a Hugging Face directory that transformers loads with our
+logits and rlalign's model.path loads bit for bit; bad input named; nothing unpickled."""
+
+import json
+import os
+import pickle
+import shlex
+
+import pytest
+import torch
+from conftest import same_bits
+
+from rlalign import checkpoint as ckpt
+from rlalign import cli, kernels
+from rlalign.checkpoint import CheckpointError
+from rlalign.config import load_config, model_args
+from rlalign.export import export_hf, model_meta
+from rlalign.model import check_hf_dir, load_hf
+
+transformers = pytest.importorskip("transformers")
+
+WEIGHT = "model/model.layers.0.self_attn.q_proj.weight"
+
+
+def _trainer():
+    """The tiny MoE trainer after one AdamW step (weights no longer the init's)."""
+    from rlalign.factory import apply_kernels
+    from rlalign.training.trainer import Sample, Trainer
+
+    cfg = load_config(["trainer.micro_batch_size=2"])
+    apply_kernels(cfg)
+    tr = Trainer(cfg, None)
+    samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4)), Sample([5, 4], [9, 2], torch.zeros(2))]
+    tr.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 6)
+    tr.optimizer_step()
+    return tr, cfg
+
+
+def _save(tr, cfg, run_dir, step=0, tokenizer=None, model=True):
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(run_dir, step))
+    meta = {"data_position": step + 1, "weights_fp": "-"}
+    if model:
+        meta.update(model_meta(model_args(cfg), cfg.model.dtype, tokenizer))
+    return ckpt.complete(run_dir, step, meta, keep=0)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _trainer()
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """The trainer's checkpoint exported in shards of 100 kB: (checkpoint, export dir, summary)."""
+    tr, cfg = trained
+    d = tmp_path_factory.mktemp("run")
+    path = _save(tr, cfg, d)
+    summary = export_hf(path, d / "hf", shard_bytes=100_000)
+    return path, d / "hf", summary
+
+
+def test_the_export_loads_in_rlalign_bitwise_and_in_transformers_with_our_logits(trained, exported):
+    tr, _ = trained
+    _, out, summary = exported
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.iterdir())
+    assert summary["shards"] == 5 and files == ["config.json", *[f"model-0000{i}-of-00005.safetensors"
+                                                                  for i in range(1, 6)], "model.safetensors.index.json"]
+    assert set(index["weight_map"].values()) == set(files[1:6]) and index["metadata"]["total_size"] == summary["bytes"]
+    check_hf_dir(out)
+    from rlalign.factory import model_from_config
+
+    want = tr.model.state_dict()
+    for model in (load_hf(out), model_from_config(load_config([f"model.path={out}"]))):  # model.path=OUT_DIR
+        got = model.state_dict()
+        assert got.keys() == want.keys() and all(same_bits(got[k], want[k]) for k in want)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_hf(out, dtype="float32")
+    toks = torch.randint(2, 64, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), kernels.use(mode="deterministic"):
+        ref = hf(toks).logits
+        got = ours(toks.reshape(-1), [0, 17, 34, 51]).view(3, 17, -1)
+        init = model_from_config(load_config(["model.dtype=float32"]))(toks.reshape(-1), [0, 17, 34, 51])
+    assert (got - ref).abs().max() / ref.abs().max() <= 1e-5
+    assert (init.view(3, 17, -1) - ref).abs().max() / ref.abs().max() > 1e-3  # twin: the weights before the step
+
+
+def test_an_existing_target_is_refused_unless_overwrite(exported, tmp_path):
+    path, _, _ = exported
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=rf"{out} exists; choose another directory or pass --overwrite"):
+        export_hf(path, out)
+    assert sorted(os.listdir(out)) == ["keep.txt"]  # untouched
+    export_hf(path, out, overwrite=True)  # twin: asked to, it replaces it
+    assert "keep.txt" not in os.listdir(out) and (out / "config.json").is_file()
+
+
+def _edit_meta(path, **model):
+    meta = json.loads((path / "meta.json").read_text())
+    meta["model"].update(model)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensor(trained, tmp_path):
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path)
+    _edit_meta(path, moe_intermediate_size=32)
+    with pytest.raises(CheckpointError, match=r"tensor 'model/model.layers.0.mlp.experts.gate_up_proj/expert0' is "
+                                              r"BF16\[128, 64\] in shard-00001-model-00001-of-00001.safetensors, the "
+                                              r"model of its config \(.*moe_intermediate_size=32.*\) needs "
+                                              r"BF16\[64, 64\]"):
+        export_hf(path, tmp_path / "a")
+    _edit_meta(path, moe_intermediate_size=64, num_experts=4)
+    with pytest.raises(CheckpointError, match=r"tensor 'model/model.layers.0.mlp.gate.weight' is BF16\[8, 64\] .* "
+                                              r"needs BF16\[4, 64\]"):
+        export_hf(path, tmp_path / "b")
+    _edit_meta(path, num_experts=8, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match=r"tensor 'model/lm_head.weight' \(BF16\[64, 64\]\) is not part of the "
+                                              r"model of its config"):
+        export_hf(path, tmp_path / "b")
+    _edit_meta(path, tie_word_embeddings=False, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"no tensor 'model/model.layers.2.self_attn.q_proj.weight'"):
+        export_hf(path, tmp_path / "c")
+    assert not any((tmp_path / n).exists() for n in "abc")
+    _edit_meta(path, num_hidden_layers=2)
+    export_hf(path, tmp_path / "d")  # twin: the shape it was written with
+
+
+def test_a_changed_tensor_is_refused_by_its_fingerprint(trained, tmp_path):
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path)
+    shard = next(p for p in path.iterdir() if p.name.endswith(".safetensors"))
+    b = bytearray(shard.read_bytes())
+    n = int.from_bytes(b[:8], "little")
+    b[8 + n + json.loads(b[8:8 + n])[WEIGHT]["data_offsets"][0]] ^= 1
+    shard.write_bytes(bytes(b))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{WEIGHT}' has fingerprint .* meta.json records"):
+        export_hf(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def _tokenizer_dir(d):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate("abcdefghij:")}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(d)
+    return d
+
+
+def test_the_runs_tokenizer_files_come_along(trained, tmp_path, capsys):
+    tr, cfg = trained
+    tok = _tokenizer_dir(tmp_path / "tok")
+    path = _save(tr, cfg, tmp_path / "run", tokenizer=str(tok))
+    summary = export_hf(path, tmp_path / "hf")
+    assert "tokenizer.json" in summary["tokenizer"] and (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert f"tokenizer files from {tok}: tokenizer.json" in capsys.readouterr().err
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded.encode("a:b", add_special_tokens=False) == [2, 12, 3]
+    path = _save(tr, cfg, tmp_path / "char")  # twin: the char tokenizer has no files to copy
+    assert export_hf(path, tmp_path / "hf2")["tokenizer"] == []
+    assert "no tokenizer files: the run used rlalign's built-in char tokenizer" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_its_model_in_meta_json_takes_it_from_the_run_segments(trained, tmp_path):
+    from omegaconf import OmegaConf
+
+    from rlalign.rundir import record_segment
+
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path, model=False)
+    with pytest.raises(CheckpointError, match="meta.json names no model .* no run segments.jsonl"):
+        export_hf(path, tmp_path / "hf")
+    record_segment(tmp_path, 0, None, OmegaConf.to_container(cfg, resolve=True), "")
+    export_hf(path, tmp_path / "hf")
+    got, want = load_hf(tmp_path / "hf").state_dict(), tr.model.state_dict()
+    assert all(same_bits(got[k], want[k]) for k in want)
+
+
+def test_nothing_in_the_checkpoint_is_unpickled(exported, tmp_path, monkeypatch):
+    path, _, _ = exported
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {shlex.quote(str(marker))}",)
+
+    copy = tmp_path / "checkpoints" / "step_000000"
+    import shutil
+
+    shutil.copytree(path, copy)
+    for name in (".metadata", "__0.metadata", "model.safetensors.index.json"):
+        (copy / name).write_bytes(pickle.dumps(Payload()))
+
+    def refuse(*a, **k):
+        raise AssertionError("unpickling during export")
+
+    for mod, attr in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+        monkeypatch.setattr(mod, attr, refuse)
+    export_hf(copy, tmp_path / "hf")
+    assert not marker.exists()
+
+
+def test_rlalign_export_command(exported, tmp_path, capsys):
+    path, _, _ = exported
+    out = tmp_path / "hf"
+    run_dir = path.parent.parent
+    assert cli.main(["export", str(run_dir), str(out), "--shard-mb=1"]) == 0  # a run dir: its newest checkpoint
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["out"] == str(out) and summary["step"] == 0 and summary["shards"] == 1
+    assert f"its newest intact checkpoint is {path}" in captured.err
+    assert cli.main(["export", str(path), str(out)]) == 2  # twin: the target exists now
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlalign export: error: {out} exists; choose another directory or pass --overwrite to replace it"]
+    assert cli.main(["export", str(path), str(out), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(path)]) == 2
+    assert "expected CHECKPOINT_DIR OUT_DIR, got 1 argument(s)" in capsys.readouterr().err
+    assert cli.main(["export", "--help"]) == 0 and "usage: rlalign export" in capsys.readouterr().out
+
+
+def test_checkpoint_export_hf_writes_the_export_inside_the_checkpoint_before_it_is_published(trained, tmp_path,
+                                                                                            monkeypatch):
+    from rlalign import export
+
+    tr, cfg = trained
+    meta = {"data_position": 1, "weights_fp": "-", **model_meta(model_args(cfg), "bfloat16", None)}
+    saver = ckpt.AsyncSaver()
+    saver.save(tr.checkpoint_state(), ckpt.tmp_path(tmp_path, 0), publish={
+        "run_dir": str(tmp_path), "step": 0, "meta": meta, "keep": 0, "export_hf": True})
+    path = saver.wait()
+    got, want = load_hf(path / "hf").state_dict(), tr.model.state_dict()
+    assert all(same_bits(got[k], want[k]) for k in want)
+    fresh, _ = _trainer()
+    ckpt.load_shards(fresh.checkpoint_state(), path)  # the hf directory inside does not disturb a resume
+    assert all(same_bits(fresh.model.state_dict()[k], want[k]) for k in want)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "write_hf_dir", full)  # twin: a failed export costs the checkpoint nothing
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(tmp_path, 1))
+    with pytest.raises(CheckpointError, match=rf"checkpoint of step 1 is complete \({tmp_path}/checkpoints/step_000001"
+                                              r"\), but its Hugging Face export failed: No space left on device"):
+        ckpt.complete(tmp_path, 1, meta, keep=0, export_hf=True)
+    assert ckpt.verify(tmp_path / "checkpoints" / "step_000001", tensors=True)["step"] == 1
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_000001")) == [
+        "meta.json", "shard-00001-model-00001-of-00001.safetensors"]
