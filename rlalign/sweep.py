@@ -107,7 +107,7 @@ def run(cmd: str, sweep_dir: Path | None, jobs: list[Job], run_one: Callable[[Jo
     from contextlib import redirect_stdout
 
     for job in jobs:
-        print(f"rlalign {cmd}: multirun job {job.num} of {len(jobs)}: {' '.join(job.overrides)}",
+        print(f"rlalign {cmd}: multirun job {job.num} ({job.num + 1} of {len(jobs)}): {' '.join(job.overrides)}",
               file=sys.stderr, flush=True)
         tee = _Tee(sys.stdout)
         try:
