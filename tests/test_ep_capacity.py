@@ -75,12 +75,12 @@ def _arrival_order_combine():
     the order they come back, the home rank's own experts first, then the other ranks' (slot order
     within a rank), instead of in top-k slot order. At EP 1 that is slot order."""
     from rlalign import kernels
-    from rlalign.model.model import MoE, dispatch
+    from rlalign.model.model import MoE
 
     def forward(self, x, tap=None):
         k = self.top_k
         weights, ids = kernels.moe_route(kernels.linear(x, self.gate.weight), k, self.norm_topk_prob)
-        order, dest, counts = dispatch(ids.reshape(-1), self.num_experts)
+        order, dest, counts = kernels.moe_dispatch(ids.reshape(-1), self.num_experts)
         y_sorted = self.experts(kernels.moe_slot_rows(x, order, dest, k), counts)
         world, rank = getattr(self.experts, "world", 1), getattr(self.experts, "rank", 0)
         owner = ids // (self.num_experts // world)

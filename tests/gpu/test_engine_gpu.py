@@ -134,7 +134,7 @@ def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, 
                                  (20000, 7)])
 def test_triton_dispatch_equals_the_torch_counting_sort(n, e):
     from rlalign.kernels.triton.dispatch import moe_dispatch
-    from rlalign.model.model import dispatch_torch
+    from rlalign.kernels.torch_deterministic import moe_dispatch as dispatch_torch
 
     g = torch.Generator(device="cuda").manual_seed(n)
     for flat in (torch.randint(0, e, (n,), generator=g, device="cuda"),
