@@ -271,7 +271,8 @@ def rollout(a) -> dict:
 
     from rlalign.config import load_config, model_args
     from rlalign.model import build_model
-    from rlalign.rollout.types import EngineConfig, SamplingParams
+    from rlalign.rollout.types import EngineConfig
+    from rlalign.sampling_params import SamplingParams
 
     cases = [("bench-moe-large", 256, 256, "plain"), ("bench-moe-large", 2048, 256, "plain"),
              ("qwen3-30b-a3b-rehearsal", 1024, 256, "plain"), ("qwen3-30b-a3b-rehearsal", 1024, 256, "top_p")]

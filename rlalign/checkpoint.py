@@ -9,7 +9,7 @@ as Trainer.checkpoint_state keys them (expert tensors per global expert, dense m
 state per dense unit, so any EP size, with trainer.shard_dense or without, can load them; a
 sharded rank writes and reads only its own units), and meta.json with the step, the data
 position, RNG states, the weights fingerprint and an index of every tensor: its file, dtype,
-shape and fingerprint (rlalign.monitor.fingerprint: taken of the trainer's tensors on their
+shape and fingerprint (rlalign.fingerprint: taken of the trainer's tensors on their
 device when the save starts, one launch; the same value the CPU recomputes from the files).
 
 Format. Each trainer rank writes through DCP's HuggingFaceStorageWriter (save_distributed=True):
@@ -116,7 +116,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     write_json_atomic,
 )
 from rlalign.faults import maybe_fail
-from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.fingerprint import state_fingerprints
 
 
 # --- trainer ranks ---------------------------------------------------------------------------------

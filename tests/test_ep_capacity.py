@@ -140,12 +140,12 @@ def test_fixed_capacity_all_to_all_keeps_the_bits_and_reads_nothing_on_the_host(
 
 
 def _generate_rank(rank, world, group, cfg_dict, prompts):
-    from rlalign.factory import sampling_params
+    from rlalign.sampling_params import SamplingParams
     from rlalign.workers import GeneratorWorker
 
     worker = GeneratorWorker(cfg_dict, rank, world, group=group)
     part = launch.shard_range(len(prompts), world, rank)
-    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, 0)
+    params = SamplingParams.from_config(worker.cfg, worker.model.args.eos_token_id, 0)
     outs = worker.generate([prompts[i] for i in part], list(part), params).rollouts
     return outs, dict(worker.generator.stats)
 
@@ -163,7 +163,7 @@ def test_generator_ep2_decode_through_fixed_capacity_equals_ep1_and_the_trainer(
     two = [r for rollouts, _ in two for r in rollouts]
     assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(one, two))
     assert sum(len(r.tokens) for r in two) >= 150
-    scored = score_batch(cfg, [r.prompt for r in two], [r.tokens for r in two])
+    scored = score_batch(cfg, [r.prompt for r in two], [r.tokens for r in two], two[0].params)
     c = compare([r.logprobs for r in two], scored)
     assert c["mismatched_tokens"] == 0 and c["logprob_abs_diff_max"] == 0.0
 
