@@ -95,12 +95,9 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     from rlalign import agree
     from rlalign.model.build import model_from_config
     from rlalign.rollout.native.engine import generate
-    from rlalign.sampling_params import SamplingParams
 
-    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, seed):
-        cfg = OmegaConf.create(cfg_dict)
-        model = model_from_config(cfg)
-        return generate(model, prompts, sample_ids, SamplingParams.from_config(cfg, model.args.eos_token_id, seed))
+    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, params):
+        return generate(model_from_config(OmegaConf.create(cfg_dict)), prompts, sample_ids, params)
 
     monkeypatch.setattr(agree, "_generate_rank", bypass)
     calls.update(generate=0, score=0)
