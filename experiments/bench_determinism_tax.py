@@ -210,6 +210,7 @@ def trainer(a) -> dict:
 
     from rlalign import kernels
     from rlalign.config import load_config
+    from rlalign.sampling_params import SamplingParams
     from rlalign.training.trainer import Trainer
 
     seqs = 16 if a.quick else 128
@@ -217,7 +218,8 @@ def trainer(a) -> dict:
                        "trainer.micro_batch_size=32"])
     kernels.set_mode("deterministic", "triton")
     tr = Trainer(cfg, None)
-    batches = [make_samples(s, seqs, 64, 256, cfg.model.vocab_size) for s in range(a.train_steps + 1)]
+    params = SamplingParams.from_config(cfg)
+    batches = [make_samples(s, seqs, 64, 256, cfg.model.vocab_size, params) for s in range(a.train_steps + 1)]
     res = {"seqs": seqs, "prompt": 64, "resp": 256, "micro_batch_size": 32, "variants": {}}
     for name in ("det_nofill", "default"):
         mode, det_alg, fill = VARIANTS[name]

@@ -262,8 +262,8 @@ def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     A counting sort with no host sync (a decode step can be captured in a CUDA graph; EP reads
     the counts on the host for its splits) and no comparison sort: a row's place is its expert's
     start plus the number of earlier rows with the same expert (an integer prefix sum, exact).
-    Integers, the same in every mode and backend; with the Triton op set on CUDA up to MAX_ROWS rows
-    (a decode step's) take one launch (kernels/triton/dispatch.py) instead of ~12."""
+    Integers, the same in every mode and backend; where the ops are `capturable` (CUDA), up to MAX_ROWS
+    rows (a decode step's) take one launch (kernels/triton/dispatch.py) instead of ~12."""
     if capturable(flat):
         from rlalign.kernels.triton import dispatch as fused
 
