@@ -47,6 +47,7 @@ from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer, tokenizer_dir
+from rlalign.training.losses import resolve_loss
 from rlalign.training.state import checkpoint_nbytes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
@@ -72,6 +73,7 @@ def _prepare(cfg: DictConfig):
         raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
                          f"only {args.vocab_size}")
     generator_plan(cfg)
+    resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = sampling_params(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
     for ex in examples:

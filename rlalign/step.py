@@ -26,7 +26,7 @@ from rlalign.monitor.divergence import report, tap_order
 from rlalign.rollout.types import Rollout, SamplingParams
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
-from rlalign.training.losses import grpo_advantages
+from rlalign.training.losses import grpo_advantages, logged_stats
 from rlalign.training.plan import Sample
 
 
@@ -73,7 +73,6 @@ def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[R
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
-    upd_tokens = max(1, cons["tokens"] * cfg.algorithm.ppo_epochs)
     lengths = [len(r.tokens) for r in rollouts]
     sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
     metrics = {
@@ -92,25 +91,9 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # per-token entropy of the sampling distribution
         "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
         **{f"consistency/{k}": v for k, v in cons.items()},
-        "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
-        "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
-        "actor/ratio_mean": stats.get("ratio_sum", 0.0) / upd_tokens,
-        "actor/ratio_max": stats.get("ratio_max", 0.0),
-        "actor/ratio_min": stats.get("ratio_min", 0.0),
-        "actor/grad_norm": stats.get("grad_norm_last", 0.0),
+        **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),  # whatever the loss returned
         "actor/lr": cfg.trainer.lr,
     }
-    if cfg.algorithm.tis.enabled:
-        metrics.update({
-            "tis/weight_mean": stats["tis_weight_sum"] / upd_tokens,
-            "tis/weight_max": stats["tis_weight_max"],
-            "tis/weight_min": stats["tis_weight_min"],
-            "tis/clipped_frac": stats["tis_clipped_sum"] / upd_tokens,
-        })
-    if cfg.algorithm.icepop.enabled:
-        metrics["icepop/masked_frac"] = stats["icepop_masked_sum"] / upd_tokens
-    if cfg.algorithm.kl_coef > 0:
-        metrics["kl/ref_k3"] = stats.get("ref_kl_sum", 0.0) / upd_tokens
     return metrics
 
 

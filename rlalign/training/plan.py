@@ -28,12 +28,6 @@ class Sample:
 LossFn = Callable[[list[torch.Tensor], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def merge_stat(key: str, a: float | None, b: float) -> float:
-    if a is None:
-        return b
-    return max(a, b) if key.endswith("_max") else min(a, b) if key.endswith("_min") else a + b
-
-
 def step_plan(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[list[int]]]:
     """The step's work as a fixed partition of its n sequences, whatever the number of ranks:
     minibatches (one optimizer update each) of global micro-batches of global sample indices."""

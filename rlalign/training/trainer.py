@@ -15,14 +15,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlalign.factory import model_from_config, sampling_params
 from rlalign.monitor.taps import Injection
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
-from rlalign.training.losses import policy_loss
+from rlalign.training.losses import LossBatch, resolve_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
 from rlalign.training.plan import LossFn, Sample, micro_batch_share, step_plan
 from rlalign.training.scoring import micro_batches, score_micro_batch
@@ -64,6 +64,8 @@ class Trainer:
             if group is not None:
                 apply_ep(self.ref_model, group)
         self.score_kw = dict(layout=cfg.trainer.layout, **sampling_params(cfg).logprob_kwargs())
+        # the sampling limit (task.max_new_tokens replaces generator.max_new_tokens): dr_grpo's normaliser
+        self.max_new_tokens = OmegaConf.select(cfg, "task.max_new_tokens") or cfg.generator.max_new_tokens
 
     @property
     def rank(self) -> int:
@@ -106,18 +108,23 @@ class Trainer:
         records: list[tuple[tuple, dict]] = []
         for epoch in range(alg.ppo_epochs):
             for k, mbs in enumerate(plan):
-                loss_fn = self.ppo_loss(samples, alg, old, ref)
+                loss_fn = self.ppo_loss(samples, alg, old, ref, mbs)
                 records += [((epoch, k, g), st) for g, st in self.forward_backward(samples, loss_fn, mbs=mbs).items()]
                 norm = self.optimizer_step()["grad_norm"]
-                records.append(((epoch, k, len(mbs)), {"grad_norm_max": norm, "grad_norm_last": norm}))
+                records.append(((epoch, k, len(mbs)), {"grad_norm_last": norm}))
         return _on_host({i: old[i] for i in mine}), records
 
-    @staticmethod
-    def ppo_loss(samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None) -> LossFn:
-        """The PPO loss of a micro-batch; the first forward of a sample not scored before the step
+    def ppo_loss(self, samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None,
+                 minibatch: list[list[int]] | None = None) -> LossFn:
+        """The loss (algorithm.name or algorithm.loss: rlalign.training.losses) of a micro-batch of
+        `minibatch` (default: all samples); the first forward of a sample not scored before the step
         captures its pre-update logprobs into `old`, on the device (train_step copies them to the host
         once, at its end: no host sync between a micro-batch's forward and its backward). The host
         inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy."""
+        loss = resolve_loss(alg)
+        members = [j for mb in minibatch for j in mb] if minibatch is not None else range(len(samples))
+        sizes = dict(minibatch_tokens=sum(len(samples[j].response) for j in members), minibatch_sequences=len(members),
+                     max_new_tokens=self.max_new_tokens)
 
         def loss_fn(lps, idx):
             for lp, j in zip(lps, idx):
@@ -129,15 +136,11 @@ class Trainer:
             host = torch.cat(gen + adv) if idx else torch.zeros(0)
             host = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
             gen_t, adv_t = host.split([sum(x.numel() for x in gen), sum(x.numel() for x in adv)])
-            cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
-            return policy_loss(
-                torch.cat(lps),
-                gen_t,
-                cat([old[j] for j in idx]),
-                adv_t,
-                alg,
-                cat([ref[j] for j in idx]) if ref is not None else None,
-            )
+            cat = lambda xs: torch.cat(xs).to(dev).float() if xs else torch.zeros(0, device=dev)  # noqa: E731
+            batch = LossBatch(torch.cat(lps), gen_t, cat([old[j] for j in idx]), adv_t,
+                              [len(samples[j].response) for j in idx],
+                              cat([ref[j] for j in idx]) if ref is not None else None, **sizes)
+            return loss(batch, alg)
 
         return loss_fn
 
