@@ -15,12 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from rlalign.config import model_args
+from rlalign.config import generator_world, model_args
 from rlalign.factory import sampling_params
 from rlalign.logger import json_line
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import check_generator
 from rlalign.rollout.types import Rollout
 from rlalign.training.plan import Sample
 from rlalign.workers import GeneratorWorker, TrainerWorker
@@ -83,7 +83,7 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
 
 def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order."""
-    parts = _run_side(cfg, generator_plan(cfg).ranks, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
+    parts = _run_side(cfg, check_generator(cfg).ranks, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
     return [r for part in parts for r in part]
 
 
@@ -124,7 +124,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
         "dtype": cfg.model.dtype,
         "trainer_ep": cfg.trainer.ep_size,
         "generator_ep": cfg.generator.ep_size,
-        "generator_backend": generator_plan(cfg).backend,
+        "generator_backend": generator_world(cfg).backend,
         "trainer_micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer_layout": cfg.trainer.layout,
         "sequences": len(rollouts),

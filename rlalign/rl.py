@@ -40,7 +40,7 @@ from rlalign.job import Job
 from rlalign.logger import RunLogger, json_line, truncate_jsonl
 from rlalign.model import check_hf_dir
 from rlalign.parallel.weight_sync import SyncError
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import check_generator
 from rlalign.rundir import RunLock, record_segment, stale_note
 from rlalign.step import MismatchError, run_step
 from rlalign.stop import Stopped, StopSignals
@@ -72,7 +72,7 @@ def _prepare(cfg: DictConfig):
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
                          f"only {args.vocab_size}")
-    generator_plan(cfg)
+    check_generator(cfg)
     resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = sampling_params(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]

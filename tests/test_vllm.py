@@ -28,7 +28,7 @@ from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import check_generator
 from rlalign.rollout.native.engine import generate
 from rlalign.rollout.types import SamplingParams
 from rlalign.rollout.vllm import check_installed, refuse_shapes
@@ -313,13 +313,13 @@ def test_shapes_vllm_refuses_are_refused_before_the_engine_starts(tmp_path):
         VllmGenerator(str(tmp_path / "h3"), "bfloat16", OPTIONS, ep_size=2)
     over = ["generator.backend=vllm", "model.num_heads=3", "model.num_kv_heads=1"]
     with pytest.raises(ConfigError, match=r"generator\.ep_size=2: .*generator\.backend=native"):
-        generator_plan(load_config([*over, "generator.ep_size=2"]))
-    assert generator_plan(load_config(["generator.backend=vllm", "generator.ep_size=2"])).ranks == 1  # 4 heads
+        check_generator(load_config([*over, "generator.ep_size=2"]))
+    assert check_generator(load_config(["generator.backend=vllm", "generator.ep_size=2"])).ranks == 1  # 4 heads
     save_hf(tiny_model(), tmp_path / "d16")  # head_dim 16
     with pytest.raises(ValueError, match=r"stock=true on CPU: .*model has 16 \(model\.head_dim"):
         VllmGenerator(str(tmp_path / "d16"), "bfloat16", OPTIONS, stock=True)
     with pytest.raises(ConfigError, match=r"generator\.ep_size=2"):  # the stock twin checks heads too
-        generator_plan(load_config([*over, "generator.ep_size=2", "generator.vllm.stock=true"]))
+        check_generator(load_config([*over, "generator.ep_size=2", "generator.vllm.stock=true"]))
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 2, stock=False, cpu_head_sizes=[32, 64])
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 1, stock=True, cpu_head_sizes=[16])
 
@@ -337,7 +337,7 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
         check_installed()
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed"):
-        generator_plan(load_config(["generator.backend=vllm"]))
+        check_generator(load_config(["generator.backend=vllm"]))
     monkeypatch.setattr(metadata, "version", lambda name: "0.31.2")
     with pytest.raises(ImportError, match=r"vLLM 0\.31\.2 is not supported.*>=0\.32\.0,<0\.33"):
         check_installed()
@@ -356,10 +356,10 @@ def test_vllm_colocated_on_cuda_is_refused_at_config_time():
     """A colocated generator gives its GPU memory back while the trainer trains: the native engine does,
     vLLM here does not; refused before any process starts (twins: separate GPUs, and CPU, are planned)."""
     with pytest.raises(ConfigError, match=r"generator\.backend=vllm with placement\.colocate=true on CUDA") as e:
-        generator_plan(load_config(["generator.backend=vllm", "placement.colocate=true", "device=cuda"]))
+        check_generator(load_config(["generator.backend=vllm", "placement.colocate=true", "device=cuda"]))
     assert "\n" not in str(e.value)
     for twin in (["placement.colocate=false", "device=cuda"], ["placement.colocate=true", "device=cpu"]):
         try:
-            generator_plan(load_config(["generator.backend=vllm", *twin]))
+            check_generator(load_config(["generator.backend=vllm", *twin]))
         except ConfigError as err:
             assert "placement.colocate" not in str(err)

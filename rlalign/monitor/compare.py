@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from rlalign.config import generator_world
 from rlalign.monitor.trace import TraceError, align_resumed, env_difference, first_divergence, flatten, read_trace
 from rlalign.rundir import read_segments
 
@@ -75,9 +76,7 @@ def compare_streams(sa: Stream, sb: Stream, label: str, out=None, allowed: tuple
 # --- run directories --------------------------------------------------------------------------------
 def world(config: dict, role: str) -> int:
     """The number of `role` ranks (trace streams) a run with this config has."""
-    if role == "generator" and config["generator"].get("backend") == "vllm":
-        return 1  # one actor hosts the engine
-    return int(config[role]["ep_size"])
+    return generator_world(config).ranks if role == "generator" else int(config[role]["ep_size"])
 
 
 def ep_sizes(run_dir: Path, role: str) -> set[int]:
