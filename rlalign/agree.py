@@ -18,11 +18,11 @@ from rich.table import Table
 from rlalign.config import generator_world, model_args
 from rlalign.factory import sampling_params
 from rlalign.logger import json_line
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import check_generator
 from rlalign.rollout.types import Rollout
-from rlalign.training.plan import Sample
+from rlalign.training.partition import Sample
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 
@@ -113,7 +113,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     back = [None] * len(rollouts)
     for j, i in enumerate(order):
         back[i] = train_lp[j]
-    c = compare([r.logprobs for r in rollouts], back)
+    c = logprob_consistency([r.logprobs for r in rollouts], back)
     result = {
         "tokens": c["tokens"],
         "mismatched_tokens": c["mismatched_tokens"],

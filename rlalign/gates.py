@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign.config import load_config
 from rlalign.config_search import ConfigSource
-from rlalign.monitor.compare import first_state_difference, run_streams, state_difference_line, trainer_state
-from rlalign.monitor.trace import env_difference, first_divergence
+from rlalign.monitor.compare import first_differing_state, run_streams, state_difference_line, trainer_state
+from rlalign.monitor.trace import env_difference, first_differing_record
 from rlalign.rl import train
 
 GATES = ("repeatability", "baseline", "replay")
@@ -85,7 +85,7 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
     if "trainer" in skip and invariant:  # topology-invariant training: its state is comparable as a whole
         ta = trainer_state({n: r for n, (_, r) in sa.items()}, from_step)
         tb = trainer_state({n: r for n, (_, r) in sb.items()}, from_step)
-        key = first_state_difference(ta, tb)
+        key = first_differing_state(ta, tb)
         if key is not None:
             res.ok = False
             res.lines.append(state_difference_line(key, ta, tb))
@@ -96,7 +96,7 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
     for name in sorted(n for n in set(sa) & set(sb) if not n.startswith(skip)):
         ra = [r for r in sa[name][1] if r["step"] >= from_step]
         rb = [r for r in sb[name][1] if r["step"] >= from_step]
-        d = first_divergence(ra, rb)
+        d = first_differing_record(ra, rb)
         if d is not None:
             firsts[name] = d
     for name in sorted(n for n in set(sa) ^ set(sb) if not n.startswith(skip)):

@@ -22,7 +22,7 @@ from rlalign.parallel.weight_sync import SyncOutput
 from rlalign.rollout.generator import releases_memory
 from rlalign.rollout.types import Rollout
 from rlalign.training.losses import merge_stat
-from rlalign.training.plan import Sample
+from rlalign.training.partition import Sample
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 # a shared GPU: what the generator takes back beyond its measured peak (the allocator's rounding)

@@ -21,13 +21,13 @@ from rlalign.factory import model_from_config, sampling_params
 from rlalign.job import Job
 from rlalign.logger import json_line
 from rlalign.model import save_hf
-from rlalign.monitor.consistency import compare
-from rlalign.monitor.divergence import report, tap_order
+from rlalign.monitor.consistency import logprob_consistency
+from rlalign.monitor.divergence import locate_mismatches, tap_order
 from rlalign.rollout.types import Rollout, SamplingParams
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
 from rlalign.training.losses import grpo_advantages, logged_stats
-from rlalign.training.plan import Sample
+from rlalign.training.partition import Sample
 
 
 class MismatchError(RuntimeError):
@@ -120,7 +120,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
-    cons = compare([r.logprobs for r in rollouts], trained.logprobs)
+    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs)
     detail = None
     if cons["mismatched_tokens"]:
         detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows)
@@ -170,7 +170,7 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
     args = model_args(cfg)
-    rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
+    rep = locate_mismatches(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
     return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
 

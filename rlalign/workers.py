@@ -34,7 +34,7 @@ from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict
 from rlalign.rollout.generator import make_generator
 from rlalign.rollout.types import Rollout, SamplingParams
-from rlalign.training.plan import Sample
+from rlalign.training.partition import Sample
 from rlalign.training.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ import torch
 
 from rlalign.config import load_config
 from rlalign.gates import GateRefused, compare_runs, run_gate
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
 from rlalign.monitor.trace import TraceError, env_difference, fixed_environment, read_trace
 
@@ -55,7 +55,7 @@ def test_row_fingerprints_are_per_row_and_order_sensitive():
 def test_consistency_metrics():
     g = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
     t = [torch.tensor([-1.0, -2.1]), torch.tensor([-0.5])]
-    c = compare(g, t)
+    c = logprob_consistency(g, t)
     assert c["tokens"] == 3 and c["mismatched_tokens"] == 1
     assert c["mismatch_token_frac"] == pytest.approx(1 / 3) and c["mismatch_seq_frac"] == 0.5
     assert c["logprob_abs_diff_max"] == pytest.approx(0.1, abs=1e-6)
@@ -63,10 +63,10 @@ def test_consistency_metrics():
     assert c["k3_kl"] == pytest.approx((math.exp(d) - 1 - d) / 3, rel=1e-5)
     assert c["ppl_ratio"] == pytest.approx(math.exp(0.1 / 3), rel=1e-5)
     assert sum(c["abs_diff_hist"]) == 3 and c["abs_diff_hist"][0] == 2
-    same = compare(g, g)
+    same = logprob_consistency(g, g)
     assert same["mismatched_tokens"] == 0 and same["k3_kl"] == 0.0 and same["ppl_ratio"] == 1.0
     with pytest.raises(ValueError, match="sequence 1 has 1 generator vs 2 trainer logprobs"):
-        compare(g, [g[0], torch.zeros(2)])
+        logprob_consistency(g, [g[0], torch.zeros(2)])
 
 
 # --- traces ------------------------------------------------------------------------------------------
@@ -94,6 +94,31 @@ def test_corrupt_traces_name_the_line(tmp_path):
     assert [(r["name"], r["fp"], r["shape"]) for r in recs] == [("w/expert4", "a", [2]), ("w/expert5", "b", [2])]
     with pytest.raises(TraceError, match=r"t6.jsonl:2: record lacks or mistypes field\(s\) \['fps'\]"):
         read_trace(_trace(tmp_path, "t6.jsonl", [HEADER, json.dumps({**rows, "fps": ["a", 7]}) + "\n"]))
+
+
+def test_one_first_divergence_for_records_state_and_a_tokens_ops():
+    """trace records by index, trainer state by (step, name), a token's rows by (op in model order,
+    position): each the first key of divergence.first_divergence; None when nothing differs."""
+    from rlalign.monitor.compare import first_differing_state
+    from rlalign.monitor.divergence import first_divergence, first_divergent_tap
+    from rlalign.monitor.trace import first_differing_record
+
+    assert first_divergence([3, 1, 2], lambda k: k < 3) == 1 and first_divergence([1, 2], lambda k: False) is None
+    recs = [{"step": 0, "name": n, "fp": n} for n in "abc"]
+    assert first_differing_record(recs, recs) is None
+    d = first_differing_record(recs, [recs[0], {**recs[1], "fp": "x"}, {**recs[2], "fp": "y"}])
+    assert (d["index"], d["previous"], d["step_first"]) == (1, "a", False)
+    d = first_differing_record(recs, recs[:2])
+    assert (d["index"], d["a"], d["b"], d["length"]) == (2, recs[2], None, (3, 2))
+    st = {(0, "w"): {"fp": 1, "shape": [2], "dtype": "f"}, (1, "w"): {"fp": 2, "shape": [2], "dtype": "f"}}
+    assert first_differing_state(st, st) is None
+    assert first_differing_state(st, {**st, (1, "w"): {"fp": 3, "shape": [2], "dtype": "f"}}) == (1, "w")
+    assert first_differing_state(st, {(1, "w"): st[(1, "w")]}) == (0, "w")  # in one run only
+    gen = {(7, 0): {"attn": 1, "mlp": 1}, (7, 1): {"attn": 2, "mlp": 5}}
+    train = {(7, 0): {"attn": 1, "mlp": 9}, (7, 1): {"attn": 3, "mlp": 5}}
+    assert first_divergent_tap(gen, train, 7, 1, ["attn", "mlp"]) == ("attn", 1)  # op order before position
+    assert first_divergent_tap(gen, train, 7, 0, ["attn", "mlp"]) == ("mlp", 0)
+    assert first_divergent_tap(gen, gen, 7, 1, ["attn", "mlp"]) is None
 
 
 def test_the_trace_writer_thread_writes_in_program_order_and_its_errors_surface(tmp_path):

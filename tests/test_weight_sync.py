@@ -135,7 +135,7 @@ def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch
     weights and the generator copies from the views it kept; both sides agree. Twin: a parameter that
     moved makes train_step return none (the driver then asks send_weights, which hands out handles)."""
     from rlalign.factory import sampling_params
-    from rlalign.training.plan import Sample
+    from rlalign.training.partition import Sample
     from rlalign.workers import GeneratorWorker, TrainerWorker
 
     monkeypatch.setattr(weight_sync, "reduce_tensor", lambda t: (lambda t=t: t, ()))

@@ -308,7 +308,7 @@ def parts(a) -> None:
     from rlalign.tasks.reward_calls import RewardCaller
     from rlalign.tasks.tokenizer import make_tokenizer
     from rlalign.training.losses import grpo_advantages
-    from rlalign.training.plan import Sample
+    from rlalign.training.partition import Sample
     from rlalign.training.trainer import Trainer
 
     over = [*_base(a.model, a.steps), *a.overrides]

@@ -81,6 +81,9 @@ class LossBatch:
 
 Metrics = dict[str, torch.Tensor | float]
 LossFunction = Callable[[LossBatch, object], tuple[torch.Tensor, Metrics]]
+# what the trainer runs per micro-batch (Trainer.ppo_loss builds it from a LossFunction):
+# loss_fn(logprobs per sample, indices of those samples) -> (sum of token losses, metrics)
+LossFn = Callable[[list[torch.Tensor], list[int]], tuple[torch.Tensor, Metrics]]
 
 
 def _extremes(name: str, x: torch.Tensor) -> Metrics:

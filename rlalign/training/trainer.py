@@ -1,5 +1,5 @@
 """One rank of the trainer group, made of parts: the policy model in its compute dtype (EP applied
-from outside), the step plan (rlalign.training.plan), gradients (rlalign.training.gradients), fp32
+from outside), the step's partition (rlalign.training.partition), gradients (rlalign.training.gradients), fp32
 master weights with AdamW (rlalign.training.optimizer, rlalign.training.shards) and the state
 that checkpoints and traces read (rlalign.training.state).
 
@@ -22,9 +22,9 @@ from rlalign.monitor.taps import Injection
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
-from rlalign.training.losses import LossBatch, resolve_loss
+from rlalign.training.losses import LossBatch, LossFn, resolve_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
-from rlalign.training.plan import LossFn, Sample, micro_batch_share, step_plan
+from rlalign.training.partition import Sample, micro_batch_share, step_partition
 from rlalign.training.scoring import micro_batches, score_micro_batch
 from rlalign.training.shards import Unit
 
@@ -94,20 +94,20 @@ class Trainer:
     # --- the step ----------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample], alg) -> tuple[dict[int, torch.Tensor], list[tuple[tuple, dict]]]:
         """PPO epochs over the step's minibatches. `samples` is the WHOLE step (every rank gets the
-        same list) so that minibatches and micro-batches are a fixed partition of it (step_plan);
+        same list) so that minibatches and micro-batches are a fixed partition of it (step_partition);
         this rank runs its share of each minibatch's micro-batches (micro_batch_share). Returns this
         rank's samples' pre-update logprobs by global index (what the monitor compares with the
         generator's) and stat records keyed (epoch, minibatch, micro-batch), which the driver merges
         in key order: the same bits at every trainer EP size."""
-        plan = step_plan(len(samples), self.cfg.trainer.micro_batch_size, alg.num_minibatches)
-        mine = [i for mbs in plan for mb in self.my_micro_batches(mbs)[1] for i in mb]
+        minibatches = step_partition(len(samples), self.cfg.trainer.micro_batch_size, alg.num_minibatches)
+        mine = [i for mbs in minibatches for mb in self.my_micro_batches(mbs)[1] for i in mb]
         old = {}  # the pre-update logprobs: scored first, or captured by the first forward
         if alg.ppo_epochs * alg.num_minibatches > 1 or self.cfg.trainer.separate_scoring_pass:
             old = dict(zip(mine, self.score([samples[i] for i in mine])))
         ref = dict(zip(mine, self.score([samples[i] for i in mine], self.ref_model))) if self.ref_model else None
         records: list[tuple[tuple, dict]] = []
         for epoch in range(alg.ppo_epochs):
-            for k, mbs in enumerate(plan):
+            for k, mbs in enumerate(minibatches):
                 loss_fn = self.ppo_loss(samples, alg, old, ref, mbs)
                 records += [((epoch, k, g), st) for g, st in self.forward_backward(samples, loss_fn, mbs=mbs).items()]
                 norm = self.optimizer_step()["grad_norm"]

@@ -1,10 +1,9 @@
 """The step's work as a fixed partition, whatever the number of trainer ranks: the sequences
-(Sample), minibatches of global micro-batches (step_plan), and which rank runs which micro-batch
+(Sample), minibatches of global micro-batches (step_partition), and which rank runs which micro-batch
 (micro_batch_share)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +23,7 @@ class Sample:
     sample_id: int | None = None
 
 
-# loss_fn(logprobs per sample, indices of those samples) -> (sum of token losses, {stat: value})
-LossFn = Callable[[list[torch.Tensor], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def step_plan(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[list[int]]]:
+def step_partition(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[list[int]]]:
     """The step's work as a fixed partition of its n sequences, whatever the number of ranks:
     minibatches (one optimizer update each) of global micro-batches of global sample indices."""
     out = []
