@@ -288,14 +288,12 @@ class MonitorConfig:
     # N; runs compare record by record only at the same N.
     optim_every: int = 10
     worst_tokens: int = 10
-    inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)
 
 
 @dataclass
 class GateConfig:
     candidate: list[str] = field(default_factory=lambda: ["generator.ep_size=2"])  # baseline's other path
     replay_step: int | None = None  # replay: resume after this step (None: run.steps // 2 - 1)
-    b_overrides: list[str] = field(default_factory=list)  # extra overrides of the second run only (fault tests)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import inject_fault
 
 from rlalign.config import load_config
 from rlalign.gates import GateRefused, compare_runs, run_gate
@@ -182,7 +183,7 @@ def _gate(kind, tmp_path, *over):
 
 
 @pytest.mark.slow
-def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys):
+def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys, monkeypatch):
     from rlalign import cli
 
     t = time.perf_counter()
@@ -193,43 +194,46 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys
     assert "gate repeatability: PASS" in out
     rows = [json.loads(ln) for ln in (tmp_path / "cli" / "gate-repeatability" / "a" / "metrics.jsonl").open()]
     assert [r["consistency/mismatched_tokens"] for r in rows] == [0]  # on_mismatch=warn let none through
-    ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
-                     "monitor.inject=generator:layers.1.mlp:noise")
+    inject_fault("noise:generator:layers.1.mlp", monkeypatch)  # both runs: noise is not repeatable
+    ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn")
     assert not ok and "FAIL" in text
     assert "first divergence: gen.step.layers.1.mlp" in text
 
 
 @pytest.mark.slow
-def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path):
+def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path, monkeypatch):
     ok, text = _gate("baseline", tmp_path / "ep", "run.steps=3", "checkpoint.every=1",  # candidate: generator EP 2
                      "checkpoint.keep=0")  # run a: the replay gate's (shared_runs)
     assert ok, text
+    inject_fault("default:both:layers.1.attn@b", monkeypatch)  # the candidate: run b with that fault
     ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",  # run a: GATE_RUN's
-                     'gate.candidate=["monitor.inject=both:layers.1.attn:default"]')
+                     "gate.candidate=[]")
     assert not ok and "first divergence: gen.step.layers.1.attn" in text
 
 
 @pytest.mark.slow
-def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path):
+def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path, monkeypatch):
     ok, text = _gate("replay", tmp_path / "ok", "run.steps=3")
     assert ok, text
-    ok, text = _gate("replay", tmp_path / "rng", "run.steps=3",
-                     'gate.b_overrides=["monitor.inject=generator:sampling:seed"]')
+    inject_fault("seed:generator@b", monkeypatch)  # the resumed run only
+    ok, text = _gate("replay", tmp_path / "rng", "run.steps=3")
     assert not ok and "first divergence: gen.step.sample" in text
 
 
 # --- generator-vs-trainer divergence report -------------------------------------------------------------
-def _divergence_config(run_dir, site):
-    return load_config([*GATE_RUN, f"run.dir={run_dir}", "monitor.fingerprints=layers", "model.dtype=float32",
-                        f"monitor.inject=generator:{site}:default"])
+def _divergence_run(shared_runs, monkeypatch, run_dir, site):
+    """A GATE_RUN run (fp32, per-op fingerprints) whose generator runs `site` on the default kernels."""
+    inject_fault(f"default:generator:{site}", monkeypatch)
+    shared_runs(load_config([*GATE_RUN, f"run.dir={run_dir}", "monitor.fingerprints=layers", "model.dtype=float32"]))
+    monkeypatch.delenv("RLALIGN_FAULT")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("site, first", [("layers.1.attn", "layers.1.attn"), ("layers.0.mlp", "layers.0.router")])
-def test_divergence_report_names_the_injected_layer(tmp_path, site, first, shared_runs):
+def test_divergence_report_names_the_injected_layer(tmp_path, site, first, shared_runs, monkeypatch):
     from rlalign.monitor.report import make_report
 
-    shared_runs(_divergence_config(tmp_path, site))
+    _divergence_run(shared_runs, monkeypatch, tmp_path, site)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["consistency/mismatched_tokens"] > 0
     assert row["consistency/first_divergent_op"] == first
@@ -241,32 +245,32 @@ def test_divergence_report_names_the_injected_layer(tmp_path, site, first, share
 
 
 @pytest.mark.slow
-def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs):
+def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs, monkeypatch):
     """Two runs of the module (the repeatability gate's and the divergence report's: shared_runs) whose
-    model.dtype differs; and the seed is part of the fixed environment (twin: the injected fault, a
-    monitor key, is not)."""
+    model.dtype differs; and the seed is part of the fixed environment (twin: a monitor key is not)."""
     shared_runs(load_config([*GATE_RUN, "monitor.fingerprints=layers", f"run.dir={tmp_path / 'a'}"]))
-    shared_runs(_divergence_config(tmp_path / "b", "layers.1.attn"))
+    _divergence_run(shared_runs, monkeypatch, tmp_path / "b", "layers.1.attn")
     with pytest.raises(GateRefused, match=r"fixed environments differ.*model.dtype: 'bfloat16' vs 'float32'"):
         compare_runs(tmp_path / "a", tmp_path / "b")
-    env = {over: fixed_environment(load_config([over])) for over in ("seed=0", "seed=1", "monitor.inject=x:y:z")}
+    env = {over: fixed_environment(load_config([over])) for over in ("seed=0", "seed=1", "monitor.worst_tokens=3")}
     assert env_difference(env["seed=0"], env["seed=1"]) == ["seed"]
-    assert env_difference(env["seed=0"], env["monitor.inject=x:y:z"]) == []
+    assert env_difference(env["seed=0"], env["monitor.worst_tokens=3"]) == []
 
 
 @pytest.mark.slow
-def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path):
+def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path, monkeypatch):
     from rlalign.agree import run_agree
     from rlalign.rl import MismatchError, train
 
-    inject = "monitor.inject=generator:layers.0.attn:default"
+    inject_fault("default:generator:layers.0.attn", monkeypatch)
     with pytest.raises(MismatchError, match=r"first divergence: layers.0.attn.*agree.replay=") as e:
-        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers", inject]))
+        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers"]))
     dump = tmp_path / "mismatch-step000000"
     assert dump.is_dir() and str(dump) in str(e.value)
     assert (dump / "weights" / "config.json").is_file() and (dump / "config.yaml").is_file()
-    res, _ = run_agree(load_config([f"agree.replay={dump}", inject, "trainer.ep_size=1"]))
+    res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))
     assert res["replay_same_tokens"] and res["replay_generator_logprobs_equal"] and res["mismatched_tokens"] > 0
+    monkeypatch.delenv("RLALIGN_FAULT")
     res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))  # without the fault
     assert res["mismatched_tokens"] == 0 and not res["replay_generator_logprobs_equal"]
 

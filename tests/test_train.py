@@ -313,7 +313,7 @@ def test_reward_error_is_reported_with_the_sample(tmp_path):
 def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path, async_save, capsys, monkeypatch):
     from rlalign import checkpoint as ckpt
 
-    rc, err = train_cli_with_fault("trainer.train_step:1:3", [
+    rc, err = train_cli_with_fault("exit:trainer.train_step:1:3", [
         *SMALL, "run.steps=4", f"run.dir={tmp_path}", "checkpoint.every=1",
         f"checkpoint.async_save={str(async_save).lower()}"], capsys, monkeypatch)  # in-process: the module's Ray
     assert rc == 2

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, same_bits, tiny_model
+from conftest import TINY, inject_fault, same_bits, tiny_model
 
 from rlalign import kernels
 from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
@@ -271,15 +271,16 @@ def test_vllm_shaped_pages_attend_like_prefill_rows():
 
 
 @pytest.mark.slow
-def test_train_fault_inside_vllm_is_reported_at_its_layer(tmp_path):
+def test_train_fault_inside_vllm_is_reported_at_its_layer(tmp_path, monkeypatch):
     """Negative twin through the monitor: layers.0.mlp inside vLLM runs the default kernels
-    (monitor.inject); the step reports mismatches and the row fingerprints recorded inside vLLM
-    name layers.0.mlp as the first divergent op."""
+    (RLALIGN_FAULT, which vLLM's processes inherit); the step reports mismatches and the row
+    fingerprints recorded inside vLLM name layers.0.mlp as the first divergent op."""
     from rlalign.rl import train
 
+    inject_fault("default:generator:layers.0.mlp", monkeypatch)
     train(load_config(["generator.backend=vllm", "run.steps=1", "trainer.ep_size=1", f"run.dir={tmp_path}",
                        "task.num_prompts=4", "task.samples_per_prompt=4", "monitor.fingerprints=layers",
-                       "monitor.inject=generator:layers.0.mlp:default", "monitor.on_mismatch=warn",
+                       "monitor.on_mismatch=warn",
                        "logger.console=false", *SMALL]))
     (row,) = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert row["consistency/mismatched_tokens"] > 0

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign.factory import model_from_config, sampling_params
-from rlalign.monitor.taps import Injection
+from rlalign.faults import SideFaults
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
@@ -55,9 +55,8 @@ class Trainer:
         self.weights = MasterWeights(self.model, cfg.trainer, self.dense_names, self.expert_names, self.rank,
                                      self.world)
         self.invariant = bool(cfg.trainer.get("topology_invariant", True))
-        inject = Injection(cfg.monitor.get("inject"), "trainer") if cfg.get("monitor") else None
         self.gradients = Gradients(self.model, self.dense_names, self.expert_names, self.invariant, group,
-                                   self.world, inject.site if inject is not None and inject.kind == "reorder" else None)
+                                   self.world, SideFaults("trainer").reorder)
         self.ref_model = None
         if cfg.get("algorithm") is not None and cfg.algorithm.kl_coef > 0:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
