@@ -15,8 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from rlalign.config import generator_world, model_args
+from rlalign.config import model_args
 from rlalign.factory import sampling_params
+from rlalign.generator_world import generator_world
 from rlalign.logger import json_line
 from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range

@@ -152,7 +152,7 @@ class EngineConfig:
 @dataclass
 class GeneratorConfig(EngineConfig, SamplingConfig):
     ep_size: int = 1
-    backend: str = _choice("native", GeneratorBackend)  # read only by generator_world (below)
+    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.generator_world
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
@@ -568,23 +568,6 @@ def keys_of(cls: type, node: DictConfig) -> Any:
     """An instance of the dataclass `cls` from the same-named keys of `node` (e.g. EngineConfig from
     cfg.generator): a runtime object with the schema's fields, not a copy of them field by field."""
     return cls(**{f.name: node[f.name] for f in dataclasses.fields(cls)})
-
-
-@dataclass(frozen=True)
-class GeneratorWorld:
-    backend: str  # "native" | "vllm"
-    ranks: int  # generator ranks (actors, trace streams), each hosting one engine
-
-
-def generator_world(cfg: DictConfig | dict) -> GeneratorWorld:
-    """The engine and the number of generator ranks: native, generator.ep_size ranks; vLLM, one rank
-    hosting the engine, which starts the generator.ep_size workers that own the experts. The one
-    reader of `generator.backend` (tests/test_layers.py); `cfg` may also be a saved config's dict (a
-    segment's, rlalign.rundir; one from before the key: native). Whether the engine can run is
-    rlalign.rollout.generator.check_generator's question."""
-    g = cfg["generator"]
-    backend = g.get("backend") or "native"
-    return GeneratorWorld(backend, 1 if backend == "vllm" else int(g["ep_size"]))
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:

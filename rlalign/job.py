@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlalign.config import generator_world
+from rlalign.generator_world import generator_world
 from rlalign.parallel.launch import shard_range
 from rlalign.parallel.weight_sync import SyncOutput
 from rlalign.rollout.generator import releases_memory

@@ -154,7 +154,7 @@ def test_negative_twin_an_upward_import_is_named(sources):
 
 
 def test_generator_backend_is_read_in_one_function(sources):
-    assert backend_readers(sources) == ["rlalign.config.generator_world"]
+    assert backend_readers(sources) == ["rlalign.generator_world.generator_world"]
 
 
 @pytest.mark.parametrize("body", [
@@ -164,7 +164,7 @@ def test_generator_backend_is_read_in_one_function(sources):
 ])
 def test_negative_twin_a_second_backend_reader_is_found(sources, body):
     planted = dict(sources, **{"rlalign.extra": (f"def ranks(cfg):\n{body}", False)})
-    assert backend_readers(planted) == ["rlalign.config.generator_world", "rlalign.extra.ranks"]
+    assert backend_readers(planted) == ["rlalign.extra.ranks", "rlalign.generator_world.generator_world"]
 
 
 def test_only_kernels_and_actors_join_the_package():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlalign.config import generator_world
+from rlalign.generator_world import generator_world
 from rlalign.monitor.divergence import first_divergence
 from rlalign.monitor.trace import TraceError, align_resumed, env_difference, first_differing_record, flatten, read_trace
 from rlalign.rundir import read_segments

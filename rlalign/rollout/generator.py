@@ -1,5 +1,5 @@
 """The Generator protocol both engines implement, and the one factory that picks the engine (by
-rlalign.config.generator_world, the one reader of `generator.backend`)."""
+rlalign.generator_world, the one reader of `generator.backend`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Protocol
 
 from omegaconf import DictConfig
 
-from rlalign.config import ConfigError, EngineConfig, GeneratorWorld, generator_world, keys_of, model_args
+from rlalign.config import ConfigError, EngineConfig, keys_of, model_args
+from rlalign.generator_world import GeneratorWorld, generator_world
 from rlalign.model import Transformer
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.engine import NativeEngine
@@ -41,7 +42,7 @@ class Generator(Protocol):
 
 
 def check_generator(cfg: DictConfig) -> GeneratorWorld:
-    """The generator's world (rlalign.config.generator_world), once its engine is known to run here:
+    """The generator's world (rlalign.generator_world), once its engine is known to run here:
     errors (vLLM missing, an unsupported layout) come before any process starts."""
     world, g = generator_world(cfg), cfg.generator
     if world.backend == "native":
