@@ -11,6 +11,8 @@ import importlib.util as _util
 import sys as _sys
 from pathlib import Path as _Path
 
+__version__ = "0.1.0"  # the distribution's version (pyproject.toml reads it)
+
 _ROOT = _Path(__file__).resolve().parent.parent
 _FOLDERS = {f"rlalign.{n}": _ROOT / n for n in ("kernels", "actors")}
 

@@ -18,13 +18,13 @@ from rich.console import Console
 from rich.table import Table
 
 from rlalign.config import model_args
-from rlalign.factory import sampling_params
+from rlalign.generator_world import generator_world
 from rlalign.logger import Phases, json_line
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
-from rlalign.rollout.generator import generator_plan
-from rlalign.rollout.types import Rollout
-from rlalign.training.plan import Sample
+from rlalign.rollout.generator import check_generator
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout, Sample
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 
@@ -50,23 +50,29 @@ def trainer_order(cfg: DictConfig, n: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
 
 
-def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], int, dict]:
-    """A mismatch dump as (config with its weights and sampling, prompts, sample ids, seed, batch)."""
+def batch_params(cfg: DictConfig, seed: int) -> SamplingParams:
+    """The sampling of a batch of `rlalign agree`: the generator.* keys, agree.max_new_tokens, the model's stop
+    token, `seed`."""
+    return SamplingParams.from_config(cfg, model_args(cfg).eos_token_id, seed, cfg.agree.max_new_tokens)
+
+
+def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], SamplingParams, dict]:
+    """A mismatch dump as (config with its weights, prompts, sample ids, the sampling the run drew
+    them with, batch)."""
     d = Path(cfg.agree.replay)
     if not (d / "batch.json").is_file() or not (d / "weights" / "config.json").is_file():
         raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
     batch = json.loads((d / "batch.json").read_text())
-    s = batch["sampling"]
-    gen = {k: s[k] for k in ("temperature", "top_k", "top_p", "greedy")}
-    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}, "generator": gen,
-                                "agree": {"max_new_tokens": s["max_new_tokens"]}})
-    return cfg, batch["prompts"], batch["sample_ids"], s["seed"], batch
+    params = SamplingParams.from_dict(batch["sampling"])
+    params.validate()
+    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}})
+    return cfg, batch["prompts"], batch["sample_ids"], params, batch
 
 
-def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, seed: int) -> list[Rollout]:
+def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids,
+                   params: SamplingParams) -> list[Rollout]:
     worker = GeneratorWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
     part = shard_range(len(prompts), world, rank)
-    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, seed, worker.cfg.agree.max_new_tokens)
     return worker.generate([prompts[i] for i in part], [sample_ids[i] for i in part], params).rollouts
 
 
@@ -84,16 +90,19 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
     return run_workers(ep_size, fn, (cfg_dict, *args), cfg.device, cfg.dist.timeout_s)
 
 
-def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> list[Rollout]:
+def generate_batch(cfg: DictConfig, prompts, sample_ids, params: SamplingParams) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order."""
-    parts = _run_side(cfg, generator_plan(cfg).ranks, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
+    parts = _run_side(cfg, check_generator(cfg).ranks, "generator.ep_size", _generate_rank,
+                      (prompts, sample_ids, params))
     return [r for part in parts for r in part]
 
 
-def score_batch(cfg: DictConfig, prompts, responses, sample_ids=None) -> list[torch.Tensor]:
-    """The trainer group's logprobs of finished sequences (trainer.ep_size ranks), in order."""
+def score_batch(cfg: DictConfig, prompts, responses, params: SamplingParams, sample_ids=None) -> list[torch.Tensor]:
+    """The trainer group's logprobs (trainer.ep_size ranks), in order, of finished sequences whose
+    responses were drawn with `params`."""
     ids = sample_ids if sample_ids is not None else [None] * len(prompts)
-    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i) for p, r, i in zip(prompts, responses, ids)]
+    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i, params=params)
+               for p, r, i in zip(prompts, responses, ids)]
     parts = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", _score_rank, (samples,))
     return [lp for part in parts for lp in part]
 
@@ -107,26 +116,26 @@ def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None)
     t0 = time.perf_counter()
     replay = None
     if cfg.agree.replay:
-        cfg, prompts, ids, seed, replay = load_replay(cfg)
+        cfg, prompts, ids, params, replay = load_replay(cfg)
     else:
-        prompts, seed = random_prompts(cfg, model_args(cfg).vocab_size), cfg.seed
+        prompts, params = random_prompts(cfg, model_args(cfg).vocab_size), batch_params(cfg, cfg.seed)
         ids = list(range(len(prompts)))
-    plan = generator_plan(cfg)
-    phase(f"generating {len(prompts)} sequences of up to {cfg.agree.max_new_tokens} tokens (generator EP "
-          f"{plan.ranks}, {plan.backend} engine, {_where(plan.ranks)}; each rank builds the model first)")
-    rollouts = generate_batch(cfg, prompts, ids, seed=seed)
+    world = generator_world(cfg)
+    phase(f"generating {len(prompts)} sequences of up to {params.max_new_tokens} tokens (generator EP "
+          f"{world.ranks}, {world.backend} engine, {_where(world.ranks)}; each rank builds the model first)")
+    rollouts = generate_batch(cfg, prompts, ids, params)
     t1 = time.perf_counter()
     phase(f"scoring the {sum(len(r.tokens) for r in rollouts)} generated tokens on the trainer side (EP "
           f"{cfg.trainer.ep_size}, {_where(cfg.trainer.ep_size)}; another order and other micro-batches)")
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
-    train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled],
+    train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled], params,
                            [r.sample_id for r in shuffled])
     t2 = time.perf_counter()
     back = [None] * len(rollouts)
     for j, i in enumerate(order):
         back[i] = train_lp[j]
-    c = compare([r.logprobs for r in rollouts], back)
+    c = logprob_consistency([r.logprobs for r in rollouts], back)
     result = {
         "tokens": c["tokens"],
         "mismatched_tokens": c["mismatched_tokens"],
@@ -137,7 +146,7 @@ def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None)
         "dtype": cfg.model.dtype,
         "trainer_ep": cfg.trainer.ep_size,
         "generator_ep": cfg.generator.ep_size,
-        "generator_backend": generator_plan(cfg).backend,
+        "generator_backend": generator_world(cfg).backend,
         "trainer_micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer_layout": cfg.trainer.layout,
         "sequences": len(rollouts),

@@ -6,7 +6,11 @@
     rlalign compare TRACE_A TRACE_B   first differing fingerprint record (files or run dirs)
     rlalign report  RUN_DIR           plots and a summary of a run
     rlalign export  CHECKPOINT_DIR OUT_DIR   the checkpoint's model as a Hugging Face directory
+    rlalign --version
 
+Hydra's options: --config-dir DIR (-cd) adds your config directory (its GROUP/OPTION.yaml files and
+experiment configs) after rlalign's own, --config-name NAME (-cn) picks the primary config,
+-m/--multirun runs a command once per combination of comma-separated values (rlalign/sweep.py).
 `rlalign COMMAND --help` lists the config groups and common keys. An error prints one line,
 `rlalign COMMAND: error: ...`, and exits 2 (RLALIGN_DEBUG=1 adds the traceback); Ctrl-C exits 130.
 `rlalign train` stopped by one of run.stop_signals or Ctrl-C (after its checkpoint: rlalign.stop)
@@ -20,7 +24,10 @@ import os
 import shlex
 import sys
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from rlalign.config_search import ConfigSource
 
 USAGE = __doc__
 
@@ -101,30 +108,37 @@ class UsageError(ValueError):
     pass
 
 
-def _groups() -> list[tuple[str, list[str], str]]:
-    """(group, options, default) from configs/<group>/*.yaml and config.yaml's defaults list."""
-    from rlalign.config import CONFIG_DIR
+@dataclass
+class Args:
+    """One command's arguments."""
 
-    defaults = {}
+    overrides: list[str] = field(default_factory=list)
+    show: str | None = None  # --cfg's kind
+    want_help: bool = False
+    multirun: bool = False
+    source: ConfigSource = field(default_factory=ConfigSource)  # --config-dir, --config-name
+
+
+def _groups(source: ConfigSource) -> list[tuple[str, list[str], str]]:
+    """(group, options, the option the primary config picks) over the config search path."""
+    from rlalign.config import CONFIG_DIR, chosen_options
+    from rlalign.config_search import group_options, search_dirs
+
     try:
-        from omegaconf import OmegaConf
-
-        for d in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml")).get("defaults", []):
-            if isinstance(d, dict):
-                defaults.update({str(k): str(v) for k, v in d.items()})
-    except Exception:  # the help still lists the groups
-        pass
-    return [(g.name, sorted(p.stem for p in g.glob("*.yaml")), defaults.get(g.name, ""))
-            for g in sorted(CONFIG_DIR.iterdir()) if g.is_dir()]
+        dirs, _ = search_dirs(CONFIG_DIR, source, [])
+        chosen = chosen_options(source)
+    except Exception:  # the help still lists rlalign's own groups
+        dirs, chosen = [CONFIG_DIR], {}
+    return [(g, opts, chosen.get(g, "")) for g, opts in group_options(dirs).items()]
 
 
-def _defaults(keys: list[str]) -> dict[str, str]:
+def _defaults(keys: list[str], source: ConfigSource) -> dict[str, str]:
     try:
         from omegaconf import OmegaConf
 
         from rlalign.config import load_config
 
-        raw = OmegaConf.to_container(load_config([]), resolve=False)  # run.dir as ${now:...}
+        raw = OmegaConf.to_container(load_config([], source=source), resolve=False)  # run.dir as ${now:...}
     except Exception:
         return {}
     out = {}
@@ -137,33 +151,50 @@ def _defaults(keys: list[str]) -> dict[str, str]:
     return out
 
 
-def help_text(cmd: str) -> str:
+_OPTIONS = """options:
+  --cfg [job|hydra|all]  print the composed config and exit (job and all: the config; hydra: the
+                         config search path; rlalign runs no Hydra app, so there is no hydra config)
+  --config-dir DIR, -cd DIR
+                         add DIR to the config search path, after rlalign's own configs: your
+                         DIR/model/NAME.yaml is model=NAME, DIR/task/NAME.yaml is task=NAME (a file
+                         with the name of one of rlalign's is refused); hydra.searchpath=[file://DIR]
+                         does the same
+  --config-name NAME, -cn NAME
+                         the primary config: DIR/NAME.yaml, e.g. an experiment whose defaults list
+                         starts from rlalign's `config` (default: config, rlalign's configs/config.yaml)
+  -m, --multirun         one job per combination of comma-separated values (trainer.lr=1e-4,3e-4),
+                         one after another; job N in RUN_DIR/N; a table on stderr and a JSON line per
+                         job on stdout at the end (also RUN_DIR/multirun.jsonl)
+  hydra.run.dir=DIR      = run.dir=DIR (with --multirun, hydra.sweep.dir=DIR too); other hydra.* keys
+                         are refused: rlalign runs no Hydra app
+  --version              rlalign's version
+  -h, --help             this text
+
+environment:
+  RAY_ADDRESS=HOST:PORT  run on that Ray cluster (its own CPUs/GPUs; it keeps running);
+                         `ray job submit -- rlalign ...` sets it. Unset: a private local
+                         cluster that ends with the command (also on kill -9)
+  RLALIGN_DEBUG=1        print the traceback of an error too
+"""
+
+
+def help_text(cmd: str, source: ConfigSource | None = None) -> str:
+    source = source or ConfigSource()
     usage = {"gate": "rlalign gate repeatability|baseline|replay [KEY=VALUE ...] [GROUP=OPTION ...] [--cfg [job]]"}.get(
         cmd, f"rlalign {cmd} [KEY=VALUE ...] [GROUP=OPTION ...] [--cfg [job|hydra|all]]")
     keys = _KEYS["common"] + _KEYS[cmd]
-    vals = _defaults([k for k, _ in keys])
-    lines = [f"usage: {usage}", "", _ABOUT[cmd], "",
-             "config groups (GROUP=OPTION; options are configs/GROUP/OPTION.yaml, * the default):"]
-    for g, opts, default in _groups():
+    vals = _defaults([k for k, _ in keys], source)
+    lines = [f"usage: {usage}", "       [--config-dir DIR] [--config-name NAME] [-m]", "", _ABOUT[cmd], "",
+             "config groups (GROUP=OPTION: rlalign's configs/GROUP/OPTION.yaml or yours in --config-dir;",
+             "* the default):"]
+    for g, opts, default in _groups(source):
         lines.append(f"  {g:<10} " + ", ".join(o + ("*" if o == default else "") for o in opts))
     lines += ["", "common keys (KEY=VALUE; default in brackets; all keys: --cfg job prints the composed config):"]
     w = max(len(k) for k, _ in keys)
     for k, what in keys:
         v = f" [{vals[k]}]" if k in vals else ""
         lines.append(f"  {k:<{w}}  {what}{v}")
-    lines += ["", "options:",
-              "  --cfg [job|hydra|all]  print the composed config and exit (job and all: the config;",
-              "                         hydra: rlalign runs no Hydra app, so there is none to print)",
-              "  -h, --help             this text",
-              "  not supported: -m/--multirun (run one command per setting, e.g. a shell loop over",
-              "                 trainer.ep_size=1 and 2, or compare two settings with rlalign gate baseline);",
-              "                 hydra.* keys other than hydra.run.dir (= run.dir)",
-              "", "environment:",
-              "  RAY_ADDRESS=HOST:PORT  run on that Ray cluster (its own CPUs/GPUs; it keeps running);",
-              "                         `ray job submit -- rlalign ...` sets it. Unset: a private local",
-              "                         cluster that ends with the command (also on kill -9)",
-              "  RLALIGN_DEBUG=1        print the traceback of an error too",
-              "", "exit status:"]
+    lines += ["", _OPTIONS, "exit status:"]
     if cmd == "gate":
         lines.append("  0 PASS, 1 FAIL, 2 error (one line: rlalign gate: error: ...), 130 interrupted")
     elif cmd == "train":
@@ -178,38 +209,65 @@ def help_text(cmd: str) -> str:
                   "  checkpoint and the command that resumes from it."]
     else:
         lines.append(f"  0 done, 2 error (one line: rlalign {cmd}: error: ...), 130 interrupted")
+    lines.append("  --multirun: 0 when every job exited 0, else the largest status; Ctrl-C or a stop signal ends"
+                 " the sweep")
     return "\n".join(lines)
 
 
-def parse(cmd: str, args: list[str]) -> tuple[list[str], str | None, bool]:
-    """(overrides, --cfg kind or None, help?) of one command's arguments; UsageError if refused."""
-    overrides, show, want_help, i = [], None, False, 0
+_VALUED = {"--config-dir": "user_dir", "-cd": "user_dir", "--config-name": "name", "-cn": "name"}
+
+
+def parse(cmd: str, args: list[str]) -> Args:
+    """One command's arguments; UsageError if refused."""
+    out, source, i = Args(), {}, 0
     while i < len(args):
         a = args[i]
         i += 1
+        flag, eq, value = a.partition("=")
         if a in ("-h", "--help"):
-            want_help = True
+            out.want_help = True
         elif a in ("--cfg", "-c") or a.startswith("--cfg="):
-            show = a.split("=", 1)[1] if "=" in a else "job"
-            if "=" not in a and i < len(args) and args[i] in CFG_KINDS:
-                show, i = args[i], i + 1
-            if show not in CFG_KINDS:
-                raise UsageError(f"--cfg {show}: expected one of {', '.join(CFG_KINDS)}")
-        elif a in ("-m", "--multirun") or a.startswith("--multirun="):
-            raise UsageError("multirun (-m/--multirun) is not supported: run one command per setting "
-                             "(e.g. `for ep in 1 2; do rlalign train trainer.ep_size=$ep run.dir=runs/ep$ep; done`), "
-                             "or compare two settings with `rlalign gate baseline gate.candidate=[...]`")
+            out.show = value if eq else "job"
+            if not eq and i < len(args) and args[i] in CFG_KINDS:
+                out.show, i = args[i], i + 1
+            if out.show not in CFG_KINDS:
+                raise UsageError(f"--cfg {out.show}: expected one of {', '.join(CFG_KINDS)}")
+        elif a in ("-m", "--multirun"):
+            out.multirun = True
+        elif flag in _VALUED:
+            if not eq and (i == len(args) or args[i].startswith("-")):
+                raise UsageError(f"{flag} needs a value ({flag} {'DIR' if _VALUED[flag] == 'user_dir' else 'NAME'})")
+            source[_VALUED[flag]] = value if eq else args[i]
+            i += 0 if eq else 1
+        elif flag in ("--config-path", "-cp"):
+            raise UsageError(f"{flag}: rlalign's own configs are part of the package; add yours with "
+                             "--config-dir DIR (and pick a primary config there with --config-name NAME)")
         elif a.startswith("-"):
             raise UsageError(f"unknown option {a!r} (overrides are KEY=VALUE; see rlalign {cmd} --help)")
         else:
-            key = a.split("=", 1)[0].lstrip("+~")
-            if key == "hydra.run.dir" and "=" in a:
-                a = "run.dir=" + a.split("=", 1)[1]
-            elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
-                raise UsageError(f"{a}: rlalign runs no Hydra app, so hydra.* settings have no effect; the "
-                                 "output directory is run.dir (hydra.run.dir=DIR is accepted as run.dir=DIR)")
-            overrides.append(a)
-    return overrides, show, want_help
+            out.overrides.append(_hydra_key(a))
+    sweep_dir = next((a for a in args if a.lstrip("+").startswith("hydra.sweep.dir=")), None)
+    if sweep_dir and not out.multirun:
+        raise UsageError(f"{sweep_dir}: hydra.sweep.dir is the --multirun sweep's directory (= run.dir with -m); "
+                         "without -m the output directory is run.dir (hydra.run.dir=DIR is accepted as run.dir=DIR)")
+    out.source = ConfigSource(**source)
+    return out
+
+
+def _hydra_key(a: str) -> str:
+    """An override of a hydra.* key as rlalign reads it: hydra.run.dir (and --multirun's hydra.sweep.dir)
+    is run.dir; hydra.searchpath adds config directories; any other is refused."""
+    key, eq, value = a.partition("=")
+    key = key.lstrip("+~")
+    if key in ("hydra.run.dir", "hydra.sweep.dir") and eq:
+        return "run.dir=" + value
+    if key == "hydra.searchpath" and eq:
+        return a
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        raise UsageError(f"{a}: rlalign runs no Hydra app, so hydra.* settings have no effect; the output "
+                         "directory is run.dir (hydra.run.dir=DIR is accepted as run.dir=DIR), config "
+                         "directories are added with --config-dir DIR or hydra.searchpath=[file://DIR]")
+    return a
 
 
 def _debug() -> bool:
@@ -231,19 +289,21 @@ def _oneline(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-def _interrupted(cmd: str, overrides: list[str], cfg) -> str:
-    if cmd != "train" or cfg is None:
+def _interrupted(cmd: str, st: dict) -> str:
+    if cmd != "train" or st.get("cfg") is None:
         return f"rlalign {cmd}: interrupted"
-    return f"rlalign train: interrupted; {_resume_hint(overrides, cfg)}"
+    return f"rlalign train: interrupted; {_resume_hint(st)}"
 
 
-def _resume_hint(overrides: list[str], cfg) -> str:
-    """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command."""
+def _resume_hint(st: dict) -> str:
+    """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command (st: its
+    overrides, cfg and config source)."""
     from rlalign.checkpoint import list_complete
 
-    run_dir = Path(str(cfg.run.dir))
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("run.dir", "checkpoint.resume")]
-    resume = "rlalign train " + shlex.join([*kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
+    run_dir = Path(str(st["cfg"].run.dir))
+    kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in ("run.dir", "checkpoint.resume")]
+    source = st.get("source") or ConfigSource()
+    resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
     done = list_complete(run_dir)
     if done:
         return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
@@ -251,13 +311,20 @@ def _resume_hint(overrides: list[str], cfg) -> str:
             f"{resume}")
 
 
+def version() -> str:
+    import rlalign
+
+    return f"rlalign {rlalign.__version__} ({Path(rlalign.__file__).parent}; Python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         if len(argv) > 1 and argv[0] == "help":
             return main([argv[1], "--help"])
-        print(USAGE)
-        return 0 if argv else 2
+        return _run("", lambda: _say(USAGE, 0 if argv else 2))
+    if "--version" in argv[:2]:
+        return _run("", lambda: _say(version(), 0))
     cmd, rest = argv[0], argv[1:]
     if cmd in ("compare", "report", "export"):
         return _run(cmd, lambda: _passthrough(cmd, rest))
@@ -268,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = {"overrides": [], "cfg": None}
     return _run(cmd, lambda: _command(cmd, rest, state), state)
+
+
+def _say(text: str, status: int) -> int:
+    print(text)
+    return status
 
 
 def _passthrough(cmd: str, rest: list[str]) -> int:
@@ -295,9 +367,9 @@ def _command(cmd: str, rest: list[str], state: dict) -> int:
     gate = None
     if cmd == "gate" and rest and not rest[0].startswith("-") and "=" not in rest[0]:
         gate, rest = rest[0], rest[1:]
-    overrides, show, want_help = parse(cmd, rest)
-    if want_help:
-        print(help_text(cmd))
+    args = parse(cmd, rest)
+    if args.want_help:
+        print(help_text(cmd, args.source))
         return 0
     if cmd == "gate":
         if gate is None:
@@ -305,23 +377,45 @@ def _command(cmd: str, rest: list[str], state: dict) -> int:
                              "(rlalign gate --help)")
         if gate not in GATES:
             raise UsageError(f"unknown gate {gate!r}; one of: {', '.join(GATES)}")
-    state["overrides"] = overrides
-    from omegaconf import OmegaConf
-
+    state.update(overrides=args.overrides, source=args.source)
+    if args.show == "hydra":
+        return _show_search_path(args)
     from rlalign.config import load_config
 
-    cfg = state["cfg"] = load_config(overrides)
-    if show == "hydra":
-        print("# rlalign composes configs/ with Hydra's compose API and runs no Hydra app: there is no hydra "
-              "config. The output directory is run.dir; `--cfg job` prints the config.")
-        return 0
-    if show is not None:
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        return 0
+    if args.multirun:
+        return _multirun(cmd, gate, args, state)
+    cfg = state["cfg"] = load_config(args.overrides, source=args.source)
+    if args.show is not None:
+        return _show(cfg)
+    return _execute(cmd, gate, args.overrides, state)
+
+
+def _show(cfg, title: str | None = None) -> int:
+    from omegaconf import OmegaConf
+
+    print(*([f"# {title}"] if title else []), OmegaConf.to_yaml(cfg, resolve=True), sep="\n")
+    return 0
+
+
+def _show_search_path(args: Args) -> int:
+    from rlalign.config import CONFIG_DIR
+    from rlalign.config_search import search_dirs
+
+    dirs, _ = search_dirs(CONFIG_DIR, args.source, args.overrides)
+    print("# rlalign composes its configs with Hydra's compose API and runs no Hydra app: there is no hydra "
+          "config. The output directory is run.dir; `--cfg job` prints the config.",
+          f"# primary config: {args.source.name}; config search path, first match wins:",
+          *(f"#   {d}" for d in dirs), sep="\n")
+    return 0
+
+
+def _execute(cmd: str, gate: str | None, overrides: list[str], state: dict) -> int:
+    """Run one composed command (state['cfg']); its exit status."""
+    cfg = state["cfg"]
     if gate is not None:
         from rlalign.gates import run_gate
 
-        passed, text = run_gate(gate, overrides, cfg)
+        passed, text = run_gate(gate, overrides, cfg, state["source"])
         print(text, flush=True)
         return 0 if passed else 1
     import importlib
@@ -331,47 +425,116 @@ def _command(cmd: str, rest: list[str], state: dict) -> int:
     return importlib.import_module(COMMANDS[cmd]).main(cfg)
 
 
+def _multirun(cmd: str, gate: str | None, args: Args, state: dict) -> int:
+    """--multirun: every job's config composed first, then the jobs one after another on one Ray cluster
+    (rlalign/sweep.py); a job's input error is its line and status 2, and the sweep goes on."""
+    from rlalign import sweep
+    from rlalign.config import load_config
+
+    sweep_dir, jobs = sweep.plan(cmd, args.overrides, lambda overrides: load_config(overrides, source=args.source))
+    if args.show is not None:
+        for job in jobs:
+            _show(job.cfg, f"multirun job {job.num}: {' '.join(job.overrides)}")
+        return 0
+
+    def run_one(job: sweep.Job) -> int:
+        state.update(overrides=job.overrides, cfg=job.cfg, run_dir=None)
+        try:
+            return _execute(cmd, gate, job.overrides, state)
+        except Exception as e:
+            if isinstance(e, BrokenPipeError) and quiet_if_stdout_closed():
+                return 0
+            if not _expected(e):
+                raise
+            print(_error_line(cmd, e, state), file=sys.stderr, flush=True)
+            return 2
+
+    from rlalign import cluster
+
+    # the jobs share one Ray cluster (RAY_ADDRESS's, else a private one), as a gate's two runs do
+    initialized = cluster.connect(jobs[0].cfg.placement.num_cpus) if cmd in sweep.RUN_DIR_COMMANDS else False
+    try:
+        return sweep.run(cmd, sweep_dir, jobs, run_one)
+    finally:
+        cluster.disconnect(initialized)
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`rlalign ... | head -1`)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def quiet_if_stdout_closed() -> bool:
+    """When stdout's reader has gone, point stdout at /dev/null (what is still buffered and later
+    prints go nowhere, as a shell pipeline's writer would end) and say so."""
+    if not stdout_closed():
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return True
+
+
+def _error_line(cmd: str, e: BaseException, st: dict) -> str:
+    line = f"rlalign{f' {cmd}' if cmd else ''}: error: {_oneline(e)}"
+    if st.get("run_dir") is not None:
+        try:
+            line += f"; {_resume_hint(st)}"
+        except Exception:  # the error line stands without the hint
+            pass
+    return line
+
+
 def _run(cmd: str, body, state: dict | None = None) -> int:
     """body() with rlalign's error contract: expected errors one line + exit 2, Ctrl-C 130, a stop
-    signal 128 + N (rlalign.stop); once a train run holds its directory (state['run_dir']) the
-    line names the last complete checkpoint and the resume command."""
+    signal 128 + N (rlalign.stop), stdout's reader gone 0; once a train run holds its directory
+    (state['run_dir']) the line names the last complete checkpoint and the resume command."""
     from rlalign.stop import Stopped
 
     st = state or {}
+    name = f"rlalign {cmd}" if cmd else "rlalign"
     try:
         return body()
     except Stopped as e:
         if _debug():
             traceback.print_exc()
-        hint = f"; {_resume_hint(st['overrides'], st['cfg'])}" if cmd == "train" else ""
-        print(f"rlalign {cmd}: {e}{hint}", file=sys.stderr, flush=True)
+        hint = f"; {_resume_hint(st)}" if cmd == "train" else ""
+        print(f"{name}: {e}{hint}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         if _debug():
             traceback.print_exc()
         try:
-            line = _interrupted(cmd, st.get("overrides", []), st.get("cfg"))
+            line = _interrupted(cmd, st)
         except Exception:
-            line = f"rlalign {cmd}: interrupted"
+            line = f"{name}: interrupted"
         print(line, file=sys.stderr, flush=True)
         return 130
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and quiet_if_stdout_closed():
+            return 0
         if not _expected(e):
             raise
         if _debug():
             traceback.print_exc()
-        line = f"rlalign {cmd}: error: {_oneline(e)}"
-        if st.get("run_dir") is not None:
-            try:
-                line += f"; {_resume_hint(st['overrides'], st['cfg'])}"
-            except Exception:  # the error line stands without the hint
-                pass
-        print(line, file=sys.stderr, flush=True)
+        print(_error_line(cmd, e, st), file=sys.stderr, flush=True)
         return 2
 
 
 def main_entry() -> None:
-    sys.exit(main())
+    rc = main()
+    try:
+        sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        quiet_if_stdout_closed()
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

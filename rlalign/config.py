@@ -1,8 +1,10 @@
 """Structured, validated configuration: Hydra YAML (configs/) composed onto these dataclasses.
 
 `load_config(["kernels.mode=default", "trainer.ep_size=2"])` composes configs/config.yaml with
-its groups (model, task, algorithm, kernels, logger) and the overrides. A key that the schema
-doesn't know fails with the valid keys listed; values are type-checked by OmegaConf.
+its groups (model, task, algorithm, kernels, logger) and the overrides; a ConfigSource adds a
+user's directory of options and experiments (rlalign/config_search.py). A key that the schema
+doesn't know fails with the valid keys listed, in the user's files too; values are type-checked by
+OmegaConf.
 
 The dataclasses below are the one place where defaults live: configs/config.yaml holds only the
 defaults list (which group option is chosen), and a group file (configs/GROUP/OPTION.yaml) holds
@@ -21,16 +23,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlalign.config_search import (
+    ConfigError,
+    ConfigSource,
+    check_group_overrides,
+    compose_from,
+    config_file,
+    group_options,
+    search_dirs,
+)
 from rlalign.model.args import ModelArgs, read_args
 from rlalign.stop import STOP_SIGNALS
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# rlalign's own configs: the repository's configs/ in a checkout, rlalign/configs/ in an installed
+# wheel (pyproject.toml's package-dir ships configs/ there)
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIR = _PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs"
 
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda fmt: datetime.datetime.now().strftime(fmt), use_cache=True)
@@ -45,6 +58,7 @@ OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
+LossName = Literal["grpo", "ppo-clip", "dr_grpo", "gspo"]  # the built-in losses (rlalign.training.losses.LOSSES)
 
 
 def _choice(default: str | None, allowed: Any) -> Any:
@@ -136,7 +150,7 @@ class EngineConfig:
 @dataclass
 class GeneratorConfig(EngineConfig, SamplingConfig):
     ep_size: int = 1
-    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.rollout.generator.generator_plan
+    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.generator_world
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
@@ -196,7 +210,9 @@ class IcePopConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # the loss (rlalign/training/losses.py): grpo | ppo-clip | dr_grpo | gspo; with `loss` set, that loss's label
     name: str = "grpo"
+    loss: str | None = None  # a user's loss: 'pkg.module:function' or '/path/to/file.py:function'
     clip_low: float = 0.2
     clip_high: float = 0.2
     ppo_epochs: int = 1
@@ -228,9 +244,7 @@ class LoggerConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = True  # false: no checkpoint is written, not even the run's last (benchmarks of large models)
-    # steps between checkpoints; null: sized to the run (rlalign.checkpoint.checkpoint_every: a tenth of
-    # run.steps, at most 50); 0 = at the end only
-    every: int | None = None
+    every: int | None = None  # steps between checkpoints; 0: at the end only; null: checkpoint.checkpoint_every
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
@@ -272,14 +286,12 @@ class MonitorConfig:
     # N; runs compare record by record only at the same N.
     optim_every: int = 10
     worst_tokens: int = 10
-    inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)
 
 
 @dataclass
 class GateConfig:
     candidate: list[str] = field(default_factory=lambda: ["generator.ep_size=2"])  # baseline's other path
     replay_step: int | None = None  # replay: resume after this step (None: run.steps // 2 - 1)
-    b_overrides: list[str] = field(default_factory=list)  # extra overrides of the second run only (fault tests)
 
 
 @dataclass
@@ -296,9 +308,7 @@ class AgreeConfig:
 class RunConfig:
     steps: int = 50
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
-    # a run.dir that holds another run's steps is refused (rlalign.rundir.check_run_dir) unless
-    # checkpoint.resume continues it or this is true: then that run's files are deleted first
-    overwrite: bool = False
+    overwrite: bool = False  # a run that run.dir holds: deleted first (else refused: rlalign.rundir.claim_run_dir)
     # rlalign/stop.py: these signals finish the step in flight and its checkpoint, then exit 128+N;
     # past stop_grace_s seconds (or on a second signal) the step is abandoned
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
@@ -331,10 +341,6 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def _valid_keys(schema: DictConfig, dotted: str) -> tuple[str, list[str]]:
     """The deepest existing parent of `dotted` and its keys."""
     parts = dotted.split(".")
@@ -348,55 +354,73 @@ def _valid_keys(schema: DictConfig, dotted: str) -> tuple[str, list[str]]:
 
 
 # keys that left the schema -> where their setting lives now
-MOVED_KEYS = {
-    "generator.max_new_tokens": "a completion's length is task.max_new_tokens in `rlalign train` and `rlalign gate` "
-                                "(a task option sets its own: repeat 5, add and reverse 8) and agree.max_new_tokens "
-                                "in `rlalign agree`",
-}
+MOVED_KEYS = {"generator.max_new_tokens": "a completion's length is task.max_new_tokens in `rlalign train` and "
+              "`rlalign gate` (a task option sets its own: repeat 5, add and reverse 8) and agree.max_new_tokens in "
+              "`rlalign agree`"}
 
 
 def _unknown_key_error(schema: DictConfig, key: str, origin: str) -> ConfigError:
     if key in MOVED_KEYS:
         return ConfigError(f"{key} (in {origin}) is no longer a config key: {MOVED_KEYS[key]}")
     parent, keys = _valid_keys(schema, key)
-    close = difflib.get_close_matches(key.split(".")[-1], keys, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(key.split(".")[-1], keys)
     where = f"under {parent!r}" if parent else "at the top level"
     return ConfigError(f"unknown config key {key!r} in {origin}{hint}; valid keys {where}: {', '.join(keys)}")
 
 
-def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None) -> DictConfig:
-    """Compose configs/config.yaml + overrides onto the Config schema; errors name the key."""
-
+def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None,
+                source: ConfigSource | None = None) -> DictConfig:
+    """Compose the primary config (configs/config.yaml, or source.name) + overrides onto the Config
+    schema over the search path: config_dir (rlalign's own configs/ unless a test gives another),
+    then source.user_dir and hydra.searchpath=[...]'s directories. Errors name the key, the option or
+    the file."""
+    source = source or ConfigSource()
+    dirs, overrides = search_dirs(Path(config_dir or CONFIG_DIR), source, list(overrides or []))
     # free-form maps (task.kwargs.*) take new keys: force-add them
-    overrides = [("++" + o) if _is_free_key(o.split("=", 1)[0]) and not o.startswith("+") else o
-                 for o in (overrides or [])]
+    overrides = [("++" + o) if _is_free_key(o.split("=", 1)[0]) and not o.startswith("+") else o for o in overrides]
     schema = OmegaConf.structured(Config)
+    groups = group_options(dirs)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if "=" not in o:
             raise ConfigError(f"override {o!r} is not of the form key=value")
-        if key in ("model", "task", "algorithm", "kernels", "logger") or key.startswith("hydra"):
+        if key in groups or key.startswith("hydra"):
             continue  # group selection
         if OmegaConf.select(schema, key, default="__missing__") == "__missing__" and not _is_free_key(key):
             raise _unknown_key_error(schema, key, "the command line")
-    cdir = str(Path(config_dir or CONFIG_DIR).resolve())
-
+    check_group_overrides(dirs, overrides)
     ConfigStore.instance().store(name="rlalign_schema", node=Config)  # config.yaml's first default
     try:
-        with initialize_config_dir(config_dir=cdir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose_from(dirs, source.name, overrides)
     except (ConfigCompositionException, HydraException, OmegaConfBaseException) as e:
-        text = f"{e}\n{e.__cause__ or ''}"
-        key = re.search(r"full_key: (\S+)", text)
-        if key and re.search(r"Key '[^']+' not in '", text):
-            origin = re.search(r"In '([^']+)'", text)
-            where = f"{cdir}/{origin[1]}.yaml" if origin else f"{cdir}/config.yaml"
-            raise _unknown_key_error(schema, key[1], where) from None
-        detail = "; ".join(ln.strip() for ln in str(e.__cause__ or "").splitlines()[:1] if ln.strip())
-        raise ConfigError(f"cannot compose the config from {cdir}: {e}" + (f" ({detail})" if detail else "")) from None
+        raise _composition_error(e, schema, dirs) from None
     validate(cfg)
     return cfg
+
+
+def chosen_options(source: ConfigSource | None = None) -> dict[str, str]:
+    """{group: option} of the primary config's defaults (what --help marks as the default)."""
+    source = source or ConfigSource()
+    dirs, _ = search_dirs(CONFIG_DIR, source, [])
+    ConfigStore.instance().store(name="rlalign_schema", node=Config)
+    choices = compose_from(dirs, source.name, [], return_hydra_config=True).hydra.runtime.choices
+    return {g: str(o) for g, o in choices.items() if not g.startswith("hydra/") and o is not None}
+
+
+def _composition_error(e: Exception, schema: DictConfig, dirs: list[Path]) -> ConfigError:
+    """One line for Hydra's and OmegaConf's composition errors, naming the file they come from."""
+    text = f"{e}\n{e.__cause__ or ''}"
+    origin = re.search(r"In '([^']+)'", text)
+    where = str(config_file(dirs, origin[1]) or origin[1]) if origin else "the command line"
+    key = re.search(r"full_key: (\S+)", text)
+    if key and re.search(r"Key '[^']+' not in '", text):
+        return _unknown_key_error(schema, key[1], where)
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if key and origin and len(lines) > 1:  # "In 'model/x': ValidationError raised ...", then OmegaConf's line
+        return ConfigError(f"{where}: {key[1]}: {lines[1]}")
+    cause = str(e.__cause__ or "").strip().splitlines()
+    detail = f" ({cause[0].strip()})" if cause else ""
+    return ConfigError(f"cannot compose the config from {', '.join(map(str, dirs))}: {'; '.join(lines)}{detail}")
 
 
 def _is_free_key(key: str) -> bool:
@@ -410,7 +434,7 @@ def validate(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            problems.append(f"{key}={value!r}: expected {_or(allowed)}")
+            problems.append(f"{key}={value!r}: expected {_or(allowed)}{did_you_mean(value, allowed)}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.device)):
         problems.append(f"device={cfg.device!r}: expected cpu, cuda or cuda:N")
     num_experts = model_args(cfg).num_experts if cfg.model.path else cfg.model.num_experts
@@ -423,10 +447,7 @@ def validate(cfg: DictConfig) -> None:
                 f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
                 f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
             )
-    problems += _trainer_problems(cfg)
-    for key in ("ppo_epochs", "num_minibatches"):
-        if cfg.algorithm[key] < 1:
-            problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
+    problems += _trainer_problems(cfg) + _algorithm_problems(cfg.algorithm)
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
@@ -489,6 +510,26 @@ def _ranges(cfg: DictConfig) -> list[str]:
          cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
     ]
     return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
+
+
+def _algorithm_problems(a: DictConfig) -> list[str]:
+    problems = [f"algorithm.{key}={a[key]}: must be >= 1" for key in ("ppo_epochs", "num_minibatches") if a[key] < 1]
+    names = get_args(LossName)
+    if a.loss is None and a.name not in names:
+        problems.append(f"algorithm.name={a.name!r}: no such loss{did_you_mean(a.name, names)}; built in: "
+                        f"{', '.join(names)} (or algorithm.loss='pkg.module:function' for your own)")
+    if a.loss is not None and not re.fullmatch(r"[^:]+:[A-Za-z_]\w*", a.loss):
+        problems.append(f"algorithm.loss={a.loss!r}: expected 'pkg.module:function' or '/path/to/file.py:function'")
+    if a.loss is None and a.name == "ppo-clip" and a.kl_coef > 0:
+        problems.append(f"algorithm.kl_coef={a.kl_coef} with algorithm.name=ppo-clip: ppo-clip has no reference-KL "
+                        "term; use algorithm.name=grpo (ppo-clip plus the KL) or algorithm.kl_coef=0")
+    return problems
+
+
+def did_you_mean(value: Any, allowed: Any) -> str:
+    """' (did you mean 'x'?)' for the allowed string closest to value, or ''."""
+    close = difflib.get_close_matches(str(value), [a for a in allowed if isinstance(a, str)], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _trainer_problems(cfg: DictConfig) -> list[str]:

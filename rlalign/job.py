@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.generator_world import generator_world
 from rlalign.parallel.launch import shard_range
 from rlalign.parallel.weight_sync import SyncOutput
-from rlalign.rollout.generator import generator_plan, releases_memory
-from rlalign.rollout.types import Rollout
-from rlalign.training.plan import Sample, merge_stat
+from rlalign.rollout.generator import releases_memory
+from rlalign.sequences import Rollout, Sample
+from rlalign.training.losses import merge_stat
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 # a shared GPU: what the generator takes back beyond its measured peak (the allocator's rounding)
@@ -67,7 +68,7 @@ class Job:
         if not ray.is_initialized():
             phase(f"attaching to the Ray cluster at {addr}" if addr else "starting Ray (a private local cluster)")
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
-        n, m = cfg.trainer.ep_size, generator_plan(cfg).ranks
+        n, m = cfg.trainer.ep_size, generator_world(cfg).ranks
         self.placement = Placement.create(cfg, [("trainer", n), ("generator", m)])  # from the cluster's nodes
         if len({s.node.node_id for g in self.placement.slots.values() for s in g}) > 1:  # where each rank landed
             print(f"rlalign train: {self.placement.describe()}", file=sys.stderr, flush=True)
@@ -76,7 +77,7 @@ class Job:
         cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())  # the ranks' working directory is not ours
         phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement)
-        phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_plan(cfg).backend} engine)")
+        phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} engine)")
         self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement)
         self.weight_sync = WeightSync(self.trainers, self.generators, self.placement, cfg.sync.bucket_mb << 20)
         # colocated the generator gives its memory back after generating (until the weight sync); its

@@ -17,17 +17,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign.config import model_args
-from rlalign.factory import model_from_config, sampling_params
 from rlalign.job import Job
 from rlalign.logger import json_line
 from rlalign.model import save_hf
-from rlalign.monitor.consistency import compare
-from rlalign.monitor.divergence import report, tap_order
-from rlalign.rollout.types import Rollout, SamplingParams
+from rlalign.model.build import model_from_config
+from rlalign.monitor.consistency import logprob_consistency
+from rlalign.monitor.divergence import locate_mismatches, tap_order
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout, Sample
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
-from rlalign.training.losses import grpo_advantages
-from rlalign.training.plan import Sample
+from rlalign.training.losses import grpo_advantages, logged_stats
 
 
 class MismatchError(RuntimeError):
@@ -53,7 +53,7 @@ def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
     P, G = cfg.task.num_prompts, cfg.task.samples_per_prompt
     examples = [ex for ex in task.examples(step, P) for _ in range(G)]
     prompts = [tok.encode(ex.prompt, where=f"step {step} prompt") for ex in examples]
-    params = sampling_params(cfg, tok.eos_token_id, step_seed(cfg.seed, step), cfg.task.max_new_tokens)
+    params = SamplingParams.from_config(cfg, tok.eos_token_id, step_seed(cfg.seed, step), cfg.task.max_new_tokens)
     return StepBatch(examples, prompts, [step * P * G + i for i in range(P * G)], params)
 
 
@@ -73,7 +73,6 @@ def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[R
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
-    upd_tokens = max(1, cons["tokens"] * cfg.algorithm.ppo_epochs)
     lengths = [len(r.tokens) for r in rollouts]
     sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
     metrics = {
@@ -92,25 +91,9 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # per-token entropy of the sampling distribution
         "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
         **{f"consistency/{k}": v for k, v in cons.items()},
-        "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
-        "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
-        "actor/ratio_mean": stats.get("ratio_sum", 0.0) / upd_tokens,
-        "actor/ratio_max": stats.get("ratio_max", 0.0),
-        "actor/ratio_min": stats.get("ratio_min", 0.0),
-        "actor/grad_norm": stats.get("grad_norm_last", 0.0),
+        **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),  # whatever the loss returned
         "actor/lr": cfg.trainer.lr,
     }
-    if cfg.algorithm.tis.enabled:
-        metrics.update({
-            "tis/weight_mean": stats["tis_weight_sum"] / upd_tokens,
-            "tis/weight_max": stats["tis_weight_max"],
-            "tis/weight_min": stats["tis_weight_min"],
-            "tis/clipped_frac": stats["tis_clipped_sum"] / upd_tokens,
-        })
-    if cfg.algorithm.icepop.enabled:
-        metrics["icepop/masked_frac"] = stats["icepop_masked_sum"] / upd_tokens
-    if cfg.algorithm.kl_coef > 0:
-        metrics["kl/ref_k3"] = stats.get("ref_kl_sum", 0.0) / upd_tokens
     return metrics
 
 
@@ -134,10 +117,11 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
     t2 = time.perf_counter()
-    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
+    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params)
+               for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
-    cons = compare([r.logprobs for r in rollouts], trained.logprobs)
+    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs)
     detail = None
     if cons["mismatched_tokens"]:
         detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows)
@@ -187,7 +171,7 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
     args = model_args(cfg)
-    rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
+    rep = locate_mismatches(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
     return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
 

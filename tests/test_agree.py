@@ -23,7 +23,8 @@ def test_agree_deterministic_is_bitwise(dtype):
     for mb, seed in ((1, 11), (0, 12)):
         cfg.trainer.micro_batch_size = mb
         order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed)).tolist()
-        lps = score_batch(cfg, [rollouts[i].prompt for i in order], [rollouts[i].tokens for i in order], order)
+        lps = score_batch(cfg, [rollouts[i].prompt for i in order], [rollouts[i].tokens for i in order],
+                          rollouts[0].params, order)
         assert all(same_bits(lp, rollouts[i].logprobs) for lp, i in zip(lps, order)), mb
 
 
@@ -97,14 +98,11 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     from omegaconf import OmegaConf
 
     from rlalign import agree
-    from rlalign.factory import model_from_config, sampling_params
+    from rlalign.model.build import model_from_config
     from rlalign.rollout.native.engine import generate
 
-    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, seed):
-        cfg = OmegaConf.create(cfg_dict)
-        model = model_from_config(cfg)
-        params = sampling_params(cfg, model.args.eos_token_id, seed, cfg.agree.max_new_tokens)
-        return generate(model, prompts, sample_ids, params)
+    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, params):
+        return generate(model_from_config(OmegaConf.create(cfg_dict)), prompts, sample_ids, params)
 
     monkeypatch.setattr(agree, "_generate_rank", bypass)
     calls.update(generate=0, score=0)
@@ -119,7 +117,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
 def test_train_runs_the_generation_and_scoring_functions_agree_certifies(tmp_path, site, method, capsys, monkeypatch):
     """A fault planted in the function agree certifies stops `rlalign train` there (its actors are
     other processes: a spy cannot reach them, an environment-selected fault can)."""
-    rc, err = train_cli_with_fault(f"{site}:0:1", ["run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2",
+    rc, err = train_cli_with_fault(f"exit:{site}:0:1", ["run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2",
                                                    "task.samples_per_prompt=2", "trainer.ep_size=1",
                                                    "generator.ep_size=1"], capsys, monkeypatch)
     assert rc == 2 and f"failed in {method}()" in err, err[-2000:]

@@ -1,4 +1,5 @@
-"""The command line in-process: per-command help, --cfg, hydra.* and multirun, one-line errors, Ctrl-C."""
+"""The command line in-process: per-command help, --cfg, hydra.*, --version, one-line errors, Ctrl-C, a
+closed stdout. (--multirun: tests/test_multirun.py; --config-dir: tests/test_config_search.py.)"""
 
 import pytest
 import yaml
@@ -75,12 +76,60 @@ def test_hydra_run_dir_is_run_dir_and_other_hydra_keys_are_refused(capsys, tmp_p
         assert bad in line and "hydra.run.dir=DIR is accepted as run.dir" in line
 
 
-@pytest.mark.parametrize("flag", ["-m", "--multirun"])
-def test_multirun_is_refused_with_the_alternatives(capsys, flag):
-    rc, out, err = _run(capsys, "train", flag, "trainer.ep_size=1,2")
-    assert rc == 2 and not out
-    line = _one_error_line(err, "train")
-    assert "multirun" in line and "for ep in" in line and "rlalign gate baseline" in line
+def test_multirun_is_in_the_help_and_other_hydra_options_are_named(capsys):
+    out = _run(capsys, "train", "--help")[1]
+    assert "-m, --multirun" in out and "--config-dir DIR, -cd DIR" in out and "--version" in out
+    assert "not supported" not in out
+    rc, out, err = _run(capsys, "train", "--config-path", "conf")
+    assert rc == 2 and "add yours with --config-dir DIR" in _one_error_line(err, "train")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["train", "--version"], ["agree", "--version"]])
+def test_version_prints_the_package_version(capsys, argv):
+    import rlalign
+
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 0 and not err and out.startswith(f"rlalign {rlalign.__version__} (")
+    assert rlalign.__version__ == "0.1.0"
+
+
+def test_an_unknown_long_option_is_not_the_version(capsys):
+    rc, out, err = _run(capsys, "--versoin")
+    assert rc == 2 and not out and "unknown command '--versoin'" in err
+
+
+def _closed_stdout(*argv, env=None):
+    """`rlalign ARGV` writing into a pipe whose reader has gone (as `| head -1` leaves it)."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "rlalign.cli", *argv], stdout=w, stderr=subprocess.PIPE, text=True,
+                           timeout=120, env={**os.environ, **(env or {})})
+    finally:
+        os.close(w)
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["--help"], ["--version"], ["agree", "--cfg", "job"]])
+def test_a_closed_pipe_is_not_an_error(argv):
+    assert _closed_stdout(*argv) == (0, "")
+
+
+def test_a_broken_pipe_elsewhere_stays_an_error(capsys, monkeypatch):
+    import rlalign.rl
+
+    def fail(cfg, status=None):
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. a socket of the run's, while stdout is open
+
+    monkeypatch.setattr(rlalign.rl, "main", fail)
+    rc, out, err = _run(capsys, "train")
+    assert rc == 2 and "Broken pipe" in _one_error_line(err, "train")
+    rc, err = _closed_stdout("train", "--cfg", "job", "model=nope")  # an error with stdout closed: still one
+    assert rc == 2 and err.startswith("rlalign train: error: model=nope: no such model option")
 
 
 def _expected_errors():
