@@ -128,7 +128,8 @@ def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
 
 class Phases:
     """A command's start-up on stderr, one line as each phase begins, with the seconds since the start:
-    `rlalign train: [4.1 s] starting 2 trainer ranks (EP 2): the model on each`. Silent when disabled."""
+    `rlalign train: [19.5 s] starting 2 trainer ranks (EP 2), each building its model shard`. Silent
+    when disabled."""
 
     def __init__(self, prog: str, enabled: bool = True, out=None, clock: Callable[[], float] = time.monotonic):
         self.prog, self.enabled, self.out, self.clock = prog, enabled, out, clock
@@ -137,10 +138,6 @@ class Phases:
     def __call__(self, what: str) -> None:
         if self.enabled:
             print(f"{self.prog}: [{self.clock() - self.t0:.1f} s] {what}", file=self.out or sys.stderr, flush=True)
-
-    @property
-    def elapsed_s(self) -> float:
-        return self.clock() - self.t0
 
 
 class RunLogger:
