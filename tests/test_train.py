@@ -261,7 +261,8 @@ def test_bad_input_fails_before_any_actor(tmp_path):
     lines = ['{"prompt": "a:", "answer": "aa"}'] * 30 + ['{"prompt": "' + "a" * 300 + ':", "answer": "aa"}']
     long.write_text("\n".join(lines) + "\n")
     _fails_fast(["task=jsonl", f"task.path={long}"],
-                r"long.jsonl:31: the prompt has 301 tokens; with task.max_new_tokens=48 it exceeds")
+                r"long.jsonl:31: the prompt has 301 tokens; with max_new_tokens=48 it exceeds .* \(the completion "
+                r"length is task.max_new_tokens\)")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "a:", "answer": "aa"}\n{"prompt": "caf\xe9:", "answer": "x"}\n')
     _fails_fast(["task=jsonl", f"task.path={latin}"], r"latin.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)")
