@@ -167,8 +167,14 @@ def print_report(result: dict, console=None) -> None:
     console.print("[green]bitwise agreement[/green]" if ok else "[red]MISMATCH: generator and trainer disagree[/red]")
 
 
+def exit_code(result: dict) -> int:
+    """1 when any token differs in deterministic mode (the promise is broken), else 0: in
+    kernels.mode=default a mismatch is the expected, reported outcome."""
+    return 1 if result["kernels"] == "deterministic" and result["mismatched_tokens"] else 0
+
+
 def main(cfg: DictConfig) -> int:
     result, _ = run_agree(cfg)
     print_report(result)
     print(json_line(result), flush=True)
-    return 0
+    return exit_code(result)

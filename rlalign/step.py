@@ -9,6 +9,8 @@ the values each phase returns (rlalign.job) into the step's metrics.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,33 @@ def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[R
     return values, texts, timed_out
 
 
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    """Population mean and std in Python floats, a fixed order."""
+    mean = math.fsum(xs) / max(1, len(xs))
+    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / max(1, len(xs)))
+
+
+def signal_metrics(rewards: list[float], advantages: list[float], group_size: int) -> dict[str, float]:
+    """Reward and advantage spread, and reward/zero_std_group_frac: the fraction of GRPO groups
+    (group_size consecutive samples of one prompt) whose rewards are all equal, so every advantage
+    of the group is 0 and the group teaches nothing (GRPO's dead-signal rate)."""
+    groups = [rewards[g : g + group_size] for g in range(0, len(rewards), group_size)]
+    dead = sum(all(r == rs[0] for r in rs) for rs in groups)
+    r_mean, r_std = _mean_std(rewards)
+    a_mean, a_std = _mean_std(advantages)
+    return {"reward/std": r_std, "reward/zero_std_group_frac": dead / max(1, len(groups)),
+            "advantage/mean": a_mean, "advantage/std": a_std,
+            "advantage/max": max(advantages, default=0.0), "advantage/min": min(advantages, default=0.0)}
+
+
+def warn_dead_signal(rewards: list[float], step: int) -> None:
+    """One stderr line when every reward of the step is the same: no advantage, no gradient."""
+    if rewards and all(r == rewards[0] for r in rewards):
+        print(f"rlalign: warning: step {step}: all {len(rewards)} rewards are {rewards[0]:g}; every advantage is 0 "
+              f"and the policy gets no signal (task too hard or too easy, or a broken reward?)",
+              file=sys.stderr, flush=True)
+
+
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
@@ -94,6 +123,14 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         **{f"consistency/{k}": v for k, v in cons.items()},
         "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
         "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
+        # by side: A > 0 with ratio > 1 + clip_high, A < 0 with ratio < 1 - clip_low
+        "actor/clip_high_frac": stats.get("clip_high_sum", 0.0) / upd_tokens,
+        "actor/clip_low_frac": stats.get("clip_low_sum", 0.0) / upd_tokens,
+        # KL(old || current) per token: old = algorithm.old_logprobs (the generator's by default),
+        # current = the trainer's logprobs at each PPO forward, averaged over every epoch and minibatch
+        # (0 for a single update of an on-policy batch: it sees the policy before its own update)
+        "kl/old_new_k1": stats.get("kl_k1_sum", 0.0) / upd_tokens,
+        "kl/old_new_k3": stats.get("kl_k3_sum", 0.0) / upd_tokens,
         "actor/ratio_mean": stats.get("ratio_sum", 0.0) / upd_tokens,
         "actor/ratio_max": stats.get("ratio_max", 0.0),
         "actor/ratio_min": stats.get("ratio_min", 0.0),
@@ -133,6 +170,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     t1 = time.perf_counter()
     rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
+    warn_dead_signal(rewards, step)
     t2 = time.perf_counter()
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
@@ -154,6 +192,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     t5 = time.perf_counter()
 
     metrics = step_metrics(cfg, rewards, rollouts, cons, trained.stats)
+    metrics.update(signal_metrics(rewards, adv, cfg.task.samples_per_prompt))
     metrics["reward/timeouts"] = timed_out
     metrics.update({"sync/weights_fp": synced.weights_fp, **synced.metrics, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,

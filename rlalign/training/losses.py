@@ -13,6 +13,13 @@ per-token mismatch weight w_t = exp(trainer_old_t - generator_t) (no gradient):
     IcePop  pg_t *= [icepop.low <= w_t <= icepop.high]         (mask tokens that drifted too far)
 Optional reference KL (kl_coef > 0): k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1.
 The loss returned is the SUM over tokens; the caller divides by the global token count.
+
+Diagnostics (sums over tokens, no gradient), with old_t as above and logp_t the policy at this
+forward (in the first epoch's first minibatch the pre-update policy; later, after the updates so far):
+    kl_k1_t = old_t - logp_t                 (unbiased estimate of KL(old || current), samples from old)
+    kl_k3_t = ratio_t - 1 - log ratio_t      (>= 0, lower variance; Schulman's k3)
+    clip_high: A > 0 and ratio_t > 1 + clip_high (the clip removes the gradient),
+    clip_low:  A < 0 and ratio_t < 1 - clip_low.
 """
 
 from __future__ import annotations
@@ -55,8 +62,13 @@ def policy_loss(
     pg2 = -adv * ratio.clamp(1.0 - alg.clip_low, 1.0 + alg.clip_high)
     pg = torch.maximum(pg1, pg2)
     w = torch.exp(t_old - gen)  # mismatch weight, no gradient (both inputs detached)
+    log_ratio = (logprobs - old).detach()
     stats = {
         "clipped_sum": (pg2 > pg1).float().sum(),
+        "clip_high_sum": ((adv > 0) & (ratio > 1.0 + alg.clip_high)).float().sum(),
+        "clip_low_sum": ((adv < 0) & (ratio < 1.0 - alg.clip_low)).float().sum(),
+        "kl_k1_sum": (-log_ratio).sum(),
+        "kl_k3_sum": (torch.expm1(log_ratio) - log_ratio).sum(),
         "ratio_sum": ratio.detach().sum(),
         "ratio_max": ratio.detach().max() if ratio.numel() else torch.tensor(-math.inf),
         "ratio_min": ratio.detach().min() if ratio.numel() else torch.tensor(math.inf),
