@@ -1,0 +1,82 @@
+"""RL diagnostics on crafted inputs: KL(old || current) and clip sides from the PPO loss, the GRPO
+dead-signal rate and its warning, agree's exit status, the run summary's reward gain."""
+
+import json
+
+import torch
+
+from rlalign.config import load_config
+from rlalign.training.losses import grpo_advantages, policy_loss
+
+ALG = load_config([]).algorithm
+
+
+def _stats(logprobs, old, adv):
+    lp, o = torch.tensor(logprobs), torch.tensor(old)
+    return policy_loss(lp, o, o, torch.tensor(adv), ALG)[1]
+
+
+def test_kl_old_new_is_zero_when_the_policy_did_not_change_and_positive_when_it_did():
+    old = [-1.0, -2.0, -0.5, -3.0]
+    st = _stats(old, old, [1.0, -1.0, 1.0, -1.0])
+    assert st["kl_k1_sum"].item() == 0.0 and st["kl_k3_sum"].item() == 0.0
+    assert st["clip_high_sum"].item() == 0.0 and st["clip_low_sum"].item() == 0.0
+    # twin: the current policy moved (ratios e^0.5, e^-0.5, e^0.1, e^-0.7)
+    new = [-0.5, -2.5, -0.4, -3.7]
+    st = _stats(new, old, [1.0, -1.0, 1.0, -1.0])
+    lr = torch.tensor(new) - torch.tensor(old)
+    assert torch.isclose(st["kl_k1_sum"], -lr.sum())
+    assert torch.isclose(st["kl_k3_sum"], (lr.exp() - 1 - lr).sum()) and st["kl_k3_sum"] > 0
+    # A > 0 and ratio e^0.5 > 1.2: clipped high; A < 0 and ratios e^-0.5, e^-0.7 < 0.8: clipped low
+    assert st["clip_high_sum"].item() == 1.0 and st["clip_low_sum"].item() == 2.0
+
+
+def test_the_clip_sides_count_only_where_the_clip_removes_the_gradient():
+    # ratio > 1 + eps with A < 0 and ratio < 1 - eps with A > 0 are not clipped by PPO
+    st = _stats([0.0, -2.0], [-1.0, -1.0], [-1.0, 1.0])
+    assert st["clip_high_sum"].item() == 0.0 and st["clip_low_sum"].item() == 0.0
+
+
+def test_zero_std_group_fraction_is_one_when_all_rewards_are_equal_and_warns(capsys):
+    from rlalign.step import signal_metrics, warn_dead_signal
+
+    rewards = [1.0] * 8
+    m = signal_metrics(rewards, grpo_advantages(rewards, 4), 4)
+    assert m["reward/zero_std_group_frac"] == 1.0 and m["reward/std"] == 0.0
+    assert m["advantage/mean"] == 0.0 and m["advantage/std"] == 0.0
+    warn_dead_signal(rewards, 3)
+    err = capsys.readouterr().err
+    assert "warning: step 3: all 8 rewards are 1" in err and err.count("\n") == 1
+    # twin: one group varies, the other does not; no warning
+    rewards = [0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]
+    m = signal_metrics(rewards, grpo_advantages(rewards, 4), 4)
+    assert m["reward/zero_std_group_frac"] == 0.5 and m["reward/std"] > 0 and m["advantage/std"] > 0
+    warn_dead_signal(rewards, 4)
+    assert capsys.readouterr().err == ""
+
+
+def test_agree_exits_1_on_a_deterministic_mismatch_and_0_otherwise(monkeypatch, capsys):
+    from rlalign import agree
+
+    result = {"kernels": "deterministic", "mismatched_tokens": 608, "tokens": 3000}
+    monkeypatch.setattr(agree, "run_agree", lambda cfg: (result, []))
+    monkeypatch.setattr(agree, "print_report", lambda r: None)
+    assert agree.main(None) == 1
+    result["mismatched_tokens"] = 0  # twin: no mismatch
+    assert agree.main(None) == 0
+    result.update(kernels="default", mismatched_tokens=608)  # the vendor path: a mismatch is the finding
+    assert agree.main(None) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatched_tokens"] == 608
+
+
+def test_reward_gain_of_a_short_run_compares_its_first_and_last_quarter(tmp_path):
+    from rlalign.rl import summarize
+
+    rows = [{"reward/mean": r, "consistency/mismatched_tokens": 0, "consistency/tokens": 1, "time/step_s": 1.0}
+            for r in (0.0, 0.1, 0.2, 0.3, 0.4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = summarize(tmp_path, 5, 0, {})
+    assert out["reward_gain_k"] == 1 and out["reward_gain"] == 0.4
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")  # twin: one step, no gain
+    out = summarize(tmp_path, 1, 0, {})
+    assert out["reward_gain_k"] == 1 and out["reward_gain"] == 0.0
