@@ -120,6 +120,9 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # mean -log p of the sampled tokens under the generator: the Monte-Carlo estimate of the
         # per-token entropy of the sampling distribution
         "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
+        # the exact per-token entropy of softmax(logits / T) over the whole vocabulary, from the
+        # trainer's logits at each PPO forward (before top-k/top-p), averaged over every epoch
+        "actor/entropy": stats.get("entropy_sum", 0.0) / upd_tokens,
         **{f"consistency/{k}": v for k, v in cons.items()},
         "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
         "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,

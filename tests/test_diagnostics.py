@@ -80,3 +80,32 @@ def test_reward_gain_of_a_short_run_compares_its_first_and_last_quarter(tmp_path
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")  # twin: one step, no gain
     out = summarize(tmp_path, 1, 0, {})
     assert out["reward_gain_k"] == 1 and out["reward_gain"] == 0.0
+
+
+def test_entropy_is_log_v_for_uniform_logits_and_lower_for_a_peaked_row():
+    from rlalign.training.scoring import entropy_sum
+
+    V = 50
+    logits = torch.zeros(3, V)
+    rows = torch.tensor([0, 2])
+    log_v = torch.log(torch.tensor(float(V)))
+    assert torch.isclose(entropy_sum(logits, rows, 1.0, chunk=1), 2 * log_v)
+    logits[2, 7] = 20.0  # twin: one row all but certain
+    h = entropy_sum(logits, rows, 1.0)
+    assert log_v < h < 1.01 * log_v
+    assert entropy_sum(logits, rows, 0.5) < h  # a lower temperature sharpens it
+
+
+def test_reading_the_entropy_leaves_the_logprobs_bits_unchanged():
+    from conftest import same_bits, tiny_model
+
+    from rlalign.training.scoring import score_micro_batch
+
+    model = tiny_model()
+    prompts, responses = [[2, 3, 4], [5, 6]], [[7, 8], [9, 10, 11]]
+    ent: list[torch.Tensor] = []
+    with torch.no_grad():
+        a = score_micro_batch(model, prompts, responses)
+        b = score_micro_batch(model, prompts, responses, entropy=ent)
+    assert all(same_bits(x, y) for x, y in zip(a, b))
+    assert len(ent) == 1 and 0 < ent[0].item() <= 5 * torch.log(torch.tensor(float(model.args.vocab_size)))
