@@ -181,7 +181,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     cons = compare([r.logprobs for r in rollouts], trained.logprobs)
     detail = None
     if cons["mismatched_tokens"]:
-        detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows)
+        detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows, tok)
         if cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
             dump = dump_mismatch(job, cfg, step, detail, batch, rollouts, weights_fp)
             raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
@@ -216,8 +216,9 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     return StepResult(metrics, rows, detail, synced.weights_fp)
 
 
-def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table) -> dict:
-    """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
+def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table, tok=None) -> dict:
+    """Worst tokens by |d| (with their text when a tokenizer `tok` is given) and, with per-layer
+    fingerprints, the op where each mismatch began."""
 
     bad, worst = [], []
     for p, r, t in zip(prompts, rollouts, train_lps):
@@ -228,10 +229,13 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
             worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
+    worst = worst[: cfg.monitor.worst_tokens]
+    if tok is not None:
+        worst = [{**w, "text": tok.decode([w["token"]])} for w in worst]
     args = model_args(cfg)
     rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
-    return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
+    return {**rep, "worst_tokens": worst}
 
 
 def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollout],

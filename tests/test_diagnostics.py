@@ -109,3 +109,28 @@ def test_reading_the_entropy_leaves_the_logprobs_bits_unchanged():
         b = score_micro_batch(model, prompts, responses, entropy=ent)
     assert all(same_bits(x, y) for x, y in zip(a, b))
     assert len(ent) == 1 and 0 < ent[0].item() <= 5 * torch.log(torch.tensor(float(model.args.vocab_size)))
+
+
+def test_wandb_histogram_counts_identical_tokens_apart_from_the_differing_ones():
+    import pytest
+
+    pytest.importorskip("wandb")
+    from rlalign.logger import wandb_media
+
+    hist = [997, 0, 2, 0, 0, 0, 0, 0, 1]  # identical, then (0, 1e-7], (1e-7, 1e-6], ..., > 0.1
+    out = wandb_media({"consistency/abs_diff_hist": hist}, None)
+    h = out["consistency/abs_diff_hist"]
+    assert out["consistency/identical_tokens"] == 997
+    assert list(h.histogram) == [0, 2, 0, 0, 0, 0, 0, 1] and list(h.bins) == list(range(-8, 1))
+    # twin: a step with no differing token draws an empty histogram, every token counted identical
+    out = wandb_media({"consistency/abs_diff_hist": [5, 0, 0, 0, 0, 0, 0, 0, 0]}, None)
+    assert out["consistency/identical_tokens"] == 5 and sum(out["consistency/abs_diff_hist"].histogram) == 0
+
+
+def test_worst_tokens_table_shows_the_text_when_a_tokenizer_gave_it():
+    from rlalign.monitor.report import _worst_tokens
+
+    w = {"sample_id": 3, "position": 5, "token": 40, "generator": -1.0, "trainer": -1.5, "abs_diff": 0.5}
+    with_text = _worst_tokens([{"step": 0, "worst_tokens": [{**w, "text": "a|b\n"}]}])
+    assert "| 0 | 3 | 5 | 40 | `a\\|b\\n` | -1 | -1.5 |" in with_text[-1]
+    assert "| 0 | 3 | 5 | 40 |  | -1 |" in _worst_tokens([{"step": 0, "worst_tokens": [w]}])[-1]  # twin: no tokenizer

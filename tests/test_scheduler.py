@@ -578,8 +578,9 @@ def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
     metrics = {r["step"]: r for r in _rows(ref[0])}
     for s, row in steps.items():
         assert row["consistency/abs_diff_hist/_type"] == "histogram"
-        assert row["consistency/abs_diff_hist/bins"] == list(range(-9, 1))
-        assert row["consistency/abs_diff_hist/values"] == metrics[s]["consistency/abs_diff_hist"]
+        assert row["consistency/abs_diff_hist/bins"] == list(range(-8, 1))  # differing tokens only
+        assert row["consistency/abs_diff_hist/values"] == metrics[s]["consistency/abs_diff_hist"][1:]
+        assert row["consistency/identical_tokens"] == metrics[s]["consistency/abs_diff_hist"][0] > 0
         for key in ("response/length_min", "response/length_max", "response/clip_frac", "response/entropy",
                     "actor/lr", "time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s"):
             assert key in row, key

@@ -271,11 +271,13 @@ def _worst_tokens(div: list[dict], n: int = 10) -> list[str]:
     if not worst:
         return []
     out = ["", f"## worst tokens of the run (|Δ logprob|, {min(n, len(worst))} of the steps' worst)", "",
-           "| step | sample | position | token | generator | trainer | abs diff | first divergent op |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| step | sample | position | token | text | generator | trainer | abs diff | first divergent op |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for step, w in worst[:n]:
         op = first.get((step, w["sample_id"], w["position"] - 1)) or ""
-        out.append(f"| {step} | {w['sample_id']} | {w['position']} | {w['token']} | {w['generator']:.6g} | "
+        text = json.dumps(w.get("text", ""))[1:-1].replace("|", "\\|")  # escapes shown, a table cell kept
+        out.append(f"| {step} | {w['sample_id']} | {w['position']} | {w['token']} | {f'`{text}`' if text else ''} | "
+                   f"{w['generator']:.6g} | "
                    f"{w['trainer']:.6g} | {w['abs_diff']:.3g} | {op} |")
     return out
 
