@@ -202,7 +202,10 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
                     "time/sync_s": t5 - t4, **gen.metrics, **trained.metrics})
     seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
     metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
-                    "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
+                    "time/reward_tok_per_s": metrics["response/tokens"] / max(t2 - t1, 1e-9),
+                    "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9),
+                    "time/compare_tok_per_s": cons["tokens"] / max(t4 - t3, 1e-9),
+                    "time/sync_mb_per_s": metrics.get("sync/bytes", 0) / 1e6 / max(t5 - t4, 1e-9)})
     rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer_text(),
              "reward": rew} for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
     if detail is not None:

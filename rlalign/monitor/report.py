@@ -148,7 +148,8 @@ TRAINING_PANELS = {
     "KL per token": ["kl/old_new_k3", "kl/old_new_k1", "kl/ref_k3", "consistency/k3_kl"],
     "entropy per token (nats)": ["response/entropy", "actor/entropy"],
     "response length (tokens)": ["response/length_mean", "response/length_max"],
-    "tokens/s": ["time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s"],
+    "tokens/s": ["time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s", "time/reward_tok_per_s",
+                 "time/compare_tok_per_s"],
     "GRPO signal": ["reward/std", "advantage/std", "reward/zero_std_group_frac"],
 }
 
@@ -243,8 +244,8 @@ def _rollout_rows(rows: list[dict]) -> list[str]:
     return out
 
 
-PHASES = [("generate", "generate_tok_per_s"), ("reward", None), ("train", "train_tok_per_s"), ("compare", None),
-          ("sync", None), ("checkpoint", None), ("step", "step_tok_per_s")]
+PHASES = [("generate", "generate_tok_per_s"), ("reward", "reward_tok_per_s"), ("train", "train_tok_per_s"),
+          ("compare", "compare_tok_per_s"), ("sync", None), ("checkpoint", None), ("step", "step_tok_per_s")]
 
 
 def _phase_table(rows: list[dict]) -> list[str]:
