@@ -210,6 +210,7 @@ def trainer(a) -> dict:
 
     from rlalign import kernels
     from rlalign.config import load_config
+    from rlalign.sampling_params import SamplingParams
     from rlalign.training.trainer import Trainer
 
     seqs = 16 if a.quick else 128
@@ -217,7 +218,8 @@ def trainer(a) -> dict:
                        "trainer.micro_batch_size=32"])
     kernels.set_mode("deterministic", "triton")
     tr = Trainer(cfg, None)
-    batches = [make_samples(s, seqs, 64, 256, cfg.model.vocab_size) for s in range(a.train_steps + 1)]
+    params = SamplingParams.from_config(cfg)
+    batches = [make_samples(s, seqs, 64, 256, cfg.model.vocab_size, params) for s in range(a.train_steps + 1)]
     res = {"seqs": seqs, "prompt": 64, "resp": 256, "micro_batch_size": 32, "variants": {}}
     for name in ("det_nofill", "default"):
         mode, det_alg, fill = VARIANTS[name]
@@ -271,7 +273,8 @@ def rollout(a) -> dict:
 
     from rlalign.config import load_config, model_args
     from rlalign.model import build_model
-    from rlalign.rollout.types import EngineConfig, SamplingParams
+    from rlalign.rollout.types import EngineConfig
+    from rlalign.sampling_params import SamplingParams
 
     cases = [("bench-moe-large", 256, 256, "plain"), ("bench-moe-large", 2048, 256, "plain"),
              ("qwen3-30b-a3b-rehearsal", 1024, 256, "plain"), ("qwen3-30b-a3b-rehearsal", 1024, 256, "top_p")]

@@ -25,6 +25,7 @@ import torch
 from rlalign.kernels import sampling
 from rlalign.kernels import torch_default as _default
 from rlalign.kernels import torch_deterministic as _det
+from rlalign.kernels.sampling import temper
 
 MODES = ("deterministic", "default")
 BACKENDS = ("torch", "triton", "auto")
@@ -40,6 +41,17 @@ def set_mode(mode: str | None = None, backend: str | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"kernels.backend={backend!r}: expected one of {BACKENDS}")
         _state["backend"] = backend
+
+
+def configure(mode: str, backend: str, device: str) -> None:
+    """A process's op set (kernels.mode, kernels.backend) for `device`; in deterministic mode on CUDA,
+    torch's own ops deterministic too (the embedding / index_add backward without atomics), without
+    torch's NaN fill of every torch.empty (~4,300 fill launches in a training step on the H200): the
+    kernels write every element they return, and the monitor compares bits anyway."""
+    set_mode(mode, backend)
+    if mode == "deterministic" and device.startswith("cuda"):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def current() -> dict:
@@ -243,6 +255,23 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
     return _impl(logits).moe_route(logits, top_k, renormalize)
 
 
+def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) rows `flat` [N] (expert ids, token-major) grouped by expert: `order` [N]
+    lists them expert by expert, in (token, slot) order within an expert (what a stable sort by
+    expert gives), `dest` is its inverse (where each row went) and `counts` [E] the group sizes.
+    A counting sort with no host sync (a decode step can be captured in a CUDA graph; EP reads
+    the counts on the host for its splits) and no comparison sort: a row's place is its expert's
+    start plus the number of earlier rows with the same expert (an integer prefix sum, exact).
+    Integers, the same in every mode and backend; where the ops are `capturable` (CUDA), up to MAX_ROWS
+    rows (a decode step's) take one launch (kernels/triton/dispatch.py) instead of ~12."""
+    if capturable(flat):
+        from rlalign.kernels.triton import dispatch as fused
+
+        if flat.numel() <= fused.MAX_ROWS:
+            return fused.moe_dispatch(flat, num_experts)
+    return _det.moe_dispatch(flat, num_experts)
+
+
 class _SlotRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, order, dest, k):
@@ -259,7 +288,7 @@ class _SlotRows(torch.autograd.Function):
 
 def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:
     """The experts' input rows: row j is token order[j] // k's row of x [T, D] (order [T*k]: the (token,
-    slot) rows grouped by expert, dest its inverse: model.dispatch). Backward: each token's k slot
+    slot) rows grouped by expert, dest its inverse: moe_dispatch). Backward: each token's k slot
     gradients summed in fp32, slot 0 first, one rounding: moe_combine with unit weights over the rows
     g[dest[t * k + j]] (the Triton backend reads them in place: no gathered copy, no separate sum).
     The order is the combine's, defined here, not a library reduction's."""
@@ -346,15 +375,6 @@ def inverse_temperature(temperature: float) -> float:
     fp32 value; the quotient in double rounds to fp32's correctly rounded quotient)."""
     t = struct.unpack("<f", struct.pack("<f", temperature))[0]
     return struct.unpack("<f", struct.pack("<f", 1.0 / t))[0]
-
-
-def temper(logits: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32(logits) * scale [B, V] (scale = inverse_temperature(t); the product only when scale != 1):
-    the temperature step, one definition for every backend and device: an exact upcast and one IEEE
-    fp32 product. (torch's CUDA division of a tensor by a Python scalar t is this product; its CPU
-    kernel divides.) The Triton consumers compute it in registers from the logits in place."""
-    z = logits.float()
-    return z if scale == 1.0 else z * scale
 
 
 class Tempered(NamedTuple):

@@ -107,6 +107,15 @@ def threshold_search(keys: torch.Tensor, weights: torch.Tensor, bound: torch.Ten
     return hi
 
 
+def temper(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32(logits) * scale [B, V] (scale = rlalign.kernels.inverse_temperature(t); the product only when
+    scale != 1): the temperature step, one definition for every backend and device: an exact upcast and
+    one IEEE fp32 product. (torch's CUDA division of a tensor by a Python scalar t is this product; its
+    CPU kernel divides.) The Triton consumers compute it in registers from the logits in place."""
+    z = logits.float()
+    return z if scale == 1.0 else z * scale
+
+
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """z [N, V] fp32 tempered logits -> the same with -inf outside the kept set (NaN stays NaN, so the
     sampler still refuses the row). top_k: keep values >= the k-th largest (ties kept). top_p, after

@@ -216,6 +216,18 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, experts
 
 
+def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rlalign.kernels.moe_dispatch in torch ops (any device, any number of rows, every mode)."""
+    hits = flat[None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)[:, None]  # [E, N]
+    seen = torch.cumsum(hits, 1, dtype=torch.int32)  # per expert, rows up to and including this one (a scan
+    # along the contiguous dim: along dim 0 it took 224 ms of a 40k-token training step on the H200)
+    counts = seen[:, -1].long() if flat.numel() else torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    start = torch.cumsum(counts, 0) - counts
+    dest = start.index_select(0, flat) + seen.gather(0, flat[None])[0] - 1
+    order = torch.empty_like(dest).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+    return order, dest, counts
+
+
 def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T, k, D] expert outputs in top-k slot order, weights [T, k]: sum_j w_j * y_j in fp32,
     slot 0 first, from +0 (a token whose every term is -0 sums to +0), whatever produced y (any EP size,

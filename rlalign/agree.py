@@ -16,13 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from rlalign.config import model_args
-from rlalign.factory import sampling_params
 from rlalign.logger import json_line
 from rlalign.monitor.consistency import compare
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import generator_plan
-from rlalign.rollout.types import Rollout
-from rlalign.training.plan import Sample
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout, Sample
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 
@@ -48,22 +47,28 @@ def trainer_order(cfg: DictConfig, n: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
 
 
-def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], int, dict]:
-    """A mismatch dump as (config with its weights and sampling, prompts, sample ids, seed, batch)."""
+def batch_params(cfg: DictConfig, seed: int) -> SamplingParams:
+    """The sampling of a batch of `rlalign agree`: the generator.* keys, the model's stop token, `seed`."""
+    return SamplingParams.from_config(cfg, model_args(cfg).eos_token_id, seed)
+
+
+def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], SamplingParams, dict]:
+    """A mismatch dump as (config with its weights, prompts, sample ids, the sampling the run drew
+    them with, batch)."""
     d = Path(cfg.agree.replay)
     if not (d / "batch.json").is_file() or not (d / "weights" / "config.json").is_file():
         raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
     batch = json.loads((d / "batch.json").read_text())
-    s = batch["sampling"]
-    gen = {k: s[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy")}
-    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}, "generator": gen})
-    return cfg, batch["prompts"], batch["sample_ids"], s["seed"], batch
+    params = SamplingParams.from_dict(batch["sampling"])
+    params.validate()
+    cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}})
+    return cfg, batch["prompts"], batch["sample_ids"], params, batch
 
 
-def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, seed: int) -> list[Rollout]:
+def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids,
+                   params: SamplingParams) -> list[Rollout]:
     worker = GeneratorWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
     part = shard_range(len(prompts), world, rank)
-    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, seed)
     return worker.generate([prompts[i] for i in part], [sample_ids[i] for i in part], params).rollouts
 
 
@@ -81,16 +86,19 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
     return run_workers(ep_size, fn, (cfg_dict, *args), cfg.device, cfg.dist.timeout_s)
 
 
-def generate_batch(cfg: DictConfig, prompts, sample_ids, seed: int) -> list[Rollout]:
+def generate_batch(cfg: DictConfig, prompts, sample_ids, params: SamplingParams) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order."""
-    parts = _run_side(cfg, generator_plan(cfg).ranks, "generator.ep_size", _generate_rank, (prompts, sample_ids, seed))
+    parts = _run_side(cfg, generator_plan(cfg).ranks, "generator.ep_size", _generate_rank,
+                      (prompts, sample_ids, params))
     return [r for part in parts for r in part]
 
 
-def score_batch(cfg: DictConfig, prompts, responses, sample_ids=None) -> list[torch.Tensor]:
-    """The trainer group's logprobs of finished sequences (trainer.ep_size ranks), in order."""
+def score_batch(cfg: DictConfig, prompts, responses, params: SamplingParams, sample_ids=None) -> list[torch.Tensor]:
+    """The trainer group's logprobs (trainer.ep_size ranks), in order, of finished sequences whose
+    responses were drawn with `params`."""
     ids = sample_ids if sample_ids is not None else [None] * len(prompts)
-    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i) for p, r, i in zip(prompts, responses, ids)]
+    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i, params=params)
+               for p, r, i in zip(prompts, responses, ids)]
     parts = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", _score_rank, (samples,))
     return [lp for part in parts for lp in part]
 
@@ -99,15 +107,15 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     t0 = time.perf_counter()
     replay = None
     if cfg.agree.replay:
-        cfg, prompts, ids, seed, replay = load_replay(cfg)
+        cfg, prompts, ids, params, replay = load_replay(cfg)
     else:
-        prompts, seed = random_prompts(cfg, model_args(cfg).vocab_size), cfg.seed
+        prompts, params = random_prompts(cfg, model_args(cfg).vocab_size), batch_params(cfg, cfg.seed)
         ids = list(range(len(prompts)))
-    rollouts = generate_batch(cfg, prompts, ids, seed=seed)
+    rollouts = generate_batch(cfg, prompts, ids, params)
     t1 = time.perf_counter()
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
-    train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled],
+    train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled], params,
                            [r.sample_id for r in shuffled])
     t2 = time.perf_counter()
     back = [None] * len(rollouts)

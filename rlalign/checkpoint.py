@@ -9,7 +9,7 @@ as Trainer.checkpoint_state keys them (expert tensors per global expert, dense m
 state per dense unit, so any EP size, with trainer.shard_dense or without, can load them; a
 sharded rank writes and reads only its own units), and meta.json with the step, the data
 position, RNG states, the weights fingerprint and an index of every tensor: its file, dtype,
-shape and fingerprint (rlalign.monitor.fingerprint: taken of the trainer's tensors on their
+shape and fingerprint (rlalign.fingerprint: taken of the trainer's tensors on their
 device when the save starts, one launch; the same value the CPU recomputes from the files).
 
 Format. Each trainer rank writes through DCP's HuggingFaceStorageWriter (save_distributed=True):
@@ -41,7 +41,7 @@ writes (one write function); a crash mid-save leaves a .tmp directory, ignored, 
 checkpoint the newest complete one.
 
 Disk space. check_space() runs before Ray starts: the checkpoint's size is the trainer state's
-(rlalign.training.state.checkpoint_nbytes: the keys checkpoint_state() writes, of a trainer built
+(rlalign.training.trainer.checkpoint_nbytes: the keys checkpoint_state() writes, of a trainer built
 on the meta device), times the checkpoints the run holds at once (checkpoint.keep + the one being
 written); a run whose checkpoint directory has less free space is refused in one line.
 
@@ -116,7 +116,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     write_json_atomic,
 )
 from rlalign.faults import maybe_fail
-from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.fingerprint import state_fingerprints
 
 
 # --- trainer ranks ---------------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], ever
     """Refuse a run whose checkpoints do not fit the free space of run_dir/checkpoints (statvfs of
     it, or of its nearest existing parent), before anything starts: CheckpointError of one line
     naming the size, the free space, the directory and the keys that change them. `parts`: the
-    checkpoint's bytes by part (rlalign.training.state.checkpoint_nbytes); `steps`: the steps this
+    checkpoint's bytes by part (rlalign.training.trainer.checkpoint_nbytes); `steps`: the steps this
     run will train. Returns the numbers checked."""
     saves = sum(is_due(s, every, total_steps) for s in steps)
     size = sum(parts.values())

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rlalign.monitor.fingerprint import fingerprint
+from rlalign.fingerprint import fingerprint
 
 FORMAT = "rlalign-checkpoint/2 (DCP safetensors shards + JSON index)"
 META = "meta.json"

@@ -39,10 +39,10 @@ from rlalign.checkpoint_files import (
     run_dir_of,
     verify,
 )
+from rlalign.fingerprint import fingerprint
 from rlalign.model.args import ModelArgs
 from rlalign.model.hf import HFEntry, write_hf_dir
 from rlalign.model.model import DTYPES, Transformer
-from rlalign.monitor.fingerprint import fingerprint
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's customary max_shard_size
 HF_DIR = "hf"  # checkpoint.export_hf=true: RUN_DIR/checkpoints/step_N/hf

@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign.parallel.launch import shard_range
 from rlalign.parallel.weight_sync import SyncOutput
 from rlalign.rollout.generator import generator_plan, releases_memory
-from rlalign.rollout.types import Rollout
-from rlalign.training.plan import Sample, merge_stat
+from rlalign.sequences import Rollout, Sample
+from rlalign.training.plan import merge_stat
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 # a shared GPU: what the generator takes back beyond its measured peak (the allocator's rounding)

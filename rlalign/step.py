@@ -19,17 +19,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign.config import model_args
-from rlalign.factory import model_from_config, sampling_params
 from rlalign.job import Job
 from rlalign.logger import json_line
 from rlalign.model import save_hf
+from rlalign.model.build import model_from_config
 from rlalign.monitor.consistency import compare
 from rlalign.monitor.divergence import report, tap_order
-from rlalign.rollout.types import Rollout, SamplingParams
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout, Sample
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
 from rlalign.training.losses import grpo_advantages
-from rlalign.training.plan import Sample
 
 
 class MismatchError(RuntimeError):
@@ -55,7 +55,7 @@ def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
     P, G = cfg.task.num_prompts, cfg.task.samples_per_prompt
     examples = [ex for ex in task.examples(step, P) for _ in range(G)]
     prompts = [tok.encode(ex.prompt, where=f"step {step} prompt") for ex in examples]
-    params = sampling_params(cfg, tok.eos_token_id, step_seed(cfg.seed, step), cfg.task.max_new_tokens)
+    params = SamplingParams.from_config(cfg, tok.eos_token_id, step_seed(cfg.seed, step), cfg.task.max_new_tokens)
     return StepBatch(examples, prompts, [step * P * G + i for i in range(P * G)], params)
 
 
@@ -175,7 +175,8 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
     warn_dead_signal(rewards, step)
     t2 = time.perf_counter()
-    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id) for p, r, a in zip(batch.prompts, rollouts, adv)]
+    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params)
+               for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
     cons = compare([r.logprobs for r in rollouts], trained.logprobs)

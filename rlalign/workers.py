@@ -24,17 +24,18 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from rlalign import kernels
 from rlalign.checkpoint import AsyncSaver, load_shards
-from rlalign.factory import apply_kernels, model_from_config
 from rlalign.faults import maybe_fail
-from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.fingerprint import state_fingerprints
+from rlalign.model.build import model_from_config
 from rlalign.monitor.taps import attach_taps
 from rlalign.monitor.trace import RowNames, Trace, fixed_environment
 from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict
 from rlalign.rollout.generator import make_generator
-from rlalign.rollout.types import Rollout, SamplingParams
-from rlalign.training.plan import Sample
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout, Sample
 from rlalign.training.trainer import Trainer
 
 
@@ -182,7 +183,7 @@ def _init(cfg_dict: dict, rank: int, world: int, threads: int, local_gpu: int | 
     cfg = OmegaConf.create(cfg_dict)
     if cfg.device.startswith("cuda") and local_gpu is not None:
         cfg.device = f"cuda:{local_gpu}"
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     return cfg
 
 

@@ -172,7 +172,7 @@ def flip_checkpoint_bit(ckpt_dir: Path, key: str) -> None:
     before it was fingerprinted: loadable)."""
     from safetensors import safe_open
 
-    from rlalign.monitor.fingerprint import fingerprint
+    from rlalign.fingerprint import fingerprint
 
     meta = json.loads((ckpt_dir / "meta.json").read_text())
     shard = ckpt_dir / meta["tensors"][key]["file"]

@@ -23,7 +23,8 @@ def test_agree_deterministic_is_bitwise(dtype):
     for mb, seed in ((1, 11), (0, 12)):
         cfg.trainer.micro_batch_size = mb
         order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed)).tolist()
-        lps = score_batch(cfg, [rollouts[i].prompt for i in order], [rollouts[i].tokens for i in order], order)
+        lps = score_batch(cfg, [rollouts[i].prompt for i in order], [rollouts[i].tokens for i in order],
+                          rollouts[0].params, order)
         assert all(same_bits(lp, rollouts[i].logprobs) for lp, i in zip(lps, order)), mb
 
 
@@ -92,13 +93,11 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     from omegaconf import OmegaConf
 
     from rlalign import agree
-    from rlalign.factory import model_from_config, sampling_params
+    from rlalign.model.build import model_from_config
     from rlalign.rollout.native.engine import generate
 
-    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, seed):
-        cfg = OmegaConf.create(cfg_dict)
-        model = model_from_config(cfg)
-        return generate(model, prompts, sample_ids, sampling_params(cfg, model.args.eos_token_id, seed))
+    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, params):
+        return generate(model_from_config(OmegaConf.create(cfg_dict)), prompts, sample_ids, params)
 
     monkeypatch.setattr(agree, "_generate_rank", bypass)
     calls.update(generate=0, score=0)

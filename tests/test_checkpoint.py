@@ -25,14 +25,17 @@ def _trainer(steps: int = 1, group=None, cfg=None):
     """A trainer after `steps` identical AdamW steps (non-zero optimizer state)."""
     from omegaconf import OmegaConf
 
-    from rlalign.factory import apply_kernels
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign import kernels
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg) if cfg is not None else load_config(["trainer.micro_batch_size=2"])
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, group)
     for _ in range(steps):
-        samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4)), Sample([5, 4], [9, 2], torch.zeros(2))]
+        samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4), params=SamplingParams()),
+                   Sample([5, 4], [9, 2], torch.zeros(2), params=SamplingParams())]
         tr.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 6)
         tr.optimizer_step()
     return tr
@@ -87,9 +90,11 @@ def test_round_trip_is_bitwise_equal_and_leaves_no_pickle(tmp_path, trained):
     ckpt.verify(path, tensors=True)
     # the restored optimizer continues exactly as the original: one more step on each, same bits
     again = _trainer(steps=2)
-    from rlalign.training.trainer import Sample
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
 
-    samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4)), Sample([5, 4], [9, 2], torch.zeros(2))]
+    samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4), params=SamplingParams()),
+               Sample([5, 4], [9, 2], torch.zeros(2), params=SamplingParams())]
     fresh.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 6)
     fresh.optimizer_step()
     a, b = fresh.checkpoint_state(), again.checkpoint_state()
@@ -255,7 +260,7 @@ def test_enospc_raises_one_line_and_leaves_the_previous_checkpoint_loadable(tmp_
 
 # --- EP sizes: the keys don't depend on the EP size (run in spawned gloo ranks) ---------------------
 def _ep_save(rank, world, group, cfg_dict, path):
-    from rlalign.monitor.fingerprint import state_fingerprints
+    from rlalign.fingerprint import state_fingerprints
 
     tr = _trainer(steps=1, group=group, cfg=cfg_dict)
     ckpt.save_shards(tr.checkpoint_state(), path, rank, group, bucket_bytes=256 << 10)  # several files per rank
@@ -263,7 +268,7 @@ def _ep_save(rank, world, group, cfg_dict, path):
 
 
 def _ep_load(rank, world, group, cfg_dict, path):
-    from rlalign.monitor.fingerprint import state_fingerprints
+    from rlalign.fingerprint import state_fingerprints
 
     tr = _trainer(steps=0, group=group, cfg=cfg_dict)
     ckpt.load_shards(tr.checkpoint_state(), path, rank, group)
@@ -274,7 +279,7 @@ def _ep_load(rank, world, group, cfg_dict, path):
 def test_a_checkpoint_written_at_ep2_loads_bitwise_at_ep1_and_ep2(tmp_path):
     from omegaconf import OmegaConf
 
-    from rlalign.monitor.fingerprint import state_fingerprints
+    from rlalign.fingerprint import state_fingerprints
     from rlalign.parallel import launch
 
     cfg = OmegaConf.to_container(load_config(["trainer.ep_size=2", "trainer.micro_batch_size=2",
@@ -312,7 +317,8 @@ def _publish(run_dir: Path, step: int) -> dict:
 def test_async_save_returns_before_the_write_and_writes_the_synchronous_bytes(tmp_path, trained, monkeypatch):
     import threading
 
-    from rlalign.training.trainer import Sample
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
 
     want = _save(trained, tmp_path / "sync", 1)
     gate = threading.Event()
@@ -331,7 +337,7 @@ def test_async_save_returns_before_the_write_and_writes_the_synchronous_bytes(tm
     assert ckpt.list_complete(run) == []  # returned while the write is held
     gate.set()
     got = saver.wait()  # the trainer's next update waits for this (TrainerWorker.train_step)
-    samples = [Sample([3, 4], [5, 6], torch.zeros(2))]
+    samples = [Sample([3, 4], [5, 6], torch.zeros(2), params=SamplingParams())]
     tr.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 2)
     tr.optimizer_step()
     assert got == ckpt.checkpoint_dir(run) / "step_000001" and ckpt.list_complete(run) == [got]

@@ -62,13 +62,12 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_in_one_line(tmp_path
 
 
 def test_the_estimate_is_the_size_of_the_state_a_trainer_writes():
+    from rlalign import kernels
     from rlalign.config import load_config
-    from rlalign.factory import apply_kernels
-    from rlalign.training.state import checkpoint_nbytes
-    from rlalign.training.trainer import Trainer
+    from rlalign.training.trainer import Trainer, checkpoint_nbytes
 
     cfg = load_config([])
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     parts = checkpoint_nbytes(cfg)
     state = Trainer(cfg).checkpoint_state()
     assert sum(parts.values()) == sum(v.numel() * v.element_size() for v in state.values())

@@ -132,7 +132,7 @@ def test_engine_keys_reach_the_native_engine():
     from conftest import tiny_model
 
     from rlalign.rollout.generator import make_generator
-    from rlalign.rollout.types import SamplingParams
+    from rlalign.sampling_params import SamplingParams
 
     model = tiny_model()
     off = make_generator(load_config(["generator.cuda_graphs=false", "generator.keep_state=false",

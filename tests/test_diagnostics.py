@@ -99,14 +99,15 @@ def test_entropy_is_log_v_for_uniform_logits_and_lower_for_a_peaked_row():
 def test_reading_the_entropy_leaves_the_logprobs_bits_unchanged():
     from conftest import same_bits, tiny_model
 
+    from rlalign.sampling_params import SamplingParams
     from rlalign.training.scoring import score_micro_batch
 
     model = tiny_model()
     prompts, responses = [[2, 3, 4], [5, 6]], [[7, 8], [9, 10, 11]]
     ent: list[torch.Tensor] = []
     with torch.no_grad():
-        a = score_micro_batch(model, prompts, responses)
-        b = score_micro_batch(model, prompts, responses, entropy=ent)
+        a = score_micro_batch(model, prompts, responses, SamplingParams())
+        b = score_micro_batch(model, prompts, responses, SamplingParams(), entropy=ent)
     assert all(same_bits(x, y) for x, y in zip(a, b))
     assert len(ent) == 1 and 0 < ent[0].item() <= 5 * torch.log(torch.tensor(float(model.args.vocab_size)))
 

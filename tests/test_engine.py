@@ -17,7 +17,8 @@ from rlalign.rollout.native.pages import grow
 from rlalign.rollout.native.runner import ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler
 from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids
-from rlalign.rollout.types import EngineConfig, SamplingParams
+from rlalign.rollout.types import EngineConfig
+from rlalign.sampling_params import SamplingParams
 from rlalign.training.scoring import score
 
 
@@ -56,8 +57,7 @@ def test_every_schedule_samples_the_same_tokens_and_bits(model, reference, engin
 
 
 def test_engine_logprobs_equal_the_trainers_rescoring(model, reference):
-    lps = score(model, [r.prompt for r in reference], [r.tokens for r in reference],
-                micro_batch_size=4, **PARAMS.logprob_kwargs())
+    lps = score(model, [r.prompt for r in reference], [r.tokens for r in reference], PARAMS, micro_batch_size=4)
     assert sum(len(r.tokens) for r in reference) > 60
     assert any(r.finish_reason == "eos" for r in reference) or all(len(r.tokens) == 14 for r in reference)
     for r, lp in zip(reference, lps):

@@ -8,7 +8,7 @@ import torch
 from conftest import same_bits
 from omegaconf import OmegaConf
 
-from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
+from rlalign.agree import batch_params, generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
 from rlalign.monitor.consistency import compare
 from rlalign.parallel import launch
@@ -26,8 +26,8 @@ def test_every_trainer_ep_agrees_with_every_generator_ep(dtype):
     base = _cfg(f"model.dtype={dtype}")
     prompts = random_prompts(base, 64)
     ids = list(range(len(prompts)))
-    gens = {ep: generate_batch(_cfg(f"model.dtype={dtype}", f"generator.ep_size={ep}"), prompts, ids, 0)
-            for ep in (1, 2)}
+    gens = {ep: generate_batch(_cfg(f"model.dtype={dtype}", f"generator.ep_size={ep}"), prompts, ids,
+                               batch_params(base, 0)) for ep in (1, 2)}
     # the generator's own EP size changes nothing either
     assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(gens[1], gens[2]))
     ro = gens[1]
@@ -36,7 +36,7 @@ def test_every_trainer_ep_agrees_with_every_generator_ep(dtype):
     scored = {}
     for ep in (1, 2, 4):
         cfg = _cfg(f"model.dtype={dtype}", f"trainer.ep_size={ep}", "trainer.micro_batch_size=5")
-        scored[ep] = score_batch(cfg, P, R)
+        scored[ep] = score_batch(cfg, P, R, ro[0].params)
     for ep in (1, 2, 4):  # the trainer's logprobs are bitwise equal at EP 1, 2 and 4 ...
         assert all(same_bits(a, b) for a, b in zip(scored[ep], scored[1]))
         for g in (1, 2):  # ... and equal to what each generator EP sampled with
@@ -70,14 +70,17 @@ def _grads_rank(rank, world, group, cfg_dict, prompts, responses, steps):
     first step's full gradients and of the final weights, and (rank 0) those gradients."""
     from omegaconf import OmegaConf
 
-    from rlalign.factory import apply_kernels
-    from rlalign.monitor.fingerprint import state_fingerprints
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign import kernels
+    from rlalign.fingerprint import state_fingerprints
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     trainer = Trainer(cfg, group)
-    samples = [Sample(p, r, torch.zeros(len(r))) for p, r in zip(prompts, responses)]  # the whole step
+    # the whole step
+    samples = [Sample(p, r, torch.zeros(len(r)), params=SamplingParams()) for p, r in zip(prompts, responses)]
     first = None
     for _ in range(steps):
         trainer.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}))
@@ -97,7 +100,7 @@ def _grads_rank(rank, world, group, cfg_dict, prompts, responses, steps):
 
 def test_gradients_are_bit_identical_run_to_run_at_ep2():
     cfg = _cfg("model.dtype=float32", "agree.num_prompts=12", "generator.max_new_tokens=12")
-    ro = generate_batch(cfg, random_prompts(cfg, 64), list(range(12)), 0)
+    ro = generate_batch(cfg, random_prompts(cfg, 64), list(range(12)), batch_params(cfg, 0))
     ep2 = load_config(["model.dtype=float32", "trainer.ep_size=2", "trainer.micro_batch_size=2"])
     args = (OmegaConf.to_container(ep2, resolve=True), [r.prompt for r in ro], [r.tokens for r in ro], 2)
     a = launch.run_workers(2, _grads_rank, args)[0]
@@ -184,16 +187,18 @@ def _train_with_all_tokens_on_rank0_experts(rank, world, group, cfg_dict):
     experts see no rows in any layer. Its backward must still take part in every all-to-all."""
     from omegaconf import OmegaConf
 
-    from rlalign.factory import apply_kernels
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign import kernels
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, group)
     with torch.no_grad():
         for layer in tr.model.model.layers:
             layer.mlp.gate.weight.zero_()
-    samples = [Sample([3 + rank, 4, 5], [6, 7, 8, 9], torch.zeros(4)) for _ in range(3)]
+    samples = [Sample([3 + rank, 4, 5], [6, 7, 8, 9], torch.zeros(4), params=SamplingParams()) for _ in range(3)]
 
     def loss_fn(lps, idx):
         return -torch.cat(lps).sum(), {}

@@ -75,12 +75,12 @@ def _arrival_order_combine():
     the order they come back, the home rank's own experts first, then the other ranks' (slot order
     within a rank), instead of in top-k slot order. At EP 1 that is slot order."""
     from rlalign import kernels
-    from rlalign.model.model import MoE, dispatch
+    from rlalign.model.model import MoE
 
     def forward(self, x, tap=None):
         k = self.top_k
         weights, ids = kernels.moe_route(kernels.linear(x, self.gate.weight), k, self.norm_topk_prob)
-        order, dest, counts = dispatch(ids.reshape(-1), self.num_experts)
+        order, dest, counts = kernels.moe_dispatch(ids.reshape(-1), self.num_experts)
         y_sorted = self.experts(kernels.moe_slot_rows(x, order, dest, k), counts)
         world, rank = getattr(self.experts, "world", 1), getattr(self.experts, "rank", 0)
         owner = ids // (self.num_experts // world)
@@ -140,12 +140,12 @@ def test_fixed_capacity_all_to_all_keeps_the_bits_and_reads_nothing_on_the_host(
 
 
 def _generate_rank(rank, world, group, cfg_dict, prompts):
-    from rlalign.factory import sampling_params
+    from rlalign.sampling_params import SamplingParams
     from rlalign.workers import GeneratorWorker
 
     worker = GeneratorWorker(cfg_dict, rank, world, group=group)
     part = launch.shard_range(len(prompts), world, rank)
-    params = sampling_params(worker.cfg, worker.model.args.eos_token_id, 0)
+    params = SamplingParams.from_config(worker.cfg, worker.model.args.eos_token_id, 0)
     outs = worker.generate([prompts[i] for i in part], list(part), params).rollouts
     return outs, dict(worker.generator.stats)
 
@@ -163,7 +163,7 @@ def test_generator_ep2_decode_through_fixed_capacity_equals_ep1_and_the_trainer(
     two = [r for rollouts, _ in two for r in rollouts]
     assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(one, two))
     assert sum(len(r.tokens) for r in two) >= 150
-    scored = score_batch(cfg, [r.prompt for r in two], [r.tokens for r in two])
+    scored = score_batch(cfg, [r.prompt for r in two], [r.tokens for r in two], two[0].params)
     c = compare([r.logprobs for r in two], scored)
     assert c["mismatched_tokens"] == 0 and c["logprob_abs_diff_max"] == 0.0
 

@@ -24,13 +24,16 @@ WEIGHT = "model/model.layers.0.self_attn.q_proj.weight"
 
 def _trainer():
     """The tiny MoE trainer after one AdamW step (weights no longer the init's)."""
-    from rlalign.factory import apply_kernels
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign import kernels
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = load_config(["trainer.micro_batch_size=2"])
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, None)
-    samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4)), Sample([5, 4], [9, 2], torch.zeros(2))]
+    samples = [Sample([3, 4, 5], [6, 7, 8, 9], torch.zeros(4), params=SamplingParams()),
+               Sample([5, 4], [9, 2], torch.zeros(2), params=SamplingParams())]
     tr.forward_backward(samples, lambda lps, idx: (-torch.cat(lps).sum(), {}), 6)
     tr.optimizer_step()
     return tr, cfg
@@ -68,7 +71,7 @@ def test_the_export_loads_in_rlalign_bitwise_and_in_transformers_with_our_logits
                                                                   for i in range(1, 6)], "model.safetensors.index.json"]
     assert set(index["weight_map"].values()) == set(files[1:6]) and index["metadata"]["total_size"] == summary["bytes"]
     check_hf_dir(out)
-    from rlalign.factory import model_from_config
+    from rlalign.model.build import model_from_config
 
     want = tr.model.state_dict()
     for model in (load_hf(out), model_from_config(load_config([f"model.path={out}"]))):  # model.path=OUT_DIR

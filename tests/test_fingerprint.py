@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from rlalign.fingerprint import Part, fingerprint, row_fingerprints, state_fingerprints
 from rlalign.kernels import fingerprint as fpk
-from rlalign.monitor.fingerprint import Part, fingerprint, row_fingerprints, state_fingerprints
 
 
 def _interpreted(parts):
@@ -201,7 +201,8 @@ def _trainer_trace_rank(rank, world, group, cfg_dict, runs):
     the gradients and moments were right)."""
     from omegaconf import OmegaConf
 
-    from rlalign.training.trainer import Sample
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
     from rlalign.workers import TrainerWorker
 
     for run_dir, flip in runs:
@@ -213,7 +214,7 @@ def _trainer_trace_rank(rank, world, group, cfg_dict, runs):
         g = torch.Generator().manual_seed(5)
         samples = [Sample(torch.randint(2, 60, (6,), generator=g).tolist(),
                           torch.randint(2, 60, (5,), generator=g).tolist(), torch.zeros(5),
-                          advantage=float(i % 3) - 1.0, sample_id=i) for i in range(8)]
+                          advantage=float(i % 3) - 1.0, sample_id=i, params=SamplingParams()) for i in range(8)]
         w.train_step(samples, OmegaConf.to_container(OmegaConf.create(cfg).algorithm), 0)
         w.close_trace()
 
@@ -250,7 +251,8 @@ def test_the_trace_holds_the_adamw_moments_at_every_nth_step_and_all_else_every_
 
     from rlalign.config import ConfigError, load_config
     from rlalign.monitor.trace import read_trace
-    from rlalign.training.trainer import Sample
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
     from rlalign.workers import TrainerWorker
 
     with pytest.raises(ConfigError, match=r"monitor.optim_every=0: must be >= 1"):
@@ -258,7 +260,7 @@ def test_the_trace_holds_the_adamw_moments_at_every_nth_step_and_all_else_every_
     g = torch.Generator().manual_seed(5)
     samples = [Sample(torch.randint(2, 60, (6,), generator=g).tolist(),
                       torch.randint(2, 60, (5,), generator=g).tolist(), torch.zeros(5), advantage=float(i % 3) - 1.0,
-                      sample_id=i) for i in range(4)]
+                      sample_id=i, params=SamplingParams()) for i in range(4)]
     cfg = OmegaConf.to_container(load_config(["trainer.ep_size=1", "trainer.micro_batch_size=4", "model.num_layers=1",
                                               "monitor.optim_every=3", f"run.dir={tmp_path}"]), resolve=True)
     w = TrainerWorker(cfg, 0, 1)

@@ -1,8 +1,9 @@
 """The layers of ARCHITECTURE.md hold: no import in rlalign/, actors/ or kernels/ runs from a lower
-layer to a higher one (module-level and function-level imports alike), `generator.backend` is
-read in one function, and only kernels/ and actors/ join the package. Each check has a negative
-twin: the same check fed a module that breaks it. (Private names across modules, function and
-file sizes: tests/test_code_shape.py.)"""
+layer to a higher one, none runs between the groups of one layer (rollout and training stand beside
+each other), and no modules import each other in a circle (module-level and function-level imports
+alike, everywhere); `generator.backend` is read in one function, and only kernels/ and actors/ join
+the package. Each check has a negative twin: the same check fed modules that break it. (Private
+names across modules, function and file sizes: tests/test_code_shape.py.)"""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"rlalign": ROOT / "rlalign", "rlalign.kernels": ROOT / "kernels", "rlalign.actors": ROOT / "actors"}
 
 
-def _layers() -> list[list[str]]:
+def _layer_groups() -> list[list[list[str]]]:
     """The layer list of ARCHITECTURE.md's "Layers" section, lowest first: one indented line per
-    layer, `N  name, name, ...` (module names under rlalign)."""
+    layer, `N  name, name | name, ...` (module names under rlalign), whose `|` splits the layer into
+    groups that stand beside each other."""
     section = (ROOT / "ARCHITECTURE.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
     lines = re.finditer(r"^ {4}(\d+) {2,}(.+)$", section, re.M)
-    return [[f"rlalign.{n.strip()}" for n in m[2].split(",")] for m in lines]
+    return [[[f"rlalign.{n.strip()}" for n in g.split(",")] for g in m[2].split("|")] for m in lines]
+
+
+def _layers() -> list[list[str]]:
+    return [[n for group in layer for n in group] for layer in _layer_groups()]
 
 
 def _modules() -> dict[str, Path]:
@@ -68,19 +74,67 @@ def layer_of(module: str, layers: list[list[str]]) -> int:
     return where
 
 
+def edges(sources: dict[str, tuple[str, bool]]) -> list[tuple[str, int, str]]:
+    """(module, line, module of ours it imports) for every import, at any depth, in module order."""
+    known, out = set(sources), []
+    for name, (text, is_pkg) in sorted(sources.items()):
+        for line, base, taken in _imports(ast.parse(text), name, is_pkg):
+            for target in sorted({_resolve(f"{base}.{t}", known) or _resolve(base, known) for t in taken or [""]}
+                                 - {None, name}):
+                out.append((name, line, target))
+    return out
+
+
 def upward_imports(sources: dict[str, tuple[str, bool]], layers: list[list[str]]) -> list[str]:
     """'module:line imports target (layer i -> j)' for every import of ours that runs upward."""
-    known, bad = set(sources), []
-    for name, (text, is_pkg) in sorted(sources.items()):
-        here = layer_of(name, layers)
-        for line, base, taken in _imports(ast.parse(text), name, is_pkg):
-            for target in {_resolve(f"{base}.{t}", known) or _resolve(base, known) for t in taken or [""]}:
-                if target is None or target == name:
-                    continue
-                there = layer_of(target, layers)
-                if there > here:
-                    bad.append(f"{name}:{line} imports {target} (layer {here} -> {there})")
+    bad = []
+    for name, line, target in edges(sources):
+        here, there = layer_of(name, layers), layer_of(target, layers)
+        if there > here:
+            bad.append(f"{name}:{line} imports {target} (layer {here} -> {there})")
     return bad
+
+
+def _in(module: str, names: list[str]) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def sideways_imports(sources: dict[str, tuple[str, bool]], groups: list[list[list[str]]]) -> list[str]:
+    """'module:line imports target (layer i: group a -> b)' for every import between two groups of one
+    layer (`rollout | training`: beside each other, neither imports the other)."""
+    layers, bad = [[n for g in layer for n in g] for layer in groups], []
+    for name, line, target in edges(sources):
+        here = layer_of(name, layers)
+        if name == "rlalign" or layer_of(target, layers) != here or len(groups[here]) == 1:
+            continue
+        mine, theirs = ([i for i, g in enumerate(groups[here]) if _in(m, g)] for m in (name, target))
+        if mine and theirs and mine != theirs:
+            bad.append(f"{name}:{line} imports {target} (layer {here}: group {mine[0]} -> {theirs[0]})")
+    return bad
+
+
+def import_cycle(sources: dict[str, tuple[str, bool]]) -> list[str] | None:
+    """The first circle of modules importing each other ([a, b, ..., a]), counting the imports inside
+    functions too (a lazy import hides a circle from the interpreter, not from the design), or None."""
+    graph: dict[str, set[str]] = {name: set() for name in sources}
+    for name, _, target in edges(sources):
+        graph[name].add(target)
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        state[n] = 2
+        path.pop()
+        return None
+
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n))), None)
 
 
 def backend_readers(sources: dict[str, tuple[str, bool]]) -> list[str]:
@@ -121,6 +175,39 @@ def test_the_layer_list_names_every_module(sources):
 
 def test_no_import_runs_up_the_layers(sources):
     assert upward_imports(sources, _layers()) == []
+
+
+def test_rollout_and_training_stand_beside_each_other(sources):
+    groups = _layer_groups()
+    assert any(len(layer) > 1 for layer in groups)  # the list has groups at all: the check can fail
+    assert sideways_imports(sources, groups) == []
+
+
+def test_negative_twin_an_import_between_rollout_and_training_is_named(sources):
+    groups = _layer_groups()
+    planted = dict(sources)
+    text, is_pkg = sources["rlalign.training.trainer"]
+    planted["rlalign.training.trainer"] = (text + "\n\ndef f():\n    from rlalign.rollout.types import check_prompts\n",
+                                           is_pkg)
+    assert [b.split(" (")[0] for b in sideways_imports(planted, groups)] == [
+        f"rlalign.training.trainer:{len(text.splitlines()) + 4} imports rlalign.rollout.types"]
+
+
+def test_no_import_circle_counting_imports_inside_functions(sources):
+    assert import_cycle(sources) is None
+
+
+def test_negative_twin_two_modules_importing_each_other_are_a_circle(sources):
+    pair = {"rlalign.a": ("from rlalign import b\n", False),
+            "rlalign.b": ("def f():\n    from rlalign.a import g\n", False)}
+    assert import_cycle(pair) == ["rlalign.a", "rlalign.b", "rlalign.a"]
+    assert import_cycle({"rlalign.a": pair["rlalign.a"]}) is None  # one way only: no circle
+    planted = dict(sources)  # the circle state <-> trainer once had, through a lazy import
+    text, is_pkg = sources["rlalign.training.state"]
+    planted["rlalign.training.state"] = (text + "\n\ndef f():\n    from rlalign.training.trainer import Trainer\n",
+                                         is_pkg)
+    cycle = import_cycle(planted)
+    assert cycle is not None and {"rlalign.training.state", "rlalign.training.trainer"} <= set(cycle)
 
 
 def test_negative_twin_an_upward_import_is_named(sources):

@@ -137,7 +137,7 @@ def test_dispatch_is_the_stable_sort_by_expert_and_its_inverse():
     """The counting sort of the MoE layer (no comparison sort, no host sync) puts rows where a stable
     sort by expert does; its negative twin: an unstable order of the same ids is a different
     permutation, which the comparison sees."""
-    from rlalign.model.model import dispatch
+    from rlalign.kernels import moe_dispatch as dispatch
 
     g = torch.Generator().manual_seed(0)
     for n, e in ((0, 8), (1, 8), (7, 4), (2048, 64), (513, 128), (300, 3)):

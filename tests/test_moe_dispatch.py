@@ -1,11 +1,11 @@
 """The one-launch MoE dispatch (kernels/triton/dispatch.py, the Triton interpreter here) gives the same
-integers as the torch counting sort (rlalign.model.model.dispatch_torch): order, dest and counts, for
+integers as the torch counting sort (rlalign.kernels.torch_deterministic.moe_dispatch): order, dest and counts, for
 decode-sized row counts, skewed and empty experts, expert counts that are not powers of two."""
 
 import pytest
 import torch
 
-from rlalign.model.model import dispatch_torch
+from rlalign.kernels.torch_deterministic import moe_dispatch as dispatch_torch
 
 dispatch = pytest.importorskip("rlalign.kernels.triton.dispatch")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rlalign.config import load_config
+from rlalign.fingerprint import fingerprint, row_fingerprints
 from rlalign.gates import GateRefused, compare_runs, run_gate
 from rlalign.monitor.consistency import compare
-from rlalign.monitor.fingerprint import fingerprint, row_fingerprints
 from rlalign.monitor.trace import TraceError, env_difference, fixed_environment, read_trace
 
 pytestmark = pytest.mark.usefixtures("shared_runs")  # a config run before in the module: copied (conftest.py)
@@ -345,7 +345,7 @@ def test_trace_records_of_the_syncs_fingerprints_equal_hashing_the_weights(tmp_p
     """A one-rank generator writes the weight sync's own fingerprints of the weights it received into
     its trace (Trace.record_known): the same records as hashing the weights again (record_state).
     Twin: one changed bit in one weight changes that record and no other."""
-    from rlalign.factory import model_from_config
+    from rlalign.model.build import model_from_config
     from rlalign.monitor.trace import Trace
     from rlalign.parallel import weight_sync
 

@@ -5,7 +5,7 @@ from conftest import same_bits, tiny_model
 from rlalign import kernels
 from rlalign.kernels import sampling
 from rlalign.rollout.native.engine import generate
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 
 
 def test_noise_is_a_pure_function_of_seed_sample_position():

@@ -514,8 +514,8 @@ def sigint_stopped(runs):
 
 @pytest.mark.slow
 def test_sigint_covered_by_a_recent_async_checkpoint_stops_at_once_without_a_new_save(sigint_stopped, ref):
+    from rlalign.fingerprint import combined, state_fingerprints
     from rlalign.model import load_hf
-    from rlalign.monitor.fingerprint import combined, state_fingerprints
 
     d, rc, err = sigint_stopped
     assert rc == 130, err[-3000:]

@@ -2,7 +2,7 @@ import torch
 from conftest import same_bits, tiny_model
 
 from rlalign.rollout.native.engine import generate
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 from rlalign.training.scoring import micro_batches, score
 
 
@@ -21,7 +21,7 @@ def test_micro_batches():
 def _grads(m, rollouts, mb, order=None):
     m.zero_grad(set_to_none=True)
     P, R = [r.prompt for r in rollouts], [r.tokens for r in rollouts]
-    lps = score(m, P, R, micro_batch_size=mb)
+    lps = score(m, P, R, rollouts[0].params, micro_batch_size=mb)
     loss = -torch.cat(lps).sum() / sum(len(r) for r in R)
     loss.backward()
     return {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -50,9 +50,9 @@ def test_scoring_is_independent_of_micro_batch_and_layout():
     ro = _batch(m, 9)
     P, R = [r.prompt for r in ro], [r.tokens for r in ro]
     with torch.no_grad():
-        ref = score(m, P, R, micro_batch_size=0)
+        ref = score(m, P, R, ro[0].params, micro_batch_size=0)
         for mb in (1, 2, 4):
             for layout in ("packed", "padded"):
-                got = score(m, P, R, micro_batch_size=mb, layout=layout)
+                got = score(m, P, R, ro[0].params, micro_batch_size=mb, layout=layout)
                 assert all(same_bits(x, y) for x, y in zip(got, ref))
     assert all(same_bits(x, r.logprobs) for x, r in zip(ref, ro))

@@ -100,13 +100,15 @@ def test_a_bad_shard_unit_is_refused_naming_the_key():
 # --- spawned gloo ranks ----------------------------------------------------------------------------
 def _samples():
     g = torch.Generator().manual_seed(3)
-    from rlalign.training.trainer import Sample
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
 
     out = []
     for i in range(8):
         prompt = torch.randint(2, 64, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
         resp = torch.randint(2, 64, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        out.append(Sample(prompt, resp, torch.full((len(resp),), -2.0), (-1.0) ** i * (1 + i / 10), i))
+        out.append(Sample(prompt, resp, torch.full((len(resp),), -2.0), (-1.0) ** i * (1 + i / 10), i,
+                          params=SamplingParams()))
     return out
 
 
@@ -167,13 +169,13 @@ def _job(rank, world, group, jobs, ckpt_path=None):
     STEPS train_steps from the initial weights; 'save': the same, writing a checkpoint after the
     first step; 'load': the checkpoint of ckpt_path, then the remaining STEPS - 1. Returns per job
     (this rank's state, stat records, dense numel after the run, dense numel after construction)."""
-    from rlalign.factory import apply_kernels
+    from rlalign import kernels
     from rlalign.training.trainer import Trainer
 
     out = []
     for cfg_dict, what in jobs:
         cfg = OmegaConf.create(cfg_dict)
-        apply_kernels(cfg)
+        kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
         tr = Trainer(cfg, group)
         built = _dense_state_numel(tr)
         if what == "twin":

@@ -50,8 +50,8 @@ def raw_ids(d: Path, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny model saved as a HF directory, with the tokenizer beside its weights."""
-    from rlalign.factory import model_from_config
     from rlalign.model import save_hf
+    from rlalign.model.build import model_from_config
 
     d = tmp_path_factory.mktemp("user") / "model"
     save_hf(model_from_config(load_config([])), d)

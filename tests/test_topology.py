@@ -27,15 +27,17 @@ def _batch(n=10):
 def _train_rank(rank, world, group, cfg_dict, prompts, responses, steps):
     """`steps` PPO updates (2 minibatches each) on the whole batch at this EP size; the full
     gradients, AdamW moments and weights after them, unsharded (every rank returns them)."""
-    from rlalign.factory import apply_kernels
+    from rlalign import kernels
     from rlalign.parallel.ep import is_expert_param
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, group)
     adv = [(-1.0) ** i * (1 + i / 10) for i in range(len(prompts))]
-    samples = [Sample(p, r, torch.full((len(r),), -2.0), a, i)
+    samples = [Sample(p, r, torch.full((len(r),), -2.0), a, i, params=SamplingParams())
                for i, (p, r, a) in enumerate(zip(prompts, responses, adv))]
     alg = OmegaConf.create({**cfg_dict["algorithm"], "num_minibatches": 2})
     stats = []
@@ -90,13 +92,15 @@ def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
     """One forward_backward at this EP size; records, whenever a per-source expert leaf's gradient
     enters its tree, how many per-source leaves of this rank hold a gradient, and how many do
     once the backward has finished. hooks=False: the leaves are only collected afterwards."""
-    from rlalign.factory import apply_kernels
+    from rlalign import kernels
     from rlalign.parallel.ep import ExpertParallel
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
     from rlalign.training import gradients as gradients_mod
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, group)
     eps = [m for m in tr.model.modules() if isinstance(m, ExpertParallel)]
     holding = lambda: sum(t.grad is not None for m in eps for lv in m.leaves for t in lv.values())  # noqa: E731
@@ -117,7 +121,8 @@ def _backward_rank(rank, world, group, cfg_dict, prompts, responses, hooks):
         collect(*a)
 
     tr.gradients._collect_leaves = collect_probe
-    samples = [Sample(p, r, torch.full((len(r),), -2.0), 1.0, i) for i, (p, r) in enumerate(zip(prompts, responses))]
+    samples = [Sample(p, r, torch.full((len(r),), -2.0), 1.0, i, params=SamplingParams())
+               for i, (p, r) in enumerate(zip(prompts, responses))]
     tr.forward_backward(samples, lambda lps, idx: (torch.cat(lps).sum(), {}))
     grads = {n: tr.grads[n].clone() for n in tr.expert_names}
     return seen, after, grads, len(eps)

@@ -253,8 +253,8 @@ def test_bad_input_fails_before_any_actor(tmp_path):
     # a model directory whose tensor has the wrong shape: found from the headers, before Ray
     from safetensors.torch import load_file, save_file
 
-    from rlalign.factory import model_from_config
     from rlalign.model import save_hf
+    from rlalign.model.build import model_from_config
 
     save_hf(model_from_config(load_config([])), tmp_path / "model")
     t = load_file(tmp_path / "model" / "model.safetensors")

@@ -96,7 +96,7 @@ def test_sqrt_rn_is_the_ieee_root():
 
 # --- the MoE rows: no gathered copies, no sorting index_put in the backward -----------------------
 def _moe_case(T=37, k=3, E=5, D=48, seed=11):
-    from rlalign.model.model import dispatch
+    from rlalign.kernels import moe_dispatch as dispatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
@@ -160,7 +160,7 @@ def test_triton_combine_rows_equals_gather_then_combine_forward_and_backward():
 def test_moe_slot_linear_equals_slot_rows_then_grouped_linear(backend):
     """The experts' first GEMM over the token rows read in place: output, dX and dW are the bits of the
     copied rows through grouped_linear (the Triton backend gathers inside the GEMM); twin: other rows."""
-    from rlalign.model.model import dispatch
+    from rlalign.kernels import moe_dispatch as dispatch
 
     x, _, order, dest, _ = _moe_case(T=45, k=3, E=5, D=32, seed=21)
     g = torch.Generator().manual_seed(22)
@@ -190,7 +190,7 @@ def test_swiglu_in_the_gate_up_gemm_equals_the_gemm_then_swiglu(backend):
     """moe_slot_swiglu / grouped_swiglu: without a gradient the Triton backend's one GEMM (SwiGLU in its epilogue,
     the last output tile ragged: I = 40), with one the two ops (outputs, dX, dW), in the bits of swiglu_halves
     over the plain GEMM, an inf and a NaN row included. Twin: the SwiGLU of the product before its rounding."""
-    from rlalign.model.model import dispatch
+    from rlalign.kernels import moe_dispatch as dispatch
 
     x, _, _, _, _ = _moe_case(T=45, k=3, E=5, D=32, seed=23)
     x[0, 3], x[1, 9] = float("inf"), float("nan")

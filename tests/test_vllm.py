@@ -20,21 +20,20 @@ import torch
 from conftest import TINY, same_bits, tiny_model
 
 from rlalign import kernels
-from rlalign.agree import generate_batch, random_prompts, run_agree, score_batch
+from rlalign.agree import batch_params, generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
-from rlalign.factory import sampling_params
+from rlalign.fingerprint import state_fingerprints
 from rlalign.model import read_args, save_hf
 from rlalign.model.hf import hf_state_dict
-from rlalign.monitor.fingerprint import state_fingerprints
 from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
 from rlalign.rollout.generator import generator_plan
 from rlalign.rollout.native.engine import generate
-from rlalign.rollout.types import SamplingParams
 from rlalign.rollout.vllm import check_installed, refuse_shapes
 from rlalign.rollout.vllm.attention import VllmPages
 from rlalign.rollout.vllm.engine import VllmGenerator
 from rlalign.rollout.vllm.weights import load_named
+from rlalign.sampling_params import SamplingParams
 from rlalign.training.scoring import score
 
 OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, enable_prefix_caching=True,
@@ -76,8 +75,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _trainer_logprobs(model, rollouts, params: SamplingParams) -> list[torch.Tensor]:
-    return score(model, [r.prompt for r in rollouts], [r.tokens for r in rollouts], micro_batch_size=5,
-                 **params.logprob_kwargs())
+    return score(model, [r.prompt for r in rollouts], [r.tokens for r in rollouts], params, micro_batch_size=5)
 
 
 def _fingerprints(model) -> dict[str, str]:
@@ -215,13 +213,13 @@ def test_generator_ep2_agrees_with_trainer_ep1_and_ep2(engine, model_dir):
                        "generator.max_new_tokens=24", "agree.num_prompts=24", f"model.path={model_dir}"])
     prompts = random_prompts(cfg, TINY["vocab_size"])
     ids = list(range(len(prompts)))
-    native = generate_batch(cfg, prompts, ids, seed=cfg.seed)  # the native generator, in this process
-    rollouts = engine.generate(prompts, ids, sampling_params(cfg, TINY["eos_token_id"], cfg.seed))
+    native = generate_batch(cfg, prompts, ids, batch_params(cfg, cfg.seed))  # the native generator, in this process
+    rollouts = engine.generate(prompts, ids, SamplingParams.from_config(cfg, TINY["eos_token_id"], cfg.seed))
     assert [r.tokens for r in rollouts] == [r.tokens for r in native]
     assert all(same_bits(a.logprobs, b.logprobs) for a, b in zip(rollouts, native))
     for trainer_ep in (1, 2):
         cfg.trainer.ep_size = trainer_ep
-        train = score_batch(cfg, [r.prompt for r in rollouts], [r.tokens for r in rollouts], ids)
+        train = score_batch(cfg, [r.prompt for r in rollouts], [r.tokens for r in rollouts], rollouts[0].params, ids)
         assert _mismatched([r.logprobs for r in rollouts], train) == 0, trainer_ep
 
 

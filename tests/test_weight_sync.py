@@ -12,7 +12,7 @@ from conftest import same_bits
 from omegaconf import OmegaConf
 
 from rlalign.config import load_config
-from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.fingerprint import state_fingerprints
 from rlalign.parallel import launch, weight_sync
 from rlalign.parallel.launch import LOCAL_HOST
 from rlalign.parallel.weight_sync import SyncError
@@ -134,8 +134,8 @@ def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch
     in-process): handles once, then each train_step returns the trainer's fingerprints of its updated
     weights and the generator copies from the views it kept; both sides agree. Twin: a parameter that
     moved makes train_step return none (the driver then asks send_weights, which hands out handles)."""
-    from rlalign.factory import sampling_params
-    from rlalign.training.plan import Sample
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
     from rlalign.workers import GeneratorWorker, TrainerWorker
 
     monkeypatch.setattr(weight_sync, "reduce_tensor", lambda t: (lambda t=t: t, ()))
@@ -151,8 +151,9 @@ def test_direct_colocated_protocol_trainer_shares_come_with_its_step(monkeypatch
     assert first.ipc is not None and first.direct
     fp0 = check(first, g.receive_weights(-1, first.ipc, first.device_uuid, True))
     alg = OmegaConf.to_container(load_config([]).algorithm)
-    outs = g.generate([[3, 4, 5]] * 4, [0, 1, 2, 3], sampling_params(load_config([]), None, 1, 8)).rollouts
-    samples = [Sample([3, 4, 5], r.tokens, r.logprobs, 0.5 * i - 0.75, r.sample_id) for i, r in enumerate(outs)]
+    outs = g.generate([[3, 4, 5]] * 4, [0, 1, 2, 3], SamplingParams.from_config(load_config([]), None, 1, 8)).rollouts
+    samples = [Sample([3, 4, 5], r.tokens, r.logprobs, 0.5 * i - 0.75, r.sample_id, params=r.params)
+               for i, r in enumerate(outs)]
     out = t.train_step(samples, alg, 0)
     assert out.sync is not None and out.sync.ipc is None
     fp1 = check(out.sync, g.receive_weights(0, None, None, True))
@@ -168,7 +169,7 @@ def test_the_direct_sync_holds_the_trainers_bits_and_names_a_changed_or_swapped_
     hold the trainer's bits and its shares equal the trainer's, taken after its update. Twins: a
     trainer parameter changed by one bit after its hash, and two sources of one shape handed over
     swapped, are each named by `check`."""
-    from rlalign.factory import model_from_config
+    from rlalign.model.build import model_from_config
 
     trainer, gen = (model_from_config(load_config([f"model.init_seed={s}", "model.num_layers=1"])) for s in (1, 0))
     plan = weight_sync.make_plan(weight_sync.tensor_specs(trainer, 1), BUCKET)

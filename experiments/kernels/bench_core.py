@@ -21,7 +21,7 @@ from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 from rlalign.rollout.native.engine import generate  # noqa: E402
-from rlalign.rollout.types import SamplingParams  # noqa: E402
+from rlalign.sampling_params import SamplingParams  # noqa: E402
 from rlalign.training.scoring import score  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def _measure(mode, args, dtype, prompts, params, a) -> dict:
 
         def train_step():
             model.zero_grad(set_to_none=True)
-            lps = score(model, P, R, micro_batch_size=a.micro_batch)
+            lps = score(model, P, R, params, micro_batch_size=a.micro_batch)
             (-torch.cat(lps).mean()).backward()
 
         t_train = _median_time(train_step, a.repeats)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: re
 import bench_vs_vendor  # noqa: E402
 from record import RESULTS, write  # noqa: E402
 
+from rlalign.kernels.torch_deterministic import moe_dispatch as dispatch_torch  # noqa: E402
 from rlalign.kernels.triton import common, elementwise, gemm, moe  # noqa: E402
-from rlalign.model.model import dispatch_torch  # noqa: E402
 
 BF = torch.bfloat16
 DEV = "cpu" if TINY else "cuda"

@@ -44,24 +44,26 @@ def _timed(fn, repeats, group, device):
 def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     from omegaconf import OmegaConf
 
-    from rlalign.factory import apply_kernels, sampling_params
+    from rlalign import kernels
     from rlalign.parallel.launch import Lockstep
     from rlalign.rollout.native.engine import NativeEngine
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
     if cfg.device.startswith("cuda"):
         cfg.device = f"cuda:{rank}"
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     trainer = Trainer(cfg, group if world > 1 else None)
     part = shard_range(len(prompts), world, rank)
-    params = sampling_params(cfg, None, 0)  # no EOS: every sequence decodes max_new_tokens
+    params = SamplingParams.from_config(cfg, None, 0)  # no EOS: every sequence decodes max_new_tokens
     mine = [prompts[i] for i in part]
     engine = NativeEngine(trainer.model, None, Lockstep(group) if world > 1 else None)
     gen = lambda: engine.generate(mine, list(part), params)  # noqa: E731
     outs = gen()
     t_gen = _timed(gen, repeats, group if world > 1 else None, cfg.device)
-    samples = [Sample(o.prompt, o.tokens, o.logprobs) for o in outs]
+    samples = [Sample(o.prompt, o.tokens, o.logprobs, params=o.params) for o in outs]
     total = len(prompts) * params.max_new_tokens
 
     def loss_fn(lps, idx):

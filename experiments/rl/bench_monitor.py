@@ -73,10 +73,10 @@ def kernel(a) -> None:
     import torch
 
     from rlalign import kernels
+    from rlalign.fingerprint import fingerprint
     from rlalign.kernels import fingerprint as fpk
     from rlalign.kernels.fingerprint import Part
     from rlalign.kernels.triton import fingerprint as tfp
-    from rlalign.monitor.fingerprint import fingerprint
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
@@ -332,8 +332,7 @@ def _state_records(model: str, moments: bool):
     step for `model` (rlalign.training.trainer.topology_record_groups), in its order."""
     import torch
 
-    from rlalign.config import load_config
-    from rlalign.factory import model_args
+    from rlalign.config import load_config, model_args
     from rlalign.model.model import build_model
     from rlalign.parallel.ep import is_expert_param
 

@@ -299,22 +299,23 @@ def parts(a) -> None:
     import torch
     from omegaconf import OmegaConf
 
+    from rlalign import kernels
     from rlalign.config import load_config
-    from rlalign.factory import apply_kernels, model_from_config
+    from rlalign.model.build import model_from_config
     from rlalign.parallel import weight_sync
     from rlalign.rollout.generator import make_generator
+    from rlalign.sequences import Sample
     from rlalign.step import make_batch, score_rewards
     from rlalign.tasks import make_task
     from rlalign.tasks.reward_calls import RewardCaller
     from rlalign.tasks.tokenizer import make_tokenizer
     from rlalign.training.losses import grpo_advantages
-    from rlalign.training.plan import Sample
     from rlalign.training.trainer import Trainer
 
     over = [*_base(a.model, a.steps), *a.overrides]
     cfg = load_config([*over, "run.dir=/tmp/bench_rl_step_parts"])
     record.wait_gpu_free()
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     t = cfg.task
     task = make_task(t.name, cfg.seed, reward=t.reward, path=t.path, **OmegaConf.to_container(t.kwargs))
     tok = make_tokenizer(t.tokenizer, cfg.model.path, t.chat)
@@ -353,7 +354,8 @@ def parts(a) -> None:
         rollouts, t_gen = timed(lambda batch=batch: engine.generate(batch.prompts, batch.sample_ids, batch.params))
         values, _, _ = score_rewards(rewards, tok, batch, rollouts, step)
         adv = grpo_advantages(values, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
-        samples = [Sample(p, r.tokens, r.logprobs, x, r.sample_id) for p, r, x in zip(batch.prompts, rollouts, adv)]
+        samples = [Sample(p, r.tokens, r.logprobs, x, r.sample_id, params=r.params)
+                   for p, r, x in zip(batch.prompts, rollouts, adv)]
         _, t_train = timed(lambda samples=samples: trainer.train_step(samples, alg))
         _, t_sync = timed(sync)
         tokens = sum(len(r.tokens) for r in rollouts)

@@ -33,7 +33,8 @@ from record import RESULTS, environment  # noqa: E402
 from rlalign import cluster  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
 from rlalign.job import Job  # noqa: E402
-from rlalign.training.trainer import Sample  # noqa: E402
+from rlalign.sampling_params import SamplingParams  # noqa: E402
+from rlalign.sequences import Sample  # noqa: E402
 
 TARGETS_S = {"bench-moe": 0.2, "bench-moe-large": 2.0}  # seconds per sync, 2xH200
 MODES = {"separate": ["trainer.ep_size=1", "generator.ep_size=1", "placement.colocate=false"],
@@ -65,7 +66,8 @@ def _perturb(job: Job, cfg, seed: int) -> float:
     for i in range(8):
         prompt = torch.randint(2, vocab, (16,), generator=g).tolist()
         response = torch.randint(2, vocab, (48,), generator=g).tolist()
-        samples.append(Sample(prompt, response, torch.full((48,), -2.0), 1.0 if i % 2 else -1.0, i))
+        samples.append(Sample(prompt, response, torch.full((48,), -2.0), 1.0 if i % 2 else -1.0, i,
+                              params=SamplingParams.from_config(cfg)))
     t = time.perf_counter()
     job.trainers.call("train_step", samples, OmegaConf.to_container(cfg.algorithm, resolve=True), seed)
     return time.perf_counter() - t

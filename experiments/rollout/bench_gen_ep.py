@@ -30,7 +30,7 @@ from rlalign.parallel.launch import run_workers, shard_range  # noqa: E402
 def _timed(engine, prompts, ids, params, cuda: bool) -> tuple[list, float]:
     from dataclasses import replace
 
-    from rlalign.rollout.types import SamplingParams
+    from rlalign.sampling_params import SamplingParams
 
     engine.generate(prompts[:8], ids[:8], SamplingParams(max_new_tokens=8, seed=1))  # compile, small buckets
     engine.generate(prompts, ids, replace(params, max_new_tokens=2, seed=1))  # the full batch's prefill + bucket
@@ -50,7 +50,8 @@ def bench_rank(rank, world, group, a, prompts):
     from rlalign.parallel.ep import ExpertParallel, moe_layers
     from rlalign.parallel.launch import Lockstep
     from rlalign.rollout.native.engine import NativeEngine
-    from rlalign.rollout.types import EngineConfig, SamplingParams
+    from rlalign.rollout.types import EngineConfig
+    from rlalign.sampling_params import SamplingParams
     from rlalign.training.scoring import score
 
     cuda = a.device == "cuda"
@@ -74,7 +75,7 @@ def bench_rank(rank, world, group, a, prompts):
         out["stats"] = dict(engine.stats)
         if a.score:
             lps = score(model, [r.prompt for r in out["epn"]], [r.tokens for r in out["epn"]],
-                        micro_batch_size=a.score_micro_batch, **params.logprob_kwargs())
+                        params, micro_batch_size=a.score_micro_batch)
             diff = [(r.logprobs - lp.float().cpu()).abs() for r, lp in zip(out["epn"], lps)]
             out["scored_mismatched"] = int(sum(int((d != 0).sum()) for d in diff))
     return out

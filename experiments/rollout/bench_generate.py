@@ -40,7 +40,8 @@ from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.kernels.triton import dispatch as fused_dispatch  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
-from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
+from rlalign.rollout.types import EngineConfig  # noqa: E402
+from rlalign.sampling_params import SamplingParams  # noqa: E402
 from rlalign.training.scoring import score  # noqa: E402
 
 HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
@@ -102,8 +103,8 @@ def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = Tr
         if not score_it:
             return all_outs, res
         with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
-            lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=score_micro_batch,
-                        **params.logprob_kwargs())
+            lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], params,
+                        micro_batch_size=score_micro_batch)
     diff = [(r.logprobs - lp.float().cpu()).abs() for r, lp in zip(outs, lps)]
     return all_outs, {**res, "mismatched_tokens": int(sum(int((d != 0).sum()) for d in diff)),
                       "max_abs_diff": float(max(float(d.max()) for d in diff if d.numel()))}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +32,8 @@ from record import RESULTS, write  # noqa: E402
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
-from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
+from rlalign.rollout.types import EngineConfig  # noqa: E402
+from rlalign.sampling_params import SamplingParams  # noqa: E402
 from rlalign.training.scoring import score  # noqa: E402
 
 BF16_DENSE_PEAK = {"H200": 989.4e12, "H100": 989.4e12}  # FLOP/s, dense (no sparsity)
@@ -87,8 +87,8 @@ def timed(model, outs: list, r: dict, params: SamplingParams, n: int) -> None:
     for c in range(len(outs) - n, len(outs) - 1):
         rolls = outs[c]
         with torch.no_grad(), kernels.use(mode="deterministic", backend="triton"):  # run()'s scoring kernels
-            lps = score(model, [x.prompt for x in rolls], [x.tokens for x in rolls], micro_batch_size=64,
-                        **replace(params, seed=params.seed + c).logprob_kwargs())
+            lps = score(model, [x.prompt for x in rolls], [x.tokens for x in rolls], rolls[0].params,
+                        micro_batch_size=64)
         r["mismatched_tokens"] += sum(int((x.logprobs != lp.float().cpu()).sum()) for x, lp in zip(rolls, lps))
 
 

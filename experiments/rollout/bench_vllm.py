@@ -24,13 +24,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 import record  # noqa: E402
 
+from rlalign import kernels  # noqa: E402
 from rlalign.agree import random_prompts  # noqa: E402
 from rlalign.config import EngineConfig, keys_of, load_config, model_args  # noqa: E402
-from rlalign.factory import apply_kernels, sampling_params  # noqa: E402
 from rlalign.model import build_model, save_hf  # noqa: E402
 from rlalign.rollout.native.engine import generate  # noqa: E402
 from rlalign.rollout.vllm import check_installed  # noqa: E402
 from rlalign.rollout.vllm.engine import ENGINE_KEYS, VllmGenerator  # noqa: E402
+from rlalign.sampling_params import SamplingParams  # noqa: E402
 
 
 def _timed(fn):
@@ -50,11 +51,11 @@ def main() -> None:
     a = ap.parse_args()
     cfg = load_config(["generator.backend=vllm", f"agree.num_prompts={a.prompts}",
                        f"generator.max_new_tokens={a.max_new_tokens}", f"generator.ep_size={a.ep_size}", *a.overrides])
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     model = build_model(model_args(cfg), cfg.model.dtype, seed=cfg.model.init_seed)
     prompts = random_prompts(cfg, model.args.vocab_size)
     ids = list(range(len(prompts)))
-    params = sampling_params(cfg, model.args.eos_token_id, cfg.seed)
+    params = SamplingParams.from_config(cfg, model.args.eos_token_id, cfg.seed)
 
     native_engine = keys_of(EngineConfig, cfg.generator)
     generate(model, prompts[:4], ids[:4], params, engine=native_engine)  # warm-up

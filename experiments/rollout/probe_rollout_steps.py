@@ -29,7 +29,8 @@ from rlalign.config import load_config, model_args  # noqa: E402
 from rlalign.model import build_model  # noqa: E402
 from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
 from rlalign.rollout.native.runner import ModelRunner  # noqa: E402
-from rlalign.rollout.types import EngineConfig, SamplingParams  # noqa: E402
+from rlalign.rollout.types import EngineConfig  # noqa: E402
+from rlalign.sampling_params import SamplingParams  # noqa: E402
 
 
 def prompts_of(B: int, vocab: int) -> list[list[int]]:

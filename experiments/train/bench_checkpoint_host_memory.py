@@ -76,13 +76,12 @@ def main() -> None:
     a = ap.parse_args()
 
     from rlalign import checkpoint as ckpt
+    from rlalign import kernels
     from rlalign.config import load_config
-    from rlalign.factory import apply_kernels
-    from rlalign.training.state import checkpoint_nbytes
-    from rlalign.training.trainer import Trainer
+    from rlalign.training.trainer import Trainer, checkpoint_nbytes
 
     cfg = load_config([f"model={a.model}", f"device={a.device}"])
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     state = tr.checkpoint_state()

@@ -28,15 +28,18 @@ from rlalign.parallel import launch  # noqa: E402
 
 
 def _rank(rank, world, group, cfg_dict, n, repeats):
-    from rlalign.factory import apply_kernels
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign import kernels
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, group)
     g = torch.Generator().manual_seed(0)
     rand = lambda k: torch.randint(2, 60, (k,), generator=g).tolist()  # noqa: E731
-    samples = [Sample(rand(8), rand(24), torch.full((24,), -2.0), float(i % 3 - 1), i) for i in range(n)]
+    params = SamplingParams.from_config(cfg)
+    samples = [Sample(rand(8), rand(24), torch.full((24,), -2.0), float(i % 3 - 1), i, params=params) for i in range(n)]
     alg = OmegaConf.create(cfg_dict["algorithm"])
     times = []
     for _ in range(repeats + 1):

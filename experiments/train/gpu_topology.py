@@ -30,14 +30,16 @@ from rlalign.parallel import launch  # noqa: E402
 
 
 def _rank(rank, world, group, cfg_dict, n, steps, profile=False):
-    from rlalign.factory import apply_kernels
+    from rlalign import kernels
     from rlalign.parallel.ep import is_expert_param
-    from rlalign.training.trainer import Sample, Trainer
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)
     if cfg.device.startswith("cuda"):
         cfg.device = f"cuda:{rank}"
-    apply_kernels(cfg)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     tr = Trainer(cfg, group)
     g = torch.Generator().manual_seed(0)
     vocab = tr.model.args.vocab_size
@@ -47,7 +49,8 @@ def _rank(rank, world, group, cfg_dict, n, steps, profile=False):
     samples = []
     for i in range(n):
         response = rand(longest // 8, longest)
-        samples.append(Sample(rand(16, 64), response, torch.full((len(response),), -2.0), float(i % 3 - 1), i))
+        samples.append(Sample(rand(16, 64), response, torch.full((len(response),), -2.0), float(i % 3 - 1), i,
+                              params=SamplingParams.from_config(cfg)))
     alg = OmegaConf.create({**cfg_dict["algorithm"], "num_minibatches": 2})
     cuda = cfg.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -64,7 +67,7 @@ def _rank(rank, world, group, cfg_dict, n, steps, profile=False):
         sync()
         times.append(time.perf_counter() - t)
     fps = {}
-    from rlalign.monitor.fingerprint import fingerprint
+    from rlalign.fingerprint import fingerprint
 
     for name in tr.names:  # the bitwise comparison: unsharded tensors' fingerprints
         st = tr.opt.state[tr.master[name]]

@@ -17,7 +17,7 @@ results/train_profile_<model>_<gpu>[_<name>].json.
 
 Variants: det (kernels.mode=deterministic backend=triton, torch.use_deterministic_algorithms, which
 also fills every torch.empty with NaN), det_nofill (the same with
-torch.utils.deterministic.fill_uninitialized_memory=False: what rlalign.factory.apply_kernels sets, the
+torch.utils.deterministic.fill_uninitialized_memory=False: what rlalign.kernels.configure sets, the
 production step), det_unfused (det_nofill with the step's pieces as they were before the fused ones, for
 a before/after in one process: torch.optim.AdamW's step and a separate rounding copy into the model,
 fp32 copies of bf16 leaves before the gradient trees' adds, the MoE input rows as an expand copy + an
@@ -288,10 +288,10 @@ def _count_compiles() -> bool:
     return True
 
 
-def make_samples(step: int, n: int, prompt: int, resp: int, vocab: int):
+def make_samples(step: int, n: int, prompt: int, resp: int, vocab: int, params):
     """n samples with prompt lengths prompt±12 and responses of resp-16..resp tokens (random tokens,
-    seeded by step): the RL run's shape (short prompts, responses near max_new_tokens)."""
-    from rlalign.training.trainer import Sample
+    seeded by step), drawn with `params`: the RL run's shape (short prompts, responses near max_new_tokens)."""
+    from rlalign.sequences import Sample
 
     rng = random.Random(1000 + step)
     out = []
@@ -299,7 +299,7 @@ def make_samples(step: int, n: int, prompt: int, resp: int, vocab: int):
         p = [rng.randrange(2, vocab) for _ in range(rng.randint(max(1, prompt - 12), prompt + 12))]
         r = [rng.randrange(2, vocab) for _ in range(rng.randint(max(1, resp - 16), resp))]
         lp = torch.tensor([-rng.random() * 4 for _ in r], dtype=torch.float32)
-        out.append(Sample(p, r, lp, advantage=rng.uniform(-1, 1), sample_id=step * n + i))
+        out.append(Sample(p, r, lp, advantage=rng.uniform(-1, 1), sample_id=step * n + i, params=params))
     return out
 
 
@@ -353,7 +353,7 @@ def churn(model, vocab: int, device: str, token_counts=None, expert_rows=(900, 1
 
 
 def _fingerprints(trainer) -> dict[str, str]:
-    from rlalign.monitor.fingerprint import fingerprint
+    from rlalign.fingerprint import fingerprint
 
     return {n: fingerprint(g) for n, g in sorted(trainer.grads.items())}
 
@@ -362,9 +362,9 @@ def check_bits(trainer, samples, alg) -> dict:
     """One forward_backward of `samples` unfused and fused from the same weights: gradients and
     logprobs compared by fingerprint; then AdamW on two of the gradients: the Triton kernel vs the
     definition's torch ops (and torch.optim.AdamW's step, another definition)."""
+    from rlalign.fingerprint import fingerprint
     from rlalign.kernels import torch_deterministic as ref
     from rlalign.kernels import triton as tb
-    from rlalign.monitor.fingerprint import fingerprint
     from rlalign.training.optimizer import adamw_scalars
 
     runs = {}
@@ -501,6 +501,7 @@ def main() -> None:
     compiles_counted = _count_compiles()
     cfg = load_config([f"model={a.model}", f"device={a.device}", f"kernels.backend={backend}", "trainer.ep_size=1",
                        f"trainer.micro_batch_size={a.mbs}"])
+    from rlalign.sampling_params import SamplingParams
     from rlalign.training.trainer import Trainer
 
     kernels.set_mode("deterministic", backend)
@@ -509,7 +510,8 @@ def main() -> None:
     timers = Timers()
     _install(timers, trainer)
     vocab = cfg.model.vocab_size
-    batches = [make_samples(s, a.seqs, a.prompt, a.resp, vocab) for s in range(a.steps + 2)]
+    params = SamplingParams.from_config(cfg)
+    batches = [make_samples(s, a.seqs, a.prompt, a.resp, vocab, params) for s in range(a.steps + 2)]
     tokens = [sum(len(s.prompt) + len(s.response) for s in b) for b in batches]
     results, errors = {}, {}
     bits = None

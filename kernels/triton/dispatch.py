@@ -1,4 +1,4 @@
-"""MoE dispatch in one launch: the counting sort of rlalign.model.model.dispatch — (token, slot) rows
+"""MoE dispatch in one launch: the counting sort of rlalign.kernels.moe_dispatch — (token, slot) rows
 grouped by expert, in (token, slot) order within an expert — where the torch formulation (one-hot
 compare, scan, gathers, scatter, ~12 launches) costs more than the experts' GEMMs' share of it.
 One program per expert e, all independent (no atomics, no grid sync): it counts the rows whose expert
@@ -90,7 +90,7 @@ def _dispatch_kernel(ids_ptr, order_ptr, dest_ptr, counts_ptr, cnt_ptr, blw_ptr,
 
 def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, dest, counts) of the expert ids `flat` [N] (int64, token-major): see
-    rlalign.model.model.dispatch. N <= MAX_ROWS. Past SEGMENT_ROWS rows, two launches: each expert's
+    rlalign.kernels.moe_dispatch. N <= MAX_ROWS. Past SEGMENT_ROWS rows, two launches: each expert's
     rows counted per segment of SEGMENT rows, then placed per (expert, segment): a program per block of
     rows, not one walking N / SEGMENT blocks in turn."""
     N = flat.numel()

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.kernels.sampling import temper
+
 from .common import ROW_BLOCK, Launch, bf16_bits, cached, check_inputs, upcast_scaled
 
 
@@ -126,8 +128,6 @@ def tempered_logprobs(logits, scale, tokens):
     compute, the composition itself (its backward is torch's and log_softmax_gather's)."""
     check_inputs("tempered_logprobs", logits)
     if torch.is_grad_enabled() and logits.requires_grad:
-        from rlalign.kernels import temper
-
         return log_softmax_gather(temper(logits, scale), tokens)
     return _forward(logits.contiguous(), tokens.contiguous(), scale)[0]
 

@@ -348,9 +348,7 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     B, V = z.shape
     do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
     if not (do_k or do_p) or B == 0:
-        from rlalign.kernels import temper
-
-        return temper(z, scale)
+        return sampling.temper(z, scale)
     if not sys.float_info.min <= top_p <= 1.0:
         raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
     if do_p and V >= sampling.MAX_VOCAB:

@@ -155,44 +155,9 @@ class MoE(nn.Module):
         if tap is not None:
             logits = tap("router", logits)
         weights, ids = kernels.moe_route(logits, k, self.norm_topk_prob)
-        order, dest, counts = dispatch(ids.reshape(-1), self.num_experts)
+        order, dest, counts = kernels.moe_dispatch(ids.reshape(-1), self.num_experts)
         y_sorted = self.experts.forward_tokens(x, order, dest, k, counts)  # row j: token order[j] // k
         return kernels.moe_combine(y_sorted, weights, rows=dest)  # slot j of token t: y_sorted[dest[t*k + j]]
-
-
-def dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, slot) rows `flat` [N] (expert ids, token-major) grouped by expert: `order` [N]
-    lists them expert by expert, in (token, slot) order within an expert (what a stable sort by
-    expert gives), `dest` is its inverse (where each row went) and `counts` [E] the group sizes.
-    A counting sort with no host sync (a decode step can be captured in a CUDA graph; EP reads
-    the counts on the host for its splits) and no comparison sort: a row's place is its expert's
-    start plus the number of earlier rows with the same expert (an integer prefix sum, exact).
-    With the Triton op set on CUDA, the few rows of a decode step take one launch
-    (kernels/triton/dispatch.py) instead of ~12; the integers are the same either way."""
-    fused = _fused_dispatch(flat)
-    if fused is not None:
-        return fused(flat, num_experts)
-    return dispatch_torch(flat, num_experts)
-
-
-def _fused_dispatch(flat: torch.Tensor):
-    if not (flat.is_cuda and kernels.capturable(flat)):
-        return None
-    from rlalign.kernels.triton import dispatch as fused
-
-    return fused.moe_dispatch if flat.numel() <= fused.MAX_ROWS else None
-
-
-def dispatch_torch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`dispatch` in torch ops (any device, any number of rows)."""
-    hits = flat[None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)[:, None]  # [E, N]
-    seen = torch.cumsum(hits, 1, dtype=torch.int32)  # per expert, rows up to and including this one (a scan
-    # along the contiguous dim: along dim 0 it took 224 ms of a 40k-token training step on the H200)
-    counts = seen[:, -1].long() if flat.numel() else torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    start = torch.cumsum(counts, 0) - counts
-    dest = start.index_select(0, flat) + seen.gather(0, flat[None])[0] - 1
-    order = torch.empty_like(dest).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
-    return order, dest, counts
 
 
 class DecoderLayer(nn.Module):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlalign import kernels
-from rlalign.monitor.fingerprint import Part, Pending, result_salts
+from rlalign.fingerprint import Part, Pending, result_salts
 from rlalign.monitor.trace import Trace
 
 

@@ -45,7 +45,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import kernels
-from rlalign.monitor.fingerprint import Part, Pending, result_salts
+from rlalign.fingerprint import Part, Pending, result_salts
 
 # config sections that define the computation; run.*, logger, checkpoint, monitor, dist do not
 ENV_SECTIONS = ("seed", "device", "model", "kernels", "generator", "trainer", "task", "algorithm")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlalign import kernels
+
 
 def capacity(rows: int, top_k: int, num_local: int) -> int:
     """Rows per destination that `rows` tokens, each routed to top_k distinct experts, can fill."""
@@ -40,15 +42,15 @@ def send_rows(x_sorted: torch.Tensor, send: torch.Tensor, cap: int, group
     return out, recv.view(W, -1), (n > cap).any()
 
 
-def by_expert(recv: torch.Tensor, cap: int, dispatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def by_expert(recv: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The received slots [W * cap] grouped by local expert: (order, its inverse, counts [El]). Within
     an expert the rows keep (source rank, position) order, as the host-sized path lays them out;
-    the padding slots go last, outside every group. `dispatch` is the MoE layer's counting sort."""
+    the padding slots go last, outside every group (kernels.moe_dispatch, the MoE layer's counting sort)."""
     W, El = recv.shape
     ends = torch.cumsum(recv.clamp(max=cap), 1)  # [W, El]: past each local expert's rows, per source
     i = torch.arange(cap, device=recv.device).expand(W, cap).contiguous()
     expert = torch.searchsorted(ends, i, right=True)  # [W, cap]: local expert of each slot, El: padding
-    order, dest, counts = dispatch(expert.view(-1), El + 1)
+    order, dest, counts = kernels.moe_dispatch(expert.view(-1), El + 1)
     return order, dest, counts[:El]
 
 

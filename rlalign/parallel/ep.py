@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlalign import kernels
-from rlalign.model.model import Experts, MoE, Transformer, dispatch, expert_mlp
+from rlalign.model.model import Experts, MoE, Transformer, expert_mlp
 from rlalign.parallel import alltoall
 
 
@@ -100,7 +100,7 @@ class ExpertParallel(Experts):
         if self.overflow is None or self.overflow.device != over.device:
             self.overflow = torch.zeros((), dtype=torch.bool, device=over.device)
         self.overflow.logical_or_(over)
-        order, dest, local_counts = alltoall.by_expert(recv, cap, dispatch)
+        order, dest, local_counts = alltoall.by_expert(recv, cap)
         y = expert_mlp(x_recv.index_select(0, order), local_counts, self.gate_up_proj, self.down_proj)
         return alltoall.return_rows(y.index_select(0, dest), send, cap, x_sorted.shape[0], self.group)
 

@@ -51,8 +51,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from rlalign import kernels
+from rlalign.fingerprint import combined
 from rlalign.kernels import fingerprint as fpk
-from rlalign.monitor.fingerprint import combined
 from rlalign.parallel.ep import is_expert_param
 
 _ALIGN = 256  # bytes: every tensor starts at an aligned offset of its bucket

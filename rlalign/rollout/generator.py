@@ -12,7 +12,8 @@ from rlalign.config import ConfigError, EngineConfig, keys_of, model_args
 from rlalign.model import Transformer
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.engine import NativeEngine
-from rlalign.rollout.types import Rollout, SamplingParams
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout
 
 
 class Generator(Protocol):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from rlalign import kernels
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 
 _M64 = (1 << 64) - 1
 GRAPH_SEED = 0  # the seed the decode graphs are captured with; a call's own seed enters through rekeyed sample ids

@@ -1,45 +1,13 @@
-"""The types every side of a rollout shares, importable without pulling in an engine."""
+"""What every engine shares, importable without pulling in one: the schedule's config and the prompt
+checks. (The request's SamplingParams and the finished Rollout sit below rollout/ and training/:
+rlalign.sampling_params, rlalign.sequences.)"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-
-from rlalign.config import EngineConfig, SamplingConfig
+from rlalign.config import EngineConfig
 from rlalign.model.args import ModelArgs
 
-__all__ = ["EngineConfig", "Rollout", "SamplingParams", "check_prompts"]
-
-
-@dataclass
-class SamplingParams(SamplingConfig):
-    """One call's sampling: the generator.* distribution (defaults: the config schema's) plus what
-    is the call's own, not a config key: the stop token and the seed."""
-
-    eos_token_id: int | None = None  # None: no stop token, every sequence runs to max_new_tokens
-    seed: int = 0
-
-    def validate(self) -> None:
-        self.validate_sampling()
-
-    @property
-    def logprob_temperature(self) -> float:
-        return 1.0 if self.greedy else self.temperature
-
-    def logprob_kwargs(self) -> dict:
-        """What kernels.token_logprobs needs to score tokens under the distribution they were
-        sampled from: the generator uses it while sampling, the trainer while rescoring."""
-        return {"temperature": self.logprob_temperature, "top_k": self.top_k, "top_p": self.top_p}
-
-
-@dataclass
-class Rollout:
-    sample_id: int
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: torch.Tensor | None = None  # [len(tokens)] fp32, the generator's
-    finish_reason: str = ""  # "eos" | "length"
+__all__ = ["EngineConfig", "check_prompts"]
 
 
 def check_prompts(args: ModelArgs, prompts: list[list[int]], sample_ids: list[int], max_new: int) -> None:

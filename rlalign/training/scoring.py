@@ -3,7 +3,8 @@
 Each micro-batch is packed (sequences back to back, cu_seqlens) or padded (every sequence
 extended with pad tokens to the micro-batch's longest; pads come after the real tokens, so
 causality keeps them out of every real row). The response logprobs go through
-`kernels.token_logprobs`, the generator's function, with the generator's temperature/top-k/top-p.
+`kernels.token_logprobs`, the generator's function, under the distribution the responses were drawn
+with (their SamplingParams' logprob_kwargs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from rlalign import kernels
 from rlalign.faults import maybe_fail
 from rlalign.model import Transformer
 from rlalign.monitor.taps import set_rows
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Sample
 
 LAYOUTS = ("packed", "padded")
 
@@ -27,22 +30,34 @@ def micro_batches(n: int, micro_batch_size: int) -> list[range]:
     return [range(i, min(n, i + size)) for i in range(0, n, max(1, size))]
 
 
+def drawn_with(samples: Sequence[Sample]) -> SamplingParams:
+    """The distribution a micro-batch's responses were drawn with (a step's samples share the step's):
+    what score_micro_batch scores them under. No sample: the default (nothing is scored under it)."""
+    if not samples:
+        return SamplingParams()
+    first = samples[0].params.logprob_kwargs()
+    other = [s.sample_id for s in samples if s.params.logprob_kwargs() != first]
+    if other:
+        raise ValueError(f"samples {other} were drawn from another distribution than sample {samples[0].sample_id} "
+                         f"({first}): one micro-batch is scored under one")
+    return samples[0].params
+
+
 def score_micro_batch(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],
+    params: SamplingParams,
     layout: str = "packed",
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     pad_token_id: int = 0,
     sample_ids: Sequence[int] | None = None,
     entropy: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled).
-    sample_ids name the rows for the monitor's per-token fingerprints. A list `entropy` receives the
-    sum over response tokens of the full-vocabulary entropy of softmax(logits / temperature), fp32,
-    no gradient (a diagnostic read from the logits the logprobs use; they are not changed)."""
+    """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled), under
+    `params`, the distribution the responses were drawn with. sample_ids name the rows for the
+    monitor's per-token fingerprints. A list `entropy` receives the sum over response tokens of the
+    full-vocabulary entropy of softmax(logits / params.temperature), fp32, no gradient (a diagnostic
+    read from the logits the logprobs use; they are not changed)."""
     if layout not in LAYOUTS:
         raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
     maybe_fail("scoring.score_micro_batch", dist.get_rank() if dist.is_initialized() else 0)
@@ -68,9 +83,9 @@ def score_micro_batch(
     if sample_ids is not None:
         set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
-    lp = kernels.token_logprobs_rows(logits, rows_t, targets, temperature, top_k, top_p)
+    lp = kernels.token_logprobs_rows(logits, rows_t, targets, **params.logprob_kwargs())
     if entropy is not None:
-        entropy.append(entropy_sum(logits, rows_t, temperature))
+        entropy.append(entropy_sum(logits, rows_t, params.temperature))
     return list(torch.split(lp, [len(r) for r in responses]))
 
 
@@ -90,10 +105,11 @@ def score(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],
+    params: SamplingParams,
     micro_batch_size: int = 0,
     **kw,
 ) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for mb in micro_batches(len(prompts), micro_batch_size):
-        out += score_micro_batch(model, [prompts[i] for i in mb], [responses[i] for i in mb], **kw)
+        out += score_micro_batch(model, [prompts[i] for i in mb], [responses[i] for i in mb], params, **kw)
     return out

@@ -83,20 +83,3 @@ def topology_record_groups(model, weights: MasterWeights, grads: dict, rank: int
         if rank == 0:
             out.append((f"weights/{n}", params[n].data, None))
     return sorted(out, key=lambda item: item[0].removesuffix("/expert") if item[2] is not None else item[0])
-
-
-def checkpoint_nbytes(cfg) -> dict[str, int]:
-    """The bytes of a checkpoint of this config by part ('bfloat16 weights', 'fp32 masters', 'AdamW
-    moments', 'AdamW steps'): checkpoint_state() of a trainer built on the meta device (shapes, no
-    memory), whose keys are the same at every EP size and dense sharding, so the union over ranks."""
-    from omegaconf import OmegaConf
-
-    from rlalign.training.trainer import Trainer
-
-    tr = Trainer(OmegaConf.merge(cfg, {"device": "meta"}))
-    parts = {f"{cfg.model.dtype} weights": 0, "fp32 masters": 0, "AdamW moments": 0, "AdamW steps": 0}
-    for key, t in tr.checkpoint_state().items():
-        part = ("AdamW steps" if key.endswith("/step") else "AdamW moments") if key.startswith("optim/") else (
-            "fp32 masters" if key.startswith("master/") else f"{cfg.model.dtype} weights")
-        parts[part] += t.numel() * t.element_size()
-    return parts

@@ -15,17 +15,18 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from rlalign.factory import model_from_config, sampling_params
+from rlalign.model.build import model_from_config
 from rlalign.monitor.taps import Injection
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
+from rlalign.sequences import Sample
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
 from rlalign.training.losses import policy_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
-from rlalign.training.plan import LossFn, Sample, micro_batch_share, step_plan
-from rlalign.training.scoring import micro_batches, score_micro_batch
+from rlalign.training.plan import LossFn, micro_batch_share, step_plan
+from rlalign.training.scoring import drawn_with, micro_batches, score_micro_batch
 from rlalign.training.shards import Unit
 
 
@@ -63,7 +64,6 @@ class Trainer:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
             if group is not None:
                 apply_ep(self.ref_model, group)
-        self.score_kw = dict(layout=cfg.trainer.layout, **sampling_params(cfg).logprob_kwargs())
 
     @property
     def rank(self) -> int:
@@ -163,8 +163,11 @@ class Trainer:
         return int(t.item())
 
     def _kw(self, mb: list[Sample]) -> dict:
+        """score_micro_batch's options: the layout, and what the samples carry: the distribution their
+        responses were drawn with (scored under it), their sample ids (the monitor's row names)."""
         ids = [s.sample_id for s in mb]
-        return {**self.score_kw, "sample_ids": ids if None not in ids else None}
+        return {"layout": self.cfg.trainer.layout, "params": drawn_with(mb),
+                "sample_ids": ids if None not in ids else None}
 
     def my_micro_batches(self, mbs: list[list[int]]) -> tuple[range, list[list[int]]]:
         """This rank's share of a minibatch's global micro-batches (indices, contents): every
@@ -246,3 +249,16 @@ class Trainer:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model, self.group)
+
+
+def checkpoint_nbytes(cfg) -> dict[str, int]:
+    """The bytes of a checkpoint of this config by part ('bfloat16 weights', 'fp32 masters', 'AdamW
+    moments', 'AdamW steps'): checkpoint_state() of a trainer built on the meta device (shapes, no
+    memory), whose keys are the same at every EP size and dense sharding, so the union over ranks."""
+    tr = Trainer(OmegaConf.merge(cfg, {"device": "meta"}))
+    parts = {f"{cfg.model.dtype} weights": 0, "fp32 masters": 0, "AdamW moments": 0, "AdamW steps": 0}
+    for key, t in tr.checkpoint_state().items():
+        part = ("AdamW steps" if key.endswith("/step") else "AdamW moments") if key.startswith("optim/") else (
+            "fp32 masters" if key.startswith("master/") else f"{cfg.model.dtype} weights")
+        parts[part] += t.numel() * t.element_size()
+    return parts

@@ -4,7 +4,7 @@
 import torch
 
 from rlalign.model import ModelArgs, build_model
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 
 ARGS = dict(vocab_size=4096, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
             intermediate_size=1024, moe_intermediate_size=256, num_experts=16, top_k=4, norm_topk_prob=True,

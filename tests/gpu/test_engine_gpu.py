@@ -49,8 +49,7 @@ def test_graphs_and_schedules_change_no_bit(model, eager, engine):
 
 def test_engine_logprobs_equal_the_trainers(model, eager):
     with kernels.use(mode="deterministic", backend="triton"):
-        lps = score(model, [r.prompt for r in eager], [r.tokens for r in eager], micro_batch_size=8,
-                    **PARAMS.logprob_kwargs())
+        lps = score(model, [r.prompt for r in eager], [r.tokens for r in eager], PARAMS, micro_batch_size=8)
     bad = sum(int((r.logprobs.cuda() != lp.float()).sum()) for r, lp in zip(eager, lps))
     assert sum(len(r.tokens) for r in eager) > 500 and bad == 0
 
@@ -58,8 +57,7 @@ def test_engine_logprobs_equal_the_trainers(model, eager):
 def test_negative_twin_default_kernels_disagree_with_the_trainer(model):
     with kernels.use(mode="default"):
         outs = generate(model, engine_prompts(37), list(range(37)), PARAMS, engine=EngineConfig(cuda_graphs=False))
-        lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], micro_batch_size=8,
-                    **PARAMS.logprob_kwargs())
+        lps = score(model, [r.prompt for r in outs], [r.tokens for r in outs], PARAMS, micro_batch_size=8)
     assert sum(int((r.logprobs.cuda() != lp.float()).sum()) for r, lp in zip(outs, lps)) > 0
 
 
@@ -133,8 +131,8 @@ def test_a_rebound_parameter_drops_kept_graphs_twin_stale_graphs_differ(model2, 
 @pytest.mark.parametrize("n,e", [(1, 64), (148, 16), (2048, 64), (2048, 128), (16384, 64), (999, 7), (79920, 64),
                                  (20000, 7)])
 def test_triton_dispatch_equals_the_torch_counting_sort(n, e):
+    from rlalign.kernels.torch_deterministic import moe_dispatch as dispatch_torch
     from rlalign.kernels.triton.dispatch import moe_dispatch
-    from rlalign.model.model import dispatch_torch
 
     g = torch.Generator(device="cuda").manual_seed(n)
     for flat in (torch.randint(0, e, (n,), generator=g, device="cuda"),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlalign import kernels
+from rlalign.fingerprint import fingerprint
 from rlalign.kernels import fingerprint as fpk
 from rlalign.kernels.fingerprint import Part
-from rlalign.monitor.fingerprint import fingerprint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

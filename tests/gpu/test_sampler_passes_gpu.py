@@ -10,7 +10,7 @@ from rlalign import kernels
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs
 from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
 from rlalign.rollout.sampling import sample_next
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

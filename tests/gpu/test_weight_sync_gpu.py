@@ -8,7 +8,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlalign.config import load_config
-from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.fingerprint import state_fingerprints
 from rlalign.parallel import launch, weight_sync
 from rlalign.parallel.launch import LOCAL_HOST
 

@@ -41,7 +41,9 @@ from rlalign.rollout.native.graphs import bucket
 from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import Launched, ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler, Step
-from rlalign.rollout.types import EngineConfig, Rollout, SamplingParams, check_prompts
+from rlalign.rollout.types import EngineConfig, check_prompts
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout
 
 
 class NativeEngine:

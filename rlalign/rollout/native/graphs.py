@@ -10,7 +10,7 @@ import torch
 from rlalign import kernels
 from rlalign.model import PagedKVCache, Transformer
 from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids, sample_next
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 
 
 def graph_inputs(model: Transformer) -> tuple:
@@ -55,7 +55,7 @@ class DecodeGraphs:
     def __init__(self, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int, pad_slot: int):
         self.cache, self.block_table = cache, block_table
         self.pad_row, self.pad_slot = pad_row, pad_slot
-        self.by_params: dict[tuple, dict] = {}  # (temperature, top_k, top_p, greedy) -> {bucket: entry}
+        self.by_params: dict[tuple, dict] = {}  # SamplingParams.graph_key() -> {bucket: entry}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.inputs: tuple | None = None
         self.keep: dict[int, object] = {}
@@ -79,8 +79,7 @@ class DecodeGraphs:
             self.keep.clear()
             self.pool = None  # a new memory pool with the next capture
             self.inputs = inputs
-        p = self.params
-        self.graphs = self.by_params.setdefault((p.logprob_temperature, p.top_k, p.top_p, p.greedy), {})
+        self.graphs = self.by_params.setdefault(self.params.graph_key(), {})
         self._checked = True
 
     def end(self) -> None:

@@ -14,7 +14,7 @@ from rlalign.rollout.native.graphs import DecodeGraphs
 from rlalign.rollout.native.pages import KVState
 from rlalign.rollout.native.scheduler import Scheduler, Step
 from rlalign.rollout.sampling import sample_next
-from rlalign.rollout.types import SamplingParams
+from rlalign.sampling_params import SamplingParams
 
 
 @dataclass

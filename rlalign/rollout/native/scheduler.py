@@ -6,7 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rlalign.rollout.native.pages import KVState
-from rlalign.rollout.types import Rollout, SamplingParams
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Scheduler:
         self.free_pages = list(range(state.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.queue, self.running = deque(range(len(prompts))), []
-        self.out = [Rollout(s, list(p)) for s, p in zip(sample_ids, prompts)]
+        self.out = [Rollout(s, list(p), params=params) for s, p in zip(sample_ids, prompts)]
         self.discarded_rows = 0
 
     def slot(self, seq: Seq, p: int) -> int:

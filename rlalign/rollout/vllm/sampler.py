@@ -1,7 +1,7 @@
 """rlalign's sampler and logprob inside vLLM, as a v1 logits processor.
 
-For each request that carries `extra_args["rlalign"]` (seed, sample id, temperature, top-k, top-p,
-greedy), the row's token and its logprob are `rlalign.rollout.sampling.sample_next` (kernels.sample
+For each request that carries `extra_args["rlalign"]` (its SamplingParams as a dict, its sample id),
+the row's token and its logprob are `rlalign.rollout.sampling.sample_next` (kernels.sample
 with noise from (seed, sample id, position), position = prompt length + tokens so far, and
 kernels.token_logprobs): the native engine's own sampling step. The processor leaves that token
 finite with its logprob as the value and every other entry -inf. The engine asks vLLM for temperature 0, logprobs=0 and
@@ -18,13 +18,13 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from rlalign.rollout.sampling import sample_next
-from rlalign.rollout.types import SamplingParams
 from rlalign.rollout.vllm.registry import KEY
+from rlalign.sampling_params import SamplingParams
 
 
 @dataclass
 class _Request:
-    group: tuple  # (seed, temperature, top_k, top_p, greedy): rows sampled together
+    params: SamplingParams  # requests with equal params.key() are sampled together
     sample_id: int
     prompt_len: int
     output: list[int]  # vLLM's live list of the request's generated tokens
@@ -34,9 +34,7 @@ def _request(params, prompt: list[int] | None, output: list[int]) -> _Request | 
     spec = (params.extra_args or {}).get(KEY)
     if spec is None:
         return None
-    group = (int(spec["seed"]), float(spec["temperature"]), int(spec["top_k"]), float(spec["top_p"]),
-             bool(spec["greedy"]))
-    return _Request(group, int(spec["sample_id"]), len(prompt or []), output)
+    return _Request(SamplingParams.from_dict(spec["params"]), int(spec["sample_id"]), len(prompt or []), output)
 
 
 _LIVE: dict[int, _Request] = {}  # this worker's persistent-batch index -> request (the model names its rows by it)
@@ -63,15 +61,14 @@ class RlalignSampler(LogitsProcessor):
             return logits
         groups: dict[tuple, list[int]] = {}
         for i, r in self.rows.items():
-            groups.setdefault(r.group, []).append(i)
-        for (seed, temperature, top_k, top_p, greedy), idx in groups.items():
+            groups.setdefault(r.params.key(), []).append(i)
+        for idx in groups.values():
             reqs = [self.rows[i] for i in idx]
             rows = torch.tensor(idx, dtype=torch.long, device=logits.device)
             ids = torch.tensor([r.sample_id for r in reqs], dtype=torch.long, device=logits.device)
             pos = torch.tensor([r.prompt_len + len(r.output) for r in reqs], dtype=torch.long, device=logits.device)
             z = logits.index_select(0, rows)
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, seed=seed)
-            tok, lp = sample_next(z, params, ids, pos)
+            tok, lp = sample_next(z, reqs[0].params, ids, pos)
             out = torch.full_like(z, float("-inf"))
             out.scatter_(1, tok[:, None], lp[:, None].to(out.dtype))
             logits.index_copy_(0, rows, out)

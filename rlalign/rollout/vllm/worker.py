@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import safetensors.torch
 
-from rlalign.monitor.fingerprint import state_fingerprints
+from rlalign.fingerprint import state_fingerprints
 from rlalign.parallel.ep import full_state_dict
 from rlalign.rollout.vllm.registry import register
 
