@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from rlalign.config import model_args
+from rlalign.generator_world import generator_world
 from rlalign.logger import json_line
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import check_generator
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout, Sample
 from rlalign.workers import GeneratorWorker, TrainerWorker
@@ -88,7 +89,7 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
 
 def generate_batch(cfg: DictConfig, prompts, sample_ids, params: SamplingParams) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order."""
-    parts = _run_side(cfg, generator_plan(cfg).ranks, "generator.ep_size", _generate_rank,
+    parts = _run_side(cfg, check_generator(cfg).ranks, "generator.ep_size", _generate_rank,
                       (prompts, sample_ids, params))
     return [r for part in parts for r in part]
 
@@ -121,7 +122,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     back = [None] * len(rollouts)
     for j, i in enumerate(order):
         back[i] = train_lp[j]
-    c = compare([r.logprobs for r in rollouts], back)
+    c = logprob_consistency([r.logprobs for r in rollouts], back)
     result = {
         "tokens": c["tokens"],
         "mismatched_tokens": c["mismatched_tokens"],
@@ -132,7 +133,7 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
         "dtype": cfg.model.dtype,
         "trainer_ep": cfg.trainer.ep_size,
         "generator_ep": cfg.generator.ep_size,
-        "generator_backend": generator_plan(cfg).backend,
+        "generator_backend": generator_world(cfg).backend,
         "trainer_micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer_layout": cfg.trainer.layout,
         "sequences": len(rollouts),

@@ -58,6 +58,7 @@ OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
+LossName = Literal["grpo", "ppo-clip", "dr_grpo", "gspo"]  # the built-in losses (rlalign.training.losses.LOSSES)
 
 
 def _choice(default: str | None, allowed: Any) -> Any:
@@ -151,7 +152,7 @@ class EngineConfig:
 @dataclass
 class GeneratorConfig(EngineConfig, SamplingConfig):
     ep_size: int = 1
-    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.rollout.generator.generator_plan
+    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.generator_world
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
@@ -211,7 +212,9 @@ class IcePopConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # the loss (rlalign/training/losses.py): grpo | ppo-clip | dr_grpo | gspo; with `loss` set, that loss's label
     name: str = "grpo"
+    loss: str | None = None  # a user's loss: 'pkg.module:function' or '/path/to/file.py:function'
     clip_low: float = 0.2
     clip_high: float = 0.2
     ppo_epochs: int = 1
@@ -285,14 +288,12 @@ class MonitorConfig:
     # N; runs compare record by record only at the same N.
     optim_every: int = 10
     worst_tokens: int = 10
-    inject: str | None = None  # fault injection for testing the monitor: '<side>:<site>:<kind>' (monitor/taps.py)
 
 
 @dataclass
 class GateConfig:
     candidate: list[str] = field(default_factory=lambda: ["generator.ep_size=2"])  # baseline's other path
     replay_step: int | None = None  # replay: resume after this step (None: run.steps // 2 - 1)
-    b_overrides: list[str] = field(default_factory=list)  # extra overrides of the second run only (fault tests)
 
 
 @dataclass
@@ -354,8 +355,7 @@ def _valid_keys(schema: DictConfig, dotted: str) -> tuple[str, list[str]]:
 
 def _unknown_key_error(schema: DictConfig, key: str, origin: str) -> ConfigError:
     parent, keys = _valid_keys(schema, key)
-    close = difflib.get_close_matches(key.split(".")[-1], keys, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(key.split(".")[-1], keys)
     where = f"under {parent!r}" if parent else "at the top level"
     return ConfigError(f"unknown config key {key!r} in {origin}{hint}; valid keys {where}: {', '.join(keys)}")
 
@@ -426,7 +426,7 @@ def validate(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            problems.append(f"{key}={value!r}: expected {_or(allowed)}")
+            problems.append(f"{key}={value!r}: expected {_or(allowed)}{did_you_mean(value, allowed)}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.device)):
         problems.append(f"device={cfg.device!r}: expected cpu, cuda or cuda:N")
     num_experts = model_args(cfg).num_experts if cfg.model.path else cfg.model.num_experts
@@ -439,10 +439,7 @@ def validate(cfg: DictConfig) -> None:
                 f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
                 f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
             )
-    problems += _trainer_problems(cfg)
-    for key in ("ppo_epochs", "num_minibatches"):
-        if cfg.algorithm[key] < 1:
-            problems.append(f"algorithm.{key}={cfg.algorithm[key]}: must be >= 1")
+    problems += _trainer_problems(cfg) + _algorithm_problems(cfg.algorithm)
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
@@ -501,6 +498,26 @@ def _ranges(cfg: DictConfig) -> list[str]:
          cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
     ]
     return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
+
+
+def _algorithm_problems(a: DictConfig) -> list[str]:
+    problems = [f"algorithm.{key}={a[key]}: must be >= 1" for key in ("ppo_epochs", "num_minibatches") if a[key] < 1]
+    names = get_args(LossName)
+    if a.loss is None and a.name not in names:
+        problems.append(f"algorithm.name={a.name!r}: no such loss{did_you_mean(a.name, names)}; built in: "
+                        f"{', '.join(names)} (or algorithm.loss='pkg.module:function' for your own)")
+    if a.loss is not None and not re.fullmatch(r"[^:]+:[A-Za-z_]\w*", a.loss):
+        problems.append(f"algorithm.loss={a.loss!r}: expected 'pkg.module:function' or '/path/to/file.py:function'")
+    if a.loss is None and a.name == "ppo-clip" and a.kl_coef > 0:
+        problems.append(f"algorithm.kl_coef={a.kl_coef} with algorithm.name=ppo-clip: ppo-clip has no reference-KL "
+                        "term; use algorithm.name=grpo (ppo-clip plus the KL) or algorithm.kl_coef=0")
+    return problems
+
+
+def did_you_mean(value: Any, allowed: Any) -> str:
+    """' (did you mean 'x'?)' for the allowed string closest to value, or ''."""
+    close = difflib.get_close_matches(str(value), [a for a in allowed if isinstance(a, str)], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _trainer_problems(cfg: DictConfig) -> list[str]:

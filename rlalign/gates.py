@@ -10,6 +10,7 @@ monitor.fingerprints=layers, so a failure names its op) and compares: first the 
 environment of the two runs (refusing to compare if it differs beyond what the gate changes),
 then metrics.jsonl (time/* excluded), then every per-rank trace stream record by record (without
 the stale records of segments that did not have the stream's rank: rlalign.monitor.compare).
+A test changes one run only through a fault of that run (RLALIGN_FAULT='...@b': rlalign.faults).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign import faults
 from rlalign.config import load_config
 from rlalign.config_search import ConfigSource
-from rlalign.monitor.compare import first_state_difference, run_streams, state_difference_line, trainer_state
-from rlalign.monitor.trace import env_difference, first_divergence
+from rlalign.monitor.compare import first_differing_state, run_streams, state_difference_line, trainer_state
+from rlalign.monitor.trace import env_difference, first_differing_record
 from rlalign.rl import train
 
 GATES = ("repeatability", "baseline", "replay")
@@ -85,7 +87,7 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
     if "trainer" in skip and invariant:  # topology-invariant training: its state is comparable as a whole
         ta = trainer_state({n: r for n, (_, r) in sa.items()}, from_step)
         tb = trainer_state({n: r for n, (_, r) in sb.items()}, from_step)
-        key = first_state_difference(ta, tb)
+        key = first_differing_state(ta, tb)
         if key is not None:
             res.ok = False
             res.lines.append(state_difference_line(key, ta, tb))
@@ -96,7 +98,7 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
     for name in sorted(n for n in set(sa) & set(sb) if not n.startswith(skip)):
         ra = [r for r in sa[name][1] if r["step"] >= from_step]
         rb = [r for r in sb[name][1] if r["step"] >= from_step]
-        d = first_divergence(ra, rb)
+        d = first_differing_record(ra, rb)
         if d is not None:
             firsts[name] = d
     for name in sorted(n for n in set(sa) ^ set(sb) if not n.startswith(skip)):
@@ -140,8 +142,10 @@ def _flat(d: dict, p: str = "") -> dict:
 
 
 def _train(cfg: DictConfig, run_dir: Path, extra: list[str], source: ConfigSource | None) -> None:
-
-    train(load_config([*extra, f"run.dir={run_dir}"], source=source))
+    """One of the gate's runs, into run_dir (a or b): with the faults of every run and its own
+    (rlalign.faults.gate_run: a test's way to change one run only)."""
+    with faults.gate_run(run_dir.name):
+        train(load_config([*extra, f"run.dir={run_dir}"], source=source))
 
 
 def run_gate(kind: str, overrides: list[str], cfg: DictConfig,
@@ -167,7 +171,6 @@ def _run_gate(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSo
     common = [o for o in overrides if not o.startswith(("run.dir=", "gate."))]
     common += ["monitor.fingerprints=layers", "checkpoint.resume=never", f"run.steps={cfg.run.steps}"]
     candidate = list(OmegaConf.to_container(cfg.gate.candidate)) if kind == "baseline" else []
-    candidate += list(OmegaConf.to_container(cfg.gate.b_overrides))
     from_step, allowed = 0, ()
     if kind == "replay":
         k = cfg.gate.replay_step + 1 if cfg.gate.replay_step is not None else cfg.run.steps // 2

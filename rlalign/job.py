@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.generator_world import generator_world
 from rlalign.parallel.launch import shard_range
 from rlalign.parallel.weight_sync import SyncOutput
-from rlalign.rollout.generator import generator_plan, releases_memory
+from rlalign.rollout.generator import releases_memory
 from rlalign.sequences import Rollout, Sample
-from rlalign.training.plan import merge_stat
+from rlalign.training.losses import merge_stat
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 # a shared GPU: what the generator takes back beyond its measured peak (the allocator's rounding)
@@ -60,7 +61,7 @@ class Job:
 
         self.cfg = cfg
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
-        n, m = cfg.trainer.ep_size, generator_plan(cfg).ranks
+        n, m = cfg.trainer.ep_size, generator_world(cfg).ranks
         self.placement = Placement.create(cfg, [("trainer", n), ("generator", m)])  # from the cluster's nodes
         if len({s.node.node_id for g in self.placement.slots.values() for s in g}) > 1:  # where each rank landed
             print(f"rlalign train: {self.placement.describe()}", file=sys.stderr, flush=True)

@@ -39,7 +39,7 @@ from rlalign.job import Job
 from rlalign.logger import RunLogger, json_line, truncate_jsonl
 from rlalign.model import check_hf_dir
 from rlalign.parallel.weight_sync import SyncError
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import check_generator
 from rlalign.rundir import RunLock, record_segment, stale_note
 from rlalign.sampling_params import SamplingParams
 from rlalign.step import MismatchError, run_step
@@ -47,6 +47,7 @@ from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer, tokenizer_dir
+from rlalign.training.losses import resolve_loss
 from rlalign.training.trainer import checkpoint_nbytes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
@@ -71,7 +72,8 @@ def _prepare(cfg: DictConfig):
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
                          f"only {args.vocab_size}")
-    generator_plan(cfg)
+    check_generator(cfg)
+    resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = SamplingParams.from_config(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
     for ex in examples:

@@ -23,13 +23,13 @@ from rlalign.job import Job
 from rlalign.logger import json_line
 from rlalign.model import save_hf
 from rlalign.model.build import model_from_config
-from rlalign.monitor.consistency import compare
-from rlalign.monitor.divergence import report, tap_order
+from rlalign.monitor.consistency import logprob_consistency
+from rlalign.monitor.divergence import locate_mismatches, tap_order
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout, Sample
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
-from rlalign.training.losses import grpo_advantages
+from rlalign.training.losses import grpo_advantages, logged_stats
 
 
 class MismatchError(RuntimeError):
@@ -102,7 +102,6 @@ def warn_dead_signal(rewards: list[float], step: int) -> None:
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
-    upd_tokens = max(1, cons["tokens"] * cfg.algorithm.ppo_epochs)
     lengths = [len(r.tokens) for r in rollouts]
     sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
     metrics = {
@@ -120,37 +119,12 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # mean -log p of the sampled tokens under the generator: the Monte-Carlo estimate of the
         # per-token entropy of the sampling distribution
         "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
-        # the exact per-token entropy of softmax(logits / T) over the whole vocabulary, from the
-        # trainer's logits at each PPO forward (before top-k/top-p), averaged over every epoch
-        "actor/entropy": stats.get("entropy_sum", 0.0) / upd_tokens,
         **{f"consistency/{k}": v for k, v in cons.items()},
-        "actor/pg_loss": stats.get("pg_loss_sum", 0.0) / upd_tokens,
-        "actor/clip_frac": stats.get("clipped_sum", 0.0) / upd_tokens,
-        # by side: A > 0 with ratio > 1 + clip_high, A < 0 with ratio < 1 - clip_low
-        "actor/clip_high_frac": stats.get("clip_high_sum", 0.0) / upd_tokens,
-        "actor/clip_low_frac": stats.get("clip_low_sum", 0.0) / upd_tokens,
-        # KL(old || current) per token: old = algorithm.old_logprobs (the generator's by default),
-        # current = the trainer's logprobs at each PPO forward, averaged over every epoch and minibatch
-        # (0 for a single update of an on-policy batch: it sees the policy before its own update)
-        "kl/old_new_k1": stats.get("kl_k1_sum", 0.0) / upd_tokens,
-        "kl/old_new_k3": stats.get("kl_k3_sum", 0.0) / upd_tokens,
-        "actor/ratio_mean": stats.get("ratio_sum", 0.0) / upd_tokens,
-        "actor/ratio_max": stats.get("ratio_max", 0.0),
-        "actor/ratio_min": stats.get("ratio_min", 0.0),
-        "actor/grad_norm": stats.get("grad_norm_last", 0.0),
+        # whatever the loss returned, and actor/entropy: the exact per-token entropy of softmax(logits / T)
+        # over the whole vocabulary, from the trainer's logits at each PPO forward (Trainer.forward_backward)
+        **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),
         "actor/lr": cfg.trainer.lr,
     }
-    if cfg.algorithm.tis.enabled:
-        metrics.update({
-            "tis/weight_mean": stats["tis_weight_sum"] / upd_tokens,
-            "tis/weight_max": stats["tis_weight_max"],
-            "tis/weight_min": stats["tis_weight_min"],
-            "tis/clipped_frac": stats["tis_clipped_sum"] / upd_tokens,
-        })
-    if cfg.algorithm.icepop.enabled:
-        metrics["icepop/masked_frac"] = stats["icepop_masked_sum"] / upd_tokens
-    if cfg.algorithm.kl_coef > 0:
-        metrics["kl/ref_k3"] = stats.get("ref_kl_sum", 0.0) / upd_tokens
     return metrics
 
 
@@ -179,7 +153,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
                for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
-    cons = compare([r.logprobs for r in rollouts], trained.logprobs)
+    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs)
     detail = None
     if cons["mismatched_tokens"]:
         detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows, tok)
@@ -237,7 +211,7 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
     if tok is not None:
         worst = [{**w, "text": tok.decode([w["token"]])} for w in worst]
     args = model_args(cfg)
-    rep = report(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
+    rep = locate_mismatches(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
     return {**rep, "worst_tokens": worst}
 

@@ -147,14 +147,14 @@ def record_train_step(tr: Trace, t: Trainer, lps: dict, moments: bool) -> None:
 
 
 class _Monitored:
-    """Trace stream + tap recorder + fault injection of one worker (monitor.* config)."""
+    """Trace stream + tap recorder (monitor.* config) + injected faults (rlalign.faults) of one worker."""
 
     role = "worker"
 
     def _setup_monitor(self, model) -> None:
         self.trace = None
-        self.recorder = attach_taps(model, self.cfg.monitor.get("inject"), self.role)
-        self.injection = self.recorder.injection
+        self.recorder = attach_taps(model, self.role)
+        self.faults = self.recorder.faults
 
     def open_trace(self, start_step: int) -> None:
 
@@ -332,7 +332,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         maybe_fail("generator.generate", self.rank)
         if self.trace is not None:
             self.trace.step = step
-        params = dataclasses.replace(params, seed=params.seed + self.injection.seed_offset)
+        params = dataclasses.replace(params, seed=params.seed + self.faults.seed_offset)
         _reset_peak(self.cfg.device)
         t0 = time.perf_counter()
         outs = self.generator.generate(prompts, sample_ids, params)

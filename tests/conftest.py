@@ -133,6 +133,7 @@ def shared_runs():
         key = OmegaConf.to_container(cfg, resolve=True)
         key["run"].pop("dir")
         key.pop("gate")
+        key["RLALIGN_FAULT"] = os.environ.get("RLALIGN_FAULT")  # the run's injected faults (rlalign.faults)
         key = json.dumps(key, sort_keys=True)
         fresh = cfg.checkpoint.resume == "never"
         src = runs.get(key) if fresh else None
@@ -151,16 +152,22 @@ def shared_runs():
         gates.train = rl.train
 
 
-def train_cli_with_fault(spec: str, args: list[str], capsys, monkeypatch) -> tuple[int, str]:
-    """`rlalign train ARGS` in this process with RLALIGN_FAULT=spec (rlalign.faults): (exit status,
-    stderr). The module's Ray cluster comes up first, so its raylet, and the actors of the module's
-    later runs, never inherit the fault; this run's actors get it through their runtime env
-    (actors/group.py)."""
-    from rlalign import cli, cluster
+def inject_fault(spec: str, monkeypatch) -> None:
+    """RLALIGN_FAULT=spec (rlalign.faults) for the rest of the test. The module's Ray cluster comes up
+    first, so its raylet, and the actors of the module's later runs, never inherit the fault; the
+    runs of this test pass it to their actors through their runtime env (actors/group.py)."""
+    from rlalign import cluster
     from rlalign.config import load_config
 
     cluster.disconnect(cluster.connect(load_config([]).placement.num_cpus))
     monkeypatch.setenv("RLALIGN_FAULT", spec)
+
+
+def train_cli_with_fault(spec: str, args: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """`rlalign train ARGS` in this process with RLALIGN_FAULT=spec (inject_fault): (exit status, stderr)."""
+    from rlalign import cli
+
+    inject_fault(spec, monkeypatch)
     capsys.readouterr()
     rc = cli.main(["train", *args])
     return rc, capsys.readouterr().err

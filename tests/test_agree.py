@@ -112,7 +112,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
 def test_train_runs_the_generation_and_scoring_functions_agree_certifies(tmp_path, site, method, capsys, monkeypatch):
     """A fault planted in the function agree certifies stops `rlalign train` there (its actors are
     other processes: a spy cannot reach them, an environment-selected fault can)."""
-    rc, err = train_cli_with_fault(f"{site}:0:1", ["run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2",
+    rc, err = train_cli_with_fault(f"exit:{site}:0:1", ["run.steps=1", f"run.dir={tmp_path}", "task.num_prompts=2",
                                                    "task.samples_per_prompt=2", "trainer.ep_size=1",
                                                    "generator.ep_size=1"], capsys, monkeypatch)
     assert rc == 2 and f"failed in {method}()" in err, err[-2000:]

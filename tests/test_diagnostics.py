@@ -6,35 +6,48 @@ import json
 import torch
 
 from rlalign.config import load_config
-from rlalign.training.losses import grpo_advantages, policy_loss
+from rlalign.training.losses import LossBatch, grpo_advantages, gspo_loss, ppo_clip_loss
 
 ALG = load_config([]).algorithm
 
 
-def _stats(logprobs, old, adv):
+def _stats(logprobs, old, adv, loss=ppo_clip_loss, lengths=None):
     lp, o = torch.tensor(logprobs), torch.tensor(old)
-    return policy_loss(lp, o, o, torch.tensor(adv), ALG)[1]
+    batch = LossBatch(lp, o, o, torch.tensor(adv), lengths or [1] * len(lp), minibatch_tokens=len(lp),
+                      minibatch_sequences=len(lengths or lp))
+    st = loss(batch, ALG)[1]
+    return {k.removesuffix("_sum").removeprefix("kl/old_new_"): v for k, v in st.items()}
 
 
 def test_kl_old_new_is_zero_when_the_policy_did_not_change_and_positive_when_it_did():
     old = [-1.0, -2.0, -0.5, -3.0]
     st = _stats(old, old, [1.0, -1.0, 1.0, -1.0])
-    assert st["kl_k1_sum"].item() == 0.0 and st["kl_k3_sum"].item() == 0.0
-    assert st["clip_high_sum"].item() == 0.0 and st["clip_low_sum"].item() == 0.0
+    assert st["k1"].item() == 0.0 and st["k3"].item() == 0.0
+    assert st["clip_high_frac"].item() == 0.0 and st["clip_low_frac"].item() == 0.0
     # twin: the current policy moved (ratios e^0.5, e^-0.5, e^0.1, e^-0.7)
     new = [-0.5, -2.5, -0.4, -3.7]
     st = _stats(new, old, [1.0, -1.0, 1.0, -1.0])
     lr = torch.tensor(new) - torch.tensor(old)
-    assert torch.isclose(st["kl_k1_sum"], -lr.sum())
-    assert torch.isclose(st["kl_k3_sum"], (lr.exp() - 1 - lr).sum()) and st["kl_k3_sum"] > 0
+    assert torch.isclose(st["k1"], -lr.sum())
+    assert torch.isclose(st["k3"], (lr.exp() - 1 - lr).sum()) and st["k3"] > 0
     # A > 0 and ratio e^0.5 > 1.2: clipped high; A < 0 and ratios e^-0.5, e^-0.7 < 0.8: clipped low
-    assert st["clip_high_sum"].item() == 1.0 and st["clip_low_sum"].item() == 2.0
+    assert st["clip_high_frac"].item() == 1.0 and st["clip_low_frac"].item() == 2.0
 
 
 def test_the_clip_sides_count_only_where_the_clip_removes_the_gradient():
     # ratio > 1 + eps with A < 0 and ratio < 1 - eps with A > 0 are not clipped by PPO
     st = _stats([0.0, -2.0], [-1.0, -1.0], [-1.0, 1.0])
-    assert st["clip_high_sum"].item() == 0.0 and st["clip_low_sum"].item() == 0.0
+    assert st["clip_high_frac"].item() == 0.0 and st["clip_low_frac"].item() == 0.0
+
+
+def test_gspo_logs_the_same_kl_per_token_and_counts_a_clipped_sequence_by_its_tokens():
+    old, new = [-1.0, -1.0, -2.0], [-0.5, -0.5, -2.0]  # sequence 0 (2 tokens) moved up by e^0.5
+    st = _stats(new, old, [1.0, 1.0, 1.0], gspo_loss, [2, 1])
+    lr = torch.tensor(new) - torch.tensor(old)
+    assert torch.isclose(st["k1"], -lr.sum()) and torch.isclose(st["k3"], (lr.exp() - 1 - lr).sum())
+    assert st["clip_high_frac"].item() == 2.0 and st["clip_low_frac"].item() == 0.0
+    st = _stats(old, old, [1.0, 1.0, 1.0], gspo_loss, [2, 1])  # twin: nothing moved
+    assert st["k1"].item() == st["k3"].item() == st["clip_high_frac"].item() == 0.0
 
 
 def test_zero_std_group_fraction_is_one_when_all_rewards_are_equal_and_warns(capsys):

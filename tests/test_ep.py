@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from rlalign.agree import batch_params, generate_batch, random_prompts, run_agree, score_batch
 from rlalign.config import ConfigError, load_config
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel import launch
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_every_trainer_ep_agrees_with_every_generator_ep(dtype):
     for ep in (1, 2, 4):  # the trainer's logprobs are bitwise equal at EP 1, 2 and 4 ...
         assert all(same_bits(a, b) for a, b in zip(scored[ep], scored[1]))
         for g in (1, 2):  # ... and equal to what each generator EP sampled with
-            c = compare([r.logprobs for r in gens[g]], scored[ep])
+            c = logprob_consistency([r.logprobs for r in gens[g]], scored[ep])
             assert c["mismatched_tokens"] == 0 and c["logprob_abs_diff_max"] == 0.0, (ep, g)
 
 

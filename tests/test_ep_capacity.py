@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from rlalign.agree import random_prompts, score_batch
 from rlalign.config import load_config
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel import launch
 
 pytestmark = pytest.mark.slow
@@ -164,7 +164,7 @@ def test_generator_ep2_decode_through_fixed_capacity_equals_ep1_and_the_trainer(
     assert all(a.tokens == b.tokens and same_bits(a.logprobs, b.logprobs) for a, b in zip(one, two))
     assert sum(len(r.tokens) for r in two) >= 150
     scored = score_batch(cfg, [r.prompt for r in two], [r.tokens for r in two], two[0].params)
-    c = compare([r.logprobs for r in two], scored)
+    c = logprob_consistency([r.logprobs for r in two], scored)
     assert c["mismatched_tokens"] == 0 and c["logprob_abs_diff_max"] == 0.0
 
 

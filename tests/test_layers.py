@@ -138,27 +138,47 @@ def import_cycle(sources: dict[str, tuple[str, bool]]) -> list[str] | None:
 
 
 def backend_readers(sources: dict[str, tuple[str, bool]]) -> list[str]:
-    """'module.function' of each function that reads the generator.backend config key: `.backend` of
-    `<x>.generator` or of a local bound to one, or the string "generator.backend" in code."""
+    """'module.function' of each function that reads the generator.backend config key: `.backend`,
+    `["backend"]` or `.get("backend")` of `<x>.generator` / `<x>["generator"]` or of a local bound to
+    one, or the string "generator.backend" in code."""
     out = set()
     for name, (text, _) in sources.items():
         tree = ast.parse(text)
         funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for fn in funcs:
-            local = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and _is_generator(n.value)
-                     for t in n.targets if isinstance(t, ast.Name)}
+            local = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) for t, v in _bindings(n)
+                     if _is_generator(v)}
+            gen = lambda node, local=local: _is_generator(node) or (isinstance(node, ast.Name) and node.id in local)  # noqa: E731
             for n in ast.walk(fn):
-                if isinstance(n, ast.Attribute) and n.attr == "backend" and (
-                        _is_generator(n.value) or (isinstance(n.value, ast.Name) and n.value.id in local)):
-                    out.add(f"{name}.{fn.name}")
-                elif isinstance(n, ast.Call) and any(isinstance(a, ast.Constant) and a.value == "generator.backend"
-                                                     for a in n.args):
+                if (_reads_backend(n, gen) or isinstance(n, ast.Call) and any(
+                        isinstance(a, ast.Constant) and a.value == "generator.backend" for a in n.args)):
                     out.add(f"{name}.{fn.name}")
     return sorted(out)
 
 
+def _bindings(node: ast.Assign) -> list[tuple[ast.AST, ast.AST]]:
+    """(name, value) pairs of an assignment, tuples unpacked (`a, g = x, cfg.generator`)."""
+    pairs = []
+    for t in node.targets:
+        if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple) and len(t.elts) == len(node.value.elts):
+            pairs += [(a, b) for a, b in zip(t.elts, node.value.elts) if isinstance(a, ast.Name)]
+        elif isinstance(t, ast.Name):
+            pairs.append((t, node.value))
+    return pairs
+
+
+def _reads_backend(n: ast.AST, gen) -> bool:
+    if isinstance(n, ast.Attribute) and n.attr == "backend":
+        return gen(n.value)
+    if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value == "backend":
+        return gen(n.value)
+    return (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and gen(n.func.value)
+            and bool(n.args) and isinstance(n.args[0], ast.Constant) and n.args[0].value == "backend")
+
+
 def _is_generator(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == "generator"
+    return (isinstance(node, ast.Attribute) and node.attr == "generator") or (
+        isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "generator")
 
 
 @pytest.fixture(scope="module")
@@ -221,13 +241,17 @@ def test_negative_twin_an_upward_import_is_named(sources):
 
 
 def test_generator_backend_is_read_in_one_function(sources):
-    assert backend_readers(sources) == ["rlalign.rollout.generator.generator_plan"]
+    assert backend_readers(sources) == ["rlalign.generator_world.generator_world"]
 
 
-def test_negative_twin_a_second_backend_reader_is_found(sources):
-    planted = dict(sources, **{"rlalign.extra": ("def ranks(cfg):\n    g = cfg.generator\n"
-                                                 "    return 1 if g.backend == 'vllm' else g.ep_size\n", False)})
-    assert backend_readers(planted) == ["rlalign.extra.ranks", "rlalign.rollout.generator.generator_plan"]
+@pytest.mark.parametrize("body", [
+    "    g = cfg.generator\n    return 1 if g.backend == 'vllm' else g.ep_size\n",
+    "    return 1 if cfg['generator'].get('backend') == 'vllm' else 2\n",  # a saved config's dict
+    "    n, g = 2, cfg['generator']\n    return 1 if g['backend'] == 'vllm' else n\n",
+])
+def test_negative_twin_a_second_backend_reader_is_found(sources, body):
+    planted = dict(sources, **{"rlalign.extra": (f"def ranks(cfg):\n{body}", False)})
+    assert backend_readers(planted) == ["rlalign.extra.ranks", "rlalign.generator_world.generator_world"]
 
 
 def test_only_kernels_and_actors_join_the_package():

@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
+from conftest import inject_fault
 
 from rlalign.config import load_config
 from rlalign.fingerprint import fingerprint, row_fingerprints
 from rlalign.gates import GateRefused, compare_runs, run_gate
-from rlalign.monitor.consistency import compare
+from rlalign.monitor.consistency import logprob_consistency
 from rlalign.monitor.trace import TraceError, env_difference, fixed_environment, read_trace
 
 pytestmark = pytest.mark.usefixtures("shared_runs")  # a config run before in the module: copied (conftest.py)
@@ -55,7 +56,7 @@ def test_row_fingerprints_are_per_row_and_order_sensitive():
 def test_consistency_metrics():
     g = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
     t = [torch.tensor([-1.0, -2.1]), torch.tensor([-0.5])]
-    c = compare(g, t)
+    c = logprob_consistency(g, t)
     assert c["tokens"] == 3 and c["mismatched_tokens"] == 1
     assert c["mismatch_token_frac"] == pytest.approx(1 / 3) and c["mismatch_seq_frac"] == 0.5
     assert c["logprob_abs_diff_max"] == pytest.approx(0.1, abs=1e-6)
@@ -63,10 +64,10 @@ def test_consistency_metrics():
     assert c["k3_kl"] == pytest.approx((math.exp(d) - 1 - d) / 3, rel=1e-5)
     assert c["ppl_ratio"] == pytest.approx(math.exp(0.1 / 3), rel=1e-5)
     assert sum(c["abs_diff_hist"]) == 3 and c["abs_diff_hist"][0] == 2
-    same = compare(g, g)
+    same = logprob_consistency(g, g)
     assert same["mismatched_tokens"] == 0 and same["k3_kl"] == 0.0 and same["ppl_ratio"] == 1.0
     with pytest.raises(ValueError, match="sequence 1 has 1 generator vs 2 trainer logprobs"):
-        compare(g, [g[0], torch.zeros(2)])
+        logprob_consistency(g, [g[0], torch.zeros(2)])
 
 
 # --- traces ------------------------------------------------------------------------------------------
@@ -94,6 +95,31 @@ def test_corrupt_traces_name_the_line(tmp_path):
     assert [(r["name"], r["fp"], r["shape"]) for r in recs] == [("w/expert4", "a", [2]), ("w/expert5", "b", [2])]
     with pytest.raises(TraceError, match=r"t6.jsonl:2: record lacks or mistypes field\(s\) \['fps'\]"):
         read_trace(_trace(tmp_path, "t6.jsonl", [HEADER, json.dumps({**rows, "fps": ["a", 7]}) + "\n"]))
+
+
+def test_one_first_divergence_for_records_state_and_a_tokens_ops():
+    """trace records by index, trainer state by (step, name), a token's rows by (op in model order,
+    position): each the first key of divergence.first_divergence; None when nothing differs."""
+    from rlalign.monitor.compare import first_differing_state
+    from rlalign.monitor.divergence import first_divergence, first_divergent_tap
+    from rlalign.monitor.trace import first_differing_record
+
+    assert first_divergence([3, 1, 2], lambda k: k < 3) == 1 and first_divergence([1, 2], lambda k: False) is None
+    recs = [{"step": 0, "name": n, "fp": n} for n in "abc"]
+    assert first_differing_record(recs, recs) is None
+    d = first_differing_record(recs, [recs[0], {**recs[1], "fp": "x"}, {**recs[2], "fp": "y"}])
+    assert (d["index"], d["previous"], d["step_first"]) == (1, "a", False)
+    d = first_differing_record(recs, recs[:2])
+    assert (d["index"], d["a"], d["b"], d["length"]) == (2, recs[2], None, (3, 2))
+    st = {(0, "w"): {"fp": 1, "shape": [2], "dtype": "f"}, (1, "w"): {"fp": 2, "shape": [2], "dtype": "f"}}
+    assert first_differing_state(st, st) is None
+    assert first_differing_state(st, {**st, (1, "w"): {"fp": 3, "shape": [2], "dtype": "f"}}) == (1, "w")
+    assert first_differing_state(st, {(1, "w"): st[(1, "w")]}) == (0, "w")  # in one run only
+    gen = {(7, 0): {"attn": 1, "mlp": 1}, (7, 1): {"attn": 2, "mlp": 5}}
+    train = {(7, 0): {"attn": 1, "mlp": 9}, (7, 1): {"attn": 3, "mlp": 5}}
+    assert first_divergent_tap(gen, train, 7, 1, ["attn", "mlp"]) == ("attn", 1)  # op order before position
+    assert first_divergent_tap(gen, train, 7, 0, ["attn", "mlp"]) == ("mlp", 0)
+    assert first_divergent_tap(gen, gen, 7, 1, ["attn", "mlp"]) is None
 
 
 def test_the_trace_writer_thread_writes_in_program_order_and_its_errors_surface(tmp_path):
@@ -157,7 +183,7 @@ def _gate(kind, tmp_path, *over):
 
 
 @pytest.mark.slow
-def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys):
+def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys, monkeypatch):
     from rlalign import cli
 
     t = time.perf_counter()
@@ -168,43 +194,46 @@ def test_gate_repeatability_pass_and_fail_names_the_injected_op(tmp_path, capsys
     assert "gate repeatability: PASS" in out
     rows = [json.loads(ln) for ln in (tmp_path / "cli" / "gate-repeatability" / "a" / "metrics.jsonl").open()]
     assert [r["consistency/mismatched_tokens"] for r in rows] == [0]  # on_mismatch=warn let none through
-    ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn",
-                     "monitor.inject=generator:layers.1.mlp:noise")
+    inject_fault("noise:generator:layers.1.mlp", monkeypatch)  # both runs: noise is not repeatable
+    ok, text = _gate("repeatability", tmp_path / "noise", "run.steps=1", "monitor.on_mismatch=warn")
     assert not ok and "FAIL" in text
     assert "first divergence: gen.step.layers.1.mlp" in text
 
 
 @pytest.mark.slow
-def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path):
+def test_gate_baseline_pass_and_fail_names_the_non_invariant_op(tmp_path, monkeypatch):
     ok, text = _gate("baseline", tmp_path / "ep", "run.steps=3", "checkpoint.every=1",  # candidate: generator EP 2
                      "checkpoint.keep=0")  # run a: the replay gate's (shared_runs)
     assert ok, text
+    inject_fault("default:both:layers.1.attn@b", monkeypatch)  # the candidate: run b with that fault
     ok, text = _gate("baseline", tmp_path / "bad", "run.steps=1", "monitor.on_mismatch=warn",  # run a: GATE_RUN's
-                     'gate.candidate=["monitor.inject=both:layers.1.attn:default"]')
+                     "gate.candidate=[]")
     assert not ok and "first divergence: gen.step.layers.1.attn" in text
 
 
 @pytest.mark.slow
-def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path):
+def test_gate_replay_pass_and_fail_on_a_perturbed_sampling_rng(tmp_path, monkeypatch):
     ok, text = _gate("replay", tmp_path / "ok", "run.steps=3")
     assert ok, text
-    ok, text = _gate("replay", tmp_path / "rng", "run.steps=3",
-                     'gate.b_overrides=["monitor.inject=generator:sampling:seed"]')
+    inject_fault("seed:generator@b", monkeypatch)  # the resumed run only
+    ok, text = _gate("replay", tmp_path / "rng", "run.steps=3")
     assert not ok and "first divergence: gen.step.sample" in text
 
 
 # --- generator-vs-trainer divergence report -------------------------------------------------------------
-def _divergence_config(run_dir, site):
-    return load_config([*GATE_RUN, f"run.dir={run_dir}", "monitor.fingerprints=layers", "model.dtype=float32",
-                        f"monitor.inject=generator:{site}:default"])
+def _divergence_run(shared_runs, monkeypatch, run_dir, site):
+    """A GATE_RUN run (fp32, per-op fingerprints) whose generator runs `site` on the default kernels."""
+    inject_fault(f"default:generator:{site}", monkeypatch)
+    shared_runs(load_config([*GATE_RUN, f"run.dir={run_dir}", "monitor.fingerprints=layers", "model.dtype=float32"]))
+    monkeypatch.delenv("RLALIGN_FAULT")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("site, first", [("layers.1.attn", "layers.1.attn"), ("layers.0.mlp", "layers.0.router")])
-def test_divergence_report_names_the_injected_layer(tmp_path, site, first, shared_runs):
+def test_divergence_report_names_the_injected_layer(tmp_path, site, first, shared_runs, monkeypatch):
     from rlalign.monitor.report import make_report
 
-    shared_runs(_divergence_config(tmp_path, site))
+    _divergence_run(shared_runs, monkeypatch, tmp_path, site)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["consistency/mismatched_tokens"] > 0
     assert row["consistency/first_divergent_op"] == first
@@ -216,32 +245,32 @@ def test_divergence_report_names_the_injected_layer(tmp_path, site, first, share
 
 
 @pytest.mark.slow
-def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs):
+def test_gates_refuse_runs_whose_fixed_environment_differs(tmp_path, shared_runs, monkeypatch):
     """Two runs of the module (the repeatability gate's and the divergence report's: shared_runs) whose
-    model.dtype differs; and the seed is part of the fixed environment (twin: the injected fault, a
-    monitor key, is not)."""
+    model.dtype differs; and the seed is part of the fixed environment (twin: a monitor key is not)."""
     shared_runs(load_config([*GATE_RUN, "monitor.fingerprints=layers", f"run.dir={tmp_path / 'a'}"]))
-    shared_runs(_divergence_config(tmp_path / "b", "layers.1.attn"))
+    _divergence_run(shared_runs, monkeypatch, tmp_path / "b", "layers.1.attn")
     with pytest.raises(GateRefused, match=r"fixed environments differ.*model.dtype: 'bfloat16' vs 'float32'"):
         compare_runs(tmp_path / "a", tmp_path / "b")
-    env = {over: fixed_environment(load_config([over])) for over in ("seed=0", "seed=1", "monitor.inject=x:y:z")}
+    env = {over: fixed_environment(load_config([over])) for over in ("seed=0", "seed=1", "monitor.worst_tokens=3")}
     assert env_difference(env["seed=0"], env["seed=1"]) == ["seed"]
-    assert env_difference(env["seed=0"], env["monitor.inject=x:y:z"]) == []
+    assert env_difference(env["seed=0"], env["monitor.worst_tokens=3"]) == []
 
 
 @pytest.mark.slow
-def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path):
+def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path, monkeypatch):
     from rlalign.agree import run_agree
     from rlalign.rl import MismatchError, train
 
-    inject = "monitor.inject=generator:layers.0.attn:default"
+    inject_fault("default:generator:layers.0.attn", monkeypatch)
     with pytest.raises(MismatchError, match=r"first divergence: layers.0.attn.*agree.replay=") as e:
-        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers", inject]))
+        train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path}", "monitor.fingerprints=layers"]))
     dump = tmp_path / "mismatch-step000000"
     assert dump.is_dir() and str(dump) in str(e.value)
     assert (dump / "weights" / "config.json").is_file() and (dump / "config.yaml").is_file()
-    res, _ = run_agree(load_config([f"agree.replay={dump}", inject, "trainer.ep_size=1"]))
+    res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))
     assert res["replay_same_tokens"] and res["replay_generator_logprobs_equal"] and res["mismatched_tokens"] > 0
+    monkeypatch.delenv("RLALIGN_FAULT")
     res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))  # without the fault
     assert res["mismatched_tokens"] == 0 and not res["replay_generator_logprobs_equal"]
 

@@ -8,7 +8,7 @@ import torch
 from conftest import same_bits
 
 from rlalign.parallel.launch import shard_range
-from rlalign.training.plan import micro_batch_share
+from rlalign.training.partition import micro_batch_share
 from rlalign.training.reduce import TreeSum, _merge, _root
 
 

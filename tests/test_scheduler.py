@@ -272,7 +272,7 @@ def write_stopped(runs):
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=term_once_the_write_began, daemon=True).start()
-    os.environ["RLALIGN_FAULT"] = "checkpoint.write:0:2:hang"
+    os.environ["RLALIGN_FAULT"] = "hang:checkpoint.write:0:2"
     log = runs / "write.stderr"
     try:
         with _stderr_into(log):
@@ -470,7 +470,7 @@ def test_a_reward_error_lets_the_save_in_flight_finish_and_the_resume_gives_the_
     from rlalign.rl import train
 
     d = runs / "reward-error"  # step 0's write takes 6 s more on rank 0: still in flight when step 1's reward raises
-    rc, err = _run_to_call_18(d, "raise", monkeypatch, "checkpoint.every=1", fault="checkpoint.write:0:1:sleep=6")
+    rc, err = _run_to_call_18(d, "raise", monkeypatch, "checkpoint.every=1", fault="sleep:checkpoint.write:0:1:6")
     assert rc == 2, err[-3000:]
     assert "rlalign train: RewardError during step 1; waiting up to 60 s for the checkpoint of step 0 being " \
            "written" in err
@@ -494,7 +494,7 @@ def test_a_save_in_flight_that_outlasts_the_bound_is_left_behind_and_the_error_n
 
     d = runs / "reward-error-slow-save"  # twin: the write outlasts the wait (1 s here)
     monkeypatch.setattr(rl, "SAVE_IN_FLIGHT_MIN_WAIT_S", 1.0)
-    rc, err = _run_to_call_18(d, "raise", monkeypatch, "checkpoint.every=1", fault="checkpoint.write:0:1:sleep=600")
+    rc, err = _run_to_call_18(d, "raise", monkeypatch, "checkpoint.every=1", fault="sleep:checkpoint.write:0:1:600")
     assert rc == 2, err[-3000:]
     assert "rlalign train: the checkpoint of step 0 was not written within 1 s (left as a .tmp, which resume " \
            "ignores)" in err

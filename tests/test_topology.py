@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import inject_fault
 from omegaconf import OmegaConf
 
 from rlalign.config import load_config
@@ -184,10 +185,11 @@ def _gate(tmp_path, candidate):
     return run_gate("baseline", over, load_config([*over, f"run.dir={tmp_path}"]))
 
 
-def test_gate_baseline_across_trainer_ep_sizes_and_an_injected_reorder_named(tmp_path):
+def test_gate_baseline_across_trainer_ep_sizes_and_an_injected_reorder_named(tmp_path, monkeypatch):
     ok, text = _gate(tmp_path / "ep", '["trainer.ep_size=2"]')
     assert ok, text
     assert "trainer state (gradients, AdamW moments, weights per global expert): identical" in text
     bad = "model.layers.1.mlp.experts.down_proj"
-    ok, text = _gate(tmp_path / "bad", f'["trainer.ep_size=2","monitor.inject=trainer:{bad}:reorder"]')
+    inject_fault(f"reorder:trainer:{bad}@b", monkeypatch)
+    ok, text = _gate(tmp_path / "bad", '["trainer.ep_size=2"]')
     assert not ok and f"first divergence: state/grad/{bad}/expert" in text, text

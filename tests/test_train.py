@@ -105,6 +105,22 @@ def test_default_kernels_train_report_mismatch_and_corrections(default_kernels):
     assert rows[0]["tis/weight_max"] != 1.0 or rows[0]["tis/weight_min"] != 1.0
 
 
+def test_a_user_loss_trains_at_trainer_ep_2_and_the_step_logs_its_metrics(tmp_path):
+    """algorithm.loss from a file (the trainer actors import it there): GSPO plus a metric of its own,
+    whose micro-batch values the driver sums over both trainer ranks; the built-in metrics it passes on
+    are logged too, and none that it does not return."""
+    (tmp_path / "my_loss.py").write_text(
+        "from rlalign.training.losses import gspo_loss\n\n"
+        "def loss(batch, alg):\n"
+        "    value, metrics = gspo_loss(batch, alg)\n"
+        "    return value, {**metrics, 'mine/sequences': float(len(batch.lengths))}\n")
+    train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path / 'run'}", "algorithm=gspo", "algorithm.name=gspo+",
+                       f"algorithm.loss={tmp_path / 'my_loss.py'}:loss", "checkpoint.enabled=false"]))
+    row = _rows(tmp_path / "run")[0]
+    assert row["mine/sequences"] == 16.0 and row["consistency/mismatched_tokens"] == 0
+    assert row["actor/ratio_mean"] == 1.0 and "actor/pg_loss" in row and "kl/ref_k3" not in row
+
+
 def test_a_mismatching_run_logs_the_worst_tokens_and_the_first_divergent_op_to_wandb(default_kernels):
     d = default_kernels
     steps, run = history_by_step(d)
@@ -303,7 +319,7 @@ def test_reward_error_is_reported_with_the_sample(tmp_path):
 def test_crashed_actor_stops_the_driver_and_keeps_the_last_checkpoint(tmp_path, async_save, capsys, monkeypatch):
     from rlalign import checkpoint as ckpt
 
-    rc, err = train_cli_with_fault("trainer.train_step:1:3", [
+    rc, err = train_cli_with_fault("exit:trainer.train_step:1:3", [
         *SMALL, "run.steps=4", f"run.dir={tmp_path}", "checkpoint.every=1",
         f"checkpoint.async_save={str(async_save).lower()}"], capsys, monkeypatch)  # in-process: the module's Ray
     assert rc == 2

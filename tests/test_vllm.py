@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, same_bits, tiny_model
+from conftest import TINY, inject_fault, same_bits, tiny_model
 
 from rlalign import kernels
 from rlalign.agree import batch_params, generate_batch, random_prompts, run_agree, score_batch
@@ -27,7 +27,7 @@ from rlalign.model import read_args, save_hf
 from rlalign.model.hf import hf_state_dict
 from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
-from rlalign.rollout.generator import generator_plan
+from rlalign.rollout.generator import check_generator
 from rlalign.rollout.native.engine import generate
 from rlalign.rollout.vllm import check_installed, refuse_shapes
 from rlalign.rollout.vllm.attention import VllmPages
@@ -269,15 +269,16 @@ def test_vllm_shaped_pages_attend_like_prefill_rows():
 
 
 @pytest.mark.slow
-def test_train_fault_inside_vllm_is_reported_at_its_layer(tmp_path):
+def test_train_fault_inside_vllm_is_reported_at_its_layer(tmp_path, monkeypatch):
     """Negative twin through the monitor: layers.0.mlp inside vLLM runs the default kernels
-    (monitor.inject); the step reports mismatches and the row fingerprints recorded inside vLLM
-    name layers.0.mlp as the first divergent op."""
+    (RLALIGN_FAULT, which vLLM's processes inherit); the step reports mismatches and the row
+    fingerprints recorded inside vLLM name layers.0.mlp as the first divergent op."""
     from rlalign.rl import train
 
+    inject_fault("default:generator:layers.0.mlp", monkeypatch)
     train(load_config(["generator.backend=vllm", "run.steps=1", "trainer.ep_size=1", f"run.dir={tmp_path}",
                        "task.num_prompts=4", "task.samples_per_prompt=4", "monitor.fingerprints=layers",
-                       "monitor.inject=generator:layers.0.mlp:default", "monitor.on_mismatch=warn",
+                       "monitor.on_mismatch=warn",
                        "logger.console=false", *SMALL]))
     (row,) = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert row["consistency/mismatched_tokens"] > 0
@@ -311,13 +312,13 @@ def test_shapes_vllm_refuses_are_refused_before_the_engine_starts(tmp_path):
         VllmGenerator(str(tmp_path / "h3"), "bfloat16", OPTIONS, ep_size=2)
     over = ["generator.backend=vllm", "model.num_heads=3", "model.num_kv_heads=1"]
     with pytest.raises(ConfigError, match=r"generator\.ep_size=2: .*generator\.backend=native"):
-        generator_plan(load_config([*over, "generator.ep_size=2"]))
-    assert generator_plan(load_config(["generator.backend=vllm", "generator.ep_size=2"])).ranks == 1  # 4 heads
+        check_generator(load_config([*over, "generator.ep_size=2"]))
+    assert check_generator(load_config(["generator.backend=vllm", "generator.ep_size=2"])).ranks == 1  # 4 heads
     save_hf(tiny_model(), tmp_path / "d16")  # head_dim 16
     with pytest.raises(ValueError, match=r"stock=true on CPU: .*model has 16 \(model\.head_dim"):
         VllmGenerator(str(tmp_path / "d16"), "bfloat16", OPTIONS, stock=True)
     with pytest.raises(ConfigError, match=r"generator\.ep_size=2"):  # the stock twin checks heads too
-        generator_plan(load_config([*over, "generator.ep_size=2", "generator.vllm.stock=true"]))
+        check_generator(load_config([*over, "generator.ep_size=2", "generator.vllm.stock=true"]))
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 2, stock=False, cpu_head_sizes=[32, 64])
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 1, stock=True, cpu_head_sizes=[16])
 
@@ -335,7 +336,7 @@ def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
         check_installed()
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed"):
-        generator_plan(load_config(["generator.backend=vllm"]))
+        check_generator(load_config(["generator.backend=vllm"]))
     monkeypatch.setattr(metadata, "version", lambda name: "0.31.2")
     with pytest.raises(ImportError, match=r"vLLM 0\.31\.2 is not supported.*>=0\.32\.0,<0\.33"):
         check_installed()
@@ -354,10 +355,10 @@ def test_vllm_colocated_on_cuda_is_refused_at_config_time():
     """A colocated generator gives its GPU memory back while the trainer trains: the native engine does,
     vLLM here does not; refused before any process starts (twins: separate GPUs, and CPU, are planned)."""
     with pytest.raises(ConfigError, match=r"generator\.backend=vllm with placement\.colocate=true on CUDA") as e:
-        generator_plan(load_config(["generator.backend=vllm", "placement.colocate=true", "device=cuda"]))
+        check_generator(load_config(["generator.backend=vllm", "placement.colocate=true", "device=cuda"]))
     assert "\n" not in str(e.value)
     for twin in (["placement.colocate=false", "device=cuda"], ["placement.colocate=true", "device=cpu"]):
         try:
-            generator_plan(load_config(["generator.backend=vllm", *twin]))
+            check_generator(load_config(["generator.backend=vllm", *twin]))
         except ConfigError as err:
             assert "placement.colocate" not in str(err)

@@ -6,9 +6,10 @@ deterministic Triton kernels vs the default ones (`kernels.mode=default`), in on
 Per variant: one warm-up step, then --steps timed steps (fresh samples each step, the same sample
 sets for every variant; the step's wall time between two synchronizes), device time per phase (CUDA
 events around each phase, read once per step: no host sync inside the step, so the instrumented step
-runs as the plain one): forward = score_micro_batch, backward = Tensor.backward, loss = policy_loss and
-its host copies, tree_add = TreeSum.add, tree = TreeSum.total, optimizer = optimizer_step (grad_norm,
-AdamW step, the copy back)), the number and wall time of Triton JIT compilations, then one step under
+runs as the plain one): forward = score_micro_batch, backward = Tensor.backward, loss = the algorithm's
+loss (rlalign.training.losses) and its host copies, tree_add = TreeSum.add, tree = TreeSum.total,
+optimizer = optimizer_step (grad_norm, AdamW step, the copy back)), the number and wall time of Triton
+JIT compilations, then one step under
 torch.profiler: CUDA time per kernel name (top N), the host's top ops and the device's idle gaps inside
 the step (the largest with the kernels around them). Prints a table last; writes
 results/train_profile_<model>_<gpu>[_<name>].json.
@@ -118,8 +119,14 @@ def unfused(timers=None, keep=()):
         self.torch_opt.zero_grad(set_to_none=True)
         return set()
 
-    def ppo_loss(samples, alg, old, ref):  # the loss with its host syncs per micro-batch
-        from rlalign.training.trainer import policy_loss
+    def ppo_loss(self, samples, alg, old, ref, minibatch=None):  # the loss with its host syncs per micro-batch
+        from rlalign.training import trainer as trainer_module
+        from rlalign.training.losses import LossBatch
+
+        loss = trainer_module.resolve_loss(alg)  # as Trainer.ppo_loss resolves it (timed when _install wrapped it)
+        members = [j for mb in minibatch for j in mb] if minibatch is not None else range(len(samples))
+        sizes = dict(minibatch_tokens=sum(len(samples[j].response) for j in members), minibatch_sequences=len(members),
+                     max_new_tokens=self.max_new_tokens)
 
         def loss_fn(lps, idx):
             new = [(lp, j) for lp, j in zip(lps, idx) if j not in old]
@@ -127,14 +134,17 @@ def unfused(timers=None, keep=()):
                 flat = torch.cat([lp.detach().float() for lp, _ in new]).cpu()
                 for (_, j), x in zip(new, flat.split([lp.numel() for lp, _ in new])):
                     old[j] = x.clone()
-            cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
-            loss, st = policy_loss(torch.cat(lps), cat([samples[j].generator_logprobs for j in idx]),
-                                   cat([old[j] for j in idx]),
-                                   cat([torch.full((len(samples[j].response),), samples[j].advantage) for j in idx]),
-                                   alg, cat([ref[j] for j in idx]) if ref is not None else None)
-            vals = [torch.as_tensor(v, device=lps[0].device).float().reshape(()) for v in st.values()]
+            dev = lps[0].device
+            cat = lambda xs: torch.cat(xs).to(dev).float() if xs else torch.zeros(0, device=dev)  # noqa: E731
+            batch = LossBatch(torch.cat(lps), cat([samples[j].generator_logprobs for j in idx]),
+                              cat([old[j] for j in idx]),
+                              cat([torch.full((len(samples[j].response),), samples[j].advantage) for j in idx]),
+                              [len(samples[j].response) for j in idx],
+                              cat([ref[j] for j in idx]) if ref is not None else None, **sizes)
+            value, st = loss(batch, alg)
+            vals = [torch.as_tensor(v, device=dev).float().reshape(()) for v in st.values()]
             torch.stack(vals).tolist()  # the stats' host read per micro-batch
-            return loss, st
+            return value, st
 
         return loss_fn
 
@@ -150,7 +160,7 @@ def unfused(timers=None, keep=()):
              "swiglu": K.swiglu_halves, "norm": K.add_rmsnorm,
              "squares": K.sum_of_squares, "rows": D.MAX_ROWS, "loss": Trainer.__dict__["ppo_loss"]}
     if "syncs" not in keep:
-        Trainer.ppo_loss = staticmethod(ppo_loss)
+        Trainer.ppo_loss = ppo_loss
     if "add" not in keep:
         K.add_f32 = lambda a, b, c=None: a.float() + b.float() if c is None else a.float() + (b.float() + c.float())
     if "slot" not in keep:
@@ -254,7 +264,7 @@ def _install(timers: Timers, trainer) -> None:
     from rlalign.training.reduce import TreeSum
 
     tr.score_micro_batch = timers.wrap("forward", tr.score_micro_batch)
-    tr.policy_loss = timers.wrap("loss", tr.policy_loss)
+    tr.resolve_loss = lambda alg, _resolve=tr.resolve_loss: timers.wrap("loss", _resolve(alg))
     torch.Tensor.backward = timers.wrap("backward", torch.Tensor.backward)
     TreeSum.add = timers.wrap("tree_add", TreeSum.add)
     TreeSum.total = timers.wrap("tree_total", TreeSum.total)

@@ -22,7 +22,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlalign.monitor.trace import TraceError, align_resumed, env_difference, first_divergence, flatten, read_trace
+from rlalign.generator_world import generator_world
+from rlalign.monitor.divergence import first_divergence
+from rlalign.monitor.trace import TraceError, align_resumed, env_difference, first_differing_record, flatten, read_trace
 from rlalign.rundir import read_segments
 
 ROLES = ("generator", "trainer")
@@ -41,7 +43,7 @@ def compare_files(a: Path, b: Path, out=None) -> bool:
 
 def compare_streams(sa: Stream, sb: Stream, label: str, out=None, allowed: tuple[str, ...] = ()) -> dict | None:
     """Print how two streams compare (the first difference, or 'identical'); the first
-    divergence (trace.first_divergence), None if identical. Environment keys under `allowed`
+    divergence (trace.first_differing_record), None if identical. Environment keys under `allowed`
     may differ without a note."""
     (ha, ra), (hb, rb) = sa, sb
     if (ha.get("role"), ha.get("rank")) != (hb.get("role"), hb.get("rank")):
@@ -56,7 +58,7 @@ def compare_streams(sa: Stream, sb: Stream, label: str, out=None, allowed: tuple
     ra, rb, notes = align_resumed(ha, ra, hb, rb)
     for note in notes:
         print(f"note ({label}): {note}", file=out)
-    d = first_divergence(ra, rb)
+    d = first_differing_record(ra, rb)
     if d is None:
         print(f"identical: {len(ra)} records ({label})", file=out)
         return None
@@ -75,9 +77,7 @@ def compare_streams(sa: Stream, sb: Stream, label: str, out=None, allowed: tuple
 # --- run directories --------------------------------------------------------------------------------
 def world(config: dict, role: str) -> int:
     """The number of `role` ranks (trace streams) a run with this config has."""
-    if role == "generator" and config["generator"].get("backend") == "vllm":
-        return 1  # one actor hosts the engine
-    return int(config[role]["ep_size"])
+    return generator_world(config).ranks if role == "generator" else int(config[role]["ep_size"])
 
 
 def ep_sizes(run_dir: Path, role: str) -> set[int]:
@@ -135,13 +135,15 @@ def trainer_state(streams: dict[str, list[dict]], from_step: int = 0) -> dict[tu
     return out
 
 
-def first_state_difference(ta: dict, tb: dict) -> tuple[int, str] | None:
-    """The first (step, name) whose trainer state record differs (or is in one run only)."""
-    for key in sorted(set(ta) | set(tb)):
+def first_differing_state(ta: dict, tb: dict) -> tuple[int, str] | None:
+    """The first (step, name) whose trainer state record differs or is in one run only
+    (divergence.first_divergence over the sorted keys)."""
+
+    def differ(key: tuple[int, str]) -> bool:
         ra, rb = ta.get(key), tb.get(key)
-        if ra is None or rb is None or (ra["fp"], ra["shape"], ra["dtype"]) != (rb["fp"], rb["shape"], rb["dtype"]):
-            return key
-    return None
+        return ra is None or rb is None or (ra["fp"], ra["shape"], ra["dtype"]) != (rb["fp"], rb["shape"], rb["dtype"])
+
+    return first_divergence(sorted(set(ta) | set(tb)), differ)
 
 
 def state_difference_line(key: tuple[int, str], ta: dict, tb: dict) -> str:
@@ -178,7 +180,7 @@ def compare_runs(a: Path, b: Path, out=None) -> bool:
         if _invariant(sa) and _invariant(sb):
             ta = trainer_state({k: r for k, (_, r) in sa.items()})
             tb = trainer_state({k: r for k, (_, r) in sb.items()})
-            key = first_state_difference(ta, tb)
+            key = first_differing_state(ta, tb)
             if key is None:
                 print(f"identical: trainer state (gradients, AdamW moments, weights per global expert) across the "
                       f"trainer EP sizes ({sizes['trainer']})", file=out)

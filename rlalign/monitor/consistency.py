@@ -22,12 +22,15 @@ import torch
 HIST_EDGES = [0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
 
 
-def compare(gen: Sequence[torch.Tensor], train: Sequence[torch.Tensor]) -> dict:
+def logprob_consistency(gen: Sequence[torch.Tensor], train: Sequence[torch.Tensor]) -> dict:
+    """The consistency/ metrics (module docstring) of the generator's and the trainer's per-token logprobs,
+    sequence by sequence."""
     if len(gen) != len(train):
-        raise ValueError(f"compare: {len(gen)} generator sequences vs {len(train)} trainer sequences")
+        raise ValueError(f"logprob_consistency: {len(gen)} generator sequences vs {len(train)} trainer sequences")
     for i, (g, t) in enumerate(zip(gen, train)):
         if g.shape != t.shape:
-            raise ValueError(f"compare: sequence {i} has {g.numel()} generator vs {t.numel()} trainer logprobs")
+            raise ValueError(f"logprob_consistency: sequence {i} has {g.numel()} generator vs {t.numel()} trainer "
+                             "logprobs")
     if not gen:
         return {"tokens": 0, "mismatched_tokens": 0}
     g = torch.cat([x.detach().float().cpu() for x in gen])

@@ -9,10 +9,13 @@ sides: where the mismatch was born, before attention spread it to later position
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from rlalign.model.args import ModelArgs
 
 Table = dict[tuple[int, int], dict[str, int]]
+K = TypeVar("K")
 
 
 def tap_order(args: ModelArgs) -> list[str]:
@@ -25,15 +28,25 @@ def tap_order(args: ModelArgs) -> list[str]:
     return names + ["norm", "logits"]
 
 
-def first_divergence(gen: Table, train: Table, sample_id: int, position: int, taps: list[str]):
-    """(op, position) of the first differing row fingerprint for this token, or None."""
-    for tap in taps:
-        for p in range(position + 1):
-            g = gen.get((sample_id, p), {}).get(tap)
-            t = train.get((sample_id, p), {}).get(tap)
-            if g is not None and t is not None and g != t:
-                return tap, p
-    return None
+def first_divergence(keys: Iterable[K], differ: Callable[[K], bool]) -> K | None:
+    """The first key, in the order given, at which the two sides differ: the one definition of a first
+    divergence (trace records by index: trace.first_differing_record; trainer state by (step, name):
+    compare.first_differing_state; a token's rows by (op, position): first_divergent_tap)."""
+    return next((k for k in keys if differ(k)), None)
+
+
+def first_divergent_tap(gen: Table, train: Table, sample_id: int, position: int,
+                        taps: list[str]) -> tuple[str, int] | None:
+    """(op, position) of the first differing row fingerprint for this token (ops in model order, then
+    positions <= `position`; rows only one side computed do not count), or None."""
+
+    def differ(key: tuple[str, int]) -> bool:
+        tap, p = key
+        g = gen.get((sample_id, p), {}).get(tap)
+        t = train.get((sample_id, p), {}).get(tap)
+        return g is not None and t is not None and g != t
+
+    return first_divergence(((tap, p) for tap in taps for p in range(position + 1)), differ)
 
 
 def divergence_by_op(gen: Table, train: Table, taps: list[str]) -> dict[str, int]:
@@ -49,9 +62,11 @@ def divergence_by_op(gen: Table, train: Table, taps: list[str]) -> dict[str, int
     return out
 
 
-def report(gen: Table, train: Table, mismatched: list[tuple[int, int]], taps: list[str]) -> dict:
-    """mismatched: (sample id, logits row position) of each token whose logprobs differ."""
-    firsts = [first_divergence(gen, train, s, p, taps) for s, p in mismatched]
+def locate_mismatches(gen: Table, train: Table, mismatched: list[tuple[int, int]], taps: list[str]) -> dict:
+    """Where each mismatched token's divergence began (its first divergent op), how many began at each
+    op, and the differing rows per op. mismatched: (sample id, logits row position) of each token whose
+    logprobs differ."""
+    firsts = [first_divergent_tap(gen, train, s, p, taps) for s, p in mismatched]
     named = [f for f in firsts if f is not None]
     counts = Counter(op for op, _ in named)
     return {

@@ -12,7 +12,7 @@ so every reader sees one record per row, the same records at every EP size.
 
 A stream is written by one process in program order; two runs in the same fixed environment
 must produce identical streams. `read_trace` validates every line (errors carry the line
-number) and `first_divergence` finds the first differing record.
+number) and `first_differing_record` finds the first differing record.
 
 Cost. A step's records are fingerprinted in one launch per `record_many` (each byte read once)
 on a side stream of the tensors' GPU, which waits for the work that produced them and is not
@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign import kernels
 from rlalign.fingerprint import Part, Pending, result_salts
+from rlalign.monitor.divergence import first_divergence
 
 # config sections that define the computation; run.*, logger, checkpoint, monitor, dist do not
 ENV_SECTIONS = ("seed", "device", "model", "kernels", "generator", "trainer", "task", "algorithm")
@@ -410,17 +411,17 @@ def align_resumed(ha: dict, ra: list[dict], hb: dict, rb: list[dict]) -> tuple[l
     return ra2, rb2, nb + na
 
 
-def first_divergence(a: list[dict], b: list[dict]) -> dict | None:
-    """The first index where the two record lists differ, with both records and whether the
-    records before it in the same step (its inputs) all matched."""
-    for i, (ra, rb) in enumerate(zip(a, b)):
-        if ra != rb:
-            same_step_before = [j for j in range(i) if a[j]["step"] == ra["step"]]
-            return {"index": i, "a": ra, "b": rb, "inputs_matched": all(a[j] == b[j] for j in same_step_before),
-                    "previous": a[i - 1]["name"] if i else None, "step_first": not same_step_before}
-    if len(a) != len(b):
-        i = min(len(a), len(b))
-        return {"index": i, "a": a[i] if i < len(a) else None, "b": b[i] if i < len(b) else None,
-                "inputs_matched": True, "previous": a[i - 1]["name"] if i else None, "length": (len(a), len(b)),
-                "step_first": False}
-    return None
+def first_differing_record(a: list[dict], b: list[dict]) -> dict | None:
+    """The first index where the two record lists differ (divergence.first_divergence), with both
+    records and whether the records before it in the same step (its inputs) all matched."""
+    i = first_divergence(range(max(len(a), len(b))), lambda i: i >= len(a) or i >= len(b) or a[i] != b[i])
+    if i is None:
+        return None
+    if i < len(a) and i < len(b):
+        ra = a[i]
+        same_step_before = [j for j in range(i) if a[j]["step"] == ra["step"]]
+        return {"index": i, "a": ra, "b": b[i], "inputs_matched": all(a[j] == b[j] for j in same_step_before),
+                "previous": a[i - 1]["name"] if i else None, "step_first": not same_step_before}
+    return {"index": i, "a": a[i] if i < len(a) else None, "b": b[i] if i < len(b) else None,
+            "inputs_matched": True, "previous": a[i - 1]["name"] if i else None, "length": (len(a), len(b)),
+            "step_first": False}

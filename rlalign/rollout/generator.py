@@ -1,14 +1,14 @@
-"""The Generator protocol both engines implement, and the one factory that picks the engine: the
-only code that reads `generator.backend`."""
+"""The Generator protocol both engines implement, and the one factory that picks the engine (by
+rlalign.generator_world, the one reader of `generator.backend`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from omegaconf import DictConfig
 
 from rlalign.config import ConfigError, EngineConfig, keys_of, model_args
+from rlalign.generator_world import GeneratorWorld, generator_world
 from rlalign.model import Transformer
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.engine import NativeEngine
@@ -42,19 +42,12 @@ class Generator(Protocol):
         """Whether the weights were given back since they were last written (then nothing may read them)."""
 
 
-@dataclass(frozen=True)
-class GeneratorPlan:
-    backend: str  # "native" | "vllm"
-    ranks: int  # generator ranks, each hosting one Generator
-
-
-def generator_plan(cfg: DictConfig) -> GeneratorPlan:
-    """The engine and the number of generator ranks: native, generator.ep_size ranks; vLLM, one rank
-    hosting the engine, which starts the generator.ep_size workers that own the experts. Errors
-    (vLLM missing, an unsupported layout) come before any process starts."""
-    g = cfg.generator
-    if g.backend == "native":
-        return GeneratorPlan("native", g.ep_size)
+def check_generator(cfg: DictConfig) -> GeneratorWorld:
+    """The generator's world (rlalign.generator_world), once its engine is known to run here:
+    errors (vLLM missing, an unsupported layout) come before any process starts."""
+    world, g = generator_world(cfg), cfg.generator
+    if world.backend == "native":
+        return world
     if cfg.placement.colocate and str(cfg.device).startswith("cuda"):
         raise ConfigError("invalid config: generator.backend=vllm with placement.colocate=true on CUDA: a colocated "
                           "generator gives its GPU memory back while the trainer trains, which only the native engine "
@@ -71,13 +64,12 @@ def generator_plan(cfg: DictConfig) -> GeneratorPlan:
         raise ConfigError(f"invalid config: generator.backend=vllm with generator.ep_size={g.ep_size} on CUDA: the "
                           "one generator rank would need that many GPUs for its vLLM workers; not supported yet "
                           "(CPU: any size)")
-    return GeneratorPlan(g.backend, 1)
+    return world
 
 
 def make_generator(cfg: DictConfig, model: Transformer, group=None) -> Generator:
     """The generator rank's engine over `model`; `group`: the generator group (expert parallelism)."""
-    plan = generator_plan(cfg)
-    if plan.backend == "vllm":
+    if check_generator(cfg).backend == "vllm":
         if group is not None:
             raise ValueError("generator.backend=vllm: one generator rank hosts the vLLM engine (vLLM starts the "
                              f"generator.ep_size workers that own the experts), but this group has {group.size()}")
@@ -93,5 +85,5 @@ def releases_memory(cfg: DictConfig) -> bool:
     after each generate, resume_memory before the weight sync): when the two are colocated. On CUDA
     the native engine then keeps its weights and KV cache in DeviceArenas, so that the memory goes
     back to the device and the captured graphs stay valid; on the CPU it frees its KV cache. (vLLM keeps
-    its memory: refused colocated on CUDA by generator_plan.)"""
-    return bool(cfg.placement.colocate) and generator_plan(cfg).backend == "native"
+    its memory: refused colocated on CUDA by check_generator.)"""
+    return bool(cfg.placement.colocate) and generator_world(cfg).backend == "native"

@@ -1,32 +1,57 @@
-"""GRPO advantages and the PPO-clip policy loss with off-policy corrections.
+"""GRPO advantages and the policy losses: chosen by name (`algorithm.name`) or a user's function
+(`algorithm.loss='pkg.module:function'` or '/path/to/file.py:function').
 
-Per token t of a sample with advantage A:
-    ratio_t  = exp(logp_t - old_t)
-    pg_t     = max(-A * ratio_t, -A * clip(ratio_t, 1 - clip_low, 1 + clip_high))
-old_t is the generator's logprob (algorithm.old_logprobs=generator, the default) or the
-trainer's own pre-update logprob (=trainer). In deterministic mode the two are the same bits,
-so ratio_t == 1 exactly in the first epoch.
+A loss is `fn(batch: LossBatch, alg) -> (loss, metrics)` for one micro-batch:
+  loss     the SUM of the micro-batch's token losses (0-d, with grad); the trainer divides the
+           minibatch's total by its response tokens (a token mean), so a loss normalised otherwise
+           rescales its sum (dr_grpo, gspo)
+  metrics  {name: 0-d tensor or float}, merged over micro-batches and trainer ranks in one fixed
+           order (merge_stat, by the name's suffix) and logged (logged_stats):
+             X_sum        summed; logged as X, the mean per updated token
+             X_max, X_min the extreme; logged as X_max, X_min
+             X_last       the last minibatch's; logged as X
+             other        summed; logged as the step's total
+           a name without a '/' is logged under actor/ (e.g. pg_loss_sum -> actor/pg_loss)
+
+Built in, per token t of a sample with advantage A (the group-relative one of grpo_advantages):
+  ppo-clip  pg_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)), r_t = exp(logp_t - old_t)
+  grpo      ppo-clip + the reference KL in the loss (kl_coef > 0): k3_t = exp(ref_t - logp_t) -
+            (ref_t - logp_t) - 1 (the default; with kl_coef = 0 the same bits as ppo-clip)
+  dr_grpo   grpo's terms over a constant normaliser: the sum / (sequences x max_new_tokens) instead of /
+            tokens (Dr. GRPO; configs/algorithm/dr_grpo.yaml also drops the std normalisation)
+  gspo      one ratio per sequence, s_i = exp(mean over its tokens of (logp_t - old_t)), clipped per
+            sequence; the mean over sequences (GSPO; configs/algorithm/gspo.yaml: its clip range)
+old_t is the generator's logprob (algorithm.old_logprobs=generator, the default) or the trainer's
+own pre-update logprob (=trainer). In deterministic mode the two are the same bits, so r_t == 1
+exactly in the first epoch.
 
 Corrections for setups that are not bitwise (kernels.mode=default, another engine), on the
-per-token mismatch weight w_t = exp(trainer_old_t - generator_t) (no gradient):
-    TIS     pg_t *= min(w_t, tis.cap)                          (truncated importance sampling)
-    IcePop  pg_t *= [icepop.low <= w_t <= icepop.high]         (mask tokens that drifted too far)
-Optional reference KL (kl_coef > 0): k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1.
-The loss returned is the SUM over tokens; the caller divides by the global token count.
+mismatch weight w = exp(trainer_old - generator) (no gradient; gspo: one per sequence, from the mean):
+    TIS     pg *= min(w, tis.cap)                        (truncated importance sampling)
+    IcePop  pg *= [icepop.low <= w <= icepop.high]       (mask tokens that drifted too far)
 
-Diagnostics (sums over tokens, no gradient), with old_t as above and logp_t the policy at this
-forward (in the first epoch's first minibatch the pre-update policy; later, after the updates so far):
-    kl_k1_t = old_t - logp_t                 (unbiased estimate of KL(old || current), samples from old)
-    kl_k3_t = ratio_t - 1 - log ratio_t      (>= 0, lower variance; Schulman's k3)
-    clip_high: A > 0 and ratio_t > 1 + clip_high (the clip removes the gradient),
-    clip_low:  A < 0 and ratio_t < 1 - clip_low.
+Diagnostics of every built-in loss (drift_metrics; no gradient), per token, with old_t as above and
+logp_t the policy at this forward (the first minibatch of the first epoch: the pre-update policy;
+later ones: after the updates so far), so a single on-policy update logs 0:
+    kl/old_new_k1   old_t - logp_t               (unbiased estimate of KL(old || current), samples from old)
+    kl/old_new_k3   r_t - 1 - log r_t            (>= 0, lower variance; Schulman's k3)
+    clip_high_frac  A > 0 and r > 1 + clip_high  (the clip removes the gradient; gspo: per sequence,
+    clip_low_frac   A < 0 and r < 1 - clip_low    counted per token)
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from rlalign.config import did_you_mean
 
 
 def grpo_advantages(rewards: list[float], group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -43,51 +68,190 @@ def grpo_advantages(rewards: list[float], group_size: int, norm_by_std: bool = T
     return out
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    generator_logprobs: torch.Tensor,
-    trainer_old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    alg,
-    ref_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """All inputs per token [T] (advantages broadcast per token). Returns (sum of token losses,
-    stats: sums '..._sum', extremes '..._max'/'..._min')."""
-    gen = generator_logprobs.to(logprobs.device).float()
-    t_old = trainer_old_logprobs.to(logprobs.device).float()
-    old = gen if alg.old_logprobs == "generator" else t_old
-    adv = advantages.to(logprobs.device).float()
-    ratio = torch.exp(logprobs - old)
+@dataclass
+class LossBatch:
+    """One micro-batch's inputs to a loss, per response token [T] (fp32, on the trainer's device)."""
+
+    logprobs: torch.Tensor  # the trainer's, with grad
+    generator_logprobs: torch.Tensor
+    trainer_old_logprobs: torch.Tensor  # the trainer's pre-update logprobs (no grad)
+    advantages: torch.Tensor  # each token its sample's
+    lengths: list[int]  # the samples' response lengths, in order (sum = T)
+    ref_logprobs: torch.Tensor | None = None  # the reference model's (algorithm.kl_coef > 0)
+    minibatch_tokens: int = 0  # response tokens of the whole minibatch (what the trainer divides by)
+    minibatch_sequences: int = 0
+    max_new_tokens: int = 0  # the sampling limit
+
+    def old_logprobs(self, alg) -> torch.Tensor:
+        """The ratio's denominator (algorithm.old_logprobs)."""
+        return self.generator_logprobs if alg.old_logprobs == "generator" else self.trainer_old_logprobs
+
+
+Metrics = dict[str, torch.Tensor | float]
+LossFunction = Callable[[LossBatch, object], tuple[torch.Tensor, Metrics]]
+# what the trainer runs per micro-batch (Trainer.ppo_loss builds it from a LossFunction):
+# loss_fn(logprobs per sample, indices of those samples) -> (sum of token losses, metrics)
+LossFn = Callable[[list[torch.Tensor], list[int]], tuple[torch.Tensor, Metrics]]
+
+
+def _extremes(name: str, x: torch.Tensor) -> Metrics:
+    return {f"{name}_max": x.max() if x.numel() else torch.tensor(-math.inf),
+            f"{name}_min": x.min() if x.numel() else torch.tensor(math.inf)}
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, alg) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped objective, as a loss: (max(-A r, -A clip(r)), where the clip won)."""
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - alg.clip_low, 1.0 + alg.clip_high)
-    pg = torch.maximum(pg1, pg2)
-    w = torch.exp(t_old - gen)  # mismatch weight, no gradient (both inputs detached)
-    log_ratio = (logprobs - old).detach()
-    stats = {
-        "clipped_sum": (pg2 > pg1).float().sum(),
-        "clip_high_sum": ((adv > 0) & (ratio > 1.0 + alg.clip_high)).float().sum(),
-        "clip_low_sum": ((adv < 0) & (ratio < 1.0 - alg.clip_low)).float().sum(),
-        "kl_k1_sum": (-log_ratio).sum(),
-        "kl_k3_sum": (torch.expm1(log_ratio) - log_ratio).sum(),
-        "ratio_sum": ratio.detach().sum(),
-        "ratio_max": ratio.detach().max() if ratio.numel() else torch.tensor(-math.inf),
-        "ratio_min": ratio.detach().min() if ratio.numel() else torch.tensor(math.inf),
-    }
+    return torch.maximum(pg1, pg2), pg2 > pg1
+
+
+def corrected(pg: torch.Tensor, w: torch.Tensor, alg, metrics: Metrics, weight: torch.Tensor | None = None):
+    """pg with TIS and IcePop applied on the mismatch weight w (same shape); their metrics counted
+    per token (`weight`: the tokens each entry stands for, None: one each)."""
+    count = (lambda x: x.sum()) if weight is None else (lambda x: (x * weight).sum())
     if alg.tis.enabled:
         pg = pg * w.clamp(max=alg.tis.cap)
-        stats["tis_weight_sum"] = w.sum()
-        stats["tis_weight_max"] = w.max() if w.numel() else torch.tensor(-math.inf)
-        stats["tis_weight_min"] = w.min() if w.numel() else torch.tensor(math.inf)
-        stats["tis_clipped_sum"] = (w > alg.tis.cap).float().sum()
+        metrics["tis/weight_mean_sum"] = count(w)
+        metrics.update(_extremes("tis/weight", w))
+        metrics["tis/clipped_frac_sum"] = count((w > alg.tis.cap).float())
     if alg.icepop.enabled:
         keep = (w >= alg.icepop.low) & (w <= alg.icepop.high)
         pg = pg * keep.float()
-        stats["icepop_masked_sum"] = (~keep).float().sum()
-    loss = pg.sum()
-    stats["pg_loss_sum"] = pg.detach().sum()
-    if ref_logprobs is not None and alg.kl_coef > 0:
-        d = ref_logprobs.to(logprobs.device).float() - logprobs
+        metrics["icepop/masked_frac_sum"] = count((~keep).float())
+    return pg
+
+
+def drift_metrics(batch: LossBatch, alg, ratio: torch.Tensor, adv: torch.Tensor,
+                  weight: torch.Tensor | None = None) -> Metrics:
+    """KL(old || current) per token (k1, k3) and the clip by side of `ratio` against `adv` (same
+    shape; `weight`: the tokens each entry stands for, None: one each). Module docstring."""
+    count = (lambda x: x.float().sum()) if weight is None else (lambda x: (x.float() * weight).sum())
+    log_ratio = (batch.logprobs - batch.old_logprobs(alg)).detach()
+    r = ratio.detach()
+    return {"kl/old_new_k1_sum": (-log_ratio).sum(), "kl/old_new_k3_sum": (torch.expm1(log_ratio) - log_ratio).sum(),
+            "clip_high_frac_sum": count((adv > 0) & (r > 1.0 + alg.clip_high)),
+            "clip_low_frac_sum": count((adv < 0) & (r < 1.0 - alg.clip_low))}
+
+
+def ppo_clip_loss(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
+    logp = batch.logprobs
+    ratio = torch.exp(logp - batch.old_logprobs(alg))
+    pg, clipped = clipped_surrogate(ratio, batch.advantages, alg)
+    w = torch.exp(batch.trainer_old_logprobs - batch.generator_logprobs)  # no gradient (both detached)
+    metrics: Metrics = {"clip_frac_sum": clipped.float().sum(), "ratio_mean_sum": ratio.detach().sum(),
+                        **_extremes("ratio", ratio.detach()), **drift_metrics(batch, alg, ratio, batch.advantages)}
+    pg = corrected(pg, w, alg, metrics)
+    metrics["pg_loss_sum"] = pg.detach().sum()
+    return pg.sum(), metrics
+
+
+def grpo_loss(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
+    loss, metrics = ppo_clip_loss(batch, alg)
+    if batch.ref_logprobs is not None and alg.kl_coef > 0:
+        d = batch.ref_logprobs - batch.logprobs
         k3 = torch.exp(d) - d - 1.0
         loss = loss + alg.kl_coef * k3.sum()
-        stats["ref_kl_sum"] = k3.detach().sum()
-    return loss, stats
+        metrics["kl/ref_k3_sum"] = k3.detach().sum()
+    return loss, metrics
+
+
+def dr_grpo_loss(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
+    """grpo's sum over the constant sequences x max_new_tokens: the trainer divides by the minibatch's
+    tokens, so the sum is scaled by tokens / (sequences x max_new_tokens); actor/pg_loss is that objective."""
+    if batch.max_new_tokens < 1 or batch.minibatch_sequences < 1:
+        raise ValueError(f"dr_grpo: needs max_new_tokens and minibatch_sequences >= 1 (got {batch.max_new_tokens}, "
+                         f"{batch.minibatch_sequences})")
+    loss, metrics = grpo_loss(batch, alg)
+    scale = batch.minibatch_tokens / (batch.minibatch_sequences * batch.max_new_tokens)
+    metrics["pg_loss_sum"] = metrics["pg_loss_sum"] * scale
+    return loss * scale, metrics
+
+
+def sequence_means(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[S] the mean of each sequence's tokens (x [T], split by lengths; no atomics)."""
+    return torch.stack([part.mean() for part in x.split(lengths)]) if lengths else x.new_zeros(0)
+
+
+def gspo_loss(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
+    """The clipped objective on sequence ratios s_i = exp(mean_t(logp_t - old_t)), averaged over the
+    minibatch's sequences (the sum scaled by tokens / sequences); metrics weight each sequence by
+    its tokens."""
+    lengths = torch.tensor(batch.lengths, dtype=torch.float32, device=batch.logprobs.device)
+    ratio = torch.exp(sequence_means(batch.logprobs - batch.old_logprobs(alg), batch.lengths))  # [S]
+    adv = torch.stack([a[0] for a in batch.advantages.split(batch.lengths)]) if batch.lengths else ratio.detach()
+    pg, clipped = clipped_surrogate(ratio, adv, alg)
+    w = torch.exp(sequence_means(batch.trainer_old_logprobs - batch.generator_logprobs, batch.lengths))
+    metrics: Metrics = {"clip_frac_sum": (clipped.float() * lengths).sum(),
+                        "ratio_mean_sum": (ratio.detach() * lengths).sum(), **_extremes("ratio", ratio.detach()),
+                        **drift_metrics(batch, alg, ratio, adv, lengths)}
+    pg = corrected(pg, w, alg, metrics, lengths)
+    scale = batch.minibatch_tokens / max(1, batch.minibatch_sequences)
+    metrics["pg_loss_sum"] = pg.detach().sum() * scale
+    return pg.sum() * scale, metrics
+
+
+LOSSES: dict[str, LossFunction] = {"grpo": grpo_loss, "ppo-clip": ppo_clip_loss, "dr_grpo": dr_grpo_loss,
+                                   "gspo": gspo_loss}
+
+
+def resolve_loss(alg) -> LossFunction:
+    """The step's loss: algorithm.loss's function when set, else the built-in algorithm.name names."""
+    path = alg.get("loss")
+    if path:
+        return load_loss(path)
+    if alg.name not in LOSSES:
+        raise ValueError(f"algorithm.name={alg.name!r}: no such loss{did_you_mean(alg.name, LOSSES)}; built in: "
+                         f"{', '.join(LOSSES)} (or algorithm.loss='pkg.module:function' for your own)")
+    return LOSSES[alg.name]
+
+
+def load_loss(path: str) -> LossFunction:
+    """'pkg.module:function' or '/path/to/file.py:function' -> the function."""
+    mod_name, sep, fn_name = path.rpartition(":")
+    if not sep or not mod_name or not fn_name:
+        raise ValueError(f"algorithm.loss={path!r}: expected 'pkg.module:function' or '/path/to/file.py:function'")
+    try:
+        mod = _import_file(Path(mod_name)) if mod_name.endswith(".py") else importlib.import_module(mod_name)
+    except Exception as e:
+        raise ValueError(f"algorithm.loss={path!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"algorithm.loss={path!r}: {mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def _import_file(path: Path):
+    name = f"rlalign_user_loss_{abs(hash(str(path.resolve())))}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path}: not a Python file")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+    return sys.modules[name]
+
+
+# --- metrics --------------------------------------------------------------------------------------------
+def merge_stat(key: str, a: float | None, b: float) -> float:
+    """Two values of one metric merged by its name's suffix (module docstring); the driver merges in
+    (epoch, minibatch, micro-batch) order, so the result does not depend on the number of ranks."""
+    if a is None or key.endswith("_last"):
+        return b
+    return max(a, b) if key.endswith("_max") else min(a, b) if key.endswith("_min") else a + b
+
+
+def logged_stats(stats: dict[str, float], updated_tokens: int) -> dict[str, float]:
+    """The merged metrics as the step logs them (module docstring): X_sum per updated token as X,
+    X_last as X, the rest as merged; under actor/ when the name has no section."""
+    out = {}
+    for key, v in stats.items():
+        name = key if "/" in key else f"actor/{key}"
+        if key.endswith("_sum"):
+            out[name[: -len("_sum")]] = v / max(1, updated_tokens)
+        elif key.endswith("_last"):
+            out[name[: -len("_last")]] = v
+        else:
+            out[name] = v
+    return out

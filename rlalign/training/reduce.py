@@ -23,7 +23,7 @@ class TreeSum:
     come in a narrower float dtype (a bf16 autograd gradient): it is kept as it is until it is
     added, in fp32 (the conversion is exact: the same sums as fp32 leaves, half the memory while
     a leaf waits for its sibling); every node and the root are fp32.
-    reorder=True (fault injection, monitor.inject='trainer:<param>:reorder') keeps the leaves and
+    reorder=True (an injected fault, RLALIGN_FAULT='reorder:trainer:<param>': rlalign.faults) keeps the leaves and
     sums them last to first instead: another grouping, which the baseline gate must catch."""
 
     def __init__(self, reorder: bool = False) -> None:

@@ -1,5 +1,5 @@
 """One rank of the trainer group, made of parts: the policy model in its compute dtype (EP applied
-from outside), the step plan (rlalign.training.plan), gradients (rlalign.training.gradients), fp32
+from outside), the step's partition (rlalign.training.partition), gradients (rlalign.training.gradients), fp32
 master weights with AdamW (rlalign.training.optimizer, rlalign.training.shards) and the state
 that checkpoints and traces read (rlalign.training.state).
 
@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.faults import SideFaults
 from rlalign.model.build import model_from_config
-from rlalign.monitor.taps import Injection
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
 from rlalign.sequences import Sample
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
-from rlalign.training.losses import policy_loss
+from rlalign.training.losses import LossBatch, LossFn, resolve_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
-from rlalign.training.plan import LossFn, micro_batch_share, step_plan
+from rlalign.training.partition import micro_batch_share, step_partition
 from rlalign.training.scoring import drawn_with, micro_batches, score_micro_batch
 from rlalign.training.shards import Unit
 
@@ -56,14 +56,15 @@ class Trainer:
         self.weights = MasterWeights(self.model, cfg.trainer, self.dense_names, self.expert_names, self.rank,
                                      self.world)
         self.invariant = bool(cfg.trainer.get("topology_invariant", True))
-        inject = Injection(cfg.monitor.get("inject"), "trainer") if cfg.get("monitor") else None
         self.gradients = Gradients(self.model, self.dense_names, self.expert_names, self.invariant, group,
-                                   self.world, inject.site if inject is not None and inject.kind == "reorder" else None)
+                                   self.world, SideFaults("trainer").reorder)
         self.ref_model = None
         if cfg.get("algorithm") is not None and cfg.algorithm.kl_coef > 0:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
             if group is not None:
                 apply_ep(self.ref_model, group)
+        # the sampling limit (task.max_new_tokens replaces generator.max_new_tokens): dr_grpo's normaliser
+        self.max_new_tokens = OmegaConf.select(cfg, "task.max_new_tokens") or cfg.generator.max_new_tokens
 
     @property
     def rank(self) -> int:
@@ -92,32 +93,37 @@ class Trainer:
     # --- the step ----------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample], alg) -> tuple[dict[int, torch.Tensor], list[tuple[tuple, dict]]]:
         """PPO epochs over the step's minibatches. `samples` is the WHOLE step (every rank gets the
-        same list) so that minibatches and micro-batches are a fixed partition of it (step_plan);
+        same list) so that minibatches and micro-batches are a fixed partition of it (step_partition);
         this rank runs its share of each minibatch's micro-batches (micro_batch_share). Returns this
         rank's samples' pre-update logprobs by global index (what the monitor compares with the
         generator's) and stat records keyed (epoch, minibatch, micro-batch), which the driver merges
         in key order: the same bits at every trainer EP size."""
-        plan = step_plan(len(samples), self.cfg.trainer.micro_batch_size, alg.num_minibatches)
-        mine = [i for mbs in plan for mb in self.my_micro_batches(mbs)[1] for i in mb]
+        minibatches = step_partition(len(samples), self.cfg.trainer.micro_batch_size, alg.num_minibatches)
+        mine = [i for mbs in minibatches for mb in self.my_micro_batches(mbs)[1] for i in mb]
         old = {}  # the pre-update logprobs: scored first, or captured by the first forward
         if alg.ppo_epochs * alg.num_minibatches > 1 or self.cfg.trainer.separate_scoring_pass:
             old = dict(zip(mine, self.score([samples[i] for i in mine])))
         ref = dict(zip(mine, self.score([samples[i] for i in mine], self.ref_model))) if self.ref_model else None
         records: list[tuple[tuple, dict]] = []
         for epoch in range(alg.ppo_epochs):
-            for k, mbs in enumerate(plan):
-                loss_fn = self.ppo_loss(samples, alg, old, ref)
+            for k, mbs in enumerate(minibatches):
+                loss_fn = self.ppo_loss(samples, alg, old, ref, mbs)
                 records += [((epoch, k, g), st) for g, st in self.forward_backward(samples, loss_fn, mbs=mbs).items()]
                 norm = self.optimizer_step()["grad_norm"]
-                records.append(((epoch, k, len(mbs)), {"grad_norm_max": norm, "grad_norm_last": norm}))
+                records.append(((epoch, k, len(mbs)), {"grad_norm_last": norm}))
         return _on_host({i: old[i] for i in mine}), records
 
-    @staticmethod
-    def ppo_loss(samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None) -> LossFn:
-        """The PPO loss of a micro-batch; the first forward of a sample not scored before the step
+    def ppo_loss(self, samples: list[Sample], alg, old: dict[int, torch.Tensor], ref: dict | None,
+                 minibatch: list[list[int]] | None = None) -> LossFn:
+        """The loss (algorithm.name or algorithm.loss: rlalign.training.losses) of a micro-batch of
+        `minibatch` (default: all samples); the first forward of a sample not scored before the step
         captures its pre-update logprobs into `old`, on the device (train_step copies them to the host
         once, at its end: no host sync between a micro-batch's forward and its backward). The host
         inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy."""
+        loss = resolve_loss(alg)
+        members = [j for mb in minibatch for j in mb] if minibatch is not None else range(len(samples))
+        sizes = dict(minibatch_tokens=sum(len(samples[j].response) for j in members), minibatch_sequences=len(members),
+                     max_new_tokens=self.max_new_tokens)
 
         def loss_fn(lps, idx):
             for lp, j in zip(lps, idx):
@@ -129,15 +135,11 @@ class Trainer:
             host = torch.cat(gen + adv) if idx else torch.zeros(0)
             host = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
             gen_t, adv_t = host.split([sum(x.numel() for x in gen), sum(x.numel() for x in adv)])
-            cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
-            return policy_loss(
-                torch.cat(lps),
-                gen_t,
-                cat([old[j] for j in idx]),
-                adv_t,
-                alg,
-                cat([ref[j] for j in idx]) if ref is not None else None,
-            )
+            cat = lambda xs: torch.cat(xs).to(dev).float() if xs else torch.zeros(0, device=dev)  # noqa: E731
+            batch = LossBatch(torch.cat(lps), gen_t, cat([old[j] for j in idx]), adv_t,
+                              [len(samples[j].response) for j in idx],
+                              cat([ref[j] for j in idx]) if ref is not None else None, **sizes)
+            return loss(batch, alg)
 
         return loss_fn
 

@@ -38,7 +38,7 @@ ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_p
 
 class VllmGenerator:
     def __init__(self, model_dir: str, dtype: str, options: dict, ep_size: int = 1, stock: bool = False,
-                 device: str = "cpu", inject: str | None = None, log_stats: bool = False):
+                 device: str = "cpu", log_stats: bool = False):
         check_installed()
         register()
         from vllm import LLM
@@ -71,8 +71,7 @@ class VllmGenerator:
         else:
             kw["logprobs_mode"] = "processed_logits"
             mode = kernels.current()
-            kw["hf_overrides"] = {"architectures": [ARCH], "rlalign_kernels": [mode["mode"], mode["backend"]],
-                                  "rlalign_inject": inject}
+            kw["hf_overrides"] = {"architectures": [ARCH], "rlalign_kernels": [mode["mode"], mode["backend"]]}
             kw["logits_processors"] = [SAMPLER]
         try:  # vLLM checks its options while building the config: errors here are the options'
             EngineArgs(**kw).create_engine_config()
@@ -177,8 +176,7 @@ class VllmRankGenerator:
             save_hf(model, model_dir)
         v = cfg.generator.vllm
         self.engine = VllmGenerator(model_dir, cfg.model.dtype, {k: v[k] for k in ENGINE_KEYS},
-                                    ep_size=cfg.generator.ep_size, stock=v.stock, device=cfg.device,
-                                    inject=cfg.monitor.get("inject"))
+                                    ep_size=cfg.generator.ep_size, stock=v.stock, device=cfg.device)
         self._pushed = _versions(model)
 
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:

@@ -42,14 +42,14 @@ class RlalignQwen3MoeForCausalLM(nn.Module):
         hf = vllm_config.model_config.hf_config
         mode, backend = getattr(hf, "rlalign_kernels", ("deterministic", "torch"))
         kernels.set_mode(mode, backend)
-        inject = getattr(hf, "rlalign_inject", None)
         cfg = {k: v for k, v in hf.to_dict().items() if not k.startswith("rlalign_")}
         cfg["architectures"] = ["Qwen3MoeForCausalLM"]
         self.args = ModelArgs.from_hf_config(cfg, where=f"vLLM model config ({vllm_config.model_config.model})")
         self.rl = Transformer(self.args)
         # the monitor's taps, as in the native generator: per-token row fingerprints keyed by
-        # (sample id, position) when switched on (rows), fault injection (monitor.inject)
-        self.recorder = attach_taps(self.rl, inject, "generator")
+        # (sample id, position) when switched on (rows), injected faults (rlalign.faults: RLALIGN_FAULT,
+        # which vLLM's processes inherit from the generator actor)
+        self.recorder = attach_taps(self.rl, "generator")
         tp = get_tp_group()
         self.ep_rank, self.ep_size = tp.rank_in_group, tp.world_size
         self.ep_group = tp.device_group if self.ep_size > 1 else None

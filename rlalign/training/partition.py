@@ -1,40 +1,14 @@
-"""The step's work as a fixed partition, whatever the number of trainer ranks: the sequences
-(Sample), minibatches of global micro-batches (step_plan), and which rank runs which micro-batch
-(micro_batch_share)."""
+"""The step's work as a fixed partition, whatever the number of trainer ranks: minibatches of
+global micro-batches of its sequences (rlalign.sequences.Sample; step_partition), and which rank
+runs which micro-batch (micro_batch_share)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 
 from rlalign.parallel.launch import shard_range
 from rlalign.training.scoring import micro_batches
 
 
-@dataclass
-class Sample:
-    """One finished sequence as the trainer sees it."""
-
-    prompt: list[int]
-    response: list[int]
-    generator_logprobs: torch.Tensor  # [len(response)] fp32
-    advantage: float = 0.0
-    sample_id: int | None = None
-
-
-# loss_fn(logprobs per sample, indices of those samples) -> (sum of token losses, {stat: value})
-LossFn = Callable[[list[torch.Tensor], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def merge_stat(key: str, a: float | None, b: float) -> float:
-    if a is None:
-        return b
-    return max(a, b) if key.endswith("_max") else min(a, b) if key.endswith("_min") else a + b
-
-
-def step_plan(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[list[int]]]:
+def step_partition(n: int, micro_batch_size: int, num_minibatches: int) -> list[list[list[int]]]:
     """The step's work as a fixed partition of its n sequences, whatever the number of ranks:
     minibatches (one optimizer update each) of global micro-batches of global sample indices."""
     out = []
