@@ -79,9 +79,9 @@ def _prepare(cfg: DictConfig):
     for ex in examples:
         where = ex.source or f"task {t.name} prompt {ex.prompt!r}"
         ids = tok.encode(ex.prompt, where=where)
-        if len(ids) + max_new > args.max_position_embeddings:
-            raise ValueError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds "
-                             f"the model's context of {args.max_position_embeddings} positions")
+        overflow = args.context_overflow(len(ids), max_new)
+        if overflow:
+            raise ValueError(f"{where}: the prompt {overflow}")
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
     where = f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)"

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from rlalign import kernels
 from rlalign.checkpoint import AsyncSaver, load_shards
+from rlalign.config import shares_gpu
 from rlalign.faults import maybe_fail
 from rlalign.fingerprint import state_fingerprints
 from rlalign.model.build import model_from_config
@@ -93,11 +94,6 @@ def _peak(device: str, outside: int = 0) -> int | None:
     """torch's peak allocated bytes on this process's GPU since _reset_peak, plus `outside` (memory
     not from torch's allocator: a generator's arenas); None on the CPU."""
     return torch.cuda.max_memory_allocated() + outside if device.startswith("cuda") else None
-
-
-def _colocated_cuda(cfg) -> bool:
-    """Trainer and generator share this GPU: each gives back what the other needs next."""
-    return bool(cfg.placement.colocate) and cfg.device.startswith("cuda")
 
 
 class _WeightSync:
@@ -200,7 +196,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.saver = AsyncSaver()
         self._setup_monitor(self.trainer.model)
         self._own_process, self._steps = own_process, 0
-        self._colocated = _colocated_cuda(self.cfg)
+        self._colocated = shares_gpu(self.cfg)  # each gives back what the other needs next
         _gc_settle(self._own_process)
 
     def pid(self) -> int:

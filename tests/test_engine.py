@@ -242,7 +242,8 @@ def test_both_engines_implement_the_generator_protocol():
     from rlalign.rollout.vllm.engine import VllmRankGenerator
 
     methods = [m for m in vars(Generator) if not m.startswith("_")]
-    assert set(methods) == {"generate", "load_weights", "release_memory", "resume_memory", "close"}
+    assert set(methods) == {"generate", "load_weights", "release_memory", "resume_memory", "close", "resident_bytes",
+                            "weights_stale"}
 
     def missing(cls):
         return [m for m in methods if not callable(getattr(cls, m, None))]

@@ -106,6 +106,15 @@ class ModelArgs:
         if problems:
             raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
 
+    def context_overflow(self, prompt_len: int, max_new: int) -> str | None:
+        """Why a prompt of `prompt_len` tokens plus `max_new` completion tokens does not fit the
+        context (None: it fits). The one prompt limit: the run's check before Ray starts and every
+        engine's input check ask it."""
+        if prompt_len + max_new <= self.max_position_embeddings:
+            return None
+        return (f"has {prompt_len} tokens; with max_new_tokens={max_new} it exceeds the model's context of "
+                f"{self.max_position_embeddings} positions")
+
     @classmethod
     def from_dict(cls, d: dict, where: str = "model") -> ModelArgs:
         names = {f.name for f in dataclasses.fields(cls)}

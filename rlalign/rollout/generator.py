@@ -7,7 +7,7 @@ from typing import Protocol
 
 from omegaconf import DictConfig
 
-from rlalign.config import ConfigError, EngineConfig, keys_of, model_args
+from rlalign.config import ConfigError, EngineConfig, keys_of, model_args, shares_gpu
 from rlalign.generator_world import GeneratorWorld, generator_world
 from rlalign.model import Transformer
 from rlalign.parallel.launch import Lockstep
@@ -48,7 +48,7 @@ def check_generator(cfg: DictConfig) -> GeneratorWorld:
     world, g = generator_world(cfg), cfg.generator
     if world.backend == "native":
         return world
-    if cfg.placement.colocate and str(cfg.device).startswith("cuda"):
+    if shares_gpu(cfg):
         raise ConfigError("invalid config: generator.backend=vllm with placement.colocate=true on CUDA: a colocated "
                           "generator gives its GPU memory back while the trainer trains, which only the native engine "
                           "does (vLLM's sleep mode is not wired in); use generator.backend=native or "
@@ -77,7 +77,7 @@ def make_generator(cfg: DictConfig, model: Transformer, group=None) -> Generator
 
         return VllmRankGenerator(cfg, model)
     return NativeEngine(model, keys_of(EngineConfig, cfg.generator), Lockstep(group) if group is not None else None,
-                        releasable=releases_memory(cfg) and str(cfg.device).startswith("cuda"))
+                        releasable=releases_memory(cfg) and shares_gpu(cfg))
 
 
 def releases_memory(cfg: DictConfig) -> bool:

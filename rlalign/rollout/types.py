@@ -20,11 +20,9 @@ def check_prompts(args: ModelArgs, prompts: list[list[int]], sample_ids: list[in
     for p, sid in zip(prompts, sample_ids):
         if not p:
             raise ValueError(f"prompt of sample {sid} is empty")
-        if len(p) + max_new > args.max_position_embeddings:
-            raise ValueError(
-                f"prompt of sample {sid} has {len(p)} tokens; with max_new_tokens={max_new} it exceeds "
-                f"the model's context of {args.max_position_embeddings} positions"
-            )
+        overflow = args.context_overflow(len(p), max_new)
+        if overflow:
+            raise ValueError(f"prompt of sample {sid} {overflow}")
         bad = [t for t in p if not 0 <= t < args.vocab_size]
         if bad:
             raise ValueError(f"prompt of sample {sid} has token id {bad[0]} outside [0, {args.vocab_size})")
