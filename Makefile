@@ -18,8 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# the deterministic run's "0 of N tokens differ", then the same comparison on the vendor's default kernels:
+# one short batch of `rlalign agree` (~10 s), of which only the closing line is shown
+DEMO_TWIN := kernels.mode=default agree.num_prompts=8 trainer.ep_size=1
+
 demo: $(STAMP)
 	$(BIN)/rlalign train
+	@echo "make demo: the same comparison on the default kernels, one batch (rlalign agree $(DEMO_TWIN)):"
+	@$(BIN)/rlalign agree $(DEMO_TWIN) 2>&1 >/dev/null | tail -n 1
 
 # two pytest-xdist workers, a module per worker at a time (its Ray cluster / vLLM engine built once);
 # tests/conftest.py orders the modules longest first

@@ -14,7 +14,7 @@ rc[tests/gpu]=$?
 tail -n 25 "$out/gpu_tests.log"
 
 timeout 120 python3 -m rlalign.cli agree model=bench-moe device=cuda kernels.backend=triton agree.num_prompts=64 \
-  generator.max_new_tokens=64 trainer.ep_size=1 > "$out/agree.log" 2>&1
+  agree.max_new_tokens=64 trainer.ep_size=1 > "$out/agree.log" 2>&1
 rc[agree]=$?
 tail -n 1 "$out/agree.log"
 

@@ -20,10 +20,10 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
 common="model=$MODEL device=$DEVICE kernels.backend=$BACKEND trainer.ep_size=$TEP"
 agree() {  # $1 name, rest: overrides
   local name=$1; shift
-  local cmd="rlalign agree $common agree.num_prompts=$PROMPTS generator.max_new_tokens=$NEW $*"
+  local cmd="rlalign agree $common agree.num_prompts=$PROMPTS agree.max_new_tokens=$NEW $*"
   echo "== $cmd"
   timeout "${T_AGREE:-300}" python3 -m rlalign.cli agree $common agree.num_prompts=$PROMPTS \
-    generator.max_new_tokens=$NEW "$@" 2>/tmp/agree_$name.err | tail -1 \
+    agree.max_new_tokens=$NEW "$@" 2>/tmp/agree_$name.err | tail -1 \
     | python3 experiments/record.py "$name" --out "$OUT" --command "$cmd" || tail -5 /tmp/agree_$name.err
   python3 - "$OUT/$name.json" <<'PY'
 import json, sys

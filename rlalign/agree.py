@@ -7,7 +7,9 @@ and TrainerWorker.score, on torch.multiprocessing ranks at EP > 1 (in this proce
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ from rich.table import Table
 
 from rlalign.config import model_args
 from rlalign.generator_world import generator_world
-from rlalign.logger import json_line
+from rlalign.logger import Phases, json_line
 from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import check_generator
@@ -49,8 +51,9 @@ def trainer_order(cfg: DictConfig, n: int) -> list[int]:
 
 
 def batch_params(cfg: DictConfig, seed: int) -> SamplingParams:
-    """The sampling of a batch of `rlalign agree`: the generator.* keys, the model's stop token, `seed`."""
-    return SamplingParams.from_config(cfg, model_args(cfg).eos_token_id, seed)
+    """The sampling of a batch of `rlalign agree`: the generator.* keys, agree.max_new_tokens, the model's stop
+    token, `seed`."""
+    return SamplingParams.from_config(cfg, model_args(cfg).eos_token_id, seed, cfg.agree.max_new_tokens)
 
 
 def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], SamplingParams, dict]:
@@ -104,7 +107,12 @@ def score_batch(cfg: DictConfig, prompts, responses, params: SamplingParams, sam
     return [lp for part in parts for lp in part]
 
 
-def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
+def _where(ranks: int) -> str:
+    return "in this process" if ranks == 1 else f"on {ranks} spawned ranks"
+
+
+def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> tuple[dict, list[Rollout]]:
+    """The batch generated and rescored, compared token by token; `phase` hears each phase as it begins."""
     t0 = time.perf_counter()
     replay = None
     if cfg.agree.replay:
@@ -112,8 +120,13 @@ def run_agree(cfg: DictConfig) -> tuple[dict, list[Rollout]]:
     else:
         prompts, params = random_prompts(cfg, model_args(cfg).vocab_size), batch_params(cfg, cfg.seed)
         ids = list(range(len(prompts)))
+    world = generator_world(cfg)
+    phase(f"generating {len(prompts)} sequences of up to {params.max_new_tokens} tokens (generator EP "
+          f"{world.ranks}, {world.backend} engine, {_where(world.ranks)}; each rank builds the model first)")
     rollouts = generate_batch(cfg, prompts, ids, params)
     t1 = time.perf_counter()
+    phase(f"scoring the {sum(len(r.tokens) for r in rollouts)} generated tokens on the trainer side (EP "
+          f"{cfg.trainer.ep_size}, {_where(cfg.trainer.ep_size)}; another order and other micro-batches)")
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
     train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled], params,
@@ -174,6 +187,17 @@ def print_report(result: dict, console=None) -> None:
         t.add_row(*r)
     console.print(t)
     console.print("[green]bitwise agreement[/green]" if ok else "[red]MISMATCH: generator and trainer disagree[/red]")
+    print(f"rlalign agree: {verdict(result)}", file=sys.stderr, flush=True)  # unwrapped: a log's (or make demo's) line
+
+
+def verdict(result: dict) -> str:
+    """The comparison in one line: '304 of 306 tokens differ between the generator's and the trainer's
+    logprobs (kernels.mode=default; max |Δ logprob| 0.0045)'."""
+    n, of = result["mismatched_tokens"], result["tokens"]
+    what = f"{n} of {of} tokens differ between the generator's and the trainer's logprobs"
+    if n == 0:
+        return f"{what}: bitwise agreement (kernels.mode={result['kernels']})"
+    return f"{what} (kernels.mode={result['kernels']}; max |Δ logprob| {result['max_abs_diff']:.2g})"
 
 
 def exit_code(result: dict) -> int:
@@ -183,7 +207,7 @@ def exit_code(result: dict) -> int:
 
 
 def main(cfg: DictConfig) -> int:
-    result, _ = run_agree(cfg)
+    result, _ = run_agree(cfg, Phases("rlalign agree"))
     print_report(result)
     print(json_line(result), flush=True)
     return exit_code(result)

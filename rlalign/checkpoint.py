@@ -414,6 +414,20 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
 
 
 # --- driver ----------------------------------------------------------------------------------------
+# checkpoint.every=null: a save every tenth of the run, at least every MAX_AUTO_EVERY steps
+AUTO_EVERY_FRACTION, MAX_AUTO_EVERY = 10, 50
+
+
+def checkpoint_every(every: int | None, steps: int) -> int:
+    """The run's steps between checkpoints: checkpoint.every, or (null, the default) sized to the run:
+    ceil(run.steps / 10), at most 50, so that a crash (kill -9, a lost node) loses at most a tenth of
+    the run and at most 50 steps (a stop signal or Ctrl-C checkpoints the newest state anyway). The
+    last step always checkpoints (is_due); 0 means only it."""
+    if every is not None:
+        return every
+    return min(MAX_AUTO_EVERY, -(-steps // AUTO_EVERY_FRACTION))
+
+
 def is_due(step: int, every: int, steps: int) -> bool:
     """Whether the run checkpoints after `step` (every N steps, and always after its last)."""
     return bool(every and (step + 1) % every == 0) or step == steps - 1

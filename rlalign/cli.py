@@ -57,15 +57,17 @@ _KEYS = {
         ("device", "cpu | cuda"),
         ("model.path", "a local HF Qwen3-MoE directory (replaces the model group's sizes)"),
         ("model.dtype", "bfloat16 | float32"),
-        ("task.num_prompts", "prompts per step"),
-        ("task.samples_per_prompt", "GRPO group size"),
-        ("generator.max_new_tokens", "completion length"),
         ("generator.backend", "native | vllm (vLLM schedules, rlalign computes; pip install -e '.[vllm]')"),
     ],
     "train": [
         ("run.steps", "steps to run"),
-        ("run.dir", "output directory (hydra.run.dir=DIR means the same)"),
-        ("checkpoint.every", "steps between checkpoints (0: at the end only)"),
+        ("run.dir", "output directory (hydra.run.dir=DIR means the same); one holding another run is refused"),
+        ("run.overwrite", "true: delete the run that run.dir holds, then start afresh"),
+        ("task.num_prompts", "prompts per step"),
+        ("task.samples_per_prompt", "GRPO group size"),
+        ("task.max_new_tokens", "completion length (tokens; the task option's own, e.g. repeat 5)"),
+        ("checkpoint.every", "steps between checkpoints (null: run.steps/10 rounded up, at most 50; 0: at the end "
+                             "only)"),
         ("checkpoint.enabled", "false: no checkpoint at all, not even the last (e.g. a model too large for the disk)"),
         ("checkpoint.resume", "never | auto | a checkpoint directory"),
         ("checkpoint.bucket_mb", "file size of a checkpoint's buckets: a save holds 3-4 of them in host memory"),
@@ -86,6 +88,7 @@ _KEYS = {
     ],
     "agree": [
         ("agree.num_prompts", "prompts in the batch"),
+        ("agree.max_new_tokens", "completion length (tokens)"),
         ("agree.replay", "a mismatch dump (RUN_DIR/mismatch-stepN) to replay"),
     ],
     "gate": [
@@ -95,6 +98,11 @@ _KEYS = {
         ("gate.replay_step", "replay: resume after this step (default: run.steps // 2 - 1)"),
     ],
 }
+
+
+def help_keys(cmd: str) -> list[str]:
+    """The config keys `rlalign CMD --help` lists (tests/test_help_keys.py: each one CMD reads)."""
+    return [k for k, _ in _KEYS["common"] + _KEYS[cmd]]
 
 
 class UsageError(ValueError):

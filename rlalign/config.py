@@ -100,17 +100,15 @@ class VllmEngineConfig:
 
 @dataclass
 class SamplingConfig:
-    """generator.* keys of the distribution tokens are drawn from (and that the trainer scores them under)."""
+    """generator.* keys of the distribution tokens are drawn from (and that the trainer scores them under).
+    A completion's length is the workload's: task.max_new_tokens (train) or agree.max_new_tokens."""
 
-    max_new_tokens: int = 48
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
 
     def validate_sampling(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generator.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if not self.greedy and not self.temperature > 0:
             raise ValueError(
                 f"generator.temperature={self.temperature}: sampling needs a temperature > 0 "
@@ -188,7 +186,7 @@ class TaskConfig:
     chat: bool = False  # each prompt as the user turn of the tokenizer's chat template + the generation prompt
     num_prompts: int = 16  # prompts per step
     samples_per_prompt: int = 8  # GRPO group size
-    max_new_tokens: int | None = None  # replaces generator.max_new_tokens in `rlalign train`
+    max_new_tokens: int = 48  # the completion length of `rlalign train` (a task option sets its own: repeat 5)
     kwargs: dict[str, Any] = field(default_factory=dict)  # task parameters (e.g. letters, length)
     # rlalign/tasks/reward_calls.py: each call's time limit (null: none); a call past it ends the
     # run naming the sample, or scores reward_timeout_fallback when that is set
@@ -246,7 +244,7 @@ class LoggerConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = True  # false: no checkpoint is written, not even the run's last (benchmarks of large models)
-    every: int = 0  # steps between checkpoints; 0 = at the end only
+    every: int | None = None  # steps between checkpoints; 0: at the end only; null: checkpoint.checkpoint_every
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
@@ -299,6 +297,7 @@ class GateConfig:
 @dataclass
 class AgreeConfig:
     num_prompts: int = 96
+    max_new_tokens: int = 48  # the completion length of `rlalign agree`
     prompt_min_len: int = 4
     prompt_max_len: int = 16
     shuffle: bool = True
@@ -309,6 +308,7 @@ class AgreeConfig:
 class RunConfig:
     steps: int = 50
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    overwrite: bool = False  # a run that run.dir holds: deleted first (else refused: rlalign.rundir.claim_run_dir)
     # rlalign/stop.py: these signals finish the step in flight and its checkpoint, then exit 128+N;
     # past stop_grace_s seconds (or on a second signal) the step is abandoned
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
@@ -353,7 +353,15 @@ def _valid_keys(schema: DictConfig, dotted: str) -> tuple[str, list[str]]:
     return ".".join(parent), sorted(node.keys()) if isinstance(node, DictConfig) else []
 
 
+# keys that left the schema -> where their setting lives now
+MOVED_KEYS = {"generator.max_new_tokens": "a completion's length is task.max_new_tokens in `rlalign train` and "
+              "`rlalign gate` (a task option sets its own: repeat 5, add and reverse 8) and agree.max_new_tokens in "
+              "`rlalign agree`"}
+
+
 def _unknown_key_error(schema: DictConfig, key: str, origin: str) -> ConfigError:
+    if key in MOVED_KEYS:
+        return ConfigError(f"{key} (in {origin}) is no longer a config key: {MOVED_KEYS[key]}")
     parent, keys = _valid_keys(schema, key)
     hint = did_you_mean(key.split(".")[-1], keys)
     where = f"under {parent!r}" if parent else "at the top level"
@@ -455,8 +463,9 @@ def validate(cfg: DictConfig) -> None:
     bad = [s for s in cfg.run.stop_signals if s not in STOP_SIGNALS]
     if bad:
         problems.append(f"run.stop_signals={list(cfg.run.stop_signals)}: {bad} not among {list(STOP_SIGNALS)}")
-    if cfg.task.max_new_tokens is not None and cfg.task.max_new_tokens < 1:
-        problems.append(f"task.max_new_tokens={cfg.task.max_new_tokens}: must be >= 1 (or null)")
+    if cfg.run.overwrite and cfg.checkpoint.resume != "never":
+        problems.append(f"run.overwrite=true deletes the run that checkpoint.resume={cfg.checkpoint.resume} would "
+                        f"continue: set one of them")
     for check in (keys_of(SamplingConfig, cfg.generator).validate_sampling,
                   keys_of(EngineConfig, cfg.generator).validate_schedule):
         try:
@@ -485,7 +494,10 @@ def _ranges(cfg: DictConfig) -> list[str]:
         ("algorithm.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0 (0 = off)"),
         ("algorithm.tis.cap", a.tis.cap, a.tis.cap > 0, "> 0"),
         ("algorithm.icepop.low", a.icepop.low, 0 <= a.icepop.low < a.icepop.high, "in [0, algorithm.icepop.high)"),
-        ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every >= 0, ">= 0 (0 = at the end only)"),
+        ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every is None or cfg.checkpoint.every >= 0,
+         ">= 0 (0 = at the end only; null = sized to the run)"),
+        ("task.max_new_tokens", cfg.task.max_new_tokens, cfg.task.max_new_tokens >= 1, ">= 1"),
+        ("agree.max_new_tokens", cfg.agree.max_new_tokens, cfg.agree.max_new_tokens >= 1, ">= 1"),
         ("checkpoint.keep", cfg.checkpoint.keep, cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("checkpoint.bucket_mb", cfg.checkpoint.bucket_mb, cfg.checkpoint.bucket_mb >= 1, ">= 1"),
         ("dist.timeout_s", cfg.dist.timeout_s, cfg.dist.timeout_s > 0, "> 0"),

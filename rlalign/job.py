@@ -10,6 +10,7 @@ returns its values; nothing passes between phases through the Job's fields.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,10 @@ def _max_peak_gib(outs) -> float | None:
 
 
 class Job:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, phase: Callable[[str], None] = lambda what: None):
+        """Ray, the placement and the two groups; `phase` hears each start-up phase as it begins."""
+        import ray
+
         from rlalign import cluster
         from rlalign.actors.group import ActorGroup
         from rlalign.actors.placement import Placement
@@ -60,6 +64,9 @@ class Job:
         from rlalign.actors.weight_sync import WeightSync
 
         self.cfg = cfg
+        addr = cluster.address()
+        if not ray.is_initialized():
+            phase(f"attaching to the Ray cluster at {addr}" if addr else "starting Ray (a private local cluster)")
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
         n, m = cfg.trainer.ep_size, generator_world(cfg).ranks
         self.placement = Placement.create(cfg, [("trainer", n), ("generator", m)])  # from the cluster's nodes
@@ -68,7 +75,9 @@ class Job:
         check_shared_dir(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g})
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
         cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())  # the ranks' working directory is not ours
+        phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement)
+        phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} engine)")
         self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement)
         self.weight_sync = WeightSync(self.trainers, self.generators, self.placement, cfg.sync.bucket_mb << 20)
         # colocated the generator gives its memory back after generating (until the weight sync); its

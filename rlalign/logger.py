@@ -1,4 +1,10 @@
-"""Run logging: a console line/progress bar, metrics.jsonl in the run directory, and W&B.
+"""Run logging: start-up phases and a line per step on stderr (a progress bar under them on a
+terminal), metrics.jsonl in the run directory, and W&B. stdout stays free for the command's JSON.
+
+    [4/50] step 3  reward 0.031  loss -0.0107  len 4.8  1312 tok/s  mismatched 0/612  max|d| 0  0.66s  ETA 0:29
+
+(step_line: loss, and kl after it, are shown when the step logs them; the ETA is the steps left times the mean
+step time of this start, its first step, which warms up, left out once there are others.)
 
 metrics.jsonl holds one JSON object per step (see rlalign/monitor/consistency.py for the
 consistency/* names). W&B is optional and imported only when logger.wandb.enabled; its mode
@@ -32,6 +38,8 @@ import json
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -70,11 +78,76 @@ def json_line(record: dict) -> str:
     return json.dumps(json_safe(record), allow_nan=False)
 
 
+LOSS_KEYS = ("actor/loss", "actor/pg_loss")  # the first the step logs is the line's loss
+KL_KEYS = ("kl/ref_k3", "actor/kl")  # ... and its kl (else the first kl/* key, else none)
+
+
+def _first(metrics: dict, keys: tuple[str, ...], prefix: str | None = None) -> float | None:
+    for k in keys:
+        if isinstance(metrics.get(k), int | float):
+            return metrics[k]
+    if prefix is not None:
+        for k, v in metrics.items():
+            if k.startswith(prefix) and isinstance(v, int | float):
+                return v
+    return None
+
+
+def clock_text(seconds: float) -> str:
+    """0:29, 12:05, 1:02:03."""
+    s = max(0, round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+def step_line(step: int, total: int, metrics: dict, eta_s: float | None) -> str:
+    """One step on the console (module docstring): [done/total], the step, reward, loss, kl, mean
+    response length, tokens/s, the generator/trainer comparison, the step's time and the ETA."""
+    parts = [f"[{step + 1}/{total}] step {step}", f"reward {metrics['reward/mean']:.3f}"]
+    loss, kl = _first(metrics, LOSS_KEYS), _first(metrics, KL_KEYS, "kl/")
+    if loss is not None:
+        parts.append(f"loss {loss:.4g}")
+    if kl is not None:
+        parts.append(f"kl {kl:.3g}")
+    if "response/length_mean" in metrics:
+        parts.append(f"len {metrics['response/length_mean']:.1f}")
+    if "time/step_tok_per_s" in metrics:
+        parts.append(f"{metrics['time/step_tok_per_s']:.0f} tok/s")
+    parts += [f"mismatched {metrics['consistency/mismatched_tokens']}/{metrics['consistency/tokens']}",
+              f"max|d| {metrics['consistency/logprob_abs_diff_max']:.2g}", f"{metrics['time/step_s']:.2f}s"]
+    if eta_s is not None:
+        parts.append(f"ETA {clock_text(eta_s)}")
+    return "  ".join(parts)
+
+
+def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
+    """The steps left times the mean step time, without the first (warm-up) step once there are others."""
+    if not step_times:
+        return None
+    times = step_times[1:] or step_times
+    return steps_left * sum(times) / len(times)
+
+
+class Phases:
+    """A command's start-up on stderr, one line as each phase begins, with the seconds since the start:
+    `rlalign train: [19.5 s] starting 2 trainer ranks (EP 2), each building its model shard`. Silent
+    when disabled."""
+
+    def __init__(self, prog: str, enabled: bool = True, out=None, clock: Callable[[], float] = time.monotonic):
+        self.prog, self.enabled, self.out, self.clock = prog, enabled, out, clock
+        self.t0 = clock()
+
+    def __call__(self, what: str) -> None:
+        if self.enabled:
+            print(f"{self.prog}: [{self.clock() - self.t0:.1f} s] {what}", file=self.out or sys.stderr, flush=True)
+
+
 class RunLogger:
     def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, total_steps: int):
         self.cfg, self.run_dir = cfg, run_dir
         self.text_rows: list[list] = []  # [step, key, value] of string metrics and alerts
-        self.next_step, self.last_step = start_step, None
+        self.next_step, self.last_step, self.total_steps = start_step, None, total_steps
+        self.step_times: list[float] = []  # this start's steps, for the ETA
         self.metrics_path = run_dir / "metrics.jsonl"
         if cfg.logger.jsonl:
             truncate_jsonl(self.metrics_path, start_step)
@@ -94,10 +167,11 @@ class RunLogger:
             )
         self.progress = None
         if cfg.logger.console and sys.stderr.isatty():
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]rlalign train"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
+                                     TimeRemainingColumn(), transient=False, console=Console(stderr=True))
             self.task = self.progress.add_task("", total=total_steps, completed=start_step)
             self.progress.start()
 
@@ -115,11 +189,11 @@ class RunLogger:
                 self.wandb.summary[k] = v
                 self.wandb.summary[f"{k}_step"] = step
         self.next_step, self.last_step = step + 1, step
-        line = (f"step {step:4d}  reward {metrics['reward/mean']:.3f}  mismatched "
-                f"{metrics['consistency/mismatched_tokens']}/{metrics['consistency/tokens']}  "
-                f"max|d| {metrics['consistency/logprob_abs_diff_max']:.2g}  {metrics['time/step_s']:.2f}s")
+        self.step_times.append(metrics["time/step_s"])
+        line = step_line(step, self.total_steps, metrics, eta_seconds(self.step_times, self.total_steps - step - 1))
         if self.progress is not None:
-            self.progress.update(self.task, advance=1, description=line)
+            self.progress.console.print(line, highlight=False)
+            self.progress.update(self.task, advance=1)
         elif self.cfg.logger.console:
             print(line, file=sys.stderr, flush=True)
 

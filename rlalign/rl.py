@@ -36,12 +36,11 @@ from rlalign import checkpoint as ckpt
 from rlalign.config import model_args
 from rlalign.export import model_meta
 from rlalign.job import Job
-from rlalign.logger import RunLogger, json_line, truncate_jsonl
+from rlalign.logger import Phases, RunLogger, json_line, truncate_jsonl
 from rlalign.model import check_hf_dir
 from rlalign.parallel.weight_sync import SyncError
 from rlalign.rollout.generator import check_generator
-from rlalign.rundir import RunLock, record_segment, stale_note
-from rlalign.sampling_params import SamplingParams
+from rlalign.rundir import RunLock, claim_run_dir, record_segment, stale_note
 from rlalign.step import MismatchError, run_step
 from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import make_task
@@ -74,14 +73,14 @@ def _prepare(cfg: DictConfig):
                          f"only {args.vocab_size}")
     check_generator(cfg)
     resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
-    max_new = SamplingParams.from_config(cfg, tok.eos_token_id, 0, cfg.task.max_new_tokens).max_new_tokens
+    max_new = t.max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
     for ex in examples:
         where = ex.source or f"task {t.name} prompt {ex.prompt!r}"
         ids = tok.encode(ex.prompt, where=where)
         overflow = args.context_overflow(len(ids), max_new)
         if overflow:
-            raise ValueError(f"{where}: the prompt {overflow}")
+            raise ValueError(f"{where}: the prompt {overflow.replace('max_new_tokens', 'task.max_new_tokens')}")
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
     where = f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)"
@@ -92,6 +91,7 @@ def _prepare(cfg: DictConfig):
 def train(cfg: DictConfig, status: dict | None = None) -> dict:
     """The run (module docstring); its summary. `status` (the CLI's) gets 'run_dir' once the run
     holds its directory, so that an error from then on names the checkpoint to resume from."""
+    phase = Phases("rlalign train", cfg.logger.console)  # lines from Ray's start on: an error before is one line
     task, tok, rewards = _prepare(cfg)
     run_dir = Path(cfg.run.dir)
     signals = [*cfg.run.stop_signals, "SIGINT"]  # Ctrl-C stops as a scheduler's SIGTERM does (exit 130)
@@ -99,6 +99,9 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
         note = stale_note(lock)
         if note:
             print(f"rlalign train: note: {note}", file=sys.stderr, flush=True)
+        note = claim_run_dir(run_dir, cfg.checkpoint.resume, cfg.run.overwrite)  # another run's work: refused
+        if note:
+            print(f"rlalign train: {note}", file=sys.stderr, flush=True)
         resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
         start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
         if start >= cfg.run.steps:
@@ -109,7 +112,7 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
         saves = Saves(cfg, run_dir, start - 1)
         if cfg.checkpoint.enabled:  # before Ray starts: a checkpoint that cannot fit fails now, not after the steps
             parts = checkpoint_nbytes(cfg)
-            ckpt.check_space(run_dir, parts, range(start, cfg.run.steps), cfg.checkpoint.every, cfg.run.steps,
+            ckpt.check_space(run_dir, parts, range(start, cfg.run.steps), saves.every, cfg.run.steps,
                              cfg.checkpoint.keep)
             saves.measure(sum(parts.values()))
         if status is not None:
@@ -119,8 +122,11 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"{start}..{cfg.run.steps - 1}", file=sys.stderr, flush=True)
         record_segment(run_dir, start, resume, OmegaConf.to_container(cfg, resolve=True),
                        OmegaConf.to_yaml(cfg, resolve=True))
-        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves)
-    return summarize(run_dir, cfg.run.steps, start, last)
+        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase)
+    summary = summarize(run_dir, cfg.run.steps, start, last)
+    if cfg.logger.console:
+        print(f"rlalign train: {done_line(summary, cfg.kernels.mode)}", file=sys.stderr, flush=True)
+    return summary
 
 
 class Saves:
@@ -132,6 +138,7 @@ class Saves:
 
     def __init__(self, cfg: DictConfig, run_dir: Path, covered: int):
         self.cfg, self.run_dir, self.covered = cfg, run_dir, covered
+        self.every = ckpt.checkpoint_every(cfg.checkpoint.every, cfg.run.steps)
         self.in_flight: int | None = None
         self.nbytes, self.save_s = 0, 0.0  # the checkpoint's size and its estimated write time (measure())
         # meta.json records the model, so that `rlalign export` needs nothing but the checkpoint
@@ -186,17 +193,17 @@ class Saves:
 
 
 def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None, start: int,
-         stop: StopSignals, saves: Saves) -> dict:
+         stop: StopSignals, saves: Saves, phase: Phases) -> dict:
     """Steps start..run.steps-1 on the actor groups; the last step's metrics (_Run)."""
-    return _Run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves).run()
+    return _Run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase).run()
 
 
 class _Run:
     """Steps start..run.steps-1 on the actor groups (train() holds the run dir and the signals)."""
 
     def __init__(self, cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None,
-                 start: int, stop: StopSignals, saves: Saves):
-        self.cfg, self.task, self.tok, self.rewards = cfg, task, tok, rewards
+                 start: int, stop: StopSignals, saves: Saves, phase: Phases):
+        self.cfg, self.task, self.tok, self.rewards, self.phase = cfg, task, tok, rewards, phase
         self.run_dir, self.resume, self.start, self.stop, self.saves = run_dir, resume, start, stop, saves
         self.job: Job | None = None
         self.logger: RunLogger | None = None
@@ -247,11 +254,14 @@ class _Run:
         return self.last
 
     def _start(self) -> None:
-        job = self.job = Job(self.cfg)
+        job = self.job = Job(self.cfg, self.phase)
         job.open_traces(self.start)
         if self.resume is not None:
+            self.phase(f"loading {self.resume}")
             job.load_checkpoint(str(self.resume.resolve()))
+        self.phase("the first weight sync, trainer -> generator")
         self.weights_fp = job.sync_weights(self.start - 1).weights_fp
+        self.phase(f"running steps {self.start}..{self.cfg.run.steps - 1} (the first one warms up)")
         self.logger = RunLogger(self.cfg, self.run_dir, self.start, self.cfg.run.steps)
 
     def _step(self, step: int) -> None:
@@ -262,7 +272,7 @@ class _Run:
         if "consistency/alert" in metrics:
             self.logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
         t1 = time.perf_counter()
-        if ckpt.is_due(step, cfg.checkpoint.every, cfg.run.steps) and cfg.checkpoint.enabled:
+        if ckpt.is_due(step, self.saves.every, cfg.run.steps) and cfg.checkpoint.enabled:
             self.saves.save(self.job, step, result.weights_fp, wait=not cfg.checkpoint.async_save)
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -364,6 +374,17 @@ def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
         out["step_s_mean"] = sum(row["time/step_s"] for row in rows) / max(1, len(rows))
     out.update({k: last[k] for k in ("sync/weights_fp",) if k in last})
     return out
+
+
+def done_line(summary: dict, kernels_mode: str) -> str:
+    """The finished run in one line: where it is, and how its generator and trainer compared over every step
+    of metrics.jsonl ('0 of 31788 tokens differ ...')."""
+    n, of = summary.get("mismatched_tokens_total"), summary.get("tokens_total")
+    line = f"done: run.steps={summary['steps']} in {summary['run_dir']}"
+    if n is not None:
+        line += (f"; {n} of {of} tokens differ between the generator's and the trainer's logprobs "
+                 f"(kernels.mode={kernels_mode})")
+    return line
 
 
 def main(cfg: DictConfig, status: dict | None = None) -> int:

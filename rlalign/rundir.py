@@ -2,6 +2,7 @@
 and by nobody else at the same time.
 
     with RunLock(run_dir):          # a second job on the directory is refused, naming the holder
+        claim_run_dir(run_dir, resume, overwrite)          # another run's steps: refused, or deleted
         record_segment(run_dir, start_step, resume, cfg)   # segments.jsonl + config.yaml
 
 RunLock holds an exclusive flock(2) on RUN_DIR/.rlalign.lock for the job's lifetime and writes
@@ -10,6 +11,11 @@ process ends, however it ends (kill -9, OOM killer, a node's NFS lease running o
 crashed job never blocks the next one: the file still names the crashed holder, which the next
 job reports as a stale lock it takes over. A clean exit empties the file. Only the file's
 contents are rewritten, never the file itself, so every job locks the same inode.
+
+A directory that holds another run's work (its logged steps, a checkpoint, trace records) is not
+written over silently: claim_run_dir refuses it in one line naming what it holds, unless
+checkpoint.resume continues that run or run.overwrite=true deletes its files (and only its files)
+first.
 
 segments.jsonl gets one record per start of the run: the step it starts at, the checkpoint it
 resumed from, host/pid/time and the whole resolved config, so a resumed run that changed keys
@@ -25,18 +31,28 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
 
+from rlalign.checkpoint_files import list_complete
 from rlalign.logger import json_line
 
 LOCK = ".rlalign.lock"
 SEGMENTS = "segments.jsonl"
+# what a run writes into its directory besides the lock: run.overwrite=true deletes these and nothing else
+RUN_FILES = ("metrics.jsonl", SEGMENTS, "config.yaml", "divergence.jsonl", ".wandb_id")
+RUN_DIRS = ("checkpoints", "traces", "report", "wandb")
+RUN_DIR_GLOBS = ("mismatch-step*",)
 
 
 class RunDirLocked(RuntimeError):
     """Another live job holds the run directory; the message names it."""
+
+
+class RunDirTaken(ValueError):
+    """The run directory holds an earlier run's work and nothing said to continue it or to delete it."""
 
 
 def _holder_text(info: dict) -> str:
@@ -142,3 +158,78 @@ def read_segments(run_dir: Path) -> list[dict]:
             raise ValueError(f"{path}:{no}: not a segment record (no integer start_step)")
         out.append(rec)
     return sorted(out, key=lambda s: s["start_step"])
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for ln in path.read_text().splitlines():
+        try:
+            steps.append(int(json.loads(ln)["step"]))
+        except (ValueError, KeyError, TypeError):  # a line cut short by a killed writer
+            continue
+    return steps
+
+
+def held_run(run_dir: Path) -> tuple[str, int | None] | None:
+    """What `run_dir` holds of an earlier run's work, in words ('a finished run: steps 0-2 of 3 in
+    metrics.jsonl, checkpoint step_000002, started 2026-12-04T21:37:02'), and its run.steps when it
+    finished them (else None); None when it holds none: no logged step, no complete checkpoint, no
+    trace record (a start that did no step is no work)."""
+    run_dir = Path(run_dir)
+    steps, done = _logged_steps(run_dir), list_complete(run_dir)
+    traces = [p for p in (run_dir / "traces").glob("*.jsonl") if p.stat().st_size]
+    if not (steps or done or traces):
+        return None
+    try:
+        segs = read_segments(run_dir)
+    except ValueError:
+        segs = []
+    last = segs[-1].get("config") if segs else None
+    total = last.get("run", {}).get("steps") if isinstance(last, dict) else None
+    parts = []
+    if steps:
+        parts.append(f"steps {min(steps)}-{max(steps)}" + (f" of {total}" if total else "") + " in metrics.jsonl")
+    if done:
+        parts.append(f"checkpoint {done[-1].name}")
+    if traces and not steps:
+        parts.append(f"{len(traces)} trace files")
+    if segs:
+        parts.append(f"started {segs[-1].get('started')}")
+    finished = total if total and steps and max(steps) >= total - 1 else None
+    return f"{'a finished run' if finished else 'a run'}: {', '.join(parts)}", finished
+
+
+def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> str | None:
+    """With the directory's lock held: an earlier run's work there (held_run) is refused, in one line
+    that names it and the ways on, unless checkpoint.resume continues it ('auto', or a checkpoint in
+    this directory) or `overwrite` (run.overwrite) deletes its files first (RUN_FILES, RUN_DIRS,
+    RUN_DIR_GLOBS: nothing else in the directory). The line saying what was deleted, or None."""
+    run_dir = Path(run_dir)
+    held = held_run(run_dir)
+    if held is None:
+        return None
+    what, finished = held
+    here = resume == "auto" or (resume != "never" and Path(resume).resolve().is_relative_to(run_dir.resolve()))
+    if here:
+        return None
+    if not overwrite:
+        using = "" if resume == "never" else f" (checkpoint.resume={resume} is another run's)"
+        more = f" and run.steps > {finished}" if finished else ""
+        raise RunDirTaken(f"run.dir {run_dir} holds {what}{using}; continue it with checkpoint.resume=auto{more}, "
+                          f"choose another run.dir, or set run.overwrite=true to delete that run's files first")
+    clear_run(run_dir)
+    return f"run.overwrite=true: deleted {what} from {run_dir}"
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete a run's own files from `run_dir` (never the lock, never a file the run did not write)."""
+    run_dir = Path(run_dir)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    dirs = [run_dir / name for name in RUN_DIRS] + [p for g in RUN_DIR_GLOBS for p in run_dir.glob(g)]
+    for d in dirs:
+        if d.is_dir():
+            shutil.rmtree(d)

@@ -23,18 +23,20 @@ NOT_IN_GRAPHS = ("seed", "eos_token_id", "max_new_tokens")
 @dataclass
 class SamplingParams(SamplingConfig):
     """One call's sampling: the generator.* distribution (defaults: the config schema's) plus what
-    is the call's own, not a config key: the stop token and the seed."""
+    is the call's own, not a generator.* key: the length (the workload's: task.max_new_tokens in
+    train, agree.max_new_tokens in agree), the stop token and the seed."""
 
+    max_new_tokens: int = 48
     eos_token_id: int | None = None  # None: no stop token, every sequence runs to max_new_tokens
     seed: int = 0
 
     @classmethod
     def from_config(cls, cfg: DictConfig, eos_token_id: int | None = None, seed: int = 0,
                     max_new_tokens: int | None = None) -> SamplingParams:
-        """The generator's sampling (generator.* keys; max_new_tokens replaced when given), validated."""
-        p = cls(**vars(keys_of(SamplingConfig, cfg.generator)), eos_token_id=eos_token_id, seed=seed)
-        if max_new_tokens:
-            p.max_new_tokens = max_new_tokens
+        """The generator's sampling (generator.* keys) for completions of up to `max_new_tokens` (the
+        workload's key; None only where no sequence is drawn, e.g. the trainer's logprob_kwargs()), validated."""
+        length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+        p = cls(**vars(keys_of(SamplingConfig, cfg.generator)), **length, eos_token_id=eos_token_id, seed=seed)
         p.validate()
         return p
 
@@ -53,6 +55,8 @@ class SamplingParams(SamplingConfig):
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         self.validate_sampling()
 
     def key(self) -> tuple:

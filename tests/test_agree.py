@@ -45,12 +45,17 @@ def _refuse(name):
 
 
 def test_cli_last_line_is_the_json_report():
-    p = _cli("agree", "agree.num_prompts=6", "generator.max_new_tokens=5", "trainer.ep_size=1")  # in-process ranks
+    p = _cli("agree", "agree.num_prompts=6", "agree.max_new_tokens=5", "trainer.ep_size=1")  # in-process ranks
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout.strip().splitlines()[-1], parse_constant=_refuse)  # standard JSON only
     assert set(res) >= {"tokens", "mismatched_tokens", "max_abs_diff", "mean_abs_diff", "kernels", "dtype",
                         "trainer_ep", "generator_ep"}
     assert res["mismatched_tokens"] == 0
+    err = p.stderr.strip().splitlines()  # what it runs as it begins, then its closing line
+    assert any(ln.startswith("rlalign agree: [") and "generating 6 sequences of up to 5 tokens" in ln for ln in err)
+    assert any("scoring the " in ln and "on the trainer side (EP 1, in this process" in ln for ln in err)
+    assert err[-1] == (f"rlalign agree: 0 of {res['tokens']} tokens differ between the generator's and the trainer's "
+                       f"logprobs: bitwise agreement (kernels.mode=deterministic)")
 
 
 def test_cli_rejects_bad_config_with_the_valid_keys(capsys):
@@ -86,7 +91,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     spy(workers.TrainerWorker, "score", "score")
     spy(trainer, "score_micro_batch", "score_micro_batch")
     res, _ = run_agree(load_config(["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=4",
-                                    "generator.max_new_tokens=8"]))
+                                    "agree.max_new_tokens=8"]))
     assert res["mismatched_tokens"] == 0
     assert calls["generate"] == 1 and calls["score"] == 1 and calls["score_micro_batch"] >= 1
     # negative twin: an agree whose generation bypasses the worker is caught by the same check
@@ -102,7 +107,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     monkeypatch.setattr(agree, "_generate_rank", bypass)
     calls.update(generate=0, score=0)
     run_agree(load_config(["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=4",
-                           "generator.max_new_tokens=8"]))
+                           "agree.max_new_tokens=8"]))
     assert calls["generate"] == 0 and calls["score"] == 1
 
 

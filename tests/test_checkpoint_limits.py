@@ -103,9 +103,9 @@ def test_train_refuses_at_start_when_the_checkpoint_does_not_fit(tmp_path, capsy
     code, err = _train(tmp_path, capsys)
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"rlalign train: error: not enough disk for checkpoints: {tmp_path / 'run'}/checkpoints "
-                             f"needs 3.23 MB (one checkpoint of 3.23 MB: bfloat16 weights "), err
-    assert err[0].endswith("but its file system has 1 MB free; set run.dir=<a directory with room>, or "
-                           "checkpoint.enabled=false (no checkpoints)"), err
+                             f"needs 6.46 MB (2 checkpoints of 3.23 MB at once: bfloat16 weights "), err  # every step
+    assert err[0].endswith("but its file system has 1 MB free; set run.dir=<a directory with room>, "
+                           "checkpoint.keep=1 (fewer at once), or checkpoint.enabled=false (no checkpoints)"), err
     assert no_ray == [] and not (tmp_path / "run" / "metrics.jsonl").exists()  # before Ray and any step
     # negative twins: with room, or without checkpoints, the run goes on to start Ray
     code, err = _train(tmp_path, capsys, "checkpoint.enabled=false")
@@ -271,7 +271,7 @@ def test_agree_prints_standard_json_with_non_finite_numbers_null_and_named(monke
     result = {"kernels": "default", "tokens": 4, "mismatched_tokens": 1, "max_abs_diff": float("inf"),
               "mean_abs_diff": float("nan"),
               "abs_diff_hist": [3, 1], "k3_kl": 0.5, "nested": {"x": -float("inf"), "y": [1.0, float("nan")]}}
-    monkeypatch.setattr(agree, "run_agree", lambda cfg: (result, []))
+    monkeypatch.setattr(agree, "run_agree", lambda cfg, phase: (result, []))
     monkeypatch.setattr(agree, "print_report", lambda r: None)
     assert agree.main(None) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

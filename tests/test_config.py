@@ -76,7 +76,7 @@ def test_dataclass_defaults_are_the_resolved_defaults():
     assert sorted(chosen) == ["task.kwargs", "task.max_new_tokens"]
     assert {k: v for k, v in resolved.items() if v != schema[k]} == chosen
     c = Config()
-    assert (c.trainer.ep_size, c.trainer.lr, c.trainer.micro_batch_size, c.generator.max_new_tokens, c.run.steps) \
+    assert (c.trainer.ep_size, c.trainer.lr, c.trainer.micro_batch_size, c.task.max_new_tokens, c.run.steps) \
         == (2, 0.01, 32, 48, 50)
     assert resolved["model.eos_token_id"] == c.model.eos_token_id == 1
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(*over):
-    return load_config(["agree.num_prompts=64", "generator.max_new_tokens=40", *over])
+    return load_config(["agree.num_prompts=64", "agree.max_new_tokens=40", *over])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -99,7 +99,7 @@ def _grads_rank(rank, world, group, cfg_dict, prompts, responses, steps):
 
 
 def test_gradients_are_bit_identical_run_to_run_at_ep2():
-    cfg = _cfg("model.dtype=float32", "agree.num_prompts=12", "generator.max_new_tokens=12")
+    cfg = _cfg("model.dtype=float32", "agree.num_prompts=12", "agree.max_new_tokens=12")
     ro = generate_batch(cfg, random_prompts(cfg, 64), list(range(12)), batch_params(cfg, 0))
     ep2 = load_config(["model.dtype=float32", "trainer.ep_size=2", "trainer.micro_batch_size=2"])
     args = (OmegaConf.to_container(ep2, resolve=True), [r.prompt for r in ro], [r.tokens for r in ro], 2)

@@ -145,14 +145,14 @@ def _generate_rank(rank, world, group, cfg_dict, prompts):
 
     worker = GeneratorWorker(cfg_dict, rank, world, group=group)
     part = launch.shard_range(len(prompts), world, rank)
-    params = SamplingParams.from_config(worker.cfg, worker.model.args.eos_token_id, 0)
+    params = SamplingParams.from_config(worker.cfg, worker.model.args.eos_token_id, 0, worker.cfg.agree.max_new_tokens)
     outs = worker.generate([prompts[i] for i in part], list(part), params).rollouts
     return outs, dict(worker.generator.stats)
 
 
 def test_generator_ep2_decode_through_fixed_capacity_equals_ep1_and_the_trainer():
     """Lookahead on, top_k 4 (sums of more than two terms: their order shows in the bits)."""
-    cfg = load_config(["model.dtype=float32", "model.top_k=4", "agree.num_prompts=12", "generator.max_new_tokens=24",
+    cfg = load_config(["model.dtype=float32", "model.top_k=4", "agree.num_prompts=12", "agree.max_new_tokens=24",
                        "generator.lookahead=true", "trainer.ep_size=1", "trainer.micro_batch_size=5"])
     prompts = random_prompts(cfg, cfg.model.vocab_size)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)

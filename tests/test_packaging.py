@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "rlalign", "kernels", "actors", "configs")
-TINY_AGREE = ["trainer.ep_size=1", "agree.num_prompts=2", "generator.max_new_tokens=2"]
+TINY_AGREE = ["trainer.ep_size=1", "agree.num_prompts=2", "agree.max_new_tokens=2"]
 
 pytestmark = pytest.mark.slow  # each builds a wheel (~2 s); the install test runs rlalign 5 times
 

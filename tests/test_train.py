@@ -83,6 +83,15 @@ def test_train_three_steps_trainer_ep2_generator_ep1(full):
         assert r["consistency/logprob_abs_diff_max"] == 0.0
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["mismatched_tokens_total"] == 0
+    err = p.stderr.splitlines()  # start-up phases as they begin, a line per step, the closing line
+    phases = [ln.split("] ", 1)[1] for ln in err if re.match(r"rlalign train: \[\d+\.\d s\] ", ln)]
+    assert phases[:3] == ["starting Ray (a private local cluster)",
+                          "starting 2 trainer ranks (EP 2), each building its model shard",
+                          "starting 1 generator rank (EP 1, native engine)"], err
+    steps = [ln for ln in err if ln.startswith("[")]
+    assert [s.split("  ")[0] for s in steps] == ["[1/3] step 0", "[2/3] step 1", "[3/3] step 2"]
+    assert all(f" {k} " in s for s in steps for k in ("loss", "kl", "tok/s", "mismatched 0/3", "ETA"))
+    assert f"rlalign train: done: run.steps=3 in {d}; 0 of {summary['tokens_total']} tokens differ " in p.stderr
     print(f"rlalign train run.steps=3 (Ray start-up included): {wall:.1f}s")
 
 
@@ -257,7 +266,8 @@ def test_bad_input_fails_before_any_actor(tmp_path):
     long = tmp_path / "long.jsonl"
     lines = ['{"prompt": "a:", "answer": "aa"}'] * 30 + ['{"prompt": "' + "a" * 300 + ':", "answer": "aa"}']
     long.write_text("\n".join(lines) + "\n")
-    _fails_fast(["task=jsonl", f"task.path={long}"], r"long.jsonl:31: the prompt has 301 tokens; with max_new_tokens")
+    _fails_fast(["task=jsonl", f"task.path={long}"],
+                r"long.jsonl:31: the prompt has 301 tokens; with task.max_new_tokens=48 it exceeds")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "a:", "answer": "aa"}\n{"prompt": "caf\xe9:", "answer": "x"}\n')
     _fails_fast(["task=jsonl", f"task.path={latin}"], r"latin.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)")

@@ -105,7 +105,7 @@ def test_full_model_agrees_on_the_triton_backend():
     from rlalign.config import load_config
 
     res, _ = run_agree(load_config(["kernels.backend=triton", f"device={DEV}", "agree.num_prompts=4",
-                                    "generator.max_new_tokens=4", "trainer.ep_size=1", "trainer.micro_batch_size=3"]))
+                                    "agree.max_new_tokens=4", "trainer.ep_size=1", "trainer.micro_batch_size=3"]))
     assert res["backend"] == "triton" and res["tokens"] > 0 and res["mismatched_tokens"] == 0
 
 

@@ -199,7 +199,7 @@ def test_stock_vllm_disagrees_and_agree_reports_it():
     """Negative twin: vLLM's own Qwen3-MoE, CPU attention (head_dim >= 32) and sampler."""
     cfg = load_config(["generator.backend=vllm", "generator.vllm.stock=true", "model.head_dim=32",
                        "generator.vllm.block_size=32",  # vLLM's CPU attention: head_dim, block_size % 32 == 0
-                       "trainer.ep_size=1", "agree.num_prompts=8", "generator.max_new_tokens=16", *SMALL])
+                       "trainer.ep_size=1", "agree.num_prompts=8", "agree.max_new_tokens=16", *SMALL])
     res, _ = run_agree(cfg)
     assert res["generator_backend"] == "vllm" and res["tokens"] > 0
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
@@ -210,11 +210,11 @@ def test_generator_ep2_agrees_with_trainer_ep1_and_ep2(engine, model_dir):
     """The module's engine (generator EP 2) against trainers at EP 1 and 2 (spawned ranks); tokens
     and logprob bits equal the native generator's."""
     cfg = load_config(["generator.temperature=0.7", "generator.top_k=20", "generator.top_p=0.9",
-                       "generator.max_new_tokens=24", "agree.num_prompts=24", f"model.path={model_dir}"])
+                       "agree.max_new_tokens=24", "agree.num_prompts=24", f"model.path={model_dir}"])
     prompts = random_prompts(cfg, TINY["vocab_size"])
     ids = list(range(len(prompts)))
     native = generate_batch(cfg, prompts, ids, batch_params(cfg, cfg.seed))  # the native generator, in this process
-    rollouts = engine.generate(prompts, ids, SamplingParams.from_config(cfg, TINY["eos_token_id"], cfg.seed))
+    rollouts = engine.generate(prompts, ids, batch_params(cfg, cfg.seed))  # the model's eos: TINY's
     assert [r.tokens for r in rollouts] == [r.tokens for r in native]
     assert all(same_bits(a.logprobs, b.logprobs) for a, b in zip(rollouts, native))
     for trainer_ep in (1, 2):

@@ -57,7 +57,7 @@ def bench_worker(rank, world, group, cfg_dict, prompts, repeats):
     kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     trainer = Trainer(cfg, group if world > 1 else None)
     part = shard_range(len(prompts), world, rank)
-    params = SamplingParams.from_config(cfg, None, 0)  # no EOS: every sequence decodes max_new_tokens
+    params = SamplingParams.from_config(cfg, None, 0, cfg.agree.max_new_tokens)  # no EOS: each decodes them all
     mine = [prompts[i] for i in part]
     engine = NativeEngine(trainer.model, None, Lockstep(group) if world > 1 else None)
     gen = lambda: engine.generate(mine, list(part), params)  # noqa: E731
@@ -93,7 +93,7 @@ def main() -> None:
             res = {}
             for mode in ("deterministic", "default"):
                 cfg = load_config([f"device={a.device}", f"model.dtype={dtype}", f"kernels.mode={mode}",
-                                   f"trainer.ep_size={ep}", "agree.num_prompts=64", "generator.max_new_tokens=32",
+                                   f"trainer.ep_size={ep}", "agree.num_prompts=64", "agree.max_new_tokens=32",
                                    "trainer.micro_batch_size=8", *a.overrides])
                 from omegaconf import OmegaConf
 

@@ -50,12 +50,12 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides (generator.vllm.*, generator.*, model.*)")
     a = ap.parse_args()
     cfg = load_config(["generator.backend=vllm", f"agree.num_prompts={a.prompts}",
-                       f"generator.max_new_tokens={a.max_new_tokens}", f"generator.ep_size={a.ep_size}", *a.overrides])
+                       f"agree.max_new_tokens={a.max_new_tokens}", f"generator.ep_size={a.ep_size}", *a.overrides])
     kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     model = build_model(model_args(cfg), cfg.model.dtype, seed=cfg.model.init_seed)
     prompts = random_prompts(cfg, model.args.vocab_size)
     ids = list(range(len(prompts)))
-    params = SamplingParams.from_config(cfg, model.args.eos_token_id, cfg.seed)
+    params = SamplingParams.from_config(cfg, model.args.eos_token_id, cfg.seed, cfg.agree.max_new_tokens)
 
     native_engine = keys_of(EngineConfig, cfg.generator)
     generate(model, prompts[:4], ids[:4], params, engine=native_engine)  # warm-up

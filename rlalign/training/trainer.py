@@ -63,8 +63,7 @@ class Trainer:
             self.ref_model = model_from_config(cfg).requires_grad_(False)  # the initial policy
             if group is not None:
                 apply_ep(self.ref_model, group)
-        # the sampling limit (task.max_new_tokens replaces generator.max_new_tokens): dr_grpo's normaliser
-        self.max_new_tokens = OmegaConf.select(cfg, "task.max_new_tokens") or cfg.generator.max_new_tokens
+        self.max_new_tokens = cfg.task.max_new_tokens  # the sampling limit of `rlalign train`: dr_grpo's normaliser
 
     @property
     def rank(self) -> int:

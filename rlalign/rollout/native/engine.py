@@ -83,7 +83,8 @@ class NativeEngine:
                 raise ValueError(
                     f"sample {sample_ids[b]}: prompt of {len(prompts[b])} tokens + max_new_tokens="
                     f"{params.max_new_tokens} needs {n} KV pages of {cfg.page_size} tokens; the cache has {num_pages} "
-                    "(raise generator.num_pages or lower generator.max_new_tokens)"
+                    "(raise generator.num_pages or lower the completion length: task.max_new_tokens, "
+                    "agree.max_new_tokens)"
                 )
         state = self._state_for(num_pages, max_seqs, max(pages_of, default=1))
         graphs = state.decode_graphs() if self.graphs_allowed() else None
