@@ -200,8 +200,14 @@ def verdict(result: dict) -> str:
     return f"{what} (kernels.mode={result['kernels']}; max |Δ logprob| {result['max_abs_diff']:.2g})"
 
 
+def exit_code(result: dict) -> int:
+    """1 when any token differs in deterministic mode (the promise is broken), else 0: in
+    kernels.mode=default a mismatch is the expected, reported outcome."""
+    return 1 if result["kernels"] == "deterministic" and result["mismatched_tokens"] else 0
+
+
 def main(cfg: DictConfig) -> int:
     result, _ = run_agree(cfg, Phases("rlalign agree"))
     print_report(result)
     print(json_line(result), flush=True)
-    return 0
+    return exit_code(result)

@@ -40,7 +40,8 @@ _ABOUT = {
              "generator and trainer logprobs are compared token by token. Writes RUN_DIR/metrics.jsonl,\n"
              "checkpoints/ and traces/; the last stdout line is a JSON summary.",
     "agree": "One batch generated (generator.ep_size) and rescored by the trainer (trainer.ep_size, another\n"
-             "batch composition); prints how the two sides' per-token logprobs compare, last line JSON.",
+             "batch composition); prints how the two sides' per-token logprobs compare, last line JSON.\n"
+             "Exits 1 when any token differs in kernels.mode=deterministic, else 0.",
     "gate": "Two short runs compared record by record; PASS/FAIL and the first divergent op.\n"
             "  repeatability  the same run twice\n"
             "  baseline       the run vs the candidate overrides in gate.candidate\n"

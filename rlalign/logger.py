@@ -12,9 +12,11 @@ follows logger.wandb.mode, else $WANDB_MODE, else 'offline' when no API key is c
 
 In W&B, every step logs its numbers, and:
   consistency/abs_diff_hist    a wandb.Histogram of |Δ logprob| (trainer - generator) over the
-                               step's tokens in decades: x = log10 |Δ|, the bin [-9, -8) holds the
-                               identical tokens (|Δ| = 0), [-8, -7) those in (0, 1e-7], ...,
-                               [-1, 0) those above 0.1 (rlalign.monitor.consistency.HIST_EDGES)
+                               step's DIFFERING tokens in decades: x = log10 |Δ|, [-8, -7) holds
+                               those in (0, 1e-7], ..., [-1, 0) those above 0.1
+                               (rlalign.monitor.consistency.HIST_EDGES)
+  consistency/identical_tokens the tokens with |Δ| = 0, a number of their own (in a decade bin they
+                               would read as |Δ| ~ 1e-9)
   consistency/worst_tokens     (steps with mismatches) a table of the worst tokens by |Δ|: sample,
                                position, token, both logprobs, |Δ| and the op where the token's
                                rows first differ (monitor.fingerprints=layers)
@@ -236,12 +238,14 @@ def wandb_media(metrics: dict, detail: dict | None) -> dict:
     out = {}
     hist = metrics.get("consistency/abs_diff_hist")
     if hist:
-        edges = list(range(-len(hist), 1))  # log10 decades, the last one (-1, 0] (|d| > 0.1); the first: |d| = 0
-        out["consistency/abs_diff_hist"] = wandb.Histogram(np_histogram=(hist, edges))
+        edges = list(range(1 - len(hist), 1))  # log10 decades of the differing tokens, the last (-1, 0]: |d| > 0.1
+        out["consistency/abs_diff_hist"] = wandb.Histogram(np_histogram=(hist[1:], edges))
+        out["consistency/identical_tokens"] = hist[0]
     if detail:
         first = {(t["sample_id"], t["position"]): t["first_op"] for t in detail.get("tokens", [])}  # logits row
-        cols = ["sample_id", "position", "token", "generator_logprob", "trainer_logprob", "abs_diff", "first_op"]
-        rows = [[w["sample_id"], w["position"], w["token"], w["generator"], w["trainer"], w["abs_diff"],
+        cols = ["sample_id", "position", "token", "text", "generator_logprob", "trainer_logprob", "abs_diff",
+                "first_op"]
+        rows = [[w["sample_id"], w["position"], w["token"], w.get("text"), w["generator"], w["trainer"], w["abs_diff"],
                  first.get((w["sample_id"], w["position"] - 1))] for w in detail.get("worst_tokens", [])]
         out["consistency/worst_tokens"] = wandb.Table(columns=cols, data=rows)
         counts = detail.get("first_op_counts", {})

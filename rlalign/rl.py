@@ -80,7 +80,7 @@ def _prepare(cfg: DictConfig):
         ids = tok.encode(ex.prompt, where=where)
         overflow = args.context_overflow(len(ids), max_new)
         if overflow:
-            raise ValueError(f"{where}: the prompt {overflow} (the completion length is task.max_new_tokens)")
+            raise ValueError(f"{where}: the prompt {overflow.replace('max_new_tokens', 'task.max_new_tokens')}")
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
     where = f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)"
@@ -353,7 +353,10 @@ class _Run:
 
 
 def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
-    """The run in one JSON object (from metrics.jsonl when present)."""
+    """The run in one JSON object (from metrics.jsonl when present). reward_first5/reward_last5: the
+    mean reward of the first/last min(5, steps) steps; reward_gain: the mean of the last k steps minus
+    that of the first k, k = max(1, steps // 4) (reward_gain_k), so that a short run's gain compares
+    its own beginning and end instead of the same steps twice."""
     out = {"run_dir": str(run_dir), "steps": steps, "start_step": start}
     path = run_dir / "metrics.jsonl"
     if path.exists():
@@ -363,7 +366,9 @@ def summarize(run_dir: Path, steps: int, start: int, last: dict) -> dict:
         if k:
             out["reward_first5"] = sum(r[:k]) / k
             out["reward_last5"] = sum(r[-k:]) / k
-            out["reward_gain"] = out["reward_last5"] - out["reward_first5"]
+            g = max(1, len(r) // 4)
+            out["reward_gain"] = sum(r[-g:]) / g - sum(r[:g]) / g
+            out["reward_gain_k"] = g
         out["mismatched_tokens_total"] = sum(row["consistency/mismatched_tokens"] for row in rows)
         out["tokens_total"] = sum(row["consistency/tokens"] for row in rows)
         out["step_s_mean"] = sum(row["time/step_s"] for row in rows) / max(1, len(rows))

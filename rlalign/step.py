@@ -9,6 +9,8 @@ the values each phase returns (rlalign.job) into the step's metrics.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,33 @@ def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[R
     return values, texts, timed_out
 
 
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    """Population mean and std in Python floats, a fixed order."""
+    mean = math.fsum(xs) / max(1, len(xs))
+    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / max(1, len(xs)))
+
+
+def signal_metrics(rewards: list[float], advantages: list[float], group_size: int) -> dict[str, float]:
+    """Reward and advantage spread, and reward/zero_std_group_frac: the fraction of GRPO groups
+    (group_size consecutive samples of one prompt) whose rewards are all equal, so every advantage
+    of the group is 0 and the group teaches nothing (GRPO's dead-signal rate)."""
+    groups = [rewards[g : g + group_size] for g in range(0, len(rewards), group_size)]
+    dead = sum(all(r == rs[0] for r in rs) for rs in groups)
+    r_mean, r_std = _mean_std(rewards)
+    a_mean, a_std = _mean_std(advantages)
+    return {"reward/std": r_std, "reward/zero_std_group_frac": dead / max(1, len(groups)),
+            "advantage/mean": a_mean, "advantage/std": a_std,
+            "advantage/max": max(advantages, default=0.0), "advantage/min": min(advantages, default=0.0)}
+
+
+def warn_dead_signal(rewards: list[float], step: int) -> None:
+    """One stderr line when every reward of the step is the same: no advantage, no gradient."""
+    if rewards and all(r == rewards[0] for r in rewards):
+        print(f"rlalign: warning: step {step}: all {len(rewards)} rewards are {rewards[0]:g}; every advantage is 0 "
+              f"and the policy gets no signal (task too hard or too easy, or a broken reward?)",
+              file=sys.stderr, flush=True)
+
+
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
@@ -91,7 +120,9 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # per-token entropy of the sampling distribution
         "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,
         **{f"consistency/{k}": v for k, v in cons.items()},
-        **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),  # whatever the loss returned
+        # whatever the loss returned, and actor/entropy: the exact per-token entropy of softmax(logits / T)
+        # over the whole vocabulary, from the trainer's logits at each PPO forward (Trainer.forward_backward)
+        **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),
         "actor/lr": cfg.trainer.lr,
     }
     return metrics
@@ -116,6 +147,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     t1 = time.perf_counter()
     rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
+    warn_dead_signal(rewards, step)
     t2 = time.perf_counter()
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params)
                for p, r, a in zip(batch.prompts, rollouts, adv)]
@@ -124,7 +156,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs)
     detail = None
     if cons["mismatched_tokens"]:
-        detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows)
+        detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows, tok)
         if cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
             dump = dump_mismatch(job, cfg, step, detail, batch, rollouts, weights_fp)
             raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
@@ -138,13 +170,17 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     t5 = time.perf_counter()
 
     metrics = step_metrics(cfg, rewards, rollouts, cons, trained.stats)
+    metrics.update(signal_metrics(rewards, adv, cfg.task.samples_per_prompt))
     metrics["reward/timeouts"] = timed_out
     metrics.update({"sync/weights_fp": synced.weights_fp, **synced.metrics, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
                     "time/sync_s": t5 - t4, **gen.metrics, **trained.metrics})
     seq_tokens = metrics["prompt/tokens"] + metrics["response/tokens"]
     metrics.update({"time/generate_tok_per_s": metrics["response/tokens"] / max(t1 - t0, 1e-9),
-                    "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9)})
+                    "time/reward_tok_per_s": metrics["response/tokens"] / max(t2 - t1, 1e-9),
+                    "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9),
+                    "time/compare_tok_per_s": cons["tokens"] / max(t4 - t3, 1e-9),
+                    "time/sync_mb_per_s": metrics.get("sync/bytes", 0) / 1e6 / max(t5 - t4, 1e-9)})
     rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer_text(),
              "reward": rew} for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
     if detail is not None:
@@ -158,8 +194,9 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     return StepResult(metrics, rows, detail, synced.weights_fp)
 
 
-def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table) -> dict:
-    """Worst tokens by |d| and, with per-layer fingerprints, the op where each mismatch began."""
+def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table, tok=None) -> dict:
+    """Worst tokens by |d| (with their text when a tokenizer `tok` is given) and, with per-layer
+    fingerprints, the op where each mismatch began."""
 
     bad, worst = [], []
     for p, r, t in zip(prompts, rollouts, train_lps):
@@ -170,10 +207,13 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
             worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
                           "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
     worst.sort(key=lambda w: -w["abs_diff"])
+    worst = worst[: cfg.monitor.worst_tokens]
+    if tok is not None:
+        worst = [{**w, "text": tok.decode([w["token"]])} for w in worst]
     args = model_args(cfg)
     rep = locate_mismatches(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
-    return {**rep, "worst_tokens": worst[: cfg.monitor.worst_tokens]}
+    return {**rep, "worst_tokens": worst}
 
 
 def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollout],

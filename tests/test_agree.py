@@ -121,3 +121,17 @@ def test_train_runs_the_generation_and_scoring_functions_agree_certifies(tmp_pat
                                                    "task.samples_per_prompt=2", "trainer.ep_size=1",
                                                    "generator.ep_size=1"], capsys, monkeypatch)
     assert rc == 2 and f"failed in {method}()" in err, err[-2000:]
+
+
+def test_agree_exits_1_on_a_deterministic_mismatch_and_0_without_one(capsys, monkeypatch):
+    """The real command: a fault in the generator's attention (rlalign.faults; agree runs no Ray
+    actor) makes tokens differ (exit 1); the same batch without it agrees (exit 0)."""
+    from rlalign import cli
+
+    small = ["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=2", "generator.max_new_tokens=4"]
+    monkeypatch.setenv("RLALIGN_FAULT", "default:generator:layers.0.attn")
+    assert cli.main(["agree", *small]) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatched_tokens"] > 0
+    monkeypatch.delenv("RLALIGN_FAULT")
+    assert cli.main(["agree", *small]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatched_tokens"] == 0

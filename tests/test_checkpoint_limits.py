@@ -268,7 +268,8 @@ def test_enospc_in_a_later_bucket_leaves_the_previous_checkpoint_bit_identical(t
 def test_agree_prints_standard_json_with_non_finite_numbers_null_and_named(monkeypatch, capsys):
     from rlalign import agree
 
-    result = {"tokens": 4, "mismatched_tokens": 1, "max_abs_diff": float("inf"), "mean_abs_diff": float("nan"),
+    result = {"kernels": "default", "tokens": 4, "mismatched_tokens": 1, "max_abs_diff": float("inf"),
+              "mean_abs_diff": float("nan"),
               "abs_diff_hist": [3, 1], "k3_kl": 0.5, "nested": {"x": -float("inf"), "y": [1.0, float("nan")]}}
     monkeypatch.setattr(agree, "run_agree", lambda cfg, phase: (result, []))
     monkeypatch.setattr(agree, "print_report", lambda r: None)

@@ -93,7 +93,8 @@ def test_report_plots_a_log_histogram_legends_integer_counts_and_a_smoothed_rewa
 
     run, rows = _run_dir(tmp_path / "run", mismatched_steps=(7, 12))
     out = make_report(run)
-    assert {p.name for p in out.iterdir()} == {"reward.png", "mismatch.png", "abs_diff_hist.png", "summary.md"}
+    assert {p.name for p in out.iterdir()} == {"reward.png", "mismatch.png", "abs_diff_hist.png", "training.png",
+                                               "summary.md"}
     assert "| mismatched tokens | 2 |" in (out / "summary.md").read_text()
 
     fig = hist_figure(rows)  # 2 differing tokens among 100000 identical ones stay visible
@@ -141,3 +142,19 @@ def test_metrics_jsonl_is_standard_json_with_non_finite_values_named():
                                                             "nonfinite": ["actor/grad_norm", "x"]}
     with pytest.raises(ValueError):  # negative twin: the raw row is not standard JSON
         json.dumps({"actor/grad_norm": float("nan")}, allow_nan=False)
+
+
+def test_report_draws_loss_kl_entropy_length_and_throughput_from_the_keys_logged(tmp_path):
+    from rlalign.monitor.report import training_figure
+
+    _, rows = _run_dir(tmp_path / "run", steps=4)
+    for s, r in enumerate(rows):
+        r.update({"actor/pg_loss": -0.1 * s, "kl/old_new_k3": 0.01 * s, "response/entropy": 2.0,
+                  "response/length_mean": 7.5, "response/length_max": 9, "time/train_tok_per_s": 100.0 + s})
+    fig = training_figure(rows)
+    drawn = {ax.get_title(): [ln.get_label() for ln in ax.lines] for ax in fig.axes}
+    assert drawn["policy loss"] == ["actor/pg_loss"] and drawn["KL per token"] == ["kl/old_new_k3"]
+    assert drawn["entropy per token (nats)"] == ["response/entropy"]
+    assert drawn["response length (tokens)"] == ["response/length_mean", "response/length_max"]
+    assert drawn["tokens/s"] == ["time/train_tok_per_s"]
+    assert drawn["GRPO signal"] == []  # negative twin: a key no step logged draws nothing

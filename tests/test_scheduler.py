@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import io
 import json
+import math
 import os
 import shlex
 import shutil
@@ -578,11 +579,18 @@ def test_the_offline_wandb_run_holds_histograms_samples_and_rollout_stats(ref):
     metrics = {r["step"]: r for r in _rows(ref[0])}
     for s, row in steps.items():
         assert row["consistency/abs_diff_hist/_type"] == "histogram"
-        assert row["consistency/abs_diff_hist/bins"] == list(range(-9, 1))
-        assert row["consistency/abs_diff_hist/values"] == metrics[s]["consistency/abs_diff_hist"]
+        assert row["consistency/abs_diff_hist/bins"] == list(range(-8, 1))  # differing tokens only
+        assert row["consistency/abs_diff_hist/values"] == metrics[s]["consistency/abs_diff_hist"][1:]
+        assert row["consistency/identical_tokens"] == metrics[s]["consistency/abs_diff_hist"][0] > 0
         for key in ("response/length_min", "response/length_max", "response/clip_frac", "response/entropy",
-                    "actor/lr", "time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s"):
-            assert key in row, key
+                    "actor/lr", "time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s",
+                    "time/reward_tok_per_s", "time/compare_tok_per_s", "time/sync_mb_per_s",
+                    "kl/old_new_k1", "kl/old_new_k3", "actor/clip_high_frac", "actor/clip_low_frac", "actor/entropy",
+                    "reward/std", "reward/zero_std_group_frac", "advantage/mean", "advantage/std"):
+            assert key in row and (key.startswith("time/") or row[key] == metrics[s][key]), key
+        # one on-policy update sees the policy before it: no KL, no clipping; a real entropy
+        assert row["kl/old_new_k1"] == row["kl/old_new_k3"] == row["actor/clip_high_frac"] == 0.0
+        assert 0 < row["actor/entropy"] <= math.log(load_config(BASE).model.vocab_size)
         assert "consistency/worst_tokens/_type" not in row  # twin: no mismatch, no worst-token table
     assert [s for s, row in steps.items() if row.get("samples/_type") == "table-file"] == [0, 2]
     cols, data = logged_table(run, steps[2], "samples")

@@ -5,6 +5,8 @@
     abs_diff_hist.png |d logprob| over all tokens of the run, in decades, token counts on a log
                       axis (a few differing tokens among thousands of identical ones stay visible)
     divergence.png    token rows differing per op (from divergence.jsonl; monitor.fingerprints=layers)
+    training.png      per step: policy loss, KL (old || current, to the reference, generator || trainer),
+                      entropy, response length and tokens/s per phase (TRAINING_PANELS)
     summary.md        the numbers (the W&B run's: rollout stats, time and tokens/s per phase, the
                       worst tokens with their first divergent op) and the plots
 """
@@ -140,6 +142,32 @@ def divergence_figure(by_op: dict[str, int]):
     return fig
 
 
+# panel title -> the metrics.jsonl keys it draws (a key no step logged is left out)
+TRAINING_PANELS = {
+    "policy loss": ["actor/pg_loss"],
+    "KL per token": ["kl/old_new_k3", "kl/old_new_k1", "kl/ref_k3", "consistency/k3_kl"],
+    "entropy per token (nats)": ["response/entropy", "actor/entropy"],
+    "response length (tokens)": ["response/length_mean", "response/length_max"],
+    "tokens/s": ["time/generate_tok_per_s", "time/train_tok_per_s", "time/step_tok_per_s", "time/reward_tok_per_s",
+                 "time/compare_tok_per_s"],
+    "GRPO signal": ["reward/std", "advantage/std", "reward/zero_std_group_frac"],
+}
+
+
+def training_figure(rows: list[dict]):
+    """One panel per TRAINING_PANELS entry, each key a line over the steps."""
+    fig, axes = _plt().subplots(2, 3, figsize=(13, 6.5))
+    for ax, (title, keys) in zip(axes.flat, TRAINING_PANELS.items()):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", lw=1, label=key)
+        ax.set(title=title, xlabel="step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    return fig
+
+
 def make_report(run_dir: Path) -> Path:
     rows = _rows(run_dir / "metrics.jsonl")
     if not rows:
@@ -158,6 +186,7 @@ def make_report(run_dir: Path) -> Path:
     save(reward_figure(rows), "reward.png")
     save(mismatch_figure(rows), "mismatch.png")
     save(hist_figure(rows), "abs_diff_hist.png")
+    save(training_figure(rows), "training.png")
     by_op: dict[str, int] = {}
     for d in div:
         for op, n in d.get("by_op", {}).items():
@@ -180,6 +209,7 @@ def make_report(run_dir: Path) -> Path:
         f"| first divergent op | {firsts[0] if firsts else 'none'} |",
         *_rollout_rows(rows), "", *_phase_table(rows), "",
         "![reward](reward.png)", "![mismatch](mismatch.png)", "![abs diff](abs_diff_hist.png)",
+        "![training](training.png)",
     ]
     if by_op:
         lines.append("![divergence](divergence.png)")
@@ -214,8 +244,8 @@ def _rollout_rows(rows: list[dict]) -> list[str]:
     return out
 
 
-PHASES = [("generate", "generate_tok_per_s"), ("reward", None), ("train", "train_tok_per_s"), ("compare", None),
-          ("sync", None), ("checkpoint", None), ("step", "step_tok_per_s")]
+PHASES = [("generate", "generate_tok_per_s"), ("reward", "reward_tok_per_s"), ("train", "train_tok_per_s"),
+          ("compare", "compare_tok_per_s"), ("sync", None), ("checkpoint", None), ("step", "step_tok_per_s")]
 
 
 def _phase_table(rows: list[dict]) -> list[str]:
@@ -242,11 +272,13 @@ def _worst_tokens(div: list[dict], n: int = 10) -> list[str]:
     if not worst:
         return []
     out = ["", f"## worst tokens of the run (|Δ logprob|, {min(n, len(worst))} of the steps' worst)", "",
-           "| step | sample | position | token | generator | trainer | abs diff | first divergent op |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| step | sample | position | token | text | generator | trainer | abs diff | first divergent op |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for step, w in worst[:n]:
         op = first.get((step, w["sample_id"], w["position"] - 1)) or ""
-        out.append(f"| {step} | {w['sample_id']} | {w['position']} | {w['token']} | {w['generator']:.6g} | "
+        text = json.dumps(w.get("text", ""))[1:-1].replace("|", "\\|")  # escapes shown, a table cell kept
+        out.append(f"| {step} | {w['sample_id']} | {w['position']} | {w['token']} | {f'`{text}`' if text else ''} | "
+                   f"{w['generator']:.6g} | "
                    f"{w['trainer']:.6g} | {w['abs_diff']:.3g} | {op} |")
     return out
 

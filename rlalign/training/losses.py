@@ -29,6 +29,14 @@ Corrections for setups that are not bitwise (kernels.mode=default, another engin
 mismatch weight w = exp(trainer_old - generator) (no gradient; gspo: one per sequence, from the mean):
     TIS     pg *= min(w, tis.cap)                        (truncated importance sampling)
     IcePop  pg *= [icepop.low <= w <= icepop.high]       (mask tokens that drifted too far)
+
+Diagnostics of every built-in loss (drift_metrics; no gradient), per token, with old_t as above and
+logp_t the policy at this forward (the first minibatch of the first epoch: the pre-update policy;
+later ones: after the updates so far), so a single on-policy update logs 0:
+    kl/old_new_k1   old_t - logp_t               (unbiased estimate of KL(old || current), samples from old)
+    kl/old_new_k3   r_t - 1 - log r_t            (>= 0, lower variance; Schulman's k3)
+    clip_high_frac  A > 0 and r > 1 + clip_high  (the clip removes the gradient; gspo: per sequence,
+    clip_low_frac   A < 0 and r < 1 - clip_low    counted per token)
 """
 
 from __future__ import annotations
@@ -114,13 +122,25 @@ def corrected(pg: torch.Tensor, w: torch.Tensor, alg, metrics: Metrics, weight: 
     return pg
 
 
+def drift_metrics(batch: LossBatch, alg, ratio: torch.Tensor, adv: torch.Tensor,
+                  weight: torch.Tensor | None = None) -> Metrics:
+    """KL(old || current) per token (k1, k3) and the clip by side of `ratio` against `adv` (same
+    shape; `weight`: the tokens each entry stands for, None: one each). Module docstring."""
+    count = (lambda x: x.float().sum()) if weight is None else (lambda x: (x.float() * weight).sum())
+    log_ratio = (batch.logprobs - batch.old_logprobs(alg)).detach()
+    r = ratio.detach()
+    return {"kl/old_new_k1_sum": (-log_ratio).sum(), "kl/old_new_k3_sum": (torch.expm1(log_ratio) - log_ratio).sum(),
+            "clip_high_frac_sum": count((adv > 0) & (r > 1.0 + alg.clip_high)),
+            "clip_low_frac_sum": count((adv < 0) & (r < 1.0 - alg.clip_low))}
+
+
 def ppo_clip_loss(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
     logp = batch.logprobs
     ratio = torch.exp(logp - batch.old_logprobs(alg))
     pg, clipped = clipped_surrogate(ratio, batch.advantages, alg)
     w = torch.exp(batch.trainer_old_logprobs - batch.generator_logprobs)  # no gradient (both detached)
     metrics: Metrics = {"clip_frac_sum": clipped.float().sum(), "ratio_mean_sum": ratio.detach().sum(),
-                        **_extremes("ratio", ratio.detach())}
+                        **_extremes("ratio", ratio.detach()), **drift_metrics(batch, alg, ratio, batch.advantages)}
     pg = corrected(pg, w, alg, metrics)
     metrics["pg_loss_sum"] = pg.detach().sum()
     return pg.sum(), metrics
@@ -163,7 +183,8 @@ def gspo_loss(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
     pg, clipped = clipped_surrogate(ratio, adv, alg)
     w = torch.exp(sequence_means(batch.trainer_old_logprobs - batch.generator_logprobs, batch.lengths))
     metrics: Metrics = {"clip_frac_sum": (clipped.float() * lengths).sum(),
-                        "ratio_mean_sum": (ratio.detach() * lengths).sum(), **_extremes("ratio", ratio.detach())}
+                        "ratio_mean_sum": (ratio.detach() * lengths).sum(), **_extremes("ratio", ratio.detach()),
+                        **drift_metrics(batch, alg, ratio, adv, lengths)}
     pg = corrected(pg, w, alg, metrics, lengths)
     scale = batch.minibatch_tokens / max(1, batch.minibatch_sequences)
     metrics["pg_loss_sum"] = pg.detach().sum() * scale

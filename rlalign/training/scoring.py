@@ -51,10 +51,13 @@ def score_micro_batch(
     layout: str = "packed",
     pad_token_id: int = 0,
     sample_ids: Sequence[int] | None = None,
+    entropy: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled), under
     `params`, the distribution the responses were drawn with. sample_ids name the rows for the
-    monitor's per-token fingerprints."""
+    monitor's per-token fingerprints. A list `entropy` receives the sum over response tokens of the
+    full-vocabulary entropy of softmax(logits / params.temperature), fp32, no gradient (a diagnostic
+    read from the logits the logprobs use; they are not changed)."""
     if layout not in LAYOUTS:
         raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
     maybe_fail("scoring.score_micro_batch", dist.get_rank() if dist.is_initialized() else 0)
@@ -81,7 +84,21 @@ def score_micro_batch(
         set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
     lp = kernels.token_logprobs_rows(logits, rows_t, targets, **params.logprob_kwargs())
+    if entropy is not None:
+        entropy.append(entropy_sum(logits, rows_t, params.temperature))
     return list(torch.split(lp, [len(r) for r in responses]))
+
+
+@torch.no_grad()
+def entropy_sum(logits: torch.Tensor, rows: torch.Tensor, temperature: float, chunk: int = 1024) -> torch.Tensor:
+    """sum over `rows` of H(softmax(logits[row] / temperature)), fp32, in chunks of rows ([chunk, V]
+    fp32 at a time)."""
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for part in rows.split(chunk):
+        x = logits.index_select(0, part).float() / temperature  # [R, V]
+        logp = torch.log_softmax(x, dim=-1)
+        total += -(logp.exp() * logp).sum()
+    return total
 
 
 def score(

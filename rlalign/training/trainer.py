@@ -194,8 +194,11 @@ class Trainer:
             idx = mine[i] if i < len(mine) else []
             mb = [samples[j] for j in idx]
             if mb:
-                lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb))
+                ent: list[torch.Tensor] = []
+                lps = score_micro_batch(self.model, [s.prompt for s in mb], [s.response for s in mb], **self._kw(mb),
+                                        entropy=ent)
                 loss, st = loss_fn(lps, idx)
+                st = {**st, "entropy_sum": ent[0]}
                 vals = [torch.as_tensor(v, device=self.device).float().reshape(()) for v in st.values()]
                 pending.append((share[i], list(st), torch.stack(vals).detach() if vals else None))
             else:  # still runs forward and backward through the MoE collectives
