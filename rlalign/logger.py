@@ -1,7 +1,7 @@
 """Run logging: start-up phases and a line per step on stderr (a progress bar under them on a
 terminal), metrics.jsonl in the run directory, and W&B. stdout stays free for the command's JSON.
 
-    [4/50] step 3  reward 0.031  loss -0.0107  len 4.8  1312 tok/s  mismatched 0/612  max|d| 0  0.66s  ETA 0:29
+    [4/50] step 3  reward 0.031  loss -0.0107  kl 0  len 4.8  1312 tok/s  mismatched 0/612  max|d| 0  0.66s  ETA 0:29
 
 (step_line: loss, and kl after it, are shown when the step logs them; the ETA is the steps left times the mean
 step time of this start, its first step, which warms up, left out once there are others.)
@@ -79,7 +79,8 @@ def json_line(record: dict) -> str:
 
 
 LOSS_KEYS = ("actor/loss", "actor/pg_loss")  # the first the step logs is the line's loss
-KL_KEYS = ("kl/ref_k3", "actor/kl")  # ... and its kl (else the first kl/* key, else none)
+# ... and its kl: to the reference (algorithm.kl_coef > 0), else KL(old || current) over the update's epochs
+KL_KEYS = ("kl/ref_k3", "kl/old_new_k3", "actor/kl")  # (else the first kl/* key, else none)
 
 
 def _first(metrics: dict, keys: tuple[str, ...], prefix: str | None = None) -> float | None:

@@ -125,8 +125,9 @@ def test_an_explicit_cadence_is_kept_and_0_saves_only_the_last_step(tmp_path):
 def test_the_step_line_has_progress_reward_loss_length_rate_agreement_time_and_eta():
     assert step_line(3, 50, METRICS, 29.4) == ("[4/50] step 3  reward 0.031  loss -0.0107  len 4.8  1312 tok/s  "
                                                "mismatched 0/612  max|d| 0  0.66s  ETA 0:29")
-    with_kl = step_line(3, 50, {**METRICS, "kl/ref_k3": 0.0012}, 3725)
-    assert "loss -0.0107  kl 0.0012  len 4.8" in with_kl and with_kl.endswith("ETA 1:02:05")
+    with_kl = step_line(3, 50, {**METRICS, "kl/old_new_k1": 0.5, "kl/old_new_k3": 0.25, "kl/ref_k3": 0.0012}, 3725)
+    assert "loss -0.0107  kl 0.0012  len 4.8" in with_kl and with_kl.endswith("ETA 1:02:05")  # the reference's first
+    assert "  kl 0.25  " in step_line(3, 50, {**METRICS, "kl/old_new_k1": 0.5, "kl/old_new_k3": 0.25}, None)
     bare = {k: v for k, v in METRICS.items() if k not in ("actor/pg_loss", "response/length_mean")}
     assert step_line(0, 2, bare, None) == ("[1/2] step 0  reward 0.031  1312 tok/s  mismatched 0/612  max|d| 0  "
                                            "0.66s")  # twin: what a step does not log is left out
