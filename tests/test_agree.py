@@ -128,7 +128,7 @@ def test_agree_exits_1_on_a_deterministic_mismatch_and_0_without_one(capsys, mon
     actor) makes tokens differ (exit 1); the same batch without it agrees (exit 0)."""
     from rlalign import cli
 
-    small = ["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=2", "generator.max_new_tokens=4"]
+    small = ["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=2", "agree.max_new_tokens=4"]
     monkeypatch.setenv("RLALIGN_FAULT", "default:generator:layers.0.attn")
     assert cli.main(["agree", *small]) == 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatched_tokens"] > 0

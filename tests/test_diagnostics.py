@@ -72,7 +72,7 @@ def test_agree_exits_1_on_a_deterministic_mismatch_and_0_otherwise(monkeypatch, 
     from rlalign import agree
 
     result = {"kernels": "deterministic", "mismatched_tokens": 608, "tokens": 3000}
-    monkeypatch.setattr(agree, "run_agree", lambda cfg: (result, []))
+    monkeypatch.setattr(agree, "run_agree", lambda cfg, phases=None: (result, []))
     monkeypatch.setattr(agree, "print_report", lambda r: None)
     assert agree.main(None) == 1
     result["mismatched_tokens"] = 0  # twin: no mismatch
