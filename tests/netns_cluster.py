@@ -8,7 +8,7 @@ across machines. Needs root (`ip netns`); everything made here is removed by clo
         c.kill_raylet(1)                   # kill -9 of node 1's raylet
 
 Each node is stopped through the `ray start --block` process this module started (SIGTERM) and then
-its leftover children, never by `ray stop`, which would stop every Ray cluster on the machine.
+its leftover children: Ray's own stop command would end every Ray cluster on the machine.
 """
 
 from __future__ import annotations

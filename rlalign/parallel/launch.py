@@ -12,6 +12,7 @@ import datetime
 import os
 import pickle
 import queue
+import socket
 import sys
 import time
 import traceback
@@ -21,8 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# run_workers forks every rank on this machine: its group meets on the loopback interface
-LOCAL_HOST = "127.0.0.1"
+# run_workers forks every rank on this machine: its group meets at the address this machine's name
+# resolves to, the one Gloo opens its sockets on by default
+LOCAL_HOST = socket.gethostname()
 
 
 class WorkerError(RuntimeError):
@@ -68,7 +70,7 @@ def interface_of(ip: str) -> str | None:
 def use_interface(node_ip: str) -> None:
     """Gloo and NCCL open their sockets on the interface of `node_ip` (the address this node is known
     by in the cluster), unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME already say which: by default
-    they take the address the hostname resolves to, often 127.0.0.1 (/etc/hosts), which peers on
+    they take the address the hostname resolves to, often the loopback one (/etc/hosts), which peers on
     other nodes cannot reach."""
     name = interface_of(node_ip)
     if name is None:

@@ -50,8 +50,7 @@ class VllmGenerator:
         self.args = read_args(model_dir)[0]
         self.stock, self.ep_size = stock, ep_size
         refuse_shapes(self.args, ep_size, stock, _cpu_head_sizes() if device == "cpu" else None)
-        # vLLM's workers are this rank's own processes on this machine: its message queue stays on loopback
-        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
         bind = {}
         if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # each worker's OpenMP threads on its own share of this process's cores (vLLM's "auto"
