@@ -16,9 +16,13 @@ class Rollout:
     sample_id: int
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
-    logprobs: torch.Tensor | None = None  # [len(tokens)] fp32, the generator's
-    finish_reason: str = ""  # "eos" | "length"
+    logprobs: torch.Tensor | None = None  # [len(tokens)] fp32, the generator's (0.0 at observation tokens)
+    finish_reason: str = ""  # "eos" | "length"; an episode's: why it ended (rlalign.agent)
     params: SamplingParams = field(kw_only=True)  # what the tokens were drawn with
+    # an episode (multi-turn): per token of `tokens`, the assistant turn that sampled it, or -1 for an
+    # observation token (the environment's text: not sampled, no logprob, no loss); None: one turn
+    turns: list[int] | None = None
+    episode: dict | None = None  # an episode's own numbers (turns, tool calls, environment time, reward)
 
 
 @dataclass
@@ -31,3 +35,13 @@ class Sample:
     advantage: float = 0.0
     sample_id: int | None = None
     params: SamplingParams = field(kw_only=True)  # what the response was drawn with: the trainer scores under it
+    turns: list[int] | None = None  # as Rollout.turns: -1 marks an observation token (no loss, not compared)
+
+
+def policy_mask(turns: list[int] | None, n: int) -> torch.Tensor:
+    """[n] bool: which of a sequence's n response tokens the policy sampled (all when `turns` is None)."""
+    if turns is None:
+        return torch.ones(n, dtype=torch.bool)
+    if len(turns) != n:
+        raise ValueError(f"turns has {len(turns)} entries for {n} response tokens")
+    return torch.tensor(turns, dtype=torch.long) >= 0

@@ -4,10 +4,12 @@ rlalign.sampling_params, rlalign.sequences.)"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from rlalign.config import EngineConfig
 from rlalign.model.args import ModelArgs
 
-__all__ = ["EngineConfig", "check_prompts"]
+__all__ = ["Continuations", "EngineConfig", "check_prompts"]
 
 
 def check_prompts(args: ModelArgs, prompts: list[list[int]], sample_ids: list[int], max_new: int) -> None:
@@ -26,3 +28,29 @@ def check_prompts(args: ModelArgs, prompts: list[list[int]], sample_ids: list[in
         bad = [t for t in p if not 0 <= t < args.vocab_size]
         if bad:
             raise ValueError(f"prompt of sample {sid} has token id {bad[0]} outside [0, {args.vocab_size})")
+
+
+class Continuations(Protocol):
+    """The other half of a multi-turn generate (rlalign.agent's episode driver implements it): the
+    engine tells it when a request's assistant turn ends and asks it how each episode goes on. An
+    episode keeps its KV pages while the environment works; its next turn prefills only the new
+    tokens onto the same sequence (positions go on counting: a token's noise and bits are those of
+    a fresh prefill of the whole history, by batch invariance)."""
+
+    def max_len(self, b: int) -> int:
+        """Request b's longest total length (prompt + every turn and observation): its pages."""
+
+    def stopped(self, b: int, turn: list[int]) -> bool:
+        """Whether the tokens sampled so far in request b's current turn end it (a stop string)."""
+
+    def ended(self, b: int, turn: list[int], reason: str) -> None:
+        """Request b's turn ended ("eos" | "stop" | "length"): hand it to the environment (not
+        blocking); the engine keeps the sequence's pages until poll answers for it."""
+
+    def poll(self, wait: bool) -> list[tuple[int, list[int] | None]]:
+        """Answers ready now: (b, observation tokens: prefill them and decode the next turn) or (b,
+        None: the episode is over, free its pages). `wait`: the engine has nothing else to run,
+        block until at least one answer is ready (or a short timeout: then [])."""
+
+    def pending(self) -> int:
+        """Turns handed out and not answered yet."""
