@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -226,8 +227,11 @@ class Staging:
         return q
 
 
-def _write_one(path: Path, tensors: dict[str, torch.Tensor], spares: queue.Queue) -> None:
-    """One file; a device tensor goes through a spare host buffer (blocking copies)."""
+def _write_one(path: Path, tensors: dict[str, torch.Tensor], spares: queue.Queue, failed: threading.Event) -> None:
+    """One file, unless another has failed; a device tensor goes through a spare host buffer (blocking
+    copies)."""
+    if failed.is_set():
+        return
     buf = spares.get() if any(t.is_cuda for t in tensors.values()) else None
     try:
         if buf is not None:
@@ -237,6 +241,9 @@ def _write_one(path: Path, tensors: dict[str, torch.Tensor], spares: queue.Queue
                     views[k].copy_(t)
             tensors = views
         write_file(path, header(tensors), [_bytes_of(tensors[k]) for k in file_order(tensors)])
+    except BaseException:
+        failed.set()
+        raise
     finally:
         if buf is not None:
             spares.put(buf)
@@ -245,11 +252,11 @@ def _write_one(path: Path, tensors: dict[str, torch.Tensor], spares: queue.Queue
 def write_files(directory: Path, files: dict[str, dict[str, torch.Tensor]], spares: queue.Queue | None = None,
                 writers: int = WRITERS) -> None:
     """Every file of `files` ({name: {key: tensor}}) into `directory`, `writers` at a time; the first
-    error (an OSError naming its file) is raised once every writer has stopped."""
+    error is raised once every writer has stopped (the files not begun by then are not begun)."""
     spares = spares if spares is not None else queue.Queue()
-    n = max(1, min(writers, len(files)))
+    n, failed = max(1, min(writers, len(files))), threading.Event()
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="rlalign-checkpoint-write") as pool:
-        futures = [pool.submit(_write_one, directory / name, t, spares) for name, t in files.items()]
+        futures = [pool.submit(_write_one, directory / name, t, spares, failed) for name, t in files.items()]
     for f in futures:
         e = f.exception()
         if e is not None:

@@ -54,6 +54,7 @@ KernelMode = Literal["deterministic", "default"]
 KernelBackend = Literal["torch", "triton", "auto"]
 GeneratorBackend = Literal["native", "vllm"]
 Layout = Literal["packed", "padded"]
+Staging = Literal["auto", "host", "stream"]  # checkpoint.staging
 OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
@@ -248,7 +249,10 @@ class CheckpointConfig:
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
-    bucket_mb: int = 512  # files of at most this size: a save holds 3-4 in host memory, never the whole state
+    bucket_mb: int = 512  # files of at most this size
+    # auto: the state copied into host buffers kept across saves when it fits in half the host's available
+    # memory (training goes on during the write), else written from the trainer's tensors (the next update waits)
+    staging: str = _choice("auto", Staging)
     export_hf: bool = False  # also the model as a Hugging Face directory in each checkpoint (step_N/hf; rlalign export)
 
 
