@@ -54,7 +54,6 @@ KernelMode = Literal["deterministic", "default"]
 KernelBackend = Literal["torch", "triton", "auto"]
 GeneratorBackend = Literal["native", "vllm"]
 Layout = Literal["packed", "padded"]
-Staging = Literal["auto", "host", "stream"]  # checkpoint.staging
 OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
@@ -250,9 +249,8 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
     bucket_mb: int = 512  # files of at most this size
-    # auto: the state copied into host buffers kept across saves when it fits in half the host's available
-    # memory (training goes on during the write), else written from the trainer's tensors (the next update waits)
-    staging: str = _choice("auto", Staging)
+    # auto: a host copy (training goes on) when it fits in half the free RAM; else from the tensors (training waits)
+    staging: str = _choice("auto", Literal["auto", "host", "stream"])
     export_hf: bool = False  # also the model as a Hugging Face directory in each checkpoint (step_N/hf; rlalign export)
 
 
