@@ -249,8 +249,7 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
     bucket_mb: int = 512  # files of at most this size
-    # auto: a host copy (training goes on) when it fits in half the free RAM; else from the tensors (training waits)
-    staging: str = _choice("auto", Literal["auto", "host", "stream"])
+    staging: str = _choice("auto", Literal["auto", "host", "stream"])  # auto: host if in half the free RAM
     export_hf: bool = False  # also the model as a Hugging Face directory in each checkpoint (step_N/hf; rlalign export)
 
 
