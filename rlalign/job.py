@@ -128,7 +128,7 @@ class Job:
         metrics = {"time/train_trainer_s": max(o.seconds for o in outs),
                    "time/train_monitor_s": max(o.monitor_s for o in outs),
                    "time/trainer_gc_s": max((o.gc_s for o in outs), default=0.0),
-                   "checkpoint/stall_s": max(o.checkpoint_wait_s for o in outs)}
+                   "time/checkpoint_stall_s": max(o.checkpoint_wait_s for o in outs)}
         peak = _max_peak_gib(outs)
         if peak is not None:
             metrics["memory/trainer_peak_gib"] = peak

@@ -273,9 +273,10 @@ class _Run:
         if "consistency/alert" in metrics:
             self.logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
         t1 = time.perf_counter()
+        metrics["time/checkpoint_staging_s"] = 0.0  # the trainer's copy into host buffers (a staged save)
         if ckpt.is_due(step, self.saves.every, cfg.run.steps) and cfg.checkpoint.enabled:
-            metrics["checkpoint/staging_s"] = self.saves.save(self.job, step, result.weights_fp,
-                                                              wait=not cfg.checkpoint.async_save)
+            metrics["time/checkpoint_staging_s"] = self.saves.save(self.job, step, result.weights_fp,
+                                                                   wait=not cfg.checkpoint.async_save)
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics["time/step_tok_per_s"] = (metrics["prompt/tokens"] + metrics["response/tokens"]) / metrics[
