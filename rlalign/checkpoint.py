@@ -282,7 +282,7 @@ class AsyncSaver:
         self._group = None
         self.staging, self.writers, self.buffers = staging, writers, cw.Staging()
         self.say = say if say is not None else (lambda line: print(f"rlalign: {line}", file=sys.stderr, flush=True))
-        self._said: str | None = None
+        self._said: bool | None = None
         self.staging_s = 0.0  # the last save's copy into the host buffers (0 when streamed)
 
     def _gloo_group(self, group):
@@ -298,9 +298,9 @@ class AsyncSaver:
     def _choose(self, state: dict[str, torch.Tensor], rank: int) -> bool:
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         staged, line = cw.choose_staging(self.staging, nbytes, cw.host_memory_available())
-        if rank == 0 and line != self._said:
+        if rank == 0 and staged != self._said:  # once, and again if the choice changes
             self.say(line)
-            self._said = line
+            self._said = staged
         return staged
 
     def save(self, state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,
