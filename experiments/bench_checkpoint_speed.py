@@ -99,8 +99,9 @@ def _sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def one_rep(state: dict, d: Path, saver, device: str, bucket: int) -> dict:
-    """dd, the staged async save and a synchronous streamed save, in turn, into `d` (emptied after each)."""
+def one_rep(state: dict, d: Path, saver, device: str, bucket: int, streamed: bool) -> dict:
+    """dd, the staged async save and (streamed) a synchronous streamed save, in turn, into `d` (emptied
+    after each)."""
     from rlalign import checkpoint as ckpt
 
     os.sync()
@@ -118,15 +119,16 @@ def one_rep(state: dict, d: Path, saver, device: str, bucket: int) -> dict:
     written = _files_bytes(tmp)
     shutil.rmtree(tmp)
     os.sync()
-    t3 = time.perf_counter()
-    ckpt.save_shards(state, tmp, bucket_bytes=bucket)
-    streamed_s = time.perf_counter() - t3
-    streamed = _files_bytes(tmp)
-    shutil.rmtree(tmp)
-    return {"dd_gbps": dd / 1e9, "dd_bytes": dd_bytes, "written_bytes": written, "save_return_s": t1 - t0,
+    row = {}
+    if streamed:
+        t3 = time.perf_counter()
+        ckpt.save_shards(state, tmp, bucket_bytes=bucket)
+        row["streamed_sync_save_s"] = time.perf_counter() - t3
+        row["streamed_sync_gbps"] = _files_bytes(tmp) / row["streamed_sync_save_s"] / 1e9
+        shutil.rmtree(tmp)
+    return {**row, "dd_gbps": dd / 1e9, "dd_bytes": dd_bytes, "written_bytes": written, "save_return_s": t1 - t0,
             "staging_s": saver.staging_s, "next_update_wait_s": next_wait, "write_s": t2 - t1,
-            "write_gbps": written / (t2 - t1) / 1e9, "stall_s": (t1 - t0) + next_wait,
-            "streamed_sync_save_s": streamed_s, "streamed_sync_gbps": streamed / streamed_s / 1e9}
+            "write_gbps": written / (t2 - t1) / 1e9, "stall_s": (t1 - t0) + next_wait}
 
 
 def measure_writes(a, state: dict, say) -> tuple[list[dict], str]:
@@ -139,10 +141,10 @@ def measure_writes(a, state: dict, say) -> tuple[list[dict], str]:
     saver = ckpt.AsyncSaver(staging="host", writers=a.writers, say=lines.append)
     rows = []
     for rep in range(a.reps):
-        r = one_rep(state, d, saver, a.device, a.bucket_mb << 20)
+        r = one_rep(state, d, saver, a.device, a.bucket_mb << 20, not a.no_streamed)
         rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         say(f"rep {rep}: write {r['write_gbps']:.3f} GB/s, dd {r['dd_gbps']:.3f} GB/s, staging {r['staging_s']:.2f} s, "
-            f"stall {r['stall_s']:.2f} s, streamed sync {r['streamed_sync_gbps']:.3f} GB/s")
+            f"stall {r['stall_s']:.2f} s, streamed sync {r.get('streamed_sync_gbps', 0):.3f} GB/s")
     shutil.rmtree(d, ignore_errors=True)
     return rows, lines[0] if lines else ""
 
@@ -168,7 +170,7 @@ def sigterm_and_resume(a, say) -> dict:
 
     model = a.train_model or (a.model if a.device.startswith("cuda") else "tiny-moe")
     base = [f"model={model}", f"device={a.device}", f"run.steps={a.train_steps}", "checkpoint.every=1",
-            "logger.console=true", *a.train_overrides]
+            "checkpoint.keep=1", *a.train_overrides]
     root = Path(a.dir) / "train"
     shutil.rmtree(root, ignore_errors=True)
     part, full = root / "interrupted", root / "uninterrupted"
@@ -187,6 +189,7 @@ def sigterm_and_resume(a, say) -> dict:
         f"checkpoint {newest}")
     r = _cli(["train", *base, f"run.dir={part}", "checkpoint.resume=auto"])
     r_out, r_err = r.communicate(timeout=3600)
+    shutil.rmtree(part / "checkpoints", ignore_errors=True)  # the disk holds one run's checkpoints at a time
     f = _cli(["train", *base, f"run.dir={full}"])
     f_out, f_err = f.communicate(timeout=3600)
     c = subprocess.run([sys.executable, "-m", "rlalign.cli", "compare", str(full), str(part)], capture_output=True,
@@ -219,7 +222,9 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=4)
     ap.add_argument("--term-after", type=int, default=1, help="SIGTERM once this step's metrics are logged")
     ap.add_argument("--train-overrides", nargs="*", default=[])
-    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--part", choices=["all", "write", "train"], default="all",
+                    help="all: the train runs first (the GPU free), then the writes")
+    ap.add_argument("--no-streamed", action="store_true", help="skip the synchronous streamed save of each rep")
     ap.add_argument("--out", default=None, help="results directory (default experiments/results)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
@@ -227,28 +232,31 @@ def main() -> None:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    state = synthetic_state(a.model, int(a.bytes) if a.bytes else None, a.device)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    say(f"state: {len(state)} tensors of {a.model}'s checkpoint, {nbytes / 1e9:.2f} GB on {a.device}")
-    rows, staging_line = measure_writes(a, state, say)
-    tensors = len(state)
-    del state
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    train = None if a.part == "write" else sigterm_and_resume(a, say)  # first: nothing of ours on the GPU
     gpu = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
-    summary = {"gpu": gpu, "write_gbps": round(med("write_gbps"), 3), "dd_gbps": round(med("dd_gbps"), 3),
-               "write_over_dd": round(med("write_gbps") / med("dd_gbps"), 3),
-               "async_stall_s": round(med("stall_s"), 3), "staging_s": round(med("staging_s"), 3)}
-    train = None if a.skip_train else sigterm_and_resume(a, say)
+    summary: dict = {"gpu": gpu}
+    rows, staging_line, nbytes, tensors = [], "", 0, 0
+    if a.part != "train":
+        state = synthetic_state(a.model, int(a.bytes) if a.bytes else None, a.device)
+        nbytes, tensors = sum(t.numel() * t.element_size() for t in state.values()), len(state)
+        say(f"state: {tensors} tensors of {a.model}'s checkpoint, {nbytes / 1e9:.2f} GB on {a.device}")
+        rows, staging_line = measure_writes(a, state, say)
+        del state
+        med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+        summary.update({"write_gbps": round(med("write_gbps"), 3), "dd_gbps": round(med("dd_gbps"), 3),
+                        "write_over_dd": round(med("write_gbps") / med("dd_gbps"), 3),
+                        "async_stall_s": round(med("stall_s"), 3), "staging_s": round(med("staging_s"), 3)})
     if train is not None:
         summary["sigterm_default_grace_checkpoint_complete"] = train["sigterm_default_grace_checkpoint_complete"]
         summary["resume_bitwise"] = train["resume_bitwise"]
     machine = "cpu" if gpu == "cpu" else gpu.split()[-1].lower()
-    what = (f"{a.model}'s checkpoint tensors, {nbytes / 1e9:.2f} GB on {a.device}: AsyncSaver writes "
-            f"{summary['write_gbps']} GB/s vs dd {summary['dd_gbps']} GB/s on the same file system "
-            f"(x{summary['write_over_dd']}, medians of {a.reps}); training stalls {summary['async_stall_s']} s "
-            f"(staging copy {summary['staging_s']} s)")
+    what = "" if not rows else (
+        f"{a.model}'s checkpoint tensors, {nbytes / 1e9:.2f} GB on {a.device}: AsyncSaver writes "
+        f"{summary['write_gbps']} GB/s vs dd {summary['dd_gbps']} GB/s on the same file system "
+        f"(x{summary['write_over_dd']}, medians of {a.reps}); training stalls {summary['async_stall_s']} s "
+        f"(staging copy {summary['staging_s']} s)")
     if train is not None:
-        what += (f"; SIGTERM at the default grace left a complete checkpoint: "
+        what += (f"; {train['train_model']}: SIGTERM at the default grace left a complete checkpoint: "
                  f"{train['sigterm_default_grace_checkpoint_complete']}, resume bitwise: {train['resume_bitwise']}")
     payload = {"what_it_shows": what, "summary": summary, "state_bytes": nbytes, "tensors": tensors,
                "staging_line": staging_line, "reps": rows, "train": train, "args": vars(a)}

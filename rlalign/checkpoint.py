@@ -32,8 +32,9 @@ tensors; or streams it: returns at once and the background thread reads the trai
 file by file, so the trainer's next update waits for the write (TrainerWorker.train_step:
 wait_tensors; metrics.jsonl records that stall as time/checkpoint_stall_s, the staging copy as
 time/checkpoint_staging_s). The background thread writes the files, fingerprints the CPU tensors it
-writes, writes the fingerprints and, on rank 0 once every rank reports success (over a gloo group of the trainer ranks kept for checkpoints, so the
-training collectives never interleave with the checkpoint's), complete(): the checkpoint appears
+writes, writes the fingerprints and, on rank 0 once every rank reports success (over a gloo group of
+the trainer ranks kept for checkpoints, so the training collectives never interleave with the
+checkpoint's), complete(): the checkpoint appears
 (meta.json, rename) while the RL loop runs on. The next save and the end of the run wait for it
 (AsyncSaver.wait raises what went wrong). The files are the bytes a synchronous save_shards writes;
 a crash mid-save leaves a .tmp directory, ignored, and the previous checkpoint the newest complete one.

@@ -140,10 +140,11 @@ class Job:
         """The trainer's weights into the generator group, checked by fingerprints (SyncResult)."""
         return self.weight_sync.run(step, direct_sync)
 
-    def save_checkpoint(self, path: str, publish: dict, wait: bool) -> float:
+    def save_checkpoint(self, path: str, publish: dict, wait: bool) -> tuple[float, list[str]]:
         """Every trainer rank writes its part (in the background unless `wait`); rank 0 publishes. Returns
-        the ranks' longest staging copy (seconds)."""
-        return max(self.trainers.call("save", path, publish, wait))
+        the ranks' longest staging copy (seconds) and the lines their savers said."""
+        outs = self.trainers.call("save", path, publish, wait)
+        return max(o[0] for o in outs), [line for o in outs for line in o[1]]
 
     def wait_checkpoint(self) -> None:
         """Until the checkpoint in flight is complete (CheckpointError if it could not be written)."""

@@ -171,7 +171,9 @@ class Saves:
                    "meta": {"data_position": step + 1, "weights_fp": weights_fp, **self.model}}
         self.close()
         self._watch = ckpt.SaveWatch(self.run_dir, step, self.nbytes)
-        staging_s = job.save_checkpoint(str(tmp.resolve()), publish, wait)
+        staging_s, said = job.save_checkpoint(str(tmp.resolve()), publish, wait)
+        for line in said:  # the trainer's choice of staging, once
+            print(f"rlalign train: {line}", file=sys.stderr, flush=True)
         self.covered, self.in_flight = step, None if wait else step
         return staging_s
 

@@ -194,7 +194,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.cfg, self.group = _init(cfg_dict, rank, world, threads, local_gpu), group
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
-        self.saver = AsyncSaver(self.cfg.checkpoint.staging)
+        self._said: list[str] = []  # the saver's lines, handed to the driver with save()'s answer
+        self.saver = AsyncSaver(self.cfg.checkpoint.staging, say=self._said.append)
         self._setup_monitor(self.trainer.model)
         self._own_process, self._steps = own_process, 0
         self._colocated = shares_gpu(self.cfg)  # each gives back what the other needs next
@@ -277,18 +278,19 @@ class TrainerWorker(_Monitored, _WeightSync):
         if self._colocated:  # the sync's buckets: room for the generator's next generate
             torch.cuda.empty_cache()
 
-    def save(self, path: str, publish: dict | None = None, wait: bool = True) -> float:
+    def save(self, path: str, publish: dict | None = None, wait: bool = True) -> tuple[float, list[str]]:
         """This rank's part of a checkpoint (safetensors shards + fingerprints; rlalign.checkpoint), staged
         into host memory or streamed, written in the background (wait=False: returns before the write; the
         next train_step waits for a streamed one); with `publish` rank 0 completes the checkpoint once all
-        ranks have written. Returns the seconds spent staging."""
+        ranks have written. Returns the seconds spent staging and the lines the saver said (its choice)."""
         if self.trace is not None:  # the trace holds every record up to the checkpoint a resume starts from
             self.trace.drain()
         self.saver.save(self.trainer.checkpoint_state(), path, self.rank, self.group, publish,
                         self.cfg.checkpoint.bucket_mb << 20)
         if wait:
             self.saver.wait()
-        return self.saver.staging_s
+        said, self._said[:] = list(self._said), []
+        return self.saver.staging_s, said
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint in flight; raises CheckpointError if it could not be written."""
