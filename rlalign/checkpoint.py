@@ -38,8 +38,7 @@ checkpoint's), complete(): the checkpoint appears
 (meta.json, rename) while the RL loop runs on. The next save and the end of the run wait for it
 (AsyncSaver.wait raises what went wrong). The files are the bytes a synchronous save_shards writes;
 a crash mid-save leaves a .tmp directory, ignored, and the previous checkpoint the newest complete one.
-Memory: staged, the rank's state once more in host memory (kept); streamed, none on CPU and one file
-per writer on a GPU (experiments/train/bench_checkpoint_host_memory.py).
+Host memory: staged, the rank's state once more (kept); streamed, none on CPU, a file per writer on a GPU.
 
 Disk space. check_space() runs before Ray starts: the checkpoint's size is the trainer state's
 (rlalign.training.trainer.checkpoint_nbytes: the keys checkpoint_state() writes, of a trainer built
@@ -298,7 +297,9 @@ class AsyncSaver:
 
     def _choose(self, state: dict[str, torch.Tensor], rank: int) -> bool:
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        staged, line = cw.choose_staging(self.staging, nbytes, cw.host_memory_available())
+        available = cw.host_memory_available()  # the buffers this saver holds count as available
+        available = available + self.buffers.held_bytes if available is not None else None
+        staged, line = cw.choose_staging(self.staging, nbytes, available)
         if rank == 0 and staged != self._said:  # once, and again if the choice changes
             self.say(line)
             self._said = staged
@@ -326,6 +327,7 @@ class AsyncSaver:
         if staged:
             files = self.buffers.stage(files)
         else:
+            self.buffers.drop()
             spares = self.buffers.spares(files, self.writers)
         self.staging_s = time.perf_counter() - t0 if staged else 0.0
         if publish is not None:

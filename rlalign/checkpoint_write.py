@@ -195,7 +195,7 @@ class Staging:
 
     def stage(self, files: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of `files`' tensors in the kept buffers (blocking: on return they hold the bits)."""
-        out, device = {}, False
+        out, devices = {}, set()
         for name, tensors in files.items():
             shape = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
             kept = self._files.get(name)
@@ -206,13 +206,18 @@ class Staging:
             with torch.no_grad():
                 for k, t in tensors.items():
                     views[k].copy_(t, non_blocking=t.is_cuda)
-                    device |= t.is_cuda
+                    if t.is_cuda:
+                        devices.add(t.device)
             out[name] = views
-        for name in set(self._files) - set(files):
-            del self._files[name]
-        if device:
-            torch.cuda.synchronize()
+        self.drop(keep=set(files))
+        for d in devices:
+            torch.cuda.synchronize(d)
         return out
+
+    def drop(self, keep: set[str] = frozenset()) -> None:
+        """Let go of the staged buffers of files not in `keep` (all: a streamed save needs none)."""
+        for name in set(self._files) - set(keep):
+            del self._files[name]
 
     def spares(self, files: dict[str, dict[str, torch.Tensor]], writers: int) -> queue.Queue:
         """`writers` pinned buffers of the largest file with a device tensor (streamed saves), kept."""

@@ -89,3 +89,20 @@ def test_auto_staging_needs_twice_the_state_in_available_memory():
     staged, line = cw.choose_staging("auto", 10 << 30, (20 << 30) - 1)  # negative twin: one byte short
     assert not staged and "each save stalls the next update" in line and "checkpoint.staging=host" in line
     assert cw.choose_staging("host", 10 << 30, None)[0] and not cw.choose_staging("stream", 1, 1 << 40)[0]
+
+
+def test_the_buffers_a_staged_save_holds_count_as_room_for_the_next(tmp_path, monkeypatch):
+    state, said = _state(), []
+    size = sum(v.nbytes for v in state.values())
+    saver = ckpt.AsyncSaver(say=said.append)
+    free = {"spare": 0}  # what MemAvailable shows beyond the saver's buffers, which it no longer counts
+    monkeypatch.setattr(cw, "host_memory_available", lambda: 2 * size + free["spare"] - saver.buffers.held_bytes)
+    for step in range(2):
+        saver.save(state, ckpt.tmp_path(tmp_path, step), bucket_bytes=32 << 10)
+        saver.wait()
+        assert saver.buffers.held_bytes == size
+    assert len(said) == 1 and "copied into host buffers" in said[0]  # said once
+    free["spare"] = -1  # negative twin: one byte short, the next save streams and lets its buffers go
+    saver.save(state, ckpt.tmp_path(tmp_path, 2), bucket_bytes=32 << 10)
+    saver.wait()
+    assert saver.buffers.held_bytes == 0 and len(said) == 2 and "stalls the next update" in said[1]
