@@ -127,6 +127,7 @@ def one_rep(state: dict, d: Path, saver, device: str, bucket: int, streamed: boo
         row["streamed_sync_save_s"] = time.perf_counter() - t3
         row["streamed_sync_gbps"] = _files_bytes(tmp) / row["streamed_sync_save_s"] / 1e9
         shutil.rmtree(tmp)
+    row["load_avg_1m"] = os.getloadavg()[0]  # the machine's other work (a shared host)
     return {**row, "dd_gbps": dd / 1e9, "dd_bytes": dd_bytes, "written_bytes": written, "save_return_s": t1 - t0,
             "staging_s": saver.staging_s, "next_update_wait_s": next_wait, "write_s": t2 - t1,
             "write_gbps": written / (t2 - t1) / 1e9, "stall_s": (t1 - t0) + next_wait}

@@ -44,8 +44,6 @@ CHUNK = 64 << 20  # bytes per os.write
 _DTYPE_ORDER = {d: i for i, d in enumerate(["I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL"])}
 # DCP's safetensors metadata (torch.distributed.checkpoint._hf_utils: CUSTOM_METADATA_KEY, DCP_VERSION_KEY, ...)
 _DCP_META = {"sharding": "DCP_SHARDING_INFO", "version": ("DCP_VERSION", "1.0"), "format": ("format", "pt")}
-
-
 DEFAULT_BUCKET_BYTES = 512 << 20  # checkpoint.bucket_mb's default
 
 
