@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.agent.metrics import episode_metrics, episode_reward
 from rlalign.config import model_args
 from rlalign.job import Job
 from rlalign.logger import json_line
@@ -61,14 +62,22 @@ def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
 
 def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[Rollout],
                   step: int) -> tuple[list[float], list[str], int]:
-    """The rewards in sample order, the completions, and how many calls timed out (fallback used)."""
+    """The rewards in sample order, the completions, and how many calls timed out (fallback used). An
+    episode's completion is its last assistant turn; its reward adds its environment's
+    (rlalign.agent.metrics.episode_reward)."""
     calls, texts = [], []
     for ex, r in zip(batch.examples, rollouts):
-        completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
-        texts.append(completion)
+        if r.episode is not None:
+            completion = r.episode["last_turn"]
+            texts.append(tok.decode(r.tokens))
+        else:
+            completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
+            texts.append(completion)
+        what = "last turn" if r.episode is not None else "completion"
         calls.append(RewardCall(completion, ex, f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, "
-                                                f"completion {completion!r})"))
+                                                f"{what} {completion!r})"))
     values, timed_out = rewards.score(calls, f"step {step}")
+    values = [v if r.episode is None else episode_reward(r.episode, v) for r, v in zip(rollouts, values)]
     return values, texts, timed_out
 
 
@@ -142,14 +151,14 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     `weights_fp`: what the generator holds going in (a mismatch dump names it)."""
     t0 = time.perf_counter()
     batch = make_batch(cfg, task, tok, step)
-    gen = job.generate(batch.prompts, batch.sample_ids, batch.params, step)
+    gen = job.generate(batch.prompts, batch.sample_ids, batch.params, step, batch.examples if cfg.task.env else None)
     rollouts = gen.rollouts
     t1 = time.perf_counter()
     rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
     warn_dead_signal(rewards, step)
     t2 = time.perf_counter()
-    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params)
+    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params, turns=r.turns)
                for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
@@ -172,6 +181,8 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     metrics = step_metrics(cfg, rewards, rollouts, cons, trained.stats)
     metrics.update(signal_metrics(rewards, adv, cfg.task.samples_per_prompt))
     metrics["reward/timeouts"] = timed_out
+    if cfg.task.env:
+        metrics.update(episode_metrics(rollouts))
     metrics.update({"sync/weights_fp": synced.weights_fp, **synced.metrics, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
                     "time/sync_s": t5 - t4, **gen.metrics, **trained.metrics})

@@ -48,6 +48,10 @@ def check_generator(cfg: DictConfig) -> GeneratorWorld:
     world, g = generator_world(cfg), cfg.generator
     if world.backend == "native":
         return world
+    if cfg.task.env:
+        raise ConfigError(f"invalid config: task.env={cfg.task.env} with generator.backend=vllm: multi-turn episodes "
+                          "run on the native engine only (it continues each episode on its KV pages); use "
+                          "generator.backend=native")
     if shares_gpu(cfg):
         raise ConfigError("invalid config: generator.backend=vllm with placement.colocate=true on CUDA: a colocated "
                           "generator gives its GPU memory back while the trainer trains, which only the native engine "
