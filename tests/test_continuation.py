@@ -146,6 +146,17 @@ def test_negative_twin_an_observation_left_out_of_the_cache_changes_the_bits(mod
     assert any(t.tokens != r.tokens or not same_bits(t.logprobs, r.logprobs) for t, r in zip(twin, ref))
 
 
+def test_negative_twin_an_answer_applied_under_a_lookahead_row_takes_its_token(model, episodes, monkeypatch):
+    """The step enqueued ahead (lookahead) holds a row of a sequence whose turn the step before ended with
+    a stop or EOS; resume holds that sequence's answer until the row is read back and discarded. The twin
+    applies it at once: the stale row's token is taken as the continued turn's first."""
+    real = EpisodeScheduler.resume
+    monkeypatch.setattr(EpisodeScheduler, "resume", lambda sched, answers, in_flight: real(sched, answers, False))
+    twin, _ = _run(model)
+    ref, _ = episodes
+    assert any(t.tokens != r.tokens for t, r in zip(twin, ref))
+
+
 SCHEDULES = [
     EngineConfig(max_num_seqs=1, page_size=1),  # one episode at a time
     EngineConfig(max_num_seqs=3, max_num_batched_tokens=4, page_size=4),  # observations chunked beside decode rows

@@ -18,10 +18,16 @@ addresses (weight sync copies into them). With lookahead the next step (decode r
 prompt chunks) is enqueued before this step's tokens are read back, so the GPU does not wait for the
 host's bookkeeping.
 
+Multi-turn episodes (generate's `episodes`, rlalign.rollout.types.Continuations): a sequence whose turn
+ends keeps its slot and KV pages, runs no rows while its environment works, and goes on with its
+observation prefilled onto it (EpisodeScheduler); positions go on counting, so a continued turn has
+the bits of a fresh prefill of its whole history.
+
 Under expert parallelism the group's ranks step in lockstep (rlalign.parallel.launch.Lockstep): before
 each step they agree on the most rows any rank runs and whether every rank's step is decode-only;
 then the MoE layers' all-to-all has a fixed capacity from that bound (rlalign.parallel.alltoall), so
-those steps replay decode graphs and take lookahead steps as a single GPU does.
+those steps replay decode graphs and take lookahead steps as a single GPU does. The group's loop ends
+when no rank has rows and none waits for an episode's answer.
 """
 
 from __future__ import annotations
