@@ -197,6 +197,10 @@ def test_bad_answers_are_refused_naming_the_sample(model):
         NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [40], obs=lambda b, k: [5, 64]))
     with pytest.raises(ValueError, match=r"sample 9: Continuations.max_len=3 must be an int above its prompt's 3"):
         NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [3]))
+    with pytest.raises(ValueError, match=r"sample 9: prompt of 3 tokens \+ the rest of its episode \(max_len=20\) "
+                                         r"needs 5 KV pages of 4 tokens; the cache has 2"):
+        NativeEngine(model, EngineConfig(page_size=4, num_pages=2)).generate(prompts, [9], PARAMS,
+                                                                             episodes=Script([2], [20]))
     never = Script([2], [40])
     never.poll = lambda wait: []
     never.pending = lambda: 0

@@ -91,12 +91,13 @@ class NativeEngine:
         num_pages = cfg.num_pages or max(1, sum(sorted(pages_of, reverse=True)[:max_seqs]))
         for b, n in enumerate(pages_of):
             if n > num_pages:
-                need = (f"max_new_tokens={params.max_new_tokens}" if episodes is None
-                        else f"its episode's max_len={max_lens[b]}")
+                need, lower = ((f"max_new_tokens={params.max_new_tokens}", "task.max_new_tokens, agree.max_new_tokens")
+                               if episodes is None else (f"the rest of its episode (max_len={max_lens[b]})",
+                                                         "the episode's context limit"))
                 raise ValueError(
                     f"sample {sample_ids[b]}: prompt of {len(prompts[b])} tokens + {need} needs {n} KV pages of "
                     f"{cfg.page_size} tokens; the cache has {num_pages} (raise generator.num_pages or lower the "
-                    "completion length: task.max_new_tokens, agree.max_new_tokens)"
+                    f"completion length: {lower})"
                 )
         state = self._state_for(num_pages, max_seqs, max(pages_of, default=1))
         graphs = state.decode_graphs() if self.graphs_allowed() else None
@@ -169,7 +170,7 @@ class NativeEngine:
             most, waits, pending = self._launch(runner, sched.schedule(), waiting=waiting)
             if most == 0 and not waits:
                 break
-            if waiting and pending is None:  # nothing ran anywhere: wait for an answer (or the poll's timeout)
+            if waiting and pending is None:  # nothing in flight: the answers now, waiting for one if no rank ran rows
                 sched.resume(episodes.poll(most == 0), in_flight=False)
         if episodes is not None and episodes.pending():
             raise RuntimeError(f"generate: every episode is over but Continuations.pending() is {episodes.pending()}")
