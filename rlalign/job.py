@@ -106,7 +106,7 @@ class Job:
         metrics = {"time/generate_engine_s": max(o.seconds for o in outs),
                    "time/generate_monitor_s": max(o.monitor_s for o in outs)}
         if examples is not None:
-            metrics["episode/env_wait_s"] = max(o.env_wait_s for o in outs)
+            metrics["time/env_wait_s"] = max(o.env_wait_s for o in outs)
         peak = _max_peak_gib(outs)
         if peak is not None:
             metrics["memory/generator_peak_gib"] = peak

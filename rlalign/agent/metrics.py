@@ -22,7 +22,7 @@ def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     turns = [e["turns"] for e in eps]
     out = {"episode/turns_mean": sum(turns) / n, "episode/turns_max": max(turns, default=0),
            "episode/env_reward_mean": math.fsum(e["reward"] for e in eps if not e["fallback"]) / n,
-           "episode/env_s": math.fsum(e["env_s"] for e in eps)}
+           "time/env_s": math.fsum(e["env_s"] for e in eps)}
     for key in ("tool_calls", "tool_errors", "env_errors", "env_timeouts"):
         out[f"episode/{key}"] = sum(e[key] for e in eps)
     for reason in FINISH_REASONS:
