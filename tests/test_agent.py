@@ -6,6 +6,7 @@ tests/test_multiturn.py runs the model."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,17 @@ def test_config_keys_tasks_and_the_vllm_refusal():
     with pytest.raises(ConfigError, match="task.env=guess with generator.backend=vllm: multi-turn episodes run on "
                                           "the native engine only"):
         check_generator(load_config(["task=guess", "generator.backend=vllm"]))
+
+
+def test_the_readme_environment_runs(tmp_path, monkeypatch):
+    """README's example environment (myenvs.py) as a user would load it: a tool call, then the answer."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = text.split("# myenvs.py, in the directory you run `rlalign train` from\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "myenvs.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    row = Example("k?", "7", fields={"table": {"a": 7}})
+    d = EpisodeDriver(load_env("myenvs:Lookup", ENVS), TOK, [row], [TOK.encode(row.prompt)], [0], 0,
+                      EpisodeLimits(max_turns=3, max_context_len=64))
+    r = scripted(d, ["<tool>a", "7"])[0]  # (the char tokenizer has no '/' for a closing tag)
+    assert TOK.decode(r.tokens) == "<tool>a77" and r.finish_reason == "done"
+    assert (r.episode["tool_calls"], r.episode["tool_errors"], r.turns.count(-1)) == (1, 0, 1)
