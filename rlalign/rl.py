@@ -75,7 +75,7 @@ def _prepare(cfg: DictConfig):
     check_generator(cfg)
     if t.env:  # the environment's class imports, and the episode limits fit the model
         env_class(cfg)
-        episode_limits(cfg)
+    context = episode_limits(cfg).max_context_len if t.env else None
     resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = t.max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
@@ -85,6 +85,9 @@ def _prepare(cfg: DictConfig):
         overflow = args.context_overflow(len(ids), max_new)
         if overflow:
             raise ValueError(f"{where}: the prompt {overflow.replace('max_new_tokens', 'task.max_new_tokens')}")
+        if context is not None and len(ids) >= context:
+            raise ValueError(f"{where}: the prompt has {len(ids)} tokens, leaving no room for a turn within "
+                             f"task.max_context_len={context}")
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
     where = f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)"
