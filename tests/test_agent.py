@@ -190,3 +190,15 @@ def test_the_readme_environment_runs(tmp_path, monkeypatch):
     r = scripted(d, ["<tool>a", "7"])[0]  # (the char tokenizer has no '/' for a closing tag)
     assert TOK.decode(r.tokens) == "<tool>a77" and r.finish_reason == "done"
     assert (r.episode["tool_calls"], r.episode["tool_errors"], r.turns.count(-1)) == (1, 0, 1)
+
+
+def test_bad_episode_settings_fail_before_any_actor(tmp_path):
+    from rlalign.rl import train
+
+    with pytest.raises(ValueError, match=r"task guess prompt 'g0-7:': the prompt has 5 tokens, leaving no room for a "
+                                         r"turn within task.max_context_len=5"):
+        train(load_config(["task=guess", "task.max_context_len=5", f"run.dir={tmp_path}"]))
+    with pytest.raises(ValueError, match=r"task.max_context_len=999 exceeds the model's context of 256 tokens"):
+        train(load_config(["task=guess", "task.max_context_len=999", f"run.dir={tmp_path}"]))
+    with pytest.raises(ValueError, match=r"task.env='no_such_module:Env': cannot import module 'no_such_module'"):
+        train(load_config(["task=guess", "task.env=no_such_module:Env", f"run.dir={tmp_path}"]))
