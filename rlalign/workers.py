@@ -329,8 +329,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
                  step: int = 0, release: bool = False, release_weights: bool = True,
                  examples: list[Example] | None = None) -> GenerateOutput:
-        """Rollouts of this rank's prompts and their per-token row fingerprints; with task.env, episodes
-        of the task rows `examples` (one per prompt; their environments live in this process).
+        """Rollouts of this rank's prompts and their per-token row fingerprints; with `examples` (task.env:
+        each prompt's task row), episodes whose environments live in this process.
         `release`: then the engine gives its device memory back (the KV cache; the weights too with
         `release_weights`) until the next weight sync."""
         maybe_fail("generator.generate", self.rank)
@@ -340,7 +340,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         _reset_peak(self.cfg.device)
         t0 = time.perf_counter()
         driver = None
-        if self.tok is not None:
+        if examples is not None:
             driver = make_driver(self.cfg, self.tok, examples, prompts, sample_ids, f"step {step}")
             outs = driver.finish(self.generator.generate(prompts, sample_ids, params, episodes=driver))
         else:
