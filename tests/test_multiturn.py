@@ -22,7 +22,7 @@ from rlalign.parallel.launch import run_workers, shard_range
 from rlalign.sequences import policy_mask
 from rlalign.step import make_batch
 from rlalign.tasks import make_task
-from rlalign.tasks.tokenizer import make_tokenizer
+from rlalign.tasks.tokenizer import CHARS, make_tokenizer
 from rlalign.workers import GeneratorWorker
 
 GUESS = ["task=guess", "task.num_prompts=3", "task.samples_per_prompt=2", "task.max_new_tokens=2"]
@@ -113,7 +113,7 @@ def test_episodes_at_generator_ep2_equal_generator_ep1_and_agree_with_the_traine
     assert mismatched_policy_tokens(cfg2, rs2)[0] == 0
 
 
-def test_a_stop_string_that_never_appears_leaves_the_turn_to_the_per_turn_limit():
+def test_stop_strings_end_turns_and_one_that_never_appears_leaves_the_per_turn_limit():
     cfg = load_config([*GUESS, "task.stop=['#@#']", "task.max_new_tokens=3"])
     rs = worker_episodes(cfg)
     ends = [e for r in rs for e in r.episode["turn_ends"]]
@@ -121,6 +121,14 @@ def test_a_stop_string_that_never_appears_leaves_the_turn_to_the_per_turn_limit(
     for r in rs:
         sizes = [r.turns.count(k) for k in range(r.episode["turns"])]
         assert max(sizes) <= 3 and [s == 3 for s in sizes] == [e == "length" for e in r.episode["turn_ends"]]
+    stops = [c for c in CHARS if c not in "<>?"]  # twin: every character but the observations' is a stop string
+    rs = worker_episodes(OmegaConf.merge(cfg, {"task": {"stop": stops}}))
+    tok = make_tokenizer(None)
+    turns = [(tok.decode([t for t, k in zip(r.tokens, r.turns) if k == j]), end)
+             for r in rs for j, end in enumerate(r.episode["turn_ends"])]
+    assert sum(end == "stop" for _, end in turns) > len(turns) // 2
+    for text, end in turns:  # a turn ends at its first stop character, else at EOS or the limit
+        assert (end == "stop") == (text[-1:] in stops) and not any(c in stops for c in text[:-1])
 
 
 @pytest.mark.slow
