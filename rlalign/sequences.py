@@ -45,3 +45,8 @@ def policy_mask(turns: list[int] | None, n: int) -> torch.Tensor:
     if len(turns) != n:
         raise ValueError(f"turns has {len(turns)} entries for {n} response tokens")
     return torch.tensor(turns, dtype=torch.long) >= 0
+
+
+def policy_tokens(sample: Sample) -> int:
+    """How many of a sample's response tokens the policy sampled (what a loss is normalised by)."""
+    return len(sample.response) if sample.turns is None else sum(t >= 0 for t in sample.turns)

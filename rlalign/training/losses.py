@@ -21,6 +21,12 @@ Built in, per token t of a sample with advantage A (the group-relative one of gr
             tokens (Dr. GRPO; configs/algorithm/dr_grpo.yaml also drops the std normalisation)
   gspo      one ratio per sequence, s_i = exp(mean over its tokens of (logp_t - old_t)), clipped per
             sequence; the mean over sequences (GSPO; configs/algorithm/gspo.yaml: its clip range)
+Episodes (multi-turn samples, rlalign.sequences.Sample.turns): a loss sees the policy tokens only. The
+trainer selects them before the loss (policy_batch), so every per-token tensor of LossBatch, `lengths`
+and `minibatch_tokens` count the tokens the policy sampled, and `turns` gives each one's assistant turn;
+an observation token (the environment's text, no generator logprob, maybe -inf under top-k / top-p) is
+in no loss, metric or gradient. Sequence means (gspo) are over a sequence's policy tokens.
+
 old_t is the generator's logprob (algorithm.old_logprobs=generator, the default) or the trainer's
 own pre-update logprob (=trainer). In deterministic mode the two are the same bits, so r_t == 1
 exactly in the first epoch.
@@ -46,7 +52,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -81,10 +87,25 @@ class LossBatch:
     minibatch_tokens: int = 0  # response tokens of the whole minibatch (what the trainer divides by)
     minibatch_sequences: int = 0
     max_new_tokens: int = 0  # the sampling limit
+    # an episode's micro-batch (rlalign.sequences.Sample.turns): the assistant turn of each token; None: one turn
+    turns: torch.Tensor | None = None
 
     def old_logprobs(self, alg) -> torch.Tensor:
         """The ratio's denominator (algorithm.old_logprobs)."""
         return self.generator_logprobs if alg.old_logprobs == "generator" else self.trainer_old_logprobs
+
+
+def policy_batch(batch: LossBatch, policy: list[torch.Tensor], turns: list[list[int] | None]) -> LossBatch:
+    """`batch` with its observation tokens removed by selection (never by a 0 weight: a -inf logprob
+    times 0 is NaN): `policy` [len] bool and `turns` per sample, as batch.lengths. The gradient of a
+    removed token's logprob is exactly 0."""
+    keep = torch.cat(policy).to(batch.logprobs.device) if policy else torch.zeros(0, dtype=torch.bool)
+    sel = lambda x: x[keep] if x is not None else None  # noqa: E731
+    turn = [t if t is not None else [0] * len(m) for t, m in zip(turns, policy)]
+    turn_t = torch.tensor([k for ts in turn for k in ts], dtype=torch.long, device=keep.device)
+    return replace(batch, logprobs=sel(batch.logprobs), generator_logprobs=sel(batch.generator_logprobs),
+                   trainer_old_logprobs=sel(batch.trainer_old_logprobs), advantages=sel(batch.advantages),
+                   lengths=[int(m.sum()) for m in policy], ref_logprobs=sel(batch.ref_logprobs), turns=turn_t[keep])
 
 
 Metrics = dict[str, torch.Tensor | float]

@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign.faults import SideFaults
 from rlalign.model.build import model_from_config
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
-from rlalign.sequences import Sample
+from rlalign.sequences import Sample, policy_mask, policy_tokens
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
-from rlalign.training.losses import LossBatch, LossFn, resolve_loss
+from rlalign.training.losses import LossBatch, LossFn, policy_batch, resolve_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
 from rlalign.training.partition import micro_batch_share, step_partition
 from rlalign.training.scoring import drawn_with, micro_batches, score_micro_batch
@@ -121,7 +121,7 @@ class Trainer:
         inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy."""
         loss = resolve_loss(alg)
         members = [j for mb in minibatch for j in mb] if minibatch is not None else range(len(samples))
-        sizes = dict(minibatch_tokens=sum(len(samples[j].response) for j in members), minibatch_sequences=len(members),
+        sizes = dict(minibatch_tokens=sum(policy_tokens(samples[j]) for j in members), minibatch_sequences=len(members),
                      max_new_tokens=self.max_new_tokens)
 
         def loss_fn(lps, idx):
@@ -138,6 +138,9 @@ class Trainer:
             batch = LossBatch(torch.cat(lps), gen_t, cat([old[j] for j in idx]), adv_t,
                               [len(samples[j].response) for j in idx],
                               cat([ref[j] for j in idx]) if ref is not None else None, **sizes)
+            if any(samples[j].turns is not None for j in idx):  # an episode: the loss sees its policy tokens only
+                batch = policy_batch(batch, [policy_mask(samples[j].turns, len(samples[j].response)) for j in idx],
+                                     [samples[j].turns for j in idx])
             return loss(batch, alg)
 
         return loss_fn
@@ -167,8 +170,9 @@ class Trainer:
         """score_micro_batch's options: the layout, and what the samples carry: the distribution their
         responses were drawn with (scored under it), their sample ids (the monitor's row names)."""
         ids = [s.sample_id for s in mb]
+        turns = {"turns": [s.turns for s in mb]} if any(s.turns is not None for s in mb) else {}
         return {"layout": self.cfg.trainer.layout, "params": drawn_with(mb),
-                "sample_ids": ids if None not in ids else None}
+                "sample_ids": ids if None not in ids else None, **turns}
 
     def my_micro_batches(self, mbs: list[list[int]]) -> tuple[range, list[list[int]]]:
         """This rank's share of a minibatch's global micro-batches (indices, contents): every
@@ -185,7 +189,7 @@ class Trainer:
         if mbs is None:
             mbs = [list(mb) for mb in micro_batches(len(samples), self.cfg.trainer.micro_batch_size)]
         if global_tokens is None:
-            global_tokens = sum(len(samples[j].response) for mb in mbs for j in mb)
+            global_tokens = sum(policy_tokens(samples[j]) for mb in mbs for j in mb)
         share, mine = self.my_micro_batches(mbs)
         starts = [micro_batch_share(len(mbs), self.world, r) for r in range(self.world)]
         self.gradients.start(len(mbs), starts)
