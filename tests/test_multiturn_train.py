@@ -56,7 +56,8 @@ def _samples(trainer, responses, params, turns, obs_gen: float = 0.0) -> list[Sa
     at observation tokens (what a test perturbs)."""
     key = (params.top_k, tuple(map(tuple, responses)))
     if key not in _SCORES:
-        _SCORES[key] = trainer.score([Sample(p, r, torch.zeros(len(r)), params=params) for p, r in zip(PROMPTS, responses)])
+        _SCORES[key] = trainer.score([Sample(p, r, torch.zeros(len(r)), params=params)
+                                      for p, r in zip(PROMPTS, responses)])
     out = []
     for i, (p, r, t) in enumerate(zip(PROMPTS, responses, TURNS)):
         lp = _SCORES[key][i]
@@ -156,8 +157,9 @@ def test_policy_batch_selects_and_a_user_loss_sees_policy_tokens_with_their_turn
     loss, st = LOSSES["gspo"](pol, a)
     loss.backward()
     assert lp.grad[1] == 0 and torch.isfinite(lp.grad).all() and all(float(v) == float(v) for v in st.values())
-    hand = LossBatch(torch.tensor([-1.0, -2.0, -0.5, -0.25]), gen[[0, 2, 3, 4]], torch.tensor([-1.0, -2.0, -0.5, -0.25]),
-                     torch.tensor([1.0, 1.0, -1.0, -1.0]), [2, 2], minibatch_tokens=4, minibatch_sequences=2)
+    kept = torch.tensor([-1.0, -2.0, -0.5, -0.25])
+    hand = LossBatch(kept, gen[[0, 2, 3, 4]], kept.clone(), torch.tensor([1.0, 1.0, -1.0, -1.0]), [2, 2],
+                     minibatch_tokens=4, minibatch_sequences=2)
     assert same_bits(loss.detach(), LOSSES["gspo"](hand, a)[0])
     finite = LossBatch(batch.logprobs.detach().nan_to_num(neginf=-3.0), gen, batch.trainer_old_logprobs.nan_to_num(
         neginf=-3.0), batch.advantages, [3, 2], minibatch_tokens=4, minibatch_sequences=2)
