@@ -108,7 +108,8 @@ def test_the_samples_table_shows_an_episodes_turns_and_observations():
 
 def test_the_report_draws_and_lists_mismatch_per_turn(tmp_path):
     rows = [{"step": s, "reward/mean": 0.5, "consistency/tokens": 7, "consistency/mismatched_tokens": s,
-             "consistency/logprob_abs_diff_max": 1e-7 * s, "time/step_s": 0.5, "episode/policy_tokens": 7,
+             "consistency/logprob_abs_diff_max": 1e-7 * s, "time/step_s": 0.5,
+             "consistency/abs_diff_hist": [7 - s, 0, s, 0, 0, 0, 0, 0, 0], "episode/policy_tokens": 7,
              "episode/observation_tokens": 3, "consistency/turn_0/tokens": 4, "consistency/turn_0/mismatched_tokens": 0,
              "consistency/turn_1/tokens": 3, "consistency/turn_1/mismatched_tokens": s} for s in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
