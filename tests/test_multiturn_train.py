@@ -13,7 +13,7 @@ from rlalign import kernels
 from rlalign.config import load_config
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Sample
-from rlalign.training.losses import LOSSES, LossBatch, policy_batch
+from rlalign.training.losses import LOSSES, LossBatch, policy_batch, policy_selection
 from rlalign.training.trainer import Trainer
 
 PROMPTS = [[3, 4, 5], [5, 4]]
@@ -142,16 +142,19 @@ def test_an_episodes_loss_is_the_loss_over_its_policy_tokens_by_hand(trainer, re
     assert _same(g0, g1) and s0 == s1
 
 
-def test_policy_batch_selects_and_a_user_loss_sees_policy_tokens_with_their_turns():
-    """policy_batch removes the masked tokens from every per-token tensor (no 0 * -inf), counts lengths
-    over the rest and gives their turns; gspo's sequence means are over them. Twin: the unselected
-    batch's gspo differs."""
+def test_policy_batch_selects_the_policy_tokens_with_their_turns():
+    """policy_selection / policy_batch remove the observation tokens from every per-token tensor (no
+    0 * -inf), count lengths over the rest and give their turns; gspo's sequence means are over them.
+    Twin: the unselected batch's gspo differs; turns of the wrong length are refused."""
     lp = torch.tensor([-1.0, -float("inf"), -2.0, -0.5, -0.25], requires_grad=True)
     gen = torch.tensor([-1.1, 0.0, -2.1, -0.4, -0.3])
     batch = LossBatch(lp, gen, lp.detach(), torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0]), [3, 2],
                       minibatch_tokens=4, minibatch_sequences=2, max_new_tokens=8)
-    pol = policy_batch(batch, [torch.tensor([True, False, True]), torch.tensor([True, True])], [[0, -1, 1], None])
-    assert pol.lengths == [2, 2] and pol.turns.tolist() == [0, 1, 0, 0]
+    index, turns, lengths = policy_selection([[0, -1, 1], None], [3, 2], lp.device)
+    assert index.tolist() == [0, 2, 3, 4] and turns.tolist() == [0, 1, 0, 0] and lengths == [2, 2]
+    pol = policy_batch(batch, index, turns, lengths)
+    with pytest.raises(ValueError, match="turns has 2 entries for 3 response tokens"):
+        policy_selection([[0, -1], None], [3, 2], lp.device)
     assert torch.equal(pol.generator_logprobs, torch.tensor([-1.1, -2.1, -0.4, -0.3]))
     a = _alg("gspo")
     loss, st = LOSSES["gspo"](pol, a)

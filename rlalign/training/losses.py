@@ -95,17 +95,35 @@ class LossBatch:
         return self.generator_logprobs if alg.old_logprobs == "generator" else self.trainer_old_logprobs
 
 
-def policy_batch(batch: LossBatch, policy: list[torch.Tensor], turns: list[list[int] | None]) -> LossBatch:
-    """`batch` with its observation tokens removed by selection (never by a 0 weight: a -inf logprob
-    times 0 is NaN): `policy` [len] bool and `turns` per sample, as batch.lengths. The gradient of a
-    removed token's logprob is exactly 0."""
-    keep = torch.cat(policy).to(batch.logprobs.device) if policy else torch.zeros(0, dtype=torch.bool)
-    sel = lambda x: x[keep] if x is not None else None  # noqa: E731
-    turn = [t if t is not None else [0] * len(m) for t, m in zip(turns, policy)]
-    turn_t = torch.tensor([k for ts in turn for k in ts], dtype=torch.long, device=keep.device)
+def policy_selection(turns: list[list[int] | None], lengths: list[int],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Which of a micro-batch's tokens (samples' `turns` as Sample.turns, `lengths` their responses')
+    the policy sampled: (their positions [P] and assistant turns [P], long, on `device`, one asynchronous
+    copy; the policy tokens per sample). A sample without turns is all policy tokens (turn 0)."""
+    index, turn, counts, pos = [], [], [], 0
+    for ts, n in zip(turns, lengths):
+        ts = [0] * n if ts is None else ts
+        if len(ts) != n:
+            raise ValueError(f"turns has {len(ts)} entries for {n} response tokens")
+        kept = [(pos + i, t) for i, t in enumerate(ts) if t >= 0]
+        index += [i for i, _ in kept]
+        turn += [t for _, t in kept]
+        counts.append(len(kept))
+        pos += n
+    host = torch.tensor(index + turn, dtype=torch.long)
+    host = host.pin_memory() if device.type == "cuda" else host
+    index_t, turn_t = host.to(device, non_blocking=True).split([len(index), len(turn)])
+    return index_t, turn_t, counts
+
+
+def policy_batch(batch: LossBatch, index: torch.Tensor, turns: torch.Tensor, lengths: list[int]) -> LossBatch:
+    """`batch` with only its tokens at `index` (policy_selection: an episode's policy tokens, `turns` theirs,
+    `lengths` per sample), by selection, never by a 0 weight (a -inf logprob times 0 is NaN; no host sync):
+    the gradient of a token left out is exactly 0."""
+    sel = lambda x: x.index_select(0, index) if x is not None else None  # noqa: E731
     return replace(batch, logprobs=sel(batch.logprobs), generator_logprobs=sel(batch.generator_logprobs),
                    trainer_old_logprobs=sel(batch.trainer_old_logprobs), advantages=sel(batch.advantages),
-                   lengths=[int(m.sum()) for m in policy], ref_logprobs=sel(batch.ref_logprobs), turns=turn_t[keep])
+                   lengths=lengths, ref_logprobs=sel(batch.ref_logprobs), turns=turns)
 
 
 Metrics = dict[str, torch.Tensor | float]

@@ -78,18 +78,19 @@ def score_micro_batch(
     # logits at position j predict token j + 1: response rows start at the prompt's last token
     rows = [i for b, (p, r) in enumerate(zip(prompts, responses)) for i in range(cu[b] + len(p) - 1,
                                                                                 cu[b] + len(p) - 1 + len(r))]
-    flat = [t for s in seqs for t in s] + rows + [t for r in responses for t in r]
-    host = torch.tensor(flat, dtype=torch.long)  # one host-to-device copy (pinned: no wait) for all three
+    policy = [] if turns is None else [i for i, keep in zip(rows, torch.cat(
+        [policy_mask(t, len(r)) for t, r in zip(turns, responses)]).tolist()) if keep]  # an episode's entropy rows
+    flat = [t for s in seqs for t in s] + rows + [t for r in responses for t in r] + policy
+    host = torch.tensor(flat, dtype=torch.long)  # one host-to-device copy (pinned: no wait) for all of them
     host = host.pin_memory() if dev.type == "cuda" else host
-    tokens, rows_t, targets = host.to(dev, non_blocking=True).split([len(flat) - 2 * len(rows), len(rows), len(rows)])
+    tokens, rows_t, targets, policy_t = host.to(dev, non_blocking=True).split(
+        [len(flat) - 2 * len(rows) - len(policy), len(rows), len(rows), len(policy)])
     if sample_ids is not None:
         set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
     lp = kernels.token_logprobs_rows(logits, rows_t, targets, **params.logprob_kwargs())
     if entropy is not None:
-        policy = rows_t if turns is None else rows_t[torch.cat(
-            [policy_mask(t, len(r)) for t, r in zip(turns, responses)]).to(dev)]
-        entropy.append(entropy_sum(logits, policy, params.temperature))
+        entropy.append(entropy_sum(logits, rows_t if turns is None else policy_t, params.temperature))
     return list(torch.split(lp, [len(r) for r in responses]))
 
 

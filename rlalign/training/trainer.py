@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign.faults import SideFaults
 from rlalign.model.build import model_from_config
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
-from rlalign.sequences import Sample, policy_mask, policy_tokens
+from rlalign.sequences import Sample, policy_tokens
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
-from rlalign.training.losses import LossBatch, LossFn, policy_batch, resolve_loss
+from rlalign.training.losses import LossBatch, LossFn, policy_batch, policy_selection, resolve_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
 from rlalign.training.partition import micro_batch_share, step_partition
 from rlalign.training.scoring import drawn_with, micro_batches, score_micro_batch
@@ -139,8 +139,7 @@ class Trainer:
                               [len(samples[j].response) for j in idx],
                               cat([ref[j] for j in idx]) if ref is not None else None, **sizes)
             if any(samples[j].turns is not None for j in idx):  # an episode: the loss sees its policy tokens only
-                batch = policy_batch(batch, [policy_mask(samples[j].turns, len(samples[j].response)) for j in idx],
-                                     [samples[j].turns for j in idx])
+                batch = policy_batch(batch, *policy_selection([samples[j].turns for j in idx], batch.lengths, dev))
             return loss(batch, alg)
 
         return loss_fn
