@@ -118,7 +118,9 @@ class Trainer:
         `minibatch` (default: all samples); the first forward of a sample not scored before the step
         captures its pre-update logprobs into `old`, on the device (train_step copies them to the host
         once, at its end: no host sync between a micro-batch's forward and its backward). The host
-        inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy."""
+        inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy. An
+        episode's observation tokens are selected out before the loss (losses.policy_batch): the loss,
+        its metrics and `minibatch_tokens` see the policy tokens only."""
         loss = resolve_loss(alg)
         members = [j for mb in minibatch for j in mb] if minibatch is not None else range(len(samples))
         sizes = dict(minibatch_tokens=sum(policy_tokens(samples[j]) for j in members), minibatch_sequences=len(members),
@@ -184,7 +186,8 @@ class Trainer:
         """d(sum of token losses / global_tokens) into fp32 gradients (self.grads) over the global
         micro-batches `mbs` (lists of indices into `samples`, the same on every rank; default: all
         samples in micro_batch_size chunks), this rank running its share (rlalign.training.gradients
-        keeps the sums' order fixed). Returns each of its micro-batches' stats by global index."""
+        keeps the sums' order fixed); global_tokens defaults to the policy tokens (an episode's observation
+        tokens excluded). Returns each of its micro-batches' stats by global index."""
         if mbs is None:
             mbs = [list(mb) for mb in micro_batches(len(samples), self.cfg.trainer.micro_batch_size)]
         if global_tokens is None:
