@@ -178,7 +178,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
                for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
-    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs)
+    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs, [r.turns for r in rollouts])
     detail = None
     if cons["mismatched_tokens"]:
         detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows, tok)
@@ -208,8 +208,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
                     "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9),
                     "time/compare_tok_per_s": cons["tokens"] / max(t4 - t3, 1e-9),
                     "time/sync_mb_per_s": metrics.get("sync/bytes", 0) / 1e6 / max(t5 - t4, 1e-9)})
-    rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer_text(),
-             "reward": rew} for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
+    rows = sample_rows(tok, batch.examples, rollouts, texts, rewards)
     if detail is not None:
         if detail["first_divergent_op"]:
             metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
