@@ -88,6 +88,7 @@ def ep1():
     return cfg, worker_episodes(cfg)
 
 
+@pytest.mark.slow  # spawned EP ranks
 def test_episodes_of_three_turns_agree_bitwise_at_trainer_ep2_generator_ep1(ep1):
     cfg, rs = ep1
     assert min(r.episode["turns"] for r in rs) >= 3 and all(-1 in r.turns for r in rs)
@@ -98,6 +99,7 @@ def test_episodes_of_three_turns_agree_bitwise_at_trainer_ep2_generator_ep1(ep1)
     assert bad == 0 and total >= 3 * len(rs)
 
 
+@pytest.mark.slow  # spawned EP ranks
 def test_negative_twin_the_default_kernels_mismatch_on_episodes():
     cfg = load_config([*GUESS, "kernels.mode=default", "trainer.ep_size=2", "trainer.micro_batch_size=2",
                        "model.dtype=float32"])
@@ -105,6 +107,7 @@ def test_negative_twin_the_default_kernels_mismatch_on_episodes():
     assert bad > 0 and total > 0
 
 
+@pytest.mark.slow  # spawned EP ranks
 def test_episodes_at_generator_ep2_equal_generator_ep1_and_agree_with_the_trainer(ep1):
     cfg, rs = ep1
     cfg2 = OmegaConf.merge(cfg, {"generator": {"ep_size": 2}, "trainer": {"ep_size": 1}})
