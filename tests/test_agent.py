@@ -202,3 +202,25 @@ def test_bad_episode_settings_fail_before_any_actor(tmp_path):
         train(load_config(["task=guess", "task.max_context_len=999", f"run.dir={tmp_path}"]))
     with pytest.raises(ValueError, match=r"task.env='no_such_module:Env': cannot import module 'no_such_module'"):
         train(load_config(["task=guess", "task.env=no_such_module:Env", f"run.dir={tmp_path}"]))
+
+
+MEET: list[threading.Barrier] = []
+
+
+class Meets(GuessEnv):
+    """Each call waits until 4 calls run at once (BrokenBarrierError after 1 s)."""
+
+    def step(self, action):
+        MEET[0].wait()
+        return super().step(action)
+
+
+@pytest.mark.parametrize("workers", [4, 2])
+def test_environment_calls_run_concurrently_up_to_env_workers(workers):
+    MEET[:] = [threading.Barrier(4, timeout=1.0)]
+    if workers == 4:
+        rs = scripted(_driver(Meets, 4, workers=4, max_turns=1), ["9"])
+        assert [r.finish_reason for r in rs] == ["turns"] * 4
+    else:  # twin: two at a time never meet four
+        with pytest.raises(EnvError, match="raised BrokenBarrierError"):
+            scripted(_driver(Meets, 4, workers=2, max_turns=1), ["9"])
