@@ -57,10 +57,13 @@ def test_guess_episodes_turns_observations_rewards_and_finish_reasons():
     rs = scripted(_driver(GuessEnv), ["5", "x", "3"])  # '<' (lower), '?' (not a digit), found at turn 3
     r = rs[0]
     assert TOK.decode(r.tokens) == "5<x?3" and r.turns == [0, 0, -1, 1, 1, -1, 2, 2]
-    assert r.finish_reason == "done" and r.episode["turns"] == 3 and r.episode["reward"] == pytest.approx(0.6)
+    assert r.finish_reason == "done" and r.episode["turns"] == 3 and r.episode["reward"] == pytest.approx(0.1 + 0.6)
+    hints = scripted(_driver(GuessEnv, 1), ["5", "6", "1", "4"])[0]  # 6 ignores the '<' after 5; 1 and 4 keep both
+    assert TOK.decode(hints.tokens) == "5<6<1>4" and hints.episode["reward"] == pytest.approx(0.1 + 0.1 + 0.1)
     assert r.episode["turn_ends"] == ["eos"] * 3 and r.episode["last_turn"] == "3"
     never = scripted(_driver(GuessEnv), ["9"])[0]  # twin: never found, max_turns ends it
-    assert never.finish_reason == "turns" and never.episode["turns"] == 4 and never.episode["reward"] == 0.0
+    assert never.finish_reason == "turns" and never.episode["turns"] == 4
+    assert never.episode["reward"] == pytest.approx(0.1)  # the first 9 the hints allowed, its repeats not
     m = episode_metrics(rs + [never])
     assert m["episode/turns_mean"] == pytest.approx(10 / 3) and m["episode/turns_max"] == 4
     assert m["episode/finish_done_frac"] == pytest.approx(2 / 3)

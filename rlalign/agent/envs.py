@@ -1,8 +1,9 @@
 """The built-in environments (task.env=NAME; their rows: rlalign.tasks' guess and calc tasks).
 
   guess  a secret digit; each turn the model guesses one, the environment answers '<' (the secret
-         is lower), '>' (higher) or '?' (not a digit); solved at turn t: reward 1 - 0.2 (t - 1),
-         at least 0.2; never solved: 0. Learnable by the tiny char-level model (configs/task/guess.yaml).
+         is lower), '>' (higher) or '?' (not a digit). Rewards: 1 - 0.2 (t - 1) (at least 0.2) for
+         finding it at turn t, and 0.1 for each wrong guess that the hints so far allowed (the game's
+         skill: using the replies). Learnable by the tiny char-level model (configs/task/guess.yaml).
   calc   arithmetic with a calculator tool: a turn holding calc(EXPR) (or <calc>EXPR</calc>) gets the
          value of EXPR (+, -, * on integers) as the observation, or 'err'; a turn without a call is
          the final answer, scored by the task's reward (exact_match).
@@ -23,16 +24,22 @@ MAX_VALUE = 10**12  # a calculator's numbers stay this small (no runaway product
 
 class GuessEnv(Env):
     def reset(self, example, seed):
-        self.secret, self.turn = int(example.answer), 0
+        self.secret, self.turn, self.lo, self.hi = int(example.answer), 0, 0, 9
 
     def step(self, action: str) -> Step:
         self.turn += 1
         guess = action.strip()
         if len(guess) != 1 or not guess.isdigit():
             return Step("?")
-        if int(guess) == self.secret:
+        g = int(guess)
+        if g == self.secret:
             return Step(reward=max(0.2, 1.0 - 0.2 * (self.turn - 1)), done=True)
-        return Step("<" if self.secret < int(guess) else ">")
+        kept = self.lo <= g <= self.hi  # a guess the hints so far allow
+        if self.secret < g:
+            self.hi = min(self.hi, g - 1)
+        else:
+            self.lo = max(self.lo, g + 1)
+        return Step("<" if self.secret < g else ">", reward=0.1 if kept else 0.0)
 
 
 def evaluate(expr: str) -> int:
