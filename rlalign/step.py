@@ -63,17 +63,15 @@ def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
 def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[Rollout],
                   step: int) -> tuple[list[float], list[str], int]:
     """The rewards in sample order, the completions, and how many calls timed out (fallback used). An
-    episode's completion is its last assistant turn; its reward adds its environment's
-    (rlalign.agent.metrics.episode_reward)."""
+    episode's completion is its last assistant turn (the samples table renders the whole episode); its
+    reward adds its environment's (rlalign.agent.metrics.episode_reward)."""
     calls, texts = [], []
     for ex, r in zip(batch.examples, rollouts):
         if r.episode is not None:
-            completion = r.episode["last_turn"]
-            texts.append(tok.decode(r.tokens))
+            completion, what = r.episode["last_turn"], "last turn"
         else:
-            completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
-            texts.append(completion)
-        what = "last turn" if r.episode is not None else "completion"
+            completion, what = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens), "completion"
+        texts.append(completion)
         calls.append(RewardCall(completion, ex, f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, "
                                                 f"{what} {completion!r})"))
     values, timed_out = rewards.score(calls, f"step {step}")
