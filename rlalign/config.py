@@ -9,7 +9,7 @@ OmegaConf.
 The dataclasses below are the one place where defaults live: configs/config.yaml holds only the
 defaults list (which group option is chosen), and a group file (configs/GROUP/OPTION.yaml) holds
 only what its option changes from these defaults (tests/test_config.py checks both). A string
-field with a fixed set of values is declared with `_choice(default, SomeLiteral)`; validate()
+field with a fixed set of values is declared with `choice(default, SomeLiteral)`; validate()
 checks all of them in one loop (OmegaConf 2.3 cannot type a field as a Literal).
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,11 @@ from rlalign.config_search import (
     group_options,
     search_dirs,
 )
+from rlalign.config_task import AlgorithmConfig, TaskConfig, algorithm_problems, choice, did_you_mean, task_problems
+from rlalign.config_task import IcePopConfig as IcePopConfig  # re-exported: the schema's names all live here
+from rlalign.config_task import LossName as LossName
+from rlalign.config_task import OldLogprobs as OldLogprobs
+from rlalign.config_task import TISConfig as TISConfig
 from rlalign.model.args import ModelArgs, read_args
 from rlalign.stop import STOP_SIGNALS
 
@@ -48,23 +52,15 @@ CONFIG_DIR = _PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKA
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda fmt: datetime.datetime.now().strftime(fmt), use_cache=True)
 
-# The allowed values of the fields declared with _choice() (one Literal per field).
+# The allowed values of the fields declared with choice() (one Literal per field).
 Dtype = Literal["bfloat16", "float32"]
 KernelMode = Literal["deterministic", "default"]
 KernelBackend = Literal["torch", "triton", "auto"]
 GeneratorBackend = Literal["native", "vllm"]
 Layout = Literal["packed", "padded"]
-OldLogprobs = Literal["generator", "trainer"]  # the PPO ratio's denominator
 WandbMode = Literal["online", "offline", "disabled"]
 OnMismatch = Literal["raise", "warn"]
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
-LossName = Literal["grpo", "ppo-clip", "dr_grpo", "gspo"]  # the built-in losses (rlalign.training.losses.LOSSES)
-
-
-def _choice(default: str | None, allowed: Any) -> Any:
-    """A str field whose value must be one of the Literal `allowed` (None too when default is None)."""
-    assert default is None or default in get_args(allowed), (default, allowed)
-    return field(default=default, metadata={"allowed": allowed})
 
 
 @dataclass
@@ -73,14 +69,14 @@ class ModelConfig(ModelArgs):
     eos_token_id: int | None = 1
     name: str = "tiny-moe"
     path: str | None = None  # a local HF Qwen3MoeForCausalLM directory; replaces the fields above
-    dtype: str = _choice("bfloat16", Dtype)
+    dtype: str = choice("bfloat16", Dtype)
     init_seed: int = 0
 
 
 @dataclass
 class KernelsConfig:
-    mode: str = _choice("deterministic", KernelMode)
-    backend: str = _choice("torch", KernelBackend)
+    mode: str = choice("deterministic", KernelMode)
+    backend: str = choice("torch", KernelBackend)
 
 
 @dataclass
@@ -150,7 +146,7 @@ class EngineConfig:
 @dataclass
 class GeneratorConfig(EngineConfig, SamplingConfig):
     ep_size: int = 1
-    backend: str = _choice("native", GeneratorBackend)  # read only by rlalign.generator_world
+    backend: str = choice("native", GeneratorBackend)  # read only by rlalign.generator_world
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
@@ -158,7 +154,7 @@ class GeneratorConfig(EngineConfig, SamplingConfig):
 class TrainerConfig:
     ep_size: int = 2
     micro_batch_size: int = 32  # sequences per micro-batch; 0 = all at once
-    layout: str = _choice("packed", Layout)
+    layout: str = choice("packed", Layout)
     lr: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     eps: float = 1e-8
@@ -177,59 +173,11 @@ class TrainerConfig:
 
 
 @dataclass
-class TaskConfig:
-    name: str = "repeat"  # repeat | reverse | add | jsonl
-    path: str | None = None  # JSONL dataset for name=jsonl
-    reward: str | None = None  # 'pkg.module:function'; None = the task's default
-    # a local HF tokenizer directory; 'char': the char tokenizer; None: model.path's when it holds one, else 'char'
-    tokenizer: str | None = None
-    chat: bool = False  # each prompt as the user turn of the tokenizer's chat template + the generation prompt
-    num_prompts: int = 16  # prompts per step
-    samples_per_prompt: int = 8  # GRPO group size
-    max_new_tokens: int = 48  # the completion length of `rlalign train` (a task option sets its own: repeat 5)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # task parameters (e.g. letters, length)
-    # rlalign/tasks/reward_calls.py: each call's time limit (null: none); a call past it ends the
-    # run naming the sample, or scores reward_timeout_fallback when that is set
-    reward_timeout_s: float | None = 600.0
-    reward_timeout_fallback: float | None = None
-    reward_workers: int = 1  # reward calls running at once (threads; for I/O-bound verifiers)
-
-
-@dataclass
-class TISConfig:
-    enabled: bool = False
-    cap: float = 2.0
-
-
-@dataclass
-class IcePopConfig:
-    enabled: bool = False
-    low: float = 0.5
-    high: float = 2.0
-
-
-@dataclass
-class AlgorithmConfig:
-    # the loss (rlalign/training/losses.py): grpo | ppo-clip | dr_grpo | gspo; with `loss` set, that loss's label
-    name: str = "grpo"
-    loss: str | None = None  # a user's loss: 'pkg.module:function' or '/path/to/file.py:function'
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    ppo_epochs: int = 1
-    num_minibatches: int = 1
-    norm_adv_by_std: bool = True
-    old_logprobs: str = _choice("generator", OldLogprobs)
-    kl_coef: float = 0.0  # reference-model k3 penalty (0 = off)
-    tis: TISConfig = field(default_factory=TISConfig)
-    icepop: IcePopConfig = field(default_factory=IcePopConfig)
-
-
-@dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "rlalign"
     name: str | None = None
-    mode: str | None = _choice(None, WandbMode)  # None: $WANDB_MODE, else offline without an API key
+    mode: str | None = choice(None, WandbMode)  # None: $WANDB_MODE, else offline without an API key
     sample_table_every: int = 5
     num_samples: int = 8
 
@@ -249,7 +197,8 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
     bucket_mb: int = 512  # files of at most this size
-    staging: str = _choice("auto", Literal["auto", "host", "stream"])  # auto: host if in half the free RAM
+    # auto: the state copied into host buffers (training goes on) when it fits in half the free RAM; else streamed
+    staging: str = choice("auto", Literal["auto", "host", "stream"])
     export_hf: bool = False  # also the model as a Hugging Face directory in each checkpoint (step_N/hf; rlalign export)
 
 
@@ -270,7 +219,7 @@ class PlacementConfig:
 
 @dataclass
 class MonitorConfig:
-    on_mismatch: str = _choice("raise", OnMismatch)  # deterministic mode only
+    on_mismatch: str = choice("raise", OnMismatch)  # deterministic mode only
     # What each step fingerprints (rlalign/monitor/trace.py; one definition on every device):
     #   off      no traces (the weight sync still checks its fingerprints)
     #   default  every trainer rank: the logprobs, then gradients, AdamW moments (at the steps
@@ -279,7 +228,7 @@ class MonitorConfig:
     #            byte once, read back without waiting: ~ bytes read / HBM bandwidth (bench-moe-large:
     #            weights + gradients 31 GB, ~7 ms on an H200; the two moments another 42 GB)
     #   layers   also every op's output per token on both sides (names a mismatch's first op; costly)
-    fingerprints: str = _choice("default", Fingerprints)
+    fingerprints: str = choice("default", Fingerprints)
     # The AdamW moments (exp_avg, exp_avg_sq: two fp32 copies of the model, 4/7 of the state the trace
     # reads) are fingerprinted at steps 0, N, 2N, ... (1: every step, the fullest trace). A moment that
     # diverges changes the next update, so the weights show it from the next step on (when the change
@@ -448,7 +397,7 @@ def validate(cfg: DictConfig) -> None:
                 f"{side}.ep_size={ep} does not divide the model's num_experts={num_experts} "
                 f"(model {cfg.model.path or cfg.model.name}); pick a divisor of {num_experts}"
             )
-    problems += _trainer_problems(cfg) + _algorithm_problems(cfg.algorithm)
+    problems += _trainer_problems(cfg) + algorithm_problems(cfg.algorithm) + task_problems(cfg.task)
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
@@ -497,40 +446,16 @@ def _ranges(cfg: DictConfig) -> list[str]:
         ("algorithm.icepop.low", a.icepop.low, 0 <= a.icepop.low < a.icepop.high, "in [0, algorithm.icepop.high)"),
         ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every is None or cfg.checkpoint.every >= 0,
          ">= 0 (0 = at the end only; null = sized to the run)"),
-        ("task.max_new_tokens", cfg.task.max_new_tokens, cfg.task.max_new_tokens >= 1, ">= 1"),
         ("agree.max_new_tokens", cfg.agree.max_new_tokens, cfg.agree.max_new_tokens >= 1, ">= 1"),
         ("checkpoint.keep", cfg.checkpoint.keep, cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("checkpoint.bucket_mb", cfg.checkpoint.bucket_mb, cfg.checkpoint.bucket_mb >= 1, ">= 1"),
         ("dist.timeout_s", cfg.dist.timeout_s, cfg.dist.timeout_s > 0, "> 0"),
         ("logger.wandb.num_samples", cfg.logger.wandb.num_samples, cfg.logger.wandb.num_samples >= 0, ">= 0"),
         ("run.stop_grace_s", cfg.run.stop_grace_s, cfg.run.stop_grace_s >= 0, ">= 0 (0 = stop at once)"),
-        ("task.reward_timeout_s", cfg.task.reward_timeout_s,
-         cfg.task.reward_timeout_s is None or cfg.task.reward_timeout_s > 0, "> 0 (or null: no limit)"),
-        ("task.reward_workers", cfg.task.reward_workers, cfg.task.reward_workers >= 1, ">= 1"),
         ("logger.wandb.sample_table_every", cfg.logger.wandb.sample_table_every,
          cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
     ]
     return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
-
-
-def _algorithm_problems(a: DictConfig) -> list[str]:
-    problems = [f"algorithm.{key}={a[key]}: must be >= 1" for key in ("ppo_epochs", "num_minibatches") if a[key] < 1]
-    names = get_args(LossName)
-    if a.loss is None and a.name not in names:
-        problems.append(f"algorithm.name={a.name!r}: no such loss{did_you_mean(a.name, names)}; built in: "
-                        f"{', '.join(names)} (or algorithm.loss='pkg.module:function' for your own)")
-    if a.loss is not None and not re.fullmatch(r"[^:]+:[A-Za-z_]\w*", a.loss):
-        problems.append(f"algorithm.loss={a.loss!r}: expected 'pkg.module:function' or '/path/to/file.py:function'")
-    if a.loss is None and a.name == "ppo-clip" and a.kl_coef > 0:
-        problems.append(f"algorithm.kl_coef={a.kl_coef} with algorithm.name=ppo-clip: ppo-clip has no reference-KL "
-                        "term; use algorithm.name=grpo (ppo-clip plus the KL) or algorithm.kl_coef=0")
-    return problems
-
-
-def did_you_mean(value: Any, allowed: Any) -> str:
-    """' (did you mean 'x'?)' for the allowed string closest to value, or ''."""
-    close = difflib.get_close_matches(str(value), [a for a in allowed if isinstance(a, str)], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _trainer_problems(cfg: DictConfig) -> list[str]:
@@ -558,7 +483,7 @@ def _vllm_problems(cfg: DictConfig) -> list[str]:
 
 
 def _choices(cls: type, prefix: str = "") -> dict[str, tuple[str | None, ...]]:
-    """{'kernels.mode': ('deterministic', 'default'), ...}: every _choice() field under `cls`
+    """{'kernels.mode': ('deterministic', 'default'), ...}: every choice() field under `cls`
     (None is allowed where it is the default)."""
     out = {}
     for f in dataclasses.fields(cls):

@@ -93,15 +93,20 @@ class Job:
         self.trainers.call("open_trace", start_step)
         self.generators.call("open_trace", start_step)
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params, step: int) -> GenerateResult:
-        """The generator group's rollouts in sample order (each rank a contiguous share)."""
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params, step: int,
+                 examples: list | None = None) -> GenerateResult:
+        """The generator group's rollouts in sample order (each rank a contiguous share); `examples`
+        (task.env): each prompt's task row, whose episode's environment lives on the prompt's rank."""
         m = self.generators.world
         parts = [list(shard_range(len(prompts), m, r)) for r in range(m)]
         outs = self.generators.call("generate", per_rank=[
             ([prompts[i] for i in p], [sample_ids[i] for i in p], params, step, self.generator_releases,
-             self.generator_releases_weights) for p in parts])
+             self.generator_releases_weights, [examples[i] for i in p] if examples is not None else None)
+            for p in parts])
         metrics = {"time/generate_engine_s": max(o.seconds for o in outs),
                    "time/generate_monitor_s": max(o.monitor_s for o in outs)}
+        if examples is not None:
+            metrics["time/env_wait_s"] = max(o.env_wait_s for o in outs)
         peak = _max_peak_gib(outs)
         if peak is not None:
             metrics["memory/generator_peak_gib"] = peak

@@ -33,6 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
+from rlalign.agent import env_class, episode_limits
 from rlalign.config import model_args
 from rlalign.export import model_meta
 from rlalign.job import Job
@@ -72,6 +73,9 @@ def _prepare(cfg: DictConfig):
         raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
                          f"only {args.vocab_size}")
     check_generator(cfg)
+    if t.env:  # the environment's class imports, and the episode limits fit the model
+        env_class(cfg)
+    context = episode_limits(cfg).max_context_len if t.env else None
     resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = t.max_new_tokens
     examples = task.all_examples() or [ex for s in range(cfg.run.steps) for ex in task.examples(s, t.num_prompts)]
@@ -81,6 +85,9 @@ def _prepare(cfg: DictConfig):
         overflow = args.context_overflow(len(ids), max_new)
         if overflow:
             raise ValueError(f"{where}: the prompt {overflow.replace('max_new_tokens', 'task.max_new_tokens')}")
+        if context is not None and len(ids) >= context:
+            raise ValueError(f"{where}: the prompt has {len(ids)} tokens, leaving no room for a turn within "
+                             f"task.max_context_len={context}")
     rewards = RewardCaller(task, t.reward_timeout_s, t.reward_timeout_fallback, t.reward_workers)
     ex = examples[0]
     where = f"the answer of {ex.source or repr(ex.prompt)} (a check before the run)"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlalign.agent.metrics import episode_metrics, episode_reward
 from rlalign.config import model_args
 from rlalign.job import Job
 from rlalign.logger import json_line
@@ -26,7 +27,7 @@ from rlalign.model.build import model_from_config
 from rlalign.monitor.consistency import logprob_consistency
 from rlalign.monitor.divergence import locate_mismatches, tap_order
 from rlalign.sampling_params import SamplingParams
-from rlalign.sequences import Rollout, Sample
+from rlalign.sequences import Rollout, Sample, policy_mask, render_episode
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
 from rlalign.training.losses import grpo_advantages, logged_stats
@@ -61,14 +62,20 @@ def make_batch(cfg: DictConfig, task, tok, step: int) -> StepBatch:
 
 def score_rewards(rewards: RewardCaller, tok, batch: StepBatch, rollouts: list[Rollout],
                   step: int) -> tuple[list[float], list[str], int]:
-    """The rewards in sample order, the completions, and how many calls timed out (fallback used)."""
+    """The rewards in sample order, the completions, and how many calls timed out (fallback used). An
+    episode's completion is its last assistant turn (the samples table renders the whole episode); its
+    reward adds its environment's (rlalign.agent.metrics.episode_reward)."""
     calls, texts = [], []
     for ex, r in zip(batch.examples, rollouts):
-        completion = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens)
+        if r.episode is not None:
+            completion, what = r.episode["last_turn"], "last turn"
+        else:
+            completion, what = tok.decode(r.tokens[:-1] if r.finish_reason == "eos" else r.tokens), "completion"
         texts.append(completion)
         calls.append(RewardCall(completion, ex, f"sample {r.sample_id} (step {step}, prompt {ex.prompt!r}, "
-                                                f"completion {completion!r})"))
+                                                f"{what} {completion!r})"))
     values, timed_out = rewards.score(calls, f"step {step}")
+    values = [v if r.episode is None else episode_reward(r.episode, v) for r, v in zip(rollouts, values)]
     return values, texts, timed_out
 
 
@@ -103,7 +110,8 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
     lengths = [len(r.tokens) for r in rollouts]
-    sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
+    sampled = torch.cat([_sampled_logprobs(r).double() for r in rollouts]) if rollouts else torch.zeros(
+        0, dtype=torch.float64)
     metrics = {
         "reward/mean": sum(rewards) / N,
         "reward/max": max(rewards),
@@ -124,8 +132,23 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # over the whole vocabulary, from the trainer's logits at each PPO forward (Trainer.forward_backward)
         **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),
         "actor/lr": cfg.trainer.lr,
+        **episode_tokens(rollouts),
     }
     return metrics
+
+
+def _sampled_logprobs(r: Rollout) -> torch.Tensor:
+    """The generator's logprobs of the tokens the policy sampled (an episode's observation tokens have none)."""
+    return r.logprobs if r.turns is None else r.logprobs[policy_mask(r.turns, len(r.tokens))]
+
+
+def episode_tokens(rollouts: list[Rollout]) -> dict[str, int]:
+    """episode/policy_tokens and episode/observation_tokens when any rollout is an episode (else nothing)."""
+    if all(r.turns is None for r in rollouts):
+        return {}
+    policy = sum(int(policy_mask(r.turns, len(r.tokens)).sum()) for r in rollouts)
+    total = sum(len(r.tokens) for r in rollouts)
+    return {"episode/policy_tokens": policy, "episode/observation_tokens": total - policy}
 
 
 @dataclass
@@ -142,18 +165,18 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     `weights_fp`: what the generator holds going in (a mismatch dump names it)."""
     t0 = time.perf_counter()
     batch = make_batch(cfg, task, tok, step)
-    gen = job.generate(batch.prompts, batch.sample_ids, batch.params, step)
+    gen = job.generate(batch.prompts, batch.sample_ids, batch.params, step, batch.examples if cfg.task.env else None)
     rollouts = gen.rollouts
     t1 = time.perf_counter()
     rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
     warn_dead_signal(rewards, step)
     t2 = time.perf_counter()
-    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params)
+    samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params, turns=r.turns)
                for p, r, a in zip(batch.prompts, rollouts, adv)]
     trained = job.train(samples, step, gen.need_bytes)
     t3 = time.perf_counter()
-    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs)
+    cons = logprob_consistency([r.logprobs for r in rollouts], trained.logprobs, [r.turns for r in rollouts])
     detail = None
     if cons["mismatched_tokens"]:
         detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows, tok)
@@ -172,6 +195,8 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     metrics = step_metrics(cfg, rewards, rollouts, cons, trained.stats)
     metrics.update(signal_metrics(rewards, adv, cfg.task.samples_per_prompt))
     metrics["reward/timeouts"] = timed_out
+    if cfg.task.env:
+        metrics.update(episode_metrics(rollouts))
     metrics.update({"sync/weights_fp": synced.weights_fp, **synced.metrics, "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/compare_s": t4 - t3,
                     "time/sync_s": t5 - t4, **gen.metrics, **trained.metrics})
@@ -181,8 +206,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
                     "time/train_tok_per_s": seq_tokens * cfg.algorithm.ppo_epochs / max(t3 - t2, 1e-9),
                     "time/compare_tok_per_s": cons["tokens"] / max(t4 - t3, 1e-9),
                     "time/sync_mb_per_s": metrics.get("sync/bytes", 0) / 1e6 / max(t5 - t4, 1e-9)})
-    rows = [{"sample_id": r.sample_id, "prompt": ex.prompt, "completion": text, "answer": ex.answer_text(),
-             "reward": rew} for r, ex, text, rew in zip(rollouts, batch.examples, texts, rewards)]
+    rows = sample_rows(tok, batch.examples, rollouts, texts, rewards)
     if detail is not None:
         if detail["first_divergent_op"]:
             metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
@@ -194,18 +218,30 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     return StepResult(metrics, rows, detail, synced.weights_fp)
 
 
+def sample_rows(tok, examples: list[Example], rollouts: list[Rollout], texts: list[str],
+                rewards: list[float]) -> list[dict]:
+    """The samples table's rows (W&B): an episode's completion is the whole episode, its turns and
+    observations on lines of their own (rlalign.sequences.render_episode)."""
+    return [{"sample_id": r.sample_id, "prompt": ex.prompt,
+             "completion": text if r.turns is None else render_episode(tok, r.tokens, r.turns),
+             "answer": ex.answer_text(), "reward": rew} for r, ex, text, rew in zip(rollouts, examples, texts, rewards)]
+
+
 def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table, tok=None) -> dict:
-    """Worst tokens by |d| (with their text when a tokenizer `tok` is given) and, with per-layer
-    fingerprints, the op where each mismatch began."""
+    """Worst tokens by |d| (with their text when a tokenizer `tok` is given; an episode's: with their
+    turn) and, with per-layer fingerprints, the op where each mismatch began. An episode's observation
+    tokens (no generator logprob) are skipped; positions count the whole history, observations included."""
 
     bad, worst = [], []
     for p, r, t in zip(prompts, rollouts, train_lps):
         g = r.logprobs
-        for j in torch.nonzero(g.view(torch.int32) != t.view(torch.int32)).flatten().tolist():
+        differ = (g.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens))
+        for j in torch.nonzero(differ).flatten().tolist():
             pos = len(p) + j - 1  # the logits row that predicted token j
             bad.append((r.sample_id, pos))
             worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
-                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
+                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j])),
+                          **({"turn": r.turns[j]} if r.turns is not None else {})})
     worst.sort(key=lambda w: -w["abs_diff"])
     worst = worst[: cfg.monitor.worst_tokens]
     if tok is not None:
@@ -229,6 +265,8 @@ def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[
               "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
               "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
               "weights_fp": weights_fp, **detail}
+    if any(r.turns is not None for r in rollouts):  # an episode's observation tokens: -1 (no generator logprob)
+        record["turns"] = [r.turns for r in rollouts]
     (out / "batch.json").write_text(json_line(record) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return out

@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlalign import kernels
+from rlalign.agent import make_driver
 from rlalign.checkpoint import AsyncSaver, load_shards
 from rlalign.config import shares_gpu
 from rlalign.faults import maybe_fail
@@ -37,6 +38,8 @@ from rlalign.parallel.ep import apply_ep, full_state_dict
 from rlalign.rollout.generator import make_generator
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout, Sample
+from rlalign.tasks import Example
+from rlalign.tasks.tokenizer import make_tokenizer
 from rlalign.training.trainer import Trainer
 
 
@@ -48,6 +51,7 @@ class GenerateOutput:
     seconds: float = 0.0  # the engine's generate() inside the worker (the rest of the phase: transport, trace)
     held_bytes: int | None = None  # CUDA, released after the call: the device memory this process still holds
     monitor_s: float = 0.0  # the monitor's work in the call (records, their launch, the flush)
+    env_wait_s: float = 0.0  # episodes: the engine's time waiting for environments (not overlapped with decoding)
 
 
 @dataclass
@@ -319,23 +323,32 @@ class GeneratorWorker(_Monitored, _WeightSync):
         self._setup_monitor(self.model)
         self.generator = make_generator(self.cfg, self.model, self.group)  # self.model: the copy weight sync writes
         self._released = False
+        t = self.cfg.task  # episodes (task.env): the driver tokenizes observations with the run's tokenizer
+        self.tok = make_tokenizer(t.tokenizer, self.cfg.model.path, t.chat) if t.env else None
         _gc_settle(own_process)
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
-                 step: int = 0, release: bool = False, release_weights: bool = True) -> GenerateOutput:
-        """Rollouts of this rank's prompts and their per-token row fingerprints. `release`: then the
-        engine gives its device memory back (the KV cache; the weights too with `release_weights`)
-        until the next weight sync."""
+                 step: int = 0, release: bool = False, release_weights: bool = True,
+                 examples: list[Example] | None = None) -> GenerateOutput:
+        """Rollouts of this rank's prompts and their per-token row fingerprints; with `examples` (task.env:
+        each prompt's task row), episodes whose environments live in this process.
+        `release`: then the engine gives its device memory back (the KV cache; the weights too with
+        `release_weights`) until the next weight sync."""
         maybe_fail("generator.generate", self.rank)
         if self.trace is not None:
             self.trace.step = step
         params = dataclasses.replace(params, seed=params.seed + self.faults.seed_offset)
         _reset_peak(self.cfg.device)
         t0 = time.perf_counter()
-        outs = self.generator.generate(prompts, sample_ids, params)
+        driver = None
+        if examples is not None:
+            driver = make_driver(self.cfg, self.tok, examples, prompts, sample_ids, f"step {step}")
+            outs = driver.finish(self.generator.generate(prompts, sample_ids, params, episodes=driver))
+        else:
+            outs = self.generator.generate(prompts, sample_ids, params)
         t1 = time.perf_counter()
         seconds = t1 - t0
         if self.trace is not None:
@@ -344,7 +357,8 @@ class GeneratorWorker(_Monitored, _WeightSync):
             self.trace.record("gen.logprobs", torch.cat([o.logprobs for o in outs]) if outs else torch.zeros(0))
             self.trace.flush()
         peak = _peak(self.cfg.device, self.generator.resident_bytes())
-        out = GenerateOutput(outs, self.recorder.pop_table(), peak, seconds, monitor_s=time.perf_counter() - t1)
+        out = GenerateOutput(outs, self.recorder.pop_table(), peak, seconds, monitor_s=time.perf_counter() - t1,
+                             env_wait_s=driver.wait_s if driver is not None else 0.0)
         if release:
             self.generator.release_memory(release_weights)
             self._released = True

@@ -9,6 +9,9 @@ Built-in:
   add      "12+7=" -> "19"
   jsonl    lines {"prompt": "...", "answer": ANY, ...fields} from task.path, reward by import path
            (rlalign.tasks.reward_fn: the row's extra fields reach the reward by name)
+Multi-turn (the rows of rlalign.agent's built-in environments, task.env):
+  guess    "g0-7:" -> a secret digit in 0..7, found by guessing with the environment's hints
+  calc     "13*7+5=" -> "96", with a calculator the model may call: calc(13*7)
 """
 
 from __future__ import annotations
@@ -97,6 +100,37 @@ class Add(Task):
         return Example(f"{a}+{b}=", str(a + b))
 
 
+class Guess(Task):
+    """A secret digit in [0, size): the rows of the guess environment (rlalign.agent.envs.GuessEnv)."""
+
+    name = "guess"
+    default_reward = "zero"  # the environment's rewards alone
+
+    def __init__(self, seed, reward=None, size: int = 8):
+        if not 2 <= size <= 10:
+            raise ValueError(f"task.kwargs.size={size}: the secret is one digit, so size must be in [2, 10]")
+        super().__init__(seed, reward)
+        self.size = size
+
+    def make(self, rng):
+        return Example(f"g0-{self.size - 1}:", str(rng.randrange(self.size)))
+
+
+class Calc(Task):
+    """'a*b+c=' -> the value: the rows of the calc environment (rlalign.agent.envs.CalcEnv)."""
+
+    name = "calc"
+    default_reward = "exact_match"
+
+    def __init__(self, seed, reward=None, max_operand: int = 20):
+        super().__init__(seed, reward)
+        self.max_operand = max_operand
+
+    def make(self, rng):
+        a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))
+        return Example(f"{a}*{b}+{c}=", str(a * b + c))
+
+
 class JsonlTask(Task):
     name = "jsonl"
     default_reward = "exact_match"
@@ -153,7 +187,7 @@ def read_jsonl(path: Path) -> list[Example]:
     return out
 
 
-TASKS = {t.name: t for t in (Repeat, Reverse, Add, JsonlTask)}
+TASKS = {t.name: t for t in (Repeat, Reverse, Add, Guess, Calc, JsonlTask)}
 
 
 def make_task(name: str, seed: int, reward: str | None = None, path: str | None = None, **kwargs) -> Task:

@@ -24,3 +24,8 @@ def char_match(completion: str, answer, prompt: str = "") -> float:
     if n == 0:
         return 1.0
     return sum(a == b for a, b in zip(completion, answer)) / n
+
+
+def zero(completion: str, answer, prompt: str = "") -> float:
+    """No reward of its own: a multi-turn task whose environment gives every reward (task=guess)."""
+    return 0.0

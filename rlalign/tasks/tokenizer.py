@@ -30,7 +30,7 @@ class CharTokenizer:
         self.vocab_size = len(chars) + 2
         self._id = {c: i + 2 for i, c in enumerate(chars)}
 
-    def encode(self, text: str, where: str = "text") -> list[int]:
+    def encode(self, text: str, where: str = "text", template: bool = True) -> list[int]:
         bad = sorted({c for c in text if c not in self._id})
         if bad:
             raise ValueError(f"{where}: characters {bad!r} are not in the char tokenizer's alphabet "
@@ -68,10 +68,11 @@ class HFTokenizer:
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.vocab_size = len(self.tok)
 
-    def encode(self, text: str, where: str = "text") -> list[int]:
-        """A prompt's ids (with task.chat: its user turn in the chat template, then the generation
-        prompt); text the tokenizer knows only as its unknown token is refused, naming `where`."""
-        if self.chat:
+    def encode(self, text: str, where: str = "text", template: bool = True) -> list[int]:
+        """A prompt's ids (with task.chat and `template`: its user turn in the chat template, then the
+        generation prompt; an environment's observation is encoded as it is); text the tokenizer knows
+        only as its unknown token is refused, naming `where`."""
+        if self.chat and template:
             text = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=False)
         ids = self.tok.encode(text, add_special_tokens=False)

@@ -1,0 +1,251 @@
+"""The episode driver: the other half of a multi-turn generate (rlalign.rollout.types.Continuations).
+
+    driver = EpisodeDriver(EnvClass, tok, examples, prompts, sample_ids, seed, limits, "step 3")
+    rollouts = engine.generate(prompts, sample_ids, params, episodes=driver)
+    driver.finish(rollouts)          # Rollout.turns, .episode and .finish_reason
+
+The engine decodes every episode's assistant turn until EOS, a stop string (stopped(): the decoded
+text of the turn's last tokens holds one of task.stop) or the per-turn limit (task.max_new_tokens,
+or the context's end), then hands the turn over (ended()). The turn's text goes to its episode's
+environment in a worker thread (task.env_workers at a time), while the engine decodes the other
+episodes; poll() gives the engine each answer: the observation's tokens (the run's tokenizer, no
+chat template) to prefill, or None: the episode is over. An episode ends with the finish reason
+    done       the environment said done
+    turns      task.max_turns assistant turns taken
+    context    the next observation and one more token would not fit in task.max_context_len
+    env_error  the environment failed and task.env_fallback_reward is its reward (counted)
+An environment that raises, runs past task.env_timeout_s or answers no Step/string ends the run with
+an EnvError naming the episode (sample id) and the turn, unless task.env_fallback_reward is set; an
+observation the tokenizer cannot encode always does. The episode's reward is the sum of its
+environment's rewards (the fallback's alone after a failure).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlalign.agent.env import EnvContractError, check_step
+from rlalign.sequences import Rollout
+from rlalign.tasks import Example
+from rlalign.tasks.reward_fn import user_frame
+
+POLL_WAIT_S = 0.05  # poll(wait=True) blocks at most this long without an answer
+STOP_WINDOW_SLACK = 4  # tokens decoded beyond the longest stop string's length (tokens of no text)
+
+
+class EnvError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_context_len: int  # prompt + turns + observations, tokens
+    stop: tuple[str, ...] = ()
+    timeout_s: float | None = None
+    fallback: float | None = None
+    workers: int = 1
+
+
+@dataclass
+class Episode:
+    sample_id: int
+    example: Example
+    env: Any
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)  # the turns and observations so far
+    turns: list[int] = field(default_factory=list)  # per token: its assistant turn, -1: an observation's
+    turn: int = 0  # assistant turns ended
+    turn_ends: list[str] = field(default_factory=list)  # per turn: eos | stop | length
+    last_text: str = ""  # the last assistant turn's text
+    reward: float = 0.0
+    finish: str = ""
+    fallback: bool = False
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("tool_calls", "tool_errors", "env_errors", "env_timeouts", "observation_tokens"), 0))
+    env_s: float = 0.0  # seconds in the environment's calls
+
+    def summary(self) -> dict:
+        """Rollout.episode: the episode's own numbers."""
+        return {"turns": self.turn, "reward": self.reward, "fallback": self.fallback, **self.counts,
+                "env_s": self.env_s, "turn_ends": list(self.turn_ends), "last_turn": self.last_text}
+
+
+def episode_seed(seed: int, sample_id: int) -> int:
+    """The seed an episode's environment is reset with: a function of the run's seed and the sample id
+    (which names the step), so that a resumed run replays it."""
+    return random.Random(f"env:{seed}:{sample_id}").getrandbits(63)
+
+
+class EpisodeDriver:
+    """Implements rlalign.rollout.types.Continuations for one generate call's episodes (request b:
+    prompts[b])."""
+
+    def __init__(self, env_cls: type, tok, examples: list[Example], prompts: list[list[int]],
+                 sample_ids: list[int], seed: int, limits: EpisodeLimits, phase: str = ""):
+        self.tok, self.limits, self.phase = tok, limits, phase
+        self.name = f"{env_cls.__module__}.{env_cls.__qualname__}"
+        self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
+        for b, ep in enumerate(self.episodes):
+            try:
+                ep.env = env_cls()
+                ep.env.reset(ep.example, episode_seed(seed, ep.sample_id))
+            except Exception as e:
+                raise EnvError(f"environment {self.name} raised {type(e).__name__}: {e} at its reset in "
+                               f"{self._where(b)}{_at(e)}") from e
+        self.window = max((len(s) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
+        self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
+        self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
+        self.results: queue.Queue = queue.Queue()
+        self.wait_s = 0.0  # the engine's time blocked in poll: environment time not overlapped with decoding
+
+    def max_len(self, b: int) -> int:
+        return self.limits.max_context_len
+
+    def stopped(self, b: int, turn: list[int]) -> bool:
+        if not self.limits.stop:
+            return False
+        text = self.tok.decode(turn[-self.window:])
+        return any(s in text for s in self.limits.stop)
+
+    def ended(self, b: int, turn: list[int], reason: str) -> None:
+        ep = self.episodes[b]
+        ep.tokens += turn
+        ep.turns += [ep.turn] * len(turn)
+        ep.turn += 1
+        ep.turn_ends.append(reason)
+        ep.last_text = self.tok.decode(turn)
+        self.todo.append(b)
+        self._launch()
+
+    def pending(self) -> int:
+        return len(self.todo) + len(self.running)
+
+    def poll(self, wait: bool) -> list[tuple[int, list[int] | None]]:
+        t0 = time.monotonic()
+        out: list[tuple[int, list[int] | None]] = []
+        while True:
+            self._launch()
+            while True:
+                try:
+                    self._answer(*self.results.get_nowait(), out)
+                except queue.Empty:
+                    break
+            self._expire(out)
+            now = time.monotonic()
+            if out or not wait or not self.running or now - t0 >= POLL_WAIT_S:
+                break
+            limit = t0 + POLL_WAIT_S
+            if self.limits.timeout_s:
+                limit = min([limit, *(s + self.limits.timeout_s for s in self.running.values())])
+            try:
+                self._answer(*self.results.get(timeout=max(0.0, limit - now)), out)
+            except queue.Empty:
+                pass
+        if wait:
+            self.wait_s += time.monotonic() - t0
+        return out
+
+    def finish(self, rollouts: list[Rollout]) -> list[Rollout]:
+        """Each rollout's turns, episode numbers and finish reason (its tokens checked against the turns
+        and observations the driver saw)."""
+        for ep, r in zip(self.episodes, rollouts):
+            if r.tokens != ep.tokens or not ep.finish:
+                raise RuntimeError(f"the engine's tokens of sample {ep.sample_id} ({len(r.tokens)}) are not the "
+                                   f"episode's turns and observations ({len(ep.tokens)}; finished: "
+                                   f"{ep.finish or 'no'})")
+            r.turns, r.episode, r.finish_reason = list(ep.turns), ep.summary(), ep.finish
+        return rollouts
+
+    def _launch(self) -> None:
+        while self.todo and len(self.running) < self.limits.workers:
+            b = self.todo.popleft()
+            self.running[b] = time.monotonic()
+            ep = self.episodes[b]
+            threading.Thread(target=self._call, args=(b, ep.env, ep.last_text), daemon=True,
+                             name=f"rlalign-env-{ep.sample_id}").start()
+
+    def _call(self, b: int, env, action: str) -> None:
+        t0 = time.monotonic()
+        try:
+            value, ok = env.step(action), True
+        except BaseException as e:  # reported by the engine's thread, naming the episode
+            value, ok = e, False
+        self.results.put((b, ok, value, time.monotonic() - t0))
+
+    def _expire(self, out: list) -> None:
+        """Calls past task.env_timeout_s: left behind (a thread cannot be killed; a daemon thread does
+        not hold up the process's exit), an error or the fallback."""
+        if not self.limits.timeout_s:
+            return
+        now = time.monotonic()
+        for b, started in sorted(self.running.items()):
+            if now - started >= self.limits.timeout_s:
+                del self.running[b]
+                self.episodes[b].env_s += now - started
+                self._failed(b, "env_timeouts", f"did not answer within task.env_timeout_s={self.limits.timeout_s:g} "
+                                                f"s", None, out)
+
+    def _answer(self, b: int, ok: bool, value, seconds: float, out: list) -> None:
+        if b not in self.running:  # timed out already: its late answer is ignored
+            return
+        del self.running[b]
+        ep = self.episodes[b]
+        ep.env_s += seconds
+        if not ok:
+            return self._failed(b, "env_errors", f"raised {type(value).__name__}: {value}", value, out)
+        try:
+            step = check_step(value)
+        except EnvContractError as e:
+            return self._failed(b, "env_errors", str(e), None, out)
+        ep.reward += float(step.reward)
+        ep.counts["tool_calls"] += step.tool_calls
+        ep.counts["tool_errors"] += step.tool_errors
+        if step.done:
+            return self._end(b, "done", out)
+        if ep.turn >= self.limits.max_turns:
+            return self._end(b, "turns", out)
+        try:
+            obs = self.tok.encode(step.observation, where=f"the observation {step.observation!r}", template=False)
+        except ValueError as e:
+            raise EnvError(f"environment {self.name} answered text outside the tokenizer in {self._where(b)}: "
+                           f"{e}") from None
+        if ep.prompt_len + len(ep.tokens) + len(obs) + 1 > self.limits.max_context_len:
+            return self._end(b, "context", out)
+        ep.tokens += obs
+        ep.turns += [-1] * len(obs)
+        ep.counts["observation_tokens"] += len(obs)
+        out.append((b, obs))
+
+    def _failed(self, b: int, count: str, what: str, exc: BaseException | None, out: list) -> None:
+        ep, fallback = self.episodes[b], self.limits.fallback
+        if fallback is None:
+            raise EnvError(f"environment {self.name} {what} in {self._where(b)}{_at(exc)} (set "
+                           f"task.env_fallback_reward=VALUE to end such an episode with that reward instead)") from exc
+        print(f"rlalign: environment {self.name} {what} in {self._where(b)}{_at(exc)}; the episode ends with "
+              f"task.env_fallback_reward={fallback:g}", file=sys.stderr, flush=True)
+        ep.counts[count] += 1
+        ep.reward, ep.fallback = float(fallback), True
+        self._end(b, "env_error", out)
+
+    def _end(self, b: int, reason: str, out: list) -> None:
+        self.episodes[b].finish = reason
+        out.append((b, None))
+
+    def _where(self, b: int) -> str:
+        ep = self.episodes[b]
+        phase = f"{self.phase}, " if self.phase else ""
+        turn = f", turn {ep.turn}" if ep.turn else ""
+        return f"the episode of sample {ep.sample_id} ({phase}prompt {ep.example.prompt!r}){turn}"
+
+
+def _at(exc: BaseException | None) -> str:
+    at = user_frame(exc) if exc is not None else None
+    return f" (at {at})" if at else ""

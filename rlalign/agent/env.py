@@ -1,0 +1,91 @@
+"""The environment interface of multi-turn episodes: text in, text out (gymnasium's reset/step,
+OpenEnv's StepResult, a verifiers environment's reply).
+
+    class MyEnv(Env):
+        def reset(self, example, seed):          # a task row (rlalign.tasks.Example) and the episode's seed
+            self.answer = example.answer
+        def step(self, action):                  # the assistant turn's text (EOS not included)
+            return Step("hint", reward=0.0, done=False)
+
+One instance per episode, made with no arguments, reset once, then stepped once per assistant turn,
+from a worker thread (task.env_workers at a time, each call within task.env_timeout_s). The episode's
+first text is the row's prompt; an observation is appended to the episode as it is (tokenized by the
+run's tokenizer) and the next assistant turn follows it. An environment is a deterministic function
+of (the row, the seed, the actions): a resumed run replays it.
+
+`task.env` names a built-in environment (rlalign.agent.envs.ENVS) or a user's class
+'pkg.module:Class', imported from the installed packages, else from the current directory.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from rlalign.tasks import Example
+from rlalign.tasks.reward_fn import import_module, user_frame
+
+
+@dataclass
+class Step:
+    """What an environment answers to one assistant turn."""
+
+    observation: str = ""  # text appended after the turn (ignored when done)
+    reward: float = 0.0  # summed over the episode's turns
+    done: bool = False  # the episode is over
+    tool_calls: int = 0  # tools this turn called (counted in episode/tool_calls)
+    tool_errors: int = 0  # of them, failed (a tool's error is an observation, not an environment failure)
+
+
+class Env:
+    """The interface (module docstring); a user's class may subclass it or just have the two methods."""
+
+    def reset(self, example: Example, seed: int) -> None:
+        """Start an episode on the task row `example`; `seed` seeds any randomness of the episode."""
+
+    def step(self, action: str) -> Step:
+        """The environment's answer to one assistant turn."""
+        raise NotImplementedError
+
+
+class EnvContractError(ValueError):
+    """An environment answered something that is not a Step (the caller names the episode and turn)."""
+
+
+def check_step(value) -> Step:
+    """A Step from what `step` returned: a Step, or a (observation, reward, done) tuple."""
+    if isinstance(value, tuple) and len(value) == 3:
+        value = Step(*value)
+    if not isinstance(value, Step):
+        raise EnvContractError(f"returned {value!r} ({type(value).__name__}); expected rlalign.agent.Step or a "
+                               f"(observation, reward, done) tuple")
+    if not isinstance(value.observation, str):
+        raise EnvContractError(f"returned the observation {value.observation!r} "
+                               f"({type(value.observation).__name__}); an observation must be a string")
+    if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not math.isfinite(value.reward):
+        raise EnvContractError(f"returned the reward {value.reward!r}; a reward must be a finite real number")
+    return value
+
+
+def load_env(spec: str, builtin: dict[str, type]) -> type:
+    """task.env: a built-in environment's name, or 'pkg.module:Class' (imported from the current
+    directory when no installed package has it)."""
+    if ":" not in spec:
+        if spec not in builtin:
+            raise ValueError(f"task.env={spec!r}: no such built-in environment; built in: {', '.join(sorted(builtin))} "
+                             f"(or 'pkg.module:Class' for your own)")
+        return builtin[spec]
+    mod_name, _, cls_name = spec.rpartition(":")
+    try:
+        mod = import_module(mod_name)
+    except Exception as e:
+        at = user_frame(e)
+        raise ValueError(f"task.env={spec!r}: cannot import module {mod_name!r}{f' ({at})' if at else ''}: "
+                         f"{type(e).__name__}: {e}") from None
+    cls = getattr(mod, cls_name, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "step", None)) or not callable(getattr(cls, "reset",
+                                                                                                     None)):
+        raise ValueError(f"task.env={spec!r}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no class "
+                         f"{cls_name!r} with reset(example, seed) and step(action) methods")
+    return cls
