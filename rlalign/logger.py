@@ -246,8 +246,11 @@ def wandb_media(metrics: dict, detail: dict | None) -> dict:
         first = {(t["sample_id"], t["position"]): t["first_op"] for t in detail.get("tokens", [])}  # logits row
         cols = ["sample_id", "position", "token", "text", "generator_logprob", "trainer_logprob", "abs_diff",
                 "first_op"]
+        worst = detail.get("worst_tokens", [])
+        turn = any("turn" in w for w in worst)  # an episode's tokens: the assistant turn of each
         rows = [[w["sample_id"], w["position"], w["token"], w.get("text"), w["generator"], w["trainer"], w["abs_diff"],
-                 first.get((w["sample_id"], w["position"] - 1))] for w in detail.get("worst_tokens", [])]
+                 first.get((w["sample_id"], w["position"] - 1)), *([w.get("turn")] if turn else [])] for w in worst]
+        cols += ["turn"] if turn else []
         out["consistency/worst_tokens"] = wandb.Table(columns=cols, data=rows)
         counts = detail.get("first_op_counts", {})
         by_op = [[op, n, counts.get(op, 0)] for op, n in detail.get("by_op", {}).items()]

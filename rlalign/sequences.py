@@ -45,3 +45,25 @@ def policy_mask(turns: list[int] | None, n: int) -> torch.Tensor:
     if len(turns) != n:
         raise ValueError(f"turns has {len(turns)} entries for {n} response tokens")
     return torch.tensor(turns, dtype=torch.long) >= 0
+
+
+def policy_tokens(sample: Sample) -> int:
+    """How many of a sample's response tokens the policy sampled (what a loss is normalised by)."""
+    return len(sample.response) if sample.turns is None else sum(t >= 0 for t in sample.turns)
+
+
+def render_episode(tok, tokens: list[int], turns: list[int] | None) -> str:
+    """A response as text for people (the W&B samples table): an episode's runs of one turn each on a line
+    of their own, headed `[assistant k]` or `[observation]`; a single-turn response (turns None) as its
+    plain text. `tok`: anything with decode(list[int]) -> str."""
+    if turns is None:
+        return tok.decode(tokens)
+    if len(turns) != len(tokens):
+        raise ValueError(f"render_episode: {len(turns)} turns for {len(tokens)} tokens")
+    parts, start = [], 0
+    for i in range(1, len(tokens) + 1):
+        if i == len(tokens) or turns[i] != turns[start]:
+            head = "[observation]" if turns[start] < 0 else f"[assistant {turns[start]}]"
+            parts.append(f"{head} {tok.decode(tokens[start:i])}")
+            start = i
+    return "\n".join(parts)

@@ -26,7 +26,7 @@ from rlalign.model.build import model_from_config
 from rlalign.monitor.consistency import logprob_consistency
 from rlalign.monitor.divergence import locate_mismatches, tap_order
 from rlalign.sampling_params import SamplingParams
-from rlalign.sequences import Rollout, Sample
+from rlalign.sequences import Rollout, Sample, policy_mask, render_episode
 from rlalign.tasks import Example
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller
 from rlalign.training.losses import grpo_advantages, logged_stats
@@ -103,7 +103,8 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
     lengths = [len(r.tokens) for r in rollouts]
-    sampled = torch.cat([r.logprobs.double() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.float64)
+    sampled = torch.cat([_sampled_logprobs(r).double() for r in rollouts]) if rollouts else torch.zeros(
+        0, dtype=torch.float64)
     metrics = {
         "reward/mean": sum(rewards) / N,
         "reward/max": max(rewards),
@@ -124,8 +125,23 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         # over the whole vocabulary, from the trainer's logits at each PPO forward (Trainer.forward_backward)
         **logged_stats(stats, cons["tokens"] * cfg.algorithm.ppo_epochs),
         "actor/lr": cfg.trainer.lr,
+        **episode_tokens(rollouts),
     }
     return metrics
+
+
+def _sampled_logprobs(r: Rollout) -> torch.Tensor:
+    """The generator's logprobs of the tokens the policy sampled (an episode's observation tokens have none)."""
+    return r.logprobs if r.turns is None else r.logprobs[policy_mask(r.turns, len(r.tokens))]
+
+
+def episode_tokens(rollouts: list[Rollout]) -> dict[str, int]:
+    """episode/policy_tokens and episode/observation_tokens when any rollout is an episode (else nothing)."""
+    if all(r.turns is None for r in rollouts):
+        return {}
+    policy = sum(int(policy_mask(r.turns, len(r.tokens)).sum()) for r in rollouts)
+    total = sum(len(r.tokens) for r in rollouts)
+    return {"episode/policy_tokens": policy, "episode/observation_tokens": total - policy}
 
 
 @dataclass
@@ -194,18 +210,30 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     return StepResult(metrics, rows, detail, synced.weights_fp)
 
 
+def sample_rows(tok, examples: list[Example], rollouts: list[Rollout], texts: list[str],
+                rewards: list[float]) -> list[dict]:
+    """The samples table's rows (W&B): an episode's completion is the whole episode, its turns and
+    observations on lines of their own (rlalign.sequences.render_episode)."""
+    return [{"sample_id": r.sample_id, "prompt": ex.prompt,
+             "completion": text if r.turns is None else render_episode(tok, r.tokens, r.turns),
+             "answer": ex.answer_text(), "reward": rew} for r, ex, text, rew in zip(rollouts, examples, texts, rewards)]
+
+
 def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table, tok=None) -> dict:
-    """Worst tokens by |d| (with their text when a tokenizer `tok` is given) and, with per-layer
-    fingerprints, the op where each mismatch began."""
+    """Worst tokens by |d| (with their text when a tokenizer `tok` is given; an episode's: with their
+    turn) and, with per-layer fingerprints, the op where each mismatch began. An episode's observation
+    tokens (no generator logprob) are skipped; positions count the whole history, observations included."""
 
     bad, worst = [], []
     for p, r, t in zip(prompts, rollouts, train_lps):
         g = r.logprobs
-        for j in torch.nonzero(g.view(torch.int32) != t.view(torch.int32)).flatten().tolist():
+        differ = (g.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens))
+        for j in torch.nonzero(differ).flatten().tolist():
             pos = len(p) + j - 1  # the logits row that predicted token j
             bad.append((r.sample_id, pos))
             worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
-                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j]))})
+                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j])),
+                          **({"turn": r.turns[j]} if r.turns is not None else {})})
     worst.sort(key=lambda w: -w["abs_diff"])
     worst = worst[: cfg.monitor.worst_tokens]
     if tok is not None:
@@ -229,6 +257,8 @@ def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[
               "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
               "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
               "weights_fp": weights_fp, **detail}
+    if any(r.turns is not None for r in rollouts):  # an episode's observation tokens: -1 (no generator logprob)
+        record["turns"] = [r.turns for r in rollouts]
     (out / "batch.json").write_text(json_line(record) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return out

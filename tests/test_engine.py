@@ -203,7 +203,7 @@ def _runs_of(step) -> list[tuple[int, int, int, int]]:
     maximal runs of consecutive positions of one sequence, as (row0, n, pos0, slot)."""
     runs: list[tuple[int, int, int, int]] = []
     for i, (seq, p) in enumerate(step.rows):
-        if p >= seq.n_prompt:
+        if p >= seq.n_prefill:
             continue
         r0, n, p0, slot = runs[-1] if runs else (0, 0, 0, -1)
         if slot == seq.slot and r0 + n == i and p0 + n == p:

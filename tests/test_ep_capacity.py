@@ -200,6 +200,6 @@ def test_ep_ranks_agree_on_each_step_bucket_eager_steps_and_captures():
         [(0, True, True), (0, True, True)],  # every rank is done
     ]
     got = launch.run_workers(2, _launch_rank, (cases,), timeout_s=60)
-    want = [(True, (8, True, False)), (True, (8, False, False)), (True, (None, False, True)),
-            (True, (4, False, False)), (False, None)]
+    want = [(5, False, (8, True, False)), (5, False, (8, False, False)), (4, False, (None, False, True)),
+            (3, False, (4, False, False)), (0, False, None)]
     assert got == [want, want]

@@ -11,6 +11,11 @@ Metric names (all under consistency/ in metrics.jsonl):
                           KL(gen || train) on the generator's samples (0 when identical)
   ppl_ratio               exp(mean(gen - train)): trainer perplexity / generator perplexity
   abs_diff_hist           counts of |diff| in decades: 0, (0,1e-7], (1e-7,1e-6], ..., (1e-1, inf)
+
+Episodes (multi-turn, `turns` per sequence as rlalign.sequences.Rollout.turns): every metric is over
+the policy tokens only (an observation token has no generator logprob), and per assistant turn k:
+  turn_{k}/tokens              policy tokens of turn k compared
+  turn_{k}/mismatched_tokens   those whose two logprobs differ in any bit
 """
 
 from __future__ import annotations
@@ -19,18 +24,26 @@ from collections.abc import Sequence
 
 import torch
 
+from rlalign.sequences import policy_mask
+
 HIST_EDGES = [0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
 
 
-def logprob_consistency(gen: Sequence[torch.Tensor], train: Sequence[torch.Tensor]) -> dict:
+def logprob_consistency(gen: Sequence[torch.Tensor], train: Sequence[torch.Tensor],
+                        turns: Sequence[list[int] | None] | None = None) -> dict:
     """The consistency/ metrics (module docstring) of the generator's and the trainer's per-token logprobs,
-    sequence by sequence."""
+    sequence by sequence; with `turns` (episodes), over the policy tokens, and per turn."""
     if len(gen) != len(train):
         raise ValueError(f"logprob_consistency: {len(gen)} generator sequences vs {len(train)} trainer sequences")
     for i, (g, t) in enumerate(zip(gen, train)):
         if g.shape != t.shape:
             raise ValueError(f"logprob_consistency: sequence {i} has {g.numel()} generator vs {t.numel()} trainer "
                              "logprobs")
+    if turns is not None and any(t is not None for t in turns):
+        keep = [policy_mask(t, g.numel()) for t, g in zip(turns, gen)]
+        by_turn = mismatch_by_turn(gen, train, turns)
+        pick = lambda xs: [x.detach().float().cpu()[k] for x, k in zip(xs, keep)]  # noqa: E731
+        return {**logprob_consistency(pick(gen), pick(train)), **by_turn}
     if not gen:
         return {"tokens": 0, "mismatched_tokens": 0}
     g = torch.cat([x.detach().float().cpu() for x in gen])
@@ -56,3 +69,20 @@ def logprob_consistency(gen: Sequence[torch.Tensor], train: Sequence[torch.Tenso
         "ppl_ratio": float(torch.exp(-diff.mean())) if n else 1.0,
         "abs_diff_hist": hist,
     }
+
+
+def mismatch_by_turn(gen: Sequence[torch.Tensor], train: Sequence[torch.Tensor],
+                     turns: Sequence[list[int] | None]) -> dict:
+    """{turn_{k}/tokens, turn_{k}/mismatched_tokens} over the sequences' policy tokens, k ascending (a
+    sequence without turns counts as turn 0)."""
+    counts: dict[int, list[int]] = {}
+    for g, t, ts in zip(gen, train, turns):
+        differ = (g.detach().float().cpu().view(torch.int32) != t.detach().float().cpu().view(torch.int32)).tolist()
+        for k, d in zip(ts if ts is not None else [0] * len(differ), differ):
+            if k >= 0:
+                c = counts.setdefault(k, [0, 0])
+                c[0], c[1] = c[0] + 1, c[1] + d
+    out = {}
+    for k in sorted(counts):
+        out[f"turn_{k}/tokens"], out[f"turn_{k}/mismatched_tokens"] = counts[k]
+    return out

@@ -100,8 +100,17 @@ def mismatch_figure(rows: list[dict]):
         ax2.set_ylim(bottom=0)
         ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
     ax2.set_ylabel("max |Δ logprob|")
-    _legend_above(fig, ax, "generator vs trainer logprobs", [bars, line])
+    per_turn = [ax.plot(steps, [r.get(key, 0) for r in rows], marker=".", lw=1, label=f"turn {k} (left axis)")[0]
+                for k, key in turn_keys(rows, "mismatched_tokens")]
+    _legend_above(fig, ax, "generator vs trainer logprobs", [bars, line, *per_turn], ncol=2 + len(per_turn) // 2)
     return fig
+
+
+def turn_keys(rows: list[dict], what: str) -> list[tuple[int, str]]:
+    """(k, consistency/turn_{k}/<what>) of the turns any step logged (episodes), k ascending."""
+    ks = {int(key.split("/")[1][len("turn_"):]) for r in rows for key in r
+          if key.startswith("consistency/turn_") and key.endswith(f"/{what}")}
+    return [(k, f"consistency/turn_{k}/{what}") for k in sorted(ks)]
 
 
 def abs_diff_hist(rows: list[dict]) -> list[int]:
@@ -238,6 +247,14 @@ def _rollout_rows(rows: list[dict]) -> list[str]:
         m = _mean(rows, key)
         if m is not None:
             out.append(f"| {what}, mean | {fmt.format(m)} |")
+    if any("episode/policy_tokens" in r for r in rows):
+        out.append(f"| episode tokens, policy / observation | {sum(r.get('episode/policy_tokens', 0) for r in rows)} / "
+                   f"{sum(r.get('episode/observation_tokens', 0) for r in rows)} |")
+    by_turn = [f"turn {k}: {sum(r.get(key, 0) for r in rows)} of "
+               f"{sum(r.get(f'consistency/turn_{k}/tokens', 0) for r in rows)}"
+               for k, key in turn_keys(rows, "mismatched_tokens")]
+    if by_turn:
+        out.append(f"| mismatched policy tokens by turn | {', '.join(by_turn)} |")
     timeouts = [r["reward/timeouts"] for r in rows if "reward/timeouts" in r]
     if timeouts:
         out.append(f"| reward calls past task.reward_timeout_s | {sum(timeouts)} |")
@@ -271,15 +288,16 @@ def _worst_tokens(div: list[dict], n: int = 10) -> list[str]:
     worst = sorted(((d["step"], w) for d in div for w in d.get("worst_tokens", [])), key=lambda sw: -sw[1]["abs_diff"])
     if not worst:
         return []
+    turn = any("turn" in w for _, w in worst[:n])  # an episode's tokens: the assistant turn of each
     out = ["", f"## worst tokens of the run (|Δ logprob|, {min(n, len(worst))} of the steps' worst)", "",
-           "| step | sample | position | token | text | generator | trainer | abs diff | first divergent op |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| step | sample | position | token | text | generator | trainer | abs diff | first divergent op |"
+           + (" turn |" if turn else ""), "| --- " * (10 if turn else 9) + "|"]
     for step, w in worst[:n]:
         op = first.get((step, w["sample_id"], w["position"] - 1)) or ""
         text = json.dumps(w.get("text", ""))[1:-1].replace("|", "\\|")  # escapes shown, a table cell kept
         out.append(f"| {step} | {w['sample_id']} | {w['position']} | {w['token']} | {f'`{text}`' if text else ''} | "
                    f"{w['generator']:.6g} | "
-                   f"{w['trainer']:.6g} | {w['abs_diff']:.3g} | {op} |")
+                   f"{w['trainer']:.6g} | {w['abs_diff']:.3g} | {op} |" + (f" {w.get('turn', '')} |" if turn else ""))
     return out
 
 

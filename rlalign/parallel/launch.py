@@ -189,8 +189,9 @@ class Lockstep:
     needs every rank, so a rank with nothing left runs empty steps while others work. Before each
     step the ranks agree, through an all-reduce of host integers on a gloo group (it waits for no
     device work, so a lookahead step stays queued behind the running one), on the most rows any
-    rank's step holds (0: every rank is done) and whether every rank's step is decode-only (then
-    the fixed-capacity all-to-all at a bound from those rows, which a CUDA graph can capture).
+    rank's step holds (0: every rank is done, unless one waits for an episode's environment) and
+    whether every rank's step is decode-only (then the fixed-capacity all-to-all at a bound from those
+    rows, which a CUDA graph can capture).
 
     Over NCCL the gloo group is a new group of the same ranks: every rank of the default group must
     construct the Lockstep together (the generator's ranks form their own world)."""
@@ -200,11 +201,13 @@ class Lockstep:
         if dist.get_backend(group) != "gloo":
             self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
-    def agree(self, rows: int, decode_only: bool) -> tuple[int, bool]:
-        """(the most rows of any rank's next step, whether every rank's next step is decode-only)."""
-        t = torch.tensor([rows, int(not decode_only)], dtype=torch.long)
+    def agree(self, rows: int, decode_only: bool, waiting: bool = False) -> tuple[int, bool, bool]:
+        """(the most rows of any rank's next step, whether every rank's next step is decode-only, whether
+        any rank is `waiting`: an episode of its waits for its environment, so the group goes on
+        stepping even when no rank has rows)."""
+        t = torch.tensor([rows, int(not decode_only), int(waiting)], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t[0]), not bool(t[1])
+        return int(t[0]), not bool(t[1]), bool(t[2])
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank."""

@@ -12,6 +12,7 @@ from rlalign.generator_world import GeneratorWorld, generator_world
 from rlalign.model import Transformer
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.engine import NativeEngine
+from rlalign.rollout.types import Continuations
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout
 
@@ -19,8 +20,10 @@ from rlalign.sequences import Rollout
 class Generator(Protocol):
     """A generator rank's engine over the rank's model (the copy weight sync writes)."""
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
-        """Rollouts of `prompts` in input order, with the generator's fp32 logprobs."""
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                 episodes: Continuations | None = None) -> list[Rollout]:
+        """Rollouts of `prompts` in input order, with the generator's fp32 logprobs. `episodes`: each
+        request is a multi-turn episode that `episodes` continues (the native engine only)."""
 
     def load_weights(self) -> None:
         """Compute with the rank model's current weights from now on."""

@@ -38,19 +38,25 @@ class Continuations(Protocol):
     a fresh prefill of the whole history, by batch invariance)."""
 
     def max_len(self, b: int) -> int:
-        """Request b's longest total length (prompt + every turn and observation): its pages."""
+        """Request b's longest total length (prompt + every turn and observation): its pages (asked
+        once, when generate starts; above the prompt's length, within the model's context)."""
 
     def stopped(self, b: int, turn: list[int]) -> bool:
-        """Whether the tokens sampled so far in request b's current turn end it (a stop string)."""
+        """Whether the tokens sampled so far in request b's current turn end it (a stop string); asked
+        after each sampled token but EOS. `turn` is the engine's live list: read it, keep no reference."""
 
     def ended(self, b: int, turn: list[int], reason: str) -> None:
-        """Request b's turn ended ("eos" | "stop" | "length"): hand it to the environment (not
-        blocking); the engine keeps the sequence's pages until poll answers for it."""
+        """Request b's turn ended ("eos" | "stop" | "length": the per-turn limit params.max_new_tokens,
+        or max_len(b) reached): hand it to the environment (not blocking; `turn` is the caller's to
+        keep); the engine keeps the sequence's pages until poll answers for it."""
 
     def poll(self, wait: bool) -> list[tuple[int, list[int] | None]]:
         """Answers ready now: (b, observation tokens: prefill them and decode the next turn) or (b,
-        None: the episode is over, free its pages). `wait`: the engine has nothing else to run,
-        block until at least one answer is ready (or a short timeout: then [])."""
+        None: the episode is over, free its pages). Observation tokens are ids of the vocabulary and
+        must leave room to sample: the episode's length after them below max_len(b), else generate
+        raises ValueError naming the sample (the driver ends such an episode with None instead).
+        `wait`: the engine (every rank of its expert-parallel group) has nothing else to run, block
+        until at least one answer is ready (or a short timeout: then [])."""
 
     def pending(self) -> int:
-        """Turns handed out and not answered yet."""
+        """Turns handed out (ended) and not answered by poll yet."""

@@ -21,6 +21,12 @@ Built in, per token t of a sample with advantage A (the group-relative one of gr
             tokens (Dr. GRPO; configs/algorithm/dr_grpo.yaml also drops the std normalisation)
   gspo      one ratio per sequence, s_i = exp(mean over its tokens of (logp_t - old_t)), clipped per
             sequence; the mean over sequences (GSPO; configs/algorithm/gspo.yaml: its clip range)
+Episodes (multi-turn samples, rlalign.sequences.Sample.turns): a loss sees the policy tokens only. The
+trainer selects them before the loss (policy_batch), so every per-token tensor of LossBatch, `lengths`
+and `minibatch_tokens` count the tokens the policy sampled, and `turns` gives each one's assistant turn;
+an observation token (the environment's text, no generator logprob, maybe -inf under top-k / top-p) is
+in no loss, metric or gradient. Sequence means (gspo) are over a sequence's policy tokens.
+
 old_t is the generator's logprob (algorithm.old_logprobs=generator, the default) or the trainer's
 own pre-update logprob (=trainer). In deterministic mode the two are the same bits, so r_t == 1
 exactly in the first epoch.
@@ -46,7 +52,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -81,10 +87,43 @@ class LossBatch:
     minibatch_tokens: int = 0  # response tokens of the whole minibatch (what the trainer divides by)
     minibatch_sequences: int = 0
     max_new_tokens: int = 0  # the sampling limit
+    # an episode's micro-batch (rlalign.sequences.Sample.turns): the assistant turn of each token; None: one turn
+    turns: torch.Tensor | None = None
 
     def old_logprobs(self, alg) -> torch.Tensor:
         """The ratio's denominator (algorithm.old_logprobs)."""
         return self.generator_logprobs if alg.old_logprobs == "generator" else self.trainer_old_logprobs
+
+
+def policy_selection(turns: list[list[int] | None], lengths: list[int],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Which of a micro-batch's tokens (samples' `turns` as Sample.turns, `lengths` their responses')
+    the policy sampled: (their positions [P] and assistant turns [P], long, on `device`, one asynchronous
+    copy; the policy tokens per sample). A sample without turns is all policy tokens (turn 0)."""
+    index, turn, counts, pos = [], [], [], 0
+    for ts, n in zip(turns, lengths):
+        ts = [0] * n if ts is None else ts
+        if len(ts) != n:
+            raise ValueError(f"turns has {len(ts)} entries for {n} response tokens")
+        kept = [(pos + i, t) for i, t in enumerate(ts) if t >= 0]
+        index += [i for i, _ in kept]
+        turn += [t for _, t in kept]
+        counts.append(len(kept))
+        pos += n
+    host = torch.tensor(index + turn, dtype=torch.long)
+    host = host.pin_memory() if device.type == "cuda" else host
+    index_t, turn_t = host.to(device, non_blocking=True).split([len(index), len(turn)])
+    return index_t, turn_t, counts
+
+
+def policy_batch(batch: LossBatch, index: torch.Tensor, turns: torch.Tensor, lengths: list[int]) -> LossBatch:
+    """`batch` with only its tokens at `index` (policy_selection: an episode's policy tokens, `turns` theirs,
+    `lengths` per sample), by selection, never by a 0 weight (a -inf logprob times 0 is NaN; no host sync):
+    the gradient of a token left out is exactly 0."""
+    sel = lambda x: x.index_select(0, index) if x is not None else None  # noqa: E731
+    return replace(batch, logprobs=sel(batch.logprobs), generator_logprobs=sel(batch.generator_logprobs),
+                   trainer_old_logprobs=sel(batch.trainer_old_logprobs), advantages=sel(batch.advantages),
+                   lengths=lengths, ref_logprobs=sel(batch.ref_logprobs), turns=turns)
 
 
 Metrics = dict[str, torch.Tensor | float]

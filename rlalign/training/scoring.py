@@ -19,7 +19,7 @@ from rlalign.faults import maybe_fail
 from rlalign.model import Transformer
 from rlalign.monitor.taps import set_rows
 from rlalign.sampling_params import SamplingParams
-from rlalign.sequences import Sample
+from rlalign.sequences import Sample, policy_mask
 
 LAYOUTS = ("packed", "padded")
 
@@ -52,12 +52,14 @@ def score_micro_batch(
     pad_token_id: int = 0,
     sample_ids: Sequence[int] | None = None,
     entropy: list[torch.Tensor] | None = None,
+    turns: Sequence[list[int] | None] | None = None,
 ) -> list[torch.Tensor]:
     """Logprobs [len(response)] fp32 of each response token given its prefix (grad if enabled), under
     `params`, the distribution the responses were drawn with. sample_ids name the rows for the
     monitor's per-token fingerprints. A list `entropy` receives the sum over response tokens of the
     full-vocabulary entropy of softmax(logits / params.temperature), fp32, no gradient (a diagnostic
-    read from the logits the logprobs use; they are not changed)."""
+    read from the logits the logprobs use; they are not changed); with `turns` (an episode's, per
+    sequence: rlalign.sequences.Sample.turns) over its policy tokens only."""
     if layout not in LAYOUTS:
         raise ValueError(f"trainer.layout={layout!r}: expected one of {LAYOUTS}")
     maybe_fail("scoring.score_micro_batch", dist.get_rank() if dist.is_initialized() else 0)
@@ -76,16 +78,19 @@ def score_micro_batch(
     # logits at position j predict token j + 1: response rows start at the prompt's last token
     rows = [i for b, (p, r) in enumerate(zip(prompts, responses)) for i in range(cu[b] + len(p) - 1,
                                                                                 cu[b] + len(p) - 1 + len(r))]
-    flat = [t for s in seqs for t in s] + rows + [t for r in responses for t in r]
-    host = torch.tensor(flat, dtype=torch.long)  # one host-to-device copy (pinned: no wait) for all three
+    policy = [] if turns is None else [i for i, keep in zip(rows, torch.cat(
+        [policy_mask(t, len(r)) for t, r in zip(turns, responses)]).tolist()) if keep]  # an episode's entropy rows
+    flat = [t for s in seqs for t in s] + rows + [t for r in responses for t in r] + policy
+    host = torch.tensor(flat, dtype=torch.long)  # one host-to-device copy (pinned: no wait) for all of them
     host = host.pin_memory() if dev.type == "cuda" else host
-    tokens, rows_t, targets = host.to(dev, non_blocking=True).split([len(flat) - 2 * len(rows), len(rows), len(rows)])
+    tokens, rows_t, targets, policy_t = host.to(dev, non_blocking=True).split(
+        [len(flat) - 2 * len(rows) - len(policy), len(rows), len(rows), len(policy)])
     if sample_ids is not None:
         set_rows(model, "train.", [(sid, i) for sid, n in zip(sample_ids, lens) for i in range(n)])
     logits = model(tokens, cu)
     lp = kernels.token_logprobs_rows(logits, rows_t, targets, **params.logprob_kwargs())
     if entropy is not None:
-        entropy.append(entropy_sum(logits, rows_t, params.temperature))
+        entropy.append(entropy_sum(logits, rows_t if turns is None else policy_t, params.temperature))
     return list(torch.split(lp, [len(r) for r in responses]))
 
 

@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign.faults import SideFaults
 from rlalign.model.build import model_from_config
 from rlalign.parallel.ep import apply_ep, full_state_dict, is_expert_param
-from rlalign.sequences import Sample
+from rlalign.sequences import Sample, policy_tokens
 from rlalign.training import state
 from rlalign.training.gradients import Gradients
-from rlalign.training.losses import LossBatch, LossFn, resolve_loss
+from rlalign.training.losses import LossBatch, LossFn, policy_batch, policy_selection, resolve_loss
 from rlalign.training.optimizer import AdamW, MasterWeights
 from rlalign.training.partition import micro_batch_share, step_partition
 from rlalign.training.scoring import drawn_with, micro_batches, score_micro_batch
@@ -118,10 +118,12 @@ class Trainer:
         `minibatch` (default: all samples); the first forward of a sample not scored before the step
         captures its pre-update logprobs into `old`, on the device (train_step copies them to the host
         once, at its end: no host sync between a micro-batch's forward and its backward). The host
-        inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy."""
+        inputs (generator logprobs, advantages) go to the device in one pinned, asynchronous copy. An
+        episode's observation tokens are selected out before the loss (losses.policy_batch): the loss,
+        its metrics and `minibatch_tokens` see the policy tokens only."""
         loss = resolve_loss(alg)
         members = [j for mb in minibatch for j in mb] if minibatch is not None else range(len(samples))
-        sizes = dict(minibatch_tokens=sum(len(samples[j].response) for j in members), minibatch_sequences=len(members),
+        sizes = dict(minibatch_tokens=sum(policy_tokens(samples[j]) for j in members), minibatch_sequences=len(members),
                      max_new_tokens=self.max_new_tokens)
 
         def loss_fn(lps, idx):
@@ -138,6 +140,8 @@ class Trainer:
             batch = LossBatch(torch.cat(lps), gen_t, cat([old[j] for j in idx]), adv_t,
                               [len(samples[j].response) for j in idx],
                               cat([ref[j] for j in idx]) if ref is not None else None, **sizes)
+            if any(samples[j].turns is not None for j in idx):  # an episode: the loss sees its policy tokens only
+                batch = policy_batch(batch, *policy_selection([samples[j].turns for j in idx], batch.lengths, dev))
             return loss(batch, alg)
 
         return loss_fn
@@ -167,8 +171,9 @@ class Trainer:
         """score_micro_batch's options: the layout, and what the samples carry: the distribution their
         responses were drawn with (scored under it), their sample ids (the monitor's row names)."""
         ids = [s.sample_id for s in mb]
+        turns = {"turns": [s.turns for s in mb]} if any(s.turns is not None for s in mb) else {}
         return {"layout": self.cfg.trainer.layout, "params": drawn_with(mb),
-                "sample_ids": ids if None not in ids else None}
+                "sample_ids": ids if None not in ids else None, **turns}
 
     def my_micro_batches(self, mbs: list[list[int]]) -> tuple[range, list[list[int]]]:
         """This rank's share of a minibatch's global micro-batches (indices, contents): every
@@ -181,11 +186,12 @@ class Trainer:
         """d(sum of token losses / global_tokens) into fp32 gradients (self.grads) over the global
         micro-batches `mbs` (lists of indices into `samples`, the same on every rank; default: all
         samples in micro_batch_size chunks), this rank running its share (rlalign.training.gradients
-        keeps the sums' order fixed). Returns each of its micro-batches' stats by global index."""
+        keeps the sums' order fixed); global_tokens defaults to the policy tokens (an episode's observation
+        tokens excluded). Returns each of its micro-batches' stats by global index."""
         if mbs is None:
             mbs = [list(mb) for mb in micro_batches(len(samples), self.cfg.trainer.micro_batch_size)]
         if global_tokens is None:
-            global_tokens = sum(len(samples[j].response) for mb in mbs for j in mb)
+            global_tokens = sum(policy_tokens(samples[j]) for mb in mbs for j in mb)
         share, mine = self.my_micro_batches(mbs)
         starts = [micro_batch_share(len(mbs), self.world, r) for r in range(self.world)]
         self.gradients.start(len(mbs), starts)

@@ -18,10 +18,16 @@ addresses (weight sync copies into them). With lookahead the next step (decode r
 prompt chunks) is enqueued before this step's tokens are read back, so the GPU does not wait for the
 host's bookkeeping.
 
+Multi-turn episodes (generate's `episodes`, rlalign.rollout.types.Continuations): a sequence whose turn
+ends keeps its slot and KV pages, runs no rows while its environment works, and goes on with its
+observation prefilled onto it (EpisodeScheduler); positions go on counting, so a continued turn has
+the bits of a fresh prefill of its whole history.
+
 Under expert parallelism the group's ranks step in lockstep (rlalign.parallel.launch.Lockstep): before
 each step they agree on the most rows any rank runs and whether every rank's step is decode-only;
 then the MoE layers' all-to-all has a fixed capacity from that bound (rlalign.parallel.alltoall), so
-those steps replay decode graphs and take lookahead steps as a single GPU does.
+those steps replay decode graphs and take lookahead steps as a single GPU does. The group's loop ends
+when no rank has rows and none waits for an episode's answer.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ from rlalign.model import Transformer
 from rlalign.parallel.ep import capacity_overflowed, set_step_rows
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.arena import ALIGN, DeviceArena
+from rlalign.rollout.native.episodes import EpisodeScheduler, spread_logprobs
 from rlalign.rollout.native.graphs import bucket
 from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import Launched, ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler, Step
-from rlalign.rollout.types import EngineConfig, check_prompts
+from rlalign.rollout.types import Continuations, EngineConfig, check_prompts
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout
 
@@ -63,8 +70,12 @@ class NativeEngine:
         self.stale = False  # released since the weights were last written (load_weights)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
-        """Sample continuations of `prompts`; rollouts in input order."""
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                 episodes: Continuations | None = None) -> list[Rollout]:
+        """Sample continuations of `prompts`; rollouts in input order. `episodes`: multi-turn episodes
+        (EpisodeScheduler): params.max_new_tokens limits each turn, episodes.max_len(b) the whole
+        episode; each Rollout holds every token after its prompt (sampled and observed) with its turns,
+        and returns once every episode is over."""
         params.validate()
         if self.stale:
             raise RuntimeError("generate: the engine's weights were released (release_memory) and not written since; "
@@ -74,21 +85,27 @@ class NativeEngine:
         cfg.validate_schedule()
         if not prompts and self.lockstep is None:
             raise ValueError("generate: empty prompt batch")
-        check_prompts(self.model.args, prompts, sample_ids, params.max_new_tokens)
-        pages_of = [-(-(len(p) + params.max_new_tokens) // cfg.page_size) for p in prompts]  # at the longest
+        max_lens = self._max_lens(prompts, sample_ids, params, episodes)
+        pages_of = [-(-n // cfg.page_size) for n in max_lens]  # at the longest
         max_seqs = min(cfg.max_num_seqs or len(prompts), len(prompts)) or 1
         num_pages = cfg.num_pages or max(1, sum(sorted(pages_of, reverse=True)[:max_seqs]))
         for b, n in enumerate(pages_of):
             if n > num_pages:
+                need, lower = ((f"max_new_tokens={params.max_new_tokens}", "task.max_new_tokens, agree.max_new_tokens")
+                               if episodes is None else (f"the rest of its episode (max_len={max_lens[b]})",
+                                                         "the episode's context limit"))
                 raise ValueError(
-                    f"sample {sample_ids[b]}: prompt of {len(prompts[b])} tokens + max_new_tokens="
-                    f"{params.max_new_tokens} needs {n} KV pages of {cfg.page_size} tokens; the cache has {num_pages} "
-                    "(raise generator.num_pages or lower the completion length: task.max_new_tokens, "
-                    "agree.max_new_tokens)"
+                    f"sample {sample_ids[b]}: prompt of {len(prompts[b])} tokens + {need} needs {n} KV pages of "
+                    f"{cfg.page_size} tokens; the cache has {num_pages} (raise generator.num_pages or lower the "
+                    f"completion length: {lower})"
                 )
         state = self._state_for(num_pages, max_seqs, max(pages_of, default=1))
         graphs = state.decode_graphs() if self.graphs_allowed() else None
-        sched = Scheduler(prompts, sample_ids, params, state, max_seqs, pages_of, cfg.max_num_batched_tokens)
+        if episodes is None:
+            sched = Scheduler(prompts, sample_ids, params, state, max_seqs, max_lens, cfg.max_num_batched_tokens)
+        else:
+            sched = EpisodeScheduler(prompts, sample_ids, params, state, max_seqs, max_lens,
+                                     cfg.max_num_batched_tokens, episodes, self.model.args.vocab_size)
         self.stats = {"steps": 0, "lookahead_steps": 0, "discarded_rows": 0, "fixed_capacity_steps": 0}
         runner = ModelRunner(self.model, state, sched, sample_ids, params, graphs, self.stats)
         if graphs is not None:
@@ -96,7 +113,7 @@ class NativeEngine:
         collecting = gc.isenabled()
         gc.disable()  # a full collection scans every object of the process (~0.1 s with torch loaded): not mid-loop
         try:
-            lps, lp_rows = self._loop(sched, runner)
+            lps, lp_rows = self._loop(sched, runner, episodes)
         finally:
             if collecting:
                 gc.enable()
@@ -110,11 +127,30 @@ class NativeEngine:
         if self.lockstep is not None and capacity_overflowed(self.model):
             raise RuntimeError("generate: a step sent an expert-parallel rank more rows than the fixed capacity "
                                "agreed for it (rlalign.parallel.alltoall): expert outputs were lost")
-        return _assemble(sched.out, lps, lp_rows)
+        out = _assemble(sched.out, lps, lp_rows)
+        return out if episodes is None else spread_logprobs(out)
 
-    def _loop(self, sched: Scheduler, runner: ModelRunner) -> tuple[list[torch.Tensor], list[list[int]]]:
+    def _max_lens(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                  episodes: Continuations | None) -> list[int]:
+        """Each request's longest length (prompt and everything after it: its pages), its input checked."""
+        args = self.model.args
+        if episodes is None:
+            check_prompts(args, prompts, sample_ids, params.max_new_tokens)
+            return [len(p) + params.max_new_tokens for p in prompts]
+        check_prompts(args, prompts, sample_ids, 0)
+        max_lens = [episodes.max_len(b) for b in range(len(prompts))]
+        for p, sid, n in zip(prompts, sample_ids, max_lens):
+            if not isinstance(n, int) or not len(p) < n <= args.max_position_embeddings:
+                raise ValueError(f"sample {sid}: Continuations.max_len={n!r} must be an int above its prompt's "
+                                 f"{len(p)} tokens and within the model's context of {args.max_position_embeddings}")
+        return max_lens
+
+    def _loop(self, sched: Scheduler, runner: ModelRunner, episodes: Continuations | None = None
+              ) -> tuple[list[torch.Tensor], list[list[int]]]:
         """schedule -> run -> postprocess until no request is left (with lookahead, the next step is
-        run before this one's tokens are read back)."""
+        run before this one's tokens are read back). Episodes: after each step the engine applies
+        episodes.poll's answers (EpisodeScheduler.resume); while an episode waits for its answer the
+        loop goes on, and when no rank has rows to run it blocks in poll(wait=True)."""
         lps, lp_rows = [], []  # per step: logprobs on the device, and the request index of each (-1: discarded)
         taps = getattr(self.model, "taps", None)
         ahead_ok = self.config.lookahead and (taps is None or getattr(taps, "inert", False))
@@ -122,34 +158,42 @@ class NativeEngine:
         while True:
             if pending is not None:
                 nxt = sched.lookahead(pending.step) if ahead_ok else None
-                after = self._launch(runner, nxt, pending)[1] if nxt is not None else None
+                after = self._launch(runner, nxt, pending)[2] if nxt is not None else None
                 lps.append(pending.logprobs)
                 lp_rows.append(sched.postprocess(pending.step, pending.read_tokens()))
                 pending = after
+                if episodes is not None:
+                    sched.resume(episodes.poll(False), in_flight=pending is not None)
                 if pending is not None:
                     continue
-            go, pending = self._launch(runner, sched.schedule())
-            if not go:
+            waiting = episodes is not None and sched.waiting()
+            most, waits, pending = self._launch(runner, sched.schedule(), waiting=waiting)
+            if most == 0 and not waits:
                 break
+            if waiting and pending is None:  # nothing in flight: the answers now, waiting for one if no rank ran rows
+                sched.resume(episodes.poll(most == 0), in_flight=False)
+        if episodes is not None and episodes.pending():
+            raise RuntimeError(f"generate: every episode is over but Continuations.pending() is {episodes.pending()}")
         return lps, lp_rows
 
-    def _launch(self, runner: ModelRunner, step: Step, previous: Launched | None = None
-                ) -> tuple[bool, Launched | None]:
-        """Run `step`: (False: no rank has rows left, nothing ran; the launched step or None). Under
-        expert parallelism the ranks first agree on the step (Lockstep); when every rank's step is
-        decode-only, the MoE all-to-all gets a fixed capacity from the agreed bucket and the step
-        replays that bucket's graph (all ranks capture a missing one together); else it runs eagerly
-        with exact sizes."""
+    def _launch(self, runner: ModelRunner, step: Step, previous: Launched | None = None, waiting: bool = False
+                ) -> tuple[int, bool, Launched | None]:
+        """Run `step`: (the most rows any rank's step holds, 0: nothing ran; whether any rank `waiting`
+        for an episode's answer; the launched step or None). Under expert parallelism the ranks first
+        agree on the step (Lockstep); when every rank's step is decode-only, the MoE all-to-all gets a
+        fixed capacity from the agreed bucket and the step replays that bucket's graph (all ranks capture
+        a missing one together); else it runs eagerly with exact sizes."""
         if self.lockstep is None:
-            return bool(step.rows), runner.run(step, previous) if step.rows else None
-        most, decode_only = self.lockstep.agree(len(step.rows), len(step.sample_at) == len(step.rows))
+            return len(step.rows), waiting, runner.run(step, previous) if step.rows else None
+        most, decode_only, waits = self.lockstep.agree(len(step.rows), len(step.sample_at) == len(step.rows),
+                                                       waiting)
         if most == 0:
-            return False, None
+            return 0, waits, None
         size = bucket(most) if decode_only else None
         set_step_rows(self.model, size)
         self.stats["fixed_capacity_steps"] += size is not None
         recapture = size is not None and runner.graphs is not None and self.lockstep.any(not runner.graphs.has(size))
-        return True, runner.run(step, previous, size, recapture, eager=size is None)
+        return most, waits, runner.run(step, previous, size, recapture, eager=size is None)
 
     def graphs_allowed(self) -> bool:
         """Graphs replay kernels, not Python: only with an op set that never syncs with the host (the

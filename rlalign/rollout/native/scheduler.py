@@ -12,20 +12,21 @@ from rlalign.sequences import Rollout
 
 @dataclass
 class Seq:
-    """A request in flight: its tokens so far (prompt + sampled), how many have keys/values in the
-    cache, its row of the block table and its pages."""
+    """A request in flight: its tokens so far (prompt + sampled, in an episode also observations), how
+    many have keys/values in the cache, its row of the block table and its pages."""
 
     b: int  # index into the caller's lists
     tokens: list[int]
-    n_prompt: int
+    n_prefill: int  # tokens given, not sampled (the prompt; in an episode up to the latest observation)
     slot: int
     pages: list[int]
+    limit: int  # len(tokens) at which the current turn ends by length
     n_cached: int = 0
-    done: bool = False  # ended (EOS or length): its slot and pages are free
+    done: bool = False  # runs no rows: ended (its slot and pages are free), or paused between an episode's turns
 
     @property
     def decoding(self) -> bool:
-        return self.n_cached >= self.n_prompt
+        return self.n_cached >= self.n_prefill
 
 
 @dataclass
@@ -44,13 +45,15 @@ class Step:
 
 class Scheduler:
     """Continuous batching: requests are admitted in order while a slot and the pages for their
-    longest length are free; each step holds one row per decoding sequence, then prompt chunks
-    within the token budget; a finished sequence frees its slot and pages at once."""
+    longest length (`max_lens`: tokens in all) are free; each step holds one row per decoding
+    sequence, then prompt chunks within the token budget; a finished sequence frees its slot and
+    pages at once."""
 
     def __init__(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams, state: KVState,
-                 max_seqs: int, pages_of: list[int], budget: int):
+                 max_seqs: int, max_lens: list[int], budget: int):
         self.prompts, self.params, self.state = prompts, params, state
-        self.pages_of, self.budget = pages_of, budget or float("inf")
+        self.max_lens, self.budget = max_lens, budget or float("inf")
+        self.pages_of = [-(-n // state.page_size) for n in max_lens]
         self.free_pages = list(range(state.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.queue, self.running = deque(range(len(prompts))), []
@@ -70,17 +73,20 @@ class Scheduler:
         admitted = []
         while self.can_admit():
             b = self.queue.popleft()
-            seq = Seq(b, list(self.prompts[b]), len(self.prompts[b]), self.free_slots.pop(),
-                      [self.free_pages.pop() for _ in range(self.pages_of[b])])
+            n = len(self.prompts[b])
+            seq = Seq(b, list(self.prompts[b]), n, self.free_slots.pop(),
+                      [self.free_pages.pop() for _ in range(self.pages_of[b])],
+                      min(n + self.params.max_new_tokens, self.max_lens[b]))
             admitted.append((seq.slot, seq.pages))
             self.running.append(seq)
         self.state.set_rows(admitted)
 
     def _add_prompt_chunks(self, step: Step) -> None:
-        """Prompt chunks of the sequences still prefilling, in admission order, within the budget; each
-        one's rows (consecutive positions of one sequence) also named in step.runs."""
+        """Prompt chunks of the sequences still prefilling (in an episode also observations), in admission
+        order, within the budget; each one's rows (consecutive positions of one sequence) also named in
+        step.runs."""
         for seq in self.running:
-            n = int(min(self.budget - len(step.rows), seq.n_prompt - seq.n_cached)) if not seq.decoding else 0
+            n = int(min(self.budget - len(step.rows), seq.n_prefill - seq.n_cached)) if not seq.decoding else 0
             if n > 0:
                 step.runs.append((len(step.rows), n, seq.n_cached, seq.slot))
                 step.rows.extend((seq, p) for p in range(seq.n_cached, seq.n_cached + n))
@@ -105,16 +111,16 @@ class Scheduler:
         pending's samples whose sequences go on, each at the position of the token pending samples for
         it (its input token taken on the device: `follow`), then what schedule() would add: requests
         admitted into the slots and pages free now, and prompt chunks within the budget (the prompts'
-        tokens are known on the host). A sequence that pending ends with EOS (not known yet) still gets
-        a row: it reads and writes only its own pages at a position below its length limit, and its
-        sample is discarded (postprocess). Sequences that pending ends by length are left out; their
-        slots and pages are freed by postprocess, for the step after. Every kept row computes what the
-        step after reading pending back would compute for it: the same tokens and logprob bits (batch
-        invariance)."""
+        tokens are known on the host). A sequence that pending ends with EOS (or in an episode with a
+        stop: not known yet) still gets a row: it reads and writes only its own pages at a position
+        below its length limit, and its sample is discarded (postprocess). Sequences that pending ends
+        by length are left out; their slots and pages are freed by postprocess, for the step after.
+        Every kept row computes what the step after reading pending back would compute for it: the
+        same tokens and logprob bits (batch invariance)."""
         self._admit()
         step = Step(follow=[])
         for j, (seq, _) in enumerate(pending.sample_at):
-            if seq.done or len(self.out[seq.b].tokens) + 1 >= self.params.max_new_tokens:
+            if seq.done or len(seq.tokens) + 1 >= seq.limit:
                 continue
             step.sample_at.append((seq, len(step.rows)))
             step.rows.append((seq, len(seq.tokens)))
@@ -126,7 +132,7 @@ class Scheduler:
         """The step's sampled tokens appended; finished sequences' slots and pages freed (the next
         step admits from the queue). Returns each sample's request index (-1: a discarded lookahead
         row of a sequence that had already ended)."""
-        p, finished, b_idx = self.params, [], []
+        eos, finished, b_idx = self.params.eos_token_id, [], []
         for (seq, _), t in zip(step.sample_at, tokens):
             if seq.done:
                 self.discarded_rows += 1
@@ -136,9 +142,9 @@ class Scheduler:
             seq.tokens.append(t)
             o = self.out[seq.b]
             o.tokens.append(t)
-            if p.eos_token_id is not None and t == p.eos_token_id:
+            if eos is not None and t == eos:
                 o.finish_reason = "eos"
-            elif len(o.tokens) == p.max_new_tokens:
+            elif len(seq.tokens) == seq.limit:
                 o.finish_reason = "length"
             else:
                 continue

@@ -24,7 +24,7 @@ from rlalign import kernels
 from rlalign.fingerprint import state_fingerprints
 from rlalign.model import Transformer, read_args, save_hf
 from rlalign.model.hf import hf_state_dict
-from rlalign.rollout.types import check_prompts
+from rlalign.rollout.types import Continuations, check_prompts
 from rlalign.rollout.vllm import check_installed, refuse_shapes
 from rlalign.rollout.vllm.registry import ARCH, KEY, SAMPLER, WORKER_EXTENSION, register
 from rlalign.rollout.vllm.weights import load_named
@@ -179,7 +179,11 @@ class VllmRankGenerator:
                                     ep_size=cfg.generator.ep_size, stock=v.stock, device=cfg.device)
         self._pushed = _versions(model)
 
-    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
+                 episodes: Continuations | None = None) -> list[Rollout]:
+        if episodes is not None:
+            raise ValueError("generate: the vLLM backend does not run multi-turn episodes; use "
+                             "generator.backend=native")
         self.load_weights()
         recorder = getattr(self.model, "taps", None)
         rows = {} if recorder is not None and recorder.rows else None
