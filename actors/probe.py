@@ -10,6 +10,7 @@ one back; the driver reads those. Object storage (s3://...) is not a run dir.
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # the probe task runs on every node before any rank: it impor
     from rlalign.actors.placement import Node
 
 PROBE_TIMEOUT_S = 120.0
+RANK_MODULE = "rlalign.workers"  # what every trainer and generator rank imports
 
 
 class NodeCheckError(RuntimeError):
@@ -29,7 +31,10 @@ class NodeCheckError(RuntimeError):
 
 
 def _probe(probe_dir: str, token: str, address: str) -> str | None:
-    """On the node: None when the driver's token is there (and the answer written), else why not."""
+    """On the node: None when the driver's token is there (and the answer written), else why not;
+    ModuleNotFoundError when the node lacks the module its ranks run (found, not imported: no torch)."""
+    if importlib.util.find_spec(RANK_MODULE) is None:
+        raise ModuleNotFoundError(f"No module named {RANK_MODULE!r}")
     here = Path(probe_dir)
     try:
         seen = (here / "driver").read_text()
