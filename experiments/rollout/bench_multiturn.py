@@ -11,10 +11,14 @@ and every policy token's generator logprob against the trainer's rescoring of th
         --tokens-per-turn 128 --out /root/out
 
 Every turn runs to the per-turn limit (no EOS), so both sides sample the same number of policy tokens.
-Each side is warmed up once (compilations, graph captures), then --calls timed generate() calls per
-side, alternating; a side's tokens/s is its median call's. Where multi-turn time goes: the engine's
-time blocked on environments (EpisodeDriver.wait_s: not overlapped with decoding), the environments'
-time summed over episodes, the observation tokens prefilled, engine steps and seconds per step.
+A third side, multiturn_instant_env, runs the same episodes with an environment that answers at once
+(the continuation's own cost: observation prefills, the driver's threads). Each side is warmed up
+once (compilations, graph captures), then --calls timed generate() calls per side, in turn; a side's
+tokens/s is its fastest call's (timeit's rule: slower calls measure other load on the machine; every
+call's seconds are recorded). Where multi-turn time goes: the engine's time blocked on environments
+(EpisodeDriver.wait_s: not overlapped with decoding), the environments' time summed over episodes, the
+observation tokens prefilled, engine steps (episodes answered at different times continue in steps of
+fewer rows) and seconds per step.
 Writes results/multiturn_<model>_<machine>.json (or --name) with a top-level "summary".
 """
 
@@ -89,19 +93,22 @@ def timed_call(eng: NativeEngine, prompts, params: SamplingParams, device: str, 
 
 
 def side_numbers(calls: list[dict]) -> dict:
-    """A side's median call: policy tokens, seconds, tokens/s, steps, seconds per step (and every call's seconds)."""
-    med = sorted(calls, key=lambda c: c["seconds"])[len(calls) // 2]
+    """A side's fastest call: policy tokens, seconds, tokens/s, steps, seconds per step (and every call's seconds)."""
+    med = min(calls, key=lambda c: c["seconds"])
     rs = med["rollouts"]
     policy = sum(int(policy_mask(r.turns, len(r.tokens)).sum()) for r in rs)
+    steps = max(1, med["stats"]["steps"])
+    rows = sum(len(r.prompt) + len(r.tokens) - 1 for r in rs)  # tokens the model read (a sampled one: next step)
     out = {"seconds": med["seconds"], "policy_tokens": policy, "observation_tokens": sum(len(r.tokens) for r in rs)
            - policy, "tokens_per_s": policy / med["seconds"], "engine_steps": med["stats"]["steps"],
-           "seconds_per_step": med["seconds"] / max(1, med["stats"]["steps"]),
+           "rows_per_step": rows / steps, "discarded_rows": med["stats"]["discarded_rows"],
+           "seconds_per_step": med["seconds"] / steps,
            "calls_seconds": [c["seconds"] for c in calls]}
     if "env_s" in med:
         busy = med["seconds"] - med["env_wait_s"]
         out.update(env_s=med["env_s"], env_wait_s=med["env_wait_s"], engine_busy_s=busy,
                    tokens_per_s_without_env_wait=policy / busy, turns_mean=statistics.fmean(med["turns"]),
-                   seconds_per_step_without_env_wait=busy / max(1, med["stats"]["steps"]))
+                   seconds_per_step_without_env_wait=busy / steps)
     return out
 
 
@@ -163,21 +170,24 @@ def main() -> None:
     limits = EpisodeLimits(max_turns=a.turns, max_context_len=context, workers=a.env_workers)
     examples = [Example(IdText().decode(p), "") for p in prompts]
 
-    def driver() -> EpisodeDriver:
-        return EpisodeDriver(env_cls, IdText(), examples, prompts, list(range(len(prompts))), 0, limits, "bench")
-
+    instant_cls = scripted_env((0.0, 0.0), a.obs_tokens, args.vocab_size)
+    ids = list(range(len(prompts)))
+    sides = {"singleturn": (single, None),
+             "multiturn": (per_turn, lambda: EpisodeDriver(env_cls, IdText(), examples, prompts, ids, 0, limits)),
+             "multiturn_instant_env": (per_turn, lambda: EpisodeDriver(instant_cls, IdText(), examples, prompts, ids,
+                                                                       0, limits))}
     eng = NativeEngine(model, keys_of(EngineConfig, cfg.generator))
-    timed_call(eng, prompts, single, a.device)  # warm-up: compilations and graph captures of both shapes
-    timed_call(eng, prompts, per_turn, a.device, driver)
-    calls = {"singleturn": [], "multiturn": []}
+    for params, make in sides.values():  # warm-up: compilations and graph captures of every shape
+        timed_call(eng, prompts, params, a.device, make)
+    calls = {side: [] for side in sides}
     for _ in range(a.calls):
-        calls["singleturn"].append(timed_call(eng, prompts, single, a.device))
-        calls["multiturn"].append(timed_call(eng, prompts, per_turn, a.device, driver))
-        print(f"single {calls['singleturn'][-1]['seconds']:.3f} s  multi {calls['multiturn'][-1]['seconds']:.3f} s "
+        for side, (params, make) in sides.items():
+            calls[side].append(timed_call(eng, prompts, params, a.device, make))
+        print("  ".join(f"{side} {c[-1]['seconds']:.3f} s" for side, c in calls.items()),
               f"(engine waited {calls['multiturn'][-1]['env_wait_s']:.3f} s)", flush=True)
     res = {side: side_numbers(c) for side, c in calls.items()}
     bad, total = mismatched(model, calls["multiturn"][-1]["rollouts"], per_turn, a.score_micro_batch)
-    s, m = res["singleturn"], res["multiturn"]
+    s, m, z = res["singleturn"], res["multiturn"], res["multiturn_instant_env"]
     gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
     summary = {"gpu": gpu, "multiturn_over_singleturn_tok_s": m["tokens_per_s"] / s["tokens_per_s"],
                "mismatched_tokens": bad, "policy_tokens_compared": total,
@@ -185,14 +195,19 @@ def main() -> None:
                "turns_mean": m["turns_mean"], "env_s": m["env_s"], "env_wait_s": m["env_wait_s"],
                "env_wait_frac": m["env_wait_s"] / m["seconds"],
                "multiturn_over_singleturn_without_env_wait": m["tokens_per_s_without_env_wait"] / s["tokens_per_s"],
-               "engine_steps_multi_over_single": m["engine_steps"] / max(1, s["engine_steps"])}
+               "instant_env_over_singleturn_tok_s": z["tokens_per_s"] / s["tokens_per_s"],
+               "engine_steps_multi_over_single": m["engine_steps"] / max(1, s["engine_steps"]),
+               "seconds_per_step_multi_over_single": m["seconds_per_step_without_env_wait"] / s["seconds_per_step"]}
     machine = "cpu" if not cuda else gpu.split()[-1].lower()
     name = a.name or f"multiturn_{a.model}_{machine}"
     shows = (f"{a.model} on {gpu}: {a.episodes} episodes x {a.turns} turns x {n} tokens (observations of "
              f"{a.obs_tokens} tokens, environment latency {a.env_latency_ms} ms, {a.env_workers} workers) vs the "
-             f"same prompts single-turn: {summary['multiturn_over_singleturn_tok_s']:.2f}x the tokens/s "
-             f"({summary['multiturn_over_singleturn_without_env_wait']:.2f}x without the engine's wait on "
-             f"environments, {summary['env_wait_frac']:.0%} of the call); {bad} of {total} policy tokens mismatched.")
+             "same prompts single-turn: {multiturn_over_singleturn_tok_s:.2f}x the tokens/s "
+             "({multiturn_over_singleturn_without_env_wait:.2f}x without the engine's wait on environments, "
+             "{env_wait_frac:.0%} of the call; {engine_steps_multi_over_single:.2f}x the engine steps at "
+             "{seconds_per_step_multi_over_single:.2f}x the seconds a step; an instant environment "
+             "{instant_env_over_singleturn_tok_s:.2f}x); {mismatched_tokens} of {policy_tokens_compared} policy "
+             "tokens mismatched.").format(**summary)
     path = record.write(name, {"what_it_shows": shows, "summary": summary, "results": res, "config": {
         k: getattr(a, k) for k in ("model", "device", "episodes", "turns", "tokens_per_turn", "obs_tokens",
                                    "prompt_len", "env_latency_ms", "env_workers", "calls", "overrides")}}, a.out)
