@@ -25,6 +25,7 @@ Writes results/multiturn_<model>_<machine>.json (or --name) with a top-level "su
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -41,6 +42,7 @@ from rlalign.agent import EpisodeDriver, EpisodeLimits, Step  # noqa: E402
 from rlalign.config import EngineConfig, keys_of, load_config, model_args  # noqa: E402
 from rlalign.model.build import model_from_config  # noqa: E402
 from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
+from rlalign.rollout.native.graphs import DecodeGraphs  # noqa: E402
 from rlalign.sampling_params import SamplingParams  # noqa: E402
 from rlalign.sequences import policy_mask  # noqa: E402
 from rlalign.tasks import Example  # noqa: E402
@@ -72,6 +74,22 @@ def scripted_env(latency_ms: tuple[float, float], obs_tokens: int, vocab_size: i
     return ScriptedEnv
 
 
+@contextlib.contextmanager
+def counting_graph_replays():
+    """Counts the decode steps that replay a CUDA graph (the others run eagerly: prefills, mixed steps)."""
+    count, call = [0], DecodeGraphs.__call__
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return call(self, *args, **kwargs)
+
+    DecodeGraphs.__call__ = counted
+    try:
+        yield count
+    finally:
+        DecodeGraphs.__call__ = call
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -80,12 +98,14 @@ def sync(device: str) -> None:
 def timed_call(eng: NativeEngine, prompts, params: SamplingParams, device: str, make_driver=None) -> dict:
     """One generate() call: its rollouts, seconds, engine stats and (episodes) the driver's numbers."""
     driver = make_driver() if make_driver else None
-    sync(device)
-    t0 = time.perf_counter()
-    outs = eng.generate(prompts, list(range(len(prompts))), params, episodes=driver)
-    sync(device)
-    secs = time.perf_counter() - t0
-    res = {"rollouts": driver.finish(outs) if driver else outs, "seconds": secs, "stats": dict(eng.stats)}
+    with counting_graph_replays() as replays:
+        sync(device)
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, list(range(len(prompts))), params, episodes=driver)
+        sync(device)
+        secs = time.perf_counter() - t0
+    res = {"rollouts": driver.finish(outs) if driver else outs, "seconds": secs,
+           "stats": {**eng.stats, "graph_steps": replays[0]}}
     if driver:
         res.update(env_wait_s=driver.wait_s, env_s=sum(ep.env_s for ep in driver.episodes),
                    turns=[ep.turn for ep in driver.episodes])
@@ -101,7 +121,8 @@ def side_numbers(calls: list[dict]) -> dict:
     rows = sum(len(r.prompt) + len(r.tokens) - 1 for r in rs)  # tokens the model read (a sampled one: next step)
     out = {"seconds": med["seconds"], "policy_tokens": policy, "observation_tokens": sum(len(r.tokens) for r in rs)
            - policy, "tokens_per_s": policy / med["seconds"], "engine_steps": med["stats"]["steps"],
-           "rows_per_step": rows / steps, "discarded_rows": med["stats"]["discarded_rows"],
+           "rows_per_step": rows / steps, "graph_steps": med["stats"]["graph_steps"],
+           "discarded_rows": med["stats"]["discarded_rows"],
            "seconds_per_step": med["seconds"] / steps,
            "calls_seconds": [c["seconds"] for c in calls]}
     if "env_s" in med:
@@ -197,6 +218,7 @@ def main() -> None:
                "multiturn_over_singleturn_without_env_wait": m["tokens_per_s_without_env_wait"] / s["tokens_per_s"],
                "instant_env_over_singleturn_tok_s": z["tokens_per_s"] / s["tokens_per_s"],
                "engine_steps_multi_over_single": m["engine_steps"] / max(1, s["engine_steps"]),
+               "eager_steps_single_multi": [x["engine_steps"] - x["graph_steps"] for x in (s, m)],
                "seconds_per_step_multi_over_single": m["seconds_per_step_without_env_wait"] / s["seconds_per_step"]}
     machine = "cpu" if not cuda else gpu.split()[-1].lower()
     name = a.name or f"multiturn_{a.model}_{machine}"
