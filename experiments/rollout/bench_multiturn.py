@@ -6,7 +6,7 @@ the episode's KV pages) over the same prompts as single-turn rollouts of turns x
 and every policy token's generator logprob against the trainer's rescoring of the whole episode
 (rlalign.training.scoring.score_micro_batch), bit for bit: mismatched_tokens.
 
-    python experiments/rollout/bench_multiturn.py --model tiny-moe --device cpu --episodes 16 --tokens-per-turn 16
+    python experiments/rollout/bench_multiturn.py --model tiny-moe --device cpu --threads 1 --calls 5
     python3 experiments/rollout/bench_multiturn.py --model bench-moe-large --device cuda --episodes 256 \\
         --tokens-per-turn 128 --out /root/out
 
@@ -161,6 +161,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--env-workers", type=int, default=4, help="environment calls at once (task.env_workers)")
     ap.add_argument("--calls", type=int, default=3, help="timed generate() calls per side")
     ap.add_argument("--score-micro-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 on a shared CPU)")
     ap.add_argument("--name", default="", help="results file name (default multiturn_<model>_<machine>)")
     ap.add_argument("--out", default=str(record.RESULTS))
     ap.add_argument("overrides", nargs="*", help="config overrides (e.g. generator.max_num_seqs=64)")
@@ -169,6 +170,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     cuda = a.device.startswith("cuda")
     cfg = load_config([f"model={a.model}", f"device={a.device}", *(["kernels.backend=triton"] if cuda else []),
                        *a.overrides])
