@@ -13,11 +13,13 @@ from __future__ import annotations
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlalign.actors.placement import Node
+if TYPE_CHECKING:  # the probe task runs on every node before any rank: it imports no torch
+    from rlalign.actors.placement import Node
 
 PROBE_TIMEOUT_S = 120.0
 

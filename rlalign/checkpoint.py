@@ -12,33 +12,33 @@ position, RNG states, the weights fingerprint and an index of every tensor: its 
 shape and fingerprint (rlalign.fingerprint: taken of the trainer's tensors on their
 device when the save starts, one launch; the same value the CPU recomputes from the files).
 
-Format. Each trainer rank writes through DCP's HuggingFaceStorageWriter (save_distributed=True):
-`shard-<rank+1>-model-<i>-of-<n>.safetensors` files, one per bucket i of the checkpoint's tensors
-(keys in order of the first rank that holds them, cut into consecutive groups of at most
-checkpoint.bucket_mb; a larger tensor alone), holding the bucket's tensors this rank writes (DCP's
-planner writes a tensor held by several ranks once), and no DCP `.metadata` pickle; then a
-`fingerprints-rank<r>.json`. Loading goes through HuggingFaceStorageReader, which builds DCP's
-metadata from the safetensors headers (JSON) and reads tensors with safetensors.safe_open: no
+Format. Each trainer rank writes safetensors files, the format of DCP's HuggingFaceStorageWriter
+(save_distributed=True): `shard-<rank+1>-model-<i>-of-<n>.safetensors`, one per bucket i of the
+checkpoint's tensors (keys in order of the first rank that holds them, cut into consecutive groups of
+at most checkpoint.bucket_mb; a larger tensor alone) holding the bucket's tensors this rank writes (a
+tensor held by several ranks is written once, by the first), no DCP `.metadata` pickle; then a
+`fingerprints-rank<r>.json`. rlalign.checkpoint_write writes them (one file per writer thread, one
+fsync a file, reused host buffers). Loading goes through DCP's HuggingFaceStorageReader, which builds
+DCP's metadata from the safetensors headers (JSON) and reads tensors with safetensors.safe_open: no
 pickle.load/torch.load on file contents (a stray `.metadata` or any other file is never opened).
 The driver's complete() merges the ranks' fingerprints with the shard headers into meta.json
 (written last, atomically) and renames the directory into place: a crash or a failed write leaves
 the previous checkpoint the latest one.
 
-Bounded staging. DCP writes one file at a time: the file's tensors are copied from the trainer's
-own (device) tensors to host memory, serialised and written, then the next file's. A save needs a
-small multiple of one bucket in host memory (the host copies, safetensors' per-tensor bytes and
-the file's bytes: 3-4 buckets), never the whole state (experiments/train/bench_checkpoint_host_memory.py).
-
-Asynchronous saves. AsyncSaver.save() fingerprints this rank's tensors on their device and returns;
-a background thread writes them bucket by bucket from the trainer's own tensors (over a gloo group
-of the trainer ranks kept for checkpoints, so the training collectives never interleave with the
-checkpoint's), then the fingerprints and, on rank 0 once every rank reports success, complete():
-the checkpoint appears (meta.json, rename) while the RL loop runs on (the next generation, the
-weight sync). The tensors must not change until the write ends: the trainer waits for it before
-its next update (TrainerWorker.train_step), the next save and the end of the run wait too
-(AsyncSaver.wait raises what went wrong). The files are the bytes a synchronous save_shards
-writes (one write function); a crash mid-save leaves a .tmp directory, ignored, and the previous
-checkpoint the newest complete one.
+Asynchronous saves. AsyncSaver.save() fingerprints this rank's device tensors on their device, then
+(checkpoint.staging, checkpoint_write.choose_staging, said in one line) either stages the state: copies
+it into host buffers kept across saves (pinned on CUDA) and returns, the trainer free to change its
+tensors; or streams it: returns at once and the background thread reads the trainer's own tensors
+file by file, so the trainer's next update waits for the write (TrainerWorker.train_step:
+wait_tensors; metrics.jsonl records that stall as time/checkpoint_stall_s, the staging copy as
+time/checkpoint_staging_s). The background thread writes the files, fingerprints the CPU tensors it
+writes, writes the fingerprints and, on rank 0 once every rank reports success (over a gloo group of
+the trainer ranks kept for checkpoints, so the training collectives never interleave with the
+checkpoint's), complete(): the checkpoint appears
+(meta.json, rename) while the RL loop runs on. The next save and the end of the run wait for it
+(AsyncSaver.wait raises what went wrong). The files are the bytes a synchronous save_shards writes;
+a crash mid-save leaves a .tmp directory, ignored, and the previous checkpoint the newest complete one.
+Host memory: staged, the rank's state once more (kept); streamed, none on CPU, a file per writer on a GPU.
 
 Disk space. check_space() runs before Ray starts: the checkpoint's size is the trainer state's
 (rlalign.training.trainer.checkpoint_nbytes: the keys checkpoint_state() writes, of a trainer built
@@ -70,6 +70,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
+import time
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,6 +81,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlalign import checkpoint_write as cw
 from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-exported: rlalign.checkpoint is its one entry)
     FORMAT,
     FPS,
@@ -117,6 +120,8 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
 )
 from rlalign.faults import maybe_fail
 from rlalign.fingerprint import state_fingerprints
+
+bucket_files, DEFAULT_BUCKET_BYTES = cw.bucket_files, cw.DEFAULT_BUCKET_BYTES  # the API
 
 
 # --- trainer ranks ---------------------------------------------------------------------------------
@@ -167,8 +172,8 @@ def _write_error(path: Path, step: int | None, e: BaseException, rank: int | Non
 
 
 def _prepare_dir(path: Path, rank: int) -> None:
-    """Rank 0 empties `path` of an earlier attempt's leftovers (no rank writes before rank 0 joins
-    DCP's plan)."""
+    """Rank 0 empties `path` of an earlier attempt's leftovers (no rank writes before the layout's
+    gather, which rank 0 joins after this)."""
     if rank == 0:
         if path.is_dir():
             for p in path.iterdir():
@@ -179,12 +184,30 @@ def _prepare_dir(path: Path, rank: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
 
 
-def _dcp_failed(e: BaseException, path: Path, step: int | None, rank: int) -> CheckpointError:
-    """DCP raised CheckpointException (a BaseException) on every rank: rank 0 removes the .tmp."""
+def _failed(e: BaseException, path: Path, step: int | None, rank: int) -> CheckpointError:
+    """This rank's write failed: rank 0 removes the .tmp."""
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-    failed, cause = _dcp_cause(e, rank)
-    return _write_error(path, step, cause, failed)
+    return _write_error(path, step, e, rank)
+
+
+def _outcome(group, ok: bool) -> list[bool]:
+    """Every rank's outcome of its write, by rank (all ranks of `group` call it)."""
+    if not _dist_on():
+        return [ok]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, ok, group=group)
+    return everyone
+
+
+def _check_outcome(ok: list[bool], path: Path, step: int | None, rank: int) -> None:
+    """CheckpointError on the ranks whose own write succeeded when another rank's failed (rank 0
+    removes the .tmp): only a whole checkpoint is published."""
+    if not all(ok):
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        bad = [r for r, v in enumerate(ok) if not v]
+        raise CheckpointError(f"checkpoint of step {step} not written: rank(s) {bad} failed{_previous(path, step)}")
 
 
 def _write_fingerprints(path: Path, step: int | None, rank: int, fps: dict[str, str]) -> None:
@@ -194,65 +217,30 @@ def _write_fingerprints(path: Path, step: int | None, rank: int, fps: dict[str, 
         raise _write_error(path, step, e, rank) from None
 
 
-DEFAULT_BUCKET_BYTES = 512 << 20  # checkpoint.bucket_mb's default
+def _files(state: dict[str, torch.Tensor], rank: int, group, bucket_bytes: int) -> dict[str, dict[str, torch.Tensor]]:
+    """{file name: {key: tensor}} this rank writes (all ranks of `group` call it: the layout is gathered)."""
+    held = cw.layout(state, rank, group)
+    return cw.plan_files(bucket_files(held, bucket_bytes), state, rank, held)
 
 
-def bucket_files(layout: dict[str, tuple[int, int]], bucket_bytes: int) -> dict[str, int]:
-    """{key: file index 1..n} of the checkpoint's tensors from {key: (first rank holding it, bytes)}:
-    keys ordered by (rank, key), cut into consecutive groups of at most bucket_bytes (a tensor
-    larger than that: a group of its own). Every rank computes the same map from the same layout."""
-    out: dict[str, int] = {}
-    index, filled = 1, 0
-    for key, (_, nbytes) in sorted(layout.items(), key=lambda kv: (kv[1][0], kv[0])):
-        if filled and filled + nbytes > bucket_bytes:
-            index, filled = index + 1, 0
-        out[key] = index
-        filled += nbytes
-    return out
+def _fingerprints_now(state: dict[str, torch.Tensor], files: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
+    """The fingerprints taken when a save starts: every device tensor's (one launch on the device) and
+    those of the CPU tensors this rank does not write; the CPU tensors it writes are fingerprinted
+    from what is written, beside the write."""
+    written = {k for f in files.values() for k in f}
+    now = {k: t for k, t in state.items() if t.device.type != "cpu" or k not in written}
+    return state_fingerprints(now) if now else {}
 
 
-def _layout(state: dict[str, torch.Tensor], rank: int, group) -> dict[str, tuple[int, int]]:
-    """{key: (the first rank holding it, bytes)} over every rank of `group` (all call it)."""
-    mine = {k: (rank, v.numel() * v.element_size()) for k, v in state.items()}
-    if not _dist_on():
-        return mine
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    merged: dict[str, tuple[int, int]] = {}
-    for part in everyone:
-        for k, (r, n) in part.items():
-            if k not in merged or r < merged[k][0]:
-                merged[k] = (r, n)
-    return merged
-
-
-def _write(state: dict[str, torch.Tensor], path: Path, rank: int, group, bucket_bytes: int) -> None:
-    """This rank's tensors through DCP's safetensors writer, one bucket file at a time, read from
-    the tensors where they are (module docstring: bounded staging)."""
-    files = bucket_files(_layout(state, rank, group), bucket_bytes)
-    with _quiet_single_process():
-        dcp = _dcp()
-        writer = dcp.HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=files, save_distributed=True)
-        # blocking device-to-host copies, tensor by tensor, into plain host memory (DCP's copy-ahead
-        # loader would pin buffers that CUDA's host allocator keeps cached after the save)
-        writer.per_thread_copy_ahead = 0
-        dcp.save(_unshared(state), storage_writer=writer, process_group=group, no_dist=not _dist_on())
-
-
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` with a CPU tensor held under a second key cloned (the AdamW step of a parameter cut
-    into several units): DCP writes a CPU tensor that spans its storage in place, and safetensors
-    refuses two names on one storage in a file. A device tensor reaches the file through a host
-    copy of its own."""
-    out, seen = {}, set()
-    for k, v in state.items():
-        if v.device.type == "cpu":
-            ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), v.numel())
-            if ptr in seen:
-                v = v.clone()
-            seen.add(ptr)
-        out[k] = v
-    return out
+def _write(files: dict[str, dict[str, torch.Tensor]], fps: dict[str, str], path: Path, spares=None,
+           writers: int = cw.WRITERS) -> dict[str, str]:
+    """The files (rlalign.checkpoint_write), and beside them the fingerprints of the CPU tensors not in
+    `fps`: every fingerprint of this rank, by key."""
+    later = {k: t for f in files.values() for k, t in f.items() if k not in fps}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlalign-checkpoint-fingerprint") as pool:
+        got = pool.submit(state_fingerprints, later) if later else None
+        cw.write_files(path, files, spares, writers)
+        return dict(sorted({**fps, **(got.result() if got is not None else {})}.items()))
 
 
 def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,
@@ -265,31 +253,41 @@ def save_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
     step = step_of(path)
     try:
         _prepare_dir(path, rank)
-        fps = state_fingerprints(state)
+        files = _files(state, rank, group, bucket_bytes)
+        fps = _fingerprints_now(state, files)
     except OSError as e:
         raise _write_error(path, step, e, rank) from None
     try:
-        _write(state, path, rank, group, bucket_bytes)
+        fps = _write(files, fps, path)
+        ok = _outcome(group, True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise _dcp_failed(e, path, step, rank) from None
+        _outcome(group, False)
+        raise _failed(e, path, step, rank) from None
+    _check_outcome(ok, path, step, rank)
     _write_fingerprints(path, step, rank, fps)
 
 
 class AsyncSaver:
     """One trainer rank's checkpoint writer in the background (module docstring). All trainer
-    ranks call save() together; at most one save is in flight (save() first waits for the last);
-    the saved tensors must not change before wait() returns."""
+    ranks call save() together; at most one save is in flight (save() first waits for the last).
+    A staged save (checkpoint_write.choose_staging) holds copies: the trainer's tensors may change as
+    soon as save() returns; a streamed one reads them: they must not change before wait_tensors()."""
 
-    def __init__(self):
+    def __init__(self, staging: str = "auto", writers: int = cw.WRITERS, say=None):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlalign-checkpoint")
         self._pending: Future | None = None
+        self._live = False  # the save in flight reads the trainer's tensors
         self._group = None
+        self.staging, self.writers, self.buffers = staging, writers, cw.Staging()
+        self.say = say if say is not None else (lambda line: print(f"rlalign: {line}", file=sys.stderr, flush=True))
+        self._said: bool | None = None
+        self.staging_s = 0.0  # the last save's copy into the host buffers (0 when streamed)
 
     def _gloo_group(self, group):
-        """A gloo group of the trainer ranks for the background thread's collectives, created once
-        (a collective over the default group: every trainer rank is in save())."""
+        """A gloo group of the trainer ranks for the checkpoint's collectives, created once (a
+        collective over the default group: every trainer rank is in save())."""
         if not _dist_on():
             return None
         if self._group is None:
@@ -297,58 +295,81 @@ class AsyncSaver:
             self._group = dist.new_group(ranks=ranks, backend="gloo")
         return self._group
 
+    def _choose(self, state: dict[str, torch.Tensor], rank: int) -> bool:
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        available = cw.host_memory_available()  # the buffers this saver holds count as available
+        available = available + self.buffers.held_bytes if available is not None else None
+        staged, line = cw.choose_staging(self.staging, nbytes, available)
+        if rank == 0 and staged != self._said:  # once, and again if the choice changes
+            self.say(line)
+            self._said = staged
+        return staged
+
     def save(self, state: dict[str, torch.Tensor], path: str | Path, rank: int = 0, group=None,
              publish: dict | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Fingerprint this rank's tensors and start writing them; returns before the write.
-        publish = {"run_dir", "step", "meta", "keep"}: rank 0 then completes the checkpoint itself
-        (complete()) once every rank has written its part."""
+        """Fingerprint this rank's device tensors, stage the state when staged (staging_s), and start
+        writing; returns before the write. publish = {"run_dir", "step", "meta", "keep"}: rank 0 then
+        completes the checkpoint itself (complete()) once every rank has written its part; the RNG
+        states meta.json records are taken now."""
         self.wait()
         path = Path(path)
         step = step_of(path)
+        pg = self._gloo_group(group)
         try:
             _prepare_dir(path, rank)
-            fps = state_fingerprints(state)  # on the tensors' device
+            files = _files(state, rank, pg, bucket_bytes)
+            fps = _fingerprints_now(state, files)  # on the tensors' device
         except OSError as e:
             raise _write_error(path, step, e, rank) from None
-        pg = self._gloo_group(group)
-        self._pending = self._pool.submit(self._finish, dict(state), fps, path, step, rank, pg, publish,
-                                          bucket_bytes)
+        staged = self._choose(state, rank)
+        t0 = time.perf_counter()
+        spares = None
+        if staged:
+            files = self.buffers.stage(files)
+        else:
+            self.buffers.drop()
+            spares = self.buffers.spares(files, self.writers)
+        self.staging_s = time.perf_counter() - t0 if staged else 0.0
+        if publish is not None:
+            publish = {**publish, "meta": {**_rng_meta(), **publish["meta"]}}
+        self._live = not staged
+        self._pending = self._pool.submit(self._finish, files, fps, path, step, rank, pg, publish, spares)
 
-    def _finish(self, state: dict[str, torch.Tensor], fps: dict[str, str], path: Path, step: int | None,
-                rank: int, pg, publish: dict | None, bucket_bytes: int) -> Path | None:
+    def _finish(self, files: dict, fps: dict[str, str], path: Path, step: int | None, rank: int, pg,
+                publish: dict | None, spares) -> Path | None:
         error = None
         try:
             maybe_fail("checkpoint.write", rank)
-            _write(state, path, rank, pg, bucket_bytes)
+            fps = _write(files, fps, path, spares, self.writers)
         except BaseException as e:
-            error = _dcp_failed(e, path, step, rank)
-        del state
+            error = _failed(e, path, step, rank)
+        del files
         if error is None:
             try:
                 _write_fingerprints(path, step, rank, fps)
             except CheckpointError as e:
                 error = e
-        ok = [error is None]
-        if pg is not None:  # every rank's outcome, so rank 0 publishes only a whole checkpoint
-            everyone = [None] * dist.get_world_size(pg)
-            dist.all_gather_object(everyone, error is None, group=pg)
-            ok = everyone
+        ok = _outcome(pg, error is None)  # every rank's, so rank 0 publishes only a whole checkpoint
         if error is not None:
             raise error
-        if not all(ok):
-            if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
-            bad = [r for r, v in enumerate(ok) if not v]
-            raise CheckpointError(f"checkpoint of step {step} not written: rank(s) {bad} failed{_previous(path, step)}")
+        _check_outcome(ok, path, step, rank)
         if publish is not None and rank == 0:
             return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"],
                             publish.get("export_hf", False))
         return None
 
+    def wait_tensors(self) -> float:
+        """Before the trainer changes the tensors of the last save: wait for its write if it reads them
+        (streamed; a staged save's failure, once it has happened, is raised here too). Seconds waited."""
+        t0 = time.perf_counter()
+        if self._pending is not None and (self._live or self._pending.done()):
+            self.wait()
+        return time.perf_counter() - t0
+
     def wait(self) -> Path | None:
         """Wait for the save in flight (if any): the published checkpoint's path (rank 0 with
         publish), else None; raises its CheckpointError."""
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._live = self._pending, None, False
         return pending.result() if pending is not None else None
 
 
@@ -528,6 +549,12 @@ def _export(tmp: Path, final: Path, step: int) -> CheckpointError | None:
     return None
 
 
+def _rng_meta() -> dict:
+    """This process's Python and torch RNG states, as meta.json records them."""
+    v, state, gauss = random.getstate()
+    return {"python_rng": [v, list(state), gauss], "torch_rng": torch.get_rng_state().tolist()}
+
+
 def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = False) -> Path:
     """Publish a written .tmp checkpoint: index it into meta.json (written last, atomically), with
     export_hf its model as step_N/hf, and rename the directory into place; prune old ones beyond
@@ -541,9 +568,7 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(oneline(f"checkpoint of step {step} not written: {tmp}: {d.file}: {d.what}"
                                        f"{_previous(tmp, step)}")) from None
-    v, state, gauss = random.getstate()
-    meta = {**meta, "format": FORMAT, "step": step, "python_rng": [v, list(state), gauss],
-            "torch_rng": torch.get_rng_state().tolist(), **index}
+    meta = {**_rng_meta(), **meta, "format": FORMAT, "step": step, **index}
     old = final.with_name(final.name + ".old")
     try:
         write_json_atomic(tmp / META, meta)

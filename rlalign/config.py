@@ -196,7 +196,9 @@ class CheckpointConfig:
     resume: str = "never"  # never | auto | a checkpoint directory
     keep: int = 2
     async_save: bool = True  # written in the background; the next update, the next save and the run's end wait
-    bucket_mb: int = 512  # files of at most this size: a save holds 3-4 in host memory, never the whole state
+    bucket_mb: int = 512  # files of at most this size
+    # auto: the state copied into host buffers (training goes on) when it fits in half the free RAM; else streamed
+    staging: str = choice("auto", Literal["auto", "host", "stream"])
     export_hf: bool = False  # also the model as a Hugging Face directory in each checkpoint (step_N/hf; rlalign export)
 
 

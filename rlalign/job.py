@@ -132,7 +132,8 @@ class Job:
                 stats[k] = v if k.endswith("_last") else merge_stat(k, stats.get(k), v)
         metrics = {"time/train_trainer_s": max(o.seconds for o in outs),
                    "time/train_monitor_s": max(o.monitor_s for o in outs),
-                   "time/trainer_gc_s": max((o.gc_s for o in outs), default=0.0)}
+                   "time/trainer_gc_s": max((o.gc_s for o in outs), default=0.0),
+                   "time/checkpoint_stall_s": max(o.checkpoint_wait_s for o in outs)}
         peak = _max_peak_gib(outs)
         if peak is not None:
             metrics["memory/trainer_peak_gib"] = peak
@@ -144,9 +145,11 @@ class Job:
         """The trainer's weights into the generator group, checked by fingerprints (SyncResult)."""
         return self.weight_sync.run(step, direct_sync)
 
-    def save_checkpoint(self, path: str, publish: dict, wait: bool) -> None:
-        """Every trainer rank writes its part (in the background unless `wait`); rank 0 publishes."""
-        self.trainers.call("save", path, publish, wait)
+    def save_checkpoint(self, path: str, publish: dict, wait: bool) -> tuple[float, list[str]]:
+        """Every trainer rank writes its part (in the background unless `wait`); rank 0 publishes. Returns
+        the ranks' longest staging copy (seconds) and the lines their savers said."""
+        outs = self.trainers.call("save", path, publish, wait)
+        return max(o[0] for o in outs), [line for o in outs for line in o[1]]
 
     def wait_checkpoint(self) -> None:
         """Until the checkpoint in flight is complete (CheckpointError if it could not be written)."""

@@ -168,9 +168,9 @@ class Saves:
         """How long a failing run waits for the save in flight."""
         return max(SAVE_IN_FLIGHT_MIN_WAIT_S, 4 * self.save_s)
 
-    def save(self, job: Job, step: int, weights_fp: str, wait: bool) -> None:
+    def save(self, job: Job, step: int, weights_fp: str, wait: bool) -> float:
         """The checkpoint of `step`: staged now; written (and published by trainer rank 0) in the
-        background unless `wait`."""
+        background unless `wait`. Returns the trainer ranks' staging time."""
         tmp = ckpt.tmp_path(self.run_dir, step)
         tmp.parent.mkdir(parents=True, exist_ok=True)
         publish = {"run_dir": str(self.run_dir.resolve()), "step": step, "keep": self.cfg.checkpoint.keep,
@@ -178,8 +178,11 @@ class Saves:
                    "meta": {"data_position": step + 1, "weights_fp": weights_fp, **self.model}}
         self.close()
         self._watch = ckpt.SaveWatch(self.run_dir, step, self.nbytes)
-        job.save_checkpoint(str(tmp.resolve()), publish, wait)
+        staging_s, said = job.save_checkpoint(str(tmp.resolve()), publish, wait)
+        for line in said:  # the trainer's choice of staging, once
+            print(f"rlalign train: {line}", file=sys.stderr, flush=True)
         self.covered, self.in_flight = step, None if wait else step
+        return staging_s
 
     def wait(self, job: Job) -> None:
         """Until the save in flight is complete (its CheckpointError if it could not be written)."""
@@ -279,8 +282,10 @@ class _Run:
         if "consistency/alert" in metrics:
             self.logger.alert("generator/trainer mismatch", metrics.pop("consistency/alert"))
         t1 = time.perf_counter()
+        metrics["time/checkpoint_staging_s"] = 0.0  # the trainer's copy into host buffers (a staged save)
         if ckpt.is_due(step, self.saves.every, cfg.run.steps) and cfg.checkpoint.enabled:
-            self.saves.save(self.job, step, result.weights_fp, wait=not cfg.checkpoint.async_save)
+            metrics["time/checkpoint_staging_s"] = self.saves.save(self.job, step, result.weights_fp,
+                                                                   wait=not cfg.checkpoint.async_save)
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics["time/step_tok_per_s"] = (metrics["prompt/tokens"] + metrics["response/tokens"]) / metrics[

@@ -64,6 +64,7 @@ class TrainOutput:
     seconds: float = 0.0  # Trainer.train_step inside the worker (the rest of the phase: transport, trace)
     sync: weight_sync.SyncOutput | None = None  # direct colocated sync: the trainer's side, taken after the update
     monitor_s: float = 0.0  # the monitor's work in the call (records, their launch, the flush, the wait colocated)
+    checkpoint_wait_s: float = 0.0  # the wait, before the update, for the last save's write (a streamed save)
 
 
 _GC = {"total_s": 0.0, "since": 0.0, "hooked": False}
@@ -197,7 +198,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.cfg, self.group = _init(cfg_dict, rank, world, threads, local_gpu), group
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
-        self.saver = AsyncSaver()
+        self._said: list[str] = []  # the saver's lines, handed to the driver with save()'s answer
+        self.saver = AsyncSaver(self.cfg.checkpoint.staging, say=self._said.append)
         self._setup_monitor(self.trainer.model)
         self._own_process, self._steps = own_process, 0
         self._colocated = shares_gpu(self.cfg)  # each gives back what the other needs next
@@ -218,7 +220,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         bytes free (what the generator takes back for the weight sync and its next generate), this
         process's allocator gives its cached blocks back."""
         maybe_fail("trainer.train_step", self.rank)
-        self.saver.wait()  # the checkpoint in flight reads the tensors this step changes
+        waited = self.saver.wait_tensors()  # a streamed checkpoint in flight reads the tensors this step changes
         gc0 = _GC["total_s"]
         if self.trace is not None:
             self.trace.step = step
@@ -242,7 +244,7 @@ class TrainerWorker(_Monitored, _WeightSync):
         if self._colocated and torch.cuda.mem_get_info()[0] < leave_free:
             torch.cuda.empty_cache()  # the generator maps its weights and KV cache back for the weight sync
         return TrainOutput(lps, stats, self.recorder.pop_table(), _peak(self.cfg.device), _GC["total_s"] - gc0,
-                           seconds, sync, monitor_s)
+                           seconds, sync, monitor_s, waited)
 
     def full_state(self, fingerprints: bool = True) -> tuple[dict | None, dict | None]:
         """All ranks take part; rank 0 returns (CPU state dict, its host fingerprints or None)."""
@@ -280,17 +282,19 @@ class TrainerWorker(_Monitored, _WeightSync):
         if self._colocated:  # the sync's buckets: room for the generator's next generate
             torch.cuda.empty_cache()
 
-    def save(self, path: str, publish: dict | None = None, wait: bool = True) -> None:
-        """This rank's part of a checkpoint (safetensors through DCP + fingerprints; rlalign.checkpoint),
-        written bucket by bucket in the background (wait=False: returns before the write; the next
-        train_step waits for it); with `publish` rank 0 completes the checkpoint once all ranks have
-        written."""
+    def save(self, path: str, publish: dict | None = None, wait: bool = True) -> tuple[float, list[str]]:
+        """This rank's part of a checkpoint (safetensors shards + fingerprints; rlalign.checkpoint), staged
+        into host memory or streamed, written in the background (wait=False: returns before the write; the
+        next train_step waits for a streamed one); with `publish` rank 0 completes the checkpoint once all
+        ranks have written. Returns the seconds spent staging and the lines the saver said (its choice)."""
         if self.trace is not None:  # the trace holds every record up to the checkpoint a resume starts from
             self.trace.drain()
         self.saver.save(self.trainer.checkpoint_state(), path, self.rank, self.group, publish,
                         self.cfg.checkpoint.bucket_mb << 20)
         if wait:
             self.saver.wait()
+        said, self._said[:] = list(self._said), []
+        return self.saver.staging_s, said
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint in flight; raises CheckpointError if it could not be written."""

@@ -206,21 +206,16 @@ def test_an_old_pickle_format_checkpoint_is_refused_not_loaded(tmp_path, trained
 
 @contextmanager
 def _disk_full_after(nbytes: int):
-    """DCP's file streams fail with ENOSPC after nbytes (a part of the file is written)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    """Checkpoint files' writes fail with ENOSPC after nbytes (a part of the file is written)."""
+    from rlalign import checkpoint_write
 
-    real = FileSystem.create_stream
-
-    @contextmanager
-    def full(self, path, mode):
-        with real(self, path, mode) as f:
-            if "w" in mode:
-                f.write(b"\0" * nbytes)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            yield f
+    def full(path, head, parts):
+        with open(path, "wb") as f:
+            f.write(b"\0" * nbytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(FileSystem, "create_stream", full)
+    mp.setattr(checkpoint_write, "write_file", full)
     try:
         yield
     finally:
@@ -323,14 +318,15 @@ def test_async_save_returns_before_the_write_and_writes_the_synchronous_bytes(tm
     want = _save(trained, tmp_path / "sync", 1)
     gate = threading.Event()
 
-    import torch.distributed.checkpoint as dcp
+    from rlalign import checkpoint_write
 
-    class Held(dcp.HuggingFaceStorageWriter):  # the write waits until the test lets it go
-        def write_data(self, plan, planner):
-            assert gate.wait(60)
-            return super().write_data(plan, planner)
+    real = checkpoint_write.write_files
 
-    monkeypatch.setattr(dcp, "HuggingFaceStorageWriter", Held)  # what rlalign.checkpoint writes through
+    def held(*args, **kwargs):  # the write waits until the test lets it go
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_write, "write_files", held)  # what rlalign.checkpoint writes through
     tr, run = _trainer(steps=1), tmp_path / "async"
     saver = ckpt.AsyncSaver()
     saver.save(tr.checkpoint_state(), ckpt.tmp_path(run, 1), publish=_publish(run, 1))

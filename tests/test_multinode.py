@@ -47,10 +47,13 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory) -> Path:
-    """The same run on a private one-machine cluster."""
+    """The same run in this process, on its one-machine Ray cluster (tests/conftest.py: no cluster of
+    its own to start and stop)."""
+    from rlalign.config import load_config
+    from rlalign.rl import train
+
     d = tmp_path_factory.mktemp("one_node")
-    p = _train(d)
-    assert p.returncode == 0, p.stderr[-3000:]
+    train(load_config([*RUN, f"run.dir={d}"]))
     return d
 
 

@@ -5,8 +5,6 @@ fast tests run the sweep with a stand-in for the RL run; the slow one trains two
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -122,17 +120,17 @@ def test_an_agree_sweep_writes_no_run_dir(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_one_step_training_runs(tmp_path):
+def test_two_one_step_training_runs(capsys, tmp_path):
+    """In this process: the jobs run on the pytest process's Ray cluster (tests/conftest.py)."""
     small = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4", "trainer.ep_size=1",
              "run.steps=1", "checkpoint.enabled=false", "monitor.fingerprints=off"]
-    p = subprocess.run([sys.executable, "-m", "rlalign.cli", "train", "-m", "seed=0,1", *small,
-                        f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    records = [json.loads(ln) for ln in p.stdout.strip().splitlines()[-2:]]
+    rc, out, err = _run(capsys, "train", "-m", "seed=0,1", *small, f"run.dir={tmp_path}")
+    assert rc == 0, err[-3000:]
+    records = [json.loads(ln) for ln in out.strip().splitlines()[-2:]]
     assert [r["run_dir"] for r in records] == [f"{tmp_path}/0", f"{tmp_path}/1"]
     for r in records:
         assert r["exit_code"] == 0 and r["summary"]["mismatched_tokens_total"] == 0
         assert len((tmp_path / str(r["job"]) / "metrics.jsonl").read_text().splitlines()) == 1
     fps = [r["summary"]["sync/weights_fp"] for r in records]
     assert fps[0] != fps[1]  # the seed reached each run
-    assert "2 of 2 jobs exited 0" in p.stderr
+    assert "2 of 2 jobs exited 0" in err

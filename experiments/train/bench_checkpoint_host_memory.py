@@ -5,8 +5,9 @@
 
 Builds one trainer rank (EP 1) of the model config on the device, takes its checkpoint_state() (bf16
 weights, fp32 masters, both AdamW moments: what a checkpoint holds) and saves it per bucket size
-and mode: `async` is rlalign.checkpoint.AsyncSaver (what TrainerWorker.save runs, the run's
-checkpoints), `sync` is save_shards; then complete() publishes it and verify() checks its files.
+and mode: `async` is rlalign.checkpoint.AsyncSaver streaming (checkpoint.staging=stream: what
+TrainerWorker.save runs when the host has no room to stage; a staged save holds the state once more,
+by design), `sync` is save_shards; then complete() publishes it and verify() checks its files.
 Each save is measured in this process: resident memory before (VmRSS) and the peak during the save
 (VmHWM after resetting it through /proc/self/clear_refs; else the maximum of a 2 ms sampler); the
 difference is the save's host memory. --bucket-mb 0 means one bucket of the whole state (the
@@ -102,7 +103,7 @@ def main() -> None:
             t = time.perf_counter()
             with PeakRSS() as m:
                 if mode == "async":
-                    saver = ckpt.AsyncSaver()
+                    saver = ckpt.AsyncSaver(staging="stream", say=lambda line: None)
                     saver.save(state, tmp, bucket_bytes=bucket)
                     returned_s = time.perf_counter() - t
                     saver.wait()
