@@ -90,6 +90,11 @@ def counting_graph_replays():
         DecodeGraphs.__call__ = call
 
 
+def _captures(eng: NativeEngine) -> int:
+    graphs = eng.state.graphs if eng.state is not None else None
+    return graphs.captures if graphs is not None else 0
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -98,6 +103,7 @@ def sync(device: str) -> None:
 def timed_call(eng: NativeEngine, prompts, params: SamplingParams, device: str, make_driver=None) -> dict:
     """One generate() call: its rollouts, seconds, engine stats and (episodes) the driver's numbers."""
     driver = make_driver() if make_driver else None
+    captured = _captures(eng)
     with counting_graph_replays() as replays:
         sync(device)
         t0 = time.perf_counter()
@@ -105,7 +111,7 @@ def timed_call(eng: NativeEngine, prompts, params: SamplingParams, device: str, 
         sync(device)
         secs = time.perf_counter() - t0
     res = {"rollouts": driver.finish(outs) if driver else outs, "seconds": secs,
-           "stats": {**eng.stats, "graph_steps": replays[0]}}
+           "stats": {**eng.stats, "graph_steps": replays[0], "graph_captures": _captures(eng) - captured}}
     if driver:
         res.update(env_wait_s=driver.wait_s, env_s=sum(ep.env_s for ep in driver.episodes),
                    turns=[ep.turn for ep in driver.episodes])
@@ -122,7 +128,7 @@ def side_numbers(calls: list[dict]) -> dict:
     out = {"seconds": med["seconds"], "policy_tokens": policy, "observation_tokens": sum(len(r.tokens) for r in rs)
            - policy, "tokens_per_s": policy / med["seconds"], "engine_steps": med["stats"]["steps"],
            "rows_per_step": rows / steps, "graph_steps": med["stats"]["graph_steps"],
-           "discarded_rows": med["stats"]["discarded_rows"],
+           "graph_captures": med["stats"]["graph_captures"], "discarded_rows": med["stats"]["discarded_rows"],
            "seconds_per_step": med["seconds"] / steps,
            "calls_seconds": [c["seconds"] for c in calls]}
     if "env_s" in med:
