@@ -1,6 +1,7 @@
 """`rlalign report` plots, string metrics in W&B, and traces of resumed runs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,63 @@ def test_report_draws_loss_kl_entropy_length_and_throughput_from_the_keys_logged
     assert drawn["response length (tokens)"] == ["response/length_mean", "response/length_max"]
     assert drawn["tokens/s"] == ["time/train_tok_per_s"]
     assert drawn["GRPO signal"] == []  # negative twin: a key no step logged draws nothing
+
+
+def _episode_run(tmp_path, episodes: bool):
+    """_run_dir's 3 steps with the keys of a multi-turn step (episodes=True) or without them."""
+    run, rows = _run_dir(tmp_path, steps=3)
+    for s, r in enumerate(rows):
+        r["time/generate_s"] = 0.4
+        if episodes:
+            r.update({"episode/turns_mean": 2.0 + s / 2, "episode/turns_max": 3 + s, "episode/env_reward_mean": 0.25,
+                      "episode/tool_calls": 4, "episode/tool_errors": s, "episode/env_errors": 0,
+                      "episode/env_timeouts": int(s == 2), "episode/finish_done_frac": 0.5,
+                      "episode/finish_turns_frac": 0.5 - 0.25 * s, "episode/finish_context_frac": 0.0,
+                      "episode/finish_env_error_frac": 0.25 * s, "episode/policy_tokens": 70,
+                      "episode/observation_tokens": 30, "time/env_s": 0.3, "time/env_wait_s": 0.1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_report_summarises_episodes_and_draws_their_panels(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from rlalign.monitor.report import EPISODE_PANELS, make_report, training_figure
+
+    # the figures are built, not rendered (rendering is the other tests'): a named empty file each
+    monkeypatch.setattr(Figure, "tight_layout", lambda self: None)
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: Path(path).touch())
+
+    out = make_report(_episode_run(tmp_path / "multi", episodes=True))
+    assert "episodes.png" in {p.name for p in out.iterdir()}
+    summary = (out / "summary.md").read_text()
+    section = summary.split("## episodes\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section == [
+        "| what | value |", "| --- | --- |",
+        "| turns per episode: mean (max over the run) | 2.50 (5) |",
+        "| tool calls / tool errors (run total) | 12 / 3 |",
+        "| environment errors / timeouts (run total) | 0 / 1 |",
+        "| episodes ended by done / turns / context / env_error, mean | 50.0% / 25.0% / 0.0% / 25.0% |",
+        "| episode tokens, policy / observation | 210 / 90 |",
+        "| environment reward per episode, mean | 0.250 |",
+        "| environment time (summed over episodes), mean per step | 0.300 s |",
+        "| engine waiting on environments (not overlapped with decoding), mean per step | 0.100 s = 25% of generate |"]
+    assert "![episodes](episodes.png)" in summary
+    fig = training_figure(_rows_of(out.parent), EPISODE_PANELS)
+    drawn = {ax.get_title(): [ln.get_label() for ln in ax.lines] for ax in fig.axes}
+    assert drawn["seconds per step"] == ["time/generate_s", "time/env_s", "time/env_wait_s"]
+    assert drawn["turns per episode"] == ["episode/turns_mean", "episode/turns_max"]
+    # negative twin: the same run without its episode keys reports no episodes, and the rest of its
+    # summary is the multi-turn one's, line for line
+    single = make_report(_episode_run(tmp_path / "single", episodes=False))
+    assert "episodes.png" not in {p.name for p in single.iterdir()}
+    plain = (single / "summary.md").read_text()
+    assert "episode" not in plain
+    lines = summary.replace("multi", "single").splitlines()
+    start = lines.index("## episodes")
+    assert plain.splitlines() == [ln for ln in lines[:start] + lines[start + len(section) + 3:]
+                                  if ln != "![episodes](episodes.png)"]
+
+
+def _rows_of(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]

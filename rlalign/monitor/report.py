@@ -7,8 +7,10 @@
     divergence.png    token rows differing per op (from divergence.jsonl; monitor.fingerprints=layers)
     training.png      per step: policy loss, KL (old || current, to the reference, generator || trainer),
                       entropy, response length and tokens/s per phase (TRAINING_PANELS)
-    summary.md        the numbers (the W&B run's: rollout stats, time and tokens/s per phase, the
-                      worst tokens with their first divergent op) and the plots
+    episodes.png      multi-turn runs only, per step: turns, environment calls and failures, how episodes
+                      ended, tokens per side, environment time and the engine's wait (EPISODE_PANELS)
+    summary.md        the numbers (the W&B run's: rollout stats, time and tokens/s per phase, episodes,
+                      the worst tokens with their first divergent op) and the plots
 """
 
 from __future__ import annotations
@@ -163,10 +165,23 @@ TRAINING_PANELS = {
 }
 
 
-def training_figure(rows: list[dict]):
-    """One panel per TRAINING_PANELS entry, each key a line over the steps."""
+# multi-turn runs (metrics.jsonl's episode/* keys: rlalign.agent.metrics, rlalign.step.episode_tokens)
+EPISODE_PANELS = {
+    "turns per episode": ["episode/turns_mean", "episode/turns_max"],
+    "environment calls (per step)": ["episode/tool_calls", "episode/tool_errors", "episode/env_errors",
+                                     "episode/env_timeouts"],
+    "episodes ended by (fraction)": ["episode/finish_done_frac", "episode/finish_turns_frac",
+                                     "episode/finish_context_frac", "episode/finish_env_error_frac"],
+    "tokens per step": ["episode/policy_tokens", "episode/observation_tokens"],
+    "seconds per step": ["time/generate_s", "time/env_s", "time/env_wait_s"],
+    "reward": ["reward/mean", "episode/env_reward_mean"],
+}
+
+
+def training_figure(rows: list[dict], panels: dict[str, list[str]] = TRAINING_PANELS):
+    """One panel per `panels` entry (at most 6), each key a line over the steps."""
     fig, axes = _plt().subplots(2, 3, figsize=(13, 6.5))
-    for ax, (title, keys) in zip(axes.flat, TRAINING_PANELS.items()):
+    for ax, (title, keys) in zip(axes.flat, panels.items()):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
@@ -196,6 +211,9 @@ def make_report(run_dir: Path) -> Path:
     save(mismatch_figure(rows), "mismatch.png")
     save(hist_figure(rows), "abs_diff_hist.png")
     save(training_figure(rows), "training.png")
+    episodes = any(k.startswith("episode/") for r in rows for k in r)
+    if episodes:
+        save(training_figure(rows, EPISODE_PANELS), "episodes.png")
     by_op: dict[str, int] = {}
     for d in div:
         for op, n in d.get("by_op", {}).items():
@@ -216,9 +234,9 @@ def make_report(run_dir: Path) -> Path:
         f"| max abs logprob diff | {max(x['consistency/logprob_abs_diff_max'] for x in rows):.3g} |",
         f"| mean step time | {sum(x['time/step_s'] for x in rows) / len(rows):.2f} s |",
         f"| first divergent op | {firsts[0] if firsts else 'none'} |",
-        *_rollout_rows(rows), "", *_phase_table(rows), "",
+        *_rollout_rows(rows), "", *_phase_table(rows), "", *_episode_table(rows),
         "![reward](reward.png)", "![mismatch](mismatch.png)", "![abs diff](abs_diff_hist.png)",
-        "![training](training.png)",
+        "![training](training.png)", *(["![episodes](episodes.png)"] if episodes else []),
     ]
     if by_op:
         lines.append("![divergence](divergence.png)")
@@ -247,9 +265,6 @@ def _rollout_rows(rows: list[dict]) -> list[str]:
         m = _mean(rows, key)
         if m is not None:
             out.append(f"| {what}, mean | {fmt.format(m)} |")
-    if any("episode/policy_tokens" in r for r in rows):
-        out.append(f"| episode tokens, policy / observation | {sum(r.get('episode/policy_tokens', 0) for r in rows)} / "
-                   f"{sum(r.get('episode/observation_tokens', 0) for r in rows)} |")
     by_turn = [f"turn {k}: {sum(r.get(key, 0) for r in rows)} of "
                f"{sum(r.get(f'consistency/turn_{k}/tokens', 0) for r in rows)}"
                for k, key in turn_keys(rows, "mismatched_tokens")]
@@ -259,6 +274,47 @@ def _rollout_rows(rows: list[dict]) -> list[str]:
     if timeouts:
         out.append(f"| reward calls past task.reward_timeout_s | {sum(timeouts)} |")
     return out
+
+
+def _total(rows: list[dict], key: str) -> int | float:
+    return sum(r.get(key, 0) for r in rows)
+
+
+def _episode_table(rows: list[dict]) -> list[str]:
+    """The episodes of a multi-turn run (its episode/* keys; none: no lines): turns, environment calls
+    and failures (run totals), how episodes ended (mean fraction per step), tokens per side, and
+    environment time against the engine's wait on it (means per step)."""
+    if not any(k.startswith("episode/") for r in rows for k in r):
+        return []
+    out = ["## episodes", "", "| what | value |", "| --- | --- |"]
+    turns = _mean(rows, "episode/turns_mean")
+    if turns is not None:
+        out.append(f"| turns per episode: mean (max over the run) | {turns:.2f} "
+                   f"({max(r.get('episode/turns_max', 0) for r in rows)}) |")
+    if any("episode/tool_calls" in r for r in rows):
+        out.append(f"| tool calls / tool errors (run total) | {_total(rows, 'episode/tool_calls')} / "
+                   f"{_total(rows, 'episode/tool_errors')} |")
+        out.append(f"| environment errors / timeouts (run total) | {_total(rows, 'episode/env_errors')} / "
+                   f"{_total(rows, 'episode/env_timeouts')} |")
+    ends = [key for key in dict.fromkeys(k for r in rows for k in r)
+            if key.startswith("episode/finish_") and key.endswith("_frac")]
+    if ends:
+        out.append(f"| episodes ended by {' / '.join(k[len('episode/finish_'):-len('_frac')] for k in ends)}, "
+                   f"mean | {' / '.join(f'{_mean(rows, k):.1%}' for k in ends)} |")
+    if any("episode/policy_tokens" in r for r in rows):
+        out.append(f"| episode tokens, policy / observation | {_total(rows, 'episode/policy_tokens')} / "
+                   f"{_total(rows, 'episode/observation_tokens')} |")
+    reward = _mean(rows, "episode/env_reward_mean")
+    if reward is not None:
+        out.append(f"| environment reward per episode, mean | {reward:.3f} |")
+    env, wait, gen = _mean(rows, "time/env_s"), _mean(rows, "time/env_wait_s"), _mean(rows, "time/generate_s")
+    if env is not None:
+        out.append(f"| environment time (summed over episodes), mean per step | {env:.3f} s |")
+    if wait is not None:
+        share = f" = {wait / gen:.0%} of generate" if gen else ""
+        out.append(f"| engine waiting on environments (not overlapped with decoding), mean per step | "
+                   f"{wait:.3f} s{share} |")
+    return [*out, ""]
 
 
 PHASES = [("generate", "generate_tok_per_s"), ("reward", "reward_tok_per_s"), ("train", "train_tok_per_s"),
