@@ -58,6 +58,9 @@ class TaskConfig:
     env_timeout_s: float | None = 60.0
     env_fallback_reward: float | None = None
     env_workers: int = 4  # environment calls running at once per generator rank (threads)
+    # with task.chat: each observation is a message of this role in the chat template (some templates know
+    # only user/assistant: 'user'), after the assistant's end of turn and before the generation prompt
+    observation_role: str = "tool"
 
 
 def task_problems(t: DictConfig) -> list[str]:

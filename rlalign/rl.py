@@ -46,7 +46,7 @@ from rlalign.step import MismatchError, run_step
 from rlalign.stop import Stopped, StopSignals
 from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
-from rlalign.tasks.tokenizer import make_tokenizer, tokenizer_dir
+from rlalign.tasks.tokenizer import make_tokenizer, observation_encoder, tokenizer_dir
 from rlalign.training.losses import resolve_loss
 from rlalign.training.trainer import checkpoint_nbytes
 
@@ -73,8 +73,9 @@ def _prepare(cfg: DictConfig):
         raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
                          f"only {args.vocab_size}")
     check_generator(cfg)
-    if t.env:  # the environment's class imports, and the episode limits fit the model
+    if t.env:  # the environment's class imports, observations fit the chat template, the limits the model
         env_class(cfg)
+        observation_encoder(tok, t.observation_role)
     context = episode_limits(cfg).max_context_len if t.env else None
     resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = t.max_new_tokens

@@ -27,7 +27,7 @@ def episode_limits(cfg: DictConfig) -> EpisodeLimits:
     if t.max_context_len is not None and t.max_context_len > context:
         raise ValueError(f"task.max_context_len={t.max_context_len} exceeds the model's context of {context} tokens")
     return EpisodeLimits(t.max_turns, t.max_context_len or context, tuple(t.stop), t.env_timeout_s,
-                         t.env_fallback_reward, t.env_workers)
+                         t.env_fallback_reward, t.env_workers, t.observation_role)
 
 
 def make_driver(cfg: DictConfig, tok, examples, prompts: list[list[int]], sample_ids: list[int],

@@ -8,8 +8,9 @@ The engine decodes every episode's assistant turn until EOS, a stop string (stop
 text of the turn's last tokens holds one of task.stop) or the per-turn limit (task.max_new_tokens,
 or the context's end), then hands the turn over (ended()). The turn's text goes to its episode's
 environment in a worker thread (task.env_workers at a time), while the engine decodes the other
-episodes; poll() gives the engine each answer: the observation's tokens (the run's tokenizer, no
-chat template) to prefill, or None: the episode is over. An episode ends with the finish reason
+episodes; poll() gives the engine each answer: the observation's tokens to prefill (its text as it is, or
+with task.chat=true the chat template's message of task.observation_role after the turn and the
+generation prompt: rlalign.tasks.tokenizer.ChatObservations), or None: the episode is over. An episode ends with the finish reason
     done       the environment said done
     turns      task.max_turns assistant turns taken
     context    the next observation and one more token would not fit in task.max_context_len
@@ -35,6 +36,7 @@ from rlalign.agent.env import EnvContractError, check_step
 from rlalign.sequences import Rollout
 from rlalign.tasks import Example
 from rlalign.tasks.reward_fn import user_frame
+from rlalign.tasks.tokenizer import observation_encoder
 
 POLL_WAIT_S = 0.05  # poll(wait=True) blocks at most this long without an answer
 STOP_WINDOW_SLACK = 4  # tokens decoded beyond the longest stop string's length (tokens of no text)
@@ -52,6 +54,7 @@ class EpisodeLimits:
     timeout_s: float | None = None
     fallback: float | None = None
     workers: int = 1
+    observation_role: str = "tool"  # with a chat template: the observation's message role
 
 
 @dataclass
@@ -92,6 +95,7 @@ class EpisodeDriver:
                  sample_ids: list[int], seed: int, limits: EpisodeLimits, phase: str = ""):
         self.tok, self.limits, self.phase = tok, limits, phase
         self.name = f"{env_cls.__module__}.{env_cls.__qualname__}"
+        self.observe = observation_encoder(tok, limits.observation_role)
         self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
         for b, ep in enumerate(self.episodes):
             try:
@@ -213,7 +217,7 @@ class EpisodeDriver:
         if ep.turn >= self.limits.max_turns:
             return self._end(b, "turns", out)
         try:
-            obs = self.tok.encode(step.observation, where=f"the observation {step.observation!r}", template=False)
+            obs = self.observe(step.observation, ep.turn_ends[-1] == "eos", f"the observation {step.observation!r}")
         except ValueError as e:
             raise EnvError(f"environment {self.name} answered text outside the tokenizer in {self._where(b)}: "
                            f"{e}") from None

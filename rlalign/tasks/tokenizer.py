@@ -6,7 +6,8 @@ Which one a run uses (task.tokenizer; make_tokenizer is the one place this is de
     char    the char tokenizer, whatever model.path holds
     DIR     the Hugging Face tokenizer in DIR
 With task.chat=true a prompt is the user turn of the tokenizer's chat template followed by its
-generation prompt. The eos id is the tokenizer's.
+generation prompt. The eos id is the tokenizer's. An environment's observation (observation_encoder) is
+its text as it is, or with task.chat=true the chat template's next message after the assistant turn.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import string
 from pathlib import Path
+from typing import Callable
 
 PAD_ID, EOS_ID = 0, 1
 CHARS = string.digits + string.ascii_lowercase + "+-*=:;,. ?!()<>|#@"  # 54 symbols, ids 2..55
@@ -23,7 +25,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 class CharTokenizer:
     pad_token_id, eos_token_id = PAD_ID, EOS_ID
-    name = "the char tokenizer"
+    name, chat = "the char tokenizer", False
 
     def __init__(self, chars: str = CHARS, hint: str = ""):
         self.chars, self.hint = chars, hint
@@ -75,6 +77,10 @@ class HFTokenizer:
         if self.chat and template:
             text = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=False)
+        return self.ids(text, where)
+
+    def ids(self, text: str, where: str) -> list[int]:
+        """text's ids as they are (no template, no special tokens added), refusing unknown text."""
         ids = self.tok.encode(text, add_special_tokens=False)
         unk = self.tok.unk_token_id
         if unk is not None and unk in ids:
@@ -101,6 +107,60 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class ChatObservations:
+    """With task.chat=true: an observation as the chat template's delta after an assistant turn, i.e.
+    what the template renders after the assistant's content for [user, assistant, {"role": role,
+    "content": text}] with the generation prompt (the assistant's end of turn, the message, the next
+    assistant header). A turn that ended at eos holds the end-of-turn token already: the delta starts
+    after it. A turn that ended otherwise (a stop string, the per-turn limit) gets the template's end
+    of turn as the delta's first tokens (observation tokens: no loss). Each delta is tokenized on its
+    own; where it starts with a special token (ChatML's <|im_end|>, or the text after it) the episode's
+    tokens are the tokenization of the template's rendering of the whole conversation."""
+
+    USER, TURN, PROBE = "RLALIGN_USER", "RLALIGN_TURN", "RLALIGN_OBSERVATION"
+
+    def __init__(self, tok: HFTokenizer, role: str):
+        self.tok, self.role = tok, role
+        self.template = f"the chat template of {tok.name}"
+        self.eos = tok.tok.eos_token
+        user = " (set task.observation_role=user)" if role != "user" else ""
+        after = self._after_turn(self.PROBE, user)
+        if after.count(self.PROBE) != 1:
+            raise ValueError(f"task.observation_role={role!r}: {self.template} renders no content for a message "
+                             f"of role {role!r}{user}")
+        if not after.startswith(self.eos):
+            raise ValueError(f"task.chat=true: {self.template} ends an assistant message with {after[:24]!r}, not "
+                             f"with the eos token {self.eos!r}, so a turn that ends at eos cannot go on with an "
+                             f"observation")
+
+    def __call__(self, text: str, closed: bool, where: str) -> list[int]:
+        """The observation's ids after a turn that ended at eos (`closed`) or not."""
+        after = self._after_turn(text, "")
+        return self.tok.ids(after[len(self.eos):] if closed else after, where)
+
+    def _after_turn(self, text: str, hint: str) -> str:
+        messages = [{"role": "user", "content": self.USER}, {"role": "assistant", "content": self.TURN},
+                    {"role": self.role, "content": text}]
+        try:
+            full = self.tok.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template's own refusal (jinja's raise_exception), one line
+            msg = " ".join(str(e).split())[:200]
+            raise ValueError(f"task.observation_role={self.role!r}: {self.template} cannot render a message of "
+                             f"role {self.role!r} after an assistant turn ({type(e).__name__}: {msg}){hint}") from None
+        if full.count(self.TURN) != 1:
+            raise ValueError(f"task.chat=true: {self.template} does not render an assistant message's content as it "
+                             f"is, so the observation's place after a turn is unknown")
+        return full[full.index(self.TURN) + len(self.TURN):]
+
+
+def observation_encoder(tok, role: str = "tool") -> Callable[[str, bool, str], list[int]]:
+    """How an environment's observation text becomes the episode's next tokens: (text, whether the
+    turn ended at eos, where) -> ids. The text as it is; with task.chat=true ChatObservations."""
+    if tok.chat:
+        return ChatObservations(tok, role)
+    return lambda text, closed, where: tok.encode(text, where, template=False)
 
 
 def has_tokenizer(path: str | os.PathLike | None) -> bool:
