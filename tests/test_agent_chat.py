@@ -21,13 +21,19 @@ from rlalign.tasks import Example
 from rlalign.tasks.tokenizer import HFTokenizer
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]  # eos: <|im_end|>, the template's end of turn
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789:<>-+=?() \n"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789:<>-+=?()_/ \n"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 NO_TOOL = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
            "{{ raise_exception('Conversation roles must be user or assistant') }}{% endif %}"
            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3's way: the last assistant message gets an empty thinking block, tool replies are user turns
+QWEN3_LIKE = ("{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+              "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
+              "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
+              "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 DROPS_TOOL = CHATML.replace("{% for m in messages %}", "{% for m in messages if m['role'] != 'tool' %}")
 ROW = Example("what is 2+3", "5")
 # each assistant turn (its text, how it ended) and the environment's answers
@@ -35,15 +41,15 @@ TURNS = [("calc(2+3)", "eos"), ("calc(5", "stop"), ("5", "eos")]
 OBSERVATIONS = ["5", "err"]
 
 
-def write_tokenizer(d: Path, template: str) -> Path:
-    """A character-level WordLevel tokenizer (51 ids) with a chat template; eos is <|im_end|>."""
+def write_tokenizer(d: Path, template: str, eos: str = "<|im_end|>") -> Path:
+    """A character-level WordLevel tokenizer (53 ids) with a chat template."""
     d.mkdir(parents=True, exist_ok=True)
     tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + list(ALPHABET))}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tk.add_special_tokens(SPECIALS)
     tk.save(str(d / "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<pad>",
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": "<pad>",
             "unk_token": "<unk>", "chat_template": template}
     (d / "tokenizer_config.json").write_text(json.dumps(conf))
     return d
@@ -103,6 +109,20 @@ def test_chat_observations_make_the_episode_the_templates_rendering_of_the_conve
     assert [r.turns[i] for i in range(len(r.turns)) if r.tokens[i] == end and r.turns[i] >= 0] == [0, 2]
 
 
+def test_a_template_that_re_renders_the_last_assistant_turn_gets_the_delta_after_the_turns_content(tmp_path):
+    """Rendering [user, assistant] is no prefix of [user, assistant, tool] here (the thinking block
+    moves); the observation is what the template writes after the assistant's content."""
+    tok = HFTokenizer(write_tokenizer(tmp_path / "tok", QWEN3_LIKE), chat=True)
+    short = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    render = tok.tok.apply_chat_template
+    assert not render(short + [{"role": "tool", "content": "5"}], add_generation_prompt=True,
+                      tokenize=False).startswith(render(short, tokenize=False))
+    _, r = episode(tok)
+    reply = "<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    want = tok.ids("\n" + reply.format("5"), "") + tok.ids("<|im_end|>\n" + reply.format("err"), "")
+    assert [t for t, k in zip(r.tokens, r.turns) if k == -1] == want
+
+
 def test_without_chat_the_observations_are_their_text_as_it_is(tmp_path):
     """The negative twin: the same tokenizer with task.chat=false appends the raw text."""
     tok = HFTokenizer(write_tokenizer(tmp_path / "tok", CHATML), chat=False)
@@ -133,3 +153,11 @@ def test_the_role_error_comes_before_any_actor(tmp_path):
     d = write_tokenizer(tmp_path / "tok", NO_TOOL)
     with pytest.raises(ValueError, match=r"task.observation_role='tool': .* \(set task.observation_role=user\)"):
         train(load_config(["task=calc", "task.chat=true", f"task.tokenizer={d}", f"run.dir={tmp_path / 'run'}"]))
+
+
+def test_an_eos_that_is_not_the_templates_end_of_turn_is_an_error(tmp_path):
+    d = write_tokenizer(tmp_path / "tok", CHATML, eos="<pad>")
+    with pytest.raises(ValueError, match=r"^task.chat=true: the chat template of the tokenizer in .* ends an assistant "
+                                         r"message with '<\|im_end\|>\\n.*', not with the eos token '<pad>', so a "
+                                         r"turn that ends at eos cannot go on with an observation$"):
+        episode(HFTokenizer(d, chat=True))
