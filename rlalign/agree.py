@@ -200,8 +200,9 @@ def replay_checks(rollouts: list[Rollout], replay: dict) -> dict:
         return torch.equal(r.logprobs.float()[keep].view(torch.int32),
                            torch.tensor(lp, dtype=torch.float32)[keep].view(torch.int32))
 
+    lps = replay["generator_logprobs"]
     return {"replay_same_tokens": same and len(rollouts) == len(replay["responses"]),
-            "replay_generator_logprobs_equal": all(equal(r, lp) for r, lp in zip(rollouts, replay["generator_logprobs"]))}
+            "replay_generator_logprobs_equal": all(equal(r, lp) for r, lp in zip(rollouts, lps))}
 
 
 def print_report(result: dict, console=None) -> None:
