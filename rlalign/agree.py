@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from rlalign.agent.recorded import RecordedEpisode, RecordedEpisodes, split_episode
 from rlalign.config import model_args
 from rlalign.generator_world import generator_world
 from rlalign.logger import Phases, json_line
@@ -24,7 +25,7 @@ from rlalign.monitor.consistency import logprob_consistency
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import check_generator
 from rlalign.sampling_params import SamplingParams
-from rlalign.sequences import Rollout, Sample
+from rlalign.sequences import Rollout, Sample, policy_mask
 from rlalign.workers import GeneratorWorker, TrainerWorker
 
 
@@ -69,11 +70,26 @@ def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int]
     return cfg, batch["prompts"], batch["sample_ids"], params, batch
 
 
+def recorded_episodes(batch: dict, where: str) -> list[RecordedEpisode] | None:
+    """A dump's episodes (its `turns`: a multi-turn run's) split into turns and observations, or None
+    (a single-turn run's dump)."""
+    turns = batch.get("turns")
+    if turns is None:
+        return None
+    responses, ids = batch["responses"], batch["sample_ids"]
+    if not len(turns) == len(responses) == len(ids):
+        raise ValueError(f"{where}: {len(turns)} turns, {len(responses)} responses, {len(ids)} sample ids; need one "
+                         "of each per sample")
+    return [split_episode(r, t, f"{where}, sample {sid}") for r, t, sid in zip(responses, turns, ids)]
+
+
 def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids,
-                   params: SamplingParams) -> list[Rollout]:
+                   params: SamplingParams, recorded: list[RecordedEpisode] | None) -> list[Rollout]:
     worker = GeneratorWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
     part = shard_range(len(prompts), world, rank)
-    return worker.generate([prompts[i] for i in part], [sample_ids[i] for i in part], params).rollouts
+    mine = [prompts[i] for i in part]
+    episodes = None if recorded is None else RecordedEpisodes([recorded[i] for i in part], [len(p) for p in mine])
+    return worker.generate(mine, [sample_ids[i] for i in part], params, episodes=episodes).rollouts
 
 
 def _score_rank(rank: int, world: int, group, cfg_dict: dict, samples: list[Sample]) -> list[torch.Tensor]:
@@ -90,19 +106,23 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
     return run_workers(ep_size, fn, (cfg_dict, *args), cfg.device, cfg.dist.timeout_s)
 
 
-def generate_batch(cfg: DictConfig, prompts, sample_ids, params: SamplingParams) -> list[Rollout]:
-    """The generator group's rollouts (generator.ep_size ranks), in sample order."""
+def generate_batch(cfg: DictConfig, prompts, sample_ids, params: SamplingParams,
+                   recorded: list[RecordedEpisode] | None = None) -> list[Rollout]:
+    """The generator group's rollouts (generator.ep_size ranks), in sample order; with `recorded`,
+    episodes that replay those turns and observations (params.max_new_tokens: per turn)."""
     parts = _run_side(cfg, check_generator(cfg).ranks, "generator.ep_size", _generate_rank,
-                      (prompts, sample_ids, params))
+                      (prompts, sample_ids, params, recorded))
     return [r for part in parts for r in part]
 
 
-def score_batch(cfg: DictConfig, prompts, responses, params: SamplingParams, sample_ids=None) -> list[torch.Tensor]:
+def score_batch(cfg: DictConfig, prompts, responses, params: SamplingParams, sample_ids=None,
+                turns=None) -> list[torch.Tensor]:
     """The trainer group's logprobs (trainer.ep_size ranks), in order, of finished sequences whose
-    responses were drawn with `params`."""
+    responses were drawn with `params` (`turns`: episodes', as Sample.turns)."""
     ids = sample_ids if sample_ids is not None else [None] * len(prompts)
-    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i, params=params)
-               for p, r, i in zip(prompts, responses, ids)]
+    turns = turns if turns is not None else [None] * len(prompts)
+    samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i, params=params, turns=t)
+               for p, r, i, t in zip(prompts, responses, ids, turns)]
     parts = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", _score_rank, (samples,))
     return [lp for part in parts for lp in part]
 
@@ -114,28 +134,31 @@ def _where(ranks: int) -> str:
 def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> tuple[dict, list[Rollout]]:
     """The batch generated and rescored, compared token by token; `phase` hears each phase as it begins."""
     t0 = time.perf_counter()
-    replay = None
+    replay = recorded = None
     if cfg.agree.replay:
         cfg, prompts, ids, params, replay = load_replay(cfg)
+        recorded = recorded_episodes(replay, f"agree.replay={cfg.agree.replay!r} (batch.json)")
     else:
         prompts, params = random_prompts(cfg, model_args(cfg).vocab_size), batch_params(cfg, cfg.seed)
         ids = list(range(len(prompts)))
     world = generator_world(cfg)
-    phase(f"generating {len(prompts)} sequences of up to {params.max_new_tokens} tokens (generator EP "
-          f"{world.ranks}, {world.backend} engine, {_where(world.ranks)}; each rank builds the model first)")
-    rollouts = generate_batch(cfg, prompts, ids, params)
+    what = (f"{len(prompts)} sequences of up to {params.max_new_tokens} tokens" if recorded is None else
+            f"{len(prompts)} episodes of {sum(len(e.lengths) for e in recorded)} recorded turns in all")
+    phase(f"generating {what} (generator EP {world.ranks}, {world.backend} engine, {_where(world.ranks)}; each rank "
+          "builds the model first)")
+    rollouts = generate_batch(cfg, prompts, ids, params, recorded)
     t1 = time.perf_counter()
     phase(f"scoring the {sum(len(r.tokens) for r in rollouts)} generated tokens on the trainer side (EP "
           f"{cfg.trainer.ep_size}, {_where(cfg.trainer.ep_size)}; another order and other micro-batches)")
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
     train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled], params,
-                           [r.sample_id for r in shuffled])
+                           [r.sample_id for r in shuffled], [r.turns for r in shuffled])
     t2 = time.perf_counter()
     back = [None] * len(rollouts)
     for j, i in enumerate(order):
         back[i] = train_lp[j]
-    c = logprob_consistency([r.logprobs for r in rollouts], back)
+    c = logprob_consistency([r.logprobs for r in rollouts], back, [r.turns for r in rollouts])
     result = {
         "tokens": c["tokens"],
         "mismatched_tokens": c["mismatched_tokens"],
@@ -157,11 +180,29 @@ def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None)
         "generate_s": round(t1 - t0, 3),
         "score_s": round(t2 - t1, 3),
     }
-    if replay is not None:  # did this replay sample what the run sampled?
-        result["replay_same_tokens"] = [r.tokens for r in rollouts] == replay["responses"]
-        result["replay_generator_logprobs_equal"] = all(
-            r.logprobs.tolist() == lp for r, lp in zip(rollouts, replay["generator_logprobs"]))
+    if replay is not None:
+        result.update(replay_checks(rollouts, replay))
     return result, rollouts
+
+
+def replay_checks(rollouts: list[Rollout], replay: dict) -> dict:
+    """Did the replay sample what the run sampled: the same tokens (an episode's: with the same turns and
+    observations) and the same generator logprob bits at every token the policy sampled."""
+    turns = replay.get("turns")
+    turns = [None] * len(rollouts) if turns is None else [[0] * len(r) if t is None else t
+                                                          for r, t in zip(replay["responses"], turns)]
+    same = all(r.tokens == resp and r.turns == t for r, resp, t in zip(rollouts, replay["responses"], turns))
+
+    def equal(r: Rollout, lp: list[float]) -> bool:
+        if len(lp) != len(r.tokens):
+            return False
+        keep = policy_mask(r.turns, len(r.tokens))
+        return torch.equal(r.logprobs.float()[keep].view(torch.int32),
+                           torch.tensor(lp, dtype=torch.float32)[keep].view(torch.int32))
+
+    lps = replay["generator_logprobs"]
+    return {"replay_same_tokens": same and len(rollouts) == len(replay["responses"]),
+            "replay_generator_logprobs_equal": all(equal(r, lp) for r, lp in zip(rollouts, lps))}
 
 
 def print_report(result: dict, console=None) -> None:

@@ -36,6 +36,7 @@ from rlalign.monitor.trace import RowNames, Trace, fixed_environment
 from rlalign.parallel import weight_sync
 from rlalign.parallel.ep import apply_ep, full_state_dict
 from rlalign.rollout.generator import make_generator
+from rlalign.rollout.types import Continuations
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout, Sample
 from rlalign.tasks import Example
@@ -332,9 +333,10 @@ class GeneratorWorker(_Monitored, _WeightSync):
 
     def generate(self, prompts: list[list[int]], sample_ids: list[int], params: SamplingParams,
                  step: int = 0, release: bool = False, release_weights: bool = True,
-                 examples: list[Example] | None = None) -> GenerateOutput:
+                 examples: list[Example] | None = None, episodes: Continuations | None = None) -> GenerateOutput:
         """Rollouts of this rank's prompts and their per-token row fingerprints; with `examples` (task.env:
-        each prompt's task row), episodes whose environments live in this process.
+        each prompt's task row), episodes whose environments live in this process; with `episodes`,
+        episodes that it continues (a replay's recorded ones: rlalign.agent.recorded).
         `release`: then the engine gives its device memory back (the KV cache; the weights too with
         `release_weights`) until the next weight sync."""
         maybe_fail("generator.generate", self.rank)
@@ -348,7 +350,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
             driver = make_driver(self.cfg, self.tok, examples, prompts, sample_ids, f"step {step}")
             outs = driver.finish(self.generator.generate(prompts, sample_ids, params, episodes=driver))
         else:
-            outs = self.generator.generate(prompts, sample_ids, params)
+            outs = self.generator.generate(prompts, sample_ids, params, episodes=episodes)
         t1 = time.perf_counter()
         seconds = t1 - t0
         if self.trace is not None:

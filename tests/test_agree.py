@@ -101,7 +101,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     from rlalign.model.build import model_from_config
     from rlalign.rollout.native.engine import generate
 
-    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, params):
+    def bypass(rank, world, group, cfg_dict, prompts, sample_ids, params, recorded):
         return generate(model_from_config(OmegaConf.create(cfg_dict)), prompts, sample_ids, params)
 
     monkeypatch.setattr(agree, "_generate_rank", bypass)
