@@ -227,3 +227,33 @@ def test_environment_calls_run_concurrently_up_to_env_workers(workers):
     else:  # twin: two at a time never meet four
         with pytest.raises(EnvError, match="raised BrokenBarrierError"):
             scripted(_driver(Meets, 4, workers=2, max_turns=1), ["9"])
+
+
+RESET_GATE = threading.Event()
+
+
+class ResetRaises(GuessEnv):
+    def reset(self, example, seed):
+        raise OSError("sandbox down")
+
+
+class ResetWaits(GuessEnv):
+    def reset(self, example, seed):
+        RESET_GATE.wait(30)
+        super().reset(example, seed)
+
+
+def test_a_reset_that_raises_or_hangs_is_an_error_naming_the_episode():
+    with pytest.raises(EnvError, match=r"raised OSError: sandbox down at its reset in the episode of sample 10 "
+                                       r"\(step 7, prompt 'g0-7:'\) \(at .*test_agent.py:\d+ in reset\)"):
+        _driver(ResetRaises)
+    RESET_GATE.clear()
+    try:
+        with pytest.raises(EnvError, match=r"did not finish its reset within task.env_timeout_s=0.2 s in the episode "
+                                           r"of sample 1[01] \(step 7, prompt 'g0-7:'\)$"):
+            _driver(ResetWaits, timeout_s=0.2)
+    finally:
+        RESET_GATE.set()
+    # twin: the same reset, answering, is within the limit
+    rs = scripted(_driver(ResetWaits, timeout_s=0.2), ["3"])
+    assert [r.finish_reason for r in rs] == ["done"] * 2

@@ -97,18 +97,46 @@ class EpisodeDriver:
         self.name = f"{env_cls.__module__}.{env_cls.__qualname__}"
         self.observe = observation_encoder(tok, limits.observation_role)
         self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
-        for b, ep in enumerate(self.episodes):
-            try:
-                ep.env = env_cls()
-                ep.env.reset(ep.example, episode_seed(seed, ep.sample_id))
-            except Exception as e:
-                raise EnvError(f"environment {self.name} raised {type(e).__name__}: {e} at its reset in "
-                               f"{self._where(b)}{_at(e)}") from e
+        self._reset_all(env_cls, seed)
         self.window = max((len(s) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
         self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
         self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
         self.results: queue.Queue = queue.Queue()
         self.wait_s = 0.0  # the engine's time blocked in poll: environment time not overlapped with decoding
+
+    def _reset_all(self, env_cls: type, seed: int) -> None:
+        """Every episode's environment made and reset, task.env_workers at a time in daemon threads (as
+        its steps run), each within task.env_timeout_s: one that raises or runs past it ends the run,
+        naming the episode (an episode without its reset cannot begin: no fallback)."""
+        done: queue.Queue = queue.Queue()
+
+        def reset(b: int, ep: Episode) -> None:
+            try:
+                ep.env = env_cls()
+                ep.env.reset(ep.example, episode_seed(seed, ep.sample_id))
+                done.put((b, None))
+            except BaseException as e:  # reported by the calling thread, naming the episode
+                done.put((b, e))
+
+        todo, started = deque(range(len(self.episodes))), {}
+        while todo or started:
+            while todo and len(started) < self.limits.workers:
+                b = todo.popleft()
+                started[b] = time.monotonic()
+                threading.Thread(target=reset, args=(b, self.episodes[b]), daemon=True,
+                                 name=f"rlalign-env-reset-{self.episodes[b].sample_id}").start()
+            timeout = self.limits.timeout_s
+            wait = None if not timeout else max(0.0, min(started.values()) + timeout - time.monotonic())
+            try:
+                b, e = done.get(timeout=wait)
+            except queue.Empty:
+                b = min(started, key=started.get)
+                raise EnvError(f"environment {self.name} did not finish its reset within task.env_timeout_s="
+                               f"{timeout:g} s in {self._where(b)}") from None
+            del started[b]
+            if e is not None:
+                raise EnvError(f"environment {self.name} raised {type(e).__name__}: {e} at its reset in "
+                               f"{self._where(b)}{_at(e)}") from e
 
     def max_len(self, b: int) -> int:
         return self.limits.max_context_len

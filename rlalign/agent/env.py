@@ -8,7 +8,7 @@ OpenEnv's StepResult, a verifiers environment's reply).
             return Step("hint", reward=0.0, done=False)
 
 One instance per episode, made with no arguments, reset once, then stepped once per assistant turn,
-from a worker thread (task.env_workers at a time, each call within task.env_timeout_s). The episode's
+each call from a worker thread (task.env_workers at a time, each call within task.env_timeout_s). The episode's
 first text is the row's prompt; an observation is appended to the episode as it is (tokenized by the
 run's tokenizer) and the next assistant turn follows it. An environment is a deterministic function
 of (the row, the seed, the actions): a resumed run replays it.
