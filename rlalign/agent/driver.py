@@ -10,7 +10,8 @@ or the context's end), then hands the turn over (ended()). The turn's text goes 
 environment in a worker thread (task.env_workers at a time), while the engine decodes the other
 episodes; poll() gives the engine each answer: the observation's tokens to prefill (its text as it is, or
 with task.chat=true the chat template's message of task.observation_role after the turn and the
-generation prompt: rlalign.tasks.tokenizer.ChatObservations), or None: the episode is over. An episode ends with the finish reason
+generation prompt: rlalign.tasks.tokenizer.ChatObservations), or None: the episode is over. An episode
+ends with the finish reason
     done       the environment said done
     turns      task.max_turns assistant turns taken
     context    the next observation and one more token would not fit in task.max_context_len
