@@ -91,8 +91,8 @@ def test_every_group_option_composes(group):
 
 def test_the_literal_checked_keys():
     assert sorted(CHOICES) == ["algorithm.old_logprobs", "checkpoint.staging", "generator.backend", "kernels.backend",
-                               "kernels.mode", "logger.wandb.mode", "model.dtype", "monitor.fingerprints", "monitor.on_mismatch",
-                               "trainer.layout"]
+                               "kernels.mode", "logger.wandb.mode", "model.dtype", "monitor.fingerprints",
+                               "monitor.on_mismatch", "trainer.layout"]
     assert CHOICES["kernels.mode"] == ("deterministic", "default")
     assert CHOICES["logger.wandb.mode"] == ("online", "offline", "disabled", None)
     schema = _schema()

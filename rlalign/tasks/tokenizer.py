@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 PAD_ID, EOS_ID = 0, 1
 CHARS = string.digits + string.ascii_lowercase + "+-*=:;,. ?!()<>|#@"  # 54 symbols, ids 2..55
