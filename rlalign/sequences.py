@@ -49,7 +49,7 @@ def policy_mask(turns: list[int] | None, n: int) -> torch.Tensor:
 
 def policy_tokens(sample: Sample) -> int:
     """How many of a sample's response tokens the policy sampled (what a loss is normalised by)."""
-    return len(sample.response) if sample.turns is None else sum(t >= 0 for t in sample.turns)
+    return len(sample.response) if sample.turns is None else int(policy_mask(sample.turns, len(sample.response)).sum())
 
 
 def render_episode(tok, tokens: list[int], turns: list[int] | None) -> str:

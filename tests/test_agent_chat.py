@@ -6,12 +6,11 @@ A template that cannot render the role is a clear error. The engine here is scri
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from test_tasks_user import write_tokenizer as write_char_tokenizer
 
 from rlalign.agent import EpisodeDriver, EpisodeLimits, Step
 from rlalign.config import load_config
@@ -43,16 +42,7 @@ OBSERVATIONS = ["5", "err"]
 
 def write_tokenizer(d: Path, template: str, eos: str = "<|im_end|>") -> Path:
     """A character-level WordLevel tokenizer (53 ids) with a chat template."""
-    d.mkdir(parents=True, exist_ok=True)
-    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + list(ALPHABET))}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.add_special_tokens(SPECIALS)
-    tk.save(str(d / "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": "<pad>",
-            "unk_token": "<unk>", "chat_template": template}
-    (d / "tokenizer_config.json").write_text(json.dumps(conf))
-    return d
+    return write_char_tokenizer(d, template, SPECIALS, ALPHABET, eos)
 
 
 class Scripted:

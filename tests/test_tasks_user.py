@@ -29,15 +29,16 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tokenizer(d: Path, chat_template: str | None = CHAT) -> Path:
-    """A character-level WordLevel tokenizer (48 ids, fits the tiny model's 64) with a chat template."""
+def write_tokenizer(d: Path, chat_template: str | None = CHAT, specials: list[str] = SPECIALS,
+                    alphabet: str = ALPHABET, eos: str = "<eos>") -> Path:
+    """A character-level WordLevel tokenizer (by default 48 ids, fits the tiny model's 64) with a chat template."""
     d.mkdir(parents=True, exist_ok=True)
-    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + list(ALPHABET))}, unk_token="<unk>"))
+    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + list(alphabet))}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tk.add_special_tokens(SPECIALS)
+    tk.add_special_tokens(specials)
     tk.save(str(d / "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": "<pad>",
             "unk_token": "<unk>", **({"chat_template": chat_template} if chat_template else {})}
     (d / "tokenizer_config.json").write_text(json.dumps(conf))
     return d

@@ -24,7 +24,7 @@ import numbers
 from dataclasses import dataclass
 
 from rlalign.tasks import Example
-from rlalign.tasks.reward_fn import import_module, user_frame
+from rlalign.tasks.reward_fn import import_user_module
 
 
 @dataclass
@@ -77,12 +77,7 @@ def load_env(spec: str, builtin: dict[str, type]) -> type:
                              f"(or 'pkg.module:Class' for your own)")
         return builtin[spec]
     mod_name, _, cls_name = spec.rpartition(":")
-    try:
-        mod = import_module(mod_name)
-    except Exception as e:
-        at = user_frame(e)
-        raise ValueError(f"task.env={spec!r}: cannot import module {mod_name!r}{f' ({at})' if at else ''}: "
-                         f"{type(e).__name__}: {e}") from None
+    mod = import_user_module(f"task.env={spec!r}", mod_name)
     cls = getattr(mod, cls_name, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)) or not callable(getattr(cls, "reset",
                                                                                                      None)):

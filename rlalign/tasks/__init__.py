@@ -116,15 +116,10 @@ class Guess(Task):
         return Example(f"g0-{self.size - 1}:", str(rng.randrange(self.size)))
 
 
-class Calc(Task):
+class Calc(Add):
     """'a*b+c=' -> the value: the rows of the calc environment (rlalign.agent.envs.CalcEnv)."""
 
     name = "calc"
-    default_reward = "exact_match"
-
-    def __init__(self, seed, reward=None, max_operand: int = 20):
-        super().__init__(seed, reward)
-        self.max_operand = max_operand
 
     def make(self, rng):
         a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))

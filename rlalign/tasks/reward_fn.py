@@ -61,6 +61,17 @@ def import_module(name: str):
     return importlib.import_module(name)
 
 
+def import_user_module(key: str, name: str):
+    """import_module(name) for the config value `key` (e.g. "task.reward='pkg.module:function'"): a
+    failing import is one ValueError naming the key, the module and the line of the user's code."""
+    try:
+        return import_module(name)
+    except Exception as e:
+        at = user_frame(e)
+        raise ValueError(f"{key}: cannot import module {name!r}{f' ({at})' if at else ''}: "
+                         f"{type(e).__name__}: {e}") from None
+
+
 class Reward:
     """A reward function and the dataset fields it takes (module docstring)."""
 
@@ -105,12 +116,7 @@ class Reward:
 def load_reward(path: str) -> Reward:
     """'pkg.module:function' -> the function; a bare name means rlalign.tasks.rewards."""
     mod_name, _, fn_name = path.rpartition(":") if ":" in path else ("rlalign.tasks.rewards", ":", path)
-    try:
-        mod = import_module(mod_name)
-    except Exception as e:
-        at = user_frame(e)
-        raise ValueError(f"task.reward={path!r}: cannot import module {mod_name!r}"
-                         f"{f' ({at})' if at else ''}: {type(e).__name__}: {e}") from None
+    mod = import_user_module(f"task.reward={path!r}", mod_name)
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ValueError(f"task.reward={path!r}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no "

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from rlalign.config import did_you_mean
+from rlalign.sequences import policy_mask
 
 
 def grpo_advantages(rewards: list[float], group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -100,16 +101,12 @@ def policy_selection(turns: list[list[int] | None], lengths: list[int],
     """Which of a micro-batch's tokens (samples' `turns` as Sample.turns, `lengths` their responses')
     the policy sampled: (their positions [P] and assistant turns [P], long, on `device`, one asynchronous
     copy; the policy tokens per sample). A sample without turns is all policy tokens (turn 0)."""
-    index, turn, counts, pos = [], [], [], 0
-    for ts, n in zip(turns, lengths):
-        ts = [0] * n if ts is None else ts
-        if len(ts) != n:
-            raise ValueError(f"turns has {len(ts)} entries for {n} response tokens")
-        kept = [(pos + i, t) for i, t in enumerate(ts) if t >= 0]
-        index += [i for i, _ in kept]
-        turn += [t for _, t in kept]
-        counts.append(len(kept))
-        pos += n
+    keep = [policy_mask(ts, n) for ts, n in zip(turns, lengths)]
+    mask = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.bool)
+    every = [t for ts, n in zip(turns, lengths) for t in ([0] * n if ts is None else ts)]
+    index = torch.nonzero(mask).flatten().tolist()
+    turn = torch.tensor(every, dtype=torch.long)[mask].tolist()
+    counts = [int(k.sum()) for k in keep]
     host = torch.tensor(index + turn, dtype=torch.long)
     host = host.pin_memory() if device.type == "cuda" else host
     index_t, turn_t = host.to(device, non_blocking=True).split([len(index), len(turn)])

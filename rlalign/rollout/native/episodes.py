@@ -7,14 +7,13 @@ whole history."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from rlalign.rollout.native.pages import KVState
 from rlalign.rollout.native.scheduler import Scheduler, Seq, Step
 from rlalign.rollout.types import Continuations
 from rlalign.sampling_params import SamplingParams
-from rlalign.sequences import Rollout
+from rlalign.sequences import Rollout, policy_mask
 
 
 class EpisodeScheduler(Scheduler):
@@ -124,8 +123,7 @@ def spread_logprobs(out: list[Rollout]) -> list[Rollout]:
     """Each episode's logprobs (its policy tokens', in order) spread over all its tokens: 0.0 at
     observation tokens."""
     for o in out:
-        policy = np.asarray(o.turns, dtype=np.int64) >= 0
         full = torch.zeros(len(o.tokens), dtype=torch.float32)
-        full[torch.from_numpy(policy)] = o.logprobs
+        full[policy_mask(o.turns, len(o.tokens))] = o.logprobs
         o.logprobs = full
     return out
