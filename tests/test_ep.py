@@ -233,3 +233,18 @@ def test_the_launchers_store_holds_its_port_from_the_start():
         probed = s.getsockname()[1]
     with socket.socket() as thief:
         thief.bind(("127.0.0.1", probed))  # taken by another job before rank 0 binds it
+
+
+_CUT = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [10.0.0.1]:26771"
+
+
+def test_a_launch_whose_join_lost_gloos_connect_race_is_tried_again():
+    assert launch.join_lost_race({1: ("join-error", _CUT)}, {}, {})
+
+
+def test_negative_twin_a_launch_that_ran_fn_timed_out_or_lost_a_rank_is_not_tried_again():
+    assert not launch.join_lost_race({1: ("error", _CUT)}, {}, {})  # fn had started
+    assert not launch.join_lost_race({1: ("join-error", _CUT)}, {0: "result"}, {})
+    assert not launch.join_lost_race({1: ("join-error", _CUT)}, {}, {0: -9})  # a rank died silently
+    assert not launch.join_lost_race({1: ("join-error", "Gloo connectFullMesh failed: Timed out")}, {}, {})
+    assert not launch.join_lost_race({1: ("join-error", "ValueError: bad interface")}, {}, {})

@@ -108,7 +108,9 @@ def _entry(rank, world, port, device, timeout_s, threads, fn, args, q, env):
         os.environ.clear()  # the caller's environment now, not the fork server's at its start
         os.environ.update(env)
         torch.set_num_threads(threads)
+        status = "join-error"
         init_group(device, rank, world, LOCAL_HOST, port, timeout_s, local_gpu=rank)
+        status = "error"
         # plain pickle: tensors travel as bytes, not as shared-memory handles that die with this process
         status, payload = "ok", pickle.dumps(fn(rank, world, dist.group.WORLD, *args))
         dist.destroy_process_group()
@@ -121,17 +123,22 @@ def _entry(rank, world, port, device, timeout_s, threads, fn, args, q, env):
     os._exit(0 if status == "ok" else 1)
 
 
-def _blame(world: int, procs, errors: dict[int, str]) -> WorkerError:
-    """The root cause: a rank that died without a word (killed, crashed) before one that raised
-    (its peers' errors are usually 'connection closed' echoes); else the first error."""
-    silent = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, 1) and r not in errors]
+def _blame(world: int, silent: dict[int, int], errors: dict[int, str]) -> WorkerError:
+    """The root cause: a rank that died without a word (killed, crashed; silent maps it to its exit
+    code) before one that raised (its peers' errors are usually 'connection closed' echoes); else
+    the first error."""
     if silent:
-        r = silent[0]
+        r = min(silent)
         others = "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(errors.items()))
-        return WorkerError(f"rank {r} of {world} died (exit code {procs[r].exitcode}) without a result"
+        return WorkerError(f"rank {r} of {world} died (exit code {silent[r]}) without a result"
                            + (f" (then {others})" if others else ""))
     r = next(iter(errors))
     return WorkerError(f"rank {r} of {world} failed: {errors[r].strip().splitlines()[-1]}\n{errors[r]}")
+
+
+# a join can fail when Gloo's full-mesh connect loses a race (a peer's socket closed during the
+# handshake, under load): nothing of fn has run yet, so the launch is tried again on a fresh store
+JOIN_ATTEMPTS = 3
 
 
 def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", timeout_s: float = 60.0) -> list:
@@ -139,7 +146,31 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     fn must be importable (module level) and return picklable data (dataclasses, tensors).
     The ranks fork from a server process that imported torch and rlalign's workers once (started on
     the first call, before any CUDA use: a fresh process per rank paid ~1 s of imports on every
-    call); each rank runs with the caller's environment of this call (os.environ), as a spawned one would."""
+    call); each rank runs with the caller's environment of this call (os.environ), as a spawned one would.
+    A launch whose ranks could not connect (join_lost_race) is tried again, up to JOIN_ATTEMPTS."""
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        results, errors, silent = _launch(world, fn, args, device, timeout_s)
+        if len(results) == world:
+            return [results[r] for r in range(world)]
+        if not (join_lost_race(errors, results, silent) and attempt < JOIN_ATTEMPTS):
+            raise _blame(world, silent, {r: text for r, (_, text) in errors.items()})
+        r, (_, text) = next(iter(errors.items()))
+        print(f"rank {r} of {world} could not join its group ({text.strip().splitlines()[-1][:200]}); "
+              f"launching again on a fresh store (attempt {attempt + 1} of {JOIN_ATTEMPTS})", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def join_lost_race(errors: dict[int, tuple[str, str]], results: dict, silent: dict[int, int]) -> bool:
+    """Every failure was in joining the group (no rank ran fn, none died without a word) and at
+    least one is Gloo's full-mesh connect cut short, not a timeout (a peer that never came)."""
+    if results or silent or not errors or any(status != "join-error" for status, _ in errors.values()):
+        return False
+    return any("connectFullMesh" in text and "timed out" not in text.lower() for _, text in errors.values())
+
+
+def _launch(world: int, fn: Callable, args: tuple, device: str, timeout_s: float):
+    """One launch of the ranks, ended: ({rank: result}, {rank: (status, traceback)}, {rank: exit
+    code} of the ranks that died without a word before the launcher stopped the others)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rlalign.workers"])
     q = ctx.Queue()
@@ -154,7 +185,7 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, tuple[str, str]] = {}
     failed_at = None
     try:
         while len(results) + len(errors) < world:
@@ -165,14 +196,14 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
                 if status == "ok":
                     results[rank] = pickle.loads(payload)  # from our own child process
                 else:
-                    errors[rank] = payload
+                    errors[rank] = (status, payload)
                     failed_at = failed_at or time.monotonic()
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
                 if dead and failed_at is None:
                     failed_at = time.monotonic()
-        if errors or len(results) < world:
-            raise _blame(world, procs, errors)
+        silent = {r: p.exitcode for r, p in enumerate(procs)
+                  if not p.is_alive() and p.exitcode not in (0, 1) and r not in errors}
     finally:
         for p in procs:
             if p.is_alive() and len(results) < world:
@@ -181,7 +212,7 @@ def run_workers(world: int, fn: Callable, args: tuple, device: str = "cpu", time
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world)]
+    return results, errors, silent
 
 
 class Lockstep:
