@@ -50,7 +50,10 @@ from rlalign.training.scoring import score_micro_batch  # noqa: E402
 
 
 class IdText:
-    """The driver's tokenizer for random-token prompts: text is the token ids, space-separated."""
+    """The driver's tokenizer for random-token prompts: text is the token ids, space-separated; no chat
+    template (observations are their ids as they are)."""
+
+    chat = False
 
     def encode(self, text: str, where: str = "", template: bool = False) -> list[int]:
         return [int(t) for t in text.split()]
