@@ -130,8 +130,9 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rmsnorm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rmsnorm(s, w, eps)) with s = h + a, the residual add: the bits of the add and the norm apart,
-    forward and backward; the Triton backend in one pass (one launch each way, no separate add)."""
-    fused = getattr(_impl(h), "add_rmsnorm", None) if _state["mode"] == "deterministic" else None
+    forward and backward; the Triton backend in one pass (one launch each way, no separate add); default
+    mode: the two ops as one compiled chain on CUDA."""
+    fused = getattr(_impl(h), "add_rmsnorm", None)
     if fused is not None:
         return fused(h, a, w, eps)
     s = h + a
@@ -225,7 +226,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch
             and (pages is None or (pages[0].is_contiguous() and pages[1].is_contiguous()
                                    and pages[0].dtype == pages[1].dtype == q.dtype == pages[3].dtype)):
         return fused(q, k, q_w, k_w, eps, cos, sin, pages)
-    q, k = rope(rmsnorm(q, q_w, eps), cos, sin), rope(rmsnorm(k, k_w, eps), cos, sin)
+    if _state["mode"] == "default":  # each norm and its rotation as one compiled chain on CUDA
+        q, k = _default.norm_rope(q, q_w, eps, cos, sin), _default.norm_rope(k, k_w, eps, cos, sin)
+    else:
+        q, k = rope(rmsnorm(q, q_w, eps), cos, sin), rope(rmsnorm(k, k_w, eps), cos, sin)
     if pages is None:
         return q, k
     k_pages, v_pages, slots, v = pages
@@ -291,7 +295,10 @@ def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: i
     slot) rows grouped by expert, dest its inverse: moe_dispatch). Backward: each token's k slot
     gradients summed in fp32, slot 0 first, one rounding: moe_combine with unit weights over the rows
     g[dest[t * k + j]] (the Triton backend reads them in place: no gathered copy, no separate sum).
-    The order is the combine's, defined here, not a library reduction's."""
+    The order is the combine's, defined here, not a library reduction's. Default mode: the vendor gather
+    (torch_default.moe_slot_rows)."""
+    if _state["mode"] == "default":
+        return _default.moe_slot_rows(x, order, dest, k)
     if torch.is_grad_enabled() and x.requires_grad:
         return _SlotRows.apply(x, order, dest, int(k))
     return x.index_select(0, torch.div(order, k, rounding_mode="floor"))

@@ -97,6 +97,36 @@ def grouped_linear_loop(x, w, counts):
     return torch.cat(outs, 0) if outs else F.linear(x[:0], w[0])  # stays in the autograd graph
 
 
+# --- torch.compile of the elementwise chains (CUDA) ------------------------------------------------------
+class Compiled:
+    """fn through torch.compile(fn, dynamic=True) on CUDA tensors, as torchtitan compiles each block: an
+    elementwise chain runs as one generated kernel each way instead of a launch (and a tensor) per op. CPU
+    tensors run `eager` (default fn). Inside a CUDA graph capture only code compiled before runs (stance
+    eager_on_recompile: nothing is traced, compiled or autotuned in a capture; the engine's warm-up step
+    before each capture compiles it). A compile that raises is logged once and `eager` runs from then on."""
+
+    def __init__(self, name: str, fn, eager=None):
+        self.name, self.fn, self.eager, self.compiled = name, fn, eager or fn, None
+
+    def __call__(self, *args):
+        key = f"compile {self.name}"
+        if not args[0].is_cuda or key in BROKEN_PATHS:
+            return self.eager(*args)
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(self.fn, dynamic=True)
+            if torch.cuda.is_current_stream_capturing():
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    return self.compiled(*args)
+            return self.compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (any compiler failure: the eager ops are the same function)
+            BROKEN_PATHS[key] = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+            fallback(self.name, BROKEN_PATHS[key], "eager torch ops")
+            return self.eager(*args)
+
+
 # --- elementwise and norms -------------------------------------------------------------------------------
 def rmsnorm(x, w, eps: float):
     if x.dtype == w.dtype:
@@ -106,15 +136,36 @@ def rmsnorm(x, w, eps: float):
     return w * y.to(x.dtype)
 
 
-def rope(x, cos, sin):
+def _add_rmsnorm(h, a, w, eps: float):
+    s = h + a
+    return s, rmsnorm(s, w, eps)
+
+
+def _rope(x, cos, sin):
     h = x.shape[-1] // 2
     rot = torch.cat([-x[..., h:], x[..., :h]], -1)
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     return x * cos + rot * sin
 
 
-def swiglu(gate, up):
+def _norm_rope(x, w, eps: float, cos, sin):
+    return _rope(rmsnorm(x, w, eps), cos, sin)
+
+
+def _swiglu(gate, up):
     return F.silu(gate) * up
+
+
+def _swiglu_halves(h):
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+add_rmsnorm = Compiled("add_rmsnorm", _add_rmsnorm)  # (h + a, rmsnorm of it): the residual add and the norm
+rope = Compiled("rope", _rope)  # x [N, H, D] by cos/sin [N, D] (rotate-half), in x's dtype
+norm_rope = Compiled("norm_rope", _norm_rope)  # rope(rmsnorm(x, w, eps), cos, sin): the q / k head norms
+swiglu = Compiled("swiglu", _swiglu)
+swiglu_halves = Compiled("swiglu_halves", _swiglu_halves)  # swiglu(*h.chunk(2, -1)) of h [R, 2I]
 
 
 # --- attention -------------------------------------------------------------------------------------------
@@ -262,7 +313,90 @@ def moe_route(logits, top_k: int, renormalize: bool):
 
 
 def moe_combine(y, weights):
-    return (y * weights.to(y.dtype)[..., None]).sum(1)
+    """y [T, k, D], weights [T, k] -> [T, D]: one batched GEMV in y's dtype (cuBLAS), torchtitan's combine."""
+    return torch.bmm(weights.to(y.dtype)[:, None], y)[:, 0]
+
+
+def _combine_rows_bmm(y, w, rows):
+    """sum_j w[t, j] * y[rows[t * k + j]] -> [T, D]: the rows gathered, one batched GEMV (cuBLAS)."""
+    T, k = w.shape
+    return torch.bmm(w.to(y.dtype)[:, None], y.index_select(0, rows).view(T, k, -1))[:, 0]
+
+
+def _combine_rows_sum(y, w, rows):
+    """The same, written for one generated kernel: the gathered rows weighted in fp32, summed, one rounding."""
+    T, k = w.shape
+    return (y.index_select(0, rows).view(T, k, -1).float() * w.float()[..., None]).sum(1).to(y.dtype)
+
+
+def _combine_rows_grads_bmm(g, y, w, rows):
+    """(dy, dw) of the combine: dy[rows[t * k + j]] = w[t, j] g[t] (rows distinct: each written once, a copy,
+    no atomics; rows no slot reads stay zero), dw[t, j] = <g[t], y[rows[t * k + j]]>."""
+    T, k = w.shape
+    g = g.to(y.dtype)
+    dw = torch.bmm(y.index_select(0, rows).view(T, k, -1), g[:, :, None])[..., 0]
+    dys = torch.bmm(w.to(y.dtype)[..., None], g[:, None])  # [T, k, D]
+    return y.new_zeros(y.shape).index_copy_(0, rows, dys.view(T * k, -1)), dw.to(w.dtype)
+
+
+def _combine_rows_grads_sum(g, y, w, rows):
+    T, k = w.shape
+    gf = g.float()[:, None]  # [T, 1, D]
+    dw = (y.index_select(0, rows).view(T, k, -1).float() * gf).sum(-1)
+    dys = (gf * w.float()[..., None]).to(y.dtype).view(T * k, -1)
+    return y.new_zeros(y.shape).index_copy(0, rows, dys), dw.to(w.dtype)
+
+
+def _slot_rows_grad(g, dest, k: int):
+    """Each token's k slot gradients g[dest[t * k + j]] summed (a gather and a sum: no atomics)."""
+    return g.index_select(0, dest).view(-1, k, g.shape[-1]).sum(1)
+
+
+_combine_rows = Compiled("moe_combine", _combine_rows_sum, eager=_combine_rows_bmm)
+_combine_rows_grads = Compiled("moe_combine backward", _combine_rows_grads_sum, eager=_combine_rows_grads_bmm)
+_slot_rows_grads = Compiled("moe_slot_rows backward", _slot_rows_grad)
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, rows):
+        ctx.save_for_backward(y, w, rows)
+        return _combine_rows(y, w, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        dy, dw = _combine_rows_grads(g.contiguous(), *ctx.saved_tensors)
+        return dy, dw, None
+
+
+def moe_combine_rows(y, weights, rows):
+    """moe_combine(y[rows].view(T, k, D), weights): y [R, D] the experts' outputs in dispatch order, rows
+    [T * k] distinct (dispatch's `dest`, a permutation). Backward: y's gradient rows written in place of
+    the gather's atomic index_add_."""
+    if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        return _CombineRows.apply(y, weights, rows)
+    return _combine_rows(y, weights, rows)
+
+
+class _SlotRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, dest, k):
+        ctx.save_for_backward(dest)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, g):
+        (dest,) = ctx.saved_tensors
+        return _slot_rows_grads(g.contiguous(), dest, ctx.k), None, None, None
+
+
+def moe_slot_rows(x, order, dest, k: int):
+    """Row j: token order[j] // k's row of x [T, D]; backward each token's k slot gradients summed in one
+    pass (no atomic index_add_, no unit-weight combine)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SlotRows.apply(x, order, dest, int(k))
+    return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
 
 def log_softmax_gather(z, tokens):
