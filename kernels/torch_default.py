@@ -10,13 +10,20 @@ version of each op, in the model dtype, the way vLLM / Hugging Face / torchtitan
                   paged kernel (kernels/triton/splitkv.py, flash-decoding); engine prompt chunks: the keys
                   gathered from the pages, then the prefill path
   rmsnorm         F.rms_norm (fused on CUDA)
+  MoE             gather of the token rows into expert slots, its backward a gather and a sum per token (no
+                  atomic index_add_); combine a batched GEMV of the top-k weights (torchtitan's bmm), its
+                  backward writing each slot row's gradient once (dispatch's rows are a permutation)
+  elementwise     rope, q/k rmsnorm + rope, swiglu / swiglu_halves, residual add + rmsnorm and the MoE combine
+                  through torch.compile(dynamic=True) on CUDA (`Compiled`, as torchtitan compiles each block:
+                  one generated kernel per chain and direction); eager torch ops on CPU
   sampling        torch ops: top-k / top-p by sort + cumsum (vLLM's torch sampler), the draw as an
                   exponential race over softmax (probs / Exp(1) noise, argmax) from torch's RNG
   AdamW           torch._fused_adamw_ (rlalign/training/optimizer.py)
-The native engine captures its decode steps in CUDA graphs in this mode too (`capturable`).
+The native engine captures its decode steps in CUDA graphs in this mode too (`capturable`); its warm-up step
+before each capture compiles the chains, and inside a capture only code compiled before runs.
 
-Where a vendor kernel is missing (a CPU, no Triton, an old GPU, a dtype it does not take) the op runs the
-next fastest path and says so in one logged line per (op, reason), never silently."""
+Where a vendor kernel is missing (a CPU, no Triton, an old GPU, a dtype it does not take, a compile that
+fails) the op runs the next fastest path and says so in one logged line per (op, reason), never silently."""
 
 from __future__ import annotations
 

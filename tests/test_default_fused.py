@@ -104,6 +104,10 @@ def _ref_rmsnorm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _ref_rope(x, c, s):
+    return x * c[:, None] + _rotate_half(x) * s[:, None]
+
+
 def _cos_sin(N, D):
     cos, sin = kernels.rope_table(64, D, 10000.0)
     pos = torch.arange(N) * 5 % 64
@@ -111,10 +115,9 @@ def _cos_sin(N, D):
 
 
 OPS = {  # name: (default op, float64 reference, input shapes; cos / sin of N rows appended where needed)
-    "rope": (dflt.rope, lambda x, c, s: x * c[:, None] + _rotate_half(x) * s[:, None], [(5, 3, 8)]),
+    "rope": (dflt.rope, _ref_rope, [(5, 3, 8)]),
     "norm_rope": (lambda x, w, c, s: dflt.norm_rope(x, w, 1e-6, c, s),
-                  lambda x, w, c, s: (lambda n: n * c[:, None] + _rotate_half(n) * s[:, None])(_ref_rmsnorm(x, w, 1e-6)),
-                  [(5, 3, 8), (8,)]),
+                  lambda x, w, c, s: _ref_rope(_ref_rmsnorm(x, w, 1e-6), c, s), [(5, 3, 8), (8,)]),
     "swiglu": (dflt.swiglu, lambda a, b: a * torch.sigmoid(a) * b, [(6, 10), (6, 10)]),
     "swiglu_halves": (dflt.swiglu_halves, lambda h: h[:, :10] * torch.sigmoid(h[:, :10]) * h[:, 10:], [(6, 20)]),
     "add_rmsnorm": (lambda h, a, w: torch.cat(dflt.add_rmsnorm(h, a, w, 1e-6), -1),
