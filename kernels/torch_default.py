@@ -327,13 +327,13 @@ def moe_combine(y, weights):
 def _combine_rows_bmm(y, w, rows):
     """sum_j w[t, j] * y[rows[t * k + j]] -> [T, D]: the rows gathered, one batched GEMV (cuBLAS)."""
     T, k = w.shape
-    return torch.bmm(w.to(y.dtype)[:, None], y.index_select(0, rows).view(T, k, -1))[:, 0]
+    return torch.bmm(w.to(y.dtype)[:, None], y.index_select(0, rows).view(T, k, y.shape[-1]))[:, 0]
 
 
 def _combine_rows_sum(y, w, rows):
     """The same, written for one generated kernel: the gathered rows weighted in fp32, summed, one rounding."""
     T, k = w.shape
-    return (y.index_select(0, rows).view(T, k, -1).float() * w.float()[..., None]).sum(1).to(y.dtype)
+    return (y.index_select(0, rows).view(T, k, y.shape[-1]).float() * w.float()[..., None]).sum(1).to(y.dtype)
 
 
 def _combine_rows_grads_bmm(g, y, w, rows):
@@ -341,16 +341,16 @@ def _combine_rows_grads_bmm(g, y, w, rows):
     no atomics; rows no slot reads stay zero), dw[t, j] = <g[t], y[rows[t * k + j]]>."""
     T, k = w.shape
     g = g.to(y.dtype)
-    dw = torch.bmm(y.index_select(0, rows).view(T, k, -1), g[:, :, None])[..., 0]
+    dw = torch.bmm(y.index_select(0, rows).view(T, k, y.shape[-1]), g[:, :, None])[..., 0]
     dys = torch.bmm(w.to(y.dtype)[..., None], g[:, None])  # [T, k, D]
-    return y.new_zeros(y.shape).index_copy_(0, rows, dys.view(T * k, -1)), dw.to(w.dtype)
+    return y.new_zeros(y.shape).index_copy_(0, rows, dys.view(T * k, y.shape[-1])), dw.to(w.dtype)
 
 
 def _combine_rows_grads_sum(g, y, w, rows):
     T, k = w.shape
     gf = g.float()[:, None]  # [T, 1, D]
-    dw = (y.index_select(0, rows).view(T, k, -1).float() * gf).sum(-1)
-    dys = (gf * w.float()[..., None]).to(y.dtype).view(T * k, -1)
+    dw = (y.index_select(0, rows).view(T, k, y.shape[-1]).float() * gf).sum(-1)
+    dys = (gf * w.float()[..., None]).to(y.dtype).view(T * k, y.shape[-1])
     return y.new_zeros(y.shape).index_copy(0, rows, dys), dw.to(w.dtype)
 
 

@@ -56,6 +56,14 @@ def test_default_combine_rows_is_the_weighted_sum_forward_and_backward(dtype, fo
     assert torch.equal(dy[unread], torch.zeros_like(dy[unread]))  # rows no slot reads: zero gradient
 
 
+@pytest.mark.parametrize("formula", list(FORMULAS))
+def test_default_combine_rows_of_no_tokens_is_empty(formula):  # an EP rank or micro-batch without rows
+    y, w, rows, g = _dispatch(T=0, extra=3)
+    fwd, bwd = FORMULAS[formula]
+    dy, dw = bwd(g, y, w, rows)
+    assert fwd(y, w, rows).shape == (0, 16) and torch.equal(dy, torch.zeros_like(y)) and dw.shape == (0, 3)
+
+
 def test_default_combine_rows_negative_twin_slots_in_another_order_differ():
     y, w, rows, g = _dispatch()
     ref, dy_ref, _ = _reference_combine(y, w, rows, g)
