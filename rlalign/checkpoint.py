@@ -14,16 +14,17 @@ device when the save starts, one launch; the same value the CPU recomputes from 
 
 Format. Each trainer rank writes safetensors files, the format of DCP's HuggingFaceStorageWriter
 (save_distributed=True): `shard-<rank+1>-model-<i>-of-<n>.safetensors`, one per bucket i of the
-checkpoint's tensors (keys in order of the first rank that holds them, cut into consecutive groups of
-at most checkpoint.bucket_mb; a larger tensor alone) holding the bucket's tensors this rank writes (a
-tensor held by several ranks is written once, by the first), no DCP `.metadata` pickle; then a
-`fingerprints-rank<r>.json`. rlalign.checkpoint_write writes them (one file per writer thread, one
-fsync a file, reused host buffers). Loading goes through DCP's HuggingFaceStorageReader, which builds
-DCP's metadata from the safetensors headers (JSON) and reads tensors with safetensors.safe_open: no
-pickle.load/torch.load on file contents (a stray `.metadata` or any other file is never opened).
-The driver's complete() merges the ranks' fingerprints with the shard headers into meta.json
-(written last, atomically) and renames the directory into place: a crash or a failed write leaves
-the previous checkpoint the latest one.
+checkpoint's tensors (keys in order of the rank that writes them, cut into consecutive groups of at
+most checkpoint.bucket_mb; a larger tensor alone) holding the bucket's tensors this rank writes (a
+tensor held by several ranks is written once, by the holder that evens the ranks' written bytes:
+checkpoint_write.writers), no DCP `.metadata` pickle; then a `fingerprints-rank<r>.json`.
+rlalign.checkpoint_write writes them (one file per writer thread, one fsync a file, reused host
+buffers). meta.json's index records each tensor's file (verify and the export look there); loading
+goes through DCP's HuggingFaceStorageReader, which builds DCP's metadata from the safetensors headers
+(JSON) and reads tensors with safetensors.safe_open: no pickle.load/torch.load on file contents (a
+stray `.metadata` or any other file is never opened). The driver's complete() merges the ranks'
+fingerprints with the shard headers into meta.json (written last, atomically) and renames the
+directory into place: a crash or a failed write leaves the previous checkpoint the latest one.
 
 Asynchronous saves. AsyncSaver.save() fingerprints this rank's device tensors on their device, then
 (checkpoint.staging, checkpoint_write.choose_staging, said in one line) either stages the state: copies
@@ -126,7 +127,6 @@ bucket_files, DEFAULT_BUCKET_BYTES = cw.bucket_files, cw.DEFAULT_BUCKET_BYTES  #
 
 # --- trainer ranks ---------------------------------------------------------------------------------
 def _dist_on() -> bool:
-
     return dist.is_available() and dist.is_initialized()
 
 

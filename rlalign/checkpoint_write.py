@@ -1,10 +1,21 @@
 """One trainer rank's checkpoint files, written at the disk's speed (rlalign.checkpoint calls it).
 
+Writers (layout, writers). A tensor held by one rank (an expert's weights and AdamW state at EP > 1, a
+dense unit's master and AdamW state with trainer.shard_dense) is written by that rank. A tensor held by
+several ranks (replicated: the dense weights, and their masters and AdamW state unless
+trainer.shard_dense shards them) is written once, by one of its holders chosen so that the ranks'
+written bytes are as even as possible, as torch.distributed.checkpoint's default save planner balances
+replicated items: each rank starts with the bytes of the tensors only it holds; then the replicated
+keys, largest first (ties by key), each go to the holder with the fewest bytes so far (ties to the
+lowest rank). Every rank computes the same writers from the layout it gathers (one all_gather_object
+of every rank's keys and sizes). Nothing looks for a tensor at its writer: meta.json indexes every
+tensor by the file that holds it (from the files' headers), DCP's reader finds it from the headers,
+and so every checkpoint loads whichever rank wrote what, at any EP size.
+
 Files. Each rank writes the files torch.distributed.checkpoint's HuggingFaceStorageWriter
 (save_distributed=True) would, and its HuggingFaceStorageReader loads: for each bucket i of n that
-holds tensors this rank writes (the first rank holding a tensor writes it),
-`shard-<rank+1>-model-<i>-of-<n>.safetensors`: the header's length (8 bytes, little-endian), the JSON
-header (DCP's __metadata__: DCP_SHARDING_INFO, DCP_VERSION, format; the tensors in safetensors' order,
+holds tensors this rank writes, `shard-<rank+1>-model-<i>-of-<n>.safetensors`: the header's length
+(8 bytes, little-endian), the JSON header (DCP's __metadata__: DCP_SHARDING_INFO, DCP_VERSION, format; the tensors in safetensors' order,
 by dtype then name; spaces to a multiple of 8 bytes) and the tensors' bytes, exactly what
 safetensors.torch.save makes of them (tests/test_checkpoint_write.py). They are written here because
 DCP's writer builds each file as a Python bytes object (safetensors.torch.save: two fresh copies of
@@ -48,8 +59,8 @@ DEFAULT_BUCKET_BYTES = 512 << 20  # checkpoint.bucket_mb's default
 
 
 def bucket_files(layout: dict[str, tuple[int, int]], bucket_bytes: int) -> dict[str, int]:
-    """{key: file index 1..n} of the checkpoint's tensors from {key: (first rank holding it, bytes)}:
-    keys ordered by (rank, key), cut into consecutive groups of at most bucket_bytes (a tensor
+    """{key: file index 1..n} of the checkpoint's tensors from {key: (the rank that writes it, bytes)}
+    (layout): keys ordered by (rank, key), cut into consecutive groups of at most bucket_bytes (a tensor
     larger than that: a group of its own). Every rank computes the same map from the same layout."""
     out: dict[str, int] = {}
     index, filled = 1, 0
@@ -61,19 +72,37 @@ def bucket_files(layout: dict[str, tuple[int, int]], bucket_bytes: int) -> dict[
     return out
 
 
+def writers(held: dict[str, tuple[list[int], int]]) -> dict[str, tuple[int, int]]:
+    """{key: (the rank that writes it, bytes)} from {key: (the ranks holding it, bytes)}: a key of one
+    holder to that holder; the others, largest first (ties by key), each to the holder with the fewest
+    bytes so far (ties to the lowest rank), counting every rank's own keys first (module docstring)."""
+    load = {r: 0 for ranks, _ in held.values() for r in ranks}
+    out: dict[str, tuple[int, int]] = {}
+    for k, (ranks, nbytes) in held.items():
+        if len(ranks) == 1:
+            out[k] = (ranks[0], nbytes)
+            load[ranks[0]] += nbytes
+    for k in sorted((k for k in held if k not in out), key=lambda k: (-held[k][1], k)):
+        ranks, nbytes = held[k]
+        w = min(ranks, key=lambda r: (load[r], r))
+        out[k] = (w, nbytes)
+        load[w] += nbytes
+    return dict(sorted(out.items()))
+
+
 def layout(state: dict[str, torch.Tensor], rank: int, group) -> dict[str, tuple[int, int]]:
-    """{key: (the first rank holding it, bytes)} over every rank of `group` (all call it)."""
-    mine = {k: (rank, v.numel() * v.element_size()) for k, v in state.items()}
+    """{key: (the rank that writes it, bytes)} over every rank of `group` (all call it): every rank's
+    keys and sizes gathered, then writers()."""
+    mine = {k: v.numel() * v.element_size() for k, v in state.items()}
     if not (dist.is_available() and dist.is_initialized()):
-        return mine
+        return {k: (rank, n) for k, n in mine.items()}
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    merged: dict[str, tuple[int, int]] = {}
-    for part in everyone:
-        for k, (r, n) in part.items():
-            if k not in merged or r < merged[k][0]:
-                merged[k] = (r, n)
-    return merged
+    dist.all_gather_object(everyone, (rank, mine), group=group)
+    held: dict[str, tuple[list[int], int]] = {}
+    for r, part in sorted(everyone):
+        for k, n in part.items():
+            held.setdefault(k, ([], n))[0].append(r)
+    return writers(held)
 
 
 def file_order(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -124,7 +153,7 @@ def write_file(path: Path, head: bytes, parts: list[memoryview]) -> None:
 
 def plan_files(keys: dict[str, int], state: dict[str, torch.Tensor], rank: int, layout: dict[str, tuple[int, int]]
                ) -> dict[str, dict[str, torch.Tensor]]:
-    """{file name: {key: tensor}} of the tensors this rank writes (those whose first holder it is), by
+    """{file name: {key: tensor}} of the tensors this rank writes (those `layout` gives it), by
     bucket (`keys`: {key: bucket index 1..n}, rlalign.checkpoint.bucket_files)."""
     of = max(keys.values(), default=1)
     out: dict[str, dict[str, torch.Tensor]] = {}
