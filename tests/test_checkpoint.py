@@ -14,6 +14,7 @@ from conftest import same_bits
 
 from rlalign import checkpoint as ckpt
 from rlalign import checkpoint_files
+from rlalign import checkpoint_write as cw
 from rlalign.checkpoint import CheckpointError
 from rlalign.config import load_config
 
@@ -273,6 +274,7 @@ def _ep_load(rank, world, group, cfg_dict, path):
 @pytest.mark.slow
 def test_a_checkpoint_written_at_ep2_loads_bitwise_at_ep1_and_ep2(tmp_path):
     from omegaconf import OmegaConf
+    from test_checkpoint_writers import written
 
     from rlalign.fingerprint import state_fingerprints
     from rlalign.parallel import launch
@@ -286,6 +288,14 @@ def test_a_checkpoint_written_at_ep2_loads_bitwise_at_ep1_and_ep2(tmp_path):
     assert meta["world"] == 2 and {ckpt.rank_of_file(f) for f in meta["files"]} == {0, 1} and len(meta["files"]) > 4
     union = {**saved[0], **saved[1]}
     assert all(saved[0][k] == saved[1][k] for k in saved[0].keys() & saved[1].keys())  # replicated: same bits
+    on_disk = written(path)  # each replicated tensor written by the holder the greedy names: even bytes
+    held = {k: ([r for r in (0, 1) if k in saved[r]], n) for keys in on_disk.values() for k, n in keys.items()}
+    assert {k: r for r, keys in on_disk.items() for k in keys} == {k: w for k, (w, _) in cw.writers(held).items()}
+    per_rank = [sum(on_disk[r].values()) for r in (0, 1)]
+    largest = max(n for ranks, n in held.values() if len(ranks) > 1)
+    assert abs(per_rank[0] - per_rank[1]) <= largest, (per_rank, largest)
+    lowest = [sum(n for ranks, n in held.values() if min(ranks) == r) for r in (0, 1)]  # negative twin
+    assert lowest[0] - lowest[1] > 10 * largest, (lowest, largest)  # the lowest holder: rank 0 writes more
     one = _trainer(steps=0)  # EP 1 holds every expert
     ckpt.load_shards(one.checkpoint_state(), path)
     assert state_fingerprints({k: v.cpu() for k, v in one.checkpoint_state().items()}) == union
