@@ -13,14 +13,14 @@ tensor by the file that holds it (from the files' headers), DCP's reader finds i
 and so every checkpoint loads whichever rank wrote what, at any EP size.
 
 Files. Each rank writes the files torch.distributed.checkpoint's HuggingFaceStorageWriter
-(save_distributed=True) would, and its HuggingFaceStorageReader loads: for each bucket i of n that
-holds tensors this rank writes, `shard-<rank+1>-model-<i>-of-<n>.safetensors`: the header's length
-(8 bytes, little-endian), the JSON header (DCP's __metadata__: DCP_SHARDING_INFO, DCP_VERSION, format; the tensors in safetensors' order,
-by dtype then name; spaces to a multiple of 8 bytes) and the tensors' bytes, exactly what
-safetensors.torch.save makes of them (tests/test_checkpoint_write.py). They are written here because
-DCP's writer builds each file as a Python bytes object (safetensors.torch.save: two fresh copies of
-the file, page faults included) and writes one file at a time, and safetensors' save_file reports a
-full disk without an errno.
+(save_distributed=True) would, and its HuggingFaceStorageReader loads: for each bucket i of n that holds
+tensors this rank writes, `shard-<rank+1>-model-<i>-of-<n>.safetensors`: the header's length (8 bytes,
+little-endian), the JSON header (DCP's __metadata__: DCP_SHARDING_INFO, DCP_VERSION, format; the tensors
+in safetensors' order, by dtype then name; spaces to a multiple of 8 bytes) and the tensors' bytes,
+exactly what safetensors.torch.save makes of them (tests/test_checkpoint_write.py). They are written
+here because DCP's writer builds each file as a Python bytes object (safetensors.torch.save: two fresh
+copies of the file, page faults included) and writes one file at a time, and safetensors' save_file
+reports a full disk without an errno.
 
 How a file is written: opened once, the header, the tensors' bytes in os.write calls of up to 64 MiB
 (which release the GIL), one fsync, closed. The files go to `writers` threads (WRITERS), so that the
