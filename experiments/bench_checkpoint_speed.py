@@ -218,6 +218,22 @@ def sigterm_and_resume(a, say) -> dict:
             "sigterm_default_grace_checkpoint_complete": complete, "resume_bitwise": bitwise}
 
 
+def merge_parts(write_json: str, train_json: str, name: str, out: str | None) -> None:
+    """The summary of a --part write result and of a --part train result, one file: the write part's keys,
+    then the train part's SIGTERM and resume keys; each part's whole record (command, date, commit) under
+    `parts`."""
+    w, t = (json.loads(Path(p).read_text()) for p in (write_json, train_json))
+    if w["args"]["part"] != "write" or t["args"]["part"] != "train":
+        raise SystemExit(f"--merge takes a --part write result then a --part train result "
+                         f"(got {w['args']['part']}, {t['args']['part']})")
+    summary = {**w["summary"], **{k: t["summary"][k] for k in
+                                  ("sigterm_default_grace_checkpoint_complete", "resume_bitwise")}}
+    what = f"{w['what_it_shows']}; {t['what_it_shows'].lstrip('; ')} (two calls: --part write, --part train)"
+    print(json.dumps(summary))
+    payload = {"what_it_shows": what, "summary": summary, "parts": {"write": w, "train": t}}
+    print(f"wrote {record.write(name, payload, out)}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-moe", help="the config whose checkpoint tensors the state takes")
@@ -236,7 +252,13 @@ def main() -> None:
     ap.add_argument("--no-streamed", action="store_true", help="skip the synchronous streamed save of each rep")
     ap.add_argument("--out", default=None, help="results directory (default experiments/results)")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--merge", nargs=2, metavar=("WRITE_JSON", "TRAIN_JSON"), default=None,
+                    help="one result of a --part write and a --part train result (two device calls where one "
+                         "would pass a call's time limit): their summaries together, each part's record kept")
     a = ap.parse_args()
+    if a.merge:
+        merge_parts(*a.merge, a.name or "checkpoint_speed_h200", a.out)
+        return
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
