@@ -99,7 +99,7 @@ def layout(state: dict[str, torch.Tensor], rank: int, group) -> dict[str, tuple[
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (rank, mine), group=group)
     held: dict[str, tuple[list[int], int]] = {}
-    for r, part in sorted(everyone):
+    for r, part in sorted(everyone, key=lambda x: x[0]):
         for k, n in part.items():
             held.setdefault(k, ([], n))[0].append(r)
     return writers(held)
