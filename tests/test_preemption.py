@@ -111,9 +111,8 @@ def test_a_save_in_flight_reports_its_progress_from_the_disk(tmp_path, monkeypat
     deadline = time.monotonic() + 10
     while "1 MB of 2 MB (50 %" not in capsys.readouterr().err and time.monotonic() < deadline:
         time.sleep(0.02)
-    final = tmp.with_name("step_000003")
-    os.replace(tmp, final)
-    (final / "meta.json").write_text("{}")
+    (tmp / "meta.json").write_text("{}")  # published as checkpoint.complete does: the index, then the rename
+    os.replace(tmp, tmp.with_name("step_000003"))
     watch.close()
     err = capsys.readouterr().err
     assert "rlalign train: checkpoint of step 3: written: 2 MB in " in err
