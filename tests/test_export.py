@@ -100,6 +100,21 @@ def test_an_existing_target_is_refused_unless_overwrite(exported, tmp_path):
     assert "keep.txt" not in os.listdir(out) and (out / "config.json").is_file()
 
 
+@pytest.mark.parametrize("umask, dir_mode, file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)],
+                         ids=["umask022", "umask077"])
+def test_the_export_has_the_modes_the_umask_gives_so_that_a_server_of_another_user_reads_it(exported, tmp_path,
+                                                                                           umask, dir_mode, file_mode):
+    path, _, _ = exported  # the twin (0o077): the modes follow the umask, not a fixed owner-only or open mode
+    old = os.umask(umask)
+    try:
+        export_hf(path, tmp_path / "hf", shard_bytes=100_000)
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "hf").st_mode & 0o777) == oct(dir_mode)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()} == {
+        p.name: oct(file_mode) for p in (tmp_path / "hf").iterdir()}
+
+
 def _edit_meta(path, **model):
     meta = json.loads((path / "meta.json").read_text())
     meta["model"].update(model)

@@ -12,7 +12,8 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import stat
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -214,10 +215,14 @@ def write_hf_dir(path: str | os.PathLike, config: dict, entries: list[HFEntry], 
     `path`): config.json; the entries as safetensors, read one shard at a time (`load` is called when
     its shard is written) — one model.safetensors when shard_bytes is None, else
     model-0000i-of-0000n.safetensors of at most shard_bytes each and model.safetensors.index.json;
-    `files` copied in (a tokenizer's). on_bytes(n): the tensor bytes written so far."""
+    `files` copied in (a tokenizer's). on_bytes(n): the tensor bytes written so far. The directory and
+    its files get the modes the umask gives (as `mkdir` and `cp` would), so that another user (a
+    server) can read them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    file_mode = stat.S_IMODE(tmp.stat().st_mode) & 0o666
     try:
         groups = _shards(entries, shard_bytes) if shard_bytes else [entries]
         names = (["model.safetensors"] if shard_bytes is None else
@@ -225,6 +230,7 @@ def write_hf_dir(path: str | os.PathLike, config: dict, entries: list[HFEntry], 
         written, weight_map = 0, {}
         for name, group in zip(names, groups):
             save_file({k: load() for k, _, load in group}, str(tmp / name), metadata={"format": "pt"})
+            os.chmod(tmp / name, file_mode)  # safetensors may create it owner-only
             written += sum(n for _, n, _ in group)
             weight_map.update({k: name for k, _, _ in group})
             if on_bytes is not None:
