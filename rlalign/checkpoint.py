@@ -97,6 +97,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     cause,
     checkpoint_dir,
     damaged,
+    fitting_index,
     fsync_dir,
     grace_warning,
     list_complete,
@@ -395,19 +396,10 @@ def load_shards(state: dict[str, torch.Tensor], path: str | Path, rank: int = 0,
     compares every tensor's fingerprint with meta.json, then copies into `state`; the trainer is
     left untouched when anything is wrong (CheckpointError). Returns meta.json."""
 
-
     path = Path(path)
     meta = verify(path)
-    index = meta["tensors"]
-    buf: dict[str, torch.Tensor] = {}
-    for k, t in state.items():
-        e = index.get(k)
-        if e is None:
-            raise damaged(path, Damage(META, f"no tensor {k!r} (rank {rank}; another model or config?)"))
-        if e["dtype"] != ST_DTYPE.get(t.dtype) or list(e["shape"]) != list(t.shape):
-            raise damaged(path, Damage(e["file"], f"tensor {k!r} is {e['dtype']}{e['shape']}, the trainer holds "
-                                                    f"{ST_DTYPE.get(t.dtype, t.dtype)}{list(t.shape)}"))
-        buf[k] = torch.empty(t.shape, dtype=t.dtype)
+    index = fitting_index(path, meta, state, rank)
+    buf = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in state.items()}
     progress = Progress(f"rlalign: loading {path} (rank 0's part)", sum(t.numel() * t.element_size()
                                                                        for t in buf.values()))
     try:

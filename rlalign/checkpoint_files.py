@@ -273,6 +273,41 @@ def damaged(path: Path, d: Damage, tensors: bool = False) -> CheckpointError:
     return CheckpointError(oneline(f"checkpoint {path} is not loadable: {d.file}: {d.what}{_hint(path, tensors)}"))
 
 
+def fitting_index(path: Path, meta: dict, state: dict[str, torch.Tensor], rank: int) -> dict:
+    """meta.json's tensor index once the checkpoint fits the trainer's `state` (one rank's): every tensor of
+    the state there with its shape and dtype, and every model tensor of the checkpoint one the trainer
+    has (an expert's tensors by their parameter: each rank holds some experts of every one); else
+    CheckpointError naming the first tensor that does not fit."""
+    index = meta["tensors"]
+    for k, t in state.items():
+        e = index.get(k)
+        if e is None:
+            raise mismatch(path, meta, f"no tensor {k!r}, which the trainer holds (rank {rank})")
+        if e["dtype"] != ST_DTYPE.get(t.dtype) or list(e["shape"]) != list(t.shape):
+            raise mismatch(path, meta, f"tensor {k!r} is {e['dtype']}{e['shape']} in {e['file']}, the trainer holds "
+                                       f"{ST_DTYPE.get(t.dtype, t.dtype)}{list(t.shape)} (rank {rank})")
+    held = {_EXPERT.sub("", k) for k in state if k.startswith("model/")}
+    extra = sorted(k for k in index if k.startswith("model/") and _EXPERT.sub("", k) not in held)
+    if extra:
+        e = index[extra[0]]
+        raise mismatch(path, meta, f"tensor {extra[0]!r} ({e['dtype']}{e['shape']} in {e['file']}) is not part of "
+                                   f"the trainer's model")
+    return index
+
+
+_EXPERT = re.compile(r"/expert\d+$")
+MODEL_SHAPE = ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size", "vocab_size")
+
+
+def mismatch(path: Path, meta: dict, what: str) -> CheckpointError:
+    """An intact checkpoint that does not fit the trainer (another model shape or config): `what`, and the
+    model its meta.json records. No other checkpoint is named: the run's others hold the same model."""
+    m = meta.get("model")
+    held = (f"; it holds a model of {', '.join(f'{k}={m.get(k)}' for k in MODEL_SHAPE)} (its meta.json)"
+            if isinstance(m, dict) else "")
+    return CheckpointError(oneline(f"checkpoint {path} does not fit this run's model or config: {what}{held}"))
+
+
 def verify(path: Path, tensors: bool = False) -> dict:
     """meta.json of the checkpoint at `path` once its files check out (see the module docstring);
     tensors=True also recomputes every tensor's fingerprint (reads all data). Raises CheckpointError

@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import shlex
 from contextlib import contextmanager
 from pathlib import Path
@@ -194,6 +195,39 @@ def test_truncated_or_missing_shard_is_named(two):
         ckpt.verify(later)
     shard.write_bytes(data)  # negative twin: restored, it loads
     assert ckpt.verify(later, tensors=True)["step"] == 3
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensor_and_no_older_checkpoint(tmp_path, trained):
+    from rlalign.config import model_args
+    from rlalign.export import model_meta
+
+    cfg = load_config([])
+    meta = {"data_position": 1, "weights_fp": "-", **model_meta(model_args(cfg), cfg.model.dtype, None)}
+    for step in (0, 1):  # an intact older checkpoint of the same model: not offered, it does not fit either
+        ckpt.save_shards(trained.checkpoint_state(), ckpt.tmp_path(tmp_path, step))
+        path = ckpt.complete(tmp_path, step, meta, keep=0)
+    full = _snapshot(trained)
+    one_layer = {k: v for k, v in full.items() if "layers.1." not in k}  # a trainer of fewer layers
+    three_layers = {**full, "model/model.layers.2.self_attn.q_proj.weight": full[WEIGHT].clone()}
+    narrower = {**full, WEIGHT: full[WEIGHT].reshape(32, -1).clone()}
+    held = ("; it holds a model of hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=64, "
+            "vocab_size=64 (its meta.json)")
+    for state, what in (
+            (one_layer, r"tensor 'model/model.layers.1.input_layernorm.weight' \(BF16\[64\] in shard-.*\) is not part "
+                        r"of the trainer's model"),
+            (three_layers, r"no tensor 'model/model.layers.2.self_attn.q_proj.weight', which the trainer holds \(rank "
+                           r"0\)"),
+            (narrower, rf"tensor '{WEIGHT}' is BF16\[64, 64\] in shard-.*, the trainer holds BF16\[32, 128\] "
+                       r"\(rank 0\)")):
+        before = {k: v.clone() for k, v in state.items()}
+        with pytest.raises(CheckpointError) as e:
+            ckpt.load_shards(state, path)
+        assert re.fullmatch(rf"checkpoint {path} does not fit this run's model or config: {what}{re.escape(held)}",
+                            str(e.value)), str(e.value)
+        assert all(same_bits(v, before[k]) for k, v in state.items())  # untouched
+    back = {k: torch.zeros_like(v) for k, v in full.items()}  # twin: the trainer's own shape loads, bit for bit
+    ckpt.load_shards(back, path)
+    assert all(same_bits(back[k], full[k]) for k in full)
 
 
 def test_an_old_pickle_format_checkpoint_is_refused_not_loaded(tmp_path, trained):
