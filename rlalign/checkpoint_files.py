@@ -506,15 +506,17 @@ def probe_bytes(checkpoint_bytes: int) -> int:
     return min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, checkpoint_bytes))
 
 
-def grace_warning(checkpoint_bytes: int, rate: float, grace_s: float, where: Path) -> str | None:
+def grace_warning(checkpoint_bytes: int, rate: float, grace_s: float, where: Path, every: int = 0) -> str | None:
     """One line when a checkpoint of `checkpoint_bytes` at `rate` bytes/s (one writer) takes longer than
-    run.stop_grace_s, naming the knobs of the orchestrators that send the stop signal; else None."""
+    run.stop_grace_s, naming the knobs of the orchestrators that send the stop signal (and saving every
+    step, unless the run's checkpoint interval `every` is 1 already); else None."""
     seconds = checkpoint_bytes / rate
     if seconds <= grace_s:
         return None
+    each = "" if every == 1 else (", or save every step (checkpoint.every=1: a stop then waits only for the write "
+                                  "already under way)")
     return (f"a checkpoint of {size_text(checkpoint_bytes)} takes ~{_seconds_text(seconds)} at the "
             f"{size_text(rate)}/s measured in {where}, longer than run.stop_grace_s={grace_s:g} s: a stop signal "
             f"(preemption, Ctrl-C) may end the run before its checkpoint is written; raise run.stop_grace_s above "
             f"~{seconds:.0f} s and the orchestrator's grace above that (Kubernetes: terminationGracePeriodSeconds; "
-            f"Slurm: KillWait, or sbatch --signal=TERM@SECONDS to be signalled earlier), or save every step "
-            f"(checkpoint.every=1: a stop then waits only for the write already under way)")
+            f"Slurm: KillWait, or sbatch --signal=TERM@SECONDS to be signalled earlier){each}")

@@ -160,7 +160,7 @@ class Saves:
         d = ckpt.checkpoint_dir(self.run_dir)
         rate = ckpt.measure_write_rate(d, ckpt.probe_bytes(nbytes))
         self.nbytes, self.save_s = nbytes, nbytes / rate
-        warning = ckpt.grace_warning(nbytes, rate, self.cfg.run.stop_grace_s, d)
+        warning = ckpt.grace_warning(nbytes, rate, self.cfg.run.stop_grace_s, d, self.every)
         if warning:
             print(f"rlalign train: warning: {warning}", file=sys.stderr, flush=True)
 

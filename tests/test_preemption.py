@@ -22,6 +22,9 @@ def test_the_grace_warning_names_the_orchestrators_knobs_only_when_the_save_outl
                  "Slurm: KillWait, or sbatch --signal=TERM@SECONDS", "checkpoint.every=1"):
         assert knob in line
     assert "\n" not in line
+    assert grace_warning(61_200_000_000, 1_020_000_000, 20.0, tmp_path, every=5) == line
+    every_step = grace_warning(61_200_000_000, 1_020_000_000, 20.0, tmp_path, every=1)  # saves every step already
+    assert every_step == line.split(", or save every step")[0] and "checkpoint.every" not in every_step
     assert grace_warning(61_200_000_000, 1_020_000_000, 90.0, tmp_path) is None  # twin: a generous grace
     assert grace_warning(61_200_000_000, 10_000_000_000, 20.0, tmp_path) is None  # twin: a fast disk
 
@@ -65,8 +68,8 @@ def test_train_warns_at_start_when_a_save_outlasts_run_stop_grace_s(tmp_path, ca
                          f"{tmp_path}/checkpoints, longer than run.stop_grace_s=20 s: a stop signal (preemption, "
                          f"Ctrl-C) may end the run before its checkpoint is written; raise run.stop_grace_s above ~32 "
                          f"s and the orchestrator's grace above that (Kubernetes: terminationGracePeriodSeconds; "
-                         f"Slurm: KillWait, or sbatch --signal=TERM@SECONDS to be signalled earlier), or save every "
-                         f"step (checkpoint.every=1: a stop then waits only for the write already under way)"]
+                         f"Slurm: KillWait, or sbatch --signal=TERM@SECONDS to be signalled earlier)"]  # run.steps=1:
+        # every step is saved already, so saving every step is not offered
     else:
         assert lines == []
     rc = cli.main(["train", f"run.dir={tmp_path / 'off'}", "run.steps=1", "checkpoint.enabled=false"])
