@@ -534,7 +534,7 @@ def _export(tmp: Path, final: Path, step: int) -> CheckpointError | None:
 
     try:
         export_hf(tmp, tmp / HF_DIR, overwrite=True, what=f"rlalign train: export of step {step}", note=False)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # whatever the export met, the checkpoint is published
         shutil.rmtree(tmp / HF_DIR, ignore_errors=True)
         return CheckpointError(oneline(f"checkpoint of step {step} is complete ({final}), but its Hugging Face "
                                        f"export failed: {cause(e)}; export it with: rlalign export {final} OUT_DIR"))

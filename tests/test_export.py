@@ -269,3 +269,34 @@ def test_checkpoint_export_hf_writes_the_export_inside_the_checkpoint_before_it_
     assert ckpt.verify(tmp_path / "checkpoints" / "step_000001", tensors=True)["step"] == 1
     assert sorted(os.listdir(tmp_path / "checkpoints" / "step_000001")) == [
         "meta.json", "shard-00001-model-00001-of-00001.safetensors"]
+
+
+def test_a_full_disk_under_an_export_is_one_line_and_leaves_the_checkpoint_it_rides_on_published(
+        trained, tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    from rlalign.model import hf
+
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path / "run")
+
+    def full(*a, **k):  # what safetensors raises on a full disk (not an OSError)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hf, "save_file", full)
+    out = tmp_path / "models" / "hf"
+    assert cli.main(["export", str(path), str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"rlalign export: error: [Errno 28] No space left on device: '{out}/model-00001-of-00001.safetensors'")
+    assert os.listdir(out.parent) == []  # nothing half-written left behind
+    meta = {"data_position": 2, "weights_fp": "-", **model_meta(model_args(cfg), "bfloat16", None)}
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(tmp_path / "run", 1))
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 1 is complete .*, but its Hugging Face export "
+                                              r"failed: No space left on device \(ENOSPC\)"):
+        ckpt.complete(tmp_path / "run", 1, meta, keep=0, export_hf=True)
+    published = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert ckpt.verify(published, tensors=True)["step"] == 1 and not (published / "hf").exists()
+    monkeypatch.undo()  # twin: with room, the same export and the same checkpoint's export are written
+    assert cli.main(["export", str(path), str(out)]) == 0 and (out / "config.json").is_file()
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(tmp_path / "run", 2))
+    assert (ckpt.complete(tmp_path / "run", 2, meta, keep=0, export_hf=True) / "hf" / "config.json").is_file()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlalign.model.args import ModelArgs, read_args
@@ -209,6 +209,18 @@ def _shards(entries: list[HFEntry], shard_bytes: int) -> list[list[HFEntry]]:
     return groups
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, shown: Path) -> None:
+    """safetensors' save_file; its I/O errors (a full disk) raised as the OSError they are, naming `shown`
+    (the file's path once the directory is in place)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        n = re.search(r"os error (\d+)", str(e))
+        if n is None:
+            raise
+        raise OSError(int(n.group(1)), os.strerror(int(n.group(1))), str(shown)) from None
+
+
 def write_hf_dir(path: str | os.PathLike, config: dict, entries: list[HFEntry], shard_bytes: int | None = None,
                  files: Iterable[Path] = (), on_bytes: Callable[[int], None] | None = None) -> None:
     """A Hugging Face model directory at `path`, atomically (a temp dir renamed into place, replacing
@@ -229,7 +241,7 @@ def write_hf_dir(path: str | os.PathLike, config: dict, entries: list[HFEntry], 
                  [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
         written, weight_map = 0, {}
         for name, group in zip(names, groups):
-            save_file({k: load() for k, _, load in group}, str(tmp / name), metadata={"format": "pt"})
+            _save_file({k: load() for k, _, load in group}, tmp / name, path / name)
             os.chmod(tmp / name, file_mode)  # safetensors may create it owner-only
             written += sum(n for _, n, _ in group)
             weight_map.update({k: name for k, _, _ in group})
