@@ -14,7 +14,8 @@ Every tensor of the model must be in the checkpoint with its shape and dtype, an
 tensor of the checkpoint must belong to the model: a checkpoint of another model shape is refused
 naming the tensor. The directory is written beside OUT_DIR and renamed into place
 (rlalign.model.hf.write_hf_dir, the writer of every HF directory rlalign makes), one shard in
-memory at a time; an OUT_DIR that exists is refused unless overwrite.
+memory at a time; an OUT_DIR that exists is refused unless overwrite, and one that holds the
+checkpoint or a run (its checkpoints/ directory) always.
 """
 
 from __future__ import annotations
@@ -192,10 +193,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
     """Write the checkpoint's model to `out` as a Hugging Face directory (module docstring); a summary.
     `note`: say on stderr which tokenizer files come along (a run's exports at each checkpoint do not)."""
     checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
+    if checkpoint.resolve().is_relative_to(out.resolve()):  # --overwrite would delete what it exports
+        what = "is the checkpoint itself" if out.resolve() == checkpoint.resolve() else "holds the checkpoint"
+        raise ValueError(f"{out} {what}; write the export elsewhere (e.g. {checkpoint / HF_DIR})")
+    if checkpoint_dir(out).is_dir():
+        raise ValueError(f"{out} is a run directory ({checkpoint_dir(out)} is there), which an export would replace; "
+                         f"write it elsewhere")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose another directory or pass --overwrite to replace it")
-    if out.resolve() == checkpoint.resolve():
-        raise ValueError(f"{out} is the checkpoint itself; write the export elsewhere (e.g. {checkpoint / HF_DIR})")
     meta = verify(checkpoint)
     args, dtype, tokenizer = model_of(checkpoint, meta)
     files, found = tokenizer_files(tokenizer)
@@ -219,7 +224,8 @@ The model of a checkpoint (RUN_DIR/checkpoints/step_N, or a run directory: its n
 as a Hugging Face directory: config.json, safetensors shards with model.safetensors.index.json, and
 the run's tokenizer files when it had a Hugging Face tokenizer. transformers' from_pretrained, vLLM and
 rlalign's model.path=OUT_DIR load it. The weights are the model dtype the run sampled with.
-  --overwrite    replace OUT_DIR if it exists (else refused)
+  --overwrite    replace OUT_DIR if it exists (else refused); never a run directory or one holding
+                 the checkpoint
   --shard-mb N   shards of at most N MB (default 5000)
 exit status: 0 written (the last stdout line is a JSON summary), 2 error"""
 

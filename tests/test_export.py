@@ -115,6 +115,21 @@ def test_the_export_has_the_modes_the_umask_gives_so_that_a_server_of_another_us
         p.name: oct(file_mode) for p in (tmp_path / "hf").iterdir()}
 
 
+def test_overwrite_never_replaces_the_checkpoint_a_directory_holding_it_or_a_run_directory(trained, tmp_path):
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path / "run")
+    other = _save(tr, cfg, tmp_path / "other").parent.parent
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    for out, what in ((path, "is the checkpoint itself"), (path.parent.parent, "holds the checkpoint"),
+                      (path.parent, "holds the checkpoint"),
+                      (other, rf"is a run directory \({other}/checkpoints is there\), which an export would replace")):
+        with pytest.raises(ValueError, match=rf"^{out} {what}"):
+            export_hf(path, out, overwrite=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    export_hf(path, tmp_path / "hf")  # twin: an earlier export beside the run is replaced when asked
+    assert export_hf(path, tmp_path / "hf", overwrite=True)["out"] == str(tmp_path / "hf")
+
+
 def _edit_meta(path, **model):
     meta = json.loads((path / "meta.json").read_text())
     meta["model"].update(model)
