@@ -178,14 +178,19 @@ def tokenizer_files(tokenizer: str | None) -> tuple[list[Path], str]:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory as given, or a run directory's newest intact checkpoint."""
-    if not (path / META).is_file() and checkpoint_dir(path).is_dir():
-        newest = newest_intact(path)
-        if newest is None:
-            raise CheckpointError(f"{path}: a run directory without an intact checkpoint")
-        print(f"rlalign export: {path} is a run directory: its newest intact checkpoint is {newest}", file=sys.stderr)
-        return newest
-    return path
+    """A checkpoint directory as given, or the newest intact checkpoint of a run directory or of its
+    checkpoints directory."""
+    if (path / META).is_file():
+        return path
+    run = path if checkpoint_dir(path).is_dir() else path.parent if path.name == checkpoint_dir(path).name else None
+    if run is None or not checkpoint_dir(run).is_dir():
+        return path
+    newest = newest_intact(run)
+    kind = "a run directory" if run == path else "a run's checkpoints directory"
+    if newest is None:
+        raise CheckpointError(f"{path}: {kind} without an intact checkpoint")
+    print(f"rlalign export: {path} is {kind}: its newest intact checkpoint is {newest}", file=sys.stderr)
+    return newest
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,

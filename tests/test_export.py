@@ -257,6 +257,16 @@ def test_rlalign_export_command(exported, tmp_path, capsys):
     assert cli.main(["export", "--help"]) == 0 and "usage: rlalign export" in capsys.readouterr().out
 
 
+def test_a_runs_checkpoints_directory_exports_its_newest_intact_checkpoint(exported, tmp_path, capsys):
+    path, _, _ = exported
+    assert export_hf(path.parent, tmp_path / "hf")["checkpoint"] == str(path)
+    assert f"{path.parent} is a run's checkpoints directory: its newest intact checkpoint is {path}" in \
+        capsys.readouterr().err
+    (tmp_path / "run" / "checkpoints" / "step_000000.tmp").mkdir(parents=True)  # twin: none intact there
+    with pytest.raises(CheckpointError, match=r"checkpoints: a run's checkpoints directory without an intact "):
+        export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf2")
+
+
 def test_checkpoint_export_hf_writes_the_export_inside_the_checkpoint_before_it_is_published(trained, tmp_path,
                                                                                             monkeypatch):
     from rlalign import export
