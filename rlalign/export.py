@@ -225,7 +225,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
 
 USAGE = """usage: rlalign export CHECKPOINT_DIR OUT_DIR [--overwrite] [--shard-mb N]
 
-The model of a checkpoint (RUN_DIR/checkpoints/step_N, or a run directory: its newest intact one)
+The model of a checkpoint (RUN_DIR/checkpoints/step_N; RUN_DIR or RUN_DIR/checkpoints: its newest intact one)
 as a Hugging Face directory: config.json, safetensors shards with model.safetensors.index.json, and
 the run's tokenizer files when it had a Hugging Face tokenizer. transformers' from_pretrained, vLLM and
 rlalign's model.path=OUT_DIR load it. The weights are the model dtype the run sampled with.
