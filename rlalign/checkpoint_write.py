@@ -175,7 +175,11 @@ def host_memory_available() -> int | None:
 
 
 def choose_staging(mode: str, nbytes: int, available: int | None) -> tuple[bool, str]:
-    """(stage the whole state?, the one line that says so) for checkpoint.staging = auto | host | stream."""
+    """(stage the whole state?, the one line that says so) for checkpoint.staging = auto | host | stream, or
+    sync (checkpoint.async_save=false: training waits for every save, so there is nothing to stage for)."""
+    if mode == "sync":
+        return False, (f"checkpoint staging: none (checkpoint.async_save=false): this rank's {size_text(nbytes)} "
+                       f"is written before training goes on")
     room = available is not None and 2 * nbytes <= available
     staged = mode == "host" or (mode == "auto" and room)
     have = f"{size_text(available)} available" if available is not None else "host memory unknown"

@@ -200,7 +200,8 @@ class TrainerWorker(_Monitored, _WeightSync):
         self.rank, self.world = rank, world
         self.trainer = Trainer(self.cfg, self.group)
         self._said: list[str] = []  # the saver's lines, handed to the driver with save()'s answer
-        self.saver = AsyncSaver(self.cfg.checkpoint.staging, say=self._said.append)
+        staging = self.cfg.checkpoint.staging if self.cfg.checkpoint.async_save else "sync"
+        self.saver = AsyncSaver(staging, say=self._said.append)
         self._setup_monitor(self.trainer.model)
         self._own_process, self._steps = own_process, 0
         self._colocated = shares_gpu(self.cfg)  # each gives back what the other needs next

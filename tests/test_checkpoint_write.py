@@ -91,6 +91,14 @@ def test_auto_staging_needs_twice_the_state_in_available_memory():
     assert cw.choose_staging("host", 10 << 30, None)[0] and not cw.choose_staging("stream", 1, 1 << 40)[0]
 
 
+def test_a_synchronous_save_stages_nothing_and_says_training_waits_for_it():
+    staged, line = cw.choose_staging("sync", 10 << 30, 1 << 40)  # checkpoint.async_save=false
+    assert not staged and line == ("checkpoint staging: none (checkpoint.async_save=false): this rank's 10.7 GB is "
+                                   "written before training goes on")
+    staged, line = cw.choose_staging("auto", 10 << 30, 1 << 40)  # twin: the background save with room stages
+    assert staged and "training goes on while the files are written" in line
+
+
 def test_the_buffers_a_staged_save_holds_count_as_room_for_the_next(tmp_path, monkeypatch):
     state, said = _state(), []
     size = sum(v.nbytes for v in state.values())
