@@ -40,7 +40,7 @@ from rlalign.tasks.reward_fn import user_frame
 from rlalign.tasks.tokenizer import observation_encoder
 
 POLL_WAIT_S = 0.05  # poll(wait=True) blocks at most this long without an answer
-STOP_WINDOW_SLACK = 4  # tokens decoded beyond the longest stop string's length (tokens of no text)
+STOP_WINDOW_SLACK = 4  # tokens decoded beyond the longest stop string's UTF-8 bytes (tokens of no text)
 
 
 class EnvError(RuntimeError):
@@ -99,7 +99,8 @@ class EpisodeDriver:
         self.observe = observation_encoder(tok, limits.observation_role)
         self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
         self._reset_all(env_cls, seed)
-        self.window = max((len(s) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
+        # a token holds at least one byte of text (byte-level tokenizers split a character over several)
+        self.window = max((len(s.encode()) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
         self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
         self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
         self.results: queue.Queue = queue.Queue()
@@ -239,8 +240,8 @@ class EpisodeDriver:
         except EnvContractError as e:
             return self._failed(b, "env_errors", str(e), None, out)
         ep.reward += float(step.reward)
-        ep.counts["tool_calls"] += step.tool_calls
-        ep.counts["tool_errors"] += step.tool_errors
+        ep.counts["tool_calls"] += int(step.tool_calls)
+        ep.counts["tool_errors"] += int(step.tool_errors)
         if step.done:
             return self._end(b, "done", out)
         if ep.turn >= self.limits.max_turns:
