@@ -1,7 +1,8 @@
 """Bad input to multi-turn episodes: a Step whose reward, done or tool counts are not what the
 interface says (an error naming the episode and turn, or the counted fallback), non-finite fallback
-rewards (refused in the config), and stop strings of characters a byte-level tokenizer splits over
-several tokens (the turn still ends at them). The engine here is scripted (tests/test_agent.py)."""
+rewards (refused in the config), and stop strings that decoding does not show whole: characters a
+byte-level tokenizer splits over several tokens, a special token (the turn still ends at them). The
+engine here is scripted (tests/test_agent.py)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,24 @@ def test_a_stop_string_split_over_byte_tokens_ends_the_turn(stop):
     # twins: the stop string one byte short, or broken by another character, does not end the turn
     assert not d.stopped(0, turn[:-1])
     assert not d.stopped(0, tok.encode("ab 1+2" + stop[:-1] + " " + stop[-1]))
+
+
+def test_a_stop_string_that_is_one_special_token_ends_the_turn(tmp_path):
+    """Decoding drops a special token (GLM's '<|observation|>' ends a tool call), so the turn ends at its id;
+    the twin: the same tokenizer without that stop string runs on past it."""
+    from test_tasks_user import write_tokenizer
+
+    from rlalign.tasks.tokenizer import HFTokenizer
+
+    specials = ["<pad>", "<unk>", "<eos>", "<|observation|>"]
+    tok = HFTokenizer(write_tokenizer(tmp_path, None, specials, "ab()1 ", "<eos>"))
+    turn = tok.encode("ab(1)<|observation|>", template=False)
+    assert tok.decode(turn) == "ab(1)"  # no text left to match
+
+    def driver(stop: tuple[str, ...]) -> EpisodeDriver:
+        return EpisodeDriver(GuessEnv, tok, [Example("a", "1")], [tok.encode("a")], [0], 0,
+                             EpisodeLimits(max_turns=2, max_context_len=64, stop=stop))
+
+    assert driver(("<|observation|>",)).stopped(0, turn) and not driver(("<|observation|>",)).stopped(0, turn[:-1])
+    assert not driver((")1",)).stopped(0, turn)
+    assert driver((")",)).stopped(0, turn[:-1])  # a text stop string as before
