@@ -86,6 +86,12 @@ def task_problems(t: DictConfig) -> list[str]:
     problems = [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
     if t.env is not None and not re.fullmatch(r"\w+|[^:]+:[A-Za-z_]\w*", t.env):
         problems.append(f"task.env={t.env!r}: expected a built-in environment's name or 'pkg.module:Class'")
+    if t.env is None:  # the episode settings whose default says "not set"
+        episode = {"stop": list(t.stop) or None, "max_context_len": t.max_context_len,
+                   "env_fallback_reward": t.env_fallback_reward}
+        problems += [f"task.{key}={value}: a multi-turn setting, which does nothing while task.env is null: set "
+                     f"task.env, or task.{key}={'[]' if key == 'stop' else 'null'}"
+                     for key, value in episode.items() if value is not None]
     return problems
 
 

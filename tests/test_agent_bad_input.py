@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy
 import pytest
@@ -109,3 +110,14 @@ def test_a_stop_string_that_is_one_special_token_ends_the_turn(tmp_path):
     assert driver(("<|observation|>",)).stopped(0, turn) and not driver(("<|observation|>",)).stopped(0, turn[:-1])
     assert not driver((")1",)).stopped(0, turn)
     assert driver((")",)).stopped(0, turn[:-1])  # a text stop string as before
+
+
+@pytest.mark.parametrize("setting, shown", [("task.stop=[')']", "task.stop=[')']"),
+                                            ("task.max_context_len=64", "task.max_context_len=64"),
+                                            ("task.env_fallback_reward=0", "task.env_fallback_reward=0.0")])
+def test_an_episode_setting_without_task_env_is_refused_naming_the_key(setting, shown):
+    key = shown.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(shown)}: a multi-turn setting, which does nothing while "
+                                          rf"task.env is null: set task.env, or {key}=(\[\]|null)"):
+        load_config(["task=add", setting])
+    assert load_config(["task=guess", setting]).task.env == "guess"  # twin: with an environment it is kept
