@@ -121,3 +121,11 @@ def test_an_episode_setting_without_task_env_is_refused_naming_the_key(setting, 
                                           rf"task.env is null: set task.env, or {key}=(\[\]|null)"):
         load_config(["task=add", setting])
     assert load_config(["task=guess", setting]).task.env == "guess"  # twin: with an environment it is kept
+
+
+def test_a_calc_call_nested_too_deeply_is_the_tools_error_not_an_environment_failure():
+    from rlalign.agent.envs import CalcEnv
+
+    for expr in ("-" * 2000 + "1", "1" + "*1" * 20000):
+        assert CalcEnv().step(f"calc({expr})") == Step("err", tool_calls=1, tool_errors=1)
+    assert CalcEnv().step(f"calc({'-' * 100}7)") == Step("7", tool_calls=1)  # twin: nested within the limits
