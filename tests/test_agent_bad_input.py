@@ -129,3 +129,12 @@ def test_a_calc_call_nested_too_deeply_is_the_tools_error_not_an_environment_fai
     for expr in ("-" * 2000 + "1", "1" + "*1" * 20000):
         assert CalcEnv().step(f"calc({expr})") == Step("err", tool_calls=1, tool_errors=1)
     assert CalcEnv().step(f"calc({'-' * 100}7)") == Step("7", tool_calls=1)  # twin: nested within the limits
+
+
+@pytest.mark.parametrize("guess, hint", [("²", "?"), ("٣", "?"), ("5", "<")])
+def test_guess_answers_a_digit_outside_0_to_9_with_a_question_mark(guess, hint):
+    """A tokenizer beyond the char one can write a character str.isdigit takes that int() refuses or reads;
+    the twin: an ASCII digit gets its hint."""
+    env = GuessEnv()
+    env.reset(Example("g0-7:", "3"), 0)
+    assert env.step(guess).observation == hint

@@ -29,7 +29,7 @@ class GuessEnv(Env):
     def step(self, action: str) -> Step:
         self.turn += 1
         guess = action.strip()
-        if len(guess) != 1 or not guess.isdigit():
+        if len(guess) != 1 or guess not in "0123456789":  # str.isdigit also takes '²' and '٣
             return Step("?")
         g = int(guess)
         if g == self.secret:
