@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import numpy
 import pytest
@@ -138,3 +139,17 @@ def test_guess_answers_a_digit_outside_0_to_9_with_a_question_mark(guess, hint):
     env = GuessEnv()
     env.reset(Example("g0-7:", "3"), 0)
     assert env.step(guess).observation == hint
+
+
+class SlowReset(GuessEnv):
+    def reset(self, example, seed):
+        time.sleep(0.05)
+        super().reset(example, seed)
+
+
+@pytest.mark.parametrize("timeout_s", [math.inf, 1e12, 5.0])
+def test_a_timeout_beyond_what_a_thread_wait_takes_is_no_limit(timeout_s):
+    """Resets that take a while under task.env_timeout_s=inf or 1e12 (past threading.TIMEOUT_MAX) run as
+    under any other limit."""
+    rs = scripted(_driver(SlowReset, timeout_s=timeout_s), ["3"])
+    assert [r.finish_reason for r in rs] == ["done"] * 2

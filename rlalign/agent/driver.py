@@ -130,6 +130,7 @@ class EpisodeDriver:
                                  name=f"rlalign-env-reset-{self.episodes[b].sample_id}").start()
             timeout = self.limits.timeout_s
             wait = None if not timeout else max(0.0, min(started.values()) + timeout - time.monotonic())
+            wait = wait if wait is None else min(wait, threading.TIMEOUT_MAX)  # a limit of inf or 1e12 s waits
             try:
                 b, e = done.get(timeout=wait)
             except queue.Empty:
