@@ -5,6 +5,7 @@ composes them into Config and re-exports every name here."""
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -76,11 +77,21 @@ def task_problems(t: DictConfig) -> list[str]:
         ("task.env_timeout_s", t.env_timeout_s, t.env_timeout_s is None or t.env_timeout_s > 0,
          "> 0 (or null: no limit)"),
         ("task.env_workers", t.env_workers, t.env_workers >= 1, ">= 1"),
+        ("task.env_fallback_reward", t.env_fallback_reward,
+         t.env_fallback_reward is None or math.isfinite(t.env_fallback_reward), "finite (or null: an error)"),
+        ("task.reward_timeout_fallback", t.reward_timeout_fallback,
+         t.reward_timeout_fallback is None or math.isfinite(t.reward_timeout_fallback), "finite (or null: an error)"),
         ("task.stop", list(t.stop), all(isinstance(s, str) and s for s in t.stop), "non-empty strings"),
     ]
     problems = [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
     if t.env is not None and not re.fullmatch(r"\w+|[^:]+:[A-Za-z_]\w*", t.env):
         problems.append(f"task.env={t.env!r}: expected a built-in environment's name or 'pkg.module:Class'")
+    if t.env is None:  # the episode settings whose default says "not set"
+        episode = {"stop": list(t.stop) or None, "max_context_len": t.max_context_len,
+                   "env_fallback_reward": t.env_fallback_reward}
+        problems += [f"task.{key}={value}: a multi-turn setting, which does nothing while task.env is null: set "
+                     f"task.env, or task.{key}={'[]' if key == 'stop' else 'null'}"
+                     for key, value in episode.items() if value is not None]
     return problems
 
 

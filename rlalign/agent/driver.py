@@ -5,13 +5,13 @@
     driver.finish(rollouts)          # Rollout.turns, .episode and .finish_reason
 
 The engine decodes every episode's assistant turn until EOS, a stop string (stopped(): the decoded
-text of the turn's last tokens holds one of task.stop) or the per-turn limit (task.max_new_tokens,
-or the context's end), then hands the turn over (ended()). The turn's text goes to its episode's
-environment in a worker thread (task.env_workers at a time), while the engine decodes the other
-episodes; poll() gives the engine each answer: the observation's tokens to prefill (its text as it is, or
-with task.chat=true the chat template's message of task.observation_role after the turn and the
-generation prompt: rlalign.tasks.tokenizer.ChatObservations), or None: the episode is over. An episode
-ends with the finish reason
+text of the turn's last tokens holds one of task.stop, or its last token is one of them) or the
+per-turn limit (task.max_new_tokens, or the context's end), then hands the turn over (ended()). The
+turn's text goes to its episode's environment in a worker thread (task.env_workers at a time), while
+the engine decodes the other episodes; poll() gives the engine each answer: the observation's tokens
+to prefill (its text as it is, or with task.chat=true the chat template's message of
+task.observation_role after the turn and the generation prompt: rlalign.tasks.tokenizer.ChatObservations),
+or None: the episode is over. An episode ends with the finish reason
     done       the environment said done
     turns      task.max_turns assistant turns taken
     context    the next observation and one more token would not fit in task.max_context_len
@@ -40,7 +40,7 @@ from rlalign.tasks.reward_fn import user_frame
 from rlalign.tasks.tokenizer import observation_encoder
 
 POLL_WAIT_S = 0.05  # poll(wait=True) blocks at most this long without an answer
-STOP_WINDOW_SLACK = 4  # tokens decoded beyond the longest stop string's length (tokens of no text)
+STOP_WINDOW_SLACK = 4  # tokens decoded beyond the longest stop string's UTF-8 bytes (tokens of no text)
 
 
 class EnvError(RuntimeError):
@@ -99,7 +99,9 @@ class EpisodeDriver:
         self.observe = observation_encoder(tok, limits.observation_role)
         self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
         self._reset_all(env_cls, seed)
-        self.window = max((len(s) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
+        # a token holds at least one byte of text (byte-level tokenizers split a character over several)
+        self.window = max((len(s.encode()) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
+        self.stop_ids = stop_token_ids(tok, limits.stop)
         self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
         self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
         self.results: queue.Queue = queue.Queue()
@@ -128,6 +130,7 @@ class EpisodeDriver:
                                  name=f"rlalign-env-reset-{self.episodes[b].sample_id}").start()
             timeout = self.limits.timeout_s
             wait = None if not timeout else max(0.0, min(started.values()) + timeout - time.monotonic())
+            wait = wait if wait is None else min(wait, threading.TIMEOUT_MAX)  # a limit of inf or 1e12 s waits
             try:
                 b, e = done.get(timeout=wait)
             except queue.Empty:
@@ -145,6 +148,8 @@ class EpisodeDriver:
     def stopped(self, b: int, turn: list[int]) -> bool:
         if not self.limits.stop:
             return False
+        if turn[-1] in self.stop_ids:
+            return True
         text = self.tok.decode(turn[-self.window:])
         return any(s in text for s in self.limits.stop)
 
@@ -239,8 +244,8 @@ class EpisodeDriver:
         except EnvContractError as e:
             return self._failed(b, "env_errors", str(e), None, out)
         ep.reward += float(step.reward)
-        ep.counts["tool_calls"] += step.tool_calls
-        ep.counts["tool_errors"] += step.tool_errors
+        ep.counts["tool_calls"] += int(step.tool_calls)
+        ep.counts["tool_errors"] += int(step.tool_errors)
         if step.done:
             return self._end(b, "done", out)
         if ep.turn >= self.limits.max_turns:
@@ -277,6 +282,20 @@ class EpisodeDriver:
         phase = f"{self.phase}, " if self.phase else ""
         turn = f", turn {ep.turn}" if ep.turn else ""
         return f"the episode of sample {ep.sample_id} ({phase}prompt {ep.example.prompt!r}){turn}"
+
+
+def stop_token_ids(tok, stop: tuple[str, ...]) -> frozenset[int]:
+    """The ids of the stop strings that are one token: a special token (a tool call's end in some chat
+    formats) is no text once decoded, so the turn ends at its id."""
+    ids = set()
+    for s in stop:
+        try:
+            one = tok.encode(s, "task.stop", template=False)
+        except ValueError:  # text the tokenizer cannot encode: the text match alone (it never appears)
+            continue
+        if len(one) == 1:
+            ids.add(one[0])
+    return frozenset(ids)
 
 
 def _at(exc: BaseException | None) -> str:

@@ -23,6 +23,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy
+
 from rlalign.tasks import Example
 from rlalign.tasks.reward_fn import import_user_module
 
@@ -65,6 +67,12 @@ def check_step(value) -> Step:
                                f"({type(value.observation).__name__}); an observation must be a string")
     if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not math.isfinite(value.reward):
         raise EnvContractError(f"returned the reward {value.reward!r}; a reward must be a finite real number")
+    if not isinstance(value.done, (numbers.Integral, numpy.bool_)) or value.done not in (0, 1):
+        raise EnvContractError(f"returned done={value.done!r}; done must be a bool")
+    for key in ("tool_calls", "tool_errors"):
+        n = getattr(value, key)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise EnvContractError(f"returned {key}={n!r}; a count must be an int >= 0")
     return value
 
 

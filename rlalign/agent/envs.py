@@ -29,7 +29,7 @@ class GuessEnv(Env):
     def step(self, action: str) -> Step:
         self.turn += 1
         guess = action.strip()
-        if len(guess) != 1 or not guess.isdigit():
+        if len(guess) != 1 or guess not in "0123456789":  # str.isdigit also takes '²' and '٣
             return Step("?")
         g = int(guess)
         if g == self.secret:
@@ -58,10 +58,11 @@ def evaluate(expr: str) -> int:
         return value
 
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
+        return ev(ast.parse(expr.strip(), mode="eval").body)
     except SyntaxError:
         raise ValueError(f"not an integer expression: {expr!r}") from None
-    return ev(tree.body)
+    except RecursionError:  # a model's tool call nested beyond Python's parser or this evaluator
+        raise ValueError(f"an expression nested too deeply: {expr[:40]!r}...") from None
 
 
 class CalcEnv(Env):

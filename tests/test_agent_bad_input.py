@@ -1,0 +1,155 @@
+"""Bad input to multi-turn episodes: a Step whose reward, done or tool counts are not what the
+interface says (an error naming the episode and turn, or the counted fallback), non-finite fallback
+rewards (refused in the config), and stop strings that decoding does not show whole: characters a
+byte-level tokenizer splits over several tokens, a special token (the turn still ends at them). The
+engine here is scripted (tests/test_agent.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import numpy
+import pytest
+from test_agent import _driver, scripted
+
+from rlalign.agent import EnvError, EpisodeDriver, EpisodeLimits, Step
+from rlalign.agent.envs import GuessEnv
+from rlalign.agent.metrics import episode_metrics
+from rlalign.config import ConfigError, load_config
+from rlalign.tasks import Example
+
+
+def answering(**step) -> type:
+    """An environment whose first answer is Step('<', **step), then done."""
+
+    class Answers(GuessEnv):
+        def step(self, action):
+            self.turn += 1
+            return Step("<", **step) if self.turn == 1 else Step(done=True)
+
+    return Answers
+
+
+@pytest.mark.parametrize("step, what", [
+    ({"reward": "1.0"}, r"returned the reward '1.0'; a reward must be a finite real number"),
+    ({"reward": math.nan}, r"returned the reward nan; a reward must be a finite real number"),
+    ({"done": "no"}, r"returned done='no'; done must be a bool"),
+    ({"done": None}, r"returned done=None; done must be a bool"),
+    ({"tool_calls": "1"}, r"returned tool_calls='1'; a count must be an int >= 0"),
+    ({"tool_errors": -1}, r"returned tool_errors=-1; a count must be an int >= 0"),
+])
+def test_a_step_of_the_wrong_types_is_an_error_naming_the_episode_and_turn_or_the_fallback(step, what):
+    with pytest.raises(EnvError, match=what + r" in the episode of sample 1[01] \(step 7, prompt 'g0-7:'\), turn 1 "
+                                              r"\(set task.env_fallback_reward=VALUE"):
+        scripted(_driver(answering(**step)), ["5"])
+    rs = scripted(_driver(answering(**step), fallback=-1.0), ["5"])
+    assert [(r.finish_reason, r.episode["env_errors"], r.episode["reward"]) for r in rs] == [("env_error", 1, -1.0)] * 2
+
+
+def test_numpy_scalars_are_a_steps_numbers_and_its_counts_reach_the_metrics_as_ints():
+    """The twin: numpy's bool, int and float are a bool, counts and a reward; the metrics stay JSON."""
+    env = answering(reward=numpy.float32(0.5), done=numpy.bool_(False), tool_calls=numpy.int64(2),
+                    tool_errors=numpy.int64(1))
+    rs = scripted(_driver(env), ["5", "6"])
+    assert [(r.finish_reason, r.episode["turns"], r.episode["reward"]) for r in rs] == [("done", 2, 0.5)] * 2
+    m = episode_metrics(rs)
+    assert (m["episode/tool_calls"], m["episode/tool_errors"]) == (4, 2) and type(m["episode/tool_calls"]) is int
+    json.dumps(m)
+
+
+@pytest.mark.parametrize("key", ["task.env_fallback_reward", "task.reward_timeout_fallback"])
+def test_a_non_finite_fallback_reward_is_refused_naming_the_key(key):
+    for bad in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match=rf"invalid config: {key}=-?(nan|inf): must be finite \(or null"):
+            load_config(["task=guess", f"{key}={bad}"])
+    assert load_config(["task=guess", f"{key}=-1.5"]).task[key.split(".")[1]] == -1.5  # twin: finite is kept
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: a character outside ASCII is two to four tokens."""
+
+    chat = False
+
+    def encode(self, text: str, where: str = "", template: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+@pytest.mark.parametrize("stop", ["结束了", "→→→→", "</tool>"])
+def test_a_stop_string_split_over_byte_tokens_ends_the_turn(stop):
+    tok = ByteTokenizer()
+    d = EpisodeDriver(GuessEnv, tok, [Example("p", "3")], [tok.encode("p")], [0], 0,
+                      EpisodeLimits(max_turns=2, max_context_len=64, stop=(stop,)))
+    turn = tok.encode("ab 1+2" + stop)
+    assert d.stopped(0, turn)
+    # twins: the stop string one byte short, or broken by another character, does not end the turn
+    assert not d.stopped(0, turn[:-1])
+    assert not d.stopped(0, tok.encode("ab 1+2" + stop[:-1] + " " + stop[-1]))
+
+
+def test_a_stop_string_that_is_one_special_token_ends_the_turn(tmp_path):
+    """Decoding drops a special token (GLM's '<|observation|>' ends a tool call), so the turn ends at its id;
+    the twin: the same tokenizer without that stop string runs on past it."""
+    from test_tasks_user import write_tokenizer
+
+    from rlalign.tasks.tokenizer import HFTokenizer
+
+    specials = ["<pad>", "<unk>", "<eos>", "<|observation|>"]
+    tok = HFTokenizer(write_tokenizer(tmp_path, None, specials, "ab()1 ", "<eos>"))
+    turn = tok.encode("ab(1)<|observation|>", template=False)
+    assert tok.decode(turn) == "ab(1)"  # no text left to match
+
+    def driver(stop: tuple[str, ...]) -> EpisodeDriver:
+        return EpisodeDriver(GuessEnv, tok, [Example("a", "1")], [tok.encode("a")], [0], 0,
+                             EpisodeLimits(max_turns=2, max_context_len=64, stop=stop))
+
+    assert driver(("<|observation|>",)).stopped(0, turn) and not driver(("<|observation|>",)).stopped(0, turn[:-1])
+    assert not driver((")1",)).stopped(0, turn)
+    assert driver((")",)).stopped(0, turn[:-1])  # a text stop string as before
+
+
+@pytest.mark.parametrize("setting, shown", [("task.stop=[')']", "task.stop=[')']"),
+                                            ("task.max_context_len=64", "task.max_context_len=64"),
+                                            ("task.env_fallback_reward=0", "task.env_fallback_reward=0.0")])
+def test_an_episode_setting_without_task_env_is_refused_naming_the_key(setting, shown):
+    key = shown.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(shown)}: a multi-turn setting, which does nothing while "
+                                          rf"task.env is null: set task.env, or {key}=(\[\]|null)"):
+        load_config(["task=add", setting])
+    assert load_config(["task=guess", setting]).task.env == "guess"  # twin: with an environment it is kept
+
+
+def test_a_calc_call_nested_too_deeply_is_the_tools_error_not_an_environment_failure():
+    from rlalign.agent.envs import CalcEnv
+
+    for expr in ("-" * 2000 + "1", "1" + "*1" * 20000):
+        assert CalcEnv().step(f"calc({expr})") == Step("err", tool_calls=1, tool_errors=1)
+    assert CalcEnv().step(f"calc({'-' * 100}7)") == Step("7", tool_calls=1)  # twin: nested within the limits
+
+
+@pytest.mark.parametrize("guess, hint", [("²", "?"), ("٣", "?"), ("5", "<")])
+def test_guess_answers_a_digit_outside_0_to_9_with_a_question_mark(guess, hint):
+    """A tokenizer beyond the char one can write a character str.isdigit takes that int() refuses or reads;
+    the twin: an ASCII digit gets its hint."""
+    env = GuessEnv()
+    env.reset(Example("g0-7:", "3"), 0)
+    assert env.step(guess).observation == hint
+
+
+class SlowReset(GuessEnv):
+    def reset(self, example, seed):
+        time.sleep(0.05)
+        super().reset(example, seed)
+
+
+@pytest.mark.parametrize("timeout_s", [math.inf, 1e12, 5.0])
+def test_a_timeout_beyond_what_a_thread_wait_takes_is_no_limit(timeout_s):
+    """Resets that take a while under task.env_timeout_s=inf or 1e12 (past threading.TIMEOUT_MAX) run as
+    under any other limit."""
+    rs = scripted(_driver(SlowReset, timeout_s=timeout_s), ["3"])
+    assert [r.finish_reason for r in rs] == ["done"] * 2
