@@ -196,8 +196,14 @@ def sigterm_and_resume(a, say) -> dict:
     complete = bool(sent and p.returncode == 128 + signal.SIGTERM and step is not None and done - step <= 1)
     say(f"SIGTERM after step {a.term_after}: exit {p.returncode}, last step logged {done}, newest complete "
         f"checkpoint {newest}")
-    r = _cli(["train", *base, f"run.dir={part}", "checkpoint.resume=auto"])
-    r_out, r_err = r.communicate(timeout=3600)
+    attempts = []
+    for wait_s in (0, 30):  # a failed resume is recorded and tried once more after a pause (the stderr says why)
+        time.sleep(wait_s)
+        r = _cli(["train", *base, f"run.dir={part}", "checkpoint.resume=auto"])
+        r_out, r_err = r.communicate(timeout=3600)
+        attempts.append({"after_s": wait_s, "exit_code": r.returncode, "stderr_tail": r_err.strip().splitlines()[-6:]})
+        if r.returncode == 0:
+            break
     shutil.rmtree(part / "checkpoints", ignore_errors=True)  # the disk holds one run's checkpoints at a time
     f = _cli(["train", *base, f"run.dir={full}"])
     f_out, f_err = f.communicate(timeout=3600)
@@ -212,7 +218,8 @@ def sigterm_and_resume(a, say) -> dict:
     staging = [x.get("time/checkpoint_staging_s") for x in _rows(full)]
     return {"train_model": model, "overrides": base, "term_after_step": a.term_after, "signal_sent": sent,
             "exit_code": p.returncode, "last_step_logged": done, "newest_complete_step": step,
-            "stderr_tail": tail(err), "resume_exit_code": r.returncode, "uninterrupted_exit_code": f.returncode,
+            "stderr_tail": tail(err), "resume_exit_code": r.returncode, "resume_attempts": attempts,
+            "uninterrupted_exit_code": f.returncode, "uninterrupted_stderr_tail": tail(f_err),
             "compare_exit_code": c.returncode, "compare_out": tail(c.stdout), "metrics_equal": same_metrics,
             "uninterrupted_time_checkpoint_stall_s": stalls, "uninterrupted_time_checkpoint_staging_s": staging,
             "sigterm_default_grace_checkpoint_complete": complete, "resume_bitwise": bitwise}
