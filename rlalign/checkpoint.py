@@ -96,6 +96,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     SaveWatch,
     cause,
     checkpoint_dir,
+    clear_leftovers,
     damaged,
     fitting_index,
     fsync_dir,
@@ -105,6 +106,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     newest_intact,
     oneline,
     probe_bytes,
+    prune,
     published,
     rank_of_file,
     read_header,
@@ -586,7 +588,7 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = 
     shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
         for p in list_complete(run_dir)[:-keep]:
-            shutil.rmtree(p, ignore_errors=True)
+            prune(p)
     if failed is not None:
         raise failed
     return final

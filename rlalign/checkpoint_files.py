@@ -10,6 +10,7 @@ import errno as _errno
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -85,6 +86,41 @@ def list_complete(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in d.iterdir() if _STEP_DIR.match(p.name) and (p / META).is_file()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name)[1]))
+
+
+_LEFTOVER = re.compile(r"^step_(\d{6})\.(tmp|old|pruned)$")
+
+
+def prune(path: Path) -> None:
+    """Remove the checkpoint at `path`: renamed to step_N.pruned first (one atomic step), then deleted, so
+    a process killed mid-delete leaves no half-deleted step_N that reads as a checkpoint, only a
+    .pruned directory that clear_leftovers removes at the next start."""
+    trash = path.with_name(path.name + ".pruned")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_leftovers(run_dir: Path) -> list[str]:
+    """What an interrupted run left in run_dir/checkpoints, before a run there starts (no save is in flight:
+    the run dir's lock is held): a prune cut short (step_N.pruned: removed), a save never published
+    (step_N.tmp: removed), a publish cut short between moving step_N aside and renaming its replacement
+    into place (step_N.old: put back where no step_N is, else removed). Returns what it did, one phrase each."""
+    d = checkpoint_dir(run_dir)
+    done = []
+    for p in sorted(d.iterdir()) if d.is_dir() else ():
+        m = _LEFTOVER.match(p.name)
+        if m is None or not p.is_dir():
+            continue
+        final = p.with_name(f"step_{m[1]}")
+        if m[2] == "old" and not final.exists():
+            os.replace(p, final)
+            done.append(f"{p.name} put back as {final.name}")
+            continue
+        nbytes = dir_bytes(p)
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"{p.name} removed ({size_text(nbytes)})")
+    return done
 
 
 # --- small file helpers (the places a full disk shows up) ------------------------------------------

@@ -110,6 +110,10 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
         note = claim_run_dir(run_dir, cfg.checkpoint.resume, cfg.run.overwrite)  # another run's work: refused
         if note:
             print(f"rlalign train: {note}", file=sys.stderr, flush=True)
+        cleared = ckpt.clear_leftovers(run_dir)  # an interrupted run's partial saves and prunes
+        if cleared:
+            print(f"rlalign train: checkpoints an interrupted run left unfinished: {'; '.join(cleared)}",
+                  file=sys.stderr, flush=True)
         resume = ckpt.resolve_resume(run_dir, cfg.checkpoint.resume)
         start = ckpt.read_meta(resume)["step"] + 1 if resume else 0
         if start >= cfg.run.steps:

@@ -346,8 +346,9 @@ def test_resuming_after_the_hung_write_gives_the_uninterrupted_bits(write_stoppe
 
     d = write_stopped[0]
     got = train(load_config([*BASE, "checkpoint.every=1", f"run.dir={d}", "checkpoint.resume=auto"]))
-    assert f"rlalign train: resumed from {d}/checkpoints/step_000000 (step 0); running steps 1..2" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"rlalign train: resumed from {d}/checkpoints/step_000000 (step 0); running steps 1..2" in err
+    assert "rlalign train: checkpoints an interrupted run left unfinished: step_000001.tmp removed (" in err
     assert _rows(d) == _rows(ref[0]) and got["sync/weights_fp"] == ref[1]["sync/weights_fp"]
     assert [r["step"] for r in _rows(d)] == [0, 1, 2]  # each step once
 
