@@ -119,6 +119,7 @@ from rlalign.checkpoint_files import (  # noqa: F401 (the checkpoint API re-expo
     step_of,
     tmp_path,
     verify,
+    wait_pruned,
     wait_published,
     write_json_atomic,
 )

@@ -519,6 +519,21 @@ def wait_published(run_dir: Path, step: int, timeout_s: float | None, poll_s: fl
         time.sleep(poll_s)
 
 
+def wait_pruned(run_dir: Path, keep: int, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """After a publish, until the publishing rank's prune is over (no complete checkpoint beyond the newest
+    `keep`, none being deleted): a process that exits sooner (a stop signal, an error) would cut a
+    delete short. False after timeout_s."""
+    end = time.monotonic() + timeout_s
+    d = checkpoint_dir(run_dir)
+    while True:
+        deleting = d.is_dir() and any(p.name.endswith(".pruned") for p in d.iterdir())
+        if not deleting and not (keep > 0 and len(list_complete(run_dir)) > keep):
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(poll_s)
+
+
 PROBE_MIN_BYTES, PROBE_MAX_BYTES = 4 << 20, 64 << 20
 
 

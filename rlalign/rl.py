@@ -57,6 +57,7 @@ __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "mai
 ABANDONED_TRACE_WAIT_S = 2.0
 # a failing run waits this long (or 4x the estimated save time, if longer) for the checkpoint being written
 SAVE_IN_FLIGHT_MIN_WAIT_S = 60.0
+PRUNE_WAIT_S = 30.0  # a stopping run waits at most this long for the older checkpoints' delete after a publish
 
 
 def _prepare(cfg: DictConfig):
@@ -199,7 +200,14 @@ class Saves:
     def wait_on_disk(self, timeout_s: float | None) -> Path | None:
         """The save in flight, once published (None: it failed, or not within timeout_s)."""
         step, self.in_flight = self.in_flight, None
-        return ckpt.wait_published(self.run_dir, step, timeout_s) if step is not None else None
+        done = ckpt.wait_published(self.run_dir, step, timeout_s) if step is not None else None
+        if done is not None:
+            self.wait_pruned()
+        return done
+
+    def wait_pruned(self) -> None:
+        """Until the prune that follows a publish is over (a run that exits now would cut a delete short)."""
+        ckpt.wait_pruned(self.run_dir, self.cfg.checkpoint.keep, PRUNE_WAIT_S)
 
     def close(self) -> None:
         if self._watch is not None:
@@ -322,6 +330,7 @@ class _Run:
                 if self.saves.covered >= k:
                     self.doing = f"while waiting for the checkpoint of step {k} being written"
                     done = ckpt.published(self.run_dir, k) or self.saves.wait_on_disk(None)
+                    self.saves.wait_pruned()
                     if done is None:
                         return stop.stopped(f"during step {k + 1}: the checkpoint of step {k} could not be written")
                     return stop.stopped(f"during step {k + 1}, at once: the checkpoint of step {k} covers the steps "

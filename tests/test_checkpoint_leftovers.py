@@ -47,3 +47,22 @@ def test_leftovers_of_a_save_and_a_publish_cut_short(tmp_path):
         "step_000002.tmp removed (2 kB)", "step_000003.old put back as step_000003", "step_000004.old removed (1 kB)"]
     assert sorted(q.name for q in (tmp_path / "checkpoints").iterdir()) == ["notes.txt", "step_000003", "step_000004"]
     assert ckpt.clear_leftovers(tmp_path) == [] and ckpt.clear_leftovers(tmp_path / "none") == []
+
+
+def test_a_stopping_run_waits_for_the_prune_after_a_publish(tmp_path):
+    import threading
+
+    _fake_checkpoint(tmp_path, "step_000001")
+    old = _fake_checkpoint(tmp_path, "step_000000")
+    threading.Timer(0.3, ckpt.prune, (old,)).start()  # the publishing rank's prune, a moment after the publish
+    assert ckpt.wait_pruned(tmp_path, keep=1, timeout_s=60, poll_s=0.02)
+    assert [q.name for q in (tmp_path / "checkpoints").iterdir()] == ["step_000001"]
+
+
+def test_negative_twin_a_prune_that_never_comes_or_a_delete_under_way_is_not_waited_out(tmp_path):
+    _fake_checkpoint(tmp_path, "step_000000")
+    _fake_checkpoint(tmp_path, "step_000001")
+    assert not ckpt.wait_pruned(tmp_path, keep=1, timeout_s=0.1, poll_s=0.02)
+    assert ckpt.wait_pruned(tmp_path, keep=2, timeout_s=0.1, poll_s=0.02)  # both kept: nothing to delete
+    _fake_checkpoint(tmp_path, "step_000002.pruned", meta=False)
+    assert not ckpt.wait_pruned(tmp_path, keep=0, timeout_s=0.1, poll_s=0.02)
