@@ -45,9 +45,8 @@ class EpisodeScheduler(Scheduler):
             b = seq.b
             b_idx.append(b)
             seq.tokens.append(t)
-            o, turn = self.out[b], self.turn[b]
-            o.tokens.append(t)
-            o.turns.append(self.turn_no[b])
+            self.out[b].tokens.append(t)
+            turn = self.turn[b]
             turn.append(t)
             if eos is not None and t == eos:
                 reason = "eos"
@@ -60,12 +59,15 @@ class EpisodeScheduler(Scheduler):
             seq.done = True
             ended.append((seq, reason))
         self.unsettled = {seq.b for seq, _ in ended}
+        if ended:
+            self.running = [seq for seq in self.running if not seq.done]
         for seq, reason in ended:
             b = seq.b
-            self.running.remove(seq)
             self.paused[b] = seq
-            self.out[b].finish_reason = reason
+            o = self.out[b]
+            o.finish_reason = reason
             turn, self.turn[b] = self.turn[b], []
+            o.turns.extend([self.turn_no[b]] * len(turn))  # the turn's sampled tokens, labelled once it ends
             self.turn_no[b] += 1
             ep.ended(b, turn, reason)
         return b_idx

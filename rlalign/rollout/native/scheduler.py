@@ -150,8 +150,9 @@ class Scheduler:
                 continue
             seq.done = True
             finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.done]
         for seq in finished:
-            self.running.remove(seq)
             self.free_slots.append(seq.slot)
             self.free_pages.extend(reversed(seq.pages))
         return b_idx
