@@ -36,6 +36,8 @@ from rlalign.tasks import Example  # noqa: E402
 
 DEVICE_WORK = ("step", "sample_next")  # Transformer.step (the forward) and rlalign.rollout.sampling.sample_next
 SYNCS = ("tolist", "item", "cpu")
+# the engine's and the driver's steps, cumulative (Thread.start: the driver's environment calls' thread starts)
+NAMED = ("postprocess", "lookahead", "schedule", "_meta", "resume", "poll", "ended", "stopped", "start")
 
 
 def profiled(eng: NativeEngine, prompts, params, make_driver) -> tuple[pstats.Stats, list, float]:
@@ -73,7 +75,9 @@ def per_step(stats: pstats.Stats, steps: int, top: int) -> dict:
     syncs = {name: sum(_outside(v, inside, 1) for (_, _, n), v in rows.items() if n.startswith(f"<method '{name}'"))
              for name in SYNCS}
     us = 1e6 / steps
-    return {"total_us": total * us, "device_work_us": device * us, "host_us": (total - device) * us,
+    named = {n: sum(v[3] for k, v in rows.items() if k[2] == n and ("rlalign" in k[0] or "threading" in k[0])) * us
+             for n in NAMED}
+    return {"named_us": named, "total_us": total * us, "device_work_us": device * us, "host_us": (total - device) * us,
             "syncs_per_step": {k: v / steps for k, v in syncs.items()},
             "top": [(f"{Path(k[0]).name}:{k[1]}({k[2]})", tt * us, nc / steps) for tt, nc, k in own[:top]]}
 
@@ -104,8 +108,10 @@ def report(side: str, stats: pstats.Stats, kinds: list, wait_s: float, top: int)
     print(f"\n== {side}: {steps} steps, {ahead} lookahead, {steps - ahead} from schedule() (lookahead drained), "
           f"{eager} not decode-only (eager on CUDA), {sum(k[0] for k in kinds) / steps:.1f} rows/step")
     print(f"   per step: {r['total_us']:.0f} us in all, {r['device_work_us']:.0f} us forward+sampling, "
-          f"{r['host_us']:.0f} us the rest, of which {wait_s * 1e6 / steps:.0f} us blocked in poll(wait=True); reads to host per step: "
+          f"{r['host_us']:.0f} us the rest, of which {wait_s * 1e6 / steps:.0f} us blocked in poll(wait=True); "
+          "reads to host per step: "
           + ", ".join(f"{k} {v:.2f}" for k, v in r["syncs_per_step"].items()))
+    print("   cumulative us/step: " + ", ".join(f"{k} {v:.0f}" for k, v in r["named_us"].items()))
     for name, us, calls in r["top"]:
         print(f"   {us:8.1f} us/step  {calls:8.2f} calls/step  {name}")
 
