@@ -237,7 +237,10 @@ def merge_parts(write_json: str, train_json: str, name: str, out: str | None) ->
                                   ("sigterm_default_grace_checkpoint_complete", "resume_bitwise")}}
     what = f"{w['what_it_shows']}; {t['what_it_shows'].lstrip('; ')} (two calls: --part write, --part train)"
     print(json.dumps(summary))
-    payload = {"what_it_shows": what, "summary": summary, "parts": {"write": w, "train": t}}
+    both = lambda k: w[k] if w.get(k) == t.get(k) else f"{w.get(k)} (write), {t.get(k)} (train)"  # noqa: E731
+    ran = {k: w[k] for k in ("machine", "versions", "date") if k in w}  # where the parts ran, not this merge
+    ran.update({k: both(k) for k in ("git_commit", "git_describe")}, command=f"{w['command']} && {t['command']}")
+    payload = {**ran, "what_it_shows": what, "summary": summary, "parts": {"write": w, "train": t}}
     print(f"wrote {record.write(name, payload, out)}", file=sys.stderr)
 
 

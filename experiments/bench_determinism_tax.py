@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), *(str(HERE / d) for d in ("kernels", "train", "rollout"))]  # the scripts it times
 import record  # noqa: E402
 
 SECTIONS = ("vendor", "trainer", "rollout", "rl", "probe")
@@ -325,7 +325,7 @@ def rl(a) -> dict:
         for size, model in models.items():
             for mode in ("deterministic", "default"):
                 label = f"{size}_{mode}"
-                cmd = [sys.executable, str(HERE / "bench_rl_step.py"), "rl", "--label", label, "--model", model,
+                cmd = [sys.executable, str(HERE / "rl" / "bench_rl_step.py"), "rl", "--label", label, "--model", model,
                        "--steps", str(a.rl_steps), "--out", parts, f"kernels.mode={mode}",
                        "monitor.fingerprints=default"]
                 if a.quick:
