@@ -278,16 +278,21 @@ def moe_dispatch(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
 
 class _SlotRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, order, dest, k):
+    def forward(ctx, x, order, dest, k, grad):
         ctx.save_for_backward(dest)
-        ctx.k = k
+        ctx.k, ctx.grad = k, grad
         return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, g):
         (dest,) = ctx.saved_tensors
-        ones = torch.ones(dest.numel() // ctx.k, ctx.k, dtype=torch.float32, device=g.device)
-        return moe_combine(g, ones, rows=dest), None, None, None
+        return ctx.grad(g, dest, ctx.k), None, None, None, None
+
+
+def _slot_rows_grad(g: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's k slot gradients g[dest[t * k + j]] summed in fp32, slot 0 first: a unit-weight combine."""
+    ones = torch.ones(dest.numel() // k, k, dtype=torch.float32, device=g.device)
+    return moe_combine(g, ones, rows=dest)
 
 
 def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:
@@ -295,12 +300,11 @@ def moe_slot_rows(x: torch.Tensor, order: torch.Tensor, dest: torch.Tensor, k: i
     slot) rows grouped by expert, dest its inverse: moe_dispatch). Backward: each token's k slot
     gradients summed in fp32, slot 0 first, one rounding: moe_combine with unit weights over the rows
     g[dest[t * k + j]] (the Triton backend reads them in place: no gathered copy, no separate sum).
-    The order is the combine's, defined here, not a library reduction's. Default mode: the vendor gather
-    (torch_default.moe_slot_rows)."""
-    if _state["mode"] == "default":
-        return _default.moe_slot_rows(x, order, dest, k)
+    The order is the combine's, defined here, not a library reduction's. Default mode: the gather's
+    backward is torch_default.slot_rows_grad (a gather and a sum)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _SlotRows.apply(x, order, dest, int(k))
+        grad = _default.slot_rows_grad if _state["mode"] == "default" else _slot_rows_grad
+        return _SlotRows.apply(x, order, dest, int(k), grad)
     return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
 

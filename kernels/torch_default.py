@@ -364,6 +364,12 @@ _combine_rows_grads = Compiled("moe_combine backward", _combine_rows_grads_sum, 
 _slot_rows_grads = Compiled("moe_slot_rows backward", _slot_rows_grad)
 
 
+def slot_rows_grad(g, dest, k: int):
+    """The backward of kernels.moe_slot_rows in this mode: each token's k slot gradients summed in one pass
+    (no atomic index_add_, no unit-weight combine)."""
+    return _slot_rows_grads(g.contiguous(), dest, k)
+
+
 class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w, rows):
@@ -383,27 +389,6 @@ def moe_combine_rows(y, weights, rows):
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
         return _CombineRows.apply(y, weights, rows)
     return _combine_rows(y, weights, rows)
-
-
-class _SlotRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, order, dest, k):
-        ctx.save_for_backward(dest)
-        ctx.k = k
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-
-    @staticmethod
-    def backward(ctx, g):
-        (dest,) = ctx.saved_tensors
-        return _slot_rows_grads(g.contiguous(), dest, ctx.k), None, None, None
-
-
-def moe_slot_rows(x, order, dest, k: int):
-    """Row j: token order[j] // k's row of x [T, D]; backward each token's k slot gradients summed in one
-    pass (no atomic index_add_, no unit-weight combine)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _SlotRows.apply(x, order, dest, int(k))
-    return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
 
 def log_softmax_gather(z, tokens):

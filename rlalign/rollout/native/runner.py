@@ -71,12 +71,13 @@ class ModelRunner:
         rows, n = step.rows, len(step.rows)
         meta = np.empty((4, n), dtype=np.int64)
         n_dec = step.runs[0][0] if step.runs else n
-        dec, ps = rows[:n_dec], self.state.page_size
+        dec = rows[:n_dec]
         if n_dec:
             meta[0, :n_dec] = [0] * ahead + [seq.tokens[p] for seq, p in dec[ahead:]]
             meta[1, :n_dec] = [p for _, p in dec]
             meta[2, :n_dec] = [seq.slot for seq, _ in dec]
-            meta[3, :n_dec] = [seq.pages[p // ps] * ps + p % ps for seq, p in dec]  # Scheduler.slot, inlined
+            meta[3, :n_dec] = [self.sched.slot(seq, p) for seq, p in dec]
+        ps = self.state.page_size
         for row0, cnt, pos0, table_row in step.runs:
             seq, span = rows[row0][0], slice(row0, row0 + cnt)
             pos = np.arange(pos0, pos0 + cnt, dtype=np.int64)
