@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlalign import kernels
-from rlalign.agent import make_driver
+from rlalign.agent import EnvPool, make_driver
 from rlalign.checkpoint import AsyncSaver, load_shards
 from rlalign.config import shares_gpu
 from rlalign.faults import maybe_fail
@@ -327,6 +327,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         self._released = False
         t = self.cfg.task  # episodes (task.env): the driver tokenizes observations with the run's tokenizer
         self.tok = make_tokenizer(t.tokenizer, self.cfg.model.path, t.chat) if t.env else None
+        self.env_pool = EnvPool(t.env_workers) if t.env else None  # its threads serve every step's episodes
         _gc_settle(own_process)
 
     def pid(self) -> int:
@@ -348,8 +349,11 @@ class GeneratorWorker(_Monitored, _WeightSync):
         t0 = time.perf_counter()
         driver = None
         if examples is not None:
-            driver = make_driver(self.cfg, self.tok, examples, prompts, sample_ids, f"step {step}")
-            outs = driver.finish(self.generator.generate(prompts, sample_ids, params, episodes=driver))
+            driver = make_driver(self.cfg, self.tok, examples, prompts, sample_ids, f"step {step}", self.env_pool)
+            try:
+                outs = driver.finish(self.generator.generate(prompts, sample_ids, params, episodes=driver))
+            finally:
+                driver.close()
         else:
             outs = self.generator.generate(prompts, sample_ids, params, episodes=episodes)
         t1 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Multi-turn episodes against single-turn rollouts on the native engine, same prompts, model and engine:
 policy tokens/s of --episodes episodes of --turns turns x --tokens-per-turn tokens (the engine's
-continuation: rlalign.agent's EpisodeDriver runs a scripted environment in worker threads, each answer
+continuation: rlalign.agent's EpisodeDriver runs a scripted environment in worker threads (an EnvPool per
+side, kept across its calls as a generator rank keeps it across steps), each answer
 after a latency drawn from --env-latency-ms, then an observation of --obs-tokens tokens is prefilled onto
 the episode's KV pages) over the same prompts as single-turn rollouts of turns x tokens-per-turn tokens;
 and every policy token's generator logprob against the trainer's rescoring of the whole episode
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: re
 import record  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
-from rlalign.agent import EpisodeDriver, EpisodeLimits, Step  # noqa: E402
+from rlalign.agent import EnvPool, EpisodeDriver, EpisodeLimits, Step  # noqa: E402
 from rlalign.config import EngineConfig, keys_of, load_config, model_args  # noqa: E402
 from rlalign.model.build import model_from_config  # noqa: E402
 from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
@@ -205,10 +206,12 @@ def main() -> None:
 
     instant_cls = scripted_env((0.0, 0.0), a.obs_tokens, args.vocab_size)
     ids = list(range(len(prompts)))
+    pools = [EnvPool(a.env_workers), EnvPool(a.env_workers)]  # per side, across its calls (as a generator rank's)
     sides = {"singleturn": (single, None),
-             "multiturn": (per_turn, lambda: EpisodeDriver(env_cls, IdText(), examples, prompts, ids, 0, limits)),
+             "multiturn": (per_turn, lambda: EpisodeDriver(env_cls, IdText(), examples, prompts, ids, 0, limits,
+                                                           pool=pools[0])),
              "multiturn_instant_env": (per_turn, lambda: EpisodeDriver(instant_cls, IdText(), examples, prompts, ids,
-                                                                       0, limits))}
+                                                                       0, limits, pool=pools[1]))}
     eng = NativeEngine(model, keys_of(EngineConfig, cfg.generator))
     for params, make in sides.values():  # warm-up: compilations and graph captures of every shape
         timed_call(eng, prompts, params, a.device, make)

@@ -3,7 +3,8 @@
     python experiments/rollout/profile_multiturn_host.py --episodes 256 --turns 3 --tokens-per-turn 8
 
 Same prompts and model as bench_multiturn.py (its scripted environment, here answering at once, and its
-id tokenizer): one warm-up call per side, then one generate() call per side under cProfile. Prints, per
+id tokenizer; the environment's calls in one EnvPool kept across the side's calls, as a generator rank keeps
+it across steps): one warm-up call per side, then one generate() call per side under cProfile. Prints, per
 side, the engine's steps, lookahead steps, steps launched from schedule() (the lookahead drained: the host
 read a step back before enqueueing the next), steps that would run eagerly on CUDA (not decode-only), and
 the host's seconds per step: in all, in the model's forward and sampling (on CPU the device work runs on
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_multiturn beside this script
 from bench_multiturn import IdText, scripted_env  # noqa: E402
 
-from rlalign.agent import EpisodeDriver, EpisodeLimits  # noqa: E402
+from rlalign.agent import EnvPool, EpisodeDriver, EpisodeLimits  # noqa: E402
 from rlalign.config import EngineConfig, keys_of, load_config, model_args  # noqa: E402
 from rlalign.model.build import model_from_config  # noqa: E402
 from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
@@ -148,9 +149,10 @@ def main() -> None:
     examples = [Example(IdText().decode(p), "") for p in prompts]
     ids = list(range(len(prompts)))
     eng = NativeEngine(model, keys_of(EngineConfig, cfg.generator))
+    pool = EnvPool(a.env_workers)  # across the side's calls, as a generator rank keeps it across steps
     sides = {"singleturn": (single, lambda: None),
              "multiturn (instant env)": (per_turn, lambda: EpisodeDriver(env_cls, IdText(), examples, prompts, ids,
-                                                                          0, limits))}
+                                                                          0, limits, pool=pool))}
     for side, (params, make) in sides.items():
         report(side, *profiled(eng, prompts, params, make), a.top)
 

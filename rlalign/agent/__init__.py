@@ -10,9 +10,10 @@ from omegaconf import DictConfig
 from rlalign.agent.driver import EnvError, EpisodeDriver, EpisodeLimits
 from rlalign.agent.env import Env, Step, load_env
 from rlalign.agent.envs import ENVS
+from rlalign.agent.pool import EnvPool
 from rlalign.config import model_args
 
-__all__ = ["Env", "EnvError", "EpisodeDriver", "EpisodeLimits", "Step", "env_class", "episode_limits",
+__all__ = ["Env", "EnvError", "EnvPool", "EpisodeDriver", "EpisodeLimits", "Step", "env_class", "episode_limits",
            "make_driver"]
 
 
@@ -31,6 +32,8 @@ def episode_limits(cfg: DictConfig) -> EpisodeLimits:
 
 
 def make_driver(cfg: DictConfig, tok, examples, prompts: list[list[int]], sample_ids: list[int],
-                phase: str = "") -> EpisodeDriver:
-    """The driver of one generate call's episodes (task.env's environments, task.* limits)."""
-    return EpisodeDriver(env_class(cfg), tok, examples, prompts, sample_ids, cfg.seed, episode_limits(cfg), phase)
+                phase: str = "", pool: EnvPool | None = None) -> EpisodeDriver:
+    """The driver of one generate call's episodes (task.env's environments, task.* limits), its
+    environment calls in `pool` (task.env_workers threads kept across calls) or its own."""
+    return EpisodeDriver(env_class(cfg), tok, examples, prompts, sample_ids, cfg.seed, episode_limits(cfg), phase,
+                         pool)

@@ -1,14 +1,18 @@
 """The episode driver: the other half of a multi-turn generate (rlalign.rollout.types.Continuations).
 
-    driver = EpisodeDriver(EnvClass, tok, examples, prompts, sample_ids, seed, limits, "step 3")
-    rollouts = engine.generate(prompts, sample_ids, params, episodes=driver)
-    driver.finish(rollouts)          # Rollout.turns, .episode and .finish_reason
+    driver = EpisodeDriver(EnvClass, tok, examples, prompts, sample_ids, seed, limits, "step 3", pool)
+    try:
+        rollouts = engine.generate(prompts, sample_ids, params, episodes=driver)
+        driver.finish(rollouts)      # Rollout.turns, .episode and .finish_reason
+    finally:
+        driver.close()               # its calls still running abandoned (an error's path)
 
 The engine decodes every episode's assistant turn until EOS, a stop string (stopped(): the decoded
 text of the turn's last tokens holds one of task.stop, or its last token is one of them) or the
 per-turn limit (task.max_new_tokens, or the context's end), then hands the turn over (ended()). The
-turn's text goes to its episode's environment in a worker thread (task.env_workers at a time), while
-the engine decodes the other episodes; poll() gives the engine each answer: the observation's tokens
+turn's text goes to its episode's environment in a worker thread (task.env_workers at a time: an
+rlalign.agent.pool.EnvPool, the caller's, which lives across generate calls, or the driver's own, closed
+with it), while the engine decodes the other episodes; poll() gives the engine each answer: the observation's tokens
 to prefill (its text as it is, or with task.chat=true the chat template's message of
 task.observation_role after the turn and the generation prompt: rlalign.tasks.tokenizer.ChatObservations),
 or None: the episode is over. An episode ends with the finish reason
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlalign.agent.env import EnvContractError, check_step
+from rlalign.agent.pool import Call, EnvPool
 from rlalign.sequences import Rollout
 from rlalign.tasks import Example
 from rlalign.tasks.reward_fn import user_frame
@@ -93,25 +98,34 @@ class EpisodeDriver:
     prompts[b])."""
 
     def __init__(self, env_cls: type, tok, examples: list[Example], prompts: list[list[int]],
-                 sample_ids: list[int], seed: int, limits: EpisodeLimits, phase: str = ""):
+                 sample_ids: list[int], seed: int, limits: EpisodeLimits, phase: str = "",
+                 pool: EnvPool | None = None):
         self.tok, self.limits, self.phase = tok, limits, phase
         self.name = f"{env_cls.__module__}.{env_cls.__qualname__}"
         self.observe = observation_encoder(tok, limits.observation_role)
         self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
-        self._reset_all(env_cls, seed)
+        self.own_pool = pool is None
+        self.pool = EnvPool(limits.workers) if pool is None else pool
+        self.calls: dict[int, Call] = {}  # episode -> its call in the pool (a reset, then each step)
+        self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
+        self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.wait_s = 0.0  # the engine's time blocked in poll: environment time not overlapped with decoding
+        try:
+            self.pool.grow(min(len(self.episodes), limits.workers))  # no thread starts while the engine runs
+            self._reset_all(env_cls, seed)
+        except BaseException:
+            self.close()
+            raise
         # a token holds at least one byte of text (byte-level tokenizers split a character over several)
         self.window = max((len(s.encode()) for s in limits.stop), default=0) + STOP_WINDOW_SLACK
         self.stop_ids = stop_token_ids(tok, limits.stop)
-        self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
-        self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
-        self.results: queue.Queue = queue.Queue()
-        self.wait_s = 0.0  # the engine's time blocked in poll: environment time not overlapped with decoding
 
     def _reset_all(self, env_cls: type, seed: int) -> None:
-        """Every episode's environment made and reset, task.env_workers at a time in daemon threads (as
+        """Every episode's environment made and reset, task.env_workers at a time in the pool's threads (as
         its steps run), each within task.env_timeout_s: one that raises or runs past it ends the run,
         naming the episode (an episode without its reset cannot begin: no fallback)."""
-        done: queue.Queue = queue.Queue()
+        done: queue.SimpleQueue = queue.SimpleQueue()
 
         def reset(b: int, ep: Episode) -> None:
             try:
@@ -126,8 +140,7 @@ class EpisodeDriver:
             while todo and len(started) < self.limits.workers:
                 b = todo.popleft()
                 started[b] = time.monotonic()
-                threading.Thread(target=reset, args=(b, self.episodes[b]), daemon=True,
-                                 name=f"rlalign-env-reset-{self.episodes[b].sample_id}").start()
+                self.calls[b] = self.pool.submit(reset, b, self.episodes[b])
             timeout = self.limits.timeout_s
             wait = None if not timeout else max(0.0, min(started.values()) + timeout - time.monotonic())
             wait = wait if wait is None else min(wait, threading.TIMEOUT_MAX)  # a limit of inf or 1e12 s waits
@@ -137,7 +150,7 @@ class EpisodeDriver:
                 b = min(started, key=started.get)
                 raise EnvError(f"environment {self.name} did not finish its reset within task.env_timeout_s="
                                f"{timeout:g} s in {self._where(b)}") from None
-            del started[b]
+            del started[b], self.calls[b]
             if e is not None:
                 raise EnvError(f"environment {self.name} raised {type(e).__name__}: {e} at its reset in "
                                f"{self._where(b)}{_at(e)}") from e
@@ -200,15 +213,23 @@ class EpisodeDriver:
                                    f"episode's turns and observations ({len(ep.tokens)}; finished: "
                                    f"{ep.finish or 'no'})")
             r.turns, r.episode, r.finish_reason = list(ep.turns), ep.summary(), ep.finish
+        self.close()
         return rollouts
+
+    def close(self) -> None:
+        """The calls still running or queued abandoned (left to end in their threads; their answers
+        ignored), and the driver's own pool closed. After finish, or when generate raises."""
+        for b in sorted(self.calls):
+            self.pool.abandon(self.calls.pop(b))
+        if self.own_pool:
+            self.pool.close()
 
     def _launch(self) -> None:
         while self.todo and len(self.running) < self.limits.workers:
             b = self.todo.popleft()
             self.running[b] = time.monotonic()
             ep = self.episodes[b]
-            threading.Thread(target=self._call, args=(b, ep.env, ep.last_text), daemon=True,
-                             name=f"rlalign-env-{ep.sample_id}").start()
+            self.calls[b] = self.pool.submit(self._call, b, ep.env, ep.last_text)
 
     def _call(self, b: int, env, action: str) -> None:
         t0 = time.monotonic()
@@ -227,6 +248,7 @@ class EpisodeDriver:
         for b, started in sorted(self.running.items()):
             if now - started >= self.limits.timeout_s:
                 del self.running[b]
+                self.pool.abandon(self.calls.pop(b))
                 self.episodes[b].env_s += now - started
                 self._failed(b, "env_timeouts", f"did not answer within task.env_timeout_s={self.limits.timeout_s:g} "
                                                 f"s", None, out)
@@ -234,7 +256,7 @@ class EpisodeDriver:
     def _answer(self, b: int, ok: bool, value, seconds: float, out: list) -> None:
         if b not in self.running:  # timed out already: its late answer is ignored
             return
-        del self.running[b]
+        del self.running[b], self.calls[b]
         ep = self.episodes[b]
         ep.env_s += seconds
         if not ok:
