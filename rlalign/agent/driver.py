@@ -219,10 +219,10 @@ class EpisodeDriver:
     def close(self) -> None:
         """The calls still running or queued abandoned (left to end in their threads; their answers
         ignored), and the driver's own pool closed. After finish, or when generate raises."""
+        if self.own_pool:
+            self.pool.close()  # first: the calls abandoned below get no replacement threads
         for b in sorted(self.calls):
             self.pool.abandon(self.calls.pop(b))
-        if self.own_pool:
-            self.pool.close()
 
     def _launch(self) -> None:
         while self.todo and len(self.running) < self.limits.workers:

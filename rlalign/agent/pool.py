@@ -8,8 +8,8 @@
     pool.close()                     # every thread ends once its call (if any) returns
 
 A call that hangs cannot be stopped (a thread cannot be killed): abandon() leaves its thread behind,
-to end when the call returns, and the pool starts another in its place at the next submit, so that it
-keeps `size` usable threads.
+to end when the call returns, and starts another in its place, so that the pool keeps `size` usable
+threads.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 _NAMES = itertools.count()  # pools' numbers, for their threads' names
 
@@ -82,13 +83,17 @@ class EnvPool:
 
     def abandon(self, call: Call) -> None:
         """The call's answer is no longer wanted: not run if it has not begun; if it runs, its thread
-        stops being one of the pool's and ends when the call returns."""
+        stops being one of the pool's (it ends when the call returns) and a new one takes its place."""
         with self.lock:
             if call.done or call.dropped:
                 return
             call.dropped = True
-            if call.thread is not None and call.thread in self.threads:
-                self.threads.remove(call.thread)
+            if call.thread is None or call.thread not in self.threads:  # not begun, or the pool closed
+                return
+            self.threads.remove(call.thread)
+            thread = self._new_thread()
+            self.idle += 1
+        thread.start()
 
     def close(self) -> None:
         """Each thread of the pool ends: at once if idle, else when its call returns (calls queued and
