@@ -10,7 +10,7 @@ import threading
 import pytest
 from test_agent import ROW, TOK, scripted
 
-from rlalign.agent import EnvError, EnvPool, EpisodeDriver, EpisodeLimits, Step
+from rlalign.agent import EnvError, EnvPool, EpisodeDriver, EpisodeLimits
 from rlalign.agent.envs import GuessEnv
 from rlalign.tasks import Example
 

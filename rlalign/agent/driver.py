@@ -108,7 +108,7 @@ class EpisodeDriver:
         self.pool = EnvPool(limits.workers) if pool is None else pool
         self.calls: dict[int, Call] = {}  # episode -> its call in the pool (a reset, then each step)
         self.todo: deque[int] = deque()  # episodes whose turn waits for a worker thread
-        self.running: dict[int, float] = {}  # episode -> its call's start (monotonic)
+        self.running: dict[int, float] = {}  # episode -> its call's start (monotonic), in launch order
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.wait_s = 0.0  # the engine's time blocked in poll: environment time not overlapped with decoding
         try:
@@ -194,8 +194,8 @@ class EpisodeDriver:
             if out or not wait or not self.running or now - t0 >= POLL_WAIT_S:
                 break
             limit = t0 + POLL_WAIT_S
-            if self.limits.timeout_s:
-                limit = min([limit, *(s + self.limits.timeout_s for s in self.running.values())])
+            if self.limits.timeout_s:  # the oldest call's end: running holds its calls in launch order
+                limit = min(limit, next(iter(self.running.values())) + self.limits.timeout_s)
             try:
                 self._answer(*self.results.get(timeout=max(0.0, limit - now)), out)
             except queue.Empty:
@@ -242,16 +242,18 @@ class EpisodeDriver:
     def _expire(self, out: list) -> None:
         """Calls past task.env_timeout_s: left behind (a thread cannot be killed; a daemon thread does
         not hold up the process's exit), an error or the fallback."""
-        if not self.limits.timeout_s:
+        timeout = self.limits.timeout_s
+        if not timeout:
             return
-        now = time.monotonic()
-        for b, started in sorted(self.running.items()):
-            if now - started >= self.limits.timeout_s:
-                del self.running[b]
-                self.pool.abandon(self.calls.pop(b))
-                self.episodes[b].env_s += now - started
-                self._failed(b, "env_timeouts", f"did not answer within task.env_timeout_s={self.limits.timeout_s:g} "
-                                                f"s", None, out)
+        now, late = time.monotonic(), []
+        for b, started in self.running.items():  # in launch order: the oldest first
+            if now - started < timeout:
+                break
+            late.append(b)
+        for b in sorted(late):
+            self.pool.abandon(self.calls.pop(b))
+            self.episodes[b].env_s += now - self.running.pop(b)
+            self._failed(b, "env_timeouts", f"did not answer within task.env_timeout_s={timeout:g} s", None, out)
 
     def _answer(self, b: int, ok: bool, value, seconds: float, out: list) -> None:
         if b not in self.running:  # timed out already: its late answer is ignored
