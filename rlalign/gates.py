@@ -9,7 +9,10 @@ Each gate runs `rlalign train` twice into RUN_DIR/gate-<name>/{a,b} (per-op fing
 monitor.fingerprints=layers, so a failure names its op) and compares: first the fixed
 environment of the two runs (refusing to compare if it differs beyond what the gate changes),
 then metrics.jsonl (time/* excluded), then every per-rank trace stream record by record (without
-the stale records of segments that did not have the stream's rank: rlalign.monitor.compare).
+the stale records of segments that did not have the stream's rank: rlalign.monitor.compare). In a
+multi-turn run (task.env) the generator's per-step op records (gen.step.*) are left out: which rows
+an engine step runs depends on when the environments answer; its per-token records (tokens,
+logprobs) and the trainer's per-op records are compared.
 A test changes one run only through a fault of that run (RLALIGN_FAULT='...@b': rlalign.faults).
 """
 
@@ -30,6 +33,7 @@ from rlalign.monitor.trace import env_difference, first_differing_record
 from rlalign.rl import train
 
 GATES = ("repeatability", "baseline", "replay")
+STEP_RECORDS = "gen.step."  # the generator's per-engine-step op records (rlalign.rollout.native.runner)
 
 
 class GateRefused(ValueError):
@@ -95,9 +99,16 @@ def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, .
         else:
             res.lines.append("trainer state (gradients, AdamW moments, weights per global expert): identical "
                              "across the trainer EP sizes")
+    episodes = all(_flat(h).get("task.env") for h in (ha, hb))
+    if episodes:
+        res.lines.append(f"generator records {STEP_RECORDS}*: not compared (a multi-turn step's rows depend on when "
+                         "the environments answer)")
+
+    def compared(r: dict) -> bool:
+        return r["step"] >= from_step and not (episodes and r["name"].startswith(STEP_RECORDS))
+
     for name in sorted(n for n in set(sa) & set(sb) if not n.startswith(skip)):
-        ra = [r for r in sa[name][1] if r["step"] >= from_step]
-        rb = [r for r in sb[name][1] if r["step"] >= from_step]
+        ra, rb = [r for r in sa[name][1] if compared(r)], [r for r in sb[name][1] if compared(r)]
         d = first_differing_record(ra, rb)
         if d is not None:
             firsts[name] = d

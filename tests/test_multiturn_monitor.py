@@ -120,3 +120,36 @@ def test_the_report_draws_and_lists_mismatch_per_turn(tmp_path):
     assert "turn 0 (left axis)" in labels and "turn 1 (left axis)" in labels
     single = [{k: v for k, v in r.items() if "turn" not in k and "episode" not in k} for r in rows]
     assert not any("turn" in lb for ax in mismatch_figure(single).axes for lb in [ln.get_label() for ln in ax.lines])
+
+
+def _gate_run(run, env: str | None, step_rows: int, tokens: list[int]) -> None:
+    """A run dir of one step: its metrics and a generator trace of an engine step's op record over
+    `step_rows` rows, then the step's tokens."""
+    from rlalign.monitor.trace import Trace
+
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5}) + "\n")
+    tr = Trace(run / "traces" / "generator-rank0.jsonl", "generator", 0, {"seed": 0, "task": {"env": env}})
+    tr.step = 0
+    tr.record("gen.step.embed", torch.arange(step_rows * 2, dtype=torch.float32).view(step_rows, 2))
+    tr.record("gen.tokens", torch.tensor(tokens))
+    tr.close()
+
+
+def test_gates_leave_a_multiturn_runs_per_step_generator_records_out_and_compare_its_tokens(tmp_path):
+    """An engine step's rows depend on when the environments answer: two multi-turn runs whose steps
+    grouped rows differently pass; their tokens are compared (twin), and a single-turn run's per-step
+    records are (twin)."""
+    from rlalign.gates import compare_runs
+
+    def compare(env, rows_b, tokens_b, name):
+        _gate_run(tmp_path / f"{name}a", env, 3, [5, 6])
+        _gate_run(tmp_path / f"{name}b", env, rows_b, tokens_b)
+        return compare_runs(tmp_path / f"{name}a", tmp_path / f"{name}b")
+
+    res = compare("guess", 2, [5, 6], "same")
+    assert res.ok and any("gen.step.*: not compared" in ln for ln in res.lines)
+    res = compare("guess", 2, [5, 7], "tokens")
+    assert not res.ok and res.first_op == "gen.tokens"
+    res = compare(None, 2, [5, 6], "single")
+    assert not res.ok and res.first_op == "gen.step.embed"
