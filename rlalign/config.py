@@ -124,7 +124,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # rows per step (decode rows, then prompt chunks); 0 = no limit
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages per rank; 0 = enough for max_num_seqs sequences at their longest
-    cuda_graphs: bool = True  # CUDA: decode-only steps replay graphs captured per batch-size bucket
+    cuda_graphs: bool = True  # CUDA: decode steps and small mixed steps replay graphs per batch-size bucket
     # the KV cache, block table and captured decode graphs kept by the engine between generate() calls (reused
     # while they fit; an RL run calls generate() once per step); false: freed after each call
     keep_state: bool = True

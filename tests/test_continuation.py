@@ -9,10 +9,13 @@ import dataclasses
 import pytest
 import torch
 from conftest import TINY, same_bits, tiny_model
+from eager_graphs import use_eager_graphs
 
 from rlalign.parallel import launch
+from rlalign.rollout.native import graphs as native_graphs
 from rlalign.rollout.native.engine import NativeEngine, generate
 from rlalign.rollout.native.episodes import EpisodeScheduler
+from rlalign.rollout.native.runner import ModelRunner
 from rlalign.rollout.types import EngineConfig
 from rlalign.sampling_params import SamplingParams
 from rlalign.training.scoring import score_micro_batch
@@ -174,6 +177,52 @@ def test_every_schedule_and_answer_order_gives_the_same_bits(model, episodes, en
         assert g.tokens == r.tokens and g.turns == r.turns and g.finish_reason == r.finish_reason
         assert same_bits(g.logprobs, r.logprobs), g.sample_id
     assert script.pending() == 0 and (delay == 0 or script.waits > 0)
+
+
+def _graph_run(model, engine, **script):
+    """_run on an engine whose steps replay graphs (after use_eager_graphs); (rollouts, the engine's stats)."""
+    prompts = _prompts(len(TURNS))
+    s = Script(TURNS, [len(p) + 12 * t for p, t in zip(prompts, TURNS)], **script)
+    eng = NativeEngine(model, engine)
+    out = eng.generate(prompts, IDS[:len(TURNS)], PARAMS, episodes=s)
+    return out, eng.stats
+
+
+@pytest.mark.parametrize("engine,per_seq,delay", [(EngineConfig(), 8, 2), (EngineConfig(), 1, 3),
+                                                  (SCHEDULES[1], 8, 1), (SCHEDULES[2], 2, 2)],
+                         ids=["all-at-once", "all-at-once-small-cap", "chunked", "chunked-no-lookahead"])
+def test_steps_with_observations_replay_graphs_with_the_eager_bits(model, episodes, monkeypatch, engine, per_seq,
+                                                                   delay):
+    """Observations prefilled beside decode rows, in steps of up to per_seq x bucket(max_seqs) rows, replay
+    the decode graphs (EagerGraphs: their computation on CPU); larger steps run eagerly. The same tokens and
+    bits as the eager engine."""
+    monkeypatch.setattr(native_graphs, "MIXED_ROWS_PER_SEQ", per_seq)
+    use_eager_graphs(monkeypatch)
+    got, stats = _graph_run(model, engine, delay=delay, reverse=True)
+    ref, _ = episodes
+    for g, r in zip(got, ref):
+        assert g.tokens == r.tokens and g.turns == r.turns and same_bits(g.logprobs, r.logprobs), g.sample_id
+    assert stats["mixed_graph_steps"] > 0 and stats["graph_steps"] > stats["mixed_graph_steps"], stats
+    assert (stats["steps"] > stats["graph_steps"]) == (per_seq == 1), stats  # the small cap: the prefill eager
+
+
+def test_negative_twin_observation_tokens_lost_in_replayed_steps_change_the_bits(model, episodes, monkeypatch):
+    """The twin feeds a replayed step's prompt-chunk rows token 0 (eager steps untouched): their keys and
+    values are wrong, and the turns after them sample other tokens or bits."""
+    monkeypatch.setattr(native_graphs, "MIXED_ROWS_PER_SEQ", 8)
+    use_eager_graphs(monkeypatch)
+    replay = ModelRunner._replay
+
+    def tokens_lost(runner, step, meta, *a):
+        meta = meta.clone()
+        meta[0, step.runs[0][0] if step.runs else len(step.rows):] = 0
+        return replay(runner, step, meta, *a)
+
+    monkeypatch.setattr(ModelRunner, "_replay", tokens_lost)
+    got, stats = _graph_run(model, SCHEDULES[1], delay=1)
+    ref, _ = episodes
+    assert stats["steps"] == stats["graph_steps"]
+    assert any(g.tokens != r.tokens or not same_bits(g.logprobs, r.logprobs) for g, r in zip(got, ref))
 
 
 def test_a_stop_that_never_appears_ends_each_turn_at_its_limit(model):

@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 import torch
 from conftest import same_bits, tiny_model
+from eager_graphs import EagerGraphs
 
 from rlalign import kernels
 from rlalign.kernels import sampling
 from rlalign.rollout.native.engine import NativeEngine, generate
-from rlalign.rollout.native.graphs import DecodeGraphs
-from rlalign.rollout.native.pages import grow
+from rlalign.rollout.native.graphs import DecodeGraphs, graph_rows
+from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler
 from rlalign.rollout.sampling import GRAPH_SEED, rekey_sample_ids
@@ -261,3 +262,61 @@ def test_release_memory_frees_the_kept_state_and_changes_no_bit(model, reference
     engine.resume_memory()
     got = engine.generate(_prompts(11), [100 + i for i in range(11)], PARAMS)
     assert all(r.tokens == ref.tokens and same_bits(r.logprobs, ref.logprobs) for r, ref in zip(got, reference))
+
+
+def _mixed_steps(model, runner_of, budget=6):
+    """Steps of a Scheduler (3 slots, `budget` rows: prompt chunks beside decode rows, chunks that end
+    their prompt and sample, chunks that do not), each run by the graph runner and then by the eager one
+    (both on the same cache: each writes the same keys); yields (step, graph launch, eager launch)."""
+    prompts, ids = [[5, 6, 7], [8, 9, 10, 11], [12] * 3 + list(range(20, 33))], [30, 31, 32]
+    params = dataclasses.replace(PARAMS, eos_token_id=None, max_new_tokens=6)
+    state = KVState(model.args, 12, 4, 3, 6, model.dtype, "cpu")
+    sched = Scheduler(prompts, ids, params, state, 3, [len(p) + 6 for p in prompts], budget)
+    graphs = EagerGraphs(state.cache, state.block_table, state.rows, state.num_pages * state.page_size)
+    graphs.begin(model, params)
+    stats = {"steps": 0, "lookahead_steps": 0, "graph_steps": 0, "mixed_graph_steps": 0}
+    replay = runner_of(ModelRunner(model, state, sched, ids, params, graphs, stats, graph_rows(3)))
+    eager = ModelRunner(model, state, sched, ids, params, None, dict(stats))
+    while (step := sched.schedule()).rows:
+        g, e = replay.run(step), eager.run(step)
+        yield step, g, e
+        if e is not None:
+            sched.postprocess(step, e.read_tokens())
+    assert stats["mixed_graph_steps"] > 1 and stats["graph_steps"] == stats["steps"]
+
+
+def test_a_mixed_step_run_row_by_row_in_a_graph_has_the_eager_bits(model, monkeypatch):
+    """A step with prompt chunks replays a decode graph (EagerGraphs: the graph's computation on CPU):
+    every row run as a decode row without the prompt-chunk hint, every row's logits and draw, then the
+    sampling rows' draws picked. Their tokens and logprob bits equal the eager step's (the hint, logits
+    of the sampling rows only)."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    kinds = set()
+    for step, g, e in _mixed_steps(model, lambda runner: runner):
+        assert (g is None) == (e is None)
+        if e is not None:
+            assert torch.equal(g.tokens, e.tokens) and same_bits(g.logprobs, e.logprobs)
+        n_dec = step.runs[0][0] if step.runs else len(step.rows)
+        kinds.add((n_dec > 0, bool(step.runs), len(step.sample_at) - n_dec))
+    assert {(True, True, 0), (True, True, 1)} <= kinds  # chunks beside decode rows: sampling none, one
+
+
+def test_negative_twin_chunk_rows_drawing_with_another_id_change_the_draws(model, monkeypatch):
+    """The twin feeds a prompt chunk's rows with sample id 0 instead of their sequence's: the rows that
+    end their prompt draw other tokens."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+
+    def wrong_ids(runner):
+        meta = runner._meta
+
+        def with_id_zero(step, ahead):
+            m = meta(step, ahead)
+            m[4, step.runs[0][0] if step.runs else len(step.rows):] = 0
+            return m
+
+        runner._meta = with_id_zero
+        return runner
+
+    differ = [not torch.equal(g.tokens, e.tokens) for step, g, e in _mixed_steps(model, wrong_ids)
+              if e is not None and step.runs]
+    assert any(differ)

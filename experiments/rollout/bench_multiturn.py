@@ -19,14 +19,14 @@ tokens/s is its fastest call's (timeit's rule: slower calls measure other load o
 call's seconds are recorded). Where multi-turn time goes: the engine's time blocked on environments
 (EpisodeDriver.wait_s: not overlapped with decoding), the environments' time summed over episodes, the
 observation tokens prefilled, engine steps (episodes answered at different times continue in steps of
-fewer rows) and seconds per step.
+fewer rows), the steps that replayed CUDA graphs (NativeEngine.stats: graph_steps, and mixed_graph_steps
+where observations or prompts were prefilled beside decode rows; the others ran eagerly) and seconds per step.
 Writes results/multiturn_<model>_<machine>.json (or --name) with a top-level "summary".
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 import statistics
 import sys
@@ -43,7 +43,6 @@ from rlalign.agent import EnvPool, EpisodeDriver, EpisodeLimits, Step  # noqa: E
 from rlalign.config import EngineConfig, keys_of, load_config, model_args  # noqa: E402
 from rlalign.model.build import model_from_config  # noqa: E402
 from rlalign.rollout.native.engine import NativeEngine  # noqa: E402
-from rlalign.rollout.native.graphs import DecodeGraphs  # noqa: E402
 from rlalign.sampling_params import SamplingParams  # noqa: E402
 from rlalign.sequences import policy_mask  # noqa: E402
 from rlalign.tasks import Example  # noqa: E402
@@ -78,22 +77,6 @@ def scripted_env(latency_ms: tuple[float, float], obs_tokens: int, vocab_size: i
     return ScriptedEnv
 
 
-@contextlib.contextmanager
-def counting_graph_replays():
-    """Counts the decode steps that replay a CUDA graph (the others run eagerly: prefills, mixed steps)."""
-    count, call = [0], DecodeGraphs.__call__
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return call(self, *args, **kwargs)
-
-    DecodeGraphs.__call__ = counted
-    try:
-        yield count
-    finally:
-        DecodeGraphs.__call__ = call
-
-
 def _captures(eng: NativeEngine) -> int:
     graphs = eng.state.graphs if eng.state is not None else None
     return graphs.captures if graphs is not None else 0
@@ -108,14 +91,13 @@ def timed_call(eng: NativeEngine, prompts, params: SamplingParams, device: str, 
     """One generate() call: its rollouts, seconds, engine stats and (episodes) the driver's numbers."""
     driver = make_driver() if make_driver else None
     captured = _captures(eng)
-    with counting_graph_replays() as replays:
-        sync(device)
-        t0 = time.perf_counter()
-        outs = eng.generate(prompts, list(range(len(prompts))), params, episodes=driver)
-        sync(device)
-        secs = time.perf_counter() - t0
+    sync(device)
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, list(range(len(prompts))), params, episodes=driver)
+    sync(device)
+    secs = time.perf_counter() - t0
     res = {"rollouts": driver.finish(outs) if driver else outs, "seconds": secs,
-           "stats": {**eng.stats, "graph_steps": replays[0], "graph_captures": _captures(eng) - captured}}
+           "stats": {**eng.stats, "graph_captures": _captures(eng) - captured}}
     if driver:
         res.update(env_wait_s=driver.wait_s, env_s=sum(ep.env_s for ep in driver.episodes),
                    turns=[ep.turn for ep in driver.episodes])
@@ -132,6 +114,7 @@ def side_numbers(calls: list[dict]) -> dict:
     out = {"seconds": med["seconds"], "policy_tokens": policy, "observation_tokens": sum(len(r.tokens) for r in rs)
            - policy, "tokens_per_s": policy / med["seconds"], "engine_steps": med["stats"]["steps"],
            "rows_per_step": rows / steps, "graph_steps": med["stats"]["graph_steps"],
+           "mixed_graph_steps": med["stats"]["mixed_graph_steps"],
            "graph_captures": med["stats"]["graph_captures"], "discarded_rows": med["stats"]["discarded_rows"],
            "seconds_per_step": med["seconds"] / steps,
            "calls_seconds": [c["seconds"] for c in calls]}

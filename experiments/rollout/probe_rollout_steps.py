@@ -1,9 +1,10 @@
 """Where a rollout's wall time goes, step by step: the native engine (deterministic Triton kernels,
 CUDA graphs, the config defaults) on bench-moe-large with bench_rollout_scale.py's prompts (8-200
 tokens). Every ModelRunner.run is bracketed by CUDA events: a step's device time (its kernels and any
-launch gaps inside it) and the device's idle time between steps, summed by kind (steps with prompt
-rows, run eagerly; decode-only steps, graph replays). Then kernel tables: the largest decode graph
-replayed at the call's last (longest) contexts, and the prefill alone (a generate() sampling one token).
+launch gaps inside it) and the device's idle time between steps, summed by kind (steps run eagerly:
+prompt rows over ModelRunner.graph_rows; graph replays: decode steps and smaller steps with prompt rows).
+Then kernel tables: the largest decode graph replayed at the call's last (longest) contexts, and the
+prefill alone (a generate() sampling one token).
 
     python experiments/rollout/probe_rollout_steps.py [--cases 256x256,2048x256] [--out DIR] [--host-profile]
 """
@@ -50,12 +51,12 @@ class StepTimer:
         def run(runner, step, previous=None):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            t0 = time.perf_counter()
+            t0, replays = time.perf_counter(), runner.stats["graph_steps"]
             out = timer.orig(runner, step, previous)
             host = time.perf_counter() - t0
             e1.record()
             n, s = len(step.rows), len(step.sample_at)
-            timer.rec.append(dict(rows=n, samples=s, graph=runner.graphs is not None and n == s, e0=e0, e1=e1,
+            timer.rec.append(dict(rows=n, samples=s, graph=runner.stats["graph_steps"] > replays, e0=e0, e1=e1,
                                   host=host, ctx=sum(p + 1 for _, p in step.rows) if n == s else 0))
             return out
 

@@ -6,7 +6,8 @@ Same prompts and model as bench_multiturn.py (its scripted environment, here ans
 id tokenizer; the environment's calls in one EnvPool kept across the side's calls, as a generator rank keeps
 it across steps): one warm-up call per side, then one generate() call per side under cProfile. Prints, per
 side, the engine's steps, lookahead steps, steps launched from schedule() (the lookahead drained: the host
-read a step back before enqueueing the next), steps that would run eagerly on CUDA (not decode-only), and
+read a step back before enqueueing the next), steps that would run eagerly on CUDA (prompt chunks in a step
+over ModelRunner.graph_rows rows), and
 the host's seconds per step: in all, in the model's forward and sampling (on CPU the device work runs on
 the host), the rest (bookkeeping: what a GPU step waits for when it exceeds the device time), and the top
 functions of the rest by their own time, each as microseconds per engine step. The device-to-host reads
@@ -42,13 +43,14 @@ NAMED = ("postprocess", "lookahead", "schedule", "_meta", "resume", "poll", "end
 
 
 def profiled(eng: NativeEngine, prompts, params, make_driver) -> tuple[pstats.Stats, list, float]:
-    """One warm-up call, then one call under cProfile: its stats, its steps (rows, decode-only, lookahead)
+    """One warm-up call, then one call under cProfile: its stats, its steps (rows, a graph's on CUDA, lookahead)
     and the driver's seconds blocked in poll(wait=True) (0.0 single-turn)."""
     eng.generate(prompts, list(range(len(prompts))), params, episodes=make_driver())
     kinds, run = [], ModelRunner.run
 
     def counted(self, step, *args, **kwargs):
-        kinds.append((len(step.rows), len(step.sample_at) == len(step.rows), step.follow is not None))
+        graph = len(step.sample_at) == len(step.rows) or len(step.rows) <= self.graph_rows
+        kinds.append((len(step.rows), graph, step.follow is not None))
         return run(self, step, *args, **kwargs)
 
     driver, prof = make_driver(), cProfile.Profile()
@@ -107,7 +109,7 @@ def report(side: str, stats: pstats.Stats, kinds: list, wait_s: float, top: int)
     eager = sum(not k[1] for k in kinds)
     r = per_step(stats, steps, top)
     print(f"\n== {side}: {steps} steps, {ahead} lookahead, {steps - ahead} from schedule() (lookahead drained), "
-          f"{eager} not decode-only (eager on CUDA), {sum(k[0] for k in kinds) / steps:.1f} rows/step")
+          f"{eager} eager on CUDA (prompt chunks over graph_rows), {sum(k[0] for k in kinds) / steps:.1f} rows/step")
     print(f"   per step: {r['total_us']:.0f} us in all, {r['device_work_us']:.0f} us forward+sampling, "
           f"{r['host_us']:.0f} us the rest, of which {wait_s * 1e6 / steps:.0f} us blocked in poll(wait=True); "
           "reads to host per step: "

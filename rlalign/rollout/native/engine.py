@@ -11,7 +11,11 @@ position p of sample s is drawn with noise that depends only on (seed, s, p) (ke
 and its logprob is `kernels.token_logprobs` of the logits it was sampled from: the function the
 trainer applies when it rescores the finished sequence.
 
-On CUDA with the Triton op set, decode-only steps replay CUDA graphs (DecodeGraphs). The KV cache,
+On CUDA with the Triton op set, decode steps replay CUDA graphs (DecodeGraphs), and so do steps with
+prompt-chunk rows of up to graph_rows(max_num_seqs) rows (an episode's observation or an admitted prompt
+beside the decode rows): every row runs as a decode row, a row's bits are those of its eager step, and
+only the draws of the rows that sample are kept. Larger steps (a first prefill of many prompts) run
+eagerly, their chunks as prefill tiles. The KV cache,
 block table and graphs stay with the engine between calls (KVState; an RL run calls generate()
 once per step and captures nothing after its first), valid while the parameters keep their
 addresses (weight sync copies into them). With lookahead the next step (decode rows, admissions and
@@ -44,7 +48,7 @@ from rlalign.parallel.ep import capacity_overflowed, set_step_rows
 from rlalign.parallel.launch import Lockstep
 from rlalign.rollout.native.arena import ALIGN, DeviceArena
 from rlalign.rollout.native.episodes import EpisodeScheduler, spread_logprobs
-from rlalign.rollout.native.graphs import bucket
+from rlalign.rollout.native.graphs import bucket, graph_rows
 from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import Launched, ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler, Step
@@ -62,7 +66,9 @@ class NativeEngine:
                  releasable: bool = False):
         self.model, self.config, self.lockstep = model, config or EngineConfig(), lockstep
         self.state: KVState | None = None  # kept between calls when config.keep_state
-        self.stats: dict = {}  # the last call's: steps, lookahead_steps, discarded_rows, fixed_capacity_steps
+        # the last call's: steps, lookahead_steps, graph_steps (replays), mixed_graph_steps (replays of steps with
+        # prompt-chunk rows), discarded_rows, fixed_capacity_steps
+        self.stats: dict = {}
         # releasable (CUDA): the weights and the KV cache in DeviceArenas, so that release_memory gives
         # their memory back and resume_memory maps it at the same addresses (the graphs stay valid)
         self.weights: DeviceArena | None = _weights_arena(model) if releasable else None
@@ -106,8 +112,9 @@ class NativeEngine:
         else:
             sched = EpisodeScheduler(prompts, sample_ids, params, state, max_seqs, max_lens,
                                      cfg.max_num_batched_tokens, episodes, self.model.args.vocab_size)
-        self.stats = {"steps": 0, "lookahead_steps": 0, "discarded_rows": 0, "fixed_capacity_steps": 0}
-        runner = ModelRunner(self.model, state, sched, sample_ids, params, graphs, self.stats)
+        self.stats = {"steps": 0, "lookahead_steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "discarded_rows": 0,
+                      "fixed_capacity_steps": 0}
+        runner = ModelRunner(self.model, state, sched, sample_ids, params, graphs, self.stats, graph_rows(max_seqs))
         if graphs is not None:
             graphs.begin(self.model, params)
         collecting = gc.isenabled()
@@ -179,10 +186,11 @@ class NativeEngine:
     def _launch(self, runner: ModelRunner, step: Step, previous: Launched | None = None, waiting: bool = False
                 ) -> tuple[int, bool, Launched | None]:
         """Run `step`: (the most rows any rank's step holds, 0: nothing ran; whether any rank `waiting`
-        for an episode's answer; the launched step or None). Under expert parallelism the ranks first
+        for an episode's answer; the launched step or None). On one GPU the runner picks a graph or an
+        eager step (ModelRunner.run). Under expert parallelism the ranks first
         agree on the step (Lockstep); when every rank's step is decode-only, the MoE all-to-all gets a
         fixed capacity from the agreed bucket and the step replays that bucket's graph (all ranks capture
-        a missing one together); else it runs eagerly with exact sizes."""
+        a missing one together); else (prompt chunks on any rank) it runs eagerly with exact sizes."""
         if self.lockstep is None:
             return len(step.rows), waiting, runner.run(step, previous) if step.rows else None
         most, decode_only, waits = self.lockstep.agree(len(step.rows), len(step.sample_at) == len(step.rows),

@@ -1,4 +1,5 @@
-"""CUDA graphs of the native engine's decode-only steps."""
+"""CUDA graphs of the native engine's steps: decode steps, and steps with prompt-chunk rows of up to
+`graph_rows` rows (an episode's observation prefilled beside decode rows), every row run as a decode row."""
 
 from __future__ import annotations
 
@@ -37,19 +38,35 @@ def kernel_buffers() -> list:
 
 
 def bucket(n: int) -> int:
-    """The batch-size bucket (graph size) of a decode step of n rows: the next power of two."""
+    """The batch-size bucket (graph size) of a step of n rows: the next power of two."""
     return 1 << max(0, (n - 1).bit_length())
 
 
+MIXED_ROWS_PER_SEQ = 8  # graph_rows: rows of a step with prompt chunks that replays, per sequence in flight
+
+
+def graph_rows(max_seqs: int) -> int:
+    """The most rows of a step with prompt-chunk rows that replays a graph, for `max_seqs` sequences in flight.
+    A replay of n rows costs a decode step of bucket(n) rows (every row's logits and draw, per-row attention);
+    an eager step pays the host's launch of every kernel on top of its work, which dominates the small steps
+    where an episode's observation joins the decode rows. Steps above it (a first prefill of many prompts)
+    run eagerly: their work dominates, their prompt chunks run as prefill tiles, and no graph is
+    captured for their size."""
+    return MIXED_ROWS_PER_SEQ * bucket(max_seqs)
+
+
 class DecodeGraphs:
-    """CUDA graphs of decode-only engine steps — `Transformer.step` and `sample_next` — one per
-    batch-size bucket (powers of two) and sampling distribution, captured on first use and kept
-    with the engine's KVState across generate() calls. A step of n rows runs the smallest bucket >= n;
-    the padding rows read and write only a spare page through a spare block-table row and sample
-    from zeroed logits, and batch invariance means they change no bit of the real rows (tests/gpu
-    checks graphs == eager bitwise). Inputs per row: token, position, block-table row, cache slot,
-    valid flag, sample id rekeyed to GRAPH_SEED (rekey_sample_ids), so the seed is not baked in.
-    `begin(model, params)` starts a call; its first decode step re-checks what the graphs read
+    """CUDA graphs of engine steps whose every row runs as a decode row — `Transformer.step` without
+    the prompt-chunk hint, and `sample_next` of every row — one per batch-size bucket (powers of two)
+    and sampling distribution, captured on first use and kept with the engine's KVState across
+    generate() calls. A step of n rows runs the smallest bucket >= n; the padding rows read and write
+    only a spare page through a spare block-table row and sample from zeroed logits, and batch
+    invariance means they change no bit of the real rows (tests/gpu checks graphs == eager bitwise).
+    A prompt chunk's rows run as rows alone (kernels.attention_paged: the bits of its prefill tiles),
+    write their keys and values as eagerly, and draw a sample the caller discards unless the row
+    samples (ModelRunner). Inputs per row: token, position, block-table row, cache slot, valid flag,
+    sample id rekeyed to GRAPH_SEED (rekey_sample_ids), so the seed is not baked in.
+    `begin(model, params)` starts a call; its first replayed step re-checks what the graphs read
     (`graph_inputs`) and drops them all if that changed."""
 
     def __init__(self, cache: PagedKVCache, block_table: torch.Tensor, pad_row: int, pad_slot: int):
@@ -70,9 +87,10 @@ class DecodeGraphs:
         self._key = rekey_sample_ids(torch.zeros(1, dtype=torch.long), params.seed)
 
     def _check(self) -> None:
-        """At a call's first decode step (after its prefill moved the rope table to the device):
-        drop every graph if what they read changed since they were captured, then pick this call's
-        sampling distribution's graphs."""
+        """At a call's first replayed step: drop every graph if what they read changed since they were
+        captured, then pick this call's sampling distribution's graphs. The rope table is moved to the
+        device first (a call whose first step replays has run no eager step to move it)."""
+        self.model._rope(torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device))
         inputs = graph_inputs(self.model)
         if inputs != self.inputs:  # new weights' addresses, a moved model, another op set: capture again
             self.by_params.clear()
@@ -120,8 +138,8 @@ class DecodeGraphs:
 
     def __call__(self, meta: torch.Tensor, follow: tuple[torch.Tensor, torch.Tensor] | None = None,
                  size: int | None = None, recapture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """meta [5, n] (token, position, block-table row, slot, sample id) -> this step's tokens and
-        logprobs [n] on the device (copied out of the graph's memory, which a later replay overwrites).
+        """meta [5, n] (token, position, block-table row, slot, sample id) -> every row's token and
+        logprob [n] on the device (copied out of the graph's memory, which a later replay overwrites).
         follow = (tokens, index [f]): the first f rows' input tokens are tokens[index], already on the device.
         size: the graph to replay (default: bucket(n)); recapture: capture it again even if it is there
         (expert parallelism: a capture's warm-up runs the collectives, so all ranks capture together)."""

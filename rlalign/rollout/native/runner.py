@@ -53,23 +53,23 @@ def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
 
 class ModelRunner:
     """Runs one call's steps on `model` over `state`'s pages; `graphs` (or None: eager) replays
-    decode-only steps."""
+    decode steps, and steps with prompt-chunk rows of up to `graph_rows` rows."""
 
     def __init__(self, model: Transformer, state: KVState, sched: Scheduler, sample_ids: list[int],
-                 params: SamplingParams, graphs: DecodeGraphs | None, stats: dict):
+                 params: SamplingParams, graphs: DecodeGraphs | None, stats: dict, graph_rows: int = 0):
         self.model, self.state, self.sched, self.params, self.graphs = model, state, sched, params, graphs
-        self.sample_ids, self.stats = sample_ids, stats
+        self.sample_ids, self.stats, self.graph_rows = sample_ids, stats, graph_rows
         self.dev = model.lm_head.weight.device
-        self.ids_all = torch.tensor(sample_ids, dtype=torch.long, device=self.dev)
         taps = getattr(model, "taps", None)
         self.record_all = isinstance(taps, TapRecorder) and taps.rows
 
     def _meta(self, step: Step, ahead: int) -> np.ndarray:
-        """[4, n] int64: each row's input token (0 for the first `ahead`: taken on the device), position,
-        block-table row and KV slot. Decode rows one by one; a prompt chunk's rows (step.runs: consecutive
-        positions of one sequence) as array slices (a prefill step's 8,192 rows without a Python loop)."""
+        """[5, n] int64: each row's input token (0 for the first `ahead`: taken on the device), position,
+        block-table row, KV slot and its sequence's sample id. Decode rows one by one; a prompt chunk's
+        rows (step.runs: consecutive positions of one sequence) as array slices (a prefill step's 8,192
+        rows without a Python loop)."""
         rows, n = step.rows, len(step.rows)
-        meta = np.empty((4, n), dtype=np.int64)
+        meta = np.empty((5, n), dtype=np.int64)
         n_dec = step.runs[0][0] if step.runs else n
         dec = rows[:n_dec]
         if n_dec:
@@ -77,6 +77,7 @@ class ModelRunner:
             meta[1, :n_dec] = [p for _, p in dec]
             meta[2, :n_dec] = [seq.slot for seq, _ in dec]
             meta[3, :n_dec] = [self.sched.slot(seq, p) for seq, p in dec]
+            meta[4, :n_dec] = [self.sample_ids[seq.b] for seq, _ in dec]
         ps = self.state.page_size
         for row0, cnt, pos0, table_row in step.runs:
             seq, span = rows[row0][0], slice(row0, row0 + cnt)
@@ -85,26 +86,23 @@ class ModelRunner:
             meta[1, span] = pos
             meta[2, span] = table_row
             meta[3, span] = np.asarray(seq.pages, dtype=np.int64)[pos // ps] * ps + pos % ps
+            meta[4, span] = self.sample_ids[seq.b]
         return meta
 
     def run(self, step: Step, previous: Launched | None = None, size: int | None = None, recapture: bool = False,
             eager: bool = False) -> Launched | None:
         """Enqueue `step` (its input tokens taken from `previous` on the device when step.follow is
-        set); None when it samples nothing. A decode-only step replays a graph (DecodeGraphs: `size`,
-        `recapture`) unless `eager`."""
+        set); None when it samples nothing. Unless `eager`, a decode step, or a step with prompt-chunk
+        rows of at most graph_rows rows, replays a graph (DecodeGraphs: `size`, `recapture`)."""
         rows, n, dev = step.rows, len(step.rows), self.dev
         self.stats["steps"] += 1
         self.stats["lookahead_steps"] += step.follow is not None
         ahead = 0 if step.follow is None else len(step.follow)  # the first rows' tokens come from `previous`
         meta = torch.from_numpy(self._meta(step, ahead))
-        b_idx = [seq.b for seq, _ in step.sample_at]
         src = None if step.follow is None else to_device(torch.tensor(step.follow, dtype=torch.long), dev)
-        if self.graphs is not None and len(step.sample_at) == n and not eager:  # decode only: rows are the samples
-            ids = torch.tensor([self.sample_ids[b] for b in b_idx], dtype=torch.long)
-            meta = torch.cat([meta, ids[None]])
-            tok, lp = self.graphs(meta, None if src is None else (previous.tokens, src), size, recapture)
-            return Launched(step, tok, lp, *to_host(tok))
-        tokens, positions, seq_idx, slot_mapping = to_device(meta, dev)
+        if self.graphs is not None and not eager and (len(step.sample_at) == n or n <= self.graph_rows):
+            return self._replay(step, meta, None if src is None else (previous.tokens, src), size, recapture)
+        tokens, positions, seq_idx, slot_mapping, ids = to_device(meta, dev)
         if src is not None:
             tokens[:ahead] = previous.tokens.index_select(0, src)
         pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), dev)
@@ -115,7 +113,21 @@ class ModelRunner:
             return None
         if self.record_all:
             logits = logits.index_select(0, pick)
-        b_dev = to_device(torch.tensor(b_idx, dtype=torch.long), dev)
-        tok, lp = sample_next(logits, self.params, self.ids_all[b_dev], positions[pick] + 1,
+        tok, lp = sample_next(logits, self.params, ids[pick], positions[pick] + 1,
                               lambda t: tap(self.model, "sample", t))
+        return Launched(step, tok, lp, *to_host(tok))
+
+    def _replay(self, step: Step, meta: torch.Tensor, follow: tuple[torch.Tensor, torch.Tensor] | None,
+                size: int | None, recapture: bool) -> Launched | None:
+        """`step` as a graph replay: every row fed as a decode row (a prompt chunk's rows draw with their
+        sequence's sample id at their position + 1, as the row that samples does), then the samples of
+        step.sample_at's rows kept, in its order; the other rows' draws are discarded."""
+        tok, lp = self.graphs(meta, follow, size, recapture)
+        self.stats["graph_steps"] += 1
+        self.stats["mixed_graph_steps"] += bool(step.runs)
+        if len(step.sample_at) < len(step.rows):  # prompt rows that do not sample
+            if not step.sample_at:
+                return None
+            pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), self.dev)
+            tok, lp = tok.index_select(0, pick), lp.index_select(0, pick)
         return Launched(step, tok, lp, *to_host(tok))
