@@ -15,12 +15,11 @@ On CUDA with the Triton op set, decode steps replay CUDA graphs (DecodeGraphs), 
 prompt-chunk rows of up to graph_rows(max_num_seqs) rows (an episode's observation or an admitted prompt
 beside the decode rows): every row runs as a decode row, a row's bits are those of its eager step, and
 only the draws of the rows that sample are kept. Larger steps (a first prefill of many prompts) run
-eagerly, their chunks as prefill tiles. The KV cache,
-block table and graphs stay with the engine between calls (KVState; an RL run calls generate()
-once per step and captures nothing after its first), valid while the parameters keep their
-addresses (weight sync copies into them). With lookahead the next step (decode rows, admissions and
-prompt chunks) is enqueued before this step's tokens are read back, so the GPU does not wait for the
-host's bookkeeping.
+eagerly, their chunks as prefill tiles. The KV cache, block table and graphs stay with the engine
+between calls (KVState; an RL run calls generate() once per step and captures nothing after its
+first), valid while the parameters keep their addresses (weight sync copies into them). With
+lookahead the next step (decode rows, admissions and prompt chunks) is enqueued before this step's
+tokens are read back, so the GPU does not wait for the host's bookkeeping.
 
 Multi-turn episodes (generate's `episodes`, rlalign.rollout.types.Continuations): a sequence whose turn
 ends keeps its slot and KV pages, runs no rows while its environment works, and goes on with its
@@ -187,10 +186,10 @@ class NativeEngine:
                 ) -> tuple[int, bool, Launched | None]:
         """Run `step`: (the most rows any rank's step holds, 0: nothing ran; whether any rank `waiting`
         for an episode's answer; the launched step or None). On one GPU the runner picks a graph or an
-        eager step (ModelRunner.run). Under expert parallelism the ranks first
-        agree on the step (Lockstep); when every rank's step is decode-only, the MoE all-to-all gets a
-        fixed capacity from the agreed bucket and the step replays that bucket's graph (all ranks capture
-        a missing one together); else (prompt chunks on any rank) it runs eagerly with exact sizes."""
+        eager step (ModelRunner.run). Under expert parallelism the ranks first agree on the step
+        (Lockstep); when every rank's step is decode-only, the MoE all-to-all gets a fixed capacity from
+        the agreed bucket and the step replays that bucket's graph (all ranks capture a missing one
+        together); else (prompt chunks on any rank) it runs eagerly with exact sizes."""
         if self.lockstep is None:
             return len(step.rows), waiting, runner.run(step, previous) if step.rows else None
         most, decode_only, waits = self.lockstep.agree(len(step.rows), len(step.sample_at) == len(step.rows),
