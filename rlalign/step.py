@@ -230,20 +230,26 @@ def sample_rows(tok, examples: list[Example], rollouts: list[Rollout], texts: li
 def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table, train_table, tok=None) -> dict:
     """Worst tokens by |d| (with their text when a tokenizer `tok` is given; an episode's: with their
     turn) and, with per-layer fingerprints, the op where each mismatch began. An episode's observation
-    tokens (no generator logprob) are skipped; positions count the whole history, observations included."""
-
-    bad, worst = [], []
+    tokens (no generator logprob) are skipped; positions count the whole history, observations included.
+    The worst tokens: the largest |generator - trainer| (in float64), ties in sample then position order;
+    each sequence's candidates picked on the tensors, so that a step where every token differs (default
+    kernels) builds monitor.worst_tokens rows, not one per token."""
+    bad, worst, n = [], [], cfg.monitor.worst_tokens
     for p, r, t in zip(prompts, rollouts, train_lps):
         g = r.logprobs
-        differ = (g.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens))
-        for j in torch.nonzero(differ).flatten().tolist():
-            pos = len(p) + j - 1  # the logits row that predicted token j
-            bad.append((r.sample_id, pos))
-            worst.append({"sample_id": r.sample_id, "position": pos + 1, "token": r.tokens[j],
-                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": abs(float(g[j]) - float(t[j])),
+        idx = torch.nonzero((g.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens)))
+        idx = idx.flatten()
+        if not idx.numel():
+            continue
+        bad += [(r.sample_id, len(p) + j - 1) for j in idx.tolist()]  # the logits row that predicted token j
+        diff = (g[idx].double() - t[idx].double()).abs()
+        for k in torch.sort(diff, descending=True, stable=True).indices[:n].tolist():
+            j = int(idx[k])
+            worst.append({"sample_id": r.sample_id, "position": len(p) + j, "token": r.tokens[j],
+                          "generator": float(g[j]), "trainer": float(t[j]), "abs_diff": float(diff[k]),
                           **({"turn": r.turns[j]} if r.turns is not None else {})})
     worst.sort(key=lambda w: -w["abs_diff"])
-    worst = worst[: cfg.monitor.worst_tokens]
+    worst = worst[:n]
     if tok is not None:
         worst = [{**w, "text": tok.decode([w["token"]])} for w in worst]
     args = model_args(cfg)
