@@ -13,7 +13,7 @@ from eager_graphs import EagerGraphs
 from rlalign import kernels
 from rlalign.kernels import sampling
 from rlalign.rollout.native.engine import NativeEngine, generate
-from rlalign.rollout.native.graphs import DecodeGraphs, graph_rows
+from rlalign.rollout.native.graphs import DecodeGraphs, bucket, graph_rows
 from rlalign.rollout.native.pages import KVState, grow
 from rlalign.rollout.native.runner import ModelRunner
 from rlalign.rollout.native.scheduler import Scheduler
@@ -320,3 +320,11 @@ def test_negative_twin_chunk_rows_drawing_with_another_id_change_the_draws(model
     differ = [not torch.equal(g.tokens, e.tokens) for step, g, e in _mixed_steps(model, wrong_ids)
               if e is not None and step.runs]
     assert any(differ)
+
+
+def test_graph_rows_cover_the_decode_bucket_and_bound_the_graphs_of_steps_with_prompt_rows():
+    """8 rows a sequence in flight, at most 2,048 (a graph holds every row's logits), never below the decode
+    step's own bucket; the twin: a first prefill chunk of max_num_batched_tokens=8192 rows at 1,024 sequences
+    runs eagerly, where 8 x bucket alone would have replayed it."""
+    assert [graph_rows(n) for n in (1, 3, 24, 256, 1024, 4096)] == [8, 32, 256, 2048, 2048, 4096]
+    assert 8192 > graph_rows(1024) and 8192 <= 8 * bucket(1024)

@@ -43,16 +43,20 @@ def bucket(n: int) -> int:
 
 
 MIXED_ROWS_PER_SEQ = 8  # graph_rows: rows of a step with prompt chunks that replays, per sequence in flight
+MIXED_ROWS_MAX = 2048  # ... and at most this many beyond the decode bucket (the graph pool's size, below)
 
 
 def graph_rows(max_seqs: int) -> int:
-    """The most rows of a step with prompt-chunk rows that replays a graph, for `max_seqs` sequences in flight.
+    """The most rows of a step with prompt-chunk rows that replays a graph, for `max_seqs` sequences in flight:
+    MIXED_ROWS_PER_SEQ per sequence, up to MIXED_ROWS_MAX, never below the decode step's bucket.
     A replay of n rows costs a decode step of bucket(n) rows (every row's logits and draw, per-row attention);
     an eager step pays the host's launch of every kernel on top of its work, which dominates the small steps
-    where an episode's observation joins the decode rows. Steps above it (a first prefill of many prompts)
-    run eagerly: their work dominates, their prompt chunks run as prefill tiles, and no graph is
-    captured for their size."""
-    return MIXED_ROWS_PER_SEQ * bucket(max_seqs)
+    where an episode's observation joins the decode rows. Steps above it (a first prefill of many prompts, its
+    chunks of generator.max_num_batched_tokens rows) run eagerly: their work dominates, their prompt chunks
+    run as prefill tiles, and no graph is captured for their size. The bound keeps the graph pool small: a
+    graph holds every row's logits, 1.2 GB of fp32 at 2,048 rows and a vocabulary of 152 k."""
+    decode = bucket(max_seqs)
+    return max(decode, min(MIXED_ROWS_PER_SEQ * decode, MIXED_ROWS_MAX))
 
 
 class DecodeGraphs:
