@@ -43,7 +43,7 @@ def bucket(n: int) -> int:
 
 
 MIXED_ROWS_PER_SEQ = 8  # graph_rows: rows of a step with prompt chunks that replays, per sequence in flight
-MIXED_ROWS_MAX = 2048  # ... and at most this many beyond the decode bucket (the graph pool's size, below)
+MIXED_ROWS_MAX = 2048  # ... but at most this many, or the decode bucket where that is larger (the graph pool: below)
 
 
 def graph_rows(max_seqs: int) -> int:
