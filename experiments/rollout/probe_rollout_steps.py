@@ -6,7 +6,8 @@ prompt rows over ModelRunner.graph_rows; graph replays: decode steps and smaller
 Then kernel tables: the largest decode graph replayed at the call's last (longest) contexts, and the
 prefill alone (a generate() sampling one token).
 
-    python experiments/rollout/probe_rollout_steps.py [--cases 256x256,2048x256] [--out DIR] [--host-profile]
+    python experiments/rollout/probe_rollout_steps.py [--model M] [--cases 256x256,2048x256] [--top-p P --temperature T]
+        [--out DIR] [--host-profile]
 """
 
 from __future__ import annotations
@@ -102,10 +103,13 @@ def kernel_table(fn, reps: int = 1, top: int = 24) -> tuple[float, list]:
     return sum(x[1] for x in rows), rows[:top]
 
 
-def probe(model, args, B: int, new: int, timer: StepTimer, host_profile: bool = False) -> dict:
+def probe(model, args, B: int, new: int, timer: StepTimer, host_profile: bool = False,
+          sampling: dict | None = None) -> dict:
+    """sampling: SamplingParams fields beside the defaults (temperature 1, no filter), e.g. top_p."""
     prompts, ids = prompts_of(B, args.vocab_size), list(range(B))
     eng = NativeEngine(model, EngineConfig())
-    params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=7)
+    sampling = {"temperature": 1.0, "seed": 7, **(sampling or {})}
+    params = SamplingParams(max_new_tokens=new, **sampling)
     eng.generate(prompts, ids, params)  # compile, capture
     timer.rec.clear()
     torch.cuda.synchronize()
@@ -133,7 +137,7 @@ def probe(model, args, B: int, new: int, timer: StepTimer, host_profile: bool = 
     graph = graphs.graphs[size][0]
     ms, top = kernel_table(graph.replay, reps=3)
     res["last_decode_replay"] = {"bucket": size, "kernel_ms": ms, "top": top}
-    one = SamplingParams(max_new_tokens=1, temperature=1.0, seed=7)
+    one = SamplingParams(max_new_tokens=1, **sampling)
     eng.generate(prompts, ids, one)
     ms, top = kernel_table(lambda: eng.generate(prompts, ids, one))
     res["prefill_only"] = {"prompt_tokens": sum(len(p) for p in prompts), "kernel_ms": ms, "top": top}
@@ -148,7 +152,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="probe_rollout_steps_h200")
     ap.add_argument("--host-profile", action="store_true", help="one more call per case under cProfile")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="e.g. 0.95 with --temperature 0.8: bench_rollout_scale's "
+                    "top-p case (the filter's share of a decode step in the kernel table)")
     a = ap.parse_args()
+    sampling = {"temperature": a.temperature, "top_p": a.top_p}
     args = model_args(load_config([f"model={a.model}"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")
     timer = StepTimer()
@@ -157,7 +165,7 @@ def main() -> None:
         for case in a.cases.split(","):
             B, new = (int(x) for x in case.split("x"))
             try:
-                results[case] = r = probe(model, args, B, new, timer, a.host_profile)
+                results[case] = r = probe(model, args, B, new, timer, a.host_profile, sampling)
             except Exception as e:  # noqa: BLE001 - recorded, the next case still runs
                 results[case] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(case, "FAILED", results[case]["error"], flush=True)
@@ -180,7 +188,7 @@ def main() -> None:
                 print(f"  -- {label}: kernels {r[label]['kernel_ms']:.2f} ms")
                 for k, ms, n in r[label]["top"]:
                     print(f"     {ms:9.3f} ms {n:7.0f}  {k}")
-            print("wrote", write(a.name, {"model": a.model, "results": results,  # after every case
+            print("wrote", write(a.name, {"model": a.model, "sampling": sampling, "results": results,  # after every case
                                           "what_it_shows": "per-step device time of the native engine by step kind"},
                                  a.out), flush=True)
 
