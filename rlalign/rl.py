@@ -200,10 +200,7 @@ class Saves:
     def wait_on_disk(self, timeout_s: float | None) -> Path | None:
         """The save in flight, once published (None: it failed, or not within timeout_s)."""
         step, self.in_flight = self.in_flight, None
-        done = ckpt.wait_published(self.run_dir, step, timeout_s) if step is not None else None
-        if done is not None:
-            self.wait_pruned()
-        return done
+        return ckpt.wait_published(self.run_dir, step, timeout_s) if step is not None else None
 
     def wait_pruned(self) -> None:
         """Until the prune that follows a publish is over (a run that exits now would cut a delete short)."""
@@ -350,7 +347,10 @@ class _Run:
         if self.stop.requested:  # e.g. the signal reached the actors too (Slurm signals every process of the job)
             raise self.stop.stopped(f"{self.doing} ({type(e).__name__}: {e})") from e
         step = self.saves.in_flight
-        if step is None or ckpt.published(self.run_dir, step) is not None:
+        if step is None:
+            return
+        if ckpt.published(self.run_dir, step) is not None:
+            self.saves.wait_pruned()
             return
         bound = self.saves.error_wait_s
         print(f"rlalign train: {type(e).__name__} {self.doing}; waiting up to {bound:.0f} s for the checkpoint of "
@@ -361,6 +361,7 @@ class _Run:
         except KeyboardInterrupt:
             raise self.stop.stopped(f"{self.doing} ({type(e).__name__}: {e})") from e
         if done is not None:
+            self.saves.wait_pruned()
             what = f"is complete: {done}"
         elif ckpt.tmp_path(self.run_dir, step).is_dir():
             what = f"was not written within {bound:.0f} s (left as a .tmp, which resume ignores)"

@@ -235,13 +235,14 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
     each sequence's candidates picked on the tensors, so that a step where every token differs (default
     kernels) builds monitor.worst_tokens rows, not one per token."""
     bad, worst, n = [], [], cfg.monitor.worst_tokens
+    located = bool(gen_table and train_table)  # per-layer row fingerprints: each mismatched token's first op
     for p, r, t in zip(prompts, rollouts, train_lps):
         g = r.logprobs
-        idx = torch.nonzero((g.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens)))
-        idx = idx.flatten()
+        idx = torch.nonzero((g.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens)))[:, 0]
         if not idx.numel():
             continue
-        bad += [(r.sample_id, len(p) + j - 1) for j in idx.tolist()]  # the logits row that predicted token j
+        if located:
+            bad += [(r.sample_id, len(p) + j - 1) for j in idx.tolist()]  # the logits row that predicted token j
         diff = (g[idx].double() - t[idx].double()).abs()
         for k in torch.sort(diff, descending=True, stable=True).indices[:n].tolist():
             j = int(idx[k])
@@ -253,7 +254,7 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
     if tok is not None:
         worst = [{**w, "text": tok.decode([w["token"]])} for w in worst]
     args = model_args(cfg)
-    rep = locate_mismatches(gen_table, train_table, bad, tap_order(args)) if gen_table and train_table else {
+    rep = locate_mismatches(gen_table, train_table, bad, tap_order(args)) if located else {
         "first_divergent_op": None, "tokens": [], "by_op": {}}
     return {**rep, "worst_tokens": worst}
 

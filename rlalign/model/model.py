@@ -265,11 +265,17 @@ class Transformer(nn.Module):
                 f"(max_position_embeddings={self.args.max_position_embeddings})"
             )
 
+    def rope_table_to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope table (cos, sin) on `device`, moved there once (a step reads it there; a CUDA graph
+        captures its address)."""
+        cos, sin = self._rope_table
+        if cos.device != device:
+            self._rope_table = cos, sin = cos.to(device), sin.to(device)
+        return cos, sin
+
     def _rope(self, positions: torch.Tensor):
         """cos/sin rows [N, D] for positions (lengths are checked by the callers, on the host)."""
-        cos, sin = self._rope_table
-        if cos.device != positions.device:
-            self._rope_table = cos, sin = cos.to(positions.device), sin.to(positions.device)
+        cos, sin = self.rope_table_to(positions.device)
         return cos[positions], sin[positions]
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:

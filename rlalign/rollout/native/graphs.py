@@ -94,7 +94,7 @@ class DecodeGraphs:
         """At a call's first replayed step: drop every graph if what they read changed since they were
         captured, then pick this call's sampling distribution's graphs. The rope table is moved to the
         device first (a call whose first step replays has run no eager step to move it)."""
-        self.model._rope(torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device))
+        self.model.rope_table_to(self.model.lm_head.weight.device)
         inputs = graph_inputs(self.model)
         if inputs != self.inputs:  # new weights' addresses, a moved model, another op set: capture again
             self.by_params.clear()

@@ -105,7 +105,7 @@ class ModelRunner:
         tokens, positions, seq_idx, slot_mapping, ids = to_device(meta, dev)
         if src is not None:
             tokens[:ahead] = previous.tokens.index_select(0, src)
-        pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), dev)
+        pick = self._sampling_rows(step)
         set_rows(self.model, "gen.step.", [(self.sample_ids[seq.b], p) for seq, p in rows])
         logits = self.model.step(tokens, positions, seq_idx, self.state.cache, self.state.block_table, slot_mapping,
                                  logit_rows=None if self.record_all else pick, runs=step.runs or None)
@@ -128,6 +128,10 @@ class ModelRunner:
         if len(step.sample_at) < len(step.rows):  # prompt rows that do not sample
             if not step.sample_at:
                 return None
-            pick = to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), self.dev)
+            pick = self._sampling_rows(step)
             tok, lp = tok.index_select(0, pick), lp.index_select(0, pick)
         return Launched(step, tok, lp, *to_host(tok))
+
+    def _sampling_rows(self, step: Step) -> torch.Tensor:
+        """The rows of `step` that sample (step.sample_at's order), on the device."""
+        return to_device(torch.tensor([r for _, r in step.sample_at], dtype=torch.long), self.dev)
