@@ -130,6 +130,21 @@ def test_overwrite_never_replaces_the_checkpoint_a_directory_holding_it_or_a_run
     assert export_hf(path, tmp_path / "hf", overwrite=True)["out"] == str(tmp_path / "hf")
 
 
+def test_overwrite_replaces_a_file_or_a_link_there_and_leaves_nothing_beside_it(exported, tmp_path):
+    path, _, _ = exported
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "keep").write_text("y")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    for name in ("file", "link"):
+        with pytest.raises(FileExistsError):  # twin: not without --overwrite
+            export_hf(path, tmp_path / name)
+        export_hf(path, tmp_path / name, overwrite=True)
+        assert check_hf_dir(tmp_path / name) and not (tmp_path / name).is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["file", "link", "target"]
+    assert (tmp_path / "target" / "keep").read_text() == "y"
+
+
 def _edit_meta(path, **model):
     meta = json.loads((path / "meta.json").read_text())
     meta["model"].update(model)
