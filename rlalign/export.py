@@ -36,6 +36,7 @@ from rlalign.checkpoint_files import (
     Progress,
     checkpoint_dir,
     damaged,
+    list_complete,
     newest_intact,
     run_dir_of,
     verify,
@@ -188,6 +189,9 @@ def resolve_checkpoint(path: Path) -> Path:
     newest = newest_intact(run)
     kind = "a run directory" if run == path else "a run's checkpoints directory"
     if newest is None:
+        done = list_complete(run)
+        if done:  # say what is wrong with the newest: verify raises naming its file
+            verify(done[-1])
         raise CheckpointError(f"{path}: {kind} without an intact checkpoint")
     print(f"rlalign export: {path} is {kind}: its newest intact checkpoint is {newest}", file=sys.stderr)
     return newest

@@ -282,6 +282,20 @@ def test_a_runs_checkpoints_directory_exports_its_newest_intact_checkpoint(expor
         export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf2")
 
 
+def test_a_run_directory_whose_checkpoints_are_all_damaged_is_refused_naming_the_damage(exported, tmp_path):
+    import shutil
+
+    path, _, _ = exported
+    copy = tmp_path / "run" / "checkpoints" / path.name
+    shutil.copytree(path, copy)
+    assert export_hf(tmp_path / "run", tmp_path / "hf")["checkpoint"] == str(copy)  # twin: intact
+    shard = next(p for p in copy.iterdir() if p.name.endswith(".safetensors"))
+    os.truncate(shard, 100)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {copy} is not loadable: {shard.name}: 100 bytes, meta.json "
+                                              r"records \d+ \(truncated or overwritten\)"):
+        export_hf(tmp_path / "run", tmp_path / "hf2")
+
+
 def test_checkpoint_export_hf_writes_the_export_inside_the_checkpoint_before_it_is_published(trained, tmp_path,
                                                                                             monkeypatch):
     from rlalign import export
