@@ -291,8 +291,8 @@ def test_a_run_directory_whose_checkpoints_are_all_damaged_is_refused_naming_the
     assert export_hf(tmp_path / "run", tmp_path / "hf")["checkpoint"] == str(copy)  # twin: intact
     shard = next(p for p in copy.iterdir() if p.name.endswith(".safetensors"))
     os.truncate(shard, 100)
-    with pytest.raises(CheckpointError, match=rf"^checkpoint {copy} is not loadable: {shard.name}: 100 bytes, meta.json "
-                                              r"records \d+ \(truncated or overwritten\)"):
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {copy} is not loadable: {shard.name}: 100 bytes, "
+                                              r"meta.json records \d+ \(truncated or overwritten\)"):
         export_hf(tmp_path / "run", tmp_path / "hf2")
 
 
