@@ -68,7 +68,8 @@ def test_the_export_loads_in_rlalign_bitwise_and_in_transformers_with_our_logits
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.iterdir())
     assert summary["shards"] == 5 and files == ["config.json", *[f"model-0000{i}-of-00005.safetensors"
-                                                                  for i in range(1, 6)], "model.safetensors.index.json"]
+                                                                  for i in range(1, 6)], "model.safetensors.index.json",
+                                                "tokenizer.json", "tokenizer_config.json"]
     assert set(index["weight_map"].values()) == set(files[1:6]) and index["metadata"]["total_size"] == summary["bytes"]
     check_hf_dir(out)
     from rlalign.model.build import model_from_config
@@ -209,9 +210,25 @@ def test_the_runs_tokenizer_files_come_along(trained, tmp_path, capsys):
     assert f"tokenizer files from {tok}: tokenizer.json" in capsys.readouterr().err
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert loaded.encode("a:b", add_special_tokens=False) == [2, 12, 3]
-    path = _save(tr, cfg, tmp_path / "char")  # twin: the char tokenizer has no files to copy
-    assert export_hf(path, tmp_path / "hf2")["tokenizer"] == []
-    assert "no tokenizer files: the run used rlalign's built-in char tokenizer" in capsys.readouterr().err
+
+
+def test_a_char_tokenizer_run_exports_that_tokenizer_which_transformers_loads_with_our_ids(trained, tmp_path, capsys):
+    from rlalign.tasks.tokenizer import CharTokenizer
+
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path / "char")
+    assert export_hf(path, tmp_path / "hf")["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert "the built-in char tokenizer of the run as tokenizer.json, tokenizer_config.json" in capsys.readouterr().err
+    ours, theirs = CharTokenizer(), transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "12+34= (a|b), ok?!"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    ids = [*ours.encode(text), ours.eos_token_id, 60, ours.pad_token_id]  # 60: a model id past the tokenizer's
+    assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == text
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
+    with pytest.raises(ValueError, match="not in the char tokenizer's alphabet"):  # twin: unknown text refused,
+        ours.encode("A~")
+    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):  # by both, never dropped
+        theirs.encode("A~", add_special_tokens=False)
 
 
 def test_a_checkpoint_without_its_model_in_meta_json_takes_it_from_the_run_segments(trained, tmp_path):
