@@ -41,10 +41,14 @@ BROKEN_PATHS: dict[str, str] = {}  # vendor paths that raised once: (reason) -> 
 
 
 def fallback(op: str, why: str, instead: str) -> None:
-    """One logged line per (op, reason): a vendor kernel is missing and `instead` runs."""
+    """One logged line per (op, reason): a vendor kernel is missing and `instead` runs. In a process group
+    rank 0 says it (a warning) for its peers, which run on the same kind of machine (a debug line each)."""
     if (op, why) not in LOGGED_FALLBACKS:
         LOGGED_FALLBACKS.add((op, why))
-        log.warning("kernels.mode=default: %s: %s; running %s instead", op, why, instead)
+        dist = torch.distributed
+        peer = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+        log.log(logging.DEBUG if peer else logging.WARNING, "kernels.mode=default: %s: %s; running %s instead",
+                op, why, instead)
 
 
 def capturable(x) -> bool:

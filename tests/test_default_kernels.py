@@ -71,6 +71,16 @@ def test_a_missing_vendor_kernel_is_named_in_one_logged_line(caplog):
     assert not kernels.capturable(x)
 
 
+@pytest.mark.parametrize("rank, level", [(1, logging.DEBUG), (0, logging.WARNING)])
+def test_in_a_process_group_rank_0_says_a_fallback_for_its_peers(monkeypatch, caplog, rank, level):
+    dflt.LOGGED_FALLBACKS.clear()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
+    with caplog.at_level(logging.DEBUG, logger="rlalign.kernels"), kernels.use(mode="default"):
+        kernels.grouped_linear(torch.randn(4, 8), torch.randn(2, 8, 8), [2, 2])
+    assert [(r.levelno, "torch._grouped_mm needs CUDA" in r.getMessage()) for r in caplog.records] == [(level, True)]
+
+
 def _engine_with_graphs_on():
     from types import SimpleNamespace
 
