@@ -57,15 +57,29 @@ def batch_params(cfg: DictConfig, seed: int) -> SamplingParams:
     return SamplingParams.from_config(cfg, model_args(cfg).eos_token_id, seed, cfg.agree.max_new_tokens)
 
 
+DUMP_KEYS = ("sampling", "prompts", "sample_ids", "responses", "generator_logprobs")  # what a replay reads
+
+
 def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int], SamplingParams, dict]:
     """A mismatch dump as (config with its weights, prompts, sample ids, the sampling the run drew
     them with, batch)."""
     d = Path(cfg.agree.replay)
     if not (d / "batch.json").is_file() or not (d / "weights" / "config.json").is_file():
         raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
-    batch = json.loads((d / "batch.json").read_text())
-    params = SamplingParams.from_dict(batch["sampling"])
-    params.validate()
+    where = d / "batch.json"
+    try:
+        batch = json.loads(where.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"agree.replay: {where}:{e.lineno}:{e.colno}: not JSON ({e.msg}): a damaged mismatch "
+                         "dump") from None
+    missing = [k for k in DUMP_KEYS if not isinstance(batch, dict) or k not in batch]
+    if missing:
+        raise ValueError(f"agree.replay: {where}: not a mismatch dump's batch (no {', '.join(missing)})")
+    try:
+        params = SamplingParams.from_dict(batch["sampling"])
+        params.validate(where="sampling.")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"agree.replay: {where}: {e}") from None
     cfg = OmegaConf.merge(cfg, {"model": {"path": str(d / "weights")}})
     return cfg, batch["prompts"], batch["sample_ids"], params, batch
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,16 +105,19 @@ class SamplingConfig:
     top_p: float = 1.0
     greedy: bool = False
 
-    def validate_sampling(self) -> None:
-        if not self.greedy and not self.temperature > 0:
+    def validate_sampling(self, vocab_size: int | None = None, where: str = "generator.") -> None:
+        """Values the sampler can draw from; `where` leads each field's name (a config's keys, or a request's)."""
+        if not self.greedy and not 0 < self.temperature < math.inf:
             raise ValueError(
-                f"generator.temperature={self.temperature}: sampling needs a temperature > 0 "
+                f"{where}temperature={self.temperature}: sampling needs a temperature > 0 and < inf "
                 "(set generator.greedy=true for argmax decoding)"
             )
         if self.top_k < 0:
-            raise ValueError(f"generator.top_k={self.top_k}: must be >= 0 (0 disables it)")
+            raise ValueError(f"{where}top_k={self.top_k}: must be >= 0 (0 disables it)")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise ValueError(f"{where}top_k={self.top_k}: more than the model's {vocab_size} token ids (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"generator.top_p={self.top_p}: must be in (0, 1]")
+            raise ValueError(f"{where}top_p={self.top_p}: must be in (0, 1]")
 
 
 @dataclass
@@ -387,7 +391,8 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"{key}={value!r}: expected {_or(allowed)}{did_you_mean(value, allowed)}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.device)):
         problems.append(f"device={cfg.device!r}: expected cpu, cuda or cuda:N")
-    num_experts = model_args(cfg).num_experts if cfg.model.path else cfg.model.num_experts
+    args = model_args(cfg) if cfg.model.path else cfg.model
+    num_experts, vocab_size = args.num_experts, args.vocab_size
     for side in ("trainer", "generator"):
         ep = cfg[side].ep_size
         if ep < 1:
@@ -416,7 +421,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.run.overwrite and cfg.checkpoint.resume != "never":
         problems.append(f"run.overwrite=true deletes the run that checkpoint.resume={cfg.checkpoint.resume} would "
                         f"continue: set one of them")
-    for check in (keys_of(SamplingConfig, cfg.generator).validate_sampling,
+    for check in (lambda: keys_of(SamplingConfig, cfg.generator).validate_sampling(vocab_size),
                   keys_of(EngineConfig, cfg.generator).validate_schedule):
         try:
             check()

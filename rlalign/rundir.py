@@ -147,7 +147,12 @@ def read_segments(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     out = []
-    for no, ln in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): not a file "
+                         "rlalign wrote") from None
+    for no, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
             continue
         try:

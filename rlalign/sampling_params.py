@@ -54,10 +54,12 @@ class SamplingParams(SamplingConfig):
         """Every field by name: plain values (JSON, msgpack)."""
         return dataclasses.asdict(self)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None, where: str = "generator.") -> None:
+        """Refuses a value no sampler draws with, naming it as `where` + the field (the config's
+        generator.* keys by default; a mismatch dump's or another request's own)."""
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        self.validate_sampling()
+            raise ValueError(f"{where}max_new_tokens={self.max_new_tokens}: must be >= 1")
+        self.validate_sampling(vocab_size, where)
 
     def key(self) -> tuple:
         """Every field, hashable: requests with equal keys are sampled together."""

@@ -208,6 +208,14 @@ def main(argv: list[str]) -> int:
         print("usage: rlalign compare TRACE_A TRACE_B   (two trace files, or two run directories)", file=sys.stderr)
         return 2
     a, b = Path(argv[0]), Path(argv[1])
+    for p in (a, b):
+        if not p.exists():
+            print(f"rlalign compare: {p}: no such run directory or trace file", file=sys.stderr)
+            return 2
+    if a.is_dir() != b.is_dir():
+        print(f"rlalign compare: {a} and {b}: compare two run directories or two trace files, not one of each",
+              file=sys.stderr)
+        return 2
     try:
         if a.is_dir() and b.is_dir():
             return 0 if compare_runs(a, b) else 1

@@ -24,7 +24,12 @@ def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    for no, ln in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): not a file "
+                         "rlalign wrote") from None
+    for no, ln in enumerate(text.splitlines(), 1):
         if ln.strip():
             try:
                 out.append(json.loads(ln))

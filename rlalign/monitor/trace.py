@@ -366,8 +366,13 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     header, records = None, []
-    with path.open() as f:
-        for no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError as e:
+                raise TraceError(f"{path}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): "
+                                 "not an rlalign trace") from None
             if not line.endswith("\n"):
                 raise TraceError(f"{path}:{no}: truncated record (no newline; was the writer killed?)")
             try:

@@ -82,7 +82,7 @@ class NativeEngine:
         (EpisodeScheduler): params.max_new_tokens limits each turn, episodes.max_len(b) the whole
         episode; each Rollout holds every token after its prompt (sampled and observed) with its turns,
         and returns once every episode is over."""
-        params.validate()
+        params.validate(self.model.args.vocab_size)
         if self.stale:
             raise RuntimeError("generate: the engine's weights were released (release_memory) and not written since; "
                                "a weight sync (then load_weights) must come first")

@@ -93,7 +93,7 @@ class VllmGenerator:
         {(sample id, position): {tap: fingerprint}} recorded inside vLLM (the first EP worker's)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params.validate()
+        params.validate(self.args.vocab_size)
         check_prompts(self.args, prompts, sample_ids, params.max_new_tokens)
         if rows is not None:
             if self.stock:
