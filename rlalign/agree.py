@@ -22,6 +22,7 @@ from rlalign.config import model_args
 from rlalign.generator_world import generator_world
 from rlalign.logger import Phases, json_line
 from rlalign.monitor.consistency import logprob_consistency
+from rlalign.monitor.divergence import locate_mismatches, tap_order
 from rlalign.parallel.launch import check_local_world, run_workers, shard_range
 from rlalign.rollout.generator import check_generator
 from rlalign.sampling_params import SamplingParams
@@ -97,18 +98,23 @@ def recorded_episodes(batch: dict, where: str) -> list[RecordedEpisode] | None:
     return [split_episode(r, t, f"{where}, sample {sid}") for r, t, sid in zip(responses, turns, ids)]
 
 
-def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids,
-                   params: SamplingParams, recorded: list[RecordedEpisode] | None) -> list[Rollout]:
+def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample_ids, params: SamplingParams,
+                   recorded: list[RecordedEpisode] | None) -> tuple[list[Rollout], dict]:
     worker = GeneratorWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
+    if worker.cfg.monitor.fingerprints == "layers":
+        worker.record_rows()
     part = shard_range(len(prompts), world, rank)
     mine = [prompts[i] for i in part]
     episodes = None if recorded is None else RecordedEpisodes([recorded[i] for i in part], [len(p) for p in mine])
-    return worker.generate(mine, [sample_ids[i] for i in part], params, episodes=episodes).rollouts
+    out = worker.generate(mine, [sample_ids[i] for i in part], params, episodes=episodes)
+    return out.rollouts, out.rows
 
 
-def _score_rank(rank: int, world: int, group, cfg_dict: dict, samples: list[Sample]) -> list[torch.Tensor]:
+def _score_rank(rank: int, world: int, group, cfg_dict: dict, samples: list[Sample]) -> tuple[list[torch.Tensor], dict]:
     worker = TrainerWorker(cfg_dict, rank, world, group=group, local_gpu=rank if group is not None else None)
-    return worker.score([samples[i] for i in shard_range(len(samples), world, rank)])
+    if worker.cfg.monitor.fingerprints == "layers":
+        worker.record_rows()
+    return worker.score([samples[i] for i in shard_range(len(samples), world, rank)]), worker.pop_rows()
 
 
 def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
@@ -121,24 +127,42 @@ def _run_side(cfg: DictConfig, ep_size: int, what: str, fn, args) -> list:
 
 
 def generate_batch(cfg: DictConfig, prompts, sample_ids, params: SamplingParams,
-                   recorded: list[RecordedEpisode] | None = None) -> list[Rollout]:
+                   recorded: list[RecordedEpisode] | None = None, rows: dict | None = None) -> list[Rollout]:
     """The generator group's rollouts (generator.ep_size ranks), in sample order; with `recorded`,
-    episodes that replay those turns and observations (params.max_new_tokens: per turn)."""
+    episodes that replay those turns and observations (params.max_new_tokens: per turn). `rows`: filled
+    with the per-token row fingerprints (monitor.fingerprints=layers)."""
     parts = _run_side(cfg, check_generator(cfg).ranks, "generator.ep_size", _generate_rank,
                       (prompts, sample_ids, params, recorded))
-    return [r for part in parts for r in part]
+    for _, table in parts if rows is not None else ():
+        rows.update(table)
+    return [r for part, _ in parts for r in part]
 
 
 def score_batch(cfg: DictConfig, prompts, responses, params: SamplingParams, sample_ids=None,
-                turns=None) -> list[torch.Tensor]:
+                turns=None, rows: dict | None = None) -> list[torch.Tensor]:
     """The trainer group's logprobs (trainer.ep_size ranks), in order, of finished sequences whose
-    responses were drawn with `params` (`turns`: episodes', as Sample.turns)."""
+    responses were drawn with `params` (`turns`: episodes', as Sample.turns); `rows` as generate_batch's."""
     ids = sample_ids if sample_ids is not None else [None] * len(prompts)
     turns = turns if turns is not None else [None] * len(prompts)
     samples = [Sample(list(p), list(r), torch.zeros(len(r)), 0.0, i, params=params, turns=t)
                for p, r, i, t in zip(prompts, responses, ids, turns)]
     parts = _run_side(cfg, cfg.trainer.ep_size, "trainer.ep_size", _score_rank, (samples,))
-    return [lp for part in parts for lp in part]
+    for _, table in parts if rows is not None else ():
+        rows.update(table)
+    return [lp for part, _ in parts for lp in part]
+
+
+def first_divergent_op(cfg: DictConfig, rollouts: list[Rollout], train_lps: list[torch.Tensor], gen_rows: dict,
+                       train_rows: dict) -> str | None:
+    """The op where the earliest mismatched token's rows first differ (monitor.divergence), from both sides'
+    row fingerprints; None when no token differs or no rows were recorded."""
+    bad = []
+    for r, t in zip(rollouts, train_lps):
+        differ = (r.logprobs.view(torch.int32) != t.view(torch.int32)) & policy_mask(r.turns, len(r.tokens))
+        bad += [(r.sample_id, len(r.prompt) + j - 1) for j in torch.nonzero(differ)[:, 0].tolist()]
+    if not (bad and gen_rows and train_rows):
+        return None
+    return locate_mismatches(gen_rows, train_rows, bad, tap_order(model_args(cfg)))["first_divergent_op"]
 
 
 def _where(ranks: int) -> str:
@@ -160,14 +184,15 @@ def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None)
             f"{len(prompts)} episodes of {sum(len(e.lengths) for e in recorded)} recorded turns in all")
     phase(f"generating {what} (generator EP {world.ranks}, {world.backend} engine, {_where(world.ranks)}; each rank "
           "builds the model first)")
-    rollouts = generate_batch(cfg, prompts, ids, params, recorded)
+    gen_rows, train_rows = {}, {}  # per-token row fingerprints (monitor.fingerprints=layers; else none)
+    rollouts = generate_batch(cfg, prompts, ids, params, recorded, gen_rows)
     t1 = time.perf_counter()
     phase(f"scoring the {sum(len(r.tokens) for r in rollouts)} generated tokens on the trainer side (EP "
           f"{cfg.trainer.ep_size}, {_where(cfg.trainer.ep_size)}; another order and other micro-batches)")
     order = trainer_order(cfg, len(rollouts))
     shuffled = [rollouts[i] for i in order]
     train_lp = score_batch(cfg, [r.prompt for r in shuffled], [r.tokens for r in shuffled], params,
-                           [r.sample_id for r in shuffled], [r.turns for r in shuffled])
+                           [r.sample_id for r in shuffled], [r.turns for r in shuffled], train_rows)
     t2 = time.perf_counter()
     back = [None] * len(rollouts)
     for j, i in enumerate(order):
@@ -190,6 +215,7 @@ def run_agree(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None)
         "mismatch_seq_frac": c["mismatch_seq_frac"],
         "k3_kl": c["k3_kl"],
         "abs_diff_hist": c["abs_diff_hist"],
+        "first_divergent_op": first_divergent_op(cfg, rollouts, back, gen_rows, train_rows),
         "device": cfg.device,
         "generate_s": round(t1 - t0, 3),
         "score_s": round(t2 - t1, 3),
@@ -236,6 +262,7 @@ def print_report(result: dict, console=None) -> None:
         ("max |Δ logprob|", f"{result['max_abs_diff']:.3g}"),
         ("mean |Δ logprob|", f"{result['mean_abs_diff']:.3g}"),
         ("k3 KL", f"{result['k3_kl']:.3g}"),
+        *([("first divergence", result["first_divergent_op"])] if result.get("first_divergent_op") else []),
         ("time", f"generate {result['generate_s']:.2f}s, score {result['score_s']:.2f}s"),
     ]
     for r in rows:
@@ -252,7 +279,8 @@ def verdict(result: dict) -> str:
     what = f"{n} of {of} tokens differ between the generator's and the trainer's logprobs"
     if n == 0:
         return f"{what}: bitwise agreement (kernels.mode={result['kernels']})"
-    return f"{what} (kernels.mode={result['kernels']}; max |Δ logprob| {result['max_abs_diff']:.2g})"
+    first = f"; first divergence: {result['first_divergent_op']}" if result.get("first_divergent_op") else ""
+    return f"{what} (kernels.mode={result['kernels']}; max |Δ logprob| {result['max_abs_diff']:.2g}{first})"
 
 
 def exit_code(result: dict) -> int:

@@ -187,8 +187,10 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     detail = None
     if cons["mismatched_tokens"]:
         detail = mismatch_detail(cfg, batch.prompts, rollouts, trained.logprobs, gen.rows, trained.rows, tok)
+        with (Path(cfg.run.dir) / "divergence.jsonl").open("a") as f:  # also of a step that raises below
+            f.write(json_line({"step": step, **detail}) + "\n")
         if cfg.kernels.mode == "deterministic" and cfg.monitor.on_mismatch == "raise":
-            dump = dump_mismatch(job, cfg, step, detail, batch, rollouts, weights_fp)
+            dump = dump_mismatch(job, cfg, step, cons, detail, batch, rollouts, weights_fp)
             raise MismatchError(f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens differ between "
                                 f"generator and trainer in deterministic mode (max |d| "
                                 f"{cons['logprob_abs_diff_max']:.3g}, first divergence: "
@@ -217,8 +219,6 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     if detail is not None:
         if detail["first_divergent_op"]:
             metrics["consistency/first_divergent_op"] = detail["first_divergent_op"]
-        with (Path(cfg.run.dir) / "divergence.jsonl").open("a") as f:
-            f.write(json_line({"step": step, **detail}) + "\n")
         if cfg.kernels.mode == "deterministic":
             metrics["consistency/alert"] = (f"step {step}: {cons['mismatched_tokens']} of {cons['tokens']} tokens "
                                             f"differ (first divergence: {detail['first_divergent_op']})")
@@ -266,9 +266,13 @@ def mismatch_detail(cfg, prompts, rollouts: list[Rollout], train_lps, gen_table,
     return {**rep, "worst_tokens": worst}
 
 
-def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[Rollout],
+DUMP_CONSISTENCY = ("tokens", "mismatched_tokens", "logprob_abs_diff_max")  # a dump's "consistency" (report reads it)
+
+
+def dump_mismatch(job: Job, cfg, step, cons: dict, detail, batch: StepBatch, rollouts: list[Rollout],
                   weights_fp: str) -> Path:
-    """The offending batch, the generator's weights (a HF directory) and the config, for replay."""
+    """The offending batch, the generator's weights (a HF directory) and the config, for replay; with the
+    step's counts (`cons`: logprob_consistency's) and where the mismatch began (`detail`)."""
     out = Path(cfg.run.dir) / f"mismatch-step{step:06d}"
     out.mkdir(parents=True, exist_ok=True)
     state = job.generator_state()
@@ -278,7 +282,7 @@ def dump_mismatch(job: Job, cfg, step, detail, batch: StepBatch, rollouts: list[
     record = {"step": step, "sampling": dataclasses.asdict(batch.params), "prompts": batch.prompts,
               "sample_ids": [r.sample_id for r in rollouts], "responses": [r.tokens for r in rollouts],
               "generator_logprobs": [r.logprobs.tolist() for r in rollouts],
-              "weights_fp": weights_fp, **detail}
+              "weights_fp": weights_fp, "consistency": {k: cons[k] for k in DUMP_CONSISTENCY}, **detail}
     if any(r.turns is not None for r in rollouts):  # an episode's observation tokens: -1 (no generator logprob)
         record["turns"] = [r.turns for r in rollouts]
     (out / "batch.json").write_text(json_line(record) + "\n")

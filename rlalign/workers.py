@@ -169,6 +169,15 @@ class _Monitored:
         self.recorder.trace = self.trace
         self.recorder.rows = self.recorder.layers = level == "layers"
 
+    def record_rows(self) -> None:
+        """Every op's per-token row fingerprints from now on, without a trace (rlalign agree with
+        monitor.fingerprints=layers): generate() returns them, pop_rows() hands over the trainer's."""
+        self.recorder.rows = True
+
+    def pop_rows(self) -> dict:
+        """{(sample id, position): {op: row fingerprint}} recorded since the last call."""
+        return self.recorder.pop_table()
+
     def close_trace(self) -> None:
         """Write the records still on their way back from the device and close the stream."""
         if self.trace is not None:

@@ -148,7 +148,8 @@ def test_agree_replays_a_dump_with_a_new_field(with_min_p, tmp_path):
     p = with_min_p(max_new_tokens=5, seed=3, eos_token_id=1, temperature=0.7, min_p=0.5)
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "config.json").write_text("{}")
-    batch = {"sampling": p.to_dict(), "prompts": [[3, 4]], "sample_ids": [0]}  # what rl.dump_mismatch writes
+    batch = {"sampling": p.to_dict(), "prompts": [[3, 4]], "sample_ids": [0], "responses": [[5]],
+             "generator_logprobs": [[-1.0]]}  # what step.dump_mismatch writes
     (tmp_path / "batch.json").write_text(json.dumps(batch))
     cfg, prompts, ids, params, _ = load_replay(load_config([f"agree.replay={tmp_path}"]))
     assert params == p and params.min_p == 0.5 and cfg.model.path == str(tmp_path / "weights")

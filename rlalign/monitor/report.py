@@ -197,10 +197,28 @@ def training_figure(rows: list[dict], panels: dict[str, list[str]] = TRAINING_PA
     return fig
 
 
+def mismatch_dumps(run_dir: Path) -> list[str]:
+    """A line per mismatch dump (RUN_DIR/mismatch-stepN: where a deterministic run stopped at a mismatch,
+    monitor.on_mismatch=raise): its step, counts, first divergent op and the replay command."""
+    out = []
+    for d in sorted(run_dir.glob("mismatch-step*")):
+        recs = _rows(d / "batch.json")
+        b = recs[0] if recs and isinstance(recs[0], dict) else {}
+        c = b.get("consistency") or {}
+        known = {"mismatched_tokens", "tokens", "logprob_abs_diff_max"} <= set(c)
+        counts = (f"{c['mismatched_tokens']} of {c['tokens']} tokens differ, max |Δ logprob| "
+                  f"{c['logprob_abs_diff_max']:.3g}" if known else "tokens differ")
+        first = b.get("first_divergent_op") or "unknown (monitor.fingerprints=layers names it)"
+        out.append(f"step {b.get('step', '?')}: {counts}, first divergence: {first}; replay: rlalign agree "
+                   f"agree.replay={d}")
+    return out
+
+
 def make_report(run_dir: Path) -> Path:
-    rows = _rows(run_dir / "metrics.jsonl")
+    rows, dumps = _rows(run_dir / "metrics.jsonl"), mismatch_dumps(run_dir)
     if not rows:
-        raise FileNotFoundError(f"{run_dir}/metrics.jsonl: missing or empty (not a run directory?)")
+        why = f"the run stopped at a mismatch: {dumps[-1]}" if dumps else "not a run directory?"
+        raise FileNotFoundError(f"{run_dir}/metrics.jsonl: missing or empty ({why})")
     div = _rows(run_dir / "divergence.jsonl")
     steps = [r["step"] for r in rows]
     out = run_dir / "report"
@@ -239,6 +257,7 @@ def make_report(run_dir: Path) -> Path:
         f"| max abs logprob diff | {max(x['consistency/logprob_abs_diff_max'] for x in rows):.3g} |",
         f"| mean step time | {sum(x['time/step_s'] for x in rows) / len(rows):.2f} s |",
         f"| first divergent op | {firsts[0] if firsts else 'none'} |",
+        *(f"| stopped at a mismatch (not in the rows above) | {d} |" for d in dumps),
         *_rollout_rows(rows), "", *_phase_table(rows), "", *_episode_table(rows),
         "![reward](reward.png)", "![mismatch](mismatch.png)", "![abs diff](abs_diff_hist.png)",
         "![training](training.png)", *(["![episodes](episodes.png)"] if episodes else []),
