@@ -166,6 +166,7 @@ def _defaults(keys: list[str], source: ConfigSource) -> dict[str, str]:
 _OPTIONS = """options:
   --cfg [job|hydra|all]  print the composed config and exit (job and all: the config; hydra: the
                          config search path; rlalign runs no Hydra app, so there is no hydra config)
+  --resolve              accepted for Hydra's habit: --cfg prints the config resolved anyway
   --config-dir DIR, -cd DIR
                          add DIR to the config search path, after rlalign's own configs: your
                          DIR/model/NAME.yaml is model=NAME, DIR/task/NAME.yaml is task=NAME (a file
@@ -240,10 +241,12 @@ def parse(cmd: str, args: list[str]) -> Args:
             out.want_help = True
         elif a in ("--cfg", "-c") or a.startswith("--cfg="):
             out.show = value if eq else "job"
-            if not eq and i < len(args) and args[i] in CFG_KINDS:
-                out.show, i = args[i], i + 1
+            if not eq and i < len(args) and "=" not in args[i] and not args[i].startswith("-"):
+                out.show, i = args[i], i + 1  # a bare word after --cfg is its kind (an override holds '=')
             if out.show not in CFG_KINDS:
                 raise UsageError(f"--cfg {out.show}: expected one of {', '.join(CFG_KINDS)}")
+        elif a == "--resolve":
+            pass  # Hydra's flag for --cfg: the config --cfg prints is resolved already
         elif a in ("-m", "--multirun"):
             out.multirun = True
         elif flag in _VALUED:

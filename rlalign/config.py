@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import ConfigCompositionException, HydraException
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -363,6 +363,9 @@ def chosen_options(source: ConfigSource | None = None) -> dict[str, str]:
 
 def _composition_error(e: Exception, schema: DictConfig, dirs: list[Path]) -> ConfigError:
     """One line for Hydra's and OmegaConf's composition errors, naming the file they come from."""
+    line = _command_line_error(e, schema, dirs)
+    if line is not None:
+        return line
     text = f"{e}\n{e.__cause__ or ''}"
     origin = re.search(r"In '([^']+)'", text)
     where = str(config_file(dirs, origin[1]) or origin[1]) if origin else "the command line"
@@ -375,6 +378,33 @@ def _composition_error(e: Exception, schema: DictConfig, dirs: list[Path]) -> Co
     cause = str(e.__cause__ or "").strip().splitlines()
     detail = f" ({cause[0].strip()})" if cause else ""
     return ConfigError(f"cannot compose the config from {', '.join(map(str, dirs))}: {'; '.join(lines)}{detail}")
+
+
+GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
+
+
+def _command_line_error(e: Exception, schema: DictConfig, dirs: list[Path]) -> ConfigError | None:
+    """One line naming the override for Hydra's errors of a command-line override (a value that does not
+    parse, or is of the wrong type; a section set like a group; a group chosen twice), else None."""
+    if isinstance(e, OverrideParseException):
+        msg = e.message.splitlines()[0]
+        return ConfigError(f"{e.override}: Hydra's override grammar cannot parse it ({msg}); in the shell, quote a "
+                           f"value that holds '=', ',', spaces or brackets, e.g. key='[\"a=1\"]' ({GRAMMAR})")
+    merging = re.fullmatch(r"Error merging override (\S+)", str(e))
+    if merging:
+        override = merging[1]
+        key = override.split("=", 1)[0].lstrip("+~")
+        if isinstance(OmegaConf.select(schema, key, default=None), DictConfig):
+            return ConfigError(f"{override}: {key} is a section of keys, not a config group: set its keys as "
+                               f"{key}.KEY=VALUE (--cfg job lists them); the groups: {', '.join(group_options(dirs))}")
+        cause = str(e.__cause__ or "").strip().splitlines()
+        return ConfigError(f"{override}: {cause[0].strip() if cause else 'cannot be set'} (the command line)")
+    twice = re.fullmatch(r"(\S+) appears more than once in the final defaults list", str(e))
+    if twice:
+        g = twice[1]
+        return ConfigError(f"{g} is chosen twice: the primary config chooses an option of {g} already, so write "
+                           f"{g}=OPTION to replace it (+{g}=OPTION adds a second choice)")
+    return None
 
 
 def _is_free_key(key: str) -> bool:

@@ -167,11 +167,26 @@ def run_gate(kind: str, overrides: list[str], cfg: DictConfig,
 
     if kind not in GATES:
         raise ValueError(f"unknown gate {kind!r}; one of {', '.join(GATES)}")
+    if kind == "replay":
+        replay_resume_step(cfg)  # a refusal comes before Ray starts
     initialized = cluster.connect(cfg.placement.num_cpus)
     try:
         return _run_gate(kind, overrides, cfg, source)
     finally:
         cluster.disconnect(initialized)
+
+
+def replay_resume_step(cfg: DictConfig) -> int:
+    """The replay gate's first resumed step k: the second run resumes from the checkpoint of step k - 1
+    (gate.replay_step, default run.steps // 2 - 1) and must equal the first from step k on."""
+    steps, step = cfg.run.steps, cfg.gate.replay_step
+    if step is None and steps < 2:
+        raise ValueError(f"gate replay: run.steps={steps}: needs run.steps >= 2 (one step before the resume and one "
+                         "after it to compare)")
+    k = step + 1 if step is not None else steps // 2
+    if not 0 < k < steps:
+        raise ValueError(f"gate.replay_step={step}: must be in [0, run.steps-2] (run.steps={steps})")
+    return k
 
 
 def _run_gate(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSource | None) -> tuple[bool, str]:
@@ -184,9 +199,7 @@ def _run_gate(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSo
     candidate = list(OmegaConf.to_container(cfg.gate.candidate)) if kind == "baseline" else []
     from_step, allowed = 0, ()
     if kind == "replay":
-        k = cfg.gate.replay_step + 1 if cfg.gate.replay_step is not None else cfg.run.steps // 2
-        if not 0 < k < cfg.run.steps:
-            raise ValueError(f"gate.replay_step={k - 1}: must be in [0, run.steps-2] (run.steps={cfg.run.steps})")
+        k = replay_resume_step(cfg)
         _train(cfg, a, [*common, f"checkpoint.every={k}", "checkpoint.keep=0"], source)
         src = a / "checkpoints" / f"step_{k - 1:06d}"
         (b / "checkpoints").mkdir(parents=True)
