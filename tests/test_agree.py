@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -135,3 +136,46 @@ def test_agree_exits_1_on_a_deterministic_mismatch_and_0_without_one(capsys, mon
     monkeypatch.delenv("RLALIGN_FAULT")
     assert cli.main(["agree", *small]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatched_tokens"] == 0
+
+
+SMALL_EP1 = ["trainer.ep_size=1", "generator.ep_size=1", "agree.num_prompts=2", "agree.max_new_tokens=3"]
+
+
+@pytest.mark.parametrize("fault, first", [("default:generator:layers.1.attn", "layers.1.attn"),
+                                          ("default:trainer:layers.0.mlp", "layers.0.mlp")])
+def test_agree_with_layer_fingerprints_names_the_first_divergent_op(monkeypatch, fault, first):
+    """monitor.fingerprints=layers: both sides' per-token row fingerprints locate where the mismatch began,
+    on whichever side the fault sits; the JSON, the table and the closing line name it."""
+    from rlalign.agree import verdict
+
+    monkeypatch.setenv("RLALIGN_FAULT", fault)
+    res, _ = run_agree(load_config([*SMALL_EP1, "monitor.fingerprints=layers"]))
+    assert res["mismatched_tokens"] > 0 and res["first_divergent_op"] == first
+    assert verdict(res).endswith(f"; first divergence: {first})")
+
+
+def test_negative_twin_agree_without_layer_fingerprints_names_no_op(monkeypatch):
+    monkeypatch.setenv("RLALIGN_FAULT", "default:generator:layers.1.attn")
+    res, _ = run_agree(load_config(SMALL_EP1))
+    assert res["mismatched_tokens"] > 0 and res["first_divergent_op"] is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"step": 0, "sampl', r"batch.json:1:13: not JSON \(.*\): a damaged mismatch dump"),
+    ('{"step": 0}', r"batch.json: not a mismatch dump's batch \(no sampling, prompts, sample_ids, responses, "
+                    r"generator_logprobs\)"),
+    ('[1, 2]', r"batch.json: not a mismatch dump's batch \(no sampling,"),
+    (json.dumps({"sampling": {"top_p": 5.0}, "prompts": [[3]], "sample_ids": [0], "responses": [[4]],
+                 "generator_logprobs": [[-1.0]]}), r"batch.json: sampling.top_p=5.0: must be in \(0, 1\]"),
+    (json.dumps({"sampling": {"top_q": 1}, "prompts": [[3]], "sample_ids": [0], "responses": [[4]],
+                 "generator_logprobs": [[-1.0]]}), r"batch.json: sampling parameters \['top_q'\]: not fields"),
+])
+def test_a_damaged_mismatch_dump_is_one_line_naming_its_file(tmp_path, capsys, text, message):
+    from rlalign import cli
+
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "config.json").write_text("{}")
+    (tmp_path / "batch.json").write_text(text)
+    assert cli.main(["agree", f"agree.replay={tmp_path}", "trainer.ep_size=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(rf"rlalign agree: error: agree.replay: {tmp_path}/{message}", err[0]), err

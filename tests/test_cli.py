@@ -262,3 +262,29 @@ def test_ctrl_c_in_a_gate_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(rlalign.gates, "run_gate", interrupted)
     rc, out, err = _run(capsys, "gate", "repeatability", f"run.dir={tmp_path}")
     assert rc == 130 and err.strip() == "rlalign gate: interrupted"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--cfg", "yml"], "--cfg yml: expected one of job, hydra, all"),  # was read as an override
+    (["train", "trainer.ep_size=two"],
+     "trainer.ep_size=two: Value 'two' of type 'str' could not be converted to Integer (the command line)"),
+    (["train", "run.steps="], "run.steps=: Value '' of type 'str' could not be converted to Integer"),
+    (["train", "trainer=big"], "trainer=big: trainer is a section of keys, not a config group: set its keys as "
+                               "trainer.KEY=VALUE (--cfg job lists them); the groups: algorithm, kernels, logger, "
+                               "model, task"),
+    (["train", "+model=tiny-moe"], "model is chosen twice: the primary config chooses an option of model already, so "
+                                   "write model=OPTION to replace it (+model=OPTION adds a second choice)"),
+    (["gate", "baseline", "gate.candidate=[seed=1]"], "gate.candidate=[seed=1]: Hydra's override grammar cannot parse "
+                                                      "it (no viable alternative at input '[seed=')"),
+    (["gate", "replay", "run.steps=1"], "gate replay: run.steps=1: needs run.steps >= 2"),  # not replay_step=-1
+])
+def test_a_bad_override_is_one_line_naming_it(capsys, argv, line):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2 and not out and line in _one_error_line(err, argv[0]), err
+
+
+def test_negative_twin_the_same_overrides_written_right_compose(capsys):
+    assert _printed_cfg(capsys, "train", "--cfg", "job", "--resolve", "trainer.ep_size=1", "run.steps=3",
+                        "model=tiny-moe")["trainer"]["ep_size"] == 1
+    cfg = _printed_cfg(capsys, "gate", "baseline", "--cfg", 'gate.candidate=["seed=1"]')
+    assert cfg["gate"]["candidate"] == ["seed=1"]

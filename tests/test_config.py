@@ -183,3 +183,20 @@ def test_model_numbers_outside_their_range_are_named(override, message):
 
     with pytest.raises(ValueError, match=message):
         model_args(load_config([override]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("generator.temperature=inf", r"generator\.temperature=inf: sampling needs a temperature > 0 and < inf"),
+    ("generator.temperature=nan", r"generator\.temperature=nan: sampling needs a temperature > 0"),
+    ("generator.top_k=65", r"generator\.top_k=65: more than the model's 64 token ids \(0 disables it\)"),
+    ("generator.top_p=0", r"generator\.top_p=0(\.0)?: must be in \(0, 1\]"),
+])
+def test_sampling_no_sampler_draws_with_is_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([override])
+
+
+def test_negative_twin_sampling_at_the_edges_is_accepted():
+    """top_k of the whole vocabulary (no cut), top_p 1, a huge finite temperature, greedy at any temperature."""
+    load_config(["generator.top_k=64", "generator.top_p=1", "generator.temperature=1e30"])
+    load_config(["generator.greedy=true", "generator.temperature=inf"])

@@ -100,6 +100,25 @@ def test_corrupt_traces_name_the_line(tmp_path):
         read_trace(_trace(tmp_path, "t6.jsonl", [HEADER, json.dumps({**rows, "fps": ["a", 7]}) + "\n"]))
 
 
+def test_a_trace_that_is_not_text_and_a_missing_or_mixed_compare_argument_are_named(tmp_path, capsys):
+    from rlalign.monitor.compare import main
+
+    (tmp_path / "run" / "traces").mkdir(parents=True)
+    binary = tmp_path / "run" / "traces" / "trainer-rank0.jsonl"
+    binary.write_bytes(HEADER.encode() + b"\x80\x04\x95pickled\n")
+    with pytest.raises(TraceError, match=r"trainer-rank0.jsonl:2: not UTF-8 text \(byte 0x80 at column 1\)"):
+        read_trace(binary)
+    good = _trace(tmp_path, "good.jsonl", [HEADER, REC])  # twin: the same header with a text record reads
+    assert read_trace(good)[1][0]["fp"] == "ab"
+    for argv, line in (([str(good), str(tmp_path / "nope")], f"{tmp_path}/nope: no such run directory or trace file"),
+                       ([str(tmp_path / "run"), str(good)], "compare two run directories or two trace files"),
+                       ([str(good), str(binary)], "trainer-rank0.jsonl:2: not UTF-8 text")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], err
+    assert main([str(good), str(good)]) == 0
+
+
 def test_one_first_divergence_for_records_state_and_a_tokens_ops():
     """trace records by index, trainer state by (step, name), a token's rows by (op in model order,
     position): each the first key of divergence.first_divergence; None when nothing differs."""
@@ -294,6 +313,10 @@ def test_mismatch_in_deterministic_mode_raises_dumps_and_replays(tmp_path, monke
     dump = tmp_path / "mismatch-step000000"
     assert dump.is_dir() and str(dump) in str(e.value)
     assert (dump / "weights" / "config.json").is_file() and (dump / "config.yaml").is_file()
+    div = json.loads((tmp_path / "divergence.jsonl").read_text().splitlines()[0])  # written before the raise
+    batch = json.loads((dump / "batch.json").read_text())
+    assert div["step"] == 0 and div["first_divergent_op"] == "layers.0.attn" == batch["first_divergent_op"]
+    assert 0 < batch["consistency"]["mismatched_tokens"] <= batch["consistency"]["tokens"]
     res, _ = run_agree(load_config([f"agree.replay={dump}", "trainer.ep_size=1"]))
     assert res["replay_same_tokens"] and res["replay_generator_logprobs_equal"] and res["mismatched_tokens"] > 0
     monkeypatch.delenv("RLALIGN_FAULT")

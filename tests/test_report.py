@@ -219,3 +219,38 @@ def test_report_summarises_episodes_and_draws_their_panels(tmp_path, monkeypatch
 
 def _rows_of(run):
     return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _dump(run, step, **batch):
+    """A mismatch dump's batch.json as rlalign.step.dump_mismatch writes it (the fields the report reads)."""
+    d = run / f"mismatch-step{step:06d}"
+    d.mkdir(parents=True)
+    (d / "batch.json").write_text(json.dumps({"step": step, **batch}) + "\n")
+    return d
+
+
+def test_report_names_the_mismatch_dump_where_a_run_stopped(tmp_path):
+    """A run that stopped at a mismatch (monitor.on_mismatch=raise) logged no line for that step: the report
+    names its dump, counts and first divergent op, as the error line did; at step 0, in its one line."""
+    from rlalign.monitor.report import make_report
+
+    counts = {"tokens": 20, "mismatched_tokens": 5, "logprob_abs_diff_max": 0.002}
+    at0 = _dump(tmp_path / "r0", 0, consistency=counts, first_divergent_op="layers.1.mlp")
+    line = (r"the run stopped at a mismatch: step 0: 5 of 20 tokens differ, max \|Δ logprob\| 0.002, first divergence: "
+            rf"layers.1.mlp; replay: rlalign agree agree.replay={at0}\)")
+    with pytest.raises(FileNotFoundError, match=line):
+        make_report(tmp_path / "r0")
+    run, _ = _run_dir(tmp_path / "r3", mismatched_steps=(), steps=3)
+    _dump(run, 3, consistency=counts, first_divergent_op=None)
+    summary = (make_report(run) / "summary.md").read_text()
+    assert "| stopped at a mismatch (not in the rows above) | step 3: 5 of 20 tokens differ" in summary
+    assert "first divergence: unknown (monitor.fingerprints=layers names it)" in summary
+
+
+def test_negative_twin_a_run_without_a_dump_has_no_stop_line(tmp_path):
+    from rlalign.monitor.report import make_report
+
+    with pytest.raises(FileNotFoundError, match=r"metrics.jsonl: missing or empty \(not a run directory\?\)"):
+        make_report(tmp_path)
+    run, _ = _run_dir(tmp_path / "r", mismatched_steps=(), steps=3)
+    assert "stopped at a mismatch" not in (make_report(run) / "summary.md").read_text()

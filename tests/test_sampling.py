@@ -130,3 +130,18 @@ def test_the_temperature_step_is_the_product_by_the_fp32_inverse():
         assert same_bits(kernels.temper(z, s), want)
         assert not same_bits(kernels.temper(z, s), z.float() / t)
     assert kernels.inverse_temperature(0.8) == 1.25 and kernels.temper(z, 1.0).dtype == torch.float32
+
+
+def test_a_request_the_engine_cannot_sample_names_the_field():
+    """Sampling given straight to the engine (no config) is checked against its model: top_k over the
+    vocabulary and an infinite temperature are refused; the whole vocabulary is top_k's edge (twin)."""
+    m = tiny_model()
+    with pytest.raises(ValueError, match=r"top_k=65: more than the model's 64 token ids"):
+        generate(m, [[3]], [0], SamplingParams(max_new_tokens=2, top_k=65))
+    with pytest.raises(ValueError, match=r"temperature=inf: sampling needs a temperature > 0 and < inf"):
+        generate(m, [[3]], [0], SamplingParams(max_new_tokens=2, temperature=float("inf")))
+    with pytest.raises(ValueError, match=r"max_new_tokens=0: must be >= 1"):
+        generate(m, [[3]], [0], SamplingParams(max_new_tokens=0))
+    whole = generate(m, [[3]], [0], SamplingParams(max_new_tokens=2, top_k=64))
+    plain = generate(m, [[3]], [0], SamplingParams(max_new_tokens=2))
+    assert whole[0].tokens == plain[0].tokens and torch.equal(whole[0].logprobs, plain[0].logprobs)
