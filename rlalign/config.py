@@ -467,6 +467,7 @@ def _ranges(cfg: DictConfig) -> list[str]:
     a negative micro_batch_size trained with one odd partition, a negative lr ascends)."""
     t, a = cfg.trainer, cfg.algorithm
     checks = [
+        ("seed", cfg.seed, -(1 << 63) <= cfg.seed < 1 << 63, "a signed 64-bit integer"),
         ("trainer.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 0, ">= 0 (0 = all at once)"),
         ("trainer.lr", t.lr, t.lr >= 0, ">= 0"),
         ("trainer.eps", t.eps, t.eps > 0, "> 0"),

@@ -190,6 +190,7 @@ def test_model_numbers_outside_their_range_are_named(override, message):
     ("generator.temperature=nan", r"generator\.temperature=nan: sampling needs a temperature > 0"),
     ("generator.top_k=65", r"generator\.top_k=65: more than the model's 64 token ids \(0 disables it\)"),
     ("generator.top_p=0", r"generator\.top_p=0(\.0)?: must be in \(0, 1\]"),
+    ("seed=9223372036854775808", r"seed=9223372036854775808: must be a signed 64-bit integer"),
 ])
 def test_sampling_no_sampler_draws_with_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -199,4 +200,4 @@ def test_sampling_no_sampler_draws_with_is_refused_naming_the_key(override, mess
 def test_negative_twin_sampling_at_the_edges_is_accepted():
     """top_k of the whole vocabulary (no cut), top_p 1, a huge finite temperature, greedy at any temperature."""
     load_config(["generator.top_k=64", "generator.top_p=1", "generator.temperature=1e30"])
-    load_config(["generator.greedy=true", "generator.temperature=inf"])
+    load_config(["generator.greedy=true", "generator.temperature=inf", "seed=9223372036854775807"])
