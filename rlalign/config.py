@@ -445,6 +445,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"sync.bucket_mb={cfg.sync.bucket_mb}: must be >= 1")
     if cfg.run.steps < 1:
         problems.append(f"run.steps={cfg.run.steps}: must be >= 1")
+    if not -(1 << 63) <= cfg.seed < 1 << 63:  # the sampling noise's and torch's generators' seed
+        problems.append(f"seed={cfg.seed}: must be a signed 64-bit integer")
     bad = [s for s in cfg.run.stop_signals if s not in STOP_SIGNALS]
     if bad:
         problems.append(f"run.stop_signals={list(cfg.run.stop_signals)}: {bad} not among {list(STOP_SIGNALS)}")
@@ -467,7 +469,6 @@ def _ranges(cfg: DictConfig) -> list[str]:
     a negative micro_batch_size trained with one odd partition, a negative lr ascends)."""
     t, a = cfg.trainer, cfg.algorithm
     checks = [
-        ("seed", cfg.seed, -(1 << 63) <= cfg.seed < 1 << 63, "a signed 64-bit integer"),
         ("trainer.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 0, ">= 0 (0 = all at once)"),
         ("trainer.lr", t.lr, t.lr >= 0, ">= 0"),
         ("trainer.eps", t.eps, t.eps > 0, "> 0"),
