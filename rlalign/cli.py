@@ -367,7 +367,7 @@ def _passthrough(cmd: str, rest: list[str]) -> int:
                           "run directories: stream by stream, without the stale per-rank streams of earlier\n"
                           "segments (segments.jsonl); across trainer EP sizes the trainer state by step and name\n"
                           "exit status: 0 same, 1 differ, 2 error",
-               "report": "usage: rlalign report RUN_DIR   (writes RUN_DIR/summary.md and plots)"}[cmd])
+               "report": "usage: rlalign report RUN_DIR   (writes RUN_DIR/report/: summary.md and plots)"}[cmd])
         return 0
     if cmd == "compare":
         from rlalign.monitor.compare import main as compare_main
