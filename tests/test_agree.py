@@ -103,7 +103,7 @@ def test_agree_runs_the_worker_methods_that_train_runs(monkeypatch):
     from rlalign.rollout.native.engine import generate
 
     def bypass(rank, world, group, cfg_dict, prompts, sample_ids, params, recorded):
-        return generate(model_from_config(OmegaConf.create(cfg_dict)), prompts, sample_ids, params)
+        return generate(model_from_config(OmegaConf.create(cfg_dict)), prompts, sample_ids, params), {}  # no rows
 
     monkeypatch.setattr(agree, "_generate_rank", bypass)
     calls.update(generate=0, score=0)

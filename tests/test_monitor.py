@@ -109,10 +109,14 @@ def test_a_trace_that_is_not_text_and_a_missing_or_mixed_compare_argument_are_na
     with pytest.raises(TraceError, match=r"trainer-rank0.jsonl:2: not UTF-8 text \(byte 0x80 at column 1\)"):
         read_trace(binary)
     good = _trace(tmp_path, "good.jsonl", [HEADER, REC])  # twin: the same header with a text record reads
+    dump = tmp_path / "run" / "mismatch-step000000"
+    dump.mkdir()
+    (dump / "batch.json").write_text("{}")
     assert read_trace(good)[1][0]["fp"] == "ab"
     for argv, line in (([str(good), str(tmp_path / "nope")], f"{tmp_path}/nope: no such run directory or trace file"),
                        ([str(tmp_path / "run"), str(good)], "compare two run directories or two trace files"),
-                       ([str(good), str(binary)], "trainer-rank0.jsonl:2: not UTF-8 text")):
+                       ([str(good), str(binary)], "trainer-rank0.jsonl:2: not UTF-8 text"),
+                       ([str(tmp_path / "run"), str(dump)], f"{dump}: a mismatch dump, not a run directory")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], err

@@ -212,6 +212,10 @@ def main(argv: list[str]) -> int:
         if not p.exists():
             print(f"rlalign compare: {p}: no such run directory or trace file", file=sys.stderr)
             return 2
+        if (p / "batch.json").is_file():
+            print(f"rlalign compare: {p}: a mismatch dump, not a run directory: its run directory holds the traces "
+                  f"({p.parent}); replay the dump with rlalign agree agree.replay={p}", file=sys.stderr)
+            return 2
     if a.is_dir() != b.is_dir():
         print(f"rlalign compare: {a} and {b}: compare two run directories or two trace files, not one of each",
               file=sys.stderr)
