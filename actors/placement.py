@@ -22,12 +22,13 @@ import ray
 from omegaconf import DictConfig
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
+from rlalign.cluster import ClusterError
 from rlalign.config import shares_gpu
 
 READY_TIMEOUT_S = 60.0  # resources the cluster has but other jobs hold: wait this long, then refuse
 
 
-class PlacementError(RuntimeError):
+class PlacementError(ClusterError):
     pass
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlalign.cluster import ClusterError
+
 if TYPE_CHECKING:  # the probe task runs on every node before any rank: it imports no torch
     from rlalign.actors.placement import Node
 
@@ -26,7 +28,7 @@ PROBE_TIMEOUT_S = 120.0
 RANK_MODULE = "rlalign.workers"  # what every trainer and generator rank imports
 
 
-class NodeCheckError(RuntimeError):
+class NodeCheckError(ClusterError):
     pass
 
 

@@ -19,8 +19,9 @@ version of each op, in the model dtype, the way vLLM / Hugging Face / torchtitan
   sampling        torch ops: top-k / top-p by sort + cumsum (vLLM's torch sampler), the draw as an
                   exponential race over softmax (probs / Exp(1) noise, argmax) from torch's RNG
   AdamW           torch._fused_adamw_ (rlalign/training/optimizer.py)
-The native engine captures its decode steps in CUDA graphs in this mode too (`capturable`); its warm-up step
-before each capture compiles the chains, and inside a capture only code compiled before runs.
+The native engine captures its decode steps in CUDA graphs in this mode too (`capturable`; where it cannot,
+`graphs_missing` says why); its warm-up step before each capture compiles the chains, and inside a capture
+only code compiled before runs.
 
 Where a vendor kernel is missing (a CPU, no Triton, an old GPU, a dtype it does not take, a compile that
 fails) the op runs the next fastest path and says so in one logged line per (op, reason), never silently."""
@@ -40,22 +41,34 @@ BROKEN_PATHS: dict[str, str] = {}  # vendor paths that raised once: (reason) -> 
 
 
 def fallback(op: str, why: str, instead: str) -> None:
-    """One logged line per (op, reason): a vendor kernel is missing and `instead` runs."""
+    """One logged line per (op, reason): a vendor kernel is missing and `instead` runs. In a process group
+    rank 0 says it (a warning) for its peers, which run on the same kind of machine (a debug line each)."""
     if (op, why) not in LOGGED_FALLBACKS:
         LOGGED_FALLBACKS.add((op, why))
-        log.warning("kernels.mode=default: %s: %s; running %s instead", op, why, instead)
+        dist = torch.distributed
+        peer = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+        log.log(logging.DEBUG if peer else logging.WARNING, "kernels.mode=default: %s: %s; running %s instead",
+                op, why, instead)
 
 
 def capturable(x) -> bool:
     """Whether this op set runs on x's device without host syncs: the grouped GEMM takes its group offsets
     on the device and the split-KV decode kernel is there (model dtype x: the lm head's weight)."""
-    if _grouped_mm_missing(x, x) is not None:
-        return False
+    return graphs_missing(x) is None
+
+
+def graphs_missing(x) -> str | None:
+    """Why the engine cannot capture this op set's steps in CUDA graphs on x's device (None: it can)."""
+    if not x.is_cuda:
+        return "CUDA graphs need CUDA"
+    why = _grouped_mm_missing(x, x)
+    if why is not None:
+        return why
     try:
         from rlalign.kernels.triton import splitkv  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "the split-KV decode kernel needs Triton"
+    return None
 
 
 def linear(x, w, bias=None):
@@ -117,7 +130,10 @@ class Compiled:
 
     def __call__(self, *args):
         key = f"compile {self.name}"
-        if not args[0].is_cuda or key in BROKEN_PATHS:
+        if not args[0].is_cuda:
+            fallback("elementwise chains", "torch.compile of them runs on CUDA only", "eager torch ops")
+            return self.eager(*args)
+        if key in BROKEN_PATHS:
             return self.eager(*args)
         try:
             if self.compiled is None:

@@ -27,9 +27,12 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlalign.cluster import ClusterError
 from rlalign.config_search import ConfigSource
 
 USAGE = __doc__
+# optional modules -> the extra of pyproject.toml that installs each
+EXTRAS = {"wandb": "wandb", "matplotlib": "report", "triton": "triton"}
 
 COMMANDS = {"agree": "rlalign.agree", "train": "rlalign.rl", "gate": "rlalign.gates"}
 GATES = ("repeatability", "baseline", "replay")
@@ -492,8 +495,14 @@ def quiet_if_stdout_closed() -> bool:
 
 
 def _error_line(cmd: str, e: BaseException, st: dict) -> str:
+    """The error's one line; a missing optional module names its extra; once a train run holds its
+    directory, the last complete checkpoint and the resume command, unless the cluster refused the run
+    before any rank started (a rerun of the same command meets the same refusal)."""
     line = f"rlalign{f' {cmd}' if cmd else ''}: error: {_oneline(e)}"
-    if st.get("run_dir") is not None:
+    extra = EXTRAS.get((e.name or "").split(".")[0]) if isinstance(e, ModuleNotFoundError) else None
+    if extra:
+        line += f" (an optional dependency: pip install 'rlalign[{extra}]')"
+    if st.get("run_dir") is not None and not isinstance(e, ClusterError):
         try:
             line += f"; {_resume_hint(st)}"
         except Exception:  # the error line stands without the hint

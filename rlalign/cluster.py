@@ -78,17 +78,26 @@ for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
 _watchdog: subprocess.Popen | None = None
 
 
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot host the run as asked (attaching, placement, the nodes' checks): refused
+    before any rank started, so its error line names no checkpoint to resume from."""
+
+
 def address() -> str | None:
     """The cluster to attach to (RAY_ADDRESS), or None for a private one."""
     addr = os.environ.get("RAY_ADDRESS", "").strip()
     if not addr or addr == "local":
         return None
     if addr.startswith(("http://", "https://")):
-        raise ValueError(
+        raise ClusterError(
             f"RAY_ADDRESS={addr} is a dashboard (Jobs API) address, which a driver cannot attach to; "
             f"submit the run with `ray job submit --address {addr} -- rlalign train ...`, or set RAY_ADDRESS "
             "to the cluster's GCS address (host:port, as `ray start --head` prints it), or unset it for a "
             "private local cluster")
+    host, sep, port = addr.removeprefix("ray://").rpartition(":")
+    if addr != "auto" and not (sep and host and port.isdigit()):
+        raise ClusterError(f"RAY_ADDRESS={addr} is not HOST:PORT: set it to the cluster's GCS address as `ray start "
+                           "--head` prints it (e.g. 10.0.0.1:6379), or unset it for a private local cluster")
     return addr
 
 
@@ -96,15 +105,15 @@ def _probe(addr: str, timeout: float = 5.0) -> None:
     """Fail fast (Ray itself retries for minutes) when nothing listens at RAY_ADDRESS's host:port."""
     import socket
 
-    host, sep, port = addr.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        return  # 'auto' and other forms: Ray resolves them
+    if addr == "auto":
+        return  # Ray finds the cluster this machine's `ray start` joined
+    host, _, port = addr.removeprefix("ray://").rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as e:
-        raise ConnectionError(f"RAY_ADDRESS={addr}: no Ray cluster answers there ({e.strerror or e}); start one "
-                              f"(ray start --head --port {port}) or unset RAY_ADDRESS for a private local "
-                              "cluster") from None
+        raise ClusterError(f"RAY_ADDRESS={addr}: no Ray cluster answers there ({e.strerror or e}); start one "
+                           f"(ray start --head --port {port}) or unset RAY_ADDRESS for a private local "
+                           "cluster") from None
 
 
 def connect(num_cpus: float | None = None, num_gpus: int | None = None) -> bool:
@@ -123,8 +132,10 @@ def connect(num_cpus: float | None = None, num_gpus: int | None = None) -> bool:
                 ray.init(address=addr, **common)
         except ConnectionError as e:
             hint = ("; if the cluster uses token authentication, set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN, "
-                    "or the token in ~/.ray/auth_token)" if os.environ.get("RAY_AUTH_MODE") != "token" else "")
-            raise ConnectionError(f"cannot attach to the Ray cluster at RAY_ADDRESS={addr}: {e}{hint}") from None
+                    "or the token in ~/.ray/auth_token)" if os.environ.get("RAY_AUTH_MODE") != "token" else
+                    "; a token the cluster does not accept fails so too: RAY_AUTH_TOKEN (or ~/.ray/auth_token) must "
+                    "be the cluster's")
+            raise ClusterError(f"cannot attach to the Ray cluster at RAY_ADDRESS={addr}: {e}{hint}") from None
         return True
     _start_watchdog()
     try:

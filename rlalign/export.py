@@ -4,7 +4,8 @@ transformers (`AutoModelForCausalLM.from_pretrained`), vLLM and rlalign (`model.
     OUT_DIR/config.json                          Qwen3MoeForCausalLM, the run's model arguments and dtype
     OUT_DIR/model-0000i-of-0000n.safetensors     the weights the run sampled with (the model dtype, as
     OUT_DIR/model.safetensors.index.json           trained: not the fp32 masters), experts one by one
-    OUT_DIR/tokenizer.json, ...                  the run's Hugging Face tokenizer files, when it had one
+    OUT_DIR/tokenizer.json, ...                  the run's Hugging Face tokenizer files (the built-in char
+                                                   tokenizer as tokenizer.json + tokenizer_config.json)
 
 The checkpoint's files are checked first (verify: meta.json, every shard's header) and every tensor
 read is checked against its fingerprint in meta.json; nothing is unpickled (JSON and safetensors
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from rlalign.checkpoint_files import (
     Progress,
     checkpoint_dir,
     damaged,
+    list_complete,
     newest_intact,
     run_dir_of,
     verify,
@@ -44,6 +47,7 @@ from rlalign.fingerprint import fingerprint
 from rlalign.model.args import ModelArgs
 from rlalign.model.hf import HFEntry, write_hf_dir
 from rlalign.model.model import DTYPES, Transformer
+from rlalign.tasks.tokenizer import CharTokenizer
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's customary max_shard_size
 HF_DIR = "hf"  # checkpoint.export_hf=true: RUN_DIR/checkpoints/step_N/hf
@@ -166,10 +170,12 @@ def plan(path: Path, meta: dict, args: ModelArgs, dtype: str, reader: _Reader) -
     return out
 
 
-def tokenizer_files(tokenizer: str | None) -> tuple[list[Path], str]:
-    """The tokenizer files to copy and a note on what was found."""
+def tokenizer_files(tokenizer: str | None, scratch: ExitStack) -> tuple[list[Path], str]:
+    """The tokenizer files to copy and a note on what was found; the built-in char tokenizer's written as
+    Hugging Face files into a directory that `scratch` removes."""
     if not tokenizer:
-        return [], "no tokenizer files: the run used rlalign's built-in char tokenizer"
+        files = CharTokenizer().save_hf(Path(scratch.enter_context(tempfile.TemporaryDirectory())))
+        return files, f"the built-in char tokenizer of the run as {', '.join(f.name for f in files)}"
     d = Path(tokenizer)
     files = [d / f for f in TOKENIZER_FILES if (d / f).is_file()]
     if not files:
@@ -188,6 +194,9 @@ def resolve_checkpoint(path: Path) -> Path:
     newest = newest_intact(run)
     kind = "a run directory" if run == path else "a run's checkpoints directory"
     if newest is None:
+        done = list_complete(run)
+        if done:  # say what is wrong with the newest: verify raises naming its file
+            verify(done[-1])
         raise CheckpointError(f"{path}: {kind} without an intact checkpoint")
     print(f"rlalign export: {path} is {kind}: its newest intact checkpoint is {newest}", file=sys.stderr)
     return newest
@@ -208,10 +217,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
         raise FileExistsError(f"{out} exists; choose another directory or pass --overwrite to replace it")
     meta = verify(checkpoint)
     args, dtype, tokenizer = model_of(checkpoint, meta)
-    files, found = tokenizer_files(tokenizer)
-    if note:
-        print(f"{what}: {found}", file=sys.stderr, flush=True)
     with ExitStack() as stack:
+        files, found = tokenizer_files(tokenizer, stack)
+        if note:
+            print(f"{what}: {found}", file=sys.stderr, flush=True)
         entries = plan(checkpoint, meta, args, dtype, _Reader(checkpoint, meta, stack))
         total = sum(n for _, n, _ in entries)
         progress = Progress(f"{what}: {out}", total)
@@ -227,8 +236,9 @@ USAGE = """usage: rlalign export CHECKPOINT_DIR OUT_DIR [--overwrite] [--shard-m
 
 The model of a checkpoint (RUN_DIR/checkpoints/step_N; RUN_DIR or RUN_DIR/checkpoints: its newest intact one)
 as a Hugging Face directory: config.json, safetensors shards with model.safetensors.index.json, and
-the run's tokenizer files when it had a Hugging Face tokenizer. transformers' from_pretrained, vLLM and
-rlalign's model.path=OUT_DIR load it. The weights are the model dtype the run sampled with.
+the run's tokenizer files (its Hugging Face tokenizer's, or the built-in char tokenizer's written out).
+transformers' from_pretrained, vLLM and rlalign's model.path=OUT_DIR load it. The weights are the model
+dtype the run sampled with.
   --overwrite    replace OUT_DIR if it exists (else refused); never a run directory or one holding
                  the checkpoint
   --shard-mb N   shards of at most N MB (default 5000)

@@ -70,7 +70,8 @@ class Job:
         self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
         n, m = cfg.trainer.ep_size, generator_world(cfg).ranks
         self.placement = Placement.create(cfg, [("trainer", n), ("generator", m)])  # from the cluster's nodes
-        if len({s.node.node_id for g in self.placement.slots.values() for s in g}) > 1:  # where each rank landed
+        # where each rank landed: on a cluster it attached to, or when the ranks span nodes
+        if addr or len({s.node.node_id for g in self.placement.slots.values() for s in g}) > 1:
             print(f"rlalign train: {self.placement.describe()}", file=sys.stderr, flush=True)
         check_shared_dir(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g})
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)

@@ -25,6 +25,7 @@ finish (Saves.error_wait_s), watched on the disk, so that the error's line names
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -74,6 +75,8 @@ def _prepare(cfg: DictConfig):
         raise ValueError(f"{tok.name} has {tok.vocab_size} ids but the model ({cfg.model.path or cfg.model.name}) "
                          f"only {args.vocab_size}")
     check_generator(cfg)
+    if cfg.logger.wandb.enabled and importlib.util.find_spec("wandb") is None:  # the extra, asked for before Ray
+        raise ModuleNotFoundError("logger=wandb: No module named 'wandb'", name="wandb")
     if t.env:  # the environment's class imports, observations fit the chat template, the limits the model
         env_class(cfg)
         observation_encoder(tok, t.observation_role)

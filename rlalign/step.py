@@ -98,12 +98,19 @@ def signal_metrics(rewards: list[float], advantages: list[float], group_size: in
             "advantage/max": max(advantages, default=0.0), "advantage/min": min(advantages, default=0.0)}
 
 
-def warn_dead_signal(rewards: list[float], step: int) -> None:
-    """One stderr line when every reward of the step is the same: no advantage, no gradient."""
-    if rewards and all(r == rewards[0] for r in rewards):
-        print(f"rlalign: warning: step {step}: all {len(rewards)} rewards are {rewards[0]:g}; every advantage is 0 "
-              f"and the policy gets no signal (task too hard or too easy, or a broken reward?)",
-              file=sys.stderr, flush=True)
+def warn_dead_signal(rewards: list[float], step: int, group_size: int) -> None:
+    """One stderr line when every GRPO group's rewards are equal (all the step's, or each prompt's
+    samples alike): every advantage is 0, no gradient."""
+    groups = [rewards[g : g + group_size] for g in range(0, len(rewards), group_size)]
+    if not rewards or not all(r == rs[0] for rs in groups for r in rs):
+        return
+    if all(r == rewards[0] for r in rewards):
+        what = f"all {len(rewards)} rewards are {rewards[0]:g}"
+    else:
+        what = (f"the samples of each of the {len(groups)} prompts got equal rewards ({min(rewards):g} to "
+                f"{max(rewards):g} across prompts)")
+    print(f"rlalign: warning: step {step}: {what}; every advantage is 0 and the policy gets no signal (task too hard "
+          f"or too easy, or a broken reward?)", file=sys.stderr, flush=True)
 
 
 def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout], cons: dict,
@@ -172,7 +179,7 @@ def run_step(job: Job, cfg: DictConfig, task, tok, reward_caller: RewardCaller, 
     t1 = time.perf_counter()
     rewards, texts, timed_out = score_rewards(reward_caller, tok, batch, rollouts, step)
     adv = grpo_advantages(rewards, cfg.task.samples_per_prompt, cfg.algorithm.norm_adv_by_std)
-    warn_dead_signal(rewards, step)
+    warn_dead_signal(rewards, step, cfg.task.samples_per_prompt)
     t2 = time.perf_counter()
     samples = [Sample(p, r.tokens, r.logprobs, a, r.sample_id, params=r.params, turns=r.turns)
                for p, r, a in zip(batch.prompts, rollouts, adv)]

@@ -183,6 +183,34 @@ def test_debug_switch_adds_the_traceback_and_bugs_keep_theirs(capsys, monkeypatc
         cli.main(["train"])
 
 
+def test_a_cluster_refusal_names_no_resume_command_and_a_missing_extra_is_named(capsys, monkeypatch, tmp_path):
+    import rlalign.rl
+    from rlalign.actors.placement import PlacementError
+
+    def fail_with(exc):
+        def body(cfg, status=None):
+            status["run_dir"] = tmp_path  # the run holds its directory, as before Ray starts
+            raise exc
+        return body
+
+    refusal = "cannot place trainer.ep_size=2 + generator.ep_size=1 on this Ray cluster: it needs 3 GPUs"
+    monkeypatch.setattr(rlalign.rl, "main", fail_with(PlacementError(refusal)))
+    rc, out, err = _run(capsys, "train", f"run.dir={tmp_path}")
+    assert rc == 2 and _one_error_line(err, "train") == f"rlalign train: error: {refusal}"
+    monkeypatch.setattr(rlalign.rl, "main", fail_with(RuntimeError("worker died")))  # twin: a failure of the run
+    rc, out, err = _run(capsys, "train", f"run.dir={tmp_path}")
+    assert rc == 2 and f"worker died; no complete checkpoint in {tmp_path}" in _one_error_line(err, "train")
+
+    missing = ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+    monkeypatch.setattr(rlalign.rl, "main", fail_with(missing))
+    rc, out, err = _run(capsys, "train", f"run.dir={tmp_path}")
+    assert "No module named 'matplotlib' (an optional dependency: pip install 'rlalign[report]'); " in err
+    monkeypatch.setattr(rlalign.rl, "main", fail_with(ModuleNotFoundError("No module named 'myrewards'",
+                                                                          name="myrewards")))
+    rc, out, err = _run(capsys, "train", f"run.dir={tmp_path}")  # twin: a user's module is no extra of ours
+    assert "No module named 'myrewards'; " in _one_error_line(err, "train") and "pip install" not in err
+
+
 def test_real_config_error_is_one_line(capsys):
     rc, out, err = _run(capsys, "agree", "trainer.micro_batch=3")
     assert rc == 2 and "valid keys under 'trainer'" in _one_error_line(err, "agree")

@@ -37,13 +37,17 @@ def test_address_from_the_environment(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     assert cluster.address() is None
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
-    with pytest.raises(ValueError, match=r"dashboard \(Jobs API\) address.*ray job submit --address"):
+    with pytest.raises(cluster.ClusterError, match=r"dashboard \(Jobs API\) address.*ray job submit --address"):
         cluster.address()
+    for value in ("10.0.0.5", "head:port", "ray://head", ":6379"):  # no port: Ray's own line names no variable
+        monkeypatch.setenv("RAY_ADDRESS", value)
+        with pytest.raises(cluster.ClusterError, match=f"RAY_ADDRESS={value} is not HOST:PORT"):
+            cluster.address()
 
 
 def test_nothing_listening_at_ray_address_fails_fast():
     port = _free_port()  # a refused TCP connect answers at once (Ray's own retries took > 200 s)
-    with pytest.raises(ConnectionError, match=f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster answers there"):
+    with pytest.raises(cluster.ClusterError, match=f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster answers there"):
         cluster._probe(f"127.0.0.1:{port}")
     with socket.socket() as s:  # twin: something listens
         s.bind(("127.0.0.1", 0))

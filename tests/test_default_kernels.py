@@ -71,6 +71,46 @@ def test_a_missing_vendor_kernel_is_named_in_one_logged_line(caplog):
     assert not kernels.capturable(x)
 
 
+@pytest.mark.parametrize("rank, level", [(1, logging.DEBUG), (0, logging.WARNING)])
+def test_in_a_process_group_rank_0_says_a_fallback_for_its_peers(monkeypatch, caplog, rank, level):
+    dflt.LOGGED_FALLBACKS.clear()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
+    with caplog.at_level(logging.DEBUG, logger="rlalign.kernels"), kernels.use(mode="default"):
+        kernels.grouped_linear(torch.randn(4, 8), torch.randn(2, 8, 8), [2, 2])
+    assert [(r.levelno, "torch._grouped_mm needs CUDA" in r.getMessage()) for r in caplog.records] == [(level, True)]
+
+
+def _engine_with_graphs_on():
+    from types import SimpleNamespace
+
+    from rlalign.rollout.native.engine import NativeEngine
+
+    model = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(2, 2)))
+    return SimpleNamespace(config=SimpleNamespace(cuda_graphs=True), model=model), NativeEngine.graphs_allowed
+
+
+@pytest.mark.parametrize("mode, logged", [("default", 2), ("deterministic", 0)])
+def test_the_eager_chains_and_steps_on_a_cpu_are_one_logged_line_each_in_default_mode(caplog, mode, logged):
+    """On a CPU the compiled elementwise chains run eagerly and the engine steps without CUDA graphs: each
+    said once however often it runs; the deterministic mode (twin) has no vendor path to miss."""
+    dflt.LOGGED_FALLBACKS.clear()
+    engine, graphs_allowed = _engine_with_graphs_on()
+    x = torch.randn(3, 8)
+    with caplog.at_level(logging.WARNING, logger="rlalign.kernels"), kernels.use(mode=mode):
+        for _ in range(3):
+            out = kernels.swiglu(x, x)
+            assert not graphs_allowed(engine)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == logged, lines
+    if logged:
+        assert sorted(lines) == [
+            "kernels.mode=default: elementwise chains: torch.compile of them runs on CUDA only; running eager "
+            "torch ops instead",
+            "kernels.mode=default: engine steps: CUDA graphs need CUDA; running eager steps instead"]
+    assert torch.allclose(out, torch.nn.functional.silu(x) * x)
+
+
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.9), (20, 0.7)])
 def test_default_filter_keeps_the_deterministic_set(top_k, top_p):
     z = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * 3  # no ties

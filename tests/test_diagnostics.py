@@ -50,21 +50,29 @@ def test_gspo_logs_the_same_kl_per_token_and_counts_a_clipped_sequence_by_its_to
     assert st["k1"].item() == st["k3"].item() == st["clip_high_frac"].item() == 0.0
 
 
-def test_zero_std_group_fraction_is_one_when_all_rewards_are_equal_and_warns(capsys):
+def test_zero_std_group_fraction_is_one_when_every_group_is_alike_and_warns(capsys):
     from rlalign.step import signal_metrics, warn_dead_signal
 
     rewards = [1.0] * 8
     m = signal_metrics(rewards, grpo_advantages(rewards, 4), 4)
     assert m["reward/zero_std_group_frac"] == 1.0 and m["reward/std"] == 0.0
     assert m["advantage/mean"] == 0.0 and m["advantage/std"] == 0.0
-    warn_dead_signal(rewards, 3)
+    warn_dead_signal(rewards, 3, 4)
     err = capsys.readouterr().err
     assert "warning: step 3: all 8 rewards are 1" in err and err.count("\n") == 1
+    # each group alike, the groups apart: the rewards differ, yet every advantage is 0
+    rewards = [0.0] * 4 + [0.5] * 4
+    m = signal_metrics(rewards, grpo_advantages(rewards, 4), 4)
+    assert m["reward/zero_std_group_frac"] == 1.0 and m["reward/std"] > 0 and m["advantage/std"] == 0.0
+    warn_dead_signal(rewards, 5, 4)
+    err = capsys.readouterr().err
+    assert "warning: step 5: the samples of each of the 2 prompts got equal rewards (0 to 0.5" in err
+    assert err.count("\n") == 1
     # twin: one group varies, the other does not; no warning
     rewards = [0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]
     m = signal_metrics(rewards, grpo_advantages(rewards, 4), 4)
     assert m["reward/zero_std_group_frac"] == 0.5 and m["reward/std"] > 0 and m["advantage/std"] > 0
-    warn_dead_signal(rewards, 4)
+    warn_dead_signal(rewards, 4, 4)
     assert capsys.readouterr().err == ""
 
 

@@ -68,7 +68,8 @@ def test_the_export_loads_in_rlalign_bitwise_and_in_transformers_with_our_logits
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.iterdir())
     assert summary["shards"] == 5 and files == ["config.json", *[f"model-0000{i}-of-00005.safetensors"
-                                                                  for i in range(1, 6)], "model.safetensors.index.json"]
+                                                                  for i in range(1, 6)], "model.safetensors.index.json",
+                                                "tokenizer.json", "tokenizer_config.json"]
     assert set(index["weight_map"].values()) == set(files[1:6]) and index["metadata"]["total_size"] == summary["bytes"]
     check_hf_dir(out)
     from rlalign.model.build import model_from_config
@@ -128,6 +129,21 @@ def test_overwrite_never_replaces_the_checkpoint_a_directory_holding_it_or_a_run
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
     export_hf(path, tmp_path / "hf")  # twin: an earlier export beside the run is replaced when asked
     assert export_hf(path, tmp_path / "hf", overwrite=True)["out"] == str(tmp_path / "hf")
+
+
+def test_overwrite_replaces_a_file_or_a_link_there_and_leaves_nothing_beside_it(exported, tmp_path):
+    path, _, _ = exported
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "keep").write_text("y")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    for name in ("file", "link"):
+        with pytest.raises(FileExistsError):  # twin: not without --overwrite
+            export_hf(path, tmp_path / name)
+        export_hf(path, tmp_path / name, overwrite=True)
+        assert check_hf_dir(tmp_path / name) and not (tmp_path / name).is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["file", "link", "target"]
+    assert (tmp_path / "target" / "keep").read_text() == "y"
 
 
 def _edit_meta(path, **model):
@@ -194,9 +210,25 @@ def test_the_runs_tokenizer_files_come_along(trained, tmp_path, capsys):
     assert f"tokenizer files from {tok}: tokenizer.json" in capsys.readouterr().err
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert loaded.encode("a:b", add_special_tokens=False) == [2, 12, 3]
-    path = _save(tr, cfg, tmp_path / "char")  # twin: the char tokenizer has no files to copy
-    assert export_hf(path, tmp_path / "hf2")["tokenizer"] == []
-    assert "no tokenizer files: the run used rlalign's built-in char tokenizer" in capsys.readouterr().err
+
+
+def test_a_char_tokenizer_run_exports_that_tokenizer_which_transformers_loads_with_our_ids(trained, tmp_path, capsys):
+    from rlalign.tasks.tokenizer import CharTokenizer
+
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path / "char")
+    assert export_hf(path, tmp_path / "hf")["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert "the built-in char tokenizer of the run as tokenizer.json, tokenizer_config.json" in capsys.readouterr().err
+    ours, theirs = CharTokenizer(), transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "12+34= (a|b), ok?!"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    ids = [*ours.encode(text), ours.eos_token_id, 60, ours.pad_token_id]  # 60: a model id past the tokenizer's
+    assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == text
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
+    with pytest.raises(ValueError, match="not in the char tokenizer's alphabet"):  # twin: unknown text refused,
+        ours.encode("A~")
+    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):  # by both, never dropped
+        theirs.encode("A~", add_special_tokens=False)
 
 
 def test_a_checkpoint_without_its_model_in_meta_json_takes_it_from_the_run_segments(trained, tmp_path):
@@ -265,6 +297,20 @@ def test_a_runs_checkpoints_directory_exports_its_newest_intact_checkpoint(expor
     (tmp_path / "run" / "checkpoints" / "step_000000.tmp").mkdir(parents=True)  # twin: none intact there
     with pytest.raises(CheckpointError, match=r"checkpoints: a run's checkpoints directory without an intact "):
         export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf2")
+
+
+def test_a_run_directory_whose_checkpoints_are_all_damaged_is_refused_naming_the_damage(exported, tmp_path):
+    import shutil
+
+    path, _, _ = exported
+    copy = tmp_path / "run" / "checkpoints" / path.name
+    shutil.copytree(path, copy)
+    assert export_hf(tmp_path / "run", tmp_path / "hf")["checkpoint"] == str(copy)  # twin: intact
+    shard = next(p for p in copy.iterdir() if p.name.endswith(".safetensors"))
+    os.truncate(shard, 100)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {copy} is not loadable: {shard.name}: 100 bytes, "
+                                              r"meta.json records \d+ \(truncated or overwritten\)"):
+        export_hf(tmp_path / "run", tmp_path / "hf2")
 
 
 def test_checkpoint_export_hf_writes_the_export_inside_the_checkpoint_before_it_is_published(trained, tmp_path,

@@ -76,8 +76,16 @@ def test_bad_model_directories_name_file_and_tensor(hf_dir, tmp_path, loader):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         loader(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="config.json: missing"):
+    with pytest.raises(FileNotFoundError, match=r"config.json: missing \(a Hugging Face model directory needs "
+                                                r"config.json\)$"):  # twin of the checkpoint's hint below
         loader(tmp_path / "empty")
+    for ours in ("step_000003/meta.json", "run/checkpoints/"):
+        (tmp_path / ours).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / ours).mkdir() if ours.endswith("/") else (tmp_path / ours).write_text("{}")
+        where = tmp_path / ours.split("/")[0]
+        with pytest.raises(FileNotFoundError, match=rf"; {where} is an rlalign checkpoint or run directory: `rlalign "
+                                                    rf"export {where} OUT_DIR` makes a model directory of it"):
+            loader(where)
 
     arch = tmp_path / "arch"
     _corrupt(d, arch, lambda t, p: None)

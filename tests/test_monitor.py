@@ -1,7 +1,10 @@
 """Consistency monitor, fingerprints, traces, the three gates and the report."""
 
+import errno
+import io
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -148,6 +151,29 @@ def test_the_trace_writer_thread_writes_in_program_order_and_its_errors_surface(
         bad.record("c", torch.ones(2))
     bad._f.close()
     assert [r["name"] for r in read_trace(tmp_path / "bad.jsonl")[1]] == ["a"]
+
+
+class _FullDisk(io.StringIO):
+    def flush(self):  # a buffered file's flush on a full disk: errno 28, no file named
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_under_the_trace_writer_names_the_trace_file(tmp_path):
+    from rlalign.monitor.trace import Trace
+
+    for full in (True, False):  # twin: a disk with room
+        tr = Trace(tmp_path / f"{full}.jsonl", "generator", 0, {})
+        if full:
+            tr._f.close()
+            tr._f = _FullDisk()
+        tr.record("a", torch.arange(4))
+        tr.flush()
+        if full:
+            with pytest.raises(OSError, match=rf"No space left on device \(writing the trace\): '{tmp_path}/True"):
+                tr.record("b", torch.ones(2))
+            tr._f = io.StringIO()
+        tr.close()
+    assert [r["name"] for r in read_trace(tmp_path / "False.jsonl")[1]] == ["a"]
 
 
 def test_compare_says_plainly_when_traces_come_from_different_configs(tmp_path, capsys):

@@ -185,6 +185,7 @@ def test_multinode_run_dir_not_shared_or_project_missing_is_named_before_work(cl
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
     assert f"run.dir={shared / 'run'} is not shared storage: node {cluster.node_ips[2]} cannot read" in last, last
+    assert last.endswith("(NFS, Lustre, a shared volume)"), last  # no resume command: a rerun meets the same refusal
     assert not (shared / "run" / "metrics.jsonl").exists()
 
     import rlalign

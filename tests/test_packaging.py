@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,26 @@ def test_every_config_file_ships_in_the_wheel(wheel, tmp_path):
     (src / "configs" / "loss").mkdir()
     (src / "configs" / "loss" / "ppo.yaml").write_text("name: ppo\n")
     assert configs_left_out(build_wheel(src, tmp_path / "dist"), src / "configs") == ["configs/loss/ppo.yaml"]
+
+
+# what `rlalign train` imports on its documented paths (Ray actors; a model directory's tokenizer)
+TRAIN_NEEDS = {"torch", "ray", "transformers", "tokenizers", "hydra-core", "omegaconf", "safetensors", "numpy"}
+
+
+def core_requirements(metadata: str) -> set[str]:
+    """The distributions a wheel's METADATA requires without an extra (what a plain install brings)."""
+    return {re.split(r"[\[=<>!~;\s]", ln.removeprefix("Requires-Dist:").strip())[0].lower()
+            for ln in metadata.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln}
+
+
+def test_a_plain_install_brings_what_rlalign_train_imports(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert TRAIN_NEEDS - core_requirements(metadata) == set()
+    # twin: Ray under an extra, which a plain install leaves out
+    ray = "Requires-Dist: ray[default]==2.60.0"
+    as_extra = metadata.replace(ray, f'{ray}; extra == "ray"')
+    assert as_extra != metadata and TRAIN_NEEDS - core_requirements(as_extra) == {"ray"}
 
 
 def _fresh_venv(where: Path, wheel: Path) -> Path:

@@ -96,6 +96,21 @@ def test_twins_a_fresh_dir_and_run_overwrite_true_run_and_overwrite_deletes_only
     assert [json.loads(ln)["config"]["run"]["steps"] for ln in (d / "segments.jsonl").read_text().splitlines()] == [2]
 
 
+def test_logger_wandb_without_wandb_is_refused_before_the_run_dir_naming_the_extra(tmp_path, capsys, no_run,
+                                                                                   monkeypatch):
+    import importlib.util
+
+    assert cli.main(["train", "run.steps=1", "logger=wandb", f"run.dir={tmp_path / 'with'}"]) == 0  # twin: installed
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    capsys.readouterr()
+    assert cli.main(["train", "run.steps=1", "logger=wandb", f"run.dir={tmp_path / 'without'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "rlalign train: error: logger=wandb: No module named 'wandb' (an optional dependency: pip install "
+        "'rlalign[wandb]')"]
+    assert not (tmp_path / "without").exists()  # before the run dir is claimed, before Ray
+
+
 def test_run_overwrite_with_a_resume_is_refused_as_a_contradiction():
     with pytest.raises(ConfigError, match=r"run.overwrite=true deletes the run that checkpoint.resume=auto would "
                                           r"continue: set one of them"):

@@ -200,7 +200,10 @@ def read_args(path: str | os.PathLike) -> tuple[ModelArgs, dict]:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
+        ours = (Path(path) / "meta.json").is_file() or (Path(path) / "checkpoints").is_dir()
+        hint = (f"; {path} is an rlalign checkpoint or run directory: `rlalign export {path} OUT_DIR` makes a model "
+                f"directory of it, checkpoint.resume=CHECKPOINT continues its run" if ours else "")
+        raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json){hint}")
     try:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:

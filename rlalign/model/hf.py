@@ -258,8 +258,10 @@ def write_hf_dir(path: str | os.PathLike, config: dict, entries: list[HFEntry], 
             old = path.parent / f".{path.name}.old-{os.getpid()}"
             os.replace(path, old)
         os.replace(tmp, path)
-        if old is not None:
+        if old is not None and old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
+        elif old is not None:  # a file or a link that was there: the link goes, not what it points to
+            old.unlink()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

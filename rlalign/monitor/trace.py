@@ -311,9 +311,14 @@ class Trace:
         self._writing = self._writer.submit(self._flush_written)
 
     def _flush_written(self) -> None:
-        self._write_ready(wait=False)
-        self._apply_replacements()
-        self._f.flush()
+        try:
+            self._write_ready(wait=False)
+            self._apply_replacements()
+            self._f.flush()
+        except OSError as e:  # a full disk: a buffered write's error names no file; say which
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, f"{e.strerror} (writing the trace)", str(self.path)) from None
 
     def close(self) -> None:
         try:

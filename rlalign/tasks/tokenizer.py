@@ -12,6 +12,7 @@ its text as it is, or with task.chat=true the chat template's next message after
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from collections.abc import Callable
@@ -44,6 +45,21 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i - 2] if 2 <= i < self.vocab_size else "" for i in ids)
+
+    def save_hf(self, directory: Path) -> list[Path]:
+        """This tokenizer as Hugging Face files in `directory` (tokenizer.json, tokenizer_config.json), which
+        AutoTokenizer and so vLLM load with the same ids and text: one token per character, eos '</s>',
+        pad '<pad>'; a character outside the alphabet is an error there too (no unknown token)."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel({"<pad>": PAD_ID, "</s>": EOS_ID, **self._id}, unk_token=None))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Split("", "isolated"), decoders.Fuse()
+        tok.add_special_tokens([AddedToken("<pad>", special=True), AddedToken("</s>", special=True)])
+        files = [Path(directory) / "tokenizer.json", Path(directory) / "tokenizer_config.json"]
+        tok.save(str(files[0]))
+        files[1].write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
+                                        "pad_token": "<pad>", "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        return files
 
 
 class HFTokenizer:

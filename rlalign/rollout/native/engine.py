@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from rlalign import kernels
+from rlalign.kernels import torch_default as _default
 from rlalign.model import Transformer
 from rlalign.parallel.ep import capacity_overflowed, set_step_rows
 from rlalign.parallel.launch import Lockstep
@@ -206,8 +207,10 @@ class NativeEngine:
         """Graphs replay kernels, not Python: only with an op set that never syncs with the host (the
         Triton kernels on CUDA) and when no tap does host work (row fingerprints, per-op traces and
         injected faults run eagerly)."""
-        taps = getattr(self.model, "taps", None)
-        return (self.config.cuda_graphs and kernels.capturable(self.model.lm_head.weight)
+        taps, w = getattr(self.model, "taps", None), self.model.lm_head.weight
+        if self.config.cuda_graphs and kernels.current()["mode"] == "default" and _default.graphs_missing(w):
+            _default.fallback("engine steps", _default.graphs_missing(w), "eager steps")
+        return (self.config.cuda_graphs and kernels.capturable(w)
                 and (taps is None or getattr(taps, "inert", False)))
 
     def _state_for(self, num_pages: int, rows: int, width: int) -> KVState:
