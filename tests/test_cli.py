@@ -220,6 +220,18 @@ def test_real_config_error_is_one_line(capsys):
     assert rc == 2 and "repeatability|baseline|replay" in _one_error_line(err, "gate")
 
 
+@pytest.mark.parametrize("task", ["task=guess", "task.num_prompts=2", "task.samples_per_prompt=2"])
+def test_agree_refuses_a_task_it_would_not_read(capsys, monkeypatch, task):
+    ran = []
+    monkeypatch.setattr("rlalign.agree.main", lambda cfg: ran.append(cfg) or 0)
+    rc, out, err = _run(capsys, "agree", task)
+    assert rc == 2 and not ran
+    assert f"{task}: rlalign agree reads no task key" in _one_error_line(err, "agree") and "rlalign train" in err
+    # twin: agree's own keys (and a key merely beginning with "task") reach the command
+    rc, out, err = _run(capsys, "agree", "agree.num_prompts=2", "monitor.worst_tokens=3")
+    assert rc == 0 and len(ran) == 1 and "task key" not in err
+
+
 def _interrupt_after(run_dir, steps_with_meta, steps_without=()):
     def body(cfg, status=None):
         for s in (*steps_with_meta, *steps_without):
