@@ -256,6 +256,26 @@ def test_ctrl_c_names_the_last_complete_checkpoint_and_the_resume_command(capsys
     assert lines[0].endswith(f"resume with: rlalign train seed=3 run.dir={tmp_path} checkpoint.resume=auto")
 
 
+@pytest.mark.parametrize("then", [48, 64])
+def test_a_start_with_another_model_than_its_checkpoint_gets_the_resume_with_that_model(capsys, monkeypatch,
+                                                                                       tmp_path, then):
+    import json
+
+    import rlalign.rl
+
+    model = {"hidden_size": then, "num_layers": 2, "path": None}
+    (tmp_path / "segments.jsonl").write_text(json.dumps({"start_step": 0, "config": {"model": model}}) + "\n")
+    monkeypatch.setattr(rlalign.rl, "main", _interrupt_after(tmp_path, [1]))
+    rc, out, err = _run(capsys, "train", "model.hidden_size=64", f"run.dir={tmp_path}", "checkpoint.resume=auto")
+    assert rc == 130 and len(err.strip().splitlines()) == 1
+    if then == 48:
+        assert "step_000001, written with model.hidden_size=48, which this start changes (segments.jsonl)" in err
+        assert f"resume with: rlalign train model.hidden_size=48 run.dir={tmp_path} checkpoint.resume=auto;" in err
+    else:  # twin: the same model as the checkpoint's, the plain hint with the start's own overrides
+        assert err.strip().endswith(f"resume with: rlalign train model.hidden_size=64 run.dir={tmp_path} "
+                                    "checkpoint.resume=auto") and "written with" not in err
+
+
 def test_ctrl_c_without_a_checkpoint_says_so(capsys, monkeypatch, tmp_path):
     import rlalign.rl
 
