@@ -311,13 +311,14 @@ def _resume_hint(st: dict) -> str:
     """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command (st: its
     overrides, cfg and config source)."""
     from rlalign.checkpoint import list_complete
+    from rlalign.rundir import model_changes
 
     run_dir = Path(str(st["cfg"].run.dir))
     kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in ("run.dir", "checkpoint.resume")]
     source = st.get("source") or ConfigSource()
     resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
     done = list_complete(run_dir)
-    changed = _model_changes(run_dir, done[-1], st["cfg"]) if done else {}
+    changed = model_changes(run_dir, done[-1], st["cfg"]) if done else {}
     if changed:
         kept = [o for o in kept if o.split("=", 1)[0].lstrip("+~") not in changed]
         kept += [f"{k}={_override_value(v)}" for k, v in changed.items()]
@@ -329,25 +330,6 @@ def _resume_hint(st: dict) -> str:
         return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
     return (f"no complete checkpoint in {run_dir} (checkpoint.every=N saves every N steps); start again with: "
             f"{resume}")
-
-
-def _model_changes(run_dir: Path, ckpt: Path, cfg) -> dict:
-    """{model.KEY: value} where the run segment that wrote checkpoint `ckpt` (segments.jsonl) had another
-    model than `cfg`: a resume with `cfg` would not fit that checkpoint."""
-    from omegaconf import OmegaConf
-
-    from rlalign.rundir import read_segments
-
-    try:
-        step = int(ckpt.name.rsplit("_", 1)[-1])
-        segs = [s for s in read_segments(run_dir) if s["start_step"] <= step]
-    except ValueError:  # an unreadable record: the plain hint
-        return {}
-    then = segs[-1].get("config", {}).get("model") if segs else None
-    if not isinstance(then, dict):
-        return {}
-    now = OmegaConf.to_container(cfg.model, resolve=True)
-    return {f"model.{k}": v for k, v in then.items() if k in now and now[k] != v}
 
 
 def _override_value(v) -> str:
