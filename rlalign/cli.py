@@ -314,16 +314,29 @@ def _resume_hint(st: dict) -> str:
     """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command (st: its
     overrides, cfg and config source)."""
     from rlalign.checkpoint import list_complete
+    from rlalign.rundir import model_changes
 
     run_dir = Path(str(st["cfg"].run.dir))
     kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in ("run.dir", "checkpoint.resume")]
     source = st.get("source") or ConfigSource()
     resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
     done = list_complete(run_dir)
+    changed = model_changes(run_dir, done[-1], st["cfg"]) if done else {}
+    if changed:
+        kept = [o for o in kept if o.split("=", 1)[0].lstrip("+~") not in changed]
+        kept += [f"{k}={_override_value(v)}" for k, v in changed.items()]
+        resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
+        was = ", ".join(f"{k}={_override_value(v)}" for k, v in changed.items())
+        return (f"last complete checkpoint: {done[-1]}, written with {was}, which this start changes (segments.jsonl); "
+                f"resume with: {resume}; or start afresh in another run.dir")
     if done:
         return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
     return (f"no complete checkpoint in {run_dir} (checkpoint.every=N saves every N steps); start again with: "
             f"{resume}")
+
+
+def _override_value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def version() -> str:
@@ -424,6 +437,19 @@ def _show_search_path(args: Args) -> int:
     return 0
 
 
+def _refuse_task_keys(overrides: list[str], cfg) -> None:
+    """`rlalign agree` samples random single-turn prompts (agree.*) and reads no task key: a task given
+    to it would be checked by nothing, so it is refused in one line naming the commands that run it."""
+    from rlalign.config_search import ConfigError
+
+    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "task"]
+    if given and not cfg.agree.replay:
+        raise ConfigError(f"{' '.join(given)}: rlalign agree reads no task key (it checks one batch of "
+                          f"agree.num_prompts random prompts, single-turn); the monitor of `rlalign train "
+                          f"{' '.join(given)}` compares every policy token of the task's episodes each step, and "
+                          f"`rlalign gate repeatability {' '.join(given)}` checks its runs")
+
+
 def _execute(cmd: str, gate: str | None, overrides: list[str], state: dict) -> int:
     """Run one composed command (state['cfg']); its exit status."""
     cfg = state["cfg"]
@@ -435,6 +461,8 @@ def _execute(cmd: str, gate: str | None, overrides: list[str], state: dict) -> i
         return 0 if passed else 1
     import importlib
 
+    if cmd == "agree":
+        _refuse_task_keys(overrides, cfg)
     if cmd == "train":
         return importlib.import_module(COMMANDS[cmd]).main(cfg, state)
     return importlib.import_module(COMMANDS[cmd]).main(cfg)

@@ -34,7 +34,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlalign import checkpoint as ckpt
-from rlalign.agent import env_class, episode_limits
+from rlalign.agent import env_class, episode_limits, stop_token_ids
 from rlalign.config import model_args
 from rlalign.export import model_meta
 from rlalign.job import Job
@@ -80,6 +80,7 @@ def _prepare(cfg: DictConfig):
     if t.env:  # the environment's class imports, observations fit the chat template, the limits the model
         env_class(cfg)
         observation_encoder(tok, t.observation_role)
+        stop_token_ids(tok, tuple(t.stop))  # each stop string encodes
     context = episode_limits(cfg).max_context_len if t.env else None
     resolve_loss(cfg.algorithm)  # a user's loss (algorithm.loss) imports here, before any actor
     max_new = t.max_new_tokens

@@ -36,6 +36,8 @@ import socket
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from rlalign.checkpoint_files import list_complete
 from rlalign.logger import json_line
 
@@ -163,6 +165,21 @@ def read_segments(run_dir: Path) -> list[dict]:
             raise ValueError(f"{path}:{no}: not a segment record (no integer start_step)")
         out.append(rec)
     return sorted(out, key=lambda s: s["start_step"])
+
+
+def model_changes(run_dir: Path, ckpt: Path, cfg) -> dict:
+    """{model.KEY: value} where the run segment that wrote checkpoint `ckpt` (its step_N name) had another
+    model than `cfg`: a resume with `cfg` would not fit that checkpoint ({} when no segment says)."""
+    try:
+        step = int(Path(ckpt).name.rsplit("_", 1)[-1])
+        segs = [s for s in read_segments(run_dir) if s["start_step"] <= step]
+    except ValueError:  # an unreadable record
+        return {}
+    then = segs[-1].get("config", {}).get("model") if segs else None
+    if not isinstance(then, dict):
+        return {}
+    now = OmegaConf.to_container(cfg.model, resolve=True)
+    return {f"model.{k}": v for k, v in then.items() if k in now and now[k] != v}
 
 
 def _logged_steps(run_dir: Path) -> list[int]:

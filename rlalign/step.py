@@ -117,6 +117,7 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
                  stats: dict[str, float]) -> dict:
     N = len(rollouts)
     lengths = [len(r.tokens) for r in rollouts]
+    ends = [e for r in rollouts for e in (r.episode["turn_ends"] if r.episode else [r.finish_reason])]
     sampled = torch.cat([_sampled_logprobs(r).double() for r in rollouts]) if rollouts else torch.zeros(
         0, dtype=torch.float64)
     metrics = {
@@ -129,8 +130,9 @@ def step_metrics(cfg: DictConfig, rewards: list[float], rollouts: list[Rollout],
         "response/length_mean": sum(lengths) / N,
         "response/length_min": min(lengths),
         "response/length_max": max(lengths),
-        "response/clip_frac": sum(r.finish_reason == "length" for r in rollouts) / N,  # stopped by max_new_tokens
-        "response/eos_frac": sum(r.finish_reason == "eos" for r in rollouts) / N,
+        # of the responses, or of an episode's assistant turns (an episode ends for its own reasons)
+        "response/clip_frac": ends.count("length") / max(1, len(ends)),  # stopped by max_new_tokens
+        "response/eos_frac": ends.count("eos") / max(1, len(ends)),
         # mean -log p of the sampled tokens under the generator: the Monte-Carlo estimate of the
         # per-token entropy of the sampling distribution
         "response/entropy": float(-sampled.mean()) if sampled.numel() else 0.0,

@@ -16,10 +16,13 @@ import pytest
 from test_agent import _driver, scripted
 
 from rlalign.agent import EnvError, EpisodeDriver, EpisodeLimits, Step
-from rlalign.agent.envs import GuessEnv
+from rlalign.agent.env import load_env
+from rlalign.agent.envs import ENVS, GuessEnv
 from rlalign.agent.metrics import episode_metrics
 from rlalign.config import ConfigError, load_config
 from rlalign.tasks import Example
+from rlalign.tasks.reward_fn import load_reward
+from rlalign.tasks.tokenizer import CharTokenizer
 
 
 def answering(**step) -> type:
@@ -36,6 +39,7 @@ def answering(**step) -> type:
 @pytest.mark.parametrize("step, what", [
     ({"reward": "1.0"}, r"returned the reward '1.0'; a reward must be a finite real number"),
     ({"reward": math.nan}, r"returned the reward nan; a reward must be a finite real number"),
+    ({"reward": 10**400}, r"returned the reward 10{400}; a reward must be a finite real number"),
     ({"done": "no"}, r"returned done='no'; done must be a bool"),
     ({"done": None}, r"returned done=None; done must be a bool"),
     ({"tool_calls": "1"}, r"returned tool_calls='1'; a count must be an int >= 0"),
@@ -153,3 +157,62 @@ def test_a_timeout_beyond_what_a_thread_wait_takes_is_no_limit(timeout_s):
     under any other limit."""
     rs = scripted(_driver(SlowReset, timeout_s=timeout_s), ["3"])
     assert [r.finish_reason for r in rs] == ["done"] * 2
+
+
+class ResetAnswers(GuessEnv):
+    def reset(self, example, seed):
+        super().reset(example, seed)
+        return "g?", {}  # gymnasium's (observation, info)
+
+
+def test_a_reset_that_returns_a_value_is_an_error_naming_the_episode():
+    """An initial observation from reset would reach no episode: refused, not dropped; the twin: the same
+    reset returning None (GuessEnv's) runs."""
+    with pytest.raises(EnvError, match=r"Answers returned \('g\?', \{\}\) from reset; reset returns None \(the "
+                                       r"episode's first text is the row's prompt, .*\) in the episode of sample 1[01] "
+                                       r"\(step 7, prompt 'g0-7:'\)$"):
+        _driver(ResetAnswers)
+    assert [r.finish_reason for r in scripted(_driver(GuessEnv), ["3"])] == ["done"] * 2
+
+
+def test_a_stop_string_the_tokenizer_cannot_encode_is_refused_before_any_actor(tmp_path):
+    """The char tokenizer has no '/': '</tool>' could never end a turn; the twin: '<tool>' does."""
+    from rlalign.rl import train
+
+    what = r"task.stop '</tool>' could never end a turn: characters \['/'\] are not in the char tokenizer's alphabet"
+    with pytest.raises(ValueError, match=what):
+        train(load_config(["task=guess", "task.stop=['</tool>']", f"run.dir={tmp_path}"]))
+    with pytest.raises(ValueError, match=what):
+        _driver(GuessEnv, stop=("</tool>",))
+    tok = CharTokenizer()
+    assert _driver(GuessEnv, stop=("<tool>",)).stopped(0, tok.encode("ab<tool>"))
+
+
+def test_an_environment_and_a_reward_load_from_a_file_as_a_loss_does(tmp_path, monkeypatch):
+    """task.env and task.reward take '/path/to/file.py:NAME' (as algorithm.loss does), the module registered
+    while it runs (a dataclass with postponed annotations needs that); the twins: a missing file or class."""
+    path = tmp_path / "file_envs.py"
+    path.write_text("from __future__ import annotations\n"
+                    "from dataclasses import dataclass\n"
+                    "from rlalign.agent import Step\n\n"
+                    "@dataclass\n"
+                    "class Echo:\n"
+                    "    answer: str = ''\n\n"
+                    "    def reset(self, example, seed):\n"
+                    "        self.answer = example.answer\n\n"
+                    "    def step(self, action):\n"
+                    "        return Step(reward=float(action == self.answer), done=True)\n\n"
+                    "def score(completion, answer, prompt):\n"
+                    "    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    for spec in (f"{path}:Echo", "file_envs.py:Echo"):
+        d = EpisodeDriver(load_env(spec, ENVS), CharTokenizer(), [Example("g0-7:", "3")], [[2]], [0], 0,
+                          EpisodeLimits(max_turns=2, max_context_len=64))
+        assert d.name == f"{path}:Echo"
+        assert [(r.finish_reason, r.episode["reward"]) for r in scripted(d, ["3"])] == [("done", 1.0)]
+    assert load_reward(f"{path}:score")("3", Example("p", "3")) == 0.5
+    with pytest.raises(ValueError, match=rf"task.env='{tmp_path}/nope.py:Echo': cannot import module "
+                                         rf"'{tmp_path}/nope.py': FileNotFoundError: no such file: {tmp_path}/nope.py"):
+        load_env(f"{tmp_path}/nope.py:Echo", ENVS)
+    with pytest.raises(ValueError, match=r"has no class 'Nope' with reset\(example, seed\) and step\(action\)"):
+        load_env(f"{path}:Nope", ENVS)

@@ -220,6 +220,18 @@ def test_real_config_error_is_one_line(capsys):
     assert rc == 2 and "repeatability|baseline|replay" in _one_error_line(err, "gate")
 
 
+@pytest.mark.parametrize("task", ["task=guess", "task.num_prompts=2", "task.samples_per_prompt=2"])
+def test_agree_refuses_a_task_it_would_not_read(capsys, monkeypatch, task):
+    ran = []
+    monkeypatch.setattr("rlalign.agree.main", lambda cfg: ran.append(cfg) or 0)
+    rc, out, err = _run(capsys, "agree", task)
+    assert rc == 2 and not ran
+    assert f"{task}: rlalign agree reads no task key" in _one_error_line(err, "agree") and "rlalign train" in err
+    # twin: agree's own keys (and a key merely beginning with "task") reach the command
+    rc, out, err = _run(capsys, "agree", "agree.num_prompts=2", "monitor.worst_tokens=3")
+    assert rc == 0 and len(ran) == 1 and "task key" not in err
+
+
 def _interrupt_after(run_dir, steps_with_meta, steps_without=()):
     def body(cfg, status=None):
         for s in (*steps_with_meta, *steps_without):
@@ -242,6 +254,26 @@ def test_ctrl_c_names_the_last_complete_checkpoint_and_the_resume_command(capsys
     assert len(lines) == 1, err
     assert f"last complete checkpoint: {tmp_path}/checkpoints/step_000003;" in lines[0]
     assert lines[0].endswith(f"resume with: rlalign train seed=3 run.dir={tmp_path} checkpoint.resume=auto")
+
+
+@pytest.mark.parametrize("then", [48, 64])
+def test_a_start_with_another_model_than_its_checkpoint_gets_the_resume_with_that_model(capsys, monkeypatch,
+                                                                                       tmp_path, then):
+    import json
+
+    import rlalign.rl
+
+    model = {"hidden_size": then, "num_layers": 2, "path": None}
+    (tmp_path / "segments.jsonl").write_text(json.dumps({"start_step": 0, "config": {"model": model}}) + "\n")
+    monkeypatch.setattr(rlalign.rl, "main", _interrupt_after(tmp_path, [1]))
+    rc, out, err = _run(capsys, "train", "model.hidden_size=64", f"run.dir={tmp_path}", "checkpoint.resume=auto")
+    assert rc == 130 and len(err.strip().splitlines()) == 1
+    if then == 48:
+        assert "step_000001, written with model.hidden_size=48, which this start changes (segments.jsonl)" in err
+        assert f"resume with: rlalign train model.hidden_size=48 run.dir={tmp_path} checkpoint.resume=auto;" in err
+    else:  # twin: the same model as the checkpoint's, the plain hint with the start's own overrides
+        assert err.strip().endswith(f"resume with: rlalign train model.hidden_size=64 run.dir={tmp_path} "
+                                    "checkpoint.resume=auto") and "written with" not in err
 
 
 def test_ctrl_c_without_a_checkpoint_says_so(capsys, monkeypatch, tmp_path):

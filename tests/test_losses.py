@@ -130,7 +130,7 @@ def test_a_user_loss_from_a_file_and_from_a_module(tmp_path, monkeypatch):
         assert torch.equal(loss, 2 * grpo_loss(b, _alg())[0]) and m["mine/tokens_sum"] == 5.0
     with pytest.raises(ValueError, match=r"has no function 'nope'"):
         resolve_loss(_alg(f"algorithm.loss={tmp_path / 'my_losses.py'}:nope"))
-    with pytest.raises(ValueError, match=r"cannot import 'no_such_module'"):
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_module'"):
         resolve_loss(_alg("algorithm.loss=no_such_module:fn"))
 
 

@@ -91,6 +91,25 @@ def test_step_metrics_add_episode_tokens_only_for_episodes():
     assert episode_tokens(rollouts[1:]) == {} and not any(k.startswith("episode/") for k in single)
 
 
+def test_clip_and_eos_fractions_count_an_episodes_assistant_turns():
+    """An episode ends for its own reasons (done, turns, ...): response/clip_frac and eos_frac count how its
+    turns ended, and episode/turn_stop_frac those at a stop string. The twin: without its turns' ends the
+    episode counts as one response that ended neither way."""
+    from rlalign.agent.driver import Episode
+    from rlalign.agent.metrics import episode_metrics
+
+    rollouts, train = _pair()
+    ep = Episode(7, Example("p", "a"), None, len(PROMPT), turn=3, turn_ends=["length", "stop", "eos"])
+    rollouts[0].finish_reason, rollouts[0].episode = "done", ep.summary()
+    cons = logprob_consistency([r.logprobs for r in rollouts], train, [r.turns for r in rollouts])
+    m = step_metrics(load_config([]), [1.0, 0.0], rollouts, cons, {})
+    assert (m["response/clip_frac"], m["response/eos_frac"]) == (1 / 4, 2 / 4)  # 3 turns + the single-turn one
+    assert episode_metrics(rollouts[:1])["episode/turn_stop_frac"] == 1 / 3
+    rollouts[0].episode = None
+    m = step_metrics(load_config([]), [1.0, 0.0], rollouts, cons, {})
+    assert (m["response/clip_frac"], m["response/eos_frac"]) == (0.0, 1 / 2)
+
+
 class _Tok:
     def decode(self, ids):
         return "".join(chr(ord("a") + i % 26) for i in ids)

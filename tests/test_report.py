@@ -165,14 +165,15 @@ def _episode_run(tmp_path, episodes: bool):
     """_run_dir's 3 steps with the keys of a multi-turn step (episodes=True) or without them."""
     run, rows = _run_dir(tmp_path, steps=3)
     for s, r in enumerate(rows):
-        r["time/generate_s"] = 0.4
+        r.update({"time/generate_s": 0.4, "response/eos_frac": 0.5, "response/clip_frac": 0.25})
         if episodes:
             r.update({"episode/turns_mean": 2.0 + s / 2, "episode/turns_max": 3 + s, "episode/env_reward_mean": 0.25,
                       "episode/tool_calls": 4, "episode/tool_errors": s, "episode/env_errors": 0,
                       "episode/env_timeouts": int(s == 2), "episode/finish_done_frac": 0.5,
                       "episode/finish_turns_frac": 0.5 - 0.25 * s, "episode/finish_context_frac": 0.0,
                       "episode/finish_env_error_frac": 0.25 * s, "episode/policy_tokens": 70,
-                      "episode/observation_tokens": 30, "time/env_s": 0.3, "time/env_wait_s": 0.1})
+                      "episode/observation_tokens": 30, "time/env_s": 0.3, "time/env_wait_s": 0.1,
+                      "episode/turn_stop_frac": 0.25})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -196,6 +197,7 @@ def test_report_summarises_episodes_and_draws_their_panels(tmp_path, monkeypatch
         "| tool calls / tool errors (run total) | 12 / 3 |",
         "| environment errors / timeouts (run total) | 0 / 1 |",
         "| episodes ended by done / turns / context / env_error, mean | 50.0% / 25.0% / 0.0% / 25.0% |",
+        "| assistant turns ended by EOS / a stop string / the per-turn limit, mean | 50.0% / 25.0% / 25.0% |",
         "| episode tokens, policy / observation | 210 / 90 |",
         "| environment reward per episode, mean | 0.250 |",
         "| environment time (summed over episodes), mean per step | 0.300 s |",

@@ -1,20 +1,20 @@
 """Multi-turn episodes: an environment answers each assistant turn (rlalign.agent.env), the episode
 driver runs the environments beside the engine's decoding (rlalign.agent.driver), and the engine
 continues each episode on its own KV pages (rlalign.rollout.native). Built in: guess and calc
-(rlalign.agent.envs); task.env='pkg.module:Class' for a user's own."""
+(rlalign.agent.envs); task.env='pkg.module:Class' (or '/path/to/file.py:Class') for a user's own."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from rlalign.agent.driver import EnvError, EpisodeDriver, EpisodeLimits
+from rlalign.agent.driver import EnvError, EpisodeDriver, EpisodeLimits, stop_token_ids
 from rlalign.agent.env import Env, Step, load_env
 from rlalign.agent.envs import ENVS
 from rlalign.agent.pool import EnvPool
 from rlalign.config import model_args
 
 __all__ = ["Env", "EnvError", "EnvPool", "EpisodeDriver", "EpisodeLimits", "Step", "env_class", "episode_limits",
-           "make_driver"]
+           "make_driver", "stop_token_ids"]
 
 
 def env_class(cfg: DictConfig) -> type | None:

@@ -101,7 +101,7 @@ class EpisodeDriver:
                  sample_ids: list[int], seed: int, limits: EpisodeLimits, phase: str = "",
                  pool: EnvPool | None = None):
         self.tok, self.limits, self.phase = tok, limits, phase
-        self.name = f"{env_cls.__module__}.{env_cls.__qualname__}"
+        self.name = f"{env_cls.__module__}:{env_cls.__qualname__}"  # as task.env names it
         self.observe = observation_encoder(tok, limits.observation_role)
         self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
         self.own_pool = pool is None
@@ -130,7 +130,10 @@ class EpisodeDriver:
         def reset(b: int, ep: Episode) -> None:
             try:
                 ep.env = env_cls()
-                ep.env.reset(ep.example, episode_seed(seed, ep.sample_id))
+                value = ep.env.reset(ep.example, episode_seed(seed, ep.sample_id))
+                if value is not None:  # gymnasium's (observation, info): no text reaches the episode this way
+                    raise EnvContractError(f"returned {value!r} from reset; reset returns None (the episode's "
+                                           f"first text is the row's prompt, and observations come from step)")
                 done.put((b, None))
             except BaseException as e:  # reported by the calling thread, naming the episode
                 done.put((b, e))
@@ -151,6 +154,8 @@ class EpisodeDriver:
                 raise EnvError(f"environment {self.name} did not finish its reset within task.env_timeout_s="
                                f"{timeout:g} s in {self._where(b)}") from None
             del started[b], self.calls[b]
+            if isinstance(e, EnvContractError):
+                raise EnvError(f"environment {self.name} {e} in {self._where(b)}") from None
             if e is not None:
                 raise EnvError(f"environment {self.name} raised {type(e).__name__}: {e} at its reset in "
                                f"{self._where(b)}{_at(e)}") from e
@@ -310,13 +315,11 @@ class EpisodeDriver:
 
 def stop_token_ids(tok, stop: tuple[str, ...]) -> frozenset[int]:
     """The ids of the stop strings that are one token: a special token (a tool call's end in some chat
-    formats) is no text once decoded, so the turn ends at its id."""
+    formats) is no text once decoded, so the turn ends at its id. A stop string the tokenizer cannot
+    encode is refused: no turn could ever end at it."""
     ids = set()
     for s in stop:
-        try:
-            one = tok.encode(s, "task.stop", template=False)
-        except ValueError:  # text the tokenizer cannot encode: the text match alone (it never appears)
-            continue
+        one = tok.encode(s, f"task.stop {s!r} could never end a turn", template=False)
         if len(one) == 1:
             ids.add(one[0])
     return frozenset(ids)

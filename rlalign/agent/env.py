@@ -14,7 +14,8 @@ run's tokenizer) and the next assistant turn follows it. An environment is a det
 of (the row, the seed, the actions): a resumed run replays it.
 
 `task.env` names a built-in environment (rlalign.agent.envs.ENVS) or a user's class
-'pkg.module:Class', imported from the installed packages, else from the current directory.
+'pkg.module:Class', imported from the installed packages, else from the current directory, or
+'/path/to/file.py:Class'.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def check_step(value) -> Step:
     if not isinstance(value.observation, str):
         raise EnvContractError(f"returned the observation {value.observation!r} "
                                f"({type(value.observation).__name__}); an observation must be a string")
-    if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not math.isfinite(value.reward):
+    if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not _finite(value.reward):
         raise EnvContractError(f"returned the reward {value.reward!r}; a reward must be a finite real number")
     if not isinstance(value.done, (numbers.Integral, numpy.bool_)) or value.done not in (0, 1):
         raise EnvContractError(f"returned done={value.done!r}; done must be a bool")
@@ -76,9 +77,16 @@ def check_step(value) -> Step:
     return value
 
 
+def _finite(x: numbers.Real) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
+
 def load_env(spec: str, builtin: dict[str, type]) -> type:
     """task.env: a built-in environment's name, or 'pkg.module:Class' (imported from the current
-    directory when no installed package has it)."""
+    directory when no installed package has it) or '/path/to/file.py:Class'."""
     if ":" not in spec:
         if spec not in builtin:
             raise ValueError(f"task.env={spec!r}: no such built-in environment; built in: {', '.join(sorted(builtin))} "

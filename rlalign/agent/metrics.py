@@ -27,4 +27,6 @@ def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         out[f"episode/{key}"] = sum(e[key] for e in eps)
     for reason in FINISH_REASONS:
         out[f"episode/finish_{reason}_frac"] = sum(r.finish_reason == reason for r in rollouts) / n
+    ends = [end for e in eps for end in e["turn_ends"]]
+    out["episode/turn_stop_frac"] = ends.count("stop") / max(1, len(ends))  # turns ended at a task.stop string
     return out

@@ -306,7 +306,7 @@ def _total(rows: list[dict], key: str) -> int | float:
 
 def _episode_table(rows: list[dict]) -> list[str]:
     """The episodes of a multi-turn run (its episode/* keys; none: no lines): turns, environment calls
-    and failures (run totals), how episodes ended (mean fraction per step), tokens per side, and
+    and failures (run totals), how episodes and their turns ended (mean fraction per step), tokens per side, and
     environment time against the engine's wait on it (means per step)."""
     if not any(k.startswith("episode/") for r in rows for k in r):
         return []
@@ -325,6 +325,10 @@ def _episode_table(rows: list[dict]) -> list[str]:
     if ends:
         out.append(f"| episodes ended by {' / '.join(k[len('episode/finish_'):-len('_frac')] for k in ends)}, "
                    f"mean | {' / '.join(f'{_mean(rows, k):.1%}' for k in ends)} |")
+    turn_ends = [_mean(rows, k) for k in ("response/eos_frac", "episode/turn_stop_frac", "response/clip_frac")]
+    if None not in turn_ends:
+        out.append(f"| assistant turns ended by EOS / a stop string / the per-turn limit, mean | "
+                   f"{' / '.join(f'{f:.1%}' for f in turn_ends)} |")
     if any("episode/policy_tokens" in r for r in rows):
         out.append(f"| episode tokens, policy / observation | {_total(rows, 'episode/policy_tokens')} / "
                    f"{_total(rows, 'episode/observation_tokens')} |")

@@ -6,13 +6,15 @@
 A reward takes (completion, answer, prompt) positionally, then the dataset row's extra fields by
 name: all of them with **kwargs, else those it names (a named field without a default is required
 of every row: Reward.check_rows names a row that lacks it). The module is imported from the
-installed packages, else from the current directory (no PYTHONPATH needed). user_frame names the
-file and line of the user's code where an exception was raised.
+installed packages, else from the current directory (no PYTHONPATH needed), or from its file
+('/path/to/file.py:score'). user_frame names the file and line of the user's code where an exception
+was raised.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -61,11 +63,31 @@ def import_module(name: str):
     return importlib.import_module(name)
 
 
+def import_file(path: Path):
+    """The Python file at `path` as a module named by its absolute path (once per file; registered
+    before it runs, as an import is, so that its dataclasses find it)."""
+    path = path.resolve()
+    name = str(path)
+    if name not in sys.modules:
+        if not path.is_file():
+            raise FileNotFoundError(f"no such file: {path}")
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
 def import_user_module(key: str, name: str):
-    """import_module(name) for the config value `key` (e.g. "task.reward='pkg.module:function'"): a
-    failing import is one ValueError naming the key, the module and the line of the user's code."""
+    """import_module(name), or import_file(name) for a name ending in '.py' (relative to the current
+    directory), for the config value `key` (e.g. "task.reward='pkg.module:function'"): a failing
+    import is one ValueError naming the key, the module and the line of the user's code."""
     try:
-        return import_module(name)
+        return import_file(Path(name)) if name.endswith(".py") else import_module(name)
     except Exception as e:
         at = user_frame(e)
         raise ValueError(f"{key}: cannot import module {name!r}{f' ({at})' if at else ''}: "
@@ -114,7 +136,8 @@ class Reward:
 
 
 def load_reward(path: str) -> Reward:
-    """'pkg.module:function' -> the function; a bare name means rlalign.tasks.rewards."""
+    """'pkg.module:function' or '/path/to/file.py:function' -> the function; a bare name means
+    rlalign.tasks.rewards."""
     mod_name, _, fn_name = path.rpartition(":") if ":" in path else ("rlalign.tasks.rewards", ":", path)
     mod = import_user_module(f"task.reward={path!r}", mod_name)
     fn = getattr(mod, fn_name, None)

@@ -47,18 +47,15 @@ later ones: after the updates so far), so a single on-policy update logs 0:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from rlalign.config import did_you_mean
 from rlalign.sequences import policy_mask
+from rlalign.tasks.reward_fn import import_user_module
 
 
 def grpo_advantages(rewards: list[float], group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -247,26 +244,11 @@ def load_loss(path: str) -> LossFunction:
     mod_name, sep, fn_name = path.rpartition(":")
     if not sep or not mod_name or not fn_name:
         raise ValueError(f"algorithm.loss={path!r}: expected 'pkg.module:function' or '/path/to/file.py:function'")
-    try:
-        mod = _import_file(Path(mod_name)) if mod_name.endswith(".py") else importlib.import_module(mod_name)
-    except Exception as e:
-        raise ValueError(f"algorithm.loss={path!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    mod = import_user_module(f"algorithm.loss={path!r}", mod_name)
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ValueError(f"algorithm.loss={path!r}: {mod_name!r} has no function {fn_name!r}")
     return fn
-
-
-def _import_file(path: Path):
-    name = f"rlalign_user_loss_{abs(hash(str(path.resolve())))}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"{path}: not a Python file")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules[name] = mod
-    return sys.modules[name]
 
 
 # --- metrics --------------------------------------------------------------------------------------------
