@@ -78,6 +78,16 @@ def json_line(record: dict) -> str:
     return json.dumps(json_safe(record), allow_nan=False)
 
 
+def written_text(path: Path) -> str:
+    """The text of a file rlalign wrote (JSON lines); ValueError naming the file and the first byte that is
+    not UTF-8."""
+    try:
+        return Path(path).read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): not a file "
+                         "rlalign wrote") from None
+
+
 LOSS_KEYS = ("actor/loss", "actor/pg_loss")  # the first the step logs is the line's loss
 # ... and its kl: to the reference (algorithm.kl_coef > 0), else KL(old || current) over the update's epochs
 KL_KEYS = ("kl/ref_k3", "kl/old_new_k3", "actor/kl")  # (else the first kl/* key, else none)

@@ -39,7 +39,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rlalign.checkpoint_files import list_complete
-from rlalign.logger import json_line
+from rlalign.logger import json_line, written_text
 
 LOCK = ".rlalign.lock"
 SEGMENTS = "segments.jsonl"
@@ -149,11 +149,7 @@ def read_segments(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     out = []
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): not a file "
-                         "rlalign wrote") from None
+    text = written_text(path)
     for no, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
             continue

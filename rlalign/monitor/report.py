@@ -19,16 +19,14 @@ import json
 import sys
 from pathlib import Path
 
+from rlalign.logger import written_text
+
 
 def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): not a file "
-                         "rlalign wrote") from None
+    text = written_text(path)
     for no, ln in enumerate(text.splitlines(), 1):
         if ln.strip():
             try:
