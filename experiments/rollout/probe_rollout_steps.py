@@ -188,7 +188,8 @@ def main() -> None:
                 print(f"  -- {label}: kernels {r[label]['kernel_ms']:.2f} ms")
                 for k, ms, n in r[label]["top"]:
                     print(f"     {ms:9.3f} ms {n:7.0f}  {k}")
-            print("wrote", write(a.name, {"model": a.model, "sampling": sampling, "results": results,  # after every case
+            # written after every case
+            print("wrote", write(a.name, {"model": a.model, "sampling": sampling, "results": results,
                                           "what_it_shows": "per-step device time of the native engine by step kind"},
                                  a.out), flush=True)
 
