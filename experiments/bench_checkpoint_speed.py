@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: record
 import record  # noqa: E402
 import torch  # noqa: E402
 
+from rlalign.gates import MEASURED  # noqa: E402
+
 DD_BLOCK = 64 << 20
 
 
@@ -170,7 +172,15 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _strip(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    """What the gates compare: every metric but time/* and memory/* (rlalign.gates.MEASURED)."""
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
+
+
+def _differences(a: list[dict], b: list[dict]) -> list[list]:
+    """[step, key, a, b] of the metrics that differ (time/* left out), the first 12."""
+    out = [[ra.get("step"), k, ra.get(k), rb.get(k)] for ra, rb in zip(a, b) for k in sorted(set(ra) | set(rb))
+           if not k.startswith("time/") and ra.get(k) != rb.get(k)]
+    return out[:12]
 
 
 def sigterm_and_resume(a, say) -> dict:
@@ -221,6 +231,7 @@ def sigterm_and_resume(a, say) -> dict:
             "stderr_tail": tail(err), "resume_exit_code": r.returncode, "resume_attempts": attempts,
             "uninterrupted_exit_code": f.returncode, "uninterrupted_stderr_tail": tail(f_err),
             "compare_exit_code": c.returncode, "compare_out": tail(c.stdout), "metrics_equal": same_metrics,
+            "metrics_differing": _differences(_rows(full), _rows(part)),
             "uninterrupted_time_checkpoint_stall_s": stalls, "uninterrupted_time_checkpoint_staging_s": staging,
             "sigterm_default_grace_checkpoint_complete": complete, "resume_bitwise": bitwise}
 

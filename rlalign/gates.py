@@ -8,7 +8,8 @@
 Each gate runs `rlalign train` twice into RUN_DIR/gate-<name>/{a,b} (per-op fingerprints on,
 monitor.fingerprints=layers, so a failure names its op) and compares: first the fixed
 environment of the two runs (refusing to compare if it differs beyond what the gate changes),
-then metrics.jsonl (time/* excluded), then every per-rank trace stream record by record (without
+then metrics.jsonl (time/* and memory/* excluded: they measure the run, seconds and bytes, and a
+resumed process allocates otherwise), then every per-rank trace stream record by record (without
 the stale records of segments that did not have the stream's rank: rlalign.monitor.compare). In a
 multi-turn run (task.env) the generator's per-step op records (gen.step.*) are left out: which rows
 an engine step runs depends on when the environments answer; its per-token records (tokens,
@@ -40,6 +41,9 @@ class GateRefused(ValueError):
     pass
 
 
+MEASURED = ("time/", "memory/")  # metrics that measure the run (seconds, bytes), not what it computed
+
+
 @dataclass
 class Comparison:
     ok: bool = True
@@ -52,7 +56,7 @@ def _metrics(run: Path, from_step: int) -> list[dict]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics (did the run finish a step?)")
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["step"] >= from_step]
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows if r["step"] >= from_step]
 
 
 def compare_runs(a: Path, b: Path, from_step: int = 0, allowed_env: tuple[str, ...] = ()) -> Comparison:

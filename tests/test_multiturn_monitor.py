@@ -141,13 +141,13 @@ def test_the_report_draws_and_lists_mismatch_per_turn(tmp_path):
     assert not any("turn" in lb for ax in mismatch_figure(single).axes for lb in [ln.get_label() for ln in ax.lines])
 
 
-def _gate_run(run, env: str | None, step_rows: int, tokens: list[int]) -> None:
+def _gate_run(run, env: str | None, step_rows: int, tokens: list[int], **metrics: float) -> None:
     """A run dir of one step: its metrics and a generator trace of an engine step's op record over
     `step_rows` rows, then the step's tokens."""
     from rlalign.monitor.trace import Trace
 
     run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5}) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5, **metrics}) + "\n")
     tr = Trace(run / "traces" / "generator-rank0.jsonl", "generator", 0, {"seed": 0, "task": {"env": env}})
     tr.step = 0
     tr.record("gen.step.embed", torch.arange(step_rows * 2, dtype=torch.float32).view(step_rows, 2))
@@ -172,3 +172,19 @@ def test_gates_leave_a_multiturn_runs_per_step_generator_records_out_and_compare
     assert not res.ok and res.first_op == "gen.tokens"
     res = compare(None, 2, [5, 6], "single")
     assert not res.ok and res.first_op == "gen.step.embed"
+
+
+def test_gates_compare_what_a_run_computed_not_its_seconds_or_bytes(tmp_path):
+    """A resumed process allocates otherwise: runs that differ in time/* and memory/* (CUDA peaks) pass;
+    twin: a metric of what the run computed differs and fails, named."""
+    from rlalign.gates import compare_runs
+
+    _gate_run(tmp_path / "a", None, 2, [5, 6], **{"time/step_s": 1.0, "memory/trainer_peak_gib": 30.5,
+                                                   "loss/policy": 0.25})
+    _gate_run(tmp_path / "b", None, 2, [5, 6], **{"time/step_s": 1.5, "memory/trainer_peak_gib": 31.0,
+                                                   "loss/policy": 0.25})
+    assert compare_runs(tmp_path / "a", tmp_path / "b").ok
+    _gate_run(tmp_path / "c", None, 2, [5, 6], **{"time/step_s": 1.0, "memory/trainer_peak_gib": 30.5,
+                                                   "loss/policy": 0.5})
+    res = compare_runs(tmp_path / "a", tmp_path / "c")
+    assert not res.ok and "differs first in 'loss/policy'" in res.lines[0], res.lines
