@@ -49,7 +49,7 @@ from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer, observation_encoder, tokenizer_dir
 from rlalign.training.losses import resolve_loss
-from rlalign.training.trainer import checkpoint_nbytes
+from rlalign.training.trainer import checkpoint_nbytes, checkpoint_shapes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 
@@ -126,9 +126,12 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"done (raise run.steps to train further)", file=sys.stderr, flush=True)
             return {**summarize(run_dir, cfg.run.steps, start, {}), "nothing_to_do": True,
                     "sync/weights_fp": ckpt.read_meta(resume).get("weights_fp")}
+        shapes = checkpoint_shapes(cfg) if resume is not None or cfg.checkpoint.enabled else {}
+        if resume is not None:  # a checkpoint of another model fails now, not once the actors have started
+            _check_fits(resume, shapes, run_dir, status)
         saves = Saves(cfg, run_dir, start - 1)
         if cfg.checkpoint.enabled:  # before Ray starts: a checkpoint that cannot fit fails now, not after the steps
-            parts = checkpoint_nbytes(cfg)
+            parts = checkpoint_nbytes(cfg, shapes)
             ckpt.check_space(run_dir, parts, range(start, cfg.run.steps), saves.every, cfg.run.steps,
                              cfg.checkpoint.keep)
             saves.measure(sum(parts.values()))
@@ -144,6 +147,19 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
     if cfg.logger.console:
         print(f"rlalign train: {done_line(summary, cfg.kernels.mode)}", file=sys.stderr, flush=True)
     return summary
+
+
+def _check_fits(resume: Path, shapes: dict, run_dir: Path, status: dict | None) -> None:
+    """The checkpoint to resume from holds every tensor of this config's trainer (`shapes`) in its shape and
+    dtype, checked on the driver before Ray starts (each trainer rank checks its share again as it loads):
+    one of another model is refused in the ranks' words, and the error's line (status['run_dir']) names
+    the model it was written with and the command that resumes it."""
+    try:
+        ckpt.fitting_index(resume, ckpt.read_meta(resume), shapes)
+    except ckpt.CheckpointError:
+        if status is not None:
+            status["run_dir"] = run_dir
+        raise
 
 
 class Saves:
