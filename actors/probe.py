@@ -1,20 +1,27 @@
-"""Checks of the nodes a job's ranks landed on, before any work: each node imports rlalign, and the
+"""Checks of the nodes a job's ranks landed on, before any work: each node imports rlalign, the
 run dir is one storage that every node and the driver reach (traces, checkpoints and metrics are
-written by the ranks and read by the driver).
+written by the ranks and read by the driver), and each node sees what the ranks read: model.path,
+task.env's and algorithm.loss's file or module, task.tokenizer (for task.env's observations).
 
-    check_shared_dir(run_dir, nodes)   # one line naming the first node that fails, else nothing
+    inputs = rank_inputs(cfg)                     # {key: RankInput}: paths absolute against this directory
+    check_nodes(run_dir, nodes, inputs)           # one line naming the first node that fails, else nothing
 
 A node-pinned Ray task per node reads a token file the driver wrote under the run dir and writes
-one back; the driver reads those. Object storage (s3://...) is not a run dir.
+one back, and looks for each input; the driver reads those. Object storage (s3://...) is not a run dir.
+A rank's working directory is its node's, not the driver's: the ranks get the inputs' absolute paths
+(RankInput.shipped), and a module the driver imports from its own working directory must be
+installed (or on PYTHONPATH) on every node.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -32,50 +39,122 @@ class NodeCheckError(ClusterError):
     pass
 
 
-def _probe(probe_dir: str, token: str, address: str) -> str | None:
-    """On the node: None when the driver's token is there (and the answer written), else why not;
-    ModuleNotFoundError when the node lacks the module its ranks run (found, not imported: no torch)."""
+@dataclass(frozen=True)
+class RankInput:
+    """A file, directory or module the ranks read, named by its config key: `target` is the path
+    (absolute) or the module's name, `shipped` the config value the ranks get."""
+    kind: str  # "path" | "module"
+    target: str
+    shipped: str
+
+
+def _spec_input(spec: str) -> RankInput | None:
+    """'pkg.module:Name' (a module) or 'path/to/file.py:Name' (a file, made absolute); None for a
+    built-in's bare name."""
+    mod, sep, attr = spec.rpartition(":")
+    if not sep or not mod:
+        return None
+    if not mod.endswith(".py"):
+        return RankInput("module", mod, spec)
+    path = str(Path(mod).expanduser().resolve())
+    return RankInput("path", path, f"{path}:{attr}")
+
+
+def rank_inputs(cfg: Any) -> dict[str, RankInput]:
+    """What the ranks read besides the run dir, by config key (module docstring)."""
+    out: dict[str, RankInput | None] = {}
+    if cfg.model.path:
+        path = str(Path(cfg.model.path).expanduser().resolve())
+        out["model.path"] = RankInput("path", path, path)
+    if cfg.task.env:  # the generator ranks run the episodes and tokenize their observations
+        out["task.env"] = _spec_input(cfg.task.env)
+        if cfg.task.tokenizer and cfg.task.tokenizer != "char":
+            path = str(Path(cfg.task.tokenizer).expanduser().resolve())
+            out["task.tokenizer"] = RankInput("path", path, path)
+    if cfg.algorithm.loss:
+        out["algorithm.loss"] = _spec_input(cfg.algorithm.loss)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def ship(cfg_dict: dict, inputs: dict[str, RankInput]) -> dict:
+    """cfg_dict (the ranks' config) with each input's shipped value."""
+    for key, inp in inputs.items():
+        group, name = key.split(".")
+        cfg_dict[group][name] = inp.shipped
+    return cfg_dict
+
+
+def _missing(inputs: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """On the node: the first input it does not see, as (key, why), else None."""
+    for key, (kind, target) in inputs.items():
+        if kind == "path" and not os.path.exists(target):
+            return key, f"does not see {target}"
+        if kind == "module":
+            top = target.split(".")[0]
+            here = Path(os.getcwd(), top + ".py").is_file() or Path(os.getcwd(), top).is_dir()
+            if not here and importlib.util.find_spec(top) is None:
+                return key, f"has no module named {top!r}"
+    return None
+
+
+def _probe(probe_dir: str, token: str, address: str, inputs: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """On the node: None when the driver's token is there (and the answer written) and every input is
+    seen, else (what, why): what is 'run.dir' or an input's key. ModuleNotFoundError when the node
+    lacks the module its ranks run (found, not imported: no torch)."""
     if importlib.util.find_spec(RANK_MODULE) is None:
         raise ModuleNotFoundError(f"No module named {RANK_MODULE!r}")
     here = Path(probe_dir)
     try:
         seen = (here / "driver").read_text()
     except OSError as e:
-        return f"cannot read the driver's probe file there ({e.strerror or e})"
+        return "run.dir", f"cannot read the driver's probe file there ({e.strerror or e})"
     if seen != token:
-        return "reads another run's probe file there"
+        return "run.dir", "reads another run's probe file there"
     try:
         (here / f"node-{address}").write_text(token)
     except OSError as e:
-        return f"cannot write there ({e.strerror or e})"
-    return None
+        return "run.dir", f"cannot write there ({e.strerror or e})"
+    return _missing(inputs)
 
 
-def check_shared_dir(run_dir: Path, nodes: set[Node]) -> None:
-    """Every node in `nodes` imports rlalign and shares `run_dir` with the driver; NodeCheckError
-    (one line, naming the node) otherwise."""
+def _refusal(what: str, why: str, run_dir: Path, inputs: dict[str, RankInput], address: str) -> NodeCheckError:
+    if what == "run.dir":
+        return NodeCheckError(f"run.dir={run_dir} is not shared storage: node {address} {why}; put run.dir on a "
+                              "file system that every node and the driver mount at the same path (NFS, Lustre, a "
+                              "shared volume)")
+    inp = inputs[what]
+    if inp.kind == "module":
+        return NodeCheckError(f"{what}={inp.shipped}: node {address} {why} (a rank imports from its node's "
+                              "working directory, not the driver's); install it on every node (or put it on "
+                              f"PYTHONPATH there), or give its file on shared storage: {what}=/path/to/file.py:NAME")
+    return NodeCheckError(f"{what}={inp.shipped}: node {address} {why}; put it on a file system that every node "
+                          "and the driver mount at the same path (NFS, Lustre, a shared volume)")
+
+
+def check_nodes(run_dir: Path, nodes: set[Node], inputs: dict[str, RankInput]) -> None:
+    """Every node in `nodes` imports rlalign, shares `run_dir` with the driver and sees each input;
+    NodeCheckError (one line, naming the node and what it lacks) otherwise."""
     probe_dir = run_dir.resolve() / f".node-probe-{secrets.token_hex(4)}"
     probe_dir.mkdir(parents=True)
     token = secrets.token_hex(16)
     (probe_dir / "driver").write_text(token)
+    wanted = {k: (v.kind, v.target) for k, v in inputs.items()}
     try:
         task = ray.remote(num_cpus=0, max_retries=0)(_probe)
         nodes = sorted(nodes, key=lambda n: n.address)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-                .remote(str(probe_dir), token, n.address) for n in nodes]
+                .remote(str(probe_dir), token, n.address, wanted) for n in nodes]
         for node, ref in zip(nodes, refs):
             try:
-                why = ray.get(ref, timeout=PROBE_TIMEOUT_S)
+                failed = ray.get(ref, timeout=PROBE_TIMEOUT_S)
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None) or e
                 raise NodeCheckError(f"node {node.address} cannot run rlalign ({type(cause).__name__}: "
                                      f"{str(cause).strip().splitlines()[-1]}): install the project, the same "
                                      "version, on every node") from None
-            if why is None and not (probe_dir / f"node-{node.address}").exists():
-                why = "writes where the driver does not see it"
-            if why is not None:
-                raise NodeCheckError(f"run.dir={run_dir} is not shared storage: node {node.address} {why}; put "
-                                     "run.dir on a file system that every node and the driver mount at the same "
-                                     "path (NFS, Lustre, a shared volume)")
+            if failed is None and not (probe_dir / f"node-{node.address}").exists():
+                failed = "run.dir", "writes where the driver does not see it"
+            if failed is not None:
+                raise _refusal(*failed, run_dir, inputs, node.address)
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)

@@ -60,7 +60,7 @@ class Job:
         from rlalign import cluster
         from rlalign.actors.group import ActorGroup
         from rlalign.actors.placement import Placement
-        from rlalign.actors.probe import check_shared_dir
+        from rlalign.actors.probe import check_nodes, rank_inputs, ship
         from rlalign.actors.weight_sync import WeightSync
 
         self.cfg = cfg
@@ -73,9 +73,10 @@ class Job:
         # where each rank landed: on a cluster it attached to, or when the ranks span nodes
         if addr or len({s.node.node_id for g in self.placement.slots.values() for s in g}) > 1:
             print(f"rlalign train: {self.placement.describe()}", file=sys.stderr, flush=True)
-        check_shared_dir(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g})
-        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())  # the ranks' working directory is not ours
+        inputs = rank_inputs(cfg)  # absolute paths: the ranks' working directory is not ours
+        check_nodes(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g}, inputs)
+        cfg_dict = ship(OmegaConf.to_container(cfg, resolve=True), inputs)
+        cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())
         phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement)
         phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} engine)")

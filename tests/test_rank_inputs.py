@@ -1,0 +1,55 @@
+"""What the ranks read besides the run dir (rlalign.actors.probe.rank_inputs): relative paths reach
+the ranks absolute (a rank's working directory is its node's), and the node probe names an input a
+node does not see. The probe function runs here as a plain call; tests/test_multinode.py runs it on
+a node of a real cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlalign.actors.probe import _missing, _probe, rank_inputs, ship
+from rlalign.config import load_config
+
+
+def _inputs(tmp_path: Path, monkeypatch, *over: str) -> dict:
+    monkeypatch.chdir(tmp_path)
+    return rank_inputs(load_config(list(over)))
+
+
+def test_relative_paths_reach_the_ranks_absolute_and_module_names_unchanged(tmp_path, monkeypatch):
+    got = _inputs(tmp_path, monkeypatch, "task=guess", "task.env=envs/my_env.py:MyEnv", "task.tokenizer=tok",
+                  "algorithm.loss=mylosses.clipped:loss")
+    assert {k: (v.kind, v.target, v.shipped) for k, v in got.items()} == {
+        "task.env": ("path", f"{tmp_path}/envs/my_env.py", f"{tmp_path}/envs/my_env.py:MyEnv"),
+        "task.tokenizer": ("path", f"{tmp_path}/tok", f"{tmp_path}/tok"),
+        "algorithm.loss": ("module", "mylosses.clipped", "mylosses.clipped:loss")}
+    cfg = {"task": {"env": "envs/my_env.py:MyEnv", "tokenizer": "tok"}, "algorithm": {"loss": "x"}}
+    assert ship(cfg, got) == {"task": {"env": f"{tmp_path}/envs/my_env.py:MyEnv", "tokenizer": f"{tmp_path}/tok"},
+                              "algorithm": {"loss": "mylosses.clipped:loss"}}
+
+
+def test_built_ins_and_the_char_tokenizer_are_no_inputs(tmp_path, monkeypatch):
+    assert _inputs(tmp_path, monkeypatch, "task=guess") == {}  # task.env=guess: built in
+    assert _inputs(tmp_path, monkeypatch, "task=guess", "task.tokenizer=char") == {}
+    # twin: the tokenizer is an input only where the ranks tokenize (task.env's observations)
+    assert list(_inputs(tmp_path, monkeypatch, "task.tokenizer=tok")) == []
+    assert list(_inputs(tmp_path, monkeypatch, "task=guess", "task.tokenizer=tok")) == ["task.tokenizer"]
+
+
+def test_the_probe_names_the_first_input_a_node_does_not_see(tmp_path):
+    (tmp_path / "env.py").write_text("")
+    seen = {"task.env": ("path", str(tmp_path / "env.py")), "algorithm.loss": ("module", "json.decoder")}
+    assert _missing(seen) is None
+    # twins: a path that is not there, a module the node cannot import
+    assert _missing({**seen, "model.path": ("path", str(tmp_path / "model"))}) == (
+        "model.path", f"does not see {tmp_path / 'model'}")
+    assert _missing({**seen, "algorithm.loss": ("module", "no_such_pkg_x.losses")}) == (
+        "algorithm.loss", "has no module named 'no_such_pkg_x'")
+
+
+def test_the_probe_checks_the_run_dir_before_the_inputs(tmp_path):
+    (tmp_path / "driver").write_text("token")
+    missing = {"model.path": ("path", str(tmp_path / "model"))}
+    assert _probe(str(tmp_path), "token", "n1", {}) is None and (tmp_path / "node-n1").read_text() == "token"
+    assert _probe(str(tmp_path), "token", "n1", missing) == ("model.path", f"does not see {tmp_path / 'model'}")
+    assert _probe(str(tmp_path), "other", "n1", missing) == ("run.dir", "reads another run's probe file there")
