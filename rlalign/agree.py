@@ -19,6 +19,7 @@ from rich.table import Table
 
 from rlalign.agent.recorded import RecordedEpisode, RecordedEpisodes, split_episode
 from rlalign.config import model_args
+from rlalign.config_search import ConfigError
 from rlalign.generator_world import generator_world
 from rlalign.logger import Phases, json_line
 from rlalign.monitor.consistency import logprob_consistency
@@ -28,6 +29,33 @@ from rlalign.rollout.generator import check_generator
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout, Sample, policy_mask
 from rlalign.workers import GeneratorWorker, TrainerWorker
+
+# sections of which `rlalign agree` reads no key, and what to use instead (the task: unless it replays a dump)
+UNREAD = {
+    "run": "it writes no run directory: its result is the last stdout line, one JSON object, to redirect where "
+           "you want it; agree.num_prompts sizes its one batch",
+    "checkpoint": "it checks the weights of model.path, else the model's random init; a checkpoint's model: "
+                  "`rlalign export CHECKPOINT_DIR OUT_DIR`, then `rlalign agree model.path=OUT_DIR`",
+}
+
+
+def refuse_unread_keys(overrides: list[str], cfg: DictConfig) -> None:
+    """A key that `rlalign agree` would not read, given on its command line, is refused in one line naming it and
+    what to use instead: run.* and checkpoint.* (UNREAD), and task.* unless agree.replay (agree samples
+    random single-turn prompts, agree.*: the commands that run a task are named)."""
+
+    def given(section: str) -> list[str]:
+        return [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == section]
+
+    for section, instead in UNREAD.items():
+        if given(section):
+            raise ConfigError(f"{' '.join(given(section))}: rlalign agree reads no {section}.* key ({instead})")
+    tasks = " ".join(given("task"))
+    if tasks and not cfg.agree.replay:
+        raise ConfigError(f"{tasks}: rlalign agree reads no task key (it checks one batch of agree.num_prompts "
+                          f"random prompts, single-turn); the monitor of `rlalign train {tasks}` compares every "
+                          f"policy token of the task's episodes each step, and `rlalign gate repeatability {tasks}` "
+                          f"checks its runs")
 
 
 def random_prompts(cfg: DictConfig, vocab_size: int, first_token: int = 2) -> list[list[int]]:

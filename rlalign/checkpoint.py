@@ -50,9 +50,11 @@ Progress. A load that lasts more than a few seconds prints rank 0's bytes read, 
 on stderr (checkpoint_files.Progress, from DCP's planner as tensors arrive); a save's progress is
 printed by the driver, which watches the .tmp directory (checkpoint_files.SaveWatch).
 
-Hugging Face export. With publish["export_hf"] (checkpoint.export_hf), complete() writes the model as
-a Hugging Face directory into the checkpoint (step_N/hf, rlalign.export) before renaming it into
-place; a failed export leaves the checkpoint complete and is raised after publishing it.
+Tokenizer and Hugging Face export. With publish["tokenizer"] (RUN_DIR/tokenizer, `rlalign train`'s copy of
+the run's HF tokenizer) complete() copies its files into the checkpoint (step_N/tokenizer): the checkpoint
+exports with them wherever their own directory has gone. With publish["export_hf"] (checkpoint.export_hf)
+it writes the model as a HF directory into the checkpoint (step_N/hf, rlalign.export) before renaming it
+into place; a failed export leaves the checkpoint complete and is raised after publishing it.
 
 All non-tensor state is JSON: meta.json (python_rng as [version, [state...], gauss_next], torch_rng
 as a list of bytes) and the ranks' fingerprint files, which complete() folds into meta.json.
@@ -359,7 +361,7 @@ class AsyncSaver:
         _check_outcome(ok, path, step, rank)
         if publish is not None and rank == 0:
             return complete(Path(publish["run_dir"]), publish["step"], publish["meta"], publish["keep"],
-                            publish.get("export_hf", False))
+                            publish.get("export_hf", False), publish.get("tokenizer"))
         return None
 
     def wait_tensors(self) -> float:
@@ -550,11 +552,13 @@ def _rng_meta() -> dict:
     return {"python_rng": [v, list(state), gauss], "torch_rng": torch.get_rng_state().tolist()}
 
 
-def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = False) -> Path:
-    """Publish a written .tmp checkpoint: index it into meta.json (written last, atomically), with
-    export_hf its model as step_N/hf, and rename the directory into place; prune old ones beyond
-    `keep`. A failure raises CheckpointError (the step, the path, the cause) after removing the .tmp
-    directory; a failed export only after publishing the checkpoint."""
+def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = False, tokenizer=None) -> Path:
+    """Publish a written .tmp checkpoint: the files of `tokenizer` (RUN_DIR/tokenizer) as step_N/tokenizer, its
+    index into meta.json (written last, atomically), with export_hf its model as step_N/hf; rename it into
+    place and prune old ones beyond `keep`. A failure raises CheckpointError (the step, the path, the cause)
+    after removing the .tmp directory; a failed export only after publishing the checkpoint."""
+    from rlalign.export import TOKENIZER_DIR, keep_tokenizer
+
     tmp = tmp_path(run_dir, step)
     final = checkpoint_dir(run_dir) / f"step_{step:06d}"
     try:
@@ -566,6 +570,7 @@ def complete(run_dir: Path, step: int, meta: dict, keep: int, export_hf: bool = 
     meta = {**_rng_meta(), **meta, "format": FORMAT, "step": step, **index}
     old = final.with_name(final.name + ".old")
     try:
+        keep_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
         write_json_atomic(tmp / META, meta)
         for p in tmp.iterdir():
             if FPS.match(p.name):

@@ -309,19 +309,20 @@ def damaged(path: Path, d: Damage, tensors: bool = False) -> CheckpointError:
     return CheckpointError(oneline(f"checkpoint {path} is not loadable: {d.file}: {d.what}{_hint(path, tensors)}"))
 
 
-def fitting_index(path: Path, meta: dict, state: dict[str, torch.Tensor], rank: int) -> dict:
-    """meta.json's tensor index once the checkpoint fits the trainer's `state` (one rank's): every tensor of
-    the state there with its shape and dtype, and every model tensor of the checkpoint one the trainer
-    has (an expert's tensors by their parameter: each rank holds some experts of every one); else
-    CheckpointError naming the first tensor that does not fit."""
-    index = meta["tensors"]
+def fitting_index(path: Path, meta: dict, state: dict[str, torch.Tensor], rank: int | None = None) -> dict:
+    """meta.json's tensor index once the checkpoint fits the trainer's `state` (one rank's, or with rank None
+    the whole trainer's, as the driver checks it before Ray starts): every tensor of the state there with
+    its shape and dtype, and every model tensor of the checkpoint one the trainer has (an expert's tensors
+    by their parameter: each rank holds some experts of every one); else CheckpointError naming the first
+    tensor that does not fit."""
+    index, on = meta["tensors"], "" if rank is None else f" (rank {rank})"
     for k, t in state.items():
         e = index.get(k)
         if e is None:
-            raise mismatch(path, meta, f"no tensor {k!r}, which the trainer holds (rank {rank})")
+            raise mismatch(path, meta, f"no tensor {k!r}, which the trainer holds{on}")
         if e["dtype"] != ST_DTYPE.get(t.dtype) or list(e["shape"]) != list(t.shape):
             raise mismatch(path, meta, f"tensor {k!r} is {e['dtype']}{e['shape']} in {e['file']}, the trainer holds "
-                                       f"{ST_DTYPE.get(t.dtype, t.dtype)}{list(t.shape)} (rank {rank})")
+                                       f"{ST_DTYPE.get(t.dtype, t.dtype)}{list(t.shape)}{on}")
     held = {_EXPERT.sub("", k) for k in state if k.startswith("model/")}
     extra = sorted(k for k in index if k.startswith("model/") and _EXPERT.sub("", k) not in held)
     if extra:

@@ -437,19 +437,6 @@ def _show_search_path(args: Args) -> int:
     return 0
 
 
-def _refuse_task_keys(overrides: list[str], cfg) -> None:
-    """`rlalign agree` samples random single-turn prompts (agree.*) and reads no task key: a task given
-    to it would be checked by nothing, so it is refused in one line naming the commands that run it."""
-    from rlalign.config_search import ConfigError
-
-    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "task"]
-    if given and not cfg.agree.replay:
-        raise ConfigError(f"{' '.join(given)}: rlalign agree reads no task key (it checks one batch of "
-                          f"agree.num_prompts random prompts, single-turn); the monitor of `rlalign train "
-                          f"{' '.join(given)}` compares every policy token of the task's episodes each step, and "
-                          f"`rlalign gate repeatability {' '.join(given)}` checks its runs")
-
-
 def _execute(cmd: str, gate: str | None, overrides: list[str], state: dict) -> int:
     """Run one composed command (state['cfg']); its exit status."""
     cfg = state["cfg"]
@@ -461,11 +448,10 @@ def _execute(cmd: str, gate: str | None, overrides: list[str], state: dict) -> i
         return 0 if passed else 1
     import importlib
 
+    module = importlib.import_module(COMMANDS[cmd])
     if cmd == "agree":
-        _refuse_task_keys(overrides, cfg)
-    if cmd == "train":
-        return importlib.import_module(COMMANDS[cmd]).main(cfg, state)
-    return importlib.import_module(COMMANDS[cmd]).main(cfg)
+        module.refuse_unread_keys(overrides, cfg)
+    return module.main(cfg, state) if cmd == "train" else module.main(cfg)
 
 
 def _multirun(cmd: str, gate: str | None, args: Args, state: dict) -> int:

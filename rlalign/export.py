@@ -4,7 +4,8 @@ transformers (`AutoModelForCausalLM.from_pretrained`), vLLM and rlalign (`model.
     OUT_DIR/config.json                          Qwen3MoeForCausalLM, the run's model arguments and dtype
     OUT_DIR/model-0000i-of-0000n.safetensors     the weights the run sampled with (the model dtype, as
     OUT_DIR/model.safetensors.index.json           trained: not the fp32 masters), experts one by one
-    OUT_DIR/tokenizer.json, ...                  the run's Hugging Face tokenizer files (the built-in char
+    OUT_DIR/tokenizer.json, ...                  the run's Hugging Face tokenizer files, from the copy the
+                                                   checkpoint keeps (step_N/tokenizer; the built-in char
                                                    tokenizer as tokenizer.json + tokenizer_config.json)
 
 The checkpoint's files are checked first (verify: meta.json, every shard's header) and every tensor
@@ -22,6 +23,8 @@ checkpoint or a run (its checkpoints/ directory) always.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -51,6 +54,7 @@ from rlalign.tasks.tokenizer import CharTokenizer
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's customary max_shard_size
 HF_DIR = "hf"  # checkpoint.export_hf=true: RUN_DIR/checkpoints/step_N/hf
+TOKENIZER_DIR = "tokenizer"  # the run's Hugging Face tokenizer files: RUN_DIR/tokenizer, step_N/tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 PREFIX = "model/"  # the checkpoint's compute-dtype weights (rlalign.training.state.checkpoint_state)
@@ -170,17 +174,53 @@ def plan(path: Path, meta: dict, args: ModelArgs, dtype: str, reader: _Reader) -
     return out
 
 
-def tokenizer_files(tokenizer: str | None, scratch: ExitStack) -> tuple[list[Path], str]:
-    """The tokenizer files to copy and a note on what was found; the built-in char tokenizer's written as
-    Hugging Face files into a directory that `scratch` removes."""
+def _files(d: Path) -> list[Path]:
+    return [d / f for f in TOKENIZER_FILES if (d / f).is_file()]
+
+
+def keep_tokenizer(src: str | Path | None, dst: Path) -> None:
+    """`dst` holds a copy of the Hugging Face tokenizer files of directory `src` (TOKENIZER_FILES), in place of
+    what it held, or for `src` None (the built-in char tokenizer, which an export writes out) nothing: it is
+    removed. A `src` without tokenizer files raises FileNotFoundError naming it."""
+    if src is not None and Path(src).resolve() == dst.resolve():  # a run whose tokenizer is its own copy
+        return
+    files = [] if src is None else _files(Path(src))
+    if src is not None and not files:
+        raise FileNotFoundError(f"the tokenizer directory {src} holds none of {', '.join(TOKENIZER_FILES)}")
+    part = dst.with_name(dst.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    if files:
+        part.mkdir(parents=True)
+        for f in files:
+            shutil.copyfile(f, part / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    if files:
+        os.replace(part, dst)
+
+
+def tokenizer_files(checkpoint: Path, tokenizer: str | None, scratch: ExitStack,
+                    given: str | None = None) -> tuple[list[Path], str]:
+    """The tokenizer files to copy and a note on what was found: `given`'s (--tokenizer DIR), else the copy the
+    checkpoint keeps (step_N/tokenizer), else those of the run's tokenizer directory `tokenizer`; the
+    built-in char tokenizer's (`tokenizer` None) written as Hugging Face files into a directory that
+    `scratch` removes. A directory without tokenizer files is an error naming it and --tokenizer."""
+    if given is not None:
+        files = _files(Path(given))
+        if not files:
+            raise FileNotFoundError(f"--tokenizer {given}: holds none of {', '.join(TOKENIZER_FILES)}")
+        return files, f"tokenizer files from {given} (--tokenizer): {', '.join(f.name for f in files)}"
+    kept = _files(checkpoint / TOKENIZER_DIR)
+    if kept:
+        return kept, f"tokenizer files the checkpoint keeps: {', '.join(f.name for f in kept)}"
     if not tokenizer:
         files = CharTokenizer().save_hf(Path(scratch.enter_context(tempfile.TemporaryDirectory())))
         return files, f"the built-in char tokenizer of the run as {', '.join(f.name for f in files)}"
-    d = Path(tokenizer)
-    files = [d / f for f in TOKENIZER_FILES if (d / f).is_file()]
+    files = _files(Path(tokenizer))
     if not files:
-        return [], f"no tokenizer files: the run's tokenizer directory {d} holds none (now)"
-    return files, f"tokenizer files from {d}: {', '.join(f.name for f in files)}"
+        raise FileNotFoundError(f"checkpoint {checkpoint} keeps no copy of its run's tokenizer and the run's tokenizer "
+                                f"directory {tokenizer} holds no tokenizer files now (moved or deleted?); pass "
+                                f"--tokenizer DIR, the directory of that Hugging Face tokenizer")
+    return files, f"tokenizer files from {tokenizer}: {', '.join(f.name for f in files)}"
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -203,9 +243,11 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
-              shard_bytes: int = DEFAULT_SHARD_BYTES, what: str = "rlalign export", note: bool = True) -> dict:
+              shard_bytes: int = DEFAULT_SHARD_BYTES, what: str = "rlalign export", note: bool = True,
+              tokenizer: str | None = None) -> dict:
     """Write the checkpoint's model to `out` as a Hugging Face directory (module docstring); a summary.
-    `note`: say on stderr which tokenizer files come along (a run's exports at each checkpoint do not)."""
+    `note`: say on stderr which tokenizer files come along (a run's exports at each checkpoint do not);
+    `tokenizer`: a directory whose tokenizer files come along instead of the run's (--tokenizer)."""
     checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
     if checkpoint.resolve().is_relative_to(out.resolve()):  # --overwrite would delete what it exports
         what = "is the checkpoint itself" if out.resolve() == checkpoint.resolve() else "holds the checkpoint"
@@ -216,9 +258,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose another directory or pass --overwrite to replace it")
     meta = verify(checkpoint)
-    args, dtype, tokenizer = model_of(checkpoint, meta)
+    args, dtype, runs = model_of(checkpoint, meta)
     with ExitStack() as stack:
-        files, found = tokenizer_files(tokenizer, stack)
+        files, found = tokenizer_files(checkpoint, runs, stack, tokenizer)
         if note:
             print(f"{what}: {found}", file=sys.stderr, flush=True)
         entries = plan(checkpoint, meta, args, dtype, _Reader(checkpoint, meta, stack))
@@ -232,22 +274,32 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
             "tokenizer": [f.name for f in files], "weights_fp": meta.get("weights_fp")}
 
 
-USAGE = """usage: rlalign export CHECKPOINT_DIR OUT_DIR [--overwrite] [--shard-mb N]
+USAGE = """usage: rlalign export CHECKPOINT_DIR OUT_DIR [--overwrite] [--shard-mb N] [--tokenizer DIR]
 
 The model of a checkpoint (RUN_DIR/checkpoints/step_N; RUN_DIR or RUN_DIR/checkpoints: its newest intact one)
 as a Hugging Face directory: config.json, safetensors shards with model.safetensors.index.json, and
-the run's tokenizer files (its Hugging Face tokenizer's, or the built-in char tokenizer's written out).
-transformers' from_pretrained, vLLM and rlalign's model.path=OUT_DIR load it. The weights are the model
-dtype the run sampled with.
-  --overwrite    replace OUT_DIR if it exists (else refused); never a run directory or one holding
-                 the checkpoint
-  --shard-mb N   shards of at most N MB (default 5000)
+the run's tokenizer files (the copy of its Hugging Face tokenizer the checkpoint keeps, or the built-in
+char tokenizer's written out). transformers' from_pretrained, vLLM and rlalign's model.path=OUT_DIR load
+it. The weights are the model dtype the run sampled with.
+  --overwrite      replace OUT_DIR if it exists (else refused); never a run directory or one holding
+                   the checkpoint
+  --shard-mb N     shards of at most N MB (default 5000)
+  --tokenizer DIR  the tokenizer files of DIR instead of the run's (a checkpoint that keeps no copy,
+                   whose run's tokenizer directory has moved)
 exit status: 0 written (the last stdout line is a JSON summary), 2 error"""
 
 
-def parse(argv: list[str]) -> tuple[list[str], bool, int] | None:
-    """(positional, overwrite, shard bytes) or None for --help; ValueError on bad arguments."""
-    pos, overwrite, shard_bytes, i = [], False, DEFAULT_SHARD_BYTES, 0
+def _value(argv: list[str], i: int, a: str) -> tuple[str, int]:
+    """The value of option `a` (`--opt=V`, or `--opt V` at argv[i]) and the index after it."""
+    if "=" in a:
+        return a.split("=", 1)[1], i
+    return (argv[i], i + 1) if i < len(argv) else ("", i)
+
+
+def parse(argv: list[str]) -> tuple[list[str], bool, int, str | None] | None:
+    """(positional, overwrite, shard bytes, tokenizer directory) or None for --help; ValueError on bad
+    arguments."""
+    pos, overwrite, shard_bytes, tokenizer, i = [], False, DEFAULT_SHARD_BYTES, None, 0
     while i < len(argv):
         a, i = argv[i], i + 1
         if a in ("-h", "--help"):
@@ -255,18 +307,21 @@ def parse(argv: list[str]) -> tuple[list[str], bool, int] | None:
         if a == "--overwrite":
             overwrite = True
         elif a == "--shard-mb" or a.startswith("--shard-mb="):
-            v = a.split("=", 1)[1] if "=" in a else (argv[i] if i < len(argv) else "")
-            i += "=" not in a
+            v, i = _value(argv, i, a)
             if not v.isdigit() or int(v) < 1:
                 raise ValueError(f"--shard-mb {v!r}: expected a whole number of MB >= 1")
             shard_bytes = int(v) * 10**6
+        elif a == "--tokenizer" or a.startswith("--tokenizer="):
+            tokenizer, i = _value(argv, i, a)
+            if not tokenizer:
+                raise ValueError("--tokenizer: expected a directory")
         elif a.startswith("-"):
             raise ValueError(f"unknown option {a!r} (rlalign export --help)")
         else:
             pos.append(a)
     if len(pos) != 2:
         raise ValueError(f"expected CHECKPOINT_DIR OUT_DIR, got {len(pos)} argument(s) (rlalign export --help)")
-    return pos, overwrite, shard_bytes
+    return pos, overwrite, shard_bytes, tokenizer
 
 
 def main(argv: list[str]) -> int:
@@ -276,6 +331,6 @@ def main(argv: list[str]) -> int:
     if parsed is None:
         print(USAGE)
         return 0
-    (src, out), overwrite, shard_bytes = parsed
-    print(json_line(export_hf(src, out, overwrite, shard_bytes)), flush=True)
+    (src, out), overwrite, shard_bytes, tokenizer = parsed
+    print(json_line(export_hf(src, out, overwrite, shard_bytes, tokenizer=tokenizer)), flush=True)
     return 0

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign import checkpoint as ckpt
 from rlalign.agent import env_class, episode_limits, stop_token_ids
 from rlalign.config import model_args
-from rlalign.export import model_meta
+from rlalign.export import TOKENIZER_DIR, keep_tokenizer, model_meta
 from rlalign.job import Job
 from rlalign.logger import Phases, RunLogger, json_line, truncate_jsonl
 from rlalign.model import check_hf_dir
@@ -49,7 +49,7 @@ from rlalign.tasks import make_task
 from rlalign.tasks.reward_calls import RewardCall, RewardCaller, RewardError
 from rlalign.tasks.tokenizer import make_tokenizer, observation_encoder, tokenizer_dir
 from rlalign.training.losses import resolve_loss
-from rlalign.training.trainer import checkpoint_nbytes
+from rlalign.training.trainer import checkpoint_nbytes, checkpoint_shapes
 
 __all__ = ["MismatchError", "RewardError", "SyncError", "Stopped", "train", "main"]
 
@@ -126,12 +126,16 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"done (raise run.steps to train further)", file=sys.stderr, flush=True)
             return {**summarize(run_dir, cfg.run.steps, start, {}), "nothing_to_do": True,
                     "sync/weights_fp": ckpt.read_meta(resume).get("weights_fp")}
+        shapes = checkpoint_shapes(cfg) if resume is not None or cfg.checkpoint.enabled else {}
+        if resume is not None:  # a checkpoint of another model fails now, not once the actors have started
+            _check_fits(resume, shapes, run_dir, status)
         saves = Saves(cfg, run_dir, start - 1)
         if cfg.checkpoint.enabled:  # before Ray starts: a checkpoint that cannot fit fails now, not after the steps
-            parts = checkpoint_nbytes(cfg)
+            parts = checkpoint_nbytes(cfg, shapes)
             ckpt.check_space(run_dir, parts, range(start, cfg.run.steps), saves.every, cfg.run.steps,
                              cfg.checkpoint.keep)
             saves.measure(sum(parts.values()))
+            saves.copy_tokenizer()
         if status is not None:
             status["run_dir"] = run_dir
         if resume is not None:
@@ -146,6 +150,19 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
     return summary
 
 
+def _check_fits(resume: Path, shapes: dict, run_dir: Path, status: dict | None) -> None:
+    """The checkpoint to resume from holds every tensor of this config's trainer (`shapes`) in its shape and
+    dtype, checked on the driver before Ray starts (each trainer rank checks its share again as it loads):
+    one of another model is refused in the ranks' words, and the error's line (status['run_dir']) names
+    the model it was written with and the command that resumes it."""
+    try:
+        ckpt.fitting_index(resume, ckpt.read_meta(resume), shapes)
+    except ckpt.CheckpointError:
+        if status is not None:
+            status["run_dir"] = run_dir
+        raise
+
+
 class Saves:
     """The run's checkpoints as the driver sees them: `covered`, the newest step with a checkpoint
     written or being written; `in_flight`, a background save not yet waited for. A save's progress
@@ -158,10 +175,21 @@ class Saves:
         self.every = ckpt.checkpoint_every(cfg.checkpoint.every, cfg.run.steps)
         self.in_flight: int | None = None
         self.nbytes, self.save_s = 0, 0.0  # the checkpoint's size and its estimated write time (measure())
-        # meta.json records the model, so that `rlalign export` needs nothing but the checkpoint
-        tokenizer = tokenizer_dir(cfg.task.tokenizer, cfg.model.path)
-        self.model = model_meta(model_args(cfg), cfg.model.dtype, tokenizer) if cfg.checkpoint.enabled else {}
+        # meta.json records the model and each checkpoint keeps the tokenizer's files (copy_tokenizer), so that
+        # `rlalign export` needs nothing but the checkpoint
+        self.tokenizer = tokenizer_dir(cfg.task.tokenizer, cfg.model.path)
+        self.model = model_meta(model_args(cfg), cfg.model.dtype, self.tokenizer) if cfg.checkpoint.enabled else {}
+        self.kept: Path | None = None  # RUN_DIR/tokenizer once copy_tokenizer() has copied it there
         self._watch = None
+
+    def copy_tokenizer(self) -> None:
+        """RUN_DIR/tokenizer: a copy of the run's Hugging Face tokenizer files, which each checkpoint then
+        keeps (step_N/tokenizer), made once at the start and read by the trainer rank that publishes a
+        checkpoint (the run dir is shared storage); none for the built-in char tokenizer, which an export
+        writes out."""
+        d = self.run_dir / TOKENIZER_DIR
+        keep_tokenizer(self.tokenizer, d)
+        self.kept = d.resolve() if self.tokenizer is not None else None
 
     def measure(self, nbytes: int) -> None:
         """The write rate of run.dir's checkpoints directory (a probe file, removed): the estimated
@@ -184,7 +212,7 @@ class Saves:
         tmp = ckpt.tmp_path(self.run_dir, step)
         tmp.parent.mkdir(parents=True, exist_ok=True)
         publish = {"run_dir": str(self.run_dir.resolve()), "step": step, "keep": self.cfg.checkpoint.keep,
-                   "export_hf": self.cfg.checkpoint.export_hf,
+                   "export_hf": self.cfg.checkpoint.export_hf, "tokenizer": str(self.kept) if self.kept else None,
                    "meta": {"data_position": step + 1, "weights_fp": weights_fp, **self.model}}
         self.close()
         self._watch = ckpt.SaveWatch(self.run_dir, step, self.nbytes)

@@ -45,7 +45,7 @@ LOCK = ".rlalign.lock"
 SEGMENTS = "segments.jsonl"
 # what a run writes into its directory besides the lock: run.overwrite=true deletes these and nothing else
 RUN_FILES = ("metrics.jsonl", SEGMENTS, "config.yaml", "divergence.jsonl", ".wandb_id")
-RUN_DIRS = ("checkpoints", "traces", "report", "wandb")
+RUN_DIRS = ("checkpoints", "traces", "report", "wandb", "tokenizer")
 RUN_DIR_GLOBS = ("mismatch-step*",)
 
 

@@ -232,6 +232,29 @@ def test_agree_refuses_a_task_it_would_not_read(capsys, monkeypatch, task):
     assert rc == 0 and len(ran) == 1 and "task key" not in err
 
 
+@pytest.mark.parametrize("key, instead", [
+    ("run.dir=/elsewhere", "it writes no run directory: its result is the last stdout line, one JSON object"),
+    ("hydra.run.dir=/elsewhere", "it writes no run directory"),  # read as run.dir=/elsewhere
+    ("run.steps=3", "agree.num_prompts sizes its one batch"),
+    ("checkpoint.resume=auto", "`rlalign export CHECKPOINT_DIR OUT_DIR`, then `rlalign agree model.path=OUT_DIR`"),
+    ("+checkpoint.every=1", "it checks the weights of model.path"),
+])
+def test_agree_refuses_a_run_or_checkpoint_key_it_would_not_read(capsys, monkeypatch, key, instead):
+    ran = []
+    monkeypatch.setattr("rlalign.agree.main", lambda cfg: ran.append(cfg) or 0)
+    rc, out, err = _run(capsys, "agree", key)
+    given = key.removeprefix("hydra.")
+    section = given.lstrip("+").split(".")[0]
+    line = _one_error_line(err, "agree")
+    assert rc == 2 and not ran and line.startswith(f"rlalign agree: error: {given}: rlalign agree reads no "
+                                                   f"{section}.* key (") and instead in line
+    # twin: seed, which agree reads (its prompts and sampling), reaches the command; so does the key in train
+    rc, out, err = _run(capsys, "agree", "seed=3", "agree.num_prompts=2")
+    assert rc == 0 and [cfg.seed for cfg in ran] == [3] and not err
+    rc, out, err = _run(capsys, "train", "--cfg", "job", key)
+    assert rc == 0 and not err
+
+
 def _interrupt_after(run_dir, steps_with_meta, steps_without=()):
     def body(cfg, status=None):
         for s in (*steps_with_meta, *steps_without):

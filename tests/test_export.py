@@ -212,6 +212,53 @@ def test_the_runs_tokenizer_files_come_along(trained, tmp_path, capsys):
     assert loaded.encode("a:b", add_special_tokens=False) == [2, 12, 3]
 
 
+def test_a_checkpoint_keeps_its_runs_tokenizer_and_exports_it_once_that_directory_is_gone(trained, tmp_path, capsys):
+    import shutil
+
+    from rlalign.export import keep_tokenizer
+
+    tr, cfg = trained
+    tok, run = _tokenizer_dir(tmp_path / "tok"), tmp_path / "run"
+    keep_tokenizer(tok, run / "tokenizer")  # what `rlalign train` keeps at its start (rl.Saves.copy_tokenizer)
+    ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(run, 0))
+    meta = {"data_position": 1, "weights_fp": "-", **model_meta(model_args(cfg), cfg.model.dtype, str(tok))}
+    path = ckpt.complete(run, 0, meta, keep=0, tokenizer=str(run / "tokenizer"))
+    assert ckpt.verify(path, tensors=True)["step"] == 0  # the copy beside the shards leaves the checkpoint intact
+    shutil.rmtree(tok)
+    shutil.rmtree(run / "tokenizer")
+    capsys.readouterr()
+    assert "tokenizer.json" in export_hf(path, tmp_path / "hf")["tokenizer"]
+    assert "tokenizer files the checkpoint keeps: tokenizer.json" in capsys.readouterr().err
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded.encode("a:b", add_special_tokens=False) == [2, 12, 3]
+    # twin: a checkpoint that keeps no copy, its run's tokenizer directory gone: refused naming it and the flag
+    old = _save(tr, cfg, tmp_path / "old", tokenizer=str(tok))
+    assert cli.main(["export", str(old), str(tmp_path / "hf2")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rlalign export: error: checkpoint {old} keeps no copy of its run's tokenizer and the run's tokenizer "
+        f"directory {tok} holds no tokenizer files now (moved or deleted?); pass --tokenizer DIR, the directory of "
+        f"that Hugging Face tokenizer"]
+    assert not (tmp_path / "hf2").exists()
+    assert cli.main(["export", str(old), str(tmp_path / "hf2"), f"--tokenizer={path / 'tokenizer'}"]) == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf2").encode("a:b", add_special_tokens=False) == [
+        2, 12, 3]
+
+
+def test_a_run_keeps_its_hf_tokenizer_in_the_run_dir_and_a_char_tokenizer_run_none(tmp_path):
+    from rlalign.export import TOKENIZER_FILES
+    from rlalign.rl import Saves
+
+    tok, run = _tokenizer_dir(tmp_path / "tok"), tmp_path / "run"
+    saves = Saves(load_config([f"task.tokenizer={tok}"]), run, -1)
+    saves.copy_tokenizer()
+    want = sorted(f for f in os.listdir(tok) if f in TOKENIZER_FILES)
+    assert "tokenizer.json" in want and sorted(os.listdir(run / "tokenizer")) == want
+    assert saves.kept == (run / "tokenizer").resolve() and saves.model["tokenizer"] == str(tok.resolve())
+    saves = Saves(load_config([]), run, -1)  # twin: a later start with the char tokenizer keeps no HF copy
+    saves.copy_tokenizer()
+    assert saves.kept is None and not (run / "tokenizer").exists() and os.listdir(run) == []
+
+
 def test_a_char_tokenizer_run_exports_that_tokenizer_which_transformers_loads_with_our_ids(trained, tmp_path, capsys):
     from rlalign.tasks.tokenizer import CharTokenizer
 

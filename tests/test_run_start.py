@@ -96,6 +96,44 @@ def test_twins_a_fresh_dir_and_run_overwrite_true_run_and_overwrite_deletes_only
     assert [json.loads(ln)["config"]["run"]["steps"] for ln in (d / "segments.jsonl").read_text().splitlines()] == [2]
 
 
+def _checkpointed_run(d, overrides):
+    """A run dir as a run of `overrides` leaves it after step 1: its segment and a checkpoint of its trainer."""
+    from omegaconf import OmegaConf
+
+    from rlalign import kernels
+    from rlalign.config import model_args
+    from rlalign.export import model_meta
+    from rlalign.rundir import record_segment
+    from rlalign.training.trainer import Trainer
+
+    cfg = load_config(overrides)
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
+    d.mkdir()
+    record_segment(d, 0, None, OmegaConf.to_container(cfg, resolve=True), "")
+    ckpt.save_shards(Trainer(cfg, None).checkpoint_state(), ckpt.tmp_path(d, 1))
+    meta = {"data_position": 2, "weights_fp": "-", **model_meta(model_args(cfg), cfg.model.dtype, None)}
+    return ckpt.complete(d, 1, meta, keep=0)
+
+
+def test_a_resume_from_a_checkpoint_of_another_model_is_refused_before_ray_with_the_resume_hint(tmp_path, capsys,
+                                                                                                 no_run):
+    d = tmp_path / "run"
+    path = _checkpointed_run(d, ["run.steps=2"])
+    rc = cli.main(["train", f"run.dir={d}", "model.hidden_size=48", "checkpoint.resume=auto", "run.steps=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [  # the ranks' words (without a rank: the whole trainer), then the resume hint
+        f"rlalign train: error: checkpoint {path} does not fit this run's model or config: tensor "
+        f"'model/model.embed_tokens.weight' is BF16[64, 64] in shard-00001-model-00001-of-00001.safetensors, the "
+        f"trainer holds BF16[64, 48]; it holds a model of hidden_size=64, num_hidden_layers=2, num_experts=8, "
+        f"moe_intermediate_size=64, vocab_size=64 (its meta.json); last complete checkpoint: {path}, written with "
+        f"model.hidden_size=64, which this start changes (segments.jsonl); resume with: rlalign train "
+        f"run.steps=3 model.hidden_size=64 run.dir={d} checkpoint.resume=auto; or start afresh in another run.dir"]
+    assert len((d / "segments.jsonl").read_text().splitlines()) == 1  # the refused start recorded no segment
+    # twin: the checkpoint's own model resumes (on to the steps, which no_run replaces)
+    assert cli.main(["train", f"run.dir={d}", "checkpoint.resume=auto", "run.steps=3"]) == 0
+    assert f"rlalign train: resumed from {path} (step 1)" in capsys.readouterr().err
+
+
 def test_logger_wandb_without_wandb_is_refused_before_the_run_dir_naming_the_extra(tmp_path, capsys, no_run,
                                                                                    monkeypatch):
     import importlib.util

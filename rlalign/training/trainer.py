@@ -258,13 +258,17 @@ class Trainer:
         return full_state_dict(self.model, self.group)
 
 
-def checkpoint_nbytes(cfg) -> dict[str, int]:
-    """The bytes of a checkpoint of this config by part ('bfloat16 weights', 'fp32 masters', 'AdamW
-    moments', 'AdamW steps'): checkpoint_state() of a trainer built on the meta device (shapes, no
+def checkpoint_shapes(cfg) -> dict[str, torch.Tensor]:
+    """checkpoint_state() of a trainer of this config built on the meta device (shapes and dtypes, no
     memory), whose keys are the same at every EP size and dense sharding, so the union over ranks."""
-    tr = Trainer(OmegaConf.merge(cfg, {"device": "meta"}))
+    return Trainer(OmegaConf.merge(cfg, {"device": "meta"})).checkpoint_state()
+
+
+def checkpoint_nbytes(cfg, shapes: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+    """The bytes of a checkpoint of this config by part ('bfloat16 weights', 'fp32 masters', 'AdamW
+    moments', 'AdamW steps'), from checkpoint_shapes(cfg) (`shapes`: those, built already)."""
     parts = {f"{cfg.model.dtype} weights": 0, "fp32 masters": 0, "AdamW moments": 0, "AdamW steps": 0}
-    for key, t in tr.checkpoint_state().items():
+    for key, t in (checkpoint_shapes(cfg) if shapes is None else shapes).items():
         part = ("AdamW steps" if key.endswith("/step") else "AdamW moments") if key.startswith("optim/") else (
             "fp32 masters" if key.startswith("master/") else f"{cfg.model.dtype} weights")
         parts[part] += t.numel() * t.element_size()
