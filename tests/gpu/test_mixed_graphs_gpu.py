@@ -100,7 +100,8 @@ def test_replayed_episodes_equal_the_trainers_rescoring(model):
 def test_a_call_whose_first_step_replays_keeps_its_graphs_twin_a_host_rope_table_recaptures():
     """A model moved to CUDA after it was built keeps its rope table on the host until a step reads it;
     a call whose first step (8 short prompts) replays a graph moves it first, so the graphs it captures
-    are valid in the next call. Twin: the table put back on the host moves again: captured again."""
+    are valid in the next call. Twin: the table put back on the host moves again, to another address
+    (the old device table is held, so the allocator cannot hand its block back): captured again."""
     model = build_model(ModelArgs(**ARGS), "bfloat16", seed=0).cuda()
     prompts, ids = [[3 + i] * (1 + i % 5) for i in range(8)], list(range(8))
     with kernels.use(mode="deterministic", backend="triton"):
@@ -110,6 +111,8 @@ def test_a_call_whose_first_step_replays_keeps_its_graphs_twin_a_host_rope_table
         assert engine.stats["graph_steps"] == engine.stats["steps"] and n > 0
         again = engine.generate(prompts, ids, PARAMS)
         assert g.captures == n and same_rollouts(first, again)
-        model._rope_table = tuple(t.cpu() for t in model._rope_table)
-        engine.generate(prompts, ids, PARAMS)
-        assert g.captures > n
+        held = model._rope_table
+        model._rope_table = tuple(t.cpu() for t in held)
+        moved = engine.generate(prompts, ids, PARAMS)
+        assert g.captures > n and model._rope_table[0].data_ptr() != held[0].data_ptr()
+        assert same_rollouts(first, moved)
