@@ -3,7 +3,10 @@ policy tokens/s of --episodes episodes of --turns turns x --tokens-per-turn toke
 continuation: rlalign.agent's EpisodeDriver runs a scripted environment in worker threads (an EnvPool per
 side, kept across its calls as a generator rank keeps it across steps), each answer
 after a latency drawn from --env-latency-ms, then an observation of --obs-tokens tokens is prefilled onto
-the episode's KV pages) over the same prompts as single-turn rollouts of turns x tokens-per-turn tokens;
+the episode's KV pages) against single-turn rollouts of turns x tokens-per-turn tokens from the same prompts
+each followed by the observations' (turns - 1) x obs-tokens tokens: as many tokens an episode, prompt,
+observations and policy tokens, as issue 44 compares (the same prompts alone, fewer tokens in all, are the side
+singleturn_same_prompts);
 and every policy token's generator logprob against the trainer's rescoring of the whole episode
 (rlalign.training.scoring.score_micro_batch), bit for bit: mismatched_tokens.
 
@@ -80,6 +83,18 @@ def scripted_env(latency_ms: tuple[float, float], obs_tokens: int, vocab_size: i
 def _captures(eng: NativeEngine) -> int:
     graphs = eng.state.graphs if eng.state is not None else None
     return graphs.captures if graphs is not None else 0
+
+
+def make_prompts(a: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The episodes' prompts (seeded random, --prompt-len tokens), and the same prompts each followed by
+    (turns - 1) x obs-tokens more: single-turn episodes of those hold as many tokens as a multi-turn
+    episode (prompt, observations, policy tokens)."""
+    lo, hi = (int(x) for x in a.prompt_len.split(","))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, vocab_size, (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(a.episodes)]
+    extra = (a.turns - 1) * a.obs_tokens
+    return prompts, [p + torch.randint(2, vocab_size, (extra,), generator=g).tolist() for p in prompts]
 
 
 def sync(device: str) -> None:
@@ -171,11 +186,9 @@ def main() -> None:
     kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
     args = model_args(cfg)
     model = model_from_config(cfg)
-    lo, hi = (int(x) for x in a.prompt_len.split(","))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, args.vocab_size, (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(a.episodes)]
+    prompts, longer = make_prompts(a, args.vocab_size)
     n = a.tokens_per_turn
+    hi = int(a.prompt_len.split(",")[-1])
     single = SamplingParams(max_new_tokens=a.turns * n, eos_token_id=None, seed=7)
     per_turn = SamplingParams(max_new_tokens=n, eos_token_id=None, seed=7)
     context = hi + a.turns * n + (a.turns - 1) * a.obs_tokens + 1
@@ -190,18 +203,20 @@ def main() -> None:
     instant_cls = scripted_env((0.0, 0.0), a.obs_tokens, args.vocab_size)
     ids = list(range(len(prompts)))
     pools = [EnvPool(a.env_workers), EnvPool(a.env_workers)]  # per side, across its calls (as a generator rank's)
-    sides = {"singleturn": (single, None),
-             "multiturn": (per_turn, lambda: EpisodeDriver(env_cls, IdText(), examples, prompts, ids, 0, limits,
-                                                           pool=pools[0])),
-             "multiturn_instant_env": (per_turn, lambda: EpisodeDriver(instant_cls, IdText(), examples, prompts, ids,
-                                                                       0, limits, pool=pools[1]))}
+    sides = {"singleturn": (longer, single, None),
+             "singleturn_same_prompts": (prompts, single, None),
+             "multiturn": (prompts, per_turn, lambda: EpisodeDriver(env_cls, IdText(), examples, prompts, ids, 0,
+                                                                    limits, pool=pools[0])),
+             "multiturn_instant_env": (prompts, per_turn, lambda: EpisodeDriver(instant_cls, IdText(), examples,
+                                                                                prompts, ids, 0, limits,
+                                                                                pool=pools[1]))}
     eng = NativeEngine(model, keys_of(EngineConfig, cfg.generator))
-    for params, make in sides.values():  # warm-up: compilations and graph captures of every shape
-        timed_call(eng, prompts, params, a.device, make)
+    for side_prompts, params, make in sides.values():  # warm-up: compilations and graph captures of every shape
+        timed_call(eng, side_prompts, params, a.device, make)
     calls = {side: [] for side in sides}
     for _ in range(a.calls):
-        for side, (params, make) in sides.items():
-            calls[side].append(timed_call(eng, prompts, params, a.device, make))
+        for side, (side_prompts, params, make) in sides.items():
+            calls[side].append(timed_call(eng, side_prompts, params, a.device, make))
         print("  ".join(f"{side} {c[-1]['seconds']:.3f} s" for side, c in calls.items()),
               f"(engine waited {calls['multiturn'][-1]['env_wait_s']:.3f} s)", flush=True)
     res = {side: side_numbers(c) for side, c in calls.items()}
@@ -210,6 +225,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
     summary = {"gpu": gpu, "multiturn_over_singleturn_tok_s": m["tokens_per_s"] / s["tokens_per_s"],
                "mismatched_tokens": bad, "policy_tokens_compared": total,
+               "multiturn_over_singleturn_same_prompts_tok_s":
+                   m["tokens_per_s"] / res["singleturn_same_prompts"]["tokens_per_s"],
                "singleturn_tok_s": s["tokens_per_s"], "multiturn_tok_s": m["tokens_per_s"],
                "turns_mean": m["turns_mean"], "env_s": m["env_s"], "env_wait_s": m["env_wait_s"],
                "env_wait_frac": m["env_wait_s"] / m["seconds"],
@@ -221,8 +238,10 @@ def main() -> None:
     machine = "cpu" if not cuda else gpu.split()[-1].lower()
     name = a.name or f"multiturn_{a.model}_{machine}"
     shows = (f"{a.model} on {gpu}: {a.episodes} episodes x {a.turns} turns x {n} tokens (observations of "
-             f"{a.obs_tokens} tokens, environment latency {a.env_latency_ms} ms, {a.env_workers} workers) vs the "
-             "same prompts single-turn: {multiturn_over_singleturn_tok_s:.2f}x the tokens/s "
+             f"{a.obs_tokens} tokens, environment latency {a.env_latency_ms} ms, {a.env_workers} workers) vs "
+             "single-turn episodes of the same total tokens (each prompt longer by the observations' tokens): "
+             "{multiturn_over_singleturn_tok_s:.2f}x the tokens/s (the same prompts single-turn, "
+             "{multiturn_over_singleturn_same_prompts_tok_s:.2f}x: fewer tokens in all) "
              "({multiturn_over_singleturn_without_env_wait:.2f}x without the engine's wait on environments, "
              "{env_wait_frac:.0%} of the call; {engine_steps_multi_over_single:.2f}x the engine steps at "
              "{seconds_per_step_multi_over_single:.2f}x the seconds a step; an instant environment "
