@@ -77,6 +77,7 @@ class Job:
         check_nodes(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g}, inputs)
         cfg_dict = ship(OmegaConf.to_container(cfg, resolve=True), inputs)
         cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())
+        self.algorithm = cfg_dict["algorithm"]  # each train_step's, as the ranks read it (algorithm.loss shipped)
         phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement)
         phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} engine)")
@@ -124,9 +125,8 @@ class Job:
     def train(self, samples: list[Sample], step: int, leave_free: int = 0) -> TrainResult:
         """One update of the trainer group on the whole step (each rank runs its share of the fixed
         micro-batch partition); `leave_free`: bytes a shared GPU keeps for the generator."""
-        alg = OmegaConf.to_container(self.cfg.algorithm, resolve=True)
         self.trainer_step = step
-        outs = self.trainers.call("train_step", samples, alg, step, leave_free)
+        outs = self.trainers.call("train_step", samples, self.algorithm, step, leave_free)
         lps = {i: lp for o in outs for i, lp in o.logprobs.items()}
         stats: dict[str, float] = {}
         for _, st in sorted((rec for o in outs for rec in o.stats), key=lambda rec: rec[0]):

@@ -115,17 +115,26 @@ def test_default_kernels_train_report_mismatch_and_corrections(default_kernels):
     assert rows[0]["tis/weight_max"] != 1.0 or rows[0]["tis/weight_min"] != 1.0
 
 
-def test_a_user_loss_trains_at_trainer_ep_2_and_the_step_logs_its_metrics(tmp_path):
-    """algorithm.loss from a file (the trainer actors import it there): GSPO plus a metric of its own,
-    whose micro-batch values the driver sums over both trainer ranks; the built-in metrics it passes on
-    are logged too, and none that it does not return."""
+def test_a_user_loss_trains_at_trainer_ep_2_and_the_step_logs_its_metrics(tmp_path, monkeypatch):
+    """algorithm.loss from a file given relative to the driver's working directory, which is not the
+    ranks' (the trainer actors import it at its absolute path): GSPO plus a metric of its own, whose
+    micro-batch values the driver sums over both trainer ranks; the built-in metrics it passes on are
+    logged too, and none that it does not return."""
+    import ray
+
+    from rlalign import cluster
+
+    cluster.disconnect(cluster.connect())  # Ray up (its workers' working directory) before the chdir
     (tmp_path / "my_loss.py").write_text(
         "from rlalign.training.losses import gspo_loss\n\n"
         "def loss(batch, alg):\n"
         "    value, metrics = gspo_loss(batch, alg)\n"
         "    return value, {**metrics, 'mine/sequences': float(len(batch.lengths))}\n")
-    train(load_config([*SMALL, "run.steps=1", f"run.dir={tmp_path / 'run'}", "algorithm=gspo", "algorithm.name=gspo+",
-                       f"algorithm.loss={tmp_path / 'my_loss.py'}:loss", "checkpoint.enabled=false"]))
+    monkeypatch.chdir(tmp_path)
+    # twin: a rank does not see the relative path itself
+    assert not ray.get(ray.remote(num_cpus=0)(lambda: Path("my_loss.py").exists()).remote())
+    train(load_config([*SMALL, "run.steps=1", "run.dir=run", "algorithm=gspo", "algorithm.name=gspo+",
+                       "algorithm.loss=my_loss.py:loss", "checkpoint.enabled=false"]))
     row = _rows(tmp_path / "run")[0]
     assert row["mine/sequences"] == 16.0 and row["consistency/mismatched_tokens"] == 0
     assert row["actor/ratio_mean"] == 1.0 and "actor/pg_loss" in row and "kl/ref_k3" not in row
