@@ -9,8 +9,8 @@ task.env's and algorithm.loss's file or module, task.tokenizer (for task.env's o
 A node-pinned Ray task per node reads a token file the driver wrote under the run dir and writes
 one back, and looks for each input; the driver reads those. Object storage (s3://...) is not a run dir.
 A rank's working directory is its node's, not the driver's: the ranks get the inputs' absolute paths
-(RankInput.shipped), and a module the driver imports from its own working directory must be
-installed (or on PYTHONPATH) on every node.
+(RankInput.shipped). A rank imports a module from its node's packages and PYTHONPATH and from the
+driver's working directory, which Ray puts on every worker's sys.path: as its path reads on the node.
 """
 
 from __future__ import annotations
@@ -124,9 +124,11 @@ def _refusal(what: str, why: str, run_dir: Path, inputs: dict[str, RankInput], a
                               "shared volume)")
     inp = inputs[what]
     if inp.kind == "module":
-        return NodeCheckError(f"{what}={inp.shipped}: node {address} {why} (a rank imports from its node's "
-                              "working directory, not the driver's); install it on every node (or put it on "
-                              f"PYTHONPATH there), or give its file on shared storage: {what}=/path/to/file.py:NAME")
+        cwd = os.getcwd()  # Ray puts the driver's working directory on every rank's sys.path
+        return NodeCheckError(f"{what}={inp.shipped}: node {address} {why} (a rank imports from its node's packages "
+                              f"and PYTHONPATH and from the driver's working directory {cwd} as that node sees it); "
+                              "install it on every node, or run from a directory that every node mounts at the same "
+                              "path")
     return NodeCheckError(f"{what}={inp.shipped}: node {address} {why}; put it on a file system that every node "
                           "and the driver mount at the same path (NFS, Lustre, a shared volume)")
 

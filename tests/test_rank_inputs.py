@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlalign.actors.probe import _missing, _probe, rank_inputs, ship
+from rlalign.actors.probe import RankInput, _missing, _probe, _refusal, rank_inputs, ship
 from rlalign.config import load_config
 
 
@@ -53,3 +53,17 @@ def test_the_probe_checks_the_run_dir_before_the_inputs(tmp_path):
     assert _probe(str(tmp_path), "token", "n1", {}) is None and (tmp_path / "node-n1").read_text() == "token"
     assert _probe(str(tmp_path), "token", "n1", missing) == ("model.path", f"does not see {tmp_path / 'model'}")
     assert _probe(str(tmp_path), "other", "n1", missing) == ("run.dir", "reads another run's probe file there")
+
+
+def test_a_module_a_node_cannot_import_is_named_with_where_a_rank_looks(tmp_path, monkeypatch):
+    inputs = _inputs(tmp_path, monkeypatch, "task=guess", "task.env=myenvs.env:MyEnv")
+    line = str(_refusal("task.env", "has no module named 'myenvs'", tmp_path / "run", inputs, "10.0.0.2"))
+    assert line == ("task.env=myenvs.env:MyEnv: node 10.0.0.2 has no module named 'myenvs' (a rank imports from its "
+                    f"node's packages and PYTHONPATH and from the driver's working directory {tmp_path} as that node "
+                    "sees it); install it on every node, or run from a directory that every node mounts at the same "
+                    "path")
+    # twin: a path the node does not see is a matter of shared storage, not of imports
+    inputs["model.path"] = RankInput("path", str(tmp_path / "m"), str(tmp_path / "m"))
+    line = str(_refusal("model.path", f"does not see {tmp_path / 'm'}", tmp_path / "run", inputs, "10.0.0.2"))
+    assert line.startswith(f"model.path={tmp_path / 'm'}: node 10.0.0.2 does not see {tmp_path / 'm'}; put it on a "
+                           "file system") and "imports" not in line
