@@ -408,6 +408,26 @@ def test_negative_twin_a_resumed_trace_with_perturbed_weights_differs_where_they
     assert not ok and "first difference at record 9" in text and "B: step 1 rank 0 weights/b float32[4]" in text
 
 
+def test_a_resumed_trace_of_another_shard_shape_replaces_the_held_records_without_a_warning(tmp_path):
+    """Resumed at another generator EP size, a rank's expert weights are another shard (another shape):
+    replaced silently; the twin above (same shape, other bits) warns."""
+    import warnings
+
+    from rlalign.monitor.trace import Trace
+
+    _uninterrupted(tmp_path / "full.jsonl")
+    _interrupted(tmp_path / "part.jsonl")
+    tr = Trace(tmp_path / "part.jsonl", "generator", 0, {"seed": 0}, 2)
+    tr.step = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr.record_state("weights", {**_weights(1), "b": _weights(1)["b"][:2]})
+        tr.close()
+    assert tr.replaced == ["weights/b"]
+    held = [r for r in read_trace(tmp_path / "part.jsonl")[1] if r["name"] == "weights/b" and r["step"] == 1]
+    assert [r["shape"] for r in held] == [[2]]
+
+
 def test_a_trace_resumed_into_a_new_run_dir_compares_from_its_start(tmp_path):
     _uninterrupted(tmp_path / "full.jsonl")
     _resume(tmp_path / "fresh.jsonl", 2)

@@ -296,10 +296,13 @@ class Trace:
         self.path.write_text("".join(ln + "\n" for ln in lines))
         self._f = self.path.open("a")
         recs = [self._pending[no] for no in sorted(self._pending)]
-        first, old = recs[0], olds[min(self._pending)]
-        warnings.warn(f"{self.path}: the resumed run re-recorded {len(recs)} record(s) of step {first['step']} "
-                      f"differently from the trace, first {first['name']} (fingerprint {first['fp']}, the trace held "
-                      f"{old['fp']}); the trace now holds what this run recorded", stacklevel=3)
+        # a re-record of another shape is another shard (the run resumed at another EP size): no warning
+        changed = [no for no in sorted(self._pending) if _layout(olds[no]) == _layout(self._pending[no])]
+        if changed:
+            first, old = self._pending[changed[0]], olds[changed[0]]
+            warnings.warn(f"{self.path}: the resumed run re-recorded {len(changed)} record(s) of step {first['step']} "
+                          f"differently from the trace, first {first['name']} (fingerprint {first['fp']}, the trace "
+                          f"held {old['fp']}); the trace now holds what this run recorded", stacklevel=3)
         self.replaced += [r["name"] for r in recs]
         self._pending = {}
 
@@ -327,6 +330,12 @@ class Trace:
         finally:
             self._f.close()
             self._writer.shutdown()
+
+
+def _layout(rec: dict) -> dict:
+    """A record without its fingerprints (a row record: their count)."""
+    out = {k: v for k, v in rec.items() if k not in ("fp", "fps")}
+    return {**out, "rows": len(rec["fps"])} if isinstance(rec.get("fps"), list) else out
 
 
 def _history(path: Path, start_step: int) -> list[str]:
