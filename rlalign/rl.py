@@ -359,6 +359,9 @@ class _Run:
                 if self.saves.covered >= k:
                     self.doing = f"while waiting for the checkpoint of step {k} being written"
                     done = ckpt.published(self.run_dir, k) or self.saves.wait_on_disk(None)
+                    if done is not None:  # complete: what may outlast the grace now is the prune after it
+                        self.doing = (f"while removing the checkpoints before step {k} (checkpoint.keep="
+                                      f"{self.cfg.checkpoint.keep}), the checkpoint of step {k} complete")
                     self.saves.wait_pruned()
                     if done is None:
                         return stop.stopped(f"during step {k + 1}: the checkpoint of step {k} could not be written")

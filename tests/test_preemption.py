@@ -157,3 +157,37 @@ def test_a_stop_plan_cuts_the_step_at_once_or_lets_it_finish():
             os.kill(os.getpid(), signal.SIGINT)  # a second one: abandon at once
         assert stop.abandoned
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_a_grace_that_ends_in_the_prune_after_a_complete_checkpoint_says_so(tmp_path, monkeypatch, published):
+    """SIGTERM while the checkpoint of step k is written: the write ends, then the prune of the older
+    ones outlasts run.stop_grace_s. The line says the checkpoint is complete and the prune was cut;
+    twin: a write that never completes is still named as the wait that was cut."""
+    from omegaconf import OmegaConf
+
+    from rlalign import rl
+    from rlalign.stop import StopSignals
+
+    class Saves:
+        covered = 3
+
+        def wait_on_disk(self, _):
+            return tmp_path / "step_000003" if published else None
+
+        def wait_pruned(self):
+            stop.abandoned = True
+            raise KeyboardInterrupt  # the grace period ends here
+
+    stop = StopSignals([], grace_s=20)
+    stop.signum, stop.cut = signal.SIGTERM, True
+    run = rl._Run.__new__(rl._Run)
+    run.stop, run.done, run.start, run.run_dir, run.saves = stop, 3, 0, tmp_path, Saves()
+    run.cfg = OmegaConf.create({"checkpoint": {"enabled": True, "keep": 1}})
+    monkeypatch.setattr(rl.ckpt, "published", lambda *a: None)
+    what = run._stopped_now().what
+    if published:
+        assert what.startswith("while removing the checkpoints before step 3 (checkpoint.keep=1), the checkpoint "
+                               "of step 3 complete (abandoned: not done within run.stop_grace_s=20 s"), what
+    else:
+        assert what.startswith("while waiting for the checkpoint of step 3 being written (abandoned"), what
