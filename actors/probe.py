@@ -42,22 +42,24 @@ class NodeCheckError(ClusterError):
 @dataclass(frozen=True)
 class RankInput:
     """A file, directory or module the ranks read, named by its config key: `target` is the path
-    (absolute) or the module's name, `shipped` the config value the ranks get."""
+    (absolute) or the module's name, `shipped` the config value the ranks get, `groups` the actor
+    groups whose ranks read it."""
     kind: str  # "path" | "module"
     target: str
     shipped: str
+    groups: tuple[str, ...] = ("trainer", "generator")
 
 
-def _spec_input(spec: str) -> RankInput | None:
-    """'pkg.module:Name' (a module) or 'path/to/file.py:Name' (a file, made absolute); None for a
-    built-in's bare name."""
+def _spec_input(spec: str, group: str) -> RankInput | None:
+    """'pkg.module:Name' (a module) or 'path/to/file.py:Name' (a file, made absolute), read by the ranks
+    of `group`; None for a built-in's bare name."""
     mod, sep, attr = spec.rpartition(":")
     if not sep or not mod:
         return None
     if not mod.endswith(".py"):
-        return RankInput("module", mod, spec)
+        return RankInput("module", mod, spec, (group,))
     path = str(Path(mod).expanduser().resolve())
-    return RankInput("path", path, f"{path}:{attr}")
+    return RankInput("path", path, f"{path}:{attr}", (group,))
 
 
 def rank_inputs(cfg: Any) -> dict[str, RankInput]:
@@ -67,12 +69,12 @@ def rank_inputs(cfg: Any) -> dict[str, RankInput]:
         path = str(Path(cfg.model.path).expanduser().resolve())
         out["model.path"] = RankInput("path", path, path)
     if cfg.task.env:  # the generator ranks run the episodes and tokenize their observations
-        out["task.env"] = _spec_input(cfg.task.env)
+        out["task.env"] = _spec_input(cfg.task.env, "generator")
         if cfg.task.tokenizer and cfg.task.tokenizer != "char":
             path = str(Path(cfg.task.tokenizer).expanduser().resolve())
-            out["task.tokenizer"] = RankInput("path", path, path)
+            out["task.tokenizer"] = RankInput("path", path, path, ("generator",))
     if cfg.algorithm.loss:
-        out["algorithm.loss"] = _spec_input(cfg.algorithm.loss)
+        out["algorithm.loss"] = _spec_input(cfg.algorithm.loss, "trainer")
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -133,20 +135,25 @@ def _refusal(what: str, why: str, run_dir: Path, inputs: dict[str, RankInput], a
                           "and the driver mount at the same path (NFS, Lustre, a shared volume)")
 
 
-def check_nodes(run_dir: Path, nodes: set[Node], inputs: dict[str, RankInput]) -> None:
-    """Every node in `nodes` imports rlalign, shares `run_dir` with the driver and sees each input;
-    NodeCheckError (one line, naming the node and what it lacks) otherwise."""
+def _wanted(inputs: dict[str, RankInput], groups: set[str]) -> dict[str, tuple[str, str]]:
+    """What a node hosting ranks of `groups` must see: {key: (kind, target)}."""
+    return {k: (v.kind, v.target) for k, v in inputs.items() if groups & set(v.groups)}
+
+
+def check_nodes(run_dir: Path, nodes: dict[Node, set[str]], inputs: dict[str, RankInput]) -> None:
+    """Every node in `nodes` (each with the groups of the ranks it hosts) imports rlalign, shares `run_dir`
+    with the driver and sees each input that those groups read; NodeCheckError (one line, naming the node
+    and what it lacks) otherwise."""
     probe_dir = run_dir.resolve() / f".node-probe-{secrets.token_hex(4)}"
     probe_dir.mkdir(parents=True)
     token = secrets.token_hex(16)
     (probe_dir / "driver").write_text(token)
-    wanted = {k: (v.kind, v.target) for k, v in inputs.items()}
     try:
         task = ray.remote(num_cpus=0, max_retries=0)(_probe)
-        nodes = sorted(nodes, key=lambda n: n.address)
+        order = sorted(nodes, key=lambda n: n.address)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-                .remote(str(probe_dir), token, n.address, wanted) for n in nodes]
-        for node, ref in zip(nodes, refs):
+                .remote(str(probe_dir), token, n.address, _wanted(inputs, nodes[n])) for n in order]
+        for node, ref in zip(order, refs):
             try:
                 failed = ray.get(ref, timeout=PROBE_TIMEOUT_S)
             except ray.exceptions.RayError as e:

@@ -74,7 +74,11 @@ class Job:
         if addr or len({s.node.node_id for g in self.placement.slots.values() for s in g}) > 1:
             print(f"rlalign train: {self.placement.describe()}", file=sys.stderr, flush=True)
         inputs = rank_inputs(cfg)  # absolute paths: the ranks' working directory is not ours
-        check_nodes(Path(cfg.run.dir), {s.node for g in self.placement.slots.values() for s in g}, inputs)
+        hosts: dict = {}  # node -> the groups of the ranks it hosts
+        for group, slots in self.placement.slots.items():
+            for slot in slots:
+                hosts.setdefault(slot.node, set()).add(group)
+        check_nodes(Path(cfg.run.dir), hosts, inputs)
         cfg_dict = ship(OmegaConf.to_container(cfg, resolve=True), inputs)
         cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())
         self.algorithm = cfg_dict["algorithm"]  # each train_step's, as the ranks read it (algorithm.loss shipped)

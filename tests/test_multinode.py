@@ -5,7 +5,8 @@ through `ray job submit`, equals the same run on one machine in every metric but
 final weights fingerprint, with 0 mismatched tokens. Twins: a loopback rendezvous fails in this
 cluster; a node's raylet killed mid-run ends the run naming that node and rank, and the last
 complete checkpoint survives; a node that does not share the run dir, cannot see a user's environment
-file or cannot import rlalign, is named before any work; a layout the cluster cannot hold is refused in one line."""
+or loss file that its ranks read, or cannot import rlalign, is named before any work; a layout the
+cluster cannot hold is refused in one line."""
 
 from __future__ import annotations
 
@@ -187,13 +188,16 @@ def test_multinode_run_dir_not_shared_or_project_missing_is_named_before_work(cl
     assert f"run.dir={shared / 'run'} is not shared storage: node {cluster.node_ips[2]} cannot read" in last, last
     assert last.endswith("(NFS, Lustre, a shared volume)"), last  # no resume command: a rerun meets the same refusal
     assert not (shared / "run" / "metrics.jsonl").exists()
-    # the run dir shared, a user's environment file (task.env) in the hidden directory: named, before work
+    # the run dir shared, a user's environment (the generator's) and loss (the trainer's) in the hidden
+    # directory: whichever group node 2 hosts, its file is named, before work
     (shared / "my_env.py").write_text("from rlalign.agent.envs import GuessEnv as MyEnv\n")
+    (shared / "my_loss.py").write_text("from rlalign.training.losses import gspo_loss as loss\n")
     p = _train(tmp_path_factory.mktemp("env_hidden"), "task=guess", f"task.env={shared / 'my_env.py'}:MyEnv",
-               env=cluster.driver_env())
+               "algorithm=gspo", f"algorithm.loss={shared / 'my_loss.py'}:loss", env=cluster.driver_env())
     last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode != 0 and (f"task.env={shared / 'my_env.py'}:MyEnv: node {cluster.node_ips[2]} does not see "
-                                  f"{shared / 'my_env.py'}; put it on a file system") in last, last
+    assert p.returncode != 0 and re.search(rf"(task\.env|algorithm\.loss)={re.escape(str(shared))}/my_(env|loss)"
+                                           rf"\.py:\w+: node {re.escape(cluster.node_ips[2])} does not see "
+                                           rf"{re.escape(str(shared))}/my_\w+\.py; put it on a file system", last), last
 
     import rlalign
 

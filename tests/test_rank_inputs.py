@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlalign.actors.probe import RankInput, _missing, _probe, _refusal, rank_inputs, ship
+from rlalign.actors.probe import RankInput, _missing, _probe, _refusal, _wanted, rank_inputs, ship
 from rlalign.config import load_config
 
 
@@ -67,3 +67,15 @@ def test_a_module_a_node_cannot_import_is_named_with_where_a_rank_looks(tmp_path
     line = str(_refusal("model.path", f"does not see {tmp_path / 'm'}", tmp_path / "run", inputs, "10.0.0.2"))
     assert line.startswith(f"model.path={tmp_path / 'm'}: node 10.0.0.2 does not see {tmp_path / 'm'}; put it on a "
                            "file system") and "imports" not in line
+
+
+def test_a_node_is_asked_only_for_what_its_ranks_read():
+    """A generator-only node is not asked for the trainer's loss, nor a trainer-only node for the
+    environment; model.path is every rank's. Twin: a node hosting both groups is asked for all three."""
+    from omegaconf import OmegaConf
+
+    got = rank_inputs(OmegaConf.create({"model": {"path": "m"}, "algorithm": {"loss": "losses:fn"},
+                                        "task": {"env": "my_env.py:MyEnv", "tokenizer": None}}))
+    assert list(_wanted(got, {"generator"})) == ["model.path", "task.env"]
+    assert list(_wanted(got, {"trainer"})) == ["model.path", "algorithm.loss"]
+    assert list(_wanted(got, {"trainer", "generator"})) == ["model.path", "task.env", "algorithm.loss"]
