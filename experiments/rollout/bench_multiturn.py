@@ -19,7 +19,8 @@ A third side, multiturn_instant_env, runs the same episodes with an environment 
 (the continuation's own cost: observation prefills, the driver's threads). Each side is warmed up
 once (compilations, graph captures), then --calls timed generate() calls per side, in turn; a side's
 tokens/s is its fastest call's (timeit's rule: slower calls measure other load on the machine; every
-call's seconds are recorded). Where multi-turn time goes: the engine's time blocked on environments
+call's seconds, steps, eager steps, graph captures and wait on environments are recorded: a slow call
+says whether it captured graphs or waited). Where multi-turn time goes: the engine's time blocked on environments
 (EpisodeDriver.wait_s: not overlapped with decoding), the environments' time summed over episodes, the
 observation tokens prefilled, engine steps (episodes answered at different times continue in steps of
 fewer rows), the steps that replayed CUDA graphs (NativeEngine.stats: graph_steps, and mixed_graph_steps
@@ -132,7 +133,12 @@ def side_numbers(calls: list[dict]) -> dict:
            "mixed_graph_steps": med["stats"]["mixed_graph_steps"],
            "graph_captures": med["stats"]["graph_captures"], "discarded_rows": med["stats"]["discarded_rows"],
            "seconds_per_step": med["seconds"] / steps,
-           "calls_seconds": [c["seconds"] for c in calls]}
+           "calls_seconds": [c["seconds"] for c in calls],
+           "calls": [{"seconds": c["seconds"], "engine_steps": c["stats"]["steps"],
+                      "eager_steps": c["stats"]["steps"] - c["stats"]["graph_steps"],
+                      "mixed_graph_steps": c["stats"]["mixed_graph_steps"],
+                      "graph_captures": c["stats"]["graph_captures"], "env_wait_s": c.get("env_wait_s")}
+                     for c in calls]}
     if "env_s" in med:
         busy = med["seconds"] - med["env_wait_s"]
         out.update(env_s=med["env_s"], env_wait_s=med["env_wait_s"], engine_busy_s=busy,
