@@ -88,14 +88,12 @@ def ship(cfg_dict: dict, inputs: dict[str, RankInput]) -> dict:
 
 def _missing(inputs: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
     """On the node: the first input it does not see, as (key, why), else None."""
+    from rlalign.tasks.reward_fn import module_found  # no torch
     for key, (kind, target) in inputs.items():
         if kind == "path" and not os.path.exists(target):
             return key, f"does not see {target}"
-        if kind == "module":
-            top = target.split(".")[0]
-            here = Path(os.getcwd(), top + ".py").is_file() or Path(os.getcwd(), top).is_dir()
-            if not here and importlib.util.find_spec(top) is None:
-                return key, f"has no module named {top!r}"
+        if kind == "module" and not module_found(target):  # the rule the rank's import follows
+            return key, f"has no module named {target.split('.')[0]!r}"
     return None
 
 

@@ -317,16 +317,16 @@ def _resume_hint(st: dict) -> str:
     from rlalign.rundir import model_changes
 
     run_dir = Path(str(st["cfg"].run.dir))
-    kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in ("run.dir", "checkpoint.resume")]
+    done = list_complete(run_dir)
+    # the checkpoint's own model where this start changed it (segments.jsonl)
+    changed = {k: _override_value(v) for k, v in model_changes(run_dir, done[-1], st["cfg"]).items()} if done else {}
+    dropped = ("run.dir", "checkpoint.resume", *changed)
+    kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in dropped]
+    kept += [f"{k}={v}" for k, v in changed.items()]
     source = st.get("source") or ConfigSource()
     resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
-    done = list_complete(run_dir)
-    changed = model_changes(run_dir, done[-1], st["cfg"]) if done else {}
     if changed:
-        kept = [o for o in kept if o.split("=", 1)[0].lstrip("+~") not in changed]
-        kept += [f"{k}={_override_value(v)}" for k, v in changed.items()]
-        resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
-        was = ", ".join(f"{k}={_override_value(v)}" for k, v in changed.items())
+        was = ", ".join(f"{k}={v}" for k, v in changed.items())
         return (f"last complete checkpoint: {done[-1]}, written with {was}, which this start changes (segments.jsonl); "
                 f"resume with: {resume}; or start afresh in another run.dir")
     if done:

@@ -49,14 +49,25 @@ def _frames(exc: BaseException):
         tb = tb.tb_next
 
 
+def _in_cwd(top: str) -> bool:
+    """The current directory holds the top-level module `top` (a file or a package directory)."""
+    return Path(os.getcwd(), top + ".py").is_file() or Path(os.getcwd(), top).is_dir()
+
+
+def module_found(name: str) -> bool:
+    """import_module(name) would find the top of `name` (installed, on sys.path, or in the current
+    directory), without importing it."""
+    top = name.split(".")[0]
+    return _in_cwd(top) or importlib.util.find_spec(top) is not None
+
+
 def import_module(name: str):
     """importlib.import_module, falling back to the current directory for a module found there."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         top, cwd = name.split(".")[0], os.getcwd()
-        here = Path(cwd, top + ".py").is_file() or Path(cwd, top).is_dir()
-        if e.name != top or not here or cwd in sys.path:
+        if e.name != top or not _in_cwd(top) or cwd in sys.path:
             raise
     sys.path.append(cwd)  # kept: the module may import its neighbours later
     importlib.invalidate_caches()
