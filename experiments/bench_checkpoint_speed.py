@@ -246,10 +246,14 @@ def merge_parts(write_json: str, train_json: str, name: str, out: str | None) ->
                          f"(got {w['args']['part']}, {t['args']['part']})")
     summary = {**w["summary"], **{k: t["summary"][k] for k in
                                   ("sigterm_default_grace_checkpoint_complete", "resume_bitwise")}}
+    if w["summary"].get("gpu") != t["summary"].get("gpu"):  # the parts ran on different cards: name both
+        summary["gpu"] = f"{w['summary'].get('gpu')} (write), {t['summary'].get('gpu')} (train)"
     what = f"{w['what_it_shows']}; {t['what_it_shows'].lstrip('; ')} (two calls: --part write, --part train)"
     print(json.dumps(summary))
     both = lambda k: w[k] if w.get(k) == t.get(k) else f"{w.get(k)} (write), {t.get(k)} (train)"  # noqa: E731
-    ran = {k: w[k] for k in ("machine", "versions", "date") if k in w}  # where the parts ran, not this merge
+    ran = {"date": max(w["date"], t["date"]), "machine": {**w["machine"], "gpu": summary.get("gpu")},
+           "versions": w["versions"] if w["versions"] == t["versions"] else {"write": w["versions"],
+                                                                               "train": t["versions"]}}
     ran.update({k: both(k) for k in ("git_commit", "git_describe")}, command=f"{w['command']} && {t['command']}")
     payload = {**ran, "what_it_shows": what, "summary": summary, "parts": {"write": w, "train": t}}
     print(f"wrote {record.write(name, payload, out)}", file=sys.stderr)

@@ -4,7 +4,7 @@ with the vendor's. kernels.mode=default is the fast vendor path (kernels/torch_d
 torch._grouped_mm, SDPA / varlen flash, a split-KV paged decode, torch sampling, fused AdamW, CUDA graphs.
 
     python3 experiments/bench_determinism_tax.py [--quick] [--sections probe,vendor,trainer,rollout,rl]
-        [--budget-s 560] [--out DIR] [--name determinism_tax_h200]
+        [--budget-s 560] [--out DIR] [--name determinism_tax_<card>]
 
 Each section runs in a subprocess of its own (GPU memory back between them; a crash is recorded, the
 others still run) and leaves a part JSON in a scratch folder; the result merges them. Sections:
@@ -404,11 +404,12 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=3, help="timed trainer steps per mode (after a warm-up)")
     ap.add_argument("--rl-steps", type=int, default=3, help="RL steps per run (the first not timed)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(record.RESULTS))
-    ap.add_argument("--name", default="determinism_tax_h200")
+    ap.add_argument("--name", default=None, help="result name (default determinism_tax_<card>, e.g. _h200)")
     ap.add_argument("--section-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--parts", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.name = a.name or f"determinism_tax_{record.gpu_tag()}"
     if a.section_only:  # a subprocess: one section, its part JSON
         res = globals()[a.section_only](a)
         (Path(a.parts) / f"{a.section_only}.json").write_text(json.dumps(res, indent=1, default=str))

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,15 @@ def environment(command: str | None = None) -> dict:
         env["machine"]["gpus"] = torch.cuda.device_count()
         env["versions"]["cuda"] = torch.version.cuda
     return env
+
+
+def gpu_tag() -> str:
+    """The card a result's default name carries: "h200", "h100", ... from torch's device name (the first
+    `[A-Z]<digits>` word, lowered), "gpu" for a card without one, "cpu" without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    m = re.search(r"\b([A-Z]\d{2,4})\b", torch.cuda.get_device_name(0))
+    return m.group(1).lower() if m else "gpu"
 
 
 def write(name: str, payload: dict, out_dir: str | os.PathLike | None = None, command: str | None = None) -> Path:

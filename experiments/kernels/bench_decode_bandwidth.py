@@ -31,7 +31,7 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 import bench_vs_vendor  # noqa: E402
-from record import RESULTS, write  # noqa: E402
+from record import RESULTS, gpu_tag, write  # noqa: E402
 
 from rlalign.kernels.torch_deterministic import moe_dispatch as dispatch_torch  # noqa: E402
 from rlalign.kernels.triton import common, elementwise, gemm, moe  # noqa: E402
@@ -260,10 +260,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="256,2048,8192" if not TINY else "8")
     ap.add_argument("--candidates", default="", help="names (default: SMALL up to 512 tokens, else LARGE)")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--name", default="decode_bandwidth_h200")
+    ap.add_argument("--name", default=None, help="result name (default decode_bandwidth_<card>, e.g. _h200)")
     ap.add_argument("--tiny", action="store_true", help="the script's logic on CPU (interpreter, tiny shapes)")
     ap.add_argument("--warm", action="store_true", help="compile only (nothing timed, nothing written)")
     a = ap.parse_args()
+    a.name = a.name or f"decode_bandwidth_{gpu_tag()}"
     res: dict = {"what_it_shows": WHAT, "candidates": {k: v[1] for k, v in CANDIDATES.items()}}
     with torch.no_grad():
         res["stream"] = stream_refs(2 * E * INTER * D * 2)  # the gate_up weights' bytes

@@ -33,7 +33,7 @@ TINY = "--tiny" in sys.argv  # the script's own logic on CPU under the interpret
 if TINY:
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
-from record import RESULTS, write  # noqa: E402
+from record import RESULTS, gpu_tag, write  # noqa: E402
 
 from rlalign.kernels import triton as tb  # noqa: E402
 from rlalign.kernels.triton import attention, gemm  # noqa: E402
@@ -607,7 +607,7 @@ def main() -> None:
         f"{sm['attn_fwdbwd_over_sdpa_cudnn_min']:.2f}x. Slowest linear: {worst['shape']} at M = {worst['M']}. Bars "
         f"(fwd 0.85x, fwd+bwd 0.8x SDPA flash, linear 0.7x cuBLAS): " + (f"missed: {', '.join(missed)}." if missed
                                                                          else "all met."))
-    print("wrote", write("kernels_vs_vendor_h200", res, a.out))
+    print("wrote", write(f"kernels_vs_vendor_{gpu_tag()}", res, a.out))
     log(f"summary {sm}; {time.time() - t0:.1f}s")
 
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 from bench_generate import HBM_PEAK, run  # noqa: E402
-from record import RESULTS, write  # noqa: E402
+from record import RESULTS, gpu_tag, write  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
@@ -104,8 +104,9 @@ def main() -> None:
     ap.add_argument("--max-batched", type=int, default=None,
                     help="generator.max_num_batched_tokens (default: the config default)")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--name", default="rollout_scale_h200")
+    ap.add_argument("--name", default=None, help="result name (default rollout_scale_<card>, e.g. _h200)")
     a = ap.parse_args()
+    a.name = a.name or f"rollout_scale_{gpu_tag()}"
     t_start = time.perf_counter()
     cfg = load_config([f"model={a.model}"])
     args = model_args(cfg)

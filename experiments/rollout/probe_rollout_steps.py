@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
-from record import RESULTS, write  # noqa: E402
+from record import RESULTS, gpu_tag, write  # noqa: E402
 
 from rlalign import kernels  # noqa: E402
 from rlalign.config import load_config, model_args  # noqa: E402
@@ -150,12 +150,13 @@ def main() -> None:
     ap.add_argument("--model", default="bench-moe-large")
     ap.add_argument("--cases", default="256x256,2048x256")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--name", default="probe_rollout_steps_h200")
+    ap.add_argument("--name", default=None, help="result name (default probe_rollout_steps_<card>, e.g. _h200)")
     ap.add_argument("--host-profile", action="store_true", help="one more call per case under cProfile")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0, help="e.g. 0.95 with --temperature 0.8: bench_rollout_scale's "
                     "top-p case (the filter's share of a decode step in the kernel table)")
     a = ap.parse_args()
+    a.name = a.name or f"probe_rollout_steps_{gpu_tag()}"
     sampling = {"temperature": a.temperature, "top_p": a.top_p}
     args = model_args(load_config([f"model={a.model}"]))
     model = build_model(args, "bfloat16", seed=0, device="cuda")
