@@ -58,7 +58,8 @@ class TaskConfig:
     # no string, the run ends naming the episode and turn, or the episode ends scoring env_fallback_reward
     env_timeout_s: float | None = 60.0
     env_fallback_reward: float | None = None
-    env_workers: int = 4  # environment calls running at once per generator rank (threads)
+    env_workers: int = 64  # environment calls running at once per generator rank (threads; an episode waits
+    # for a free one, so with slow environments about the episodes in flight)
     # with task.chat: each observation is a message of this role in the chat template (some templates know
     # only user/assistant: 'user'), after the assistant's end of turn and before the generation prompt
     observation_role: str = "tool"

@@ -172,7 +172,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--obs-tokens", type=int, default=8, help="tokens of each observation")
     ap.add_argument("--prompt-len", default="8,32", help="MIN,MAX prompt tokens (seeded random)")
     ap.add_argument("--env-latency-ms", default="5,50", help="MIN,MAX: each environment step sleeps a uniform draw")
-    ap.add_argument("--env-workers", type=int, default=4, help="environment calls at once (task.env_workers)")
+    ap.add_argument("--env-workers", type=int, default=64, help="environment calls at once (task.env_workers)")
     ap.add_argument("--calls", type=int, default=3, help="timed generate() calls per side")
     ap.add_argument("--score-micro-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 on a shared CPU)")
