@@ -41,9 +41,9 @@ checkpoint's), complete(): the checkpoint appears
 a crash mid-save leaves a .tmp directory, ignored, and the previous checkpoint the newest complete one.
 Host memory: staged, the rank's state once more (kept); streamed, none on CPU, a file per writer on a GPU.
 
-Disk space. check_space() runs before Ray starts: the checkpoint's size is the trainer state's
-(rlalign.training.trainer.checkpoint_nbytes: the keys checkpoint_state() writes, of a trainer built
-on the meta device), times the checkpoints the run holds at once (checkpoint.keep + the one being
+Disk space. check_space() runs before Ray starts: the checkpoint's size by part (rlalign.rl.checkpoint_parts:
+the trainer state's, checkpoint_nbytes of a trainer built on the meta device; the tokenizer copy; the
+HF export), times the checkpoints the run holds at once (checkpoint.keep + the one being
 written); a run whose checkpoint directory has less free space is refused in one line.
 
 Progress. A load that lasts more than a few seconds prints rank 0's bytes read, rate and time left
@@ -469,7 +469,7 @@ def check_space(run_dir: Path, parts: dict[str, int], steps: Iterable[int], ever
     """Refuse a run whose checkpoints do not fit the free space of run_dir/checkpoints (statvfs of
     it, or of its nearest existing parent), before anything starts: CheckpointError of one line
     naming the size, the free space, the directory and the keys that change them. `parts`: the
-    checkpoint's bytes by part (rlalign.training.trainer.checkpoint_nbytes); `steps`: the steps this
+    checkpoint's bytes by part (rlalign.rl.checkpoint_parts); `steps`: the steps this
     run will train. Returns the numbers checked."""
     saves = sum(is_due(s, every, total_steps) for s in steps)
     size = sum(parts.values())

@@ -178,6 +178,12 @@ def _files(d: Path) -> list[Path]:
     return [d / f for f in TOKENIZER_FILES if (d / f).is_file()]
 
 
+def tokenizer_nbytes(src: str | Path | None) -> int:
+    """The bytes of the tokenizer files keep_tokenizer() copies from directory `src` (0 for None: the built-in
+    char tokenizer, of which a checkpoint keeps nothing)."""
+    return 0 if src is None else sum(f.stat().st_size for f in _files(Path(src)))
+
+
 def keep_tokenizer(src: str | Path | None, dst: Path) -> None:
     """`dst` holds a copy of the Hugging Face tokenizer files of directory `src` (TOKENIZER_FILES), in place of
     what it held, or for `src` None (the built-in char tokenizer, which an export writes out) nothing: it is

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlalign import checkpoint as ckpt
 from rlalign.agent import env_class, episode_limits, stop_token_ids
 from rlalign.config import model_args
-from rlalign.export import TOKENIZER_DIR, keep_tokenizer, model_meta
+from rlalign.export import TOKENIZER_DIR, keep_tokenizer, model_meta, tokenizer_nbytes
 from rlalign.job import Job
 from rlalign.logger import Phases, RunLogger, json_line, truncate_jsonl
 from rlalign.model import check_hf_dir
@@ -131,7 +131,7 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
             _check_fits(resume, shapes, run_dir, status)
         saves = Saves(cfg, run_dir, start - 1)
         if cfg.checkpoint.enabled:  # before Ray starts: a checkpoint that cannot fit fails now, not after the steps
-            parts = checkpoint_nbytes(cfg, shapes)
+            parts = checkpoint_parts(cfg, shapes, saves.tokenizer)
             ckpt.check_space(run_dir, parts, range(start, cfg.run.steps), saves.every, cfg.run.steps,
                              cfg.checkpoint.keep)
             saves.measure(sum(parts.values()))
@@ -148,6 +148,17 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
     if cfg.logger.console:
         print(f"rlalign train: {done_line(summary, cfg.kernels.mode)}", file=sys.stderr, flush=True)
     return summary
+
+
+def checkpoint_parts(cfg: DictConfig, shapes: dict | None, tokenizer: str | None) -> dict[str, int]:
+    """A checkpoint's bytes by part, as check_space() counts them: the trainer state (checkpoint_nbytes), the
+    copy of the run's tokenizer files it keeps (step_N/tokenizer) and, with checkpoint.export_hf, the model in
+    its dtype with those files again (step_N/hf)."""
+    parts = checkpoint_nbytes(cfg, shapes)
+    parts["tokenizer copy"] = tokenizer_nbytes(tokenizer)
+    if cfg.checkpoint.export_hf:
+        parts["Hugging Face export"] = parts[f"{cfg.model.dtype} weights"] + parts["tokenizer copy"]
+    return parts
 
 
 def _check_fits(resume: Path, shapes: dict, run_dir: Path, status: dict | None) -> None:

@@ -117,6 +117,48 @@ def test_train_refuses_at_start_when_the_checkpoint_does_not_fit(tmp_path, capsy
     assert code == 2 and "Ray would start here" in err[-1] and len(no_ray) == 2
 
 
+def test_the_space_check_counts_the_tokenizer_copy_each_checkpoint_keeps(tmp_path, capsys, monkeypatch, no_ray):
+    """A run of a model with its own tokenizer keeps the tokenizer's files in each checkpoint (step_N/tokenizer):
+    a disk with room for the trainer state of the checkpoints held at once but not for those copies is refused;
+    twin: with room for the copies too, the run goes on to start Ray."""
+    from test_tasks_user import write_tokenizer
+
+    from rlalign.config import load_config
+    from rlalign.model import save_hf
+    from rlalign.model.build import model_from_config
+    from rlalign.rl import checkpoint_parts
+    from rlalign.training.trainer import checkpoint_nbytes
+
+    model = tmp_path / "model"
+    save_hf(model_from_config(load_config([])), model)
+    write_tokenizer(model)
+    (model / "chat_template.jinja").write_text("{# a template of 1 MB #}" + " " * 1_000_000)
+    cfg = load_config([f"model.path={model}"])
+    parts = checkpoint_parts(cfg, None, str(model))
+    state = sum(checkpoint_nbytes(cfg).values())
+    copy = sum(f.stat().st_size for f in model.iterdir() if f.name.startswith(("tokenizer", "chat_template")))
+    assert parts["tokenizer copy"] == copy > 1_000_000 and sum(parts.values()) == state + copy
+    monkeypatch.setattr(os, "statvfs", _statvfs(2 * state + 1000))  # room for the state of both checkpoints
+    code, err = _train(tmp_path, capsys, f"model.path={model}")
+    assert code == 2 and err[-1].startswith("rlalign train: error: not enough disk for checkpoints: "), err
+    assert f"(2 checkpoints of {ckpt.size_text(state + copy)} at once: " in err[-1], err
+    assert "+ tokenizer copy 1 MB) but its file system has" in err[-1] and no_ray == []
+    monkeypatch.setattr(os, "statvfs", _statvfs(2 * (state + copy) + 1000))
+    code, err = _train(tmp_path, capsys, f"model.path={model}")
+    assert code == 2 and "Ray would start here" in err[-1] and len(no_ray) == 1
+
+
+def test_a_checkpoint_exported_at_each_save_counts_its_hugging_face_directory_too():
+    from rlalign.config import load_config
+    from rlalign.rl import checkpoint_parts
+
+    cfg = load_config([])
+    parts = checkpoint_parts(cfg, None, None)  # the built-in char tokenizer: no copy kept
+    assert parts["tokenizer copy"] == 0 and "Hugging Face export" not in parts
+    exported = checkpoint_parts(load_config(["checkpoint.export_hf=true"]), None, None)
+    assert exported == {**parts, "Hugging Face export": parts["bfloat16 weights"]}
+
+
 def test_train_help_states_how_to_run_without_checkpoints(capsys):
     from rlalign import cli
 
