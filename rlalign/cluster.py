@@ -20,9 +20,9 @@ small process in its own session (a Ctrl-C in the terminal does not reach it) th
 driver's descendants every second and reads a pipe from the driver; when the pipe closes without
 the driver's "done" (the driver died), it ends the descendants it noted (SIGTERM, then SIGKILL).
 
-ray.init() installs SIGTERM handlers in the driver (Python's: exit 1; its core worker's: a stack
-dump); connect() puts back the handler the process had, so that a scheduler's SIGTERM reaches
-rlalign's own (rlalign.stop) or, without one, ends the process as SIGTERM does.
+ray.init() installs a SIGTERM handler in the driver (sys.exit(15)); connect() keeps it from being installed
+and holds a SIGTERM that comes during ray.init() until it returns, so that a scheduler's SIGTERM reaches
+rlalign's own handler (rlalign.stop) or, without one, ends the process as SIGTERM does.
 """
 
 from __future__ import annotations
@@ -150,15 +150,26 @@ def connect(num_cpus: float | None = None, num_gpus: int | None = None) -> bool:
 
 @contextmanager
 def _own_sigterm():
-    """The process's SIGTERM handler as it was before the block (Ray's replaced)."""
+    """ray.init() with the process's own SIGTERM handling: Ray's handler (sys.exit(15) wherever the main
+    thread is, which ends the run with exit 15 and no line, or is swallowed inside Ray and the run goes on)
+    is not installed; a SIGTERM meanwhile is held and, once the block ends, raised again for the handler
+    the process had (rlalign.stop's, or the default: the process ends as SIGTERM ends it)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    kept = signal.getsignal(signal.SIGTERM)
+    import ray._private.utils as ray_utils
+
+    kept, held = signal.getsignal(signal.SIGTERM), []
+    real = ray_utils.set_sigterm_handler
+    signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    ray_utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
+        ray_utils.set_sigterm_handler = real
         signal.signal(signal.SIGTERM, kept if kept is not None else signal.SIG_DFL)
+        if held:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def disconnect(initialized: bool) -> None:

@@ -364,9 +364,9 @@ class _Run:
         if stop.cut and not stop.abandoned:
             try:
                 if not self.cfg.checkpoint.enabled:
-                    return stop.stopped(f"during step {k + 1}, at once (checkpoint.enabled=false: nothing to save)")
+                    return stop.stopped(f"{self.doing}, at once (checkpoint.enabled=false: nothing to save)")
                 if k < self.start:
-                    return stop.stopped(f"during step {self.start}, at once: no step of this run had finished")
+                    return stop.stopped(f"{self.doing}, at once: no step of this run had finished")
                 if self.saves.covered >= k:
                     self.doing = f"while waiting for the checkpoint of step {k} being written"
                     done = ckpt.published(self.run_dir, k) or self.saves.wait_on_disk(None)

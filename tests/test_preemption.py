@@ -5,6 +5,7 @@ of saves and loads on stderr. The runs that stop and fail for real: tests/test_s
 import io
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -74,6 +75,45 @@ def test_train_warns_at_start_when_a_save_outlasts_run_stop_grace_s(tmp_path, ca
         assert lines == []
     rc = cli.main(["train", f"run.dir={tmp_path / 'off'}", "run.steps=1", "checkpoint.enabled=false"])
     assert rc == 2 and len(probed) == 1  # twin: no checkpoints, no probe
+
+
+def _ray_init_signalled(*args, **kwargs):
+    """What ray.init does with SIGTERM (its driver handler: sys.exit(15)), then a scheduler's SIGTERM
+    while it starts the cluster; returns as if started."""
+    import ray._private.utils as ray_utils
+
+    ray_utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))
+    os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler before the next line
+    return "started"
+
+
+def test_a_sigterm_during_ray_init_is_held_for_the_processs_own_handler():
+    from rlalign import cluster
+
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with cluster._own_sigterm():
+            got.append(_ray_init_signalled())
+        assert got == ["started", signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is not None
+        with pytest.raises(SystemExit) as e:  # twin: without the guard, Ray's handler ends the start with exit 15
+            _ray_init_signalled()
+        assert e.value.code == signal.SIGTERM and got == ["started", signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_train_stopped_by_sigterm_while_ray_starts_exits_143_naming_that(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from rlalign import cli
+
+    monkeypatch.setattr(ray, "init", _ray_init_signalled)
+    rc = cli.main(["train", f"run.dir={tmp_path}", "run.steps=1", "logger.console=false"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 143, err
+    assert err[-1].startswith("rlalign train: stopped by SIGTERM while starting the actors, at once: no step of this "
+                              f"run had finished; no complete checkpoint in {tmp_path}"), err
 
 
 class _Clock:
