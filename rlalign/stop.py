@@ -13,9 +13,9 @@ SIGINT), the status a shell reports for a process that signal ended. When that i
 within run.stop_grace_s seconds, or a second signal comes, the run is abandoned at once: the
 newest complete checkpoint stays the newest (a half-written one is a .tmp that resume ignores).
 
-Ray's driver installs a SIGTERM handler of its own (a stack dump, then exit 1);
-rlalign.cluster.connect() keeps the handler the process had, and StopSignals replaces whatever is
-installed for the run and restores it after.
+ray.init() installs a SIGTERM handler of its own (sys.exit(15)); rlalign.cluster.connect() keeps it out
+and holds a SIGTERM that comes while Ray starts for the handler the process had; StopSignals replaces
+whatever is installed for the run and restores it after.
 """
 
 from __future__ import annotations
