@@ -317,14 +317,20 @@ def _resume_hint(st: dict) -> str:
     from rlalign.rundir import model_changes
 
     run_dir = Path(str(st["cfg"].run.dir))
-    done = list_complete(run_dir)
+    bad = st.get("damaged")  # a checkpoint whose data did not load: named, and the resume names another
+    done = [p for p in list_complete(run_dir) if bad is None or p.resolve() != Path(bad).resolve()]
     # the checkpoint's own model where this start changed it (segments.jsonl)
     changed = {k: _override_value(v) for k, v in model_changes(run_dir, done[-1], st["cfg"]).items()} if done else {}
     dropped = ("run.dir", "checkpoint.resume", *changed)
     kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in dropped]
     kept += [f"{k}={v}" for k, v in changed.items()]
     source = st.get("source") or ConfigSource()
-    resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", "checkpoint.resume=auto"])
+    which = "auto" if bad is None or not done else str(done[-1])
+    resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", f"checkpoint.resume={which}"])
+    if bad is not None:
+        if not done:
+            return f"{bad} does not load and no other checkpoint is complete; start afresh in another run.dir"
+        return f"{bad} does not load; the newest other complete checkpoint: {done[-1]}; resume with: {resume}"
     if changed:
         was = ", ".join(f"{k}={v}" for k, v in changed.items())
         return (f"last complete checkpoint: {done[-1]}, written with {was}, which this start changes (segments.jsonl); "

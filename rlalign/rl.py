@@ -143,7 +143,7 @@ def train(cfg: DictConfig, status: dict | None = None) -> dict:
                   f"{start}..{cfg.run.steps - 1}", file=sys.stderr, flush=True)
         record_segment(run_dir, start, resume, OmegaConf.to_container(cfg, resolve=True),
                        OmegaConf.to_yaml(cfg, resolve=True))
-        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase)
+        last = _run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase, status)
     summary = summarize(run_dir, cfg.run.steps, start, last)
     if cfg.logger.console:
         print(f"rlalign train: {done_line(summary, cfg.kernels.mode)}", file=sys.stderr, flush=True)
@@ -256,17 +256,18 @@ class Saves:
 
 
 def _run(cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None, start: int,
-         stop: StopSignals, saves: Saves, phase: Phases) -> dict:
+         stop: StopSignals, saves: Saves, phase: Phases, status: dict | None = None) -> dict:
     """Steps start..run.steps-1 on the actor groups; the last step's metrics (_Run)."""
-    return _Run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase).run()
+    return _Run(cfg, task, tok, rewards, run_dir, resume, start, stop, saves, phase, status).run()
 
 
 class _Run:
     """Steps start..run.steps-1 on the actor groups (train() holds the run dir and the signals)."""
 
     def __init__(self, cfg: DictConfig, task, tok, rewards: RewardCaller, run_dir: Path, resume: Path | None,
-                 start: int, stop: StopSignals, saves: Saves, phase: Phases):
+                 start: int, stop: StopSignals, saves: Saves, phase: Phases, status: dict | None = None):
         self.cfg, self.task, self.tok, self.rewards, self.phase = cfg, task, tok, rewards, phase
+        self.status = status if status is not None else {}  # the CLI's: 'damaged', a checkpoint that did not load
         self.run_dir, self.resume, self.start, self.stop, self.saves = run_dir, resume, start, stop, saves
         self.job: Job | None = None
         self.logger: RunLogger | None = None
@@ -321,11 +322,25 @@ class _Run:
         job.open_traces(self.start)
         if self.resume is not None:
             self.phase(f"loading {self.resume}")
-            job.load_checkpoint(str(self.resume.resolve()))
+            try:
+                job.load_checkpoint(str(self.resume.resolve()))
+            except Exception:
+                self._check_loaded()
+                raise
         self.phase("the first weight sync, trainer -> generator")
         self.weights_fp = job.sync_weights(self.start - 1).weights_fp
         self.phase(f"running steps {self.start}..{self.cfg.run.steps - 1} (the first one warms up)")
         self.logger = RunLogger(self.cfg, self.run_dir, self.start, self.cfg.run.steps)
+
+    def _check_loaded(self) -> None:
+        """After the trainer ranks failed to load the checkpoint: when its bytes no longer match the fingerprints
+        of its meta.json (read again here), status['damaged'] names it, so that the error's resume command
+        names another checkpoint (checkpoint.resume=auto, which checks the files but not their data, would
+        pick it again)."""
+        try:
+            ckpt.verify(self.resume, tensors=True)
+        except ckpt.CheckpointError:
+            self.status["damaged"] = self.resume
 
     def _step(self, step: int) -> None:
         cfg = self.cfg

@@ -160,6 +160,41 @@ def test_a_flipped_bit_is_refused_naming_checkpoint_file_tensor_and_the_intact_o
     assert all(same_bits(v, want[k]) for k, v in fresh.checkpoint_state().items())
 
 
+def test_a_resume_refused_by_a_fingerprint_names_another_checkpoint_to_resume_from(two, capsys, monkeypatch):
+    """checkpoint.resume=auto checks the files, not their data: when the trainer ranks refuse the newest checkpoint
+    by a fingerprint, the error line names it and the resume command names the newest other one by its path
+    (auto would pick the damaged one again); twin: a load that fails on intact data keeps checkpoint.resume=auto."""
+    from rlalign import cli, rl
+
+    run, first, later, _ = two
+
+    class Job:  # the actor groups, whose trainer ranks fail to load
+        def __init__(self, cfg, phase):
+            pass
+
+        def open_traces(self, start):
+            pass
+
+        def load_checkpoint(self, path):
+            raise RuntimeError(f"trainer rank 0 of 1 failed in load(): CheckpointError: checkpoint {path} ...")
+
+        def close(self, trace_timeout_s=None):
+            pass
+
+    monkeypatch.setattr(rl, "Job", Job)
+    args = ["train", "run.steps=6", "logger.console=false", f"run.dir={run}", "checkpoint.resume=auto"]
+    command = f"rlalign train run.steps=6 logger.console=false run.dir={run} checkpoint.resume="
+    _flip_bit(_shard(later), WEIGHT)
+    assert cli.main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith(f"; {later} does not load; the newest other complete checkpoint: {first}; resume with: "
+                         f"{command}{first}"), line
+    _flip_bit(_shard(later), WEIGHT)  # the bit back: the data is intact, the load failed otherwise
+    assert cli.main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith(f"; last complete checkpoint: {later}; resume with: {command}auto"), line
+
+
 def test_truncated_meta_json_is_named_and_auto_resume_skips_it(two, capsys):
     run, first, later, _ = two
     assert ckpt.resolve_resume(run, "auto") == later  # twin: intact
