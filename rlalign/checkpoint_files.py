@@ -377,7 +377,10 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
         return None
     p = Path(resume)
     if not (p / META).is_file():
-        raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no meta.json)")
+        run = p if checkpoint_dir(p).is_dir() else p.parent if p.name == "checkpoints" else None
+        newest = newest_intact(run) if run is not None else None
+        hint = f"; it is a run's directory, whose newest intact checkpoint is {newest}" if newest else ""
+        raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no meta.json){hint}")
     verify(p)
     return p
 

@@ -215,6 +215,18 @@ def test_truncated_meta_json_is_named_and_auto_resume_skips_it(two, capsys):
         ckpt.resolve_resume(run, "auto")
 
 
+def test_a_run_directory_as_checkpoint_resume_is_refused_naming_its_newest_checkpoint(two, tmp_path_factory):
+    run, _, later, _ = two
+    for given in (run, run / "checkpoints"):
+        with pytest.raises(FileNotFoundError, match=rf"checkpoint.resume='{given}': not a complete checkpoint \(no "
+                                                    rf"meta.json\); it is a run's directory, whose newest intact "
+                                                    rf"checkpoint is {later}$"):
+            ckpt.resolve_resume(run, str(given))
+    empty = tmp_path_factory.mktemp("empty")  # twin: a directory of no run names no checkpoint
+    with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint \(no meta.json\)$"):
+        ckpt.resolve_resume(run, str(empty))
+
+
 def test_truncated_or_missing_shard_is_named(two):
     run, first, later, _ = two
     shard = _shard(later)
