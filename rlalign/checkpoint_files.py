@@ -218,7 +218,7 @@ def _check(path: Path, tensors: bool) -> dict:
     """meta.json of a checkpoint after the checks of verify(); raises Damage."""
     path = Path(path)
     if not path.is_dir():
-        raise Damage(str(path), "not a directory")
+        raise Damage(str(path), "not a directory" if path.exists() else "no such directory")
     meta = read_json(path / META)
     if not isinstance(meta, dict):
         raise Damage(META, "not a JSON object")

@@ -225,6 +225,12 @@ def test_a_run_directory_as_checkpoint_resume_is_refused_naming_its_newest_check
     empty = tmp_path_factory.mktemp("empty")  # twin: a directory of no run names no checkpoint
     with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint \(no meta.json\)$"):
         ckpt.resolve_resume(run, str(empty))
+    nope = later.with_name("step_000009")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {nope} is not loadable: {nope}: no such directory; "
+                                              rf"newest intact checkpoint: {later}"):
+        ckpt.verify(nope)
+    with pytest.raises(CheckpointError, match=rf"{later / 'meta.json'}: not a directory"):
+        ckpt.verify(later / "meta.json")
 
 
 def test_truncated_or_missing_shard_is_named(two):
