@@ -8,10 +8,11 @@ OpenEnv's StepResult, a verifiers environment's reply).
             return Step("hint", reward=0.0, done=False)
 
 One instance per episode, made with no arguments, reset once (with the episode's own copy of the row),
-then stepped once per assistant turn, each call from a worker thread (task.env_workers at a time, each call within task.env_timeout_s). The episode's
-first text is the row's prompt; an observation is appended to the episode as it is (tokenized by the
-run's tokenizer) and the next assistant turn follows it. An environment is a deterministic function
-of (the row, the seed, the actions): a resumed run replays it.
+then stepped once per assistant turn, each call from a worker thread (task.env_workers at a time, each
+call within task.env_timeout_s). The episode's first text is the row's prompt; an observation is
+appended to the episode as it is (tokenized by the run's tokenizer) and the next assistant turn follows
+it. An environment is a deterministic function of (the row, the seed, the actions): a resumed run
+replays it.
 
 `task.env` names a built-in environment (rlalign.agent.envs.ENVS) or a user's class
 'pkg.module:Class', imported from the installed packages, else from the current directory, or
