@@ -269,3 +269,22 @@ def test_an_environment_whose_init_needs_arguments_is_refused_before_any_actor(t
                                                    "defaults, or read them from the task row in reset(example, seed)")):
         train(load_config(["task=guess", f"task.env={path}:Remote", f"run.dir={tmp_path}/run"]))
     assert load_env(f"{path}:WithDefault", ENVS).__name__ == "WithDefault"
+
+
+@pytest.mark.parametrize("method", ["reset", "step"])
+def test_an_async_environment_is_refused_as_it_loads_naming_the_method(tmp_path, method):
+    """reset and step run as plain calls in worker threads: an `async def` one (a coroutine no one awaits) is
+    refused naming it; the twin: the same class with plain methods loads."""
+    body = {"reset": "    {}def reset(self, example, seed):\n        pass\n\n",
+            "step": "    {}def step(self, action):\n        return Step(done=True)\n\n"}
+    other = "step" if method == "reset" else "reset"
+    for prefix in ("async ", ""):
+        path = tmp_path / f"envs_{prefix.strip() or 'plain'}_{method}.py"
+        path.write_text("from rlalign.agent import Step\n\nclass Remote:\n" + body[method].format(prefix)
+                        + body[other].format(""))
+        if prefix:
+            with pytest.raises(ValueError, match=rf"task.env='.*:Remote': Remote.{method} is a coroutine function "
+                                                 rf"\(async def\); reset and step are called as plain functions"):
+                load_env(f"{path}:Remote", ENVS)
+        else:
+            assert load_env(f"{path}:Remote", ENVS).__name__ == "Remote"

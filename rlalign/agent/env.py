@@ -102,6 +102,11 @@ def load_env(spec: str, builtin: dict[str, type]) -> type:
         raise ValueError(f"task.env={spec!r}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no class "
                          f"{cls_name!r} with reset(example, seed) and step(action) methods")
     check_no_arguments(spec, cls)
+    for name in ("reset", "step"):
+        if inspect.iscoroutinefunction(getattr(cls, name)):
+            raise ValueError(f"task.env={spec!r}: {cls.__qualname__}.{name} is a coroutine function (async def); "
+                             f"reset and step are called as plain functions in worker threads (task.env_workers): "
+                             f"define them with def (an async client can be run inside with asyncio.run)")
     return cls
 
 
