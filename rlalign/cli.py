@@ -360,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--version" in argv[:2]:
         return _run("", lambda: _say(version(), 0))
     cmd, rest = argv[0], argv[1:]
+    gone = _cwd_gone()
+    if gone:
+        print(f"rlalign {cmd}: error: {gone}", file=sys.stderr)
+        return 2
     if cmd in ("compare", "report", "export"):
         return _run(cmd, lambda: _passthrough(cmd, rest))
     if cmd not in COMMANDS:
@@ -369,6 +373,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = {"overrides": [], "cfg": None}
     return _run(cmd, lambda: _command(cmd, rest, state), state)
+
+
+def _cwd_gone() -> str | None:
+    """Why the working directory cannot be used (every relative path resolves against it), or None."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return ("the working directory no longer exists (removed after this process entered it; under `ray job "
+                "submit --working-dir`, Ray may remove a job's directory when another job replaces it): cd into "
+                "an existing directory, or submit again")
+    return None
 
 
 def _say(text: str, status: int) -> int:

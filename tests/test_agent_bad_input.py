@@ -216,3 +216,75 @@ def test_an_environment_and_a_reward_load_from_a_file_as_a_loss_does(tmp_path, m
         load_env(f"{tmp_path}/nope.py:Echo", ENVS)
     with pytest.raises(ValueError, match=r"has no class 'Nope' with reset\(example, seed\) and step\(action\)"):
         load_env(f"{path}:Nope", ENVS)
+
+
+class Inventory(GuessEnv):
+    """A stateful tool: each episode takes an item from the inventory its row was reset with."""
+
+    def reset(self, example, seed):
+        self.items = example.fields["items"]
+
+    def step(self, action):
+        return Step(reward=float(bool(self.items) and self.items.pop() is not None), done=True)
+
+
+class SharedInventory(Inventory):
+    """The twin: an inventory every episode shares (a class attribute, outside the row)."""
+
+    SHARED: list[str] = []
+
+    def reset(self, example, seed):
+        self.items = self.SHARED
+
+
+def test_each_episode_resets_on_its_own_copy_of_its_row():
+    """Four episodes of one row each take the row's one item (whatever order their threads run in) and the
+    row stays whole; the twin: an inventory they share gives the item to one episode only."""
+    row = Example("g0-7:", "3", fields={"items": ["key"]})
+    for env, rewards in ((Inventory, [1.0] * 4), (SharedInventory, [0.0, 0.0, 0.0, 1.0])):
+        SharedInventory.SHARED[:] = ["key"]
+        d = EpisodeDriver(env, CharTokenizer(), [row] * 4, [[2]] * 4, [0, 1, 2, 3], 0,
+                          EpisodeLimits(max_turns=2, max_context_len=64, workers=4))
+        assert sorted(r.episode["reward"] for r in scripted(d, ["5"])) == rewards
+    assert row.fields == {"items": ["key"]}
+
+
+def test_an_environment_whose_init_needs_arguments_is_refused_before_any_actor(tmp_path):
+    """Each episode's environment is made as Class(): one that needs arguments is refused as task.env loads;
+    the twin: the same class with a default loads."""
+    from rlalign.rl import train
+
+    path = tmp_path / "needs_args.py"
+    path.write_text("from rlalign.agent import Env, Step\n\n"
+                    "class Remote(Env):\n"
+                    "    def __init__(self, url):\n"
+                    "        self.url = url\n\n"
+                    "    def step(self, action):\n"
+                    "        return Step(done=True)\n\n"
+                    "class WithDefault(Remote):\n"
+                    "    def __init__(self, url='http://sandbox'):\n"
+                    "        self.url = url\n")
+    with pytest.raises(ValueError, match=re.escape(f"task.env='{path}:Remote': Remote(url) needs arguments, but each "
+                                                   "episode's environment is made with none (Remote()); give them "
+                                                   "defaults, or read them from the task row in reset(example, seed)")):
+        train(load_config(["task=guess", f"task.env={path}:Remote", f"run.dir={tmp_path}/run"]))
+    assert load_env(f"{path}:WithDefault", ENVS).__name__ == "WithDefault"
+
+
+@pytest.mark.parametrize("method", ["reset", "step"])
+def test_an_async_environment_is_refused_as_it_loads_naming_the_method(tmp_path, method):
+    """reset and step run as plain calls in worker threads: an `async def` one (a coroutine no one awaits) is
+    refused naming it; the twin: the same class with plain methods loads."""
+    body = {"reset": "    {}def reset(self, example, seed):\n        pass\n\n",
+            "step": "    {}def step(self, action):\n        return Step(done=True)\n\n"}
+    other = "step" if method == "reset" else "reset"
+    for prefix in ("async ", ""):
+        path = tmp_path / f"envs_{prefix.strip() or 'plain'}_{method}.py"
+        path.write_text("from rlalign.agent import Step\n\nclass Remote:\n" + body[method].format(prefix)
+                        + body[other].format(""))
+        if prefix:
+            with pytest.raises(ValueError, match=rf"task.env='.*:Remote': Remote.{method} is a coroutine function "
+                                                 rf"\(async def\); reset and step are called as plain functions"):
+                load_env(f"{path}:Remote", ENVS)
+        else:
+            assert load_env(f"{path}:Remote", ENVS).__name__ == "Remote"

@@ -343,3 +343,20 @@ def test_negative_twin_the_same_overrides_written_right_compose(capsys):
                         "model=tiny-moe")["trainer"]["ep_size"] == 1
     cfg = _printed_cfg(capsys, "gate", "baseline", "--cfg", 'gate.candidate=["seed=1"]')
     assert cfg["gate"]["candidate"] == ["seed=1"]
+
+
+@pytest.mark.parametrize("removed", [True, False])
+def test_a_working_directory_removed_under_the_process_is_named_in_one_line(capsys, tmp_path, monkeypatch, removed):
+    """A driver whose directory was removed (Ray's job working_dir cache) gets one line saying so, not a bare
+    [Errno 2] from the first relative path; twin: the same command in a directory that exists gets past it."""
+    here = tmp_path / "job"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    if removed:
+        here.rmdir()
+    rc = cli.main(["train", "run.steps=nope"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert ("working directory no longer exists" in err) == removed, err
+    if not removed:
+        assert "run.steps" in err  # reached the config

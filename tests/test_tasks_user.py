@@ -271,6 +271,26 @@ def test_a_reward_module_that_does_not_import_names_its_line(tmp_path, monkeypat
         load_reward(f"{bad}:score")
 
 
+
+def test_a_reward_file_imports_its_neighbours_as_a_script_does(tmp_path, monkeypatch, isolated_path):
+    """`task.reward=DIR/file.py:fn` runs as `python DIR/file.py` would: a module beside it imports by name
+    from any working directory; a relative import (no parent package for a file) is one line saying what to
+    give instead. Twin: the neighbour removed, the import fails naming it."""
+    helper = _user_module(tmp_path / "rewards", "def half():\n    return 0.5\n")
+    main = _user_module(tmp_path / "rewards", f"from {helper} import half\n\n\ndef score(c, a, p):\n"
+                                              f"    return half()\n")
+    rel = _user_module(tmp_path / "rewards", f"from .{helper} import half\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_reward(f"rewards/{main}.py:score")("c", Example("p", "a")) == 0.5
+    with pytest.raises(ValueError, match=r"relative import.*a file given by path is loaded as a script.*"
+                                         r"task.reward=PACKAGE.MODULE:NAME"):
+        load_reward(f"rewards/{rel}.py:score")
+    monkeypatch.delitem(sys.modules, helper)
+    (tmp_path / "rewards" / f"{helper}.py").unlink()
+    again = _user_module(tmp_path / "rewards", f"from {helper} import half\n")
+    with pytest.raises(ValueError, match=rf"ModuleNotFoundError: No module named '{helper}'"):
+        load_reward(f"rewards/{again}.py:score")
+
 # --- one run, from the user's directory ------------------------------------------------------------
 
 USER_REWARD = """import json

@@ -28,6 +28,7 @@ environment's rewards (the fallback's alone after a failure).
 
 from __future__ import annotations
 
+import copy
 import queue
 import random
 import sys
@@ -66,7 +67,7 @@ class EpisodeLimits:
 @dataclass
 class Episode:
     sample_id: int
-    example: Example
+    example: Example  # the row, this episode's own copy
     env: Any
     prompt_len: int
     tokens: list[int] = field(default_factory=list)  # the turns and observations so far
@@ -103,7 +104,10 @@ class EpisodeDriver:
         self.tok, self.limits, self.phase = tok, limits, phase
         self.name = f"{env_cls.__module__}:{env_cls.__qualname__}"  # as task.env names it
         self.observe = observation_encoder(tok, limits.observation_role)
-        self.episodes = [Episode(sid, ex, None, len(p)) for sid, ex, p in zip(sample_ids, examples, prompts)]
+        # each episode's own copy of its row: an environment that changes the row it was reset with (a
+        # stateful tool's inventory) leaves the other episodes of that row as they were
+        self.episodes = [Episode(sid, copy.deepcopy(ex), None, len(p)) for sid, ex, p in zip(sample_ids, examples,
+                                                                                            prompts)]
         self.own_pool = pool is None
         self.pool = EnvPool(limits.workers) if pool is None else pool
         self.calls: dict[int, Call] = {}  # episode -> its call in the pool (a reset, then each step)

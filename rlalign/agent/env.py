@@ -7,11 +7,12 @@ OpenEnv's StepResult, a verifiers environment's reply).
         def step(self, action):                  # the assistant turn's text (EOS not included)
             return Step("hint", reward=0.0, done=False)
 
-One instance per episode, made with no arguments, reset once, then stepped once per assistant turn,
-each call from a worker thread (task.env_workers at a time, each call within task.env_timeout_s). The episode's
-first text is the row's prompt; an observation is appended to the episode as it is (tokenized by the
-run's tokenizer) and the next assistant turn follows it. An environment is a deterministic function
-of (the row, the seed, the actions): a resumed run replays it.
+One instance per episode, made with no arguments, reset once (with the episode's own copy of the row),
+then stepped once per assistant turn, each call from a worker thread (task.env_workers at a time, each
+call within task.env_timeout_s). The episode's first text is the row's prompt; an observation is
+appended to the episode as it is (tokenized by the run's tokenizer) and the next assistant turn follows
+it. An environment is a deterministic function of (the row, the seed, the actions): a resumed run
+replays it.
 
 `task.env` names a built-in environment (rlalign.agent.envs.ENVS) or a user's class
 'pkg.module:Class', imported from the installed packages, else from the current directory, or
@@ -20,6 +21,7 @@ of (the row, the seed, the actions): a resumed run replays it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from dataclasses import dataclass
@@ -99,4 +101,25 @@ def load_env(spec: str, builtin: dict[str, type]) -> type:
                                                                                                      None)):
         raise ValueError(f"task.env={spec!r}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no class "
                          f"{cls_name!r} with reset(example, seed) and step(action) methods")
+    check_no_arguments(spec, cls)
+    for name in ("reset", "step"):
+        if inspect.iscoroutinefunction(getattr(cls, name)):
+            raise ValueError(f"task.env={spec!r}: {cls.__qualname__}.{name} is a coroutine function (async def); "
+                             f"reset and step are called as plain functions in worker threads (task.env_workers): "
+                             f"define them with def (an async client can be run inside with asyncio.run)")
     return cls
+
+
+def check_no_arguments(spec: str, cls: type) -> None:
+    """Each episode's environment is made as cls(): a class whose __init__ needs arguments is refused now,
+    before any actor starts, rather than at the first episode's reset."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a class built in C, without a signature: made as cls() all the same
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        raise ValueError(f"task.env={spec!r}: {cls.__qualname__}{signature} needs arguments, but each episode's "
+                         f"environment is made with none ({cls.__qualname__}()); give them defaults, or read them "
+                         f"from the task row in reset(example, seed) (example.fields)") from None

@@ -76,14 +76,19 @@ def import_module(name: str):
 
 def import_file(path: Path):
     """The Python file at `path` as a module named by its absolute path (once per file; registered
-    before it runs, as an import is, so that its dataclasses find it)."""
+    before it runs, as an import is, so that its dataclasses find it). As for `python FILE`, the file's
+    directory goes first on sys.path (its neighbours import by name) and it has no parent package."""
     path = path.resolve()
     name = str(path)
     if name not in sys.modules:
         if not path.is_file():
             raise FileNotFoundError(f"no such file: {path}")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+            importlib.invalidate_caches()
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
+        mod.__package__ = ""  # a script's: not the path's text before its last dot
         sys.modules[name] = mod
         try:
             spec.loader.exec_module(mod)
@@ -101,8 +106,13 @@ def import_user_module(key: str, name: str):
         return import_file(Path(name)) if name.endswith(".py") else import_module(name)
     except Exception as e:
         at = user_frame(e)
+        hint = ""
+        if name.endswith(".py") and isinstance(e, ImportError) and "relative import" in str(e):
+            hint = (f" (a file given by path is loaded as a script, without its package: import its neighbours "
+                    f"by name, or give the module, {key.split('=')[0]}=PACKAGE.MODULE:NAME, from the package's "
+                    f"parent directory)")
         raise ValueError(f"{key}: cannot import module {name!r}{f' ({at})' if at else ''}: "
-                         f"{type(e).__name__}: {e}") from None
+                         f"{type(e).__name__}: {e}{hint}") from None
 
 
 class Reward:
