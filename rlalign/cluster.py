@@ -160,13 +160,15 @@ def _own_sigterm():
     import ray._private.utils as ray_utils
 
     kept, held = signal.getsignal(signal.SIGTERM), []
-    real = ray_utils.set_sigterm_handler
+    real = getattr(ray_utils, "set_sigterm_handler", None)  # private: a Ray without it installs none here
     signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-    ray_utils.set_sigterm_handler = lambda handler: None
+    if real is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
-        ray_utils.set_sigterm_handler = real
+        if real is not None:
+            ray_utils.set_sigterm_handler = real
         signal.signal(signal.SIGTERM, kept if kept is not None else signal.SIG_DFL)
         if held:
             signal.raise_signal(signal.SIGTERM)
