@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from importlib import metadata
 from pathlib import Path
@@ -20,7 +21,8 @@ import torch
 from conftest import TINY, inject_fault, same_bits, tiny_model
 
 from rlalign import kernels
-from rlalign.agree import batch_params, generate_batch, random_prompts, run_agree, score_batch
+from rlalign.agree import batch_params, generate_batch, random_prompts, score_batch
+from rlalign.agree import main as agree_main
 from rlalign.config import ConfigError, load_config
 from rlalign.fingerprint import state_fingerprints
 from rlalign.model import read_args, save_hf
@@ -195,12 +197,17 @@ def test_load_named_keeps_only_this_ranks_experts(model, names):
         assert same_bits(p, local[n]), n
 
 
-def test_stock_vllm_disagrees_and_agree_reports_it():
-    """Negative twin: vLLM's own Qwen3-MoE, CPU attention (head_dim >= 32) and sampler."""
+def test_stock_vllm_disagrees_and_agree_reports_it(capfd):
+    """Negative twin: vLLM's own Qwen3-MoE, CPU attention (head_dim >= 32) and sampler. stdout holds
+    agree's JSON line only: vLLM's log (its engine processes' too) goes to stderr."""
     cfg = load_config(["generator.backend=vllm", "generator.vllm.stock=true", "model.head_dim=32",
                        "generator.vllm.block_size=32",  # vLLM's CPU attention: head_dim, block_size % 32 == 0
                        "trainer.ep_size=1", "agree.num_prompts=8", "agree.max_new_tokens=16", *SMALL])
-    res, _ = run_agree(cfg)
+    assert agree_main(cfg) == 1  # deterministic kernels promised agreement
+    out, err = capfd.readouterr()
+    assert len(out.splitlines()) == 1, out[-2000:]
+    res = json.loads(out)
+    assert re.search(r"\(EngineCore pid=\d+\) INFO", err)  # the twin: vLLM did log, on stderr
     assert res["generator_backend"] == "vllm" and res["tokens"] > 0
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 

@@ -51,6 +51,8 @@ class VllmGenerator:
         self.stock, self.ep_size = stock, ep_size
         refuse_shapes(self.args, ep_size, stock, _cpu_head_sizes() if device == "cpu" else None)
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's message queue: loopback only
+        # vLLM logs to stdout by default; stdout carries a command's results (agree's closing JSON line)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         bind = {}
         if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # each worker's OpenMP threads on its own share of this process's cores (vLLM's "auto"
