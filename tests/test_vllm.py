@@ -330,6 +330,21 @@ def test_shapes_vllm_refuses_are_refused_before_the_engine_starts(tmp_path):
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 1, stock=True, cpu_head_sizes=[16])
 
 
+def test_native_engine_keys_are_refused_with_vllm():
+    """A native-engine schedule key (generator.max_num_seqs, page_size, ...) that vLLM would not read is refused
+    in one line naming the generator.vllm key to set instead. Twins: the same key with the native engine, and
+    the vLLM backend with every native key at its default, pass."""
+    with pytest.raises(ConfigError, match=r"generator\.max_num_seqs=4 with generator\.backend=vllm: .*"
+                                          r"set generator\.vllm\.max_num_seqs$"):
+        check_generator(load_config(["generator.backend=vllm", "generator.max_num_seqs=4"]))
+    with pytest.raises(ConfigError, match=r"generator\.page_size=8 .*set generator\.vllm\.block_size$"):
+        check_generator(load_config(["generator.backend=vllm", "generator.page_size=8"]))
+    with pytest.raises(ConfigError, match=r"generator\.lookahead=false with generator\.backend=vllm"):
+        check_generator(load_config(["generator.backend=vllm", "generator.lookahead=false"]))
+    assert check_generator(load_config(["generator.max_num_seqs=4", "generator.page_size=8"])).backend == "native"
+    assert check_generator(load_config(["generator.backend=vllm", *SMALL])).backend == "vllm"
+
+
 def test_missing_or_unsupported_vllm_is_one_line(monkeypatch):
     real = metadata.version
 

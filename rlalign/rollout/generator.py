@@ -3,6 +3,8 @@ rlalign.generator_world, the one reader of `generator.backend`)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import fields
 from typing import Protocol
 
 from omegaconf import DictConfig
@@ -45,6 +47,25 @@ class Generator(Protocol):
         """Whether the weights were given back since they were last written (then nothing may read them)."""
 
 
+# the native engine's schedule keys (EngineConfig) and what to set instead under generator.backend=vllm
+VLLM_INSTEAD = {
+    "generator.max_num_seqs": "set generator.vllm.max_num_seqs",
+    "generator.max_num_batched_tokens": "set generator.vllm.max_num_batched_tokens",
+    "generator.page_size": "set generator.vllm.block_size",
+    "generator.num_pages": "set generator.vllm.kv_cache_memory_bytes (or generator.vllm.gpu_memory_utilization)",
+    "generator.cuda_graphs": "vLLM runs rlalign's model eagerly (generator.vllm.enforce_eager=true)",
+    "generator.keep_state": "vLLM keeps its KV cache between calls",
+    "generator.lookahead": "vLLM schedules its own steps",
+}
+
+
+def native_keys_set(g: DictConfig) -> list[str]:
+    """'generator.KEY=VALUE' for each native-engine schedule key that differs from its default."""
+    default = EngineConfig()
+    return [f"generator.{f.name}={json.dumps(g[f.name])}" for f in fields(EngineConfig)
+            if g[f.name] != getattr(default, f.name)]
+
+
 def check_generator(cfg: DictConfig) -> GeneratorWorld:
     """The generator's world (rlalign.generator_world), once its engine is known to run here:
     errors (vLLM missing, an unsupported layout) come before any process starts."""
@@ -60,6 +81,10 @@ def check_generator(cfg: DictConfig) -> GeneratorWorld:
                           "generator gives its GPU memory back while the trainer trains, which only the native engine "
                           "does (vLLM's sleep mode is not wired in); use generator.backend=native or "
                           "placement.colocate=false")
+    native = native_keys_set(g)
+    if native:
+        raise ConfigError(f"invalid config: {native[0]} with generator.backend=vllm: a key of the native engine's "
+                          f"schedule, which vLLM does not read; {VLLM_INSTEAD[native[0].split('=')[0]]}")
     from rlalign.rollout.vllm import check_installed, refuse_shapes
 
     try:
