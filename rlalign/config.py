@@ -435,6 +435,9 @@ def validate(cfg: DictConfig) -> None:
     problems += _trainer_problems(cfg) + algorithm_problems(cfg.algorithm) + task_problems(cfg.task)
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
+    elif cfg.task.samples_per_prompt == 1 and cfg.algorithm.loss is None:
+        problems.append(f"task.samples_per_prompt=1: a sample's advantage is its reward minus its group's mean, 0 in a "
+                        f"group of one, so algorithm.name={cfg.algorithm.name} would never update the policy; use >= 2")
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
         problems.append(f"algorithm.num_minibatches={cfg.algorithm.num_minibatches}: more minibatches than the "
                         f"step's {cfg.task.num_prompts * cfg.task.samples_per_prompt} sequences")

@@ -171,6 +171,15 @@ def test_numbers_outside_their_range_are_refused_naming_the_key(override, messag
         load_config([override])
 
 
+def test_groups_of_one_sample_are_refused_but_for_a_loss_of_ones_own():
+    """GRPO groups of one have advantage 0 at every sample: no built-in loss would ever learn; a user's loss
+    (which may use no advantage) may run them, and groups of two run with every loss (the twins)."""
+    with pytest.raises(ConfigError, match=r"task\.samples_per_prompt=1: .*algorithm\.name=gspo would never update"):
+        load_config(["task.samples_per_prompt=1", "algorithm=gspo"])
+    load_config(["task.samples_per_prompt=1", "algorithm.loss=mypkg.losses:fn"])
+    load_config(["task.samples_per_prompt=2", "algorithm=gspo"])
+
+
 def test_numbers_at_the_edges_of_their_range_are_accepted():
     load_config(["trainer.micro_batch_size=0", "trainer.lr=0", "trainer.grad_clip=0", "trainer.betas=[0.0,0.999]",
                  "algorithm.clip_low=0", "checkpoint.keep=0", "checkpoint.every=0"])
