@@ -60,6 +60,10 @@ def test_an_unknown_loss_is_refused_with_the_names():
         load_config(["algorithm.name=gspoo"])
     with pytest.raises(ValueError, match=r"no such loss \(did you mean 'grpo'\?\)"):
         resolve_loss(OmegaConf.create({"name": "grp", "loss": None}))
+    with pytest.raises(ConfigError, match=r"algorithm\.name='ppo': no such loss \(did you mean 'ppo-clip'\?\)"):
+        load_config(["algorithm.name=ppo"])  # a prefix, too far for difflib
+    with pytest.raises(ConfigError, match=r"algorithm\.name='reinforce': no such loss; built in"):
+        load_config(["algorithm.name=reinforce"])  # the twin: nothing close, no guess
     with pytest.raises(ConfigError, match=r"ppo-clip has no reference-KL term"):
         load_config(["algorithm=ppo-clip", "algorithm.kl_coef=0.1"])
     with pytest.raises(ConfigError, match=r"algorithm\.loss='nocolon': expected 'pkg.module:function'"):
