@@ -435,6 +435,9 @@ def validate(cfg: DictConfig) -> None:
     problems += _trainer_problems(cfg) + algorithm_problems(cfg.algorithm) + task_problems(cfg.task)
     if cfg.task.num_prompts < 1 or cfg.task.samples_per_prompt < 1:
         problems.append("task.num_prompts and task.samples_per_prompt must be >= 1")
+    elif cfg.task.samples_per_prompt == 1 and cfg.algorithm.loss is None:
+        problems.append(f"task.samples_per_prompt=1: a sample's advantage is its reward minus its group's mean, 0 in a "
+                        f"group of one, so algorithm.name={cfg.algorithm.name} would never update the policy; use >= 2")
     if cfg.algorithm.num_minibatches > cfg.task.num_prompts * cfg.task.samples_per_prompt:
         problems.append(f"algorithm.num_minibatches={cfg.algorithm.num_minibatches}: more minibatches than the "
                         f"step's {cfg.task.num_prompts * cfg.task.samples_per_prompt} sequences")
@@ -470,15 +473,15 @@ def _ranges(cfg: DictConfig) -> list[str]:
     t, a = cfg.trainer, cfg.algorithm
     checks = [
         ("trainer.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 0, ">= 0 (0 = all at once)"),
-        ("trainer.lr", t.lr, t.lr >= 0, ">= 0"),
-        ("trainer.eps", t.eps, t.eps > 0, "> 0"),
-        ("trainer.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("trainer.lr", t.lr, 0 <= t.lr < math.inf, "finite and >= 0"),
+        ("trainer.eps", t.eps, 0 < t.eps < math.inf, "finite and > 0"),
+        ("trainer.weight_decay", t.weight_decay, 0 <= t.weight_decay < math.inf, "finite and >= 0"),
         ("trainer.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0 = no clipping)"),
         ("trainer.betas", list(t.betas), len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
          "two values in [0, 1)"),
         ("algorithm.clip_low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
         ("algorithm.clip_high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("algorithm.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0 (0 = off)"),
+        ("algorithm.kl_coef", a.kl_coef, 0 <= a.kl_coef < math.inf, "finite and >= 0 (0 = off)"),
         ("algorithm.tis.cap", a.tis.cap, a.tis.cap > 0, "> 0"),
         ("algorithm.icepop.low", a.icepop.low, 0 <= a.icepop.low < a.icepop.high, "in [0, algorithm.icepop.high)"),
         ("checkpoint.every", cfg.checkpoint.every, cfg.checkpoint.every is None or cfg.checkpoint.every >= 0,

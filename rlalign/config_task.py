@@ -23,8 +23,12 @@ def choice(default: str | None, allowed: Any) -> Any:
 
 
 def did_you_mean(value: Any, allowed: Any) -> str:
-    """' (did you mean 'x'?)' for the allowed string closest to value, or ''."""
-    close = difflib.get_close_matches(str(value), [a for a in allowed if isinstance(a, str)], n=1)
+    """' (did you mean 'x'?)' for the allowed string closest to value, else the one value begins (a
+    name's first part: 'ppo' for 'ppo-clip'), or ''."""
+    names = [a for a in allowed if isinstance(a, str)]
+    close = difflib.get_close_matches(str(value), names, n=1)
+    if not close and len(str(value)) >= 2:
+        close = [a for a in names if a.startswith(str(value))][:1]
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -31,7 +31,7 @@ from rlalign.config import load_config
 from rlalign.config_search import ConfigSource
 from rlalign.monitor.compare import first_differing_state, run_streams, state_difference_line, trainer_state
 from rlalign.monitor.trace import env_difference, first_differing_record
-from rlalign.rl import train
+from rlalign.rl import MismatchError, train
 
 GATES = ("repeatability", "baseline", "replay")
 STEP_RECORDS = "gen.step."  # the generator's per-engine-step op records (rlalign.rollout.native.runner)
@@ -194,6 +194,17 @@ def replay_resume_step(cfg: DictConfig) -> int:
 
 
 def _run_gate(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSource | None) -> tuple[bool, str]:
+    """The gate's runs and their comparison; a run that stops at a generator/trainer mismatch (deterministic
+    kernels, monitor.on_mismatch=raise) is a FAIL naming it, as a divergence between the runs is."""
+    try:
+        return _gate_runs(kind, overrides, cfg, source)
+    except MismatchError as e:
+        base = Path(cfg.run.dir) / f"gate-{kind}"
+        return False, (f"gate {kind}: FAIL (a run stopped: its generator and trainer disagree; {cfg.run.steps} steps; "
+                       f"runs in {base})\n  {e}")
+
+
+def _gate_runs(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSource | None) -> tuple[bool, str]:
     base = Path(cfg.run.dir) / f"gate-{kind}"
     if base.exists():
         shutil.rmtree(base)

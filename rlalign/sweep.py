@@ -18,6 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from rlalign.config_search import ConfigError
+
 # the fields of a job's JSON summary the table shows, when the job printed them
 TABLE_FIELDS = {"train": ("reward_last5", "mismatched_tokens_total", "sync/weights_fp"),
                 "agree": ("tokens", "mismatched_tokens", "max_abs_diff")}
@@ -64,14 +66,26 @@ def plan(cmd: str, overrides: list[str], load: Callable[[list[str]], DictConfig]
     dirs = {o for job in expanded for o in job if _key(o) == "run.dir"}
     sweep_dir = None
     if cmd in RUN_DIR_COMMANDS and len(dirs) < 2:
-        sweep_dir = Path(str(load(expanded[0]).run.dir))
+        sweep_dir = Path(str(_load_job(load, expanded, 0).run.dir))
     jobs = []
     for num, job in enumerate(expanded):
         if sweep_dir is not None:
             job = [o for o in job if _key(o) != "run.dir"] + [f"run.dir={sweep_dir / str(num)}"]
-        cfg = load(job)
+        cfg = _load_job(load, expanded, num, job)
         jobs.append(Job(num, job, cfg, str(cfg.run.dir) if cmd in RUN_DIR_COMMANDS else None))
     return sweep_dir, jobs
+
+
+def _load_job(load: Callable[[list[str]], DictConfig], expanded: list[list[str]], num: int,
+              job: list[str] | None = None) -> DictConfig:
+    """Job num's config; a refused one is named by its number and swept values."""
+    try:
+        return load(expanded[num] if job is None else job)
+    except ConfigError as e:
+        if len(expanded) < 2:
+            raise
+        swept = [o for o in expanded[num] if any(o not in other for other in expanded)]
+        raise ConfigError(f"multirun job {num} of {len(expanded)} ({' '.join(swept)}): {e}") from e
 
 
 class _Tee(io.TextIOBase):

@@ -319,6 +319,28 @@ def test_ctrl_c_in_a_gate_is_one_line(capsys, monkeypatch, tmp_path):
     assert rc == 130 and err.strip() == "rlalign gate: interrupted"
 
 
+@pytest.mark.parametrize("raised, rc", [("mismatch", 1), ("other", 2)])
+def test_a_gate_run_stopped_by_a_mismatch_is_a_fail(capsys, monkeypatch, tmp_path, raised, rc):
+    """A gate run that stops at a generator/trainer mismatch is the gate's FAIL (exit 1) with the mismatch's
+    line; the twin: any other error of a run stays an error (exit 2)."""
+    from rlalign import cluster, gates
+    from rlalign.rl import MismatchError
+
+    def train(cfg):
+        if cfg.run.dir.endswith("/b"):
+            raise (MismatchError if raised == "mismatch" else ValueError)("step 0: 3 of 9 tokens differ ... "
+                                                                         "(first divergence: layers.1.attn)")
+
+    monkeypatch.setattr(gates, "train", train)
+    monkeypatch.setattr(cluster, "connect", lambda num_cpus: False)
+    monkeypatch.setattr(cluster, "disconnect", lambda initialized: None)
+    got, out, err = _run(capsys, "gate", "baseline", f"run.dir={tmp_path}", "run.steps=1")
+    assert got == rc
+    text = out + err
+    assert ("gate baseline: FAIL (a run stopped: its generator and trainer disagree" in text) == (raised == "mismatch")
+    assert "first divergence: layers.1.attn" in text
+
+
 @pytest.mark.parametrize("argv, line", [
     (["train", "--cfg", "yml"], "--cfg yml: expected one of job, hydra, all"),  # was read as an override
     (["train", "trainer.ep_size=two"],

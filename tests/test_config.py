@@ -149,13 +149,16 @@ def test_engine_keys_reach_the_native_engine():
 
 @pytest.mark.parametrize("override, message", [
     ("trainer.micro_batch_size=-1", r"trainer\.micro_batch_size=-1: must be >= 0"),
-    ("trainer.lr=-0.1", r"trainer\.lr=-0\.1: must be >= 0"),
-    ("trainer.eps=0", r"trainer\.eps=0(\.0)?: must be > 0"),
+    ("trainer.lr=-0.1", r"trainer\.lr=-0\.1: must be finite and >= 0"),
+    ("trainer.eps=0", r"trainer\.eps=0(\.0)?: must be finite and > 0"),
     ("trainer.grad_clip=-1", r"trainer\.grad_clip=-1(\.0)?: must be >= 0"),
     ("trainer.betas=[0.9,1.0]", r"trainer\.betas=\[0\.9, 1\.0\]: must be two values in \[0, 1\)"),
     ("trainer.betas=[0.9]", r"trainer\.betas=\[0\.9\]: must be two values"),
     ("algorithm.clip_low=1.5", r"algorithm\.clip_low=1\.5: must be in \[0, 1\)"),
-    ("algorithm.kl_coef=-1", r"algorithm\.kl_coef=-1(\.0)?: must be >= 0"),
+    ("algorithm.kl_coef=-1", r"algorithm\.kl_coef=-1(\.0)?: must be finite and >= 0"),
+    ("trainer.lr=inf", r"trainer\.lr=inf: must be finite and >= 0"),  # ran, and NaN weights broke the sampler
+    ("trainer.lr=nan", r"trainer\.lr=nan: must be finite"),
+    ("algorithm.kl_coef=inf", r"algorithm\.kl_coef=inf: must be finite"),
     ("algorithm.icepop.low=3", r"algorithm\.icepop\.low=3(\.0)?: must be in \[0, algorithm\.icepop\.high\)"),
     ("checkpoint.keep=-1", r"checkpoint\.keep=-1: must be >= 0"),
     ("checkpoint.every=-2", r"checkpoint\.every=-2: must be >= 0"),
@@ -166,6 +169,15 @@ def test_engine_keys_reach_the_native_engine():
 def test_numbers_outside_their_range_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config([override])
+
+
+def test_groups_of_one_sample_are_refused_but_for_a_loss_of_ones_own():
+    """GRPO groups of one have advantage 0 at every sample: no built-in loss would ever learn; a user's loss
+    (which may use no advantage) may run them, and groups of two run with every loss (the twins)."""
+    with pytest.raises(ConfigError, match=r"task\.samples_per_prompt=1: .*algorithm\.name=gspo would never update"):
+        load_config(["task.samples_per_prompt=1", "algorithm=gspo"])
+    load_config(["task.samples_per_prompt=1", "algorithm.loss=mypkg.losses:fn"])
+    load_config(["task.samples_per_prompt=2", "algorithm=gspo"])
 
 
 def test_numbers_at_the_edges_of_their_range_are_accepted():

@@ -60,6 +60,10 @@ def test_an_unknown_loss_is_refused_with_the_names():
         load_config(["algorithm.name=gspoo"])
     with pytest.raises(ValueError, match=r"no such loss \(did you mean 'grpo'\?\)"):
         resolve_loss(OmegaConf.create({"name": "grp", "loss": None}))
+    with pytest.raises(ConfigError, match=r"algorithm\.name='ppo': no such loss \(did you mean 'ppo-clip'\?\)"):
+        load_config(["algorithm.name=ppo"])  # a prefix, too far for difflib
+    with pytest.raises(ConfigError, match=r"algorithm\.name='reinforce': no such loss; built in"):
+        load_config(["algorithm.name=reinforce"])  # the twin: nothing close, no guess
     with pytest.raises(ConfigError, match=r"ppo-clip has no reference-KL term"):
         load_config(["algorithm=ppo-clip", "algorithm.kl_coef=0.1"])
     with pytest.raises(ConfigError, match=r"algorithm\.loss='nocolon': expected 'pkg.module:function'"):
@@ -134,6 +138,30 @@ def test_a_user_loss_from_a_file_and_from_a_module(tmp_path, monkeypatch):
         resolve_loss(_alg("algorithm.loss=no_such_module:fn"))
 
 
+@pytest.mark.parametrize("body, message", [
+    ("return 1.0", r"returned 1\.0 \(float\)"),
+    ("return batch.logprobs.sum()", r"returned a tensor of shape \[\]"),  # the metrics dict forgotten
+    ("return batch.logprobs, {}", r"returned a loss of a tensor of shape \[5\]"),
+    ("return batch.logprobs.detach().sum(), {}", r"returned a loss without grad"),
+    ("return batch.logprobs.sum(), {'note': 'x'}", r"returned the metric 'note': 'x' \(str\)"),
+    ("return batch.logprobs.sum(), {'v': batch.logprobs}", r"returned the metric 'v': a tensor of shape \[5\]"),
+])
+def test_a_user_loss_returning_the_wrong_thing_is_named(tmp_path, body, message):
+    (tmp_path / "bad_losses.py").write_text(f"def fn(batch, alg):\n    {body}\n")
+    fn = resolve_loss(_alg(f"algorithm.loss={tmp_path / 'bad_losses.py'}:fn"))
+    with pytest.raises(ValueError, match=r"algorithm\.loss='.*bad_losses\.py:fn' \(.*bad_losses\.py:1\) " + message):
+        fn(_batch(), _alg())
+
+
+def test_a_user_loss_returning_a_loss_and_metrics_passes_unchanged(tmp_path):
+    """The negative twin: the check lets a well-formed return through as it is."""
+    (tmp_path / "good_losses.py").write_text(
+        "def fn(batch, alg):\n    return batch.logprobs.sum(), {'n': 1, 'flag': True, 's_sum': batch.logprobs.sum()}\n")
+    b = _batch()
+    loss, m = resolve_loss(_alg(f"algorithm.loss={tmp_path / 'good_losses.py'}:fn"))(b, _alg())
+    assert torch.equal(loss, b.logprobs.sum()) and set(m) == {"n", "flag", "s_sum"}
+
+
 def test_logged_metrics_are_whatever_the_loss_returned():
     stats = {"pg_loss_sum": 6.0, "ratio_max": 1.5, "tis/weight_min": 0.5, "grad_norm_last": 2.0, "calls": 4.0,
              "mine/tokens_sum": 12.0}
@@ -157,3 +185,28 @@ def test_merged_metrics_do_not_depend_on_how_micro_batches_split_over_ranks():
     assert merged(1) == merged(2) == merged(4)
     assert merged(1)["x_max"] == 2.0 and merged(1)["x_min"] == -6.0 and merged(1)["n_last"] == 6.0
     assert merged(1)["x_sum"] == sum(0.1 * (g + 1) for g in range(7))  # micro-batch order, not rank order
+
+
+@pytest.mark.parametrize("scale", [float("nan"), 1.0])
+def test_a_non_finite_gradient_is_refused_before_the_update(scale):
+    """A loss that is NaN (a user's loss, an overflow) stops the step naming the gradient norm and leaves
+    the weights as they were, instead of NaN weights that break the next generate; the twin (a finite
+    loss) updates them."""
+    from rlalign import kernels
+    from rlalign.sampling_params import SamplingParams
+    from rlalign.sequences import Sample
+    from rlalign.training.trainer import Trainer
+
+    cfg = load_config(["trainer.micro_batch_size=2"])
+    kernels.configure(cfg.kernels.mode, cfg.kernels.backend, cfg.device)
+    tr = Trainer(cfg, None)
+    before = {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+    tr.forward_backward([Sample([3, 4, 5], [6, 7], torch.zeros(2), params=SamplingParams())],
+                        lambda lps, idx: (-torch.cat(lps).sum() * scale, {}), 2)
+    if scale != scale:
+        with pytest.raises(FloatingPointError, match=r"the gradient norm is nan, so the weights were not updated"):
+            tr.optimizer_step()
+    else:
+        tr.optimizer_step()
+    after = tr.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) == (scale != scale)

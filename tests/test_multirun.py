@@ -66,7 +66,8 @@ def test_without_multirun_a_sweep_is_refused_with_hydras_hint(capsys, runs):
 
 def test_every_jobs_config_is_checked_before_the_first_runs(capsys, runs, tmp_path):
     rc, out, err = _run(capsys, "train", "--multirun", "trainer.ep_size=1,3", f"run.dir={tmp_path}")
-    assert rc == 2 and not runs and "trainer.ep_size=3 does not divide" in err
+    assert rc == 2 and not runs and "multirun job 1 of 2 (trainer.ep_size=3): invalid config: trainer.ep_size=3 " \
+                                    "does not divide" in err
     rc, out, err = _run(capsys, "train", "--multirun", "trainer.ep_size=1,2", f"run.dir={tmp_path}")  # twin
     assert rc == 0 and [c.trainer.ep_size for c in runs] == [1, 2]
 

@@ -102,7 +102,7 @@ class RewardCaller:
     def _timed_out(self, call: RewardCall, seconds: float) -> float:
         if self.fallback is None:
             raise RewardError(f"reward function did not return within task.reward_timeout_s={self.timeout_s:g} s on "
-                              f"{call.where} (still running after {seconds:.1f} s; set "
+                              f"{call.where} (still running after {round(seconds, 3):g} s; set "
                               f"task.reward_timeout_fallback=VALUE to score such a sample VALUE instead)")
         print(f"{self.what}: reward function did not return within task.reward_timeout_s={self.timeout_s:g} s on "
               f"{call.where}; scored task.reward_timeout_fallback={self.fallback:g}", file=sys.stderr, flush=True)

@@ -232,7 +232,7 @@ def resolve_loss(alg) -> LossFunction:
     """The step's loss: algorithm.loss's function when set, else the built-in algorithm.name names."""
     path = alg.get("loss")
     if path:
-        return load_loss(path)
+        return checked_loss(load_loss(path), path)
     if alg.name not in LOSSES:
         raise ValueError(f"algorithm.name={alg.name!r}: no such loss{did_you_mean(alg.name, LOSSES)}; built in: "
                          f"{', '.join(LOSSES)} (or algorithm.loss='pkg.module:function' for your own)")
@@ -249,6 +249,48 @@ def load_loss(path: str) -> LossFunction:
     if not callable(fn):
         raise ValueError(f"algorithm.loss={path!r}: {mod_name!r} has no function {fn_name!r}")
     return fn
+
+
+def checked_loss(fn: LossFunction, path: str) -> LossFunction:
+    """A user's loss whose output is checked on every call: a wrong one is a ValueError naming
+    algorithm.loss, its file and line, and what came back (not a TypeError deep in the trainer)."""
+    code = getattr(fn, "__code__", None)
+    where = f"algorithm.loss={path!r}" + (f" ({code.co_filename}:{code.co_firstlineno})" if code else "")
+
+    def call(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
+        out = fn(batch, alg)
+        problem = loss_output_problem(out)
+        if problem:
+            raise ValueError(f"{where} {problem}; a loss returns (loss, metrics): loss the micro-batch's sum of token "
+                             f"losses as a 0-d tensor with grad, metrics a dict {{name: number or 0-d tensor}}")
+        return out
+
+    return call
+
+
+def loss_output_problem(out) -> str | None:
+    """What is wrong with a loss function's return value, or None."""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        return f"returned {_shown(out)}"
+    loss, metrics = out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return f"returned a loss of {_shown(loss)}"
+    if not loss.requires_grad:
+        return "returned a loss without grad (computed from batch.logprobs detached?)"
+    if not isinstance(metrics, dict):
+        return f"returned metrics of {_shown(metrics)}"
+    for key, v in metrics.items():
+        number = isinstance(v, int | float) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+        if not isinstance(key, str) or not number:
+            return f"returned the metric {key!r}: {_shown(v)}"
+    return None
+
+
+def _shown(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)}"
+    text = repr(x)
+    return f"{text[:60] + '...' if len(text) > 60 else text} ({type(x).__name__})"
 
 
 # --- metrics --------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ that the MoE all-to-alls of forward and backward stay in lockstep.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -234,6 +235,9 @@ class Trainer:
         the update rounded into the model."""
         self.reduce_grads()
         norm = self.grad_norm()
+        if not math.isfinite(norm):  # the same value on every rank: all refuse the update together
+            raise FloatingPointError(f"the gradient norm is {norm}, so the weights were not updated: the loss or its "
+                                     f"gradient is not finite (see algorithm.loss or algorithm.*)")
         if self.weights.shard:
             self.weights.keep_own_grads(self.grads, self.dense_names)
             self.gradients.dense_flat = None
