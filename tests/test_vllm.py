@@ -308,6 +308,8 @@ def test_engine_option_vllm_rejects_names_the_key(model, tmp_path):
         VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, max_num_seqs=64, max_num_batched_tokens=8))
     with pytest.raises(ValueError, match=r"generator\.vllm\.swap_space: not an engine option"):
         VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, swap_space=4))
+    with pytest.raises(ValueError, match=r"generator\.vllm\.enforce_eager=false: .*keep it true"):
+        VllmGenerator(str(tmp_path / "m"), "bfloat16", dict(OPTIONS, enforce_eager=False))
 
 
 def test_shapes_vllm_refuses_are_refused_before_the_engine_starts(tmp_path):

@@ -47,6 +47,10 @@ class VllmGenerator:
         unknown = sorted(set(options) - set(ENGINE_KEYS))
         if unknown:
             raise ValueError(f"generator.vllm.{unknown[0]}: not an engine option; valid: {', '.join(ENGINE_KEYS)}")
+        options = {"enforce_eager": True, **options}  # vLLM's default (compile, graphs) cannot run rlalign's model
+        if not (options["enforce_eager"] or stock):
+            raise ValueError("generator.vllm.enforce_eager=false: rlalign's model syncs with the host in every MoE "
+                             "layer, so vLLM cannot capture or compile it; keep it true")
         self.args = read_args(model_dir)[0]
         self.stock, self.ep_size = stock, ep_size
         refuse_shapes(self.args, ep_size, stock, _cpu_head_sizes() if device == "cpu" else None)
