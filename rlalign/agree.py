@@ -134,7 +134,10 @@ def _generate_rank(rank: int, world: int, group, cfg_dict: dict, prompts, sample
     part = shard_range(len(prompts), world, rank)
     mine = [prompts[i] for i in part]
     episodes = None if recorded is None else RecordedEpisodes([recorded[i] for i in part], [len(p) for p in mine])
-    out = worker.generate(mine, [sample_ids[i] for i in part], params, episodes=episodes)
+    try:
+        out = worker.generate(mine, [sample_ids[i] for i in part], params, episodes=episodes)
+    finally:
+        worker.generator.close()  # the engine's memory (a vLLM engine: its processes) back before the scoring
     return out.rollouts, out.rows
 
 

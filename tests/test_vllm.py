@@ -90,6 +90,15 @@ def _prefix_cache_hits(engine: VllmGenerator) -> int:
     return int(sum(m.value for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
 
 
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _worker_pids() -> list[int]:
     """The processes vLLM runs the model in (its workers, titled VLLM::Worker...), started by this one."""
     import psutil
@@ -209,6 +218,8 @@ def test_stock_vllm_disagrees_and_agree_reports_it(capfd):
     assert len(out.splitlines()) == 1, out[-2000:]
     res = json.loads(out)
     assert re.search(r"\(EngineCore pid=\d+\) INFO", err)  # the twin: vLLM did log, on stderr
+    engine_pids = {int(p) for p in re.findall(r"\(EngineCore pid=(\d+)\)", err)}
+    assert engine_pids and not any(_alive(p) for p in engine_pids)  # the engine was shut down before scoring
     assert res["generator_backend"] == "vllm" and res["tokens"] > 0
     assert res["mismatched_tokens"] > 0 and res["max_abs_diff"] > 0
 
