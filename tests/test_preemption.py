@@ -109,6 +109,7 @@ def test_train_stopped_by_sigterm_while_ray_starts_exits_143_naming_that(tmp_pat
     from rlalign import cli
 
     monkeypatch.setattr(ray, "init", _ray_init_signalled)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # a Ray another test left up is not started again
     rc = cli.main(["train", f"run.dir={tmp_path}", "run.steps=1", "logger.console=false"])
     err = capsys.readouterr().err.splitlines()
     assert rc == 143, err
