@@ -65,6 +65,13 @@ def random_prompts(cfg: DictConfig, vocab_size: int, first_token: int = 2) -> li
         raise ValueError(f"agree.num_prompts={a.num_prompts}: must be >= 1")
     if not 1 <= a.prompt_min_len <= a.prompt_max_len:
         raise ValueError(f"agree.prompt_min_len/max_len = {a.prompt_min_len}/{a.prompt_max_len}: need 1 <= min <= max")
+    args = model_args(cfg)
+    if args.context_overflow(a.prompt_max_len, a.max_new_tokens):
+        room = args.max_position_embeddings - a.max_new_tokens
+        raise ValueError(f"agree.prompt_max_len={a.prompt_max_len}: with agree.max_new_tokens={a.max_new_tokens} a "
+                         f"prompt that long exceeds the model's context of {args.max_position_embeddings} positions; "
+                         + (f"set agree.prompt_max_len<={room} or lower agree.max_new_tokens" if room >= 1 else
+                          f"lower agree.max_new_tokens below {args.max_position_embeddings}"))
     g = torch.Generator().manual_seed(cfg.seed)
     out = []
     for _ in range(a.num_prompts):
@@ -93,6 +100,8 @@ def load_replay(cfg: DictConfig) -> tuple[DictConfig, list[list[int]], list[int]
     """A mismatch dump as (config with its weights, prompts, sample ids, the sampling the run drew
     them with, batch)."""
     d = Path(cfg.agree.replay)
+    if not d.is_dir():
+        raise FileNotFoundError(f"agree.replay={str(d)!r}: no such directory (a mismatch dump's directory)")
     if not (d / "batch.json").is_file() or not (d / "weights" / "config.json").is_file():
         raise FileNotFoundError(f"agree.replay={str(d)!r}: not a mismatch dump (needs batch.json and weights/)")
     where = d / "batch.json"

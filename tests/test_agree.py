@@ -179,3 +179,31 @@ def test_a_damaged_mismatch_dump_is_one_line_naming_its_file(tmp_path, capsys, t
     assert cli.main(["agree", f"agree.replay={tmp_path}", "trainer.ep_size=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(rf"rlalign agree: error: agree.replay: {tmp_path}/{message}", err[0]), err
+
+
+def test_a_prompt_length_past_the_context_names_the_key_to_set(capsys):
+    """agree.prompt_max_len past the model's context is refused naming the key and the most it may be;
+    twin: at that most it draws its prompts."""
+    from rlalign import cli
+    from rlalign.agree import random_prompts
+    from rlalign.config import model_args
+
+    cfg = load_config(["agree.max_new_tokens=5"])
+    room = model_args(cfg).max_position_embeddings - 5
+    assert cli.main(["agree", f"agree.prompt_max_len={room + 1}", "agree.max_new_tokens=5", "trainer.ep_size=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"agree.prompt_max_len={room + 1}: with agree.max_new_tokens=5" in err[0], err
+    assert f"set agree.prompt_max_len<={room} or lower agree.max_new_tokens" in err[0], err
+    cfg = load_config(["agree.max_new_tokens=5", f"agree.prompt_max_len={room}", f"agree.prompt_min_len={room}"])
+    assert [len(p) for p in random_prompts(cfg, 64)] == [room] * cfg.agree.num_prompts  # twin: it fits
+
+
+def test_a_replay_path_that_is_missing_or_not_a_dump_says_which(tmp_path, capsys):
+    from rlalign import cli
+
+    assert cli.main(["agree", f"agree.replay={tmp_path}/absent", "trainer.ep_size=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"agree.replay='{tmp_path}/absent': no such directory" in err[0], err
+    assert cli.main(["agree", f"agree.replay={tmp_path}", "trainer.ep_size=1"]) == 2  # twin: it exists
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"agree.replay='{tmp_path}': not a mismatch dump" in err[0], err
