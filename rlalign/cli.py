@@ -425,7 +425,9 @@ def _command(cmd: str, rest: list[str], state: dict) -> int:
             raise UsageError("which gate? usage: rlalign gate repeatability|baseline|replay [overrides] "
                              "(rlalign gate --help)")
         if gate not in GATES:
-            raise UsageError(f"unknown gate {gate!r}; one of: {', '.join(GATES)}")
+            from rlalign.config_task import did_you_mean
+
+            raise UsageError(f"unknown gate {gate!r}{did_you_mean(gate, GATES)}; one of: {', '.join(GATES)}")
     state.update(overrides=args.overrides, source=args.source)
     if args.show == "hydra":
         return _show_search_path(args)

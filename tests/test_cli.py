@@ -215,7 +215,9 @@ def test_real_config_error_is_one_line(capsys):
     rc, out, err = _run(capsys, "agree", "trainer.micro_batch=3")
     assert rc == 2 and "valid keys under 'trainer'" in _one_error_line(err, "agree")
     rc, out, err = _run(capsys, "gate", "nope")
-    assert rc == 2 and "unknown gate 'nope'" in _one_error_line(err, "gate")
+    assert rc == 2 and "unknown gate 'nope'; one of: " in _one_error_line(err, "gate")  # twin: nothing close
+    rc, out, err = _run(capsys, "gate", "repeatabilty")
+    assert rc == 2 and "unknown gate 'repeatabilty' (did you mean 'repeatability'?)" in _one_error_line(err, "gate")
     rc, out, err = _run(capsys, "gate")
     assert rc == 2 and "repeatability|baseline|replay" in _one_error_line(err, "gate")
 
