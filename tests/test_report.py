@@ -256,3 +256,21 @@ def test_negative_twin_a_run_without_a_dump_has_no_stop_line(tmp_path):
         make_report(tmp_path)
     run, _ = _run_dir(tmp_path / "r", mismatched_steps=(), steps=3)
     assert "stopped at a mismatch" not in (make_report(run) / "summary.md").read_text()
+
+
+def test_summary_has_kl_and_clip_fraction_rows_where_the_run_logged_them(tmp_path):
+    """summary.md's table carries the run's mean KL and PPO clip fractions; twin: a run that logged
+    none of them has none of those rows."""
+    from rlalign.monitor.report import _rollout_rows
+
+    _, rows = _run_dir(tmp_path / "run", steps=2)
+    assert not [ln for ln in _rollout_rows(rows) if "KL" in ln or "clipped" in ln]  # twin
+    for s, r in enumerate(rows):
+        r.update({"kl/old_new_k3": 0.25 * s, "kl/ref_k3": 0.5, "actor/clip_frac": 0.25 * s,
+                  "actor/clip_high_frac": 0.125, "actor/clip_low_frac": 0.0})
+    assert _rollout_rows(rows) == [
+        "| KL(old policy, current policy) per token (k3), mean | 0.125 |",
+        "| KL(current policy, reference policy) per token (k3), mean | 0.5 |",
+        "| tokens clipped by the PPO ratio clip, mean | 12.5% |",
+        "| tokens clipped above 1 + clip_high, mean | 12.5% |",
+        "| tokens clipped below 1 - clip_low, mean | 0.0% |"]

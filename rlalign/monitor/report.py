@@ -282,6 +282,11 @@ def _rollout_rows(rows: list[dict]) -> list[str]:
     for key, what, fmt in (("response/clip_frac", "responses stopped by max_new_tokens", "{:.1%}"),
                            ("response/eos_frac", "responses ended by EOS", "{:.1%}"),
                            ("response/entropy", "entropy (mean -log p of the sampled tokens)", "{:.3f}"),
+                           ("kl/old_new_k3", "KL(old policy, current policy) per token (k3)", "{:.3g}"),
+                           ("kl/ref_k3", "KL(current policy, reference policy) per token (k3)", "{:.3g}"),
+                           ("actor/clip_frac", "tokens clipped by the PPO ratio clip", "{:.1%}"),
+                           ("actor/clip_high_frac", "tokens clipped above 1 + clip_high", "{:.1%}"),
+                           ("actor/clip_low_frac", "tokens clipped below 1 - clip_low", "{:.1%}"),
                            ("actor/grad_norm", "gradient norm", "{:.3g}"),
                            ("actor/lr", "learning rate", "{:g}")):
         m = _mean(rows, key)
