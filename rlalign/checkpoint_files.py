@@ -295,18 +295,23 @@ def newest_intact(run_dir: Path, before: int | None = None, exclude: Path | None
     return None
 
 
-def _hint(path: Path, tensors: bool = False) -> str:
+RESUME = "checkpoint.resume={}"  # how a train user takes another checkpoint (an export's: rlalign.export.EXPORT)
+
+
+def _hint(path: Path, tensors: bool = False, use: str = RESUME) -> str:
     run_dir = run_dir_of(path)
     if run_dir is None:
         return ""
     other = newest_intact(run_dir, exclude=path, tensors=tensors)
     if other is None:
         return f"; {checkpoint_dir(run_dir)} holds no other intact checkpoint"
-    return f"; newest intact checkpoint: {other} (checkpoint.resume={other})"
+    return f"; newest intact checkpoint: {other} ({use.format(other)})"
 
 
-def damaged(path: Path, d: Damage, tensors: bool = False) -> CheckpointError:
-    return CheckpointError(oneline(f"checkpoint {path} is not loadable: {d.file}: {d.what}{_hint(path, tensors)}"))
+def damaged(path: Path, d: Damage, tensors: bool = False, use: str = RESUME) -> CheckpointError:
+    """`use`: how the user names another checkpoint, a format of its path (the hint's)."""
+    return CheckpointError(oneline(f"checkpoint {path} is not loadable: {d.file}: {d.what}"
+                                   f"{_hint(path, tensors, use)}"))
 
 
 def fitting_index(path: Path, meta: dict, state: dict[str, torch.Tensor], rank: int | None = None) -> dict:
@@ -345,14 +350,14 @@ def mismatch(path: Path, meta: dict, what: str) -> CheckpointError:
     return CheckpointError(oneline(f"checkpoint {path} does not fit this run's model or config: {what}{held}"))
 
 
-def verify(path: Path, tensors: bool = False) -> dict:
+def verify(path: Path, tensors: bool = False, use: str = RESUME) -> dict:
     """meta.json of the checkpoint at `path` once its files check out (see the module docstring);
     tensors=True also recomputes every tensor's fingerprint (reads all data). Raises CheckpointError
     naming the checkpoint, the file, what is wrong and the newest intact other checkpoint."""
     try:
         return _check(Path(path), tensors)
     except Damage as d:
-        raise damaged(Path(path), d, tensors) from None
+        raise damaged(Path(path), d, tensors, use) from None
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:

@@ -57,6 +57,7 @@ HF_DIR = "hf"  # checkpoint.export_hf=true: RUN_DIR/checkpoints/step_N/hf
 TOKENIZER_DIR = "tokenizer"  # the run's Hugging Face tokenizer files: RUN_DIR/tokenizer, step_N/tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+EXPORT = "rlalign export {} OUT_DIR"  # how an export user names another checkpoint (damaged()'s hint)
 PREFIX = "model/"  # the checkpoint's compute-dtype weights (rlalign.training.state.checkpoint_state)
 
 
@@ -87,7 +88,8 @@ def model_of(path: Path, meta: dict) -> tuple[ModelArgs, str, str | None]:
     if isinstance(meta.get("model"), dict):
         hf = meta["model"]
         if hf.get("dtype") not in DTYPES:
-            raise damaged(path, Damage(META, f"model dtype {hf.get('dtype')!r}, expected one of {sorted(DTYPES)}"))
+            raise damaged(path, Damage(META, f"model dtype {hf.get('dtype')!r}, expected one of {sorted(DTYPES)}"),
+                          use=EXPORT)
         return ModelArgs.from_hf_config(hf, where=f"{path / META} (model)"), hf["dtype"], meta.get("tokenizer")
     return _from_segments(path, meta["step"])
 
@@ -111,7 +113,7 @@ class _Reader:
         got = fingerprint(t)
         if got != e["fp"]:
             raise damaged(self.path, Damage(e["file"], f"tensor {key!r} has fingerprint {got}, meta.json records "
-                                                         f"{e['fp']} (its bytes changed)"))
+                                                         f"{e['fp']} (its bytes changed)"), use=EXPORT)
         self.last = (key, t)
         return t
 
@@ -242,7 +244,7 @@ def resolve_checkpoint(path: Path) -> Path:
     if newest is None:
         done = list_complete(run)
         if done:  # say what is wrong with the newest: verify raises naming its file
-            verify(done[-1])
+            verify(done[-1], use=EXPORT)
         raise CheckpointError(f"{path}: {kind} without an intact checkpoint")
     print(f"rlalign export: {path} is {kind}: its newest intact checkpoint is {newest}", file=sys.stderr)
     return newest
@@ -263,7 +265,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
                          f"write it elsewhere")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose another directory or pass --overwrite to replace it")
-    meta = verify(checkpoint)
+    meta = verify(checkpoint, use=EXPORT)
     args, dtype, runs = model_of(checkpoint, meta)
     with ExitStack() as stack:
         files, found = tokenizer_files(checkpoint, runs, stack, tokenizer)

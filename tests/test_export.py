@@ -418,3 +418,19 @@ def test_a_full_disk_under_an_export_is_one_line_and_leaves_the_checkpoint_it_ri
     assert cli.main(["export", str(path), str(out)]) == 0 and (out / "config.json").is_file()
     ckpt.save_shards(tr.checkpoint_state(), ckpt.tmp_path(tmp_path / "run", 2))
     assert (ckpt.complete(tmp_path / "run", 2, meta, keep=0, export_hf=True) / "hf" / "config.json").is_file()
+
+
+def test_a_damaged_checkpoints_hint_names_the_export_argument_not_a_train_key(trained, tmp_path, capsys):
+    """rlalign export of a damaged checkpoint points at the run's newest intact one as the export's own
+    argument; twin: the same damage met by a train (verify's default) names checkpoint.resume."""
+    from rlalign.checkpoint_files import verify
+
+    tr, cfg = trained
+    first, damaged = _save(tr, cfg, tmp_path, step=0), _save(tr, cfg, tmp_path, step=1)
+    os.truncate(next(p for p in damaged.iterdir() if p.name.endswith(".safetensors")), 100)
+    assert cli.main(["export", str(damaged), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"; newest intact checkpoint: {first} (rlalign export {first} OUT_DIR)")
+    assert "checkpoint.resume" not in err[0]
+    with pytest.raises(CheckpointError, match=rf"; newest intact checkpoint: {first} \(checkpoint.resume={first}\)$"):
+        verify(damaged)
