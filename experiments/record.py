@@ -79,6 +79,20 @@ def write(name: str, payload: dict, out_dir: str | os.PathLike | None = None, co
     return path
 
 
+def wait_gpu_free(limit_s: float = 60.0) -> None:
+    """The previous run's actors are killed asynchronously: wait until their GPU memory is back."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        try:
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if not used or max(int(u) for u in used) < 4096:
+            return
+        time.sleep(1.0)
+
+
 def main() -> None:
     import argparse
 
@@ -95,16 +109,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-def wait_gpu_free(limit_s: float = 60.0) -> None:
-    """The previous run's actors are killed asynchronously: wait until their GPU memory is back."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit_s:
-        try:
-            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=10).stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        if not used or max(int(u) for u in used) < 4096:
-            return
-        time.sleep(1.0)

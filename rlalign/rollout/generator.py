@@ -84,7 +84,8 @@ def check_generator(cfg: DictConfig) -> GeneratorWorld:
     native = native_keys_set(g)
     if native:
         raise ConfigError(f"invalid config: {native[0]} with generator.backend=vllm: a key of the native engine's "
-                          f"schedule, which vLLM does not read; {VLLM_INSTEAD[native[0].split('=')[0]]}")
+                          f"schedule, which vLLM does not read; "
+                          f"{VLLM_INSTEAD.get(native[0].split('=')[0], 'leave it at its default')}")
     from rlalign.rollout.vllm import check_installed, refuse_shapes
 
     try:

@@ -115,13 +115,18 @@ def import_user_module(key: str, name: str):
                          f"{type(e).__name__}: {e}{hint}") from None
 
 
+def defined_at(fn: Callable) -> str | None:
+    """'FILE:LINE' where a Python function is defined (None for a builtin or another callable)."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else None
+
+
 class Reward:
     """A reward function and the dataset fields it takes (module docstring)."""
 
     def __init__(self, fn: Callable, spec: str):
         self.fn, self.spec = fn, spec
-        code = getattr(fn, "__code__", None)
-        self.defined_at = f"{code.co_filename}:{code.co_firstlineno}" if code else spec
+        self.defined_at = defined_at(fn) or spec
         self.all_fields, self.fields, self.required, self.positional = False, set(), set(), []
         try:
             params = list(inspect.signature(fn).parameters.values())

@@ -55,7 +55,7 @@ import torch
 
 from rlalign.config import did_you_mean
 from rlalign.sequences import policy_mask
-from rlalign.tasks.reward_fn import import_user_module
+from rlalign.tasks.reward_fn import defined_at, import_user_module
 
 
 def grpo_advantages(rewards: list[float], group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -254,8 +254,8 @@ def load_loss(path: str) -> LossFunction:
 def checked_loss(fn: LossFunction, path: str) -> LossFunction:
     """A user's loss whose output is checked on every call: a wrong one is a ValueError naming
     algorithm.loss, its file and line, and what came back (not a TypeError deep in the trainer)."""
-    code = getattr(fn, "__code__", None)
-    where = f"algorithm.loss={path!r}" + (f" ({code.co_filename}:{code.co_firstlineno})" if code else "")
+    at = defined_at(fn)
+    where = f"algorithm.loss={path!r}" + (f" ({at})" if at else "")
 
     def call(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
         out = fn(batch, alg)
