@@ -116,34 +116,45 @@ def temper(logits: torch.Tensor, scale: float) -> torch.Tensor:
     return z if scale == 1.0 else z * scale
 
 
-def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """z [N, V] fp32 tempered logits -> the same with -inf outside the kept set (NaN stays NaN, so the
-    sampler still refuses the row). top_k: keep values >= the k-th largest (ties kept). top_p, after
-    top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k dropped) and Q their sum,
-    keep z_v when the mass of the values strictly above z_v is < top_p * Q (fp64): the shortest
-    descending prefix reaching top_p, ties at its end kept. Both are a `threshold_search` over the
-    values' order keys (top_k's answer is the k-th largest value, which torch.topk finds exactly): the
-    kept set is {keys >= c}, whatever the steps that found c."""
+KEEP_ALL = -(1 << 31)  # a cut below every int32 key: nothing filtered
+
+
+def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The cut [N] int64 of `filter_logits`: the kept set of row r is {v : order_keys(z)[r, v] >= cut[r]}
+    plus its NaNs; KEEP_ALL for a row no filter applies to. z [N, V] fp32 tempered logits. top_k: the
+    least key with fewer than k values above it (the k-th largest value's, which torch.topk finds
+    exactly). top_p, after top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k
+    dropped) and Q their sum, the least key c whose mass above it, sum(q[keys > c]), is < top_p * Q
+    (fp64): a `threshold_search` over the values' order keys."""
     N, V = z.shape
     if top_p < 1.0 and V >= MAX_VOCAB:
         raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {MAX_VOCAB - 1}: the masses' "
                          "sums must stay exact in fp64)")
     keys = order_keys(z)
-    cut = None
+    cut = torch.full((N,), KEEP_ALL, dtype=torch.long, device=z.device)
     if top_k and top_k < V:  # the least key with fewer than k values above it: the k-th largest value's
         cut = order_keys(torch.topk(z, top_k, -1).values[:, -1]).long()
     if top_p < 1.0:
         zmax = z.amax(-1, keepdim=True)
-        mass = top_p_mass(z, zmax)
-        if cut is not None:
-            mass = torch.where(keys >= cut[:, None], mass, 0)
+        mass = torch.where(keys >= cut[:, None], top_p_mass(z, zmax), 0)
         hi = order_keys(zmax)[:, 0].long()
         lo = torch.minimum(torch.where(mass > 0, keys, torch.iinfo(torch.int32).max).amin(-1).long(), hi) - 1
         bound = mass.sum(-1).double() * top_p
         cut = threshold_search(keys, mass, bound, lo, hi)
-    if cut is None:
+    return cut
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """z [N, V] fp32 tempered logits -> the same with -inf outside the kept set (NaN stays NaN, so the
+    sampler still refuses the row). top_k: keep values >= the k-th largest (ties kept). top_p, after
+    top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k dropped) and Q their sum,
+    keep z_v when the mass of the values strictly above z_v is < top_p * Q (fp64): the shortest
+    descending prefix reaching top_p, ties at its end kept. Both cuts are `filter_cut`'s: the kept set
+    is {keys >= c}, whatever the steps that found c."""
+    if not ((top_k and top_k < z.shape[-1]) or top_p < 1.0):
         return z
-    return torch.where((keys >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))
+    cut = filter_cut(z, top_k, top_p)
+    return torch.where((order_keys(z) >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
