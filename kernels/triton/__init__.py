@@ -15,6 +15,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
   sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw),
                gumbel_argmax_logprobs (the draw and its logprob in one launch)
+  topp         filter_cut (the top-k/top-p cut key per row: value-bin histograms, then a key search)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
@@ -31,7 +32,7 @@ import sys
 
 import torch
 
-from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, optim, sampling
+from . import attention, common, elementwise, embed, gemm, logprob, moe, norm, optim, sampling, topp
 from .attention import ATTN_BWD, ATTN_FWD, attention_decode, attention_paged, attention_prefill
 from .common import INTERPRET, SUPPORTED
 from .elementwise import add_f32, paged_write, qk_norm_rope, rope, swiglu, swiglu_halves
@@ -42,17 +43,18 @@ from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear, moe_
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
 from .sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
+from .topp import filter_cut
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",
     "attention",
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
-    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu", "gumbel_argmax",
+    "embedding", "filter_cut", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu", "gumbel_argmax",
     "gumbel_argmax_logprobs", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
     "moe_slot_linear", "moe_slot_swiglu",
     "norm", "optim", "paged_write", "qk_norm_rope", "rmsnorm", "rope", "sampling", "sum_of_squares", "swiglu",
-    "swiglu_halves", "tempered_logprobs",
+    "swiglu_halves", "tempered_logprobs", "topp",
 ]
 
 

@@ -1,0 +1,276 @@
+"""The top-k / top-p cut: rlalign.kernels.sampling.filter_cut(temper(z, scale), top_k, top_p), the same
+key per row, from the logits in any float dtype read in place (upcast and scaled in registers,
+common.upcast_scaled). One program per row:
+  A  one pass: the row's greatest value zm (NaN aside), its least and greatest keys, whether it has a NaN.
+  top-k  one pass: a histogram of counts over NB bins of keys (kmax - key) >> shift: the bin of the k-th
+         largest key is exact; one pass compacts that bin into the row's work buffer.
+  top-p  one pass: each value's integer mass (sampling.top_p_mass, the same formula), their total Q and a
+         histogram of counts over NB bins of d = zm - z in [0, D_RANGE) (values further down have mass 0).
+         A table of per-bin mass bounds (valid for every value the bin can hold, padded) gives, for
+         P = top_p * Q, the bins [ja, jb] that can hold the cut; one pass sums the exact masses of
+         the bins before ja and compacts the weighted values of bins ja..jb.
+  Then `_key_search` (levels of WAYS thresholds in key space, each compacting the keys between the two
+  thresholds around the answer) over the compacted values alone. Every sum is of integers, so the
+  cut is the torch function's: the cut's value lies in the compacted bins, the weight above them is
+  exact, and values outside them are above or below every compacted key.
+Rows are independent (one program, its own work row): a row's cut does not depend on the batch.
+Compiled without FMA contraction (enable_fp_fusion=False), as the sampler's other kernels."""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from rlalign.kernels import sampling
+
+from .common import INTERPRET, upcast_scaled, work_table
+from .sampling import _EXP_CONST, _check, _order_key, _weight
+
+CUT_BINS = 1024  # NB: histogram bins of a row's first level (top-k: keys; top-p: values below the max)
+D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) * 2**32 < 1, mass 0 below
+CUT_WAYS, CUT_BLOCK, CUT_STREAM = 16, 256, 2048  # key-search level [WAYS, BLOCK]; the streaming passes' chunk
+CUT_WARPS = 8
+KEEP_ALL = sampling.KEEP_ALL
+EXP_SLACK = 1e-5  # relative: fixed_order.exp is within a few ulp (1e-7) of exp; the bin edges within 2**-23
+
+
+def mass_bounds(nb: int = CUT_BINS) -> tuple[list[int], list[int]]:
+    """Per bin j of d (b = int(fp32(d * fp32(nb / D_RANGE))), clamped to nb - 1): integers lo_j <= mass <=
+    hi_j for every value in it, mass = floor(fixed_order.exp(-d) * 2**32). d lies within
+    [j / s, (j + 1) / s] up to the product's rounding (2**-24 relative, padded to 2**-22), and
+    fixed_order.exp within EXP_SLACK of exp: both pads make the bounds valid, not tight."""
+    s = float(torch.tensor(nb / D_RANGE, dtype=torch.float32))
+    lo, hi = [], []
+    for j in range(nb):
+        d_lo = j / s * (1 - 2.0 ** -22)
+        d_hi = (j + 1) / s * (1 + 2.0 ** -22) if j < nb - 1 else math.inf
+        hi.append(math.floor(math.exp(-d_lo) * (1 + EXP_SLACK) * 2.0 ** 32) + 1)
+        lo.append(max(math.floor(math.exp(-d_hi) * (1 - EXP_SLACK) * 2.0 ** 32) - 1, 0))
+    return lo, hi
+
+
+_C = {n: tl.constexpr(v) for n, v in _EXP_CONST.items()}
+_LOG2E, _LN2_HI, _LN2_LO = _C["LOG2E"], _C["LN2_HI"], _C["LN2_LO"]
+_E0, _E1, _E2, _E3, _E4, _E5 = (_C[f"E{i}"] for i in range(6))
+_MASS_SCALE = tl.constexpr(sampling.MASS_SCALE)
+
+
+@triton.jit
+def _weight_of(z, inside, zm, IS_P: tl.constexpr):
+    """sampling.py's _weight with the fixed_order.exp constants: the mass (top-p) or 1 (top-k), 0 outside."""
+    return _weight(z, inside, zm, IS_P, _LOG2E, _LN2_HI, _LN2_LO, _E0, _E1, _E2, _E3, _E4, _E5, _MASS_SCALE)
+
+
+@triton.jit
+def _key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
+                SBLOCK: tl.constexpr):
+    """The least key c in (lo, hi] whose weight above it (above_hi, the weight above hi, plus the
+    weights of buf's n values with keys in (c, hi]) is below bound: sampling.threshold_search's answer.
+    Levels of WAYS thresholds evenly spaced in (lo, hi]; each compacts the weighted values between the
+    two thresholds around the answer to the front of buf (in place: a value moves to an index at or
+    below its own). The search only sums integers and takes a min and a max, so the order of buf's
+    values does not matter."""
+    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    while hi - lo > 1:
+        cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
+        cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
+        acc = tl.zeros((WAYS, BLOCK), tl.int64)
+        for v0 in range(0, n, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
+            key = _order_key(z)
+            w = _weight_of(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P)
+            acc += tl.where(cand32[:, None] < key[None, :], w[None, :], 0)
+        w_above = above_hi + tl.sum(acc, axis=1)
+        ok = w_above.to(tl.float64) < bound
+        new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
+        above_hi = tl.max(tl.where(ok, w_above, above_hi), axis=0)
+        lo = tl.max(tl.where(ok, lo, cand), axis=0)
+        hi = new_hi
+        if hi - lo > 1:
+            count = tl.zeros((), tl.int32)
+            for v0 in range(0, n, SBLOCK):
+                cols = v0 + tl.arange(0, SBLOCK)
+                z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
+                key = _order_key(z).to(tl.int64)
+                sel = _weight_of(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P) > 0
+                pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                tl.debug_barrier()  # the chunk is read before any of it is overwritten
+                tl.store(buf + pos, z, mask=sel)
+                count += tl.sum(sel.to(tl.int32), axis=0)
+            tl.debug_barrier()
+            n = count
+    return hi
+
+
+@triton.jit
+def _row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
+    """Pass A: the greatest non-NaN value, the least and greatest keys, whether a NaN is present."""
+    kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
+    kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
+    zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
+    nan = tl.zeros((SBLOCK,), tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        key = _order_key(z)
+        kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
+        kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
+        zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
+        nan = tl.maximum(nan, (z != z).to(tl.int32))
+    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0)
+
+
+@triton.jit
+def _key_bin(key, kmax, shift):
+    return ((kmax.to(tl.int64) - key.to(tl.int64)) >> shift).to(tl.int32)
+
+
+@triton.jit
+def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: tl.constexpr, WAYS: tl.constexpr,
+               BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """The least key with fewer than k keys above it. Bins of keys (kmax - key) >> shift (descending),
+    NB of them cover the row: the k-th largest key's bin from the counts (exact); that bin compacted
+    and searched with weight 1 (the keys above it counted whole)."""
+    span = kmax.to(tl.int64) - kmin.to(tl.int64)
+    shift = tl.zeros((), tl.int64)
+    while (span >> shift) >= NB:
+        shift += 1
+    hist = tl.zeros((NB,), tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        key = _order_key(upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED))
+        hist += tl.histogram(_key_bin(key, kmax, shift), NB, mask=mask)
+    jb = tl.sum((tl.cumsum(hist, axis=0) < k).to(tl.int32), axis=0)  # the first bin reaching k with those above
+    above = tl.sum(tl.where(tl.arange(0, NB) < jb, hist, 0), axis=0).to(tl.int64)
+    count = tl.zeros((), tl.int32)
+    lo = tl.full((SBLOCK,), 2147483647, tl.int32)
+    hi = tl.full((SBLOCK,), -2147483648, tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        key = _order_key(z)
+        sel = mask & (_key_bin(key, kmax, shift) == jb)
+        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(w_row + pos, z, mask=sel)
+        count += tl.sum(sel.to(tl.int32), axis=0)
+        lo = tl.where(sel, tl.minimum(lo, key), lo)
+        hi = tl.where(sel, tl.maximum(hi, key), hi)
+    tl.debug_barrier()  # the search reads values other threads wrote
+    return _key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
+                       k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
+
+
+@triton.jit
+def _d_bin(z, zm, BSCALE: tl.constexpr, NB: tl.constexpr):
+    """The top-p bin of d = zm - z (z - zm is the mass's exponent, negated exactly), and whether d < D_RANGE
+    (false for NaN and -inf: mass 0)."""
+    d = zm - z
+    inb = d < 24.0
+    return tl.minimum((tl.where(inb, d, 0.0) * BSCALE).to(tl.int32), NB - 1), inb
+
+
+@triton.jit
+def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr, NB: tl.constexpr,
+               BSCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """The least key whose mass above it is below top_p * Q, the masses of keys >= cut_k. Pass B: Q and
+    the counts per bin of d; with the table's bounds per bin, the bins ja..jb that can hold the cut;
+    pass C: the exact mass of the bins before ja, the weighted values of ja..jb compacted and searched."""
+    hist = tl.zeros((NB,), tl.int32)
+    tot = tl.zeros((SBLOCK,), tl.int64)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        b, inb = _d_bin(z, zm, BSCALE, NB)
+        inb = inb & mask & (_order_key(z).to(tl.int64) >= cut_k)
+        tot += _weight_of(z, inb, zm, True)
+        hist += tl.histogram(b, NB, mask=inb)
+    bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
+    nbins = tl.arange(0, NB)
+    hist64 = hist.to(tl.int64)
+    upper = tl.cumsum(hist64 * tl.load(bounds_ptr + NB + nbins), axis=0)  # >= the exact mass of bins 0..j
+    lower = tl.cumsum(hist64 * tl.load(bounds_ptr + nbins), axis=0)  # <= it
+    ja = tl.sum((upper.to(tl.float64) < bound).to(tl.int32), axis=0)
+    jb = tl.minimum(tl.sum((lower.to(tl.float64) < bound).to(tl.int32), axis=0), NB - 1)
+    above = tl.zeros((SBLOCK,), tl.int64)
+    count = tl.zeros((), tl.int32)
+    lo = tl.full((SBLOCK,), 2147483647, tl.int32)
+    hi = tl.full((SBLOCK,), -2147483648, tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        key = _order_key(z)
+        b, inb = _d_bin(z, zm, BSCALE, NB)
+        inb = inb & mask & (key.to(tl.int64) >= cut_k)
+        w = _weight_of(z, inb, zm, True)
+        above += tl.where(b < ja, w, 0)
+        sel = (b >= ja) & (b <= jb) & (w > 0)
+        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(w_row + pos, z, mask=sel)
+        count += tl.sum(sel.to(tl.int32), axis=0)
+        lo = tl.where(sel, tl.minimum(lo, key), lo)
+        hi = tl.where(sel, tl.maximum(hi, key), hi)
+    tl.debug_barrier()  # the search reads values other threads wrote
+    return _key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64),
+                       tl.sum(above, axis=0), bound, zm, True, WAYS, BLOCK, SBLOCK)
+
+
+@triton.jit(do_not_specialize=["top_k", "top_p_bits"])
+def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr,
+                DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WAYS: tl.constexpr,
+                BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """One row's cut. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the
+    torch search's answer there, the key of the row's max (the NaN's: its greatest key)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = z_ptr + row * V
+    w_row = work_ptr + row * V
+    zm, kmin, kmax, nan = _row_stats(x_row, scale, V, SCALED, SBLOCK)
+    cut = tl.full((), KEEP_ALL, tl.int64)
+    if DO_K:
+        cut = _top_k_cut(x_row, w_row, scale, V, top_k, kmin, kmax, SCALED, NB, WAYS, BLOCK, SBLOCK)
+    if DO_P:
+        tl.debug_barrier()  # the work row is reused
+        flat = (nan > 0) | (zm == float("inf")) | (zm == float("-inf"))
+        if flat:
+            cut = tl.where(nan > 0, kmax, _order_key(zm)).to(tl.int64)
+        else:
+            cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut, zm, top_p_bits.to(tl.float64, bitcast=True),
+                             SCALED, NB, BSCALE, WAYS, BLOCK, SBLOCK)
+    tl.store(cut_ptr + row, cut)
+
+
+def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+    """rlalign.kernels.sampling.filter_cut(rlalign.kernels.temper(z, scale), top_k, top_p) for z [B, V] in
+    any float dtype, read in place: the cut [B] int64; the kept set of row r is {v : order_key(temper(z,
+    scale))[r, v] >= cut[r]} plus its NaNs. KEEP_ALL (below every int32 key) where no filter applies."""
+    _check("filter_cut", z)
+    B, V = z.shape
+    do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
+    if not (do_k or do_p) or B == 0:
+        return torch.full((B,), KEEP_ALL, dtype=torch.long, device=z.device)
+    if not sys.float_info.min <= top_p <= 1.0:
+        raise ValueError(f"filter_cut: top_p={top_p} must be a normal float in (0, 1]")
+    if do_p and V >= sampling.MAX_VOCAB:
+        raise ValueError(f"filter_cut: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
+    z = z.contiguous()
+    work = torch.empty(B, V, dtype=torch.float32, device=z.device)
+    cut = torch.empty(B, dtype=torch.long, device=z.device)
+    bounds = work_table(("topp_mass_bounds", CUT_BINS), lambda: (list(mass_bounds(CUT_BINS)), torch.long), z.device)
+    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
+    _cut_kernel[(B,)](z, work, cut, bounds, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
+                      SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, NB=CUT_BINS, BSCALE=_BSCALE, WAYS=CUT_WAYS,
+                      BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
+    return cut
+
+
+_BSCALE = float(torch.tensor(CUT_BINS / D_RANGE, dtype=torch.float32))  # fp32(NB / D_RANGE), mass_bounds' s
