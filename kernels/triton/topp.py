@@ -135,21 +135,25 @@ def _key_bin(key, kmax, shift):
 @triton.jit
 def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: tl.constexpr, WAYS: tl.constexpr,
                BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-    """The least key with fewer than k keys above it. Bins of keys (kmax - key) >> shift (descending),
-    NB of them cover the row: the k-th largest key's bin from the counts (exact); that bin compacted
-    and searched with weight 1 (the keys above it counted whole)."""
+    """The key of the k-th largest value, NaN counted above every value (as torch.topk ranks it). Bins of
+    keys (kmax - key) >> shift (descending), NB of them cover the row: the bin from the counts (exact);
+    that bin compacted and searched with weight 1 (the NaNs and the keys above it counted whole). k at
+    most the NaNs: the canonical quiet NaN's key (only NaN kept)."""
     span = kmax.to(tl.int64) - kmin.to(tl.int64)
     shift = tl.zeros((), tl.int64)
     while (span >> shift) >= NB:
         shift += 1
     hist = tl.zeros((NB,), tl.int32)
+    nans = tl.zeros((SBLOCK,), tl.int32)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
-        key = _order_key(upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED))
-        hist += tl.histogram(_key_bin(key, kmax, shift), NB, mask=mask)
-    jb = tl.sum((tl.cumsum(hist, axis=0) < k).to(tl.int32), axis=0)  # the first bin reaching k with those above
-    above = tl.sum(tl.where(tl.arange(0, NB) < jb, hist, 0), axis=0).to(tl.int64)
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        hist += tl.histogram(_key_bin(_order_key(z), kmax, shift), NB, mask=mask & (z == z))
+        nans += (z != z).to(tl.int32)
+    n_nan = tl.sum(nans, axis=0)
+    jb = tl.sum((n_nan + tl.cumsum(hist, axis=0) < k).to(tl.int32), axis=0)  # the first bin reaching k
+    above = n_nan.to(tl.int64) + tl.sum(tl.where(tl.arange(0, NB) < jb, hist, 0), axis=0).to(tl.int64)
     count = tl.zeros((), tl.int32)
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
     hi = tl.full((SBLOCK,), -2147483648, tl.int32)
@@ -158,15 +162,16 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
         key = _order_key(z)
-        sel = mask & (_key_bin(key, kmax, shift) == jb)
+        sel = mask & (z == z) & (_key_bin(key, kmax, shift) == jb)
         pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(w_row + pos, z, mask=sel)
         count += tl.sum(sel.to(tl.int32), axis=0)
         lo = tl.where(sel, tl.minimum(lo, key), lo)
         hi = tl.where(sel, tl.maximum(hi, key), hi)
     tl.debug_barrier()  # the search reads values other threads wrote
-    return _key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
-                       k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
+    cut = _key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
+                      k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
+    return tl.where(n_nan >= k, 0x7FC00000, cut)
 
 
 @triton.jit
@@ -230,7 +235,8 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
                 DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WAYS: tl.constexpr,
                 BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """One row's cut. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the
-    torch search's answer there, the key of the row's max (the NaN's: its greatest key)."""
+    torch search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the
+    canonical quiet NaN's key, 0x7FC00000; any NaN key above +inf's keeps the same set, the NaNs)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
@@ -242,7 +248,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
         tl.debug_barrier()  # the work row is reused
         flat = (nan > 0) | (zm == float("inf")) | (zm == float("-inf"))
         if flat:
-            cut = tl.where(nan > 0, kmax, _order_key(zm)).to(tl.int64)
+            cut = tl.where(nan > 0, 0x7FC00000, _order_key(zm)).to(tl.int64)
         else:
             cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut, zm, top_p_bits.to(tl.float64, bitcast=True),
                              SCALED, NB, BSCALE, WAYS, BLOCK, SBLOCK)
