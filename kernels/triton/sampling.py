@@ -26,8 +26,6 @@ in torch's elementwise kernels; divisions are IEEE (div_rn)."""
 from __future__ import annotations
 
 import math
-import struct
-import sys
 
 import torch
 import triton
@@ -343,25 +341,14 @@ def _check(name: str, z: torch.Tensor) -> None:
 
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
     """rlalign.kernels.sampling.filter_logits(rlalign.kernels.temper(z, scale), top_k, top_p) (the same
-    kept set, the same bits) for z [B, V] in any float dtype, read in place: fp32 [B, V]."""
+    kept set, the same bits) for z [B, V] in any float dtype, read in place: fp32 [B, V]. The cut from
+    topp.filter_cut, then one pass writes the kept values and -inf."""
+    from .topp import apply_cut, filter_cut
+
     _check("filter_logits", z)
-    B, V = z.shape
-    do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
-    if not (do_k or do_p) or B == 0:
+    if not ((bool(top_k) and top_k < z.shape[1]) or top_p < 1.0) or z.shape[0] == 0:
         return sampling.temper(z, scale)
-    if not sys.float_info.min <= top_p <= 1.0:
-        raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
-    if do_p and V >= sampling.MAX_VOCAB:
-        raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
-    z = z.contiguous()
-    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
-    copy = z.dtype != torch.float32 or scale != 1.0  # the tempered values are not z itself: written first
-    work = torch.empty_like(out) if copy else out
-    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
-    _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
-                         SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
-                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
-    return out
+    return apply_cut(z, filter_cut(z, top_k, top_p, scale), scale)
 
 
 def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):

@@ -280,3 +280,26 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
 
 
 _BSCALE = float(torch.tensor(CUT_BINS / D_RANGE, dtype=torch.float32))  # fp32(NB / D_RANGE), mass_bounds' s
+
+
+@triton.jit
+def _apply_cut_kernel(z_ptr, cut_ptr, out_ptr, scale, V, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """out = temper(z, scale) where its key >= the row's cut or it is NaN, else -inf: one pass."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    cut = tl.load(cut_ptr + row)
+    z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=0.0), scale, SCALED)
+    keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
+    tl.store(out_ptr + row * V + cols, tl.where(keep, z, float("-inf")), mask=mask)
+
+
+def apply_cut(z: torch.Tensor, cut: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fp32 [B, V]: temper(z, scale) with -inf outside each row's kept set {key >= cut} (NaN kept)."""
+    B, V = z.shape
+    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
+    if B and V:
+        opts = {} if INTERPRET else dict(enable_fp_fusion=False)
+        _apply_cut_kernel[(B, triton.cdiv(V, CUT_STREAM))](z.contiguous(), cut, out, scale, V, SCALED=scale != 1.0,
+                                                            BLOCK=CUT_STREAM, **opts)
+    return out
