@@ -106,3 +106,22 @@ def test_batch_invariance():
         alone = torch.cat([topp.filter_cut(z[r:r + 1], top_k, top_p, 1.25) for r in range(len(z))])
         assert torch.equal(batch, alone)
         assert not torch.equal(topp.filter_cut(z, top_k, 0.5, 1.25), batch)  # twin: the cut does depend on p
+
+
+def _bound_violations(lo: list[int], hi: list[int]) -> int:
+    """Values d = zm - z over [0, 24) (a grid through every bin and its edges, in fp32): how many masses
+    fall outside their bin's [lo, hi], the bin and the mass computed as the kernel does."""
+    nb = topp.CUT_BINS
+    edges = torch.arange(nb, dtype=torch.float64) * topp.D_RANGE / nb
+    d = torch.cat([torch.rand(200_000, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 24,
+                   edges, edges.nextafter(torch.tensor(-1.0, dtype=torch.float64))]).float().clamp(0, 23.999)
+    d = torch.cat([d, d.nextafter(torch.tensor(0.0)), d.nextafter(torch.tensor(30.0))])
+    b = (d * torch.tensor(topp._BSCALE, dtype=torch.float32)).long().clamp(max=nb - 1)
+    mass = sampling.top_p_mass(-d[:, None], torch.zeros(1, 1))[:, 0]
+    return int(((mass < torch.tensor(lo)[b]) | (mass > torch.tensor(hi)[b])).sum())
+
+
+def test_the_mass_bounds_hold_and_a_tight_one_fails():
+    lo, hi = topp.mass_bounds()
+    assert _bound_violations(lo, hi) == 0
+    assert _bound_violations(lo, hi[1:] + [0]) > 0  # twin: each bin's upper bound from the bin below it
