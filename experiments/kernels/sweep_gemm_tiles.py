@@ -89,7 +89,8 @@ def main() -> None:
                 fns, outs = run_cfg(x, ws, cfg)
                 t = graph_ms(fns)
             except Exception as e:  # a config that does not compile or fit: recorded, not fatal
-                row["configs"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row["configs"][name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                print(f"{name}: {row['configs'][name]['error']}", flush=True)
                 continue
             if ref is None:
                 ref = outs[0].clone()
@@ -99,6 +100,8 @@ def main() -> None:
             row["configs"][name] = {"us": 1e3 * t, "over_cublas": t_cub / t, "bits_equal_main": same,
                                     "tiles": tiles, "waves": tiles / (sms * cfg.get("PER_SM", 1))}
         ok = {n: c for n, c in row["configs"].items() if "us" in c}
+        if "main_128x256_s3" not in ok:
+            raise SystemExit("the main config failed")
         best = min(ok, key=lambda n: ok[n]["us"])
         row["best"], row["best_over_cublas"] = best, ok[best]["over_cublas"]
         row["main_over_cublas"] = ok["main_128x256_s3"]["over_cublas"]
