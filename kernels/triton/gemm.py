@@ -342,7 +342,8 @@ def _launch_cfg(cfg: dict, device) -> tuple[dict, int]:
     """(A config's kernel constexprs and launch options, its number of persistent programs): FLATTEN, MASK_M
     off unless set; PER_SM (default 1) programs per SM. Scheduling only: the tiles and their K order stay
     the config's."""
-    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False, "SWIGLU": False}, **cfg)
+    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False, "SWIGLU": False, "BLOCK_N2": 0},
+               **cfg)
     cfg.pop("TMA", None)  # decided by the plan (_tma_rows)
     return cfg, cfg.pop("PER_SM", 1) * num_sms(device)
 
