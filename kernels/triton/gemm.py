@@ -21,16 +21,17 @@ from .gemm_configs import (
     INTERPRET_MATMUL,
     INTERPRET_SMALL_M,
     MATMUL_CONFIGS,
+    MATMUL_PAST_SMALL_M,
     MATMUL_SMALL_M,
 )
 
 
 @triton.jit
 def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc, scn,
-          a_desc, b_desc, b_desc2, a_row, b_row,
+          a_desc, b_desc, a_row, b_row,
           BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
           EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr, B_N_CONTIG: tl.constexpr, MASK_M: tl.constexpr,
-          GATHER: tl.constexpr, SWIGLU: tl.constexpr, TMA: tl.constexpr, BLOCK_N2: tl.constexpr = 0):
+          GATHER: tl.constexpr, SWIGLU: tl.constexpr, TMA: tl.constexpr):
     """C[m0 : m0 + BM, pid_n's BLOCK_N columns] of one problem (_gemm_kernel's flags): K in BLOCK_K chunks, in
     order, through one fp32 accumulator; a row's bits do not depend on BM. SWIGLU: B's N_t columns are
     [gate | up] (N_t / 2 each) and the tile owns output columns n0 .. n0 + BLOCK_N / 2 (n0 = pid_n BLOCK_N / 2)
@@ -39,11 +40,7 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
     plain store rounds, then silu_mul's fp32 formula and a second rounding: swiglu_halves of the plain output.
     TMA (not with SWIGLU): A's [BM, BLOCK_K] and B's [BLOCK_N, BLOCK_K] chunks come through the tensor descriptors
     a_desc / b_desc (K-contiguous, over the whole operands: the problem's rows start at a_row / b_row), the same
-    values into the same tl.dot.
-    BLOCK_N2 > 0 (not with SWIGLU): the tile is BLOCK_N + BLOCK_N2 columns wide (a 128 + 64 = 192-column tile, a
-    width triton's power-of-two blocks cannot hold): a second accumulator for its last BLOCK_N2 columns, fed by the
-    same A chunk (b_desc2: B's [BLOCK_N2, BLOCK_K] chunks). Each element still reduces K through one chain of k16
-    MMAs into one fp32 accumulator, so its bits are the plain tile's."""
+    values into the same tl.dot."""
     rm = m0 + tl.arange(0, BM)
     ram = tl.where(rm < M, rm, 0)  # rows past M read row 0: computed, never stored
     if SWIGLU:
@@ -54,15 +51,9 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
         rbn = tl.where(rbn < half, rbn + tl.where(j < BLOCK_N // 2, 0, half), 0)
         N_out = half
     else:
-        rn = pid_n * (BLOCK_N + BLOCK_N2) + tl.arange(0, BLOCK_N)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rbn = tl.where(rn < N_t, rn, 0)
         N_out = N_t
-    if BLOCK_N2 > 0:
-        rn2 = pid_n * (BLOCK_N + BLOCK_N2) + BLOCK_N + tl.arange(0, BLOCK_N2)
-        rbn2 = tl.where(rn2 < N_t, rn2, 0)
-        if B_N_CONTIG:
-            rbn2 = tl.max_contiguous(tl.multiple_of(rbn2, 16), 16)
-        acc2 = tl.zeros((BM, BLOCK_N2), dtype=tl.float32)
     if A_M_CONTIG:
         ram = tl.max_contiguous(tl.multiple_of(ram, 16), 16)
     if GATHER > 0:
@@ -74,17 +65,13 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
         rk = k0 + tl.arange(0, BLOCK_K)
         if TMA:  # rows past M, columns past N_t: the next problem's or zeros (past the operand), never stored
             a = a_desc.load([a_row + m0, k0])
-            b = b_desc.load([b_row + pid_n * (BLOCK_N + BLOCK_N2), k0]).T  # K past the operand's: zeros, as masked
-            if BLOCK_N2 > 0:
-                b2 = b_desc2.load([b_row + pid_n * (BLOCK_N + BLOCK_N2) + BLOCK_N, k0]).T
+            b = b_desc.load([b_row + pid_n * BLOCK_N, k0]).T  # K past the operand's: zeros, as the masked loads
         elif EVEN_K:
             if MASK_M:
                 a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rm[:, None] < M, other=0.0)
             else:
                 a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak)
             b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn)
-            if BLOCK_N2 > 0:
-                b2 = tl.load(b_base + rk[:, None] * sbk + rbn2[None, :] * sbn)
         else:
             if MASK_M:
                 a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak,
@@ -92,29 +79,18 @@ def _tile(a_base, b_base, c_base, idx_ptr, s_p, m0, pid_n, M, K, N_t, sam, sak, 
             else:
                 a = tl.load(a_base + ram[:, None] * sam + rk[None, :] * sak, mask=rk[None, :] < K, other=0.0)
             b = tl.load(b_base + rk[:, None] * sbk + rbn[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
-            if BLOCK_N2 > 0:
-                b2 = tl.load(b_base + rk[:, None] * sbk + rbn2[None, :] * sbn, mask=rk[:, None] < K, other=0.0)
         if UPCAST:
             acc += host_free_dot(a, b)
-            if BLOCK_N2 > 0:
-                acc2 += host_free_dot(a, b2)
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
-            if BLOCK_N2 > 0:
-                acc2 = tl.dot(a, b2, acc2, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-            if BLOCK_N2 > 0:
-                acc2 = tl.dot(a, b2, acc2)
     out = acc.to(c_base.dtype.element_ty)
     if SWIGLU:
         gate, up = tl.split(tl.permute(tl.reshape(out, (BM, 2, BLOCK_N // 2)), (0, 2, 1)))
         out = silu_mul(gate, up).to(c_base.dtype.element_ty)
     mask = (rm[:, None] < M) & (rn[None, :] < N_out)
     tl.store(c_base + rm[:, None] * ldc + rn[None, :] * scn, out, mask=mask)
-    if BLOCK_N2 > 0:
-        tl.store(c_base + rm[:, None] * ldc + rn2[None, :] * scn, acc2.to(c_base.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn2[None, :] < N_out))
 
 
 # Shape ints that change with the batch (tiles, rows, tokens) are not specialised: triton would
@@ -129,7 +105,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
                  IEEE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr, A_M_CONTIG: tl.constexpr,
                  B_N_CONTIG: tl.constexpr, SINGLE: tl.constexpr, COUNTS: tl.constexpr, GROUP_K: tl.constexpr,
                  FLATTEN: tl.constexpr, PER_N: tl.constexpr, MASK_M: tl.constexpr, GATHER: tl.constexpr,
-                 HALF_TAIL: tl.constexpr, SWIGLU: tl.constexpr, TMA: tl.constexpr, BLOCK_N2: tl.constexpr = 0):
+                 HALF_TAIL: tl.constexpr, SWIGLU: tl.constexpr, TMA: tl.constexpr):
     """Persistent GEMM over P problems (P = 1: a plain matmul; P = experts: the grouped expert GEMM).
     Problem p (a row of prob_ptr: first tile, M_p, K_p, a_off, b_off, c_off) is
     C[c_off + m, n] = sum_k A[a_off + m, k] B[b_off + k, n]. Every output element reduces its K_p
@@ -167,12 +143,10 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
     of rows, one K = K1, no GATHER; the host checks): the chunks reach shared memory through tensor descriptors
     (the copy engine) over the operands' a_rows (b_rows) x K1 elements, made once per program; the same K chunks
     into the same tl.dot, so the same bits. Rows past M_p (columns past N_p) read the next problem's or zeros and
-    are never stored.
-    BLOCK_N2 > 0: tiles BLOCK_N + BLOCK_N2 columns wide (_tile)."""
+    are never stored."""
     pid = tl.program_id(0)
     a_desc = a_ptr
     b_desc = b_ptr
-    b_desc2 = b_ptr
     a_half = a_ptr
     if TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, K1], strides=[sam, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -180,10 +154,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
             a_half = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, K1], strides=[sam, 1],
                                                block_shape=[BLOCK_M // 2, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[b_rows, K1], strides=[sbn, 1], block_shape=[BLOCK_N, BLOCK_K])
-        if BLOCK_N2 > 0:
-            b_desc2 = tl.make_tensor_descriptor(b_ptr, shape=[b_rows, K1], strides=[sbn, 1],
-                                                block_shape=[BLOCK_N2, BLOCK_K])
-    num_pid_n = tl.cdiv(N, BLOCK_N + BLOCK_N2)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
     if COUNTS:
         pr = tl.arange(0, P2)
@@ -265,7 +236,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
             K = tl.multiple_of(K, BLOCK_K)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         if PER_N:
-            num_pid_n = tl.cdiv(N_t, BLOCK_N + BLOCK_N2)
+            num_pid_n = tl.cdiv(N_t, BLOCK_N)
             in_group = GROUP_M * num_pid_n
         group = local // in_group
         first_m = group * GROUP_M
@@ -280,21 +251,16 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, prob_ptr, idx_ptr, num_tiles, N, M1, K1, s
         if HALF_TAIL:  # a last M tile holding at most BLOCK_M / 2 rows: the same rows in one tile half as high
             if M - pid_m * BLOCK_M <= BLOCK_M // 2:
                 _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
-                      ldc, scn, a_half, b_desc, b_desc2, a_row, b_row, BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, IEEE,
-                      EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA, BLOCK_N2)
+                      ldc, scn, a_half, b_desc, a_row, b_row, BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K,
+                      A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA)
             else:
                 _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn,
-                      ldc, scn, a_desc, b_desc, b_desc2, a_row, b_row, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
-                      EVEN_K, A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA, BLOCK_N2)
+                      ldc, scn, a_desc, b_desc, a_row, b_row, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K,
+                      A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA)
         else:
             _tile(a_base, b_base, c_base, idx_ptr, s_p, pid_m * BLOCK_M, pid_n, M, K, N_t, sam, sak, sbk, sbn, ldc,
-                  scn, a_desc, b_desc, b_desc2, a_row, b_row, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K,
-                  A_M_CONTIG, B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA, BLOCK_N2)
-
-
-def tile_n(cfg: dict) -> int:
-    """A config's tile width: BLOCK_N, plus BLOCK_N2 for a tile of two accumulators (_tile)."""
-    return cfg["BLOCK_N"] + cfg.get("BLOCK_N2", 0)
+                  scn, a_desc, b_desc, a_row, b_row, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE, EVEN_K, A_M_CONTIG,
+                  B_N_CONTIG, MASK_M, GATHER, SWIGLU, TMA)
 
 
 def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
@@ -310,8 +276,9 @@ def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
 
 def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     """The config of m rows against output widths ns (one launch: a linear, or linears' several weights)
-    on sms SMs: the small-M rule above, else the main config (or the widest member where the main
-    config's tiles fill less than a wave). Scheduling only: the bits are the main config's whatever it picks."""
+    on sms SMs: the small-M rule above, else the main config (or, where its tiles fill less than half a wave,
+    the main tiles half as wide or the widest member). Scheduling only: the bits are the main config's whatever
+    it picks."""
     if INTERPRET:
         return dict(INTERPRET_SMALL_M[1] if m <= INTERPRET_SMALL_M[0] else INTERPRET_MATMUL)
     if dtype not in MATMUL_SMALL_M:
@@ -319,14 +286,17 @@ def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     max_m, mask_m, cfgs = MATMUL_SMALL_M[dtype]
 
     def tiles(cfg: dict) -> int:
-        return triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, tile_n(cfg)) for n in ns)
+        return triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns)
 
     main = MATMUL_CONFIGS[dtype]
-    if m > max_m:  # the main config, unless its tiles fill less than half a wave (a weight gradient of a
-        # narrow weight, K = the tokens: k/v's 512 x 2048 is 32 main tiles), then the widest member
-        if 2 * tiles(main) >= sms:
+    if m > max_m:  # of the main tiles, the half-width ones, then the widest small-M member: the first whose
+        # tiles fill half a wave (narrow weights, few rows: k/v's 512 x 2048 gradient is 32 main tiles), else
+        # the last
+        for cfg in (main, *MATMUL_PAST_SMALL_M.get(dtype, ()), cfgs[-1]):
+            if 2 * tiles(cfg) >= sms:
+                break
+        if cfg is main:
             return dict(main)
-        cfg = cfgs[-1]
     else:
         cfg = next((c for c in cfgs if tiles(c) <= sms), None)
     if cfg is None:  # no member fits one wave: the main config where its own tiles fill one
@@ -342,8 +312,7 @@ def _launch_cfg(cfg: dict, device) -> tuple[dict, int]:
     """(A config's kernel constexprs and launch options, its number of persistent programs): FLATTEN, MASK_M
     off unless set; PER_SM (default 1) programs per SM. Scheduling only: the tiles and their K order stay
     the config's."""
-    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False, "SWIGLU": False, "BLOCK_N2": 0},
-               **cfg)
+    cfg = dict({"FLATTEN": False, "MASK_M": False, "GATHER": 0, "HALF_TAIL": False, "SWIGLU": False}, **cfg)
     cfg.pop("TMA", None)  # decided by the plan (_tma_rows)
     return cfg, cfg.pop("PER_SM", 1) * num_sms(device)
 
@@ -446,7 +415,7 @@ def _gemm_plan(a, numels, problems, N, strides, cfg, even_k: bool = True, ops: t
     for prob in problems:
         M_p, K_p, ao, bo, co = prob[:5]
         rows.append((first, M_p, K_p, ao, bo, co, *prob[5:7]) if per_n else (first, M_p, K_p, ao, bo, co))
-        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * triton.cdiv(prob[5] if per_n else N, tile_n(cfg))
+        first += triton.cdiv(M_p, cfg["BLOCK_M"]) * triton.cdiv(prob[5] if per_n else N, cfg["BLOCK_N"])
     if first == 0:
         return None
     sam, sak, sbk, sbn = strides[:4]
@@ -492,7 +461,7 @@ def _gemm_counts(a, b, c, counts: torch.Tensor, R: int, N: int, M1: int, K1: int
 
 def _counts_plan(a, numels, P, R, N, M1, K1, strides, steps, group_k, cfg, gather: int = 0, b=None):
     _check_numel(numels)
-    n_tiles = triton.cdiv(N, tile_n(cfg))
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     if group_k:  # every group owns all tiles of its [M1, N] output
         bound = P * triton.cdiv(M1, cfg["BLOCK_M"]) * n_tiles
     else:  # sum_p cdiv(c_p, BLOCK_M) <= cdiv(R, BLOCK_M) + (groups holding a row)
