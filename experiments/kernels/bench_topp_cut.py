@@ -12,7 +12,6 @@ peaked), read in place at temperature T (scale 1 / T). Writes results/bench_topp
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
 import traceback
 from pathlib import Path
@@ -28,26 +27,12 @@ from rlalign.kernels.triton import sampling as tsampling  # noqa: E402
 from rlalign.kernels.triton import topp  # noqa: E402
 
 
-def old_filter_logits(z: torch.Tensor, top_k: int, top_p: float, scale: float) -> torch.Tensor:
-    """The threshold-search filter kernel (sampling._filter_kernel: a 16-way first level of int64 masses
-    over an fp32 copy), launched as its wrapper did."""
-    B, V = z.shape
-    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
-    work = torch.empty_like(out)
-    tsampling._filter_kernel[(B,)](
-        z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0], SCALED=scale != 1.0,
-        COPY=True, DO_K=bool(top_k) and top_k < V, DO_P=top_p < 1.0, SCALE=sampling.MASS_SCALE,
-        WAYS=tsampling.FILTER_WAYS, BLOCK=tsampling.FILTER_BLOCK, SBLOCK=tsampling.FILTER_STREAM,
-        **tsampling._EXP_CONST, enable_fp_fusion=False, num_warps=tsampling.FILTER_WARPS)
-    return out
-
-
 def case(g, B: int, V: int, s: float, temp: float, k: int, p: float) -> dict:
     row = {"rows": B, "vocab": V, "logit_scale": s, "temperature": temp, "top_k": k, "top_p": p}
     try:
         logits = (torch.randn(B, V, generator=g, device="cuda") * s).bfloat16()
         scale = inverse_temperature(temp)
-        old = old_filter_logits(logits, k, p, scale)
+        old = tsampling.threshold_filter_logits(logits, k, p, scale)
         cut = topp.filter_cut(logits, k, p, scale)
         zt = sampling.temper(logits, scale)
         kept_new = (sampling.order_keys(zt) >= cut[:, None]) | (zt != zt)
@@ -55,7 +40,7 @@ def case(g, B: int, V: int, s: float, temp: float, k: int, p: float) -> dict:
         ids = torch.arange(B, device="cuda")
         new = tsampling.filter_logits(logits, k, p, scale)
         same = same and bool(torch.equal(new.view(torch.int32), old.view(torch.int32)))
-        t = {"old_filter_ms": triton.testing.do_bench(lambda: old_filter_logits(logits, k, p, scale)),
+        t = {"old_filter_ms": triton.testing.do_bench(lambda: tsampling.threshold_filter_logits(logits, k, p, scale)),
              "filter_logits_ms": triton.testing.do_bench(lambda: tsampling.filter_logits(logits, k, p, scale)),
              "filter_cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(logits, k, p, scale)),
              "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(logits, 3, ids, ids,

@@ -26,6 +26,8 @@ in torch's elementwise kernels; divisions are IEEE (div_rn)."""
 from __future__ import annotations
 
 import math
+import struct
+import sys
 
 import torch
 import triton
@@ -331,9 +333,10 @@ assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclos
 _EXP_CONST = dict(LOG2E=fo.LOG2E, LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO,
                   **{f"E{i}": c for i, c in enumerate(fo.EXP_COEFFS)})
 assert len(fo.EXP_COEFFS) == 6
+order_key, mass_weight, EXP_CONST = _order_key, _weight, _EXP_CONST  # shared with topp.py's cut search
 
 
-def _check(name: str, z: torch.Tensor) -> None:
+def check_2d_float(name: str, z: torch.Tensor) -> None:
     if z.dtype not in (torch.float32, torch.bfloat16, torch.float16) or z.dim() != 2:
         raise TypeError(f"triton {name}: z must be a 2-D float tensor (fp32, bf16, fp16), got {z.dtype} "
                         f"{tuple(z.shape)}")
@@ -345,14 +348,37 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: fl
     topp.filter_cut, then one pass writes the kept values and -inf."""
     from .topp import apply_cut, filter_cut
 
-    _check("filter_logits", z)
+    check_2d_float("filter_logits", z)
     if not ((bool(top_k) and top_k < z.shape[1]) or top_p < 1.0) or z.shape[0] == 0:
         return sampling.temper(z, scale)
     return apply_cut(z, filter_cut(z, top_k, top_p, scale), scale)
 
 
+def threshold_filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+    """filter_logits's kept set and bits by _filter_kernel, the threshold search over an fp32 copy (a 16-way
+    first level of int64 masses): the baseline experiments/kernels/bench_topp_cut.py times."""
+    check_2d_float("filter_logits", z)
+    B, V = z.shape
+    do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
+    if not (do_k or do_p) or B == 0:
+        return sampling.temper(z, scale)
+    if not sys.float_info.min <= top_p <= 1.0:
+        raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
+    if do_p and V >= sampling.MAX_VOCAB:
+        raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
+    z = z.contiguous()
+    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
+    copy = z.dtype != torch.float32 or scale != 1.0  # the tempered values are not z itself: written first
+    work = torch.empty_like(out) if copy else out
+    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
+    _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
+                         SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
+                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
+    return out
+
+
 def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
-    _check("gumbel_argmax", z)
+    check_2d_float("gumbel_argmax", z)
     B, V = z.shape
     out = torch.empty(B, dtype=torch.long, device=z.device)
     lp = torch.empty(B if logprobs else 0, dtype=torch.float32, device=z.device)

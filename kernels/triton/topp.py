@@ -29,7 +29,7 @@ import triton.language as tl
 from rlalign.kernels import sampling
 
 from .common import INTERPRET, upcast_scaled, work_table
-from .sampling import _EXP_CONST, _check, _order_key, _weight
+from .sampling import EXP_CONST, check_2d_float, mass_weight, order_key
 
 CUT_BINS = 1024  # NB: histogram bins of a row's first level (top-k: keys; top-p: values below the max)
 D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) * 2**32 < 1, mass 0 below
@@ -54,7 +54,7 @@ def mass_bounds(nb: int = CUT_BINS) -> tuple[list[int], list[int]]:
     return lo, hi
 
 
-_C = {n: tl.constexpr(v) for n, v in _EXP_CONST.items()}
+_C = {n: tl.constexpr(v) for n, v in EXP_CONST.items()}
 _LOG2E, _LN2_HI, _LN2_LO = _C["LOG2E"], _C["LN2_HI"], _C["LN2_LO"]
 _E0, _E1, _E2, _E3, _E4, _E5 = (_C[f"E{i}"] for i in range(6))
 _MASS_SCALE = tl.constexpr(sampling.MASS_SCALE)
@@ -62,8 +62,8 @@ _MASS_SCALE = tl.constexpr(sampling.MASS_SCALE)
 
 @triton.jit
 def _weight_of(z, inside, zm, IS_P: tl.constexpr):
-    """sampling.py's _weight with the fixed_order.exp constants: the mass (top-p) or 1 (top-k), 0 outside."""
-    return _weight(z, inside, zm, IS_P, _LOG2E, _LN2_HI, _LN2_LO, _E0, _E1, _E2, _E3, _E4, _E5, _MASS_SCALE)
+    """sampling.py's mass_weight with the fixed_order.exp constants: the mass (top-p) or 1 (top-k), 0 outside."""
+    return mass_weight(z, inside, zm, IS_P, _LOG2E, _LN2_HI, _LN2_LO, _E0, _E1, _E2, _E3, _E4, _E5, _MASS_SCALE)
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: t
         for v0 in range(0, n, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
-            key = _order_key(z)
+            key = order_key(z)
             w = _weight_of(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P)
             acc += tl.where(cand32[:, None] < key[None, :], w[None, :], 0)
         w_above = above_hi + tl.sum(acc, axis=1)
@@ -97,7 +97,7 @@ def _key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: t
             for v0 in range(0, n, SBLOCK):
                 cols = v0 + tl.arange(0, SBLOCK)
                 z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
-                key = _order_key(z).to(tl.int64)
+                key = order_key(z).to(tl.int64)
                 sel = _weight_of(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P) > 0
                 pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.debug_barrier()  # the chunk is read before any of it is overwritten
@@ -119,7 +119,7 @@ def _row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
-        key = _order_key(z)
+        key = order_key(z)
         kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
@@ -149,7 +149,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
-        hist += tl.histogram(_key_bin(_order_key(z), kmax, shift), NB, mask=mask & (z == z))
+        hist += tl.histogram(_key_bin(order_key(z), kmax, shift), NB, mask=mask & (z == z))
         nans += (z != z).to(tl.int32)
     n_nan = tl.sum(nans, axis=0)
     jb = tl.sum((n_nan + tl.cumsum(hist, axis=0) < k).to(tl.int32), axis=0)  # the first bin reaching k
@@ -161,7 +161,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
-        key = _order_key(z)
+        key = order_key(z)
         sel = mask & (z == z) & (_key_bin(key, kmax, shift) == jb)
         pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(w_row + pos, z, mask=sel)
@@ -196,7 +196,7 @@ def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
         b, inb = _d_bin(z, zm, BSCALE, NB)
-        inb = inb & mask & (_order_key(z).to(tl.int64) >= cut_k)
+        inb = inb & mask & (order_key(z).to(tl.int64) >= cut_k)
         tot += _weight_of(z, inb, zm, True)
         hist += tl.histogram(b, NB, mask=inb)
     bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
@@ -214,7 +214,7 @@ def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
-        key = _order_key(z)
+        key = order_key(z)
         b, inb = _d_bin(z, zm, BSCALE, NB)
         inb = inb & mask & (key.to(tl.int64) >= cut_k)
         w = _weight_of(z, inb, zm, True)
@@ -248,7 +248,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
         tl.debug_barrier()  # the work row is reused
         flat = (nan > 0) | (zm == float("inf")) | (zm == float("-inf"))
         if flat:
-            cut = tl.where(nan > 0, 0x7FC00000, _order_key(zm)).to(tl.int64)
+            cut = tl.where(nan > 0, 0x7FC00000, order_key(zm)).to(tl.int64)
         else:
             cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut, zm, top_p_bits.to(tl.float64, bitcast=True),
                              SCALED, NB, BSCALE, WAYS, BLOCK, SBLOCK)
@@ -259,7 +259,7 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     """rlalign.kernels.sampling.filter_cut(rlalign.kernels.temper(z, scale), top_k, top_p) for z [B, V] in
     any float dtype, read in place: the cut [B] int64; the kept set of row r is {v : order_key(temper(z,
     scale))[r, v] >= cut[r]} plus its NaNs. KEEP_ALL (below every int32 key) where no filter applies."""
-    _check("filter_cut", z)
+    check_2d_float("filter_cut", z)
     B, V = z.shape
     do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
     if not (do_k or do_p) or B == 0:
@@ -290,7 +290,7 @@ def _apply_cut_kernel(z_ptr, cut_ptr, out_ptr, scale, V, SCALED: tl.constexpr, B
     mask = cols < V
     cut = tl.load(cut_ptr + row)
     z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=0.0), scale, SCALED)
-    keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
+    keep = (order_key(z).to(tl.int64) >= cut) | (z != z)
     tl.store(out_ptr + row * V + cols, tl.where(keep, z, float("-inf")), mask=mask)
 
 
