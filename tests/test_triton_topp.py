@@ -116,7 +116,7 @@ def _bound_violations(lo: list[int], hi: list[int]) -> int:
     d = torch.cat([torch.rand(200_000, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 24,
                    edges, edges.nextafter(torch.tensor(-1.0, dtype=torch.float64))]).float().clamp(0, 23.999)
     d = torch.cat([d, d.nextafter(torch.tensor(0.0)), d.nextafter(torch.tensor(30.0))])
-    b = (d * torch.tensor(topp._BSCALE, dtype=torch.float32)).long().clamp(max=nb - 1)
+    b = (d * torch.tensor(topp.bin_scale(nb), dtype=torch.float32)).long().clamp(max=nb - 1)
     mass = sampling.top_p_mass(-d[:, None], torch.zeros(1, 1))[:, 0]
     return int(((mass < torch.tensor(lo)[b]) | (mass > torch.tensor(hi)[b])).sum())
 

@@ -26,8 +26,10 @@ from rlalign.kernels import inverse_temperature, sampling  # noqa: E402
 from rlalign.kernels.triton import sampling as tsampling  # noqa: E402
 from rlalign.kernels.triton import topp  # noqa: E402
 
+default_bins = topp.CUT_BINS
 
-def case(g, B: int, V: int, s: float, temp: float, k: int, p: float) -> dict:
+
+def case(g, B: int, V: int, s: float, temp: float, k: int, p: float, bins: tuple = ()) -> dict:
     row = {"rows": B, "vocab": V, "logit_scale": s, "temperature": temp, "top_k": k, "top_p": p}
     try:
         logits = (torch.randn(B, V, generator=g, device="cuda") * s).bfloat16()
@@ -45,10 +47,16 @@ def case(g, B: int, V: int, s: float, temp: float, k: int, p: float) -> dict:
              "filter_cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(logits, k, p, scale)),
              "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(logits, 3, ids, ids,
                                                                                            scale))}
+        for nb in bins:  # the first level's histogram bins: its cost against the candidates' count
+            topp.CUT_BINS = nb
+            same = same and bool(torch.equal(topp.filter_cut(logits, k, p, scale), cut))
+            t[f"filter_cut_nb{nb}_ms"] = triton.testing.do_bench(lambda: topp.filter_cut(logits, k, p, scale))
+        topp.CUT_BINS = default_bins
         row.update(kept_equal_old=same, kept_mean=float(kept_new.sum(-1).float().mean()), **t)
         print(f"{B:5d} x {V:6d} s{s:.0f} T{temp} k{k:2d} p{p:.2f} kept_equal={same} "
               f"kept~{row['kept_mean']:9.1f}  " + "  ".join(f"{n} {v:7.3f}" for n, v in t.items()), flush=True)
-    except Exception as e:  # one failing case is recorded, the others still run
+    except Exception as e:
+        topp.CUT_BINS = default_bins  # one failing case is recorded, the others still run
         row["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     return row
@@ -58,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(record.RESULTS))
     ap.add_argument("--quick", action="store_true", help="one shape, two scales")
+    ap.add_argument("--bins", default="", help="also time filter_cut at these CUT_BINS, e.g. 256,512,2048")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     V = 151936
@@ -65,7 +74,8 @@ def main() -> None:
     cases += [(256, V, s, 0.8, 20, 0.9) for s in (1.0, 4.0)]
     if a.quick:
         cases = [(1024, V, 1.0, 0.8, 0, 0.95), (1024, V, 4.0, 0.8, 0, 0.95), (256, V, 1.0, 0.8, 20, 0.9)]
-    rows = [case(g, *c) for c in cases]
+    bins = tuple(int(b) for b in a.bins.split(",") if b)
+    rows = [case(g, *c, bins=bins) for c in cases]
     ok = [r for r in rows if "error" not in r]
     same = all(r["kept_equal_old"] for r in ok) and len(ok) == len(rows)
     shows = "; ".join(f"{r['rows']}x{r['vocab']} s{r['logit_scale']:g} k{r['top_k']} p{r['top_p']}: cut "

@@ -39,12 +39,17 @@ KEEP_ALL = sampling.KEEP_ALL
 EXP_SLACK = 1e-5  # relative: fixed_order.exp is within a few ulp (1e-7) of exp; the bin edges within 2**-23
 
 
+def bin_scale(nb: int) -> float:
+    """fp32(nb / D_RANGE): the top-p bin of d is int(fp32(d * bin_scale))."""
+    return float(torch.tensor(nb / D_RANGE, dtype=torch.float32))
+
+
 def mass_bounds(nb: int = CUT_BINS) -> tuple[list[int], list[int]]:
     """Per bin j of d (b = int(fp32(d * fp32(nb / D_RANGE))), clamped to nb - 1): integers lo_j <= mass <=
     hi_j for every value in it, mass = floor(fixed_order.exp(-d) * 2**32). d lies within
     [j / s, (j + 1) / s] up to the product's rounding (2**-24 relative, padded to 2**-22), and
     fixed_order.exp within EXP_SLACK of exp: both pads make the bounds valid, not tight."""
-    s = float(torch.tensor(nb / D_RANGE, dtype=torch.float32))
+    s = bin_scale(nb)
     lo, hi = [], []
     for j in range(nb):
         d_lo = j / s * (1 - 2.0 ** -22)
@@ -271,15 +276,14 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     z = z.contiguous()
     work = torch.empty(B, V, dtype=torch.float32, device=z.device)
     cut = torch.empty(B, dtype=torch.long, device=z.device)
-    bounds = work_table(("topp_mass_bounds", CUT_BINS), lambda: (list(mass_bounds(CUT_BINS)), torch.long), z.device)
+    nb = CUT_BINS  # a module constant (a benchmark may sweep it)
+    bounds = work_table(("topp_mass_bounds", nb), lambda: (list(mass_bounds(nb)), torch.long), z.device)
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
     _cut_kernel[(B,)](z, work, cut, bounds, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
-                      SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, NB=CUT_BINS, BSCALE=_BSCALE, WAYS=CUT_WAYS,
+                      SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, NB=nb, BSCALE=bin_scale(nb), WAYS=CUT_WAYS,
                       BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
     return cut
 
-
-_BSCALE = float(torch.tensor(CUT_BINS / D_RANGE, dtype=torch.float32))  # fp32(NB / D_RANGE), mass_bounds' s
 
 
 @triton.jit
