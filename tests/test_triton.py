@@ -335,14 +335,21 @@ def test_gemm_small_m_configs_pick_by_tiles_per_sm_and_keep_the_k_chunks(monkeyp
     assert pick(33, 4096) == (32, False, False) and pick(128, 32000) == (128, False, True)
     assert [pick(256, n) for n in (512, 2048, 4096)] == [(16, False, False), (64, False, True), (128, False, False)]
     assert gemm.small_m_config(bf, 256, [32000], 132) == gemm.MATMUL_CONFIGS[bf]
-    # past 256 rows: the main config, unless its tiles fill less than half a wave (then the widest member)
+    # past 256 rows: the main config, unless its tiles fill less than half a wave (then the main tiles half as
+    # wide, or the widest member, whichever first fills half a wave)
     widest = gemm.MATMUL_SMALL_M[bf][2][-1]
     assert [(pick(m, n)[0], gemm.small_m_config(bf, m, [n], 132)["BLOCK_M"]) for m, n in
             ((257, 2048), (512, 2048), (2048, 2048), (10240, 512), (512, 32000))] == [
         (widest["BLOCK_N"], 64), (widest["BLOCK_N"], 64), (256, 128), (256, 128), (256, 128)]
     assert gemm.small_m_config(torch.float32, 8, [2048], 132) == gemm.MATMUL_CONFIGS[torch.float32]
     # a decode step's router [64, 2048] at 2,048 rows: 16 main tiles, the 128-column member
-    assert pick(2048, 64) == (128, False, False) and pick(1024, 2048) == (128, False, True)
+    assert pick(2048, 64) == (128, False, False)
+    # between: the main tiles half as wide, where their 2x tiles fill half a wave (1,024 x 2,048: 64 main tiles)
+    half = gemm_configs.MATMUL_PAST_SMALL_M[bf][0]
+    for m, n in ((1024, 2048), (2048, 768), (4096, 512)):
+        assert gemm.small_m_config(bf, m, [n], 132) == dict(half, FLATTEN=False), (m, n)
+    assert half["BLOCK_M"] == 128 and half["BLOCK_K"] == gemm_configs.MATMUL_CONFIGS[bf]["BLOCK_K"]
+    assert gemm.small_m_config(bf, 4096, [768], 132) == gemm.MATMUL_CONFIGS[bf]  # 96 main tiles: the main config
     # grouped: 64 x 128 tiles with two programs per SM up to 32 rows per expert; up to 512 the main tiles with a
     # fourth stage, a program per tile, an expert's last tile of <= 64 rows half high; then the main config;
     # short K (the experts' down, K 768, weights read K-contiguous) past 128 rows per group: the main tiles, the

@@ -21,6 +21,7 @@ from .gemm_configs import (
     INTERPRET_MATMUL,
     INTERPRET_SMALL_M,
     MATMUL_CONFIGS,
+    MATMUL_PAST_SMALL_M,
     MATMUL_SMALL_M,
 )
 
@@ -275,8 +276,9 @@ def _config(dtype, m: int | None = None, small: dict | None = None) -> dict:
 
 def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
     """The config of m rows against output widths ns (one launch: a linear, or linears' several weights)
-    on sms SMs: the small-M rule above, else the main config (or the widest member where the main
-    config's tiles fill less than a wave). Scheduling only: the bits are the main config's whatever it picks."""
+    on sms SMs: the small-M rule above, else the main config (or, where its tiles fill less than half a wave,
+    the main tiles half as wide or the widest member). Scheduling only: the bits are the main config's whatever
+    it picks."""
     if INTERPRET:
         return dict(INTERPRET_SMALL_M[1] if m <= INTERPRET_SMALL_M[0] else INTERPRET_MATMUL)
     if dtype not in MATMUL_SMALL_M:
@@ -287,11 +289,14 @@ def small_m_config(dtype, m: int, ns: list[int], sms: int) -> dict:
         return triton.cdiv(m, cfg["BLOCK_M"]) * sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in ns)
 
     main = MATMUL_CONFIGS[dtype]
-    if m > max_m:  # the main config, unless its tiles fill less than half a wave (a weight gradient of a
-        # narrow weight, K = the tokens: k/v's 512 x 2048 is 32 main tiles), then the widest member
-        if 2 * tiles(main) >= sms:
+    if m > max_m:  # of the main tiles, the half-width ones, then the widest small-M member: the first whose
+        # tiles fill half a wave (narrow weights, few rows: k/v's 512 x 2048 gradient is 32 main tiles), else
+        # the last
+        for cfg in (main, *MATMUL_PAST_SMALL_M.get(dtype, ()), cfgs[-1]):
+            if 2 * tiles(cfg) >= sms:
+                break
+        if cfg is main:
             return dict(main)
-        cfg = cfgs[-1]
     else:
         cfg = next((c for c in cfgs if tiles(c) <= sms), None)
     if cfg is None:  # no member fits one wave: the main config where its own tiles fill one

@@ -27,6 +27,12 @@ _SMALL_M = [dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, num_stages=4, n
             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, FLATTEN=True),
             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4, TMA=True)]
 MATMUL_SMALL_M: dict = {torch.bfloat16: (256, 32, _SMALL_M), torch.float16: (256, 32, _SMALL_M)}
+# Past 256 rows where the main tiles fill less than half a wave: the main tiles half as wide (one warpgroup,
+# 4 stages) before the widest small-M member (64 x 128). On one H100 (sweep_gemm_tiles_h100.json) these ran
+# 2,048 x 768 x 2,048 in 17.2 us (64 x 128: 19.4), 1,024 x 2,048 x 4,096 in 29.8 (35.6), 4,096 x 512 x 2,048
+# in 17.2 (21.2); bits equal to the main config's in every case.
+_HALF_MAIN = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=4, TMA=True)
+MATMUL_PAST_SMALL_M: dict = {torch.bfloat16: (_HALF_MAIN,), torch.float16: (_HALF_MAIN,)}
 # the interpreter's small-M bucket (shorter tiles, rows past M masked; BLOCK_K 16 as the main one: the
 # interpreter rounds once per K chunk), so CPU tests cross a bucket boundary with the same bits
 INTERPRET_SMALL_M = (8, dict(INTERPRET_MATMUL, BLOCK_M=16, MASK_M=True))
