@@ -141,8 +141,14 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
         lo = torch.minimum(torch.where(mass > 0, keys, torch.iinfo(torch.int32).max).amin(-1).long(), hi) - 1
         bound = mass.sum(-1).double() * top_p
         cut = threshold_search(keys, mass, bound, lo, hi)
-    if cut is None:
-        return z
+    return z if cut is None else apply_cut(z, cut, keys)
+
+
+def apply_cut(z: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """z [N, V] fp32 where order_keys(z) >= cut (int64 [N], a row's filter cut) or z is NaN, -inf elsewhere:
+    the kept set {keys >= cut} of `filter_logits` (keys: order_keys(z), if at hand). A `where` of z itself: a
+    gradient flows to the kept values."""
+    keys = order_keys(z.detach()) if keys is None else keys
     return torch.where((keys >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))
 
 

@@ -13,7 +13,8 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                (the attention's head norms, RoPE and KV-cache write in one launch)
   moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
-  sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw),
+  sampling     filter_logits (top-k/top-p by a threshold search), filter_cut (its per-row cut: the draw and the
+               logprob apply it as they read the logits), gumbel_argmax (the Gumbel-max draw),
                gumbel_argmax_logprobs (the draw and its logprob in one launch)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
@@ -41,13 +42,14 @@ from .logprob import log_softmax_gather, logprob_rows, tempered_logprobs
 from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear, moe_slot_swiglu
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
-from .sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
+from .sampling import filter_cut, filter_logits, gumbel_argmax, gumbel_argmax_logprobs
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",
     "attention",
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
-    "embedding", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu", "gumbel_argmax",
+    "embedding", "filter_cut", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu",
+    "gumbel_argmax",
     "gumbel_argmax_logprobs", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
     "moe_slot_linear", "moe_slot_swiglu",
