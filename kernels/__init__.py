@@ -389,15 +389,20 @@ def inverse_temperature(temperature: float) -> float:
 
 
 class Tempered(NamedTuple):
-    """The tempered, filtered logits a sampler draws from and scores under: temper(logits, scale) [B, V].
-    The filter (top-k / top-p) writes its fp32 output (scale 1 then); without one, logits are the
-    model's, in their dtype, and no backend's consumer needs a copy of them."""
+    """The tempered, filtered logits a sampler draws from and scores under: temper(logits, scale) [B, V],
+    filtered by cut (int64 [B], a top-k / top-p filter's: sampling.apply_cut) when there is one. The
+    Triton backend's filter gives the cut, and its consumers apply it as they read the model's logits; the
+    other backends' filters write their fp32 output (scale 1 and no cut then). Without a filter, logits
+    are the model's, in their dtype, and no backend's consumer needs a copy of them."""
 
     logits: torch.Tensor
     scale: float = 1.0
+    cut: torch.Tensor | None = None
 
     def values(self) -> torch.Tensor:
-        return temper(self.logits, self.scale)
+        """The fp32 values (a gradient flows through the cut's `where` to the kept logits)."""
+        v = temper(self.logits, self.scale)
+        return v if self.cut is None else sampling.apply_cut(v, self.cut)
 
 
 def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tempered:
@@ -407,7 +412,11 @@ def tempered(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top
     scale = 1.0 if temperature == 1.0 else inverse_temperature(temperature)
     if not (top_k and top_k < logits.shape[-1]) and top_p >= 1.0:
         return Tempered(logits, scale)
-    fused = getattr(_impl(logits), "filter_logits", None)  # the Triton backend: one kernel, the same bits
+    impl = _impl(logits)
+    cut = getattr(impl, "filter_cut", None)  # the Triton backend: the cut, the consumers apply it
+    if cut is not None:
+        return Tempered(logits, scale, cut(logits.detach(), top_k, top_p, scale))
+    fused = getattr(impl, "filter_logits", None)  # default mode: its own filter
     if fused is not None:
         return Tempered(fused(logits, top_k, top_p, scale))
     return Tempered(sampling.filter_logits(temper(logits, scale), top_k, top_p))
@@ -418,7 +427,7 @@ def tempered_logprobs(z: Tempered, tokens: torch.Tensor) -> torch.Tensor:
     impl = _impl(z.logits)
     fused = getattr(impl, "tempered_logprobs", None)  # the Triton backend: the logits read in place
     if fused is not None:
-        return fused(z.logits, z.scale, tokens)
+        return fused(z.logits, z.scale, tokens, z.cut)
     return impl.log_softmax_gather(z.values(), tokens)
 
 
@@ -458,14 +467,20 @@ def sample(
     return sample_tempered(z, seed, sample_ids, positions, greedy)
 
 
+def _cut_kw(z: Tempered) -> dict:
+    """The cut as a consumer's keyword (the Triton backend's draws take one; default mode's have none)."""
+    return {} if z.cut is None else {"cut": z.cut}
+
+
 def sample_tempered(z: Tempered, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
                     greedy: bool = False) -> torch.Tensor:
     """`sample` from z = tempered(logits, ...) (temperature 1.0 when greedy)."""
-    if greedy:  # the upcast keeps the order: the first maximum of the logits is the tempered values'
+    if greedy:  # the upcast keeps the order: the first maximum of the logits is the tempered values' (a cut
+        # keeps it: top-k's and top-p's cuts are at most its key; a NaN row is an error either way)
         return sampling.first_argmax(z.logits if z.scale == 1.0 else z.values())
     fused = getattr(_impl(z.logits), "gumbel_argmax", None)  # the Triton backend: one kernel, the same tokens
     if fused is not None:
-        return fused(z.logits, seed, sample_ids, positions, z.scale)
+        return fused(z.logits, seed, sample_ids, positions, z.scale, **_cut_kw(z))
     v = z.values()
     return sampling.first_argmax(v + sampling.gumbel(seed, sample_ids, positions, v.shape[-1]))
 
@@ -476,7 +491,7 @@ def sample_tempered_logprobs(z: Tempered, seed: int, sample_ids: torch.Tensor, p
     sampler's step; the Triton backend draws and scores in one launch."""
     fused = None if greedy else getattr(_impl(z.logits), "gumbel_argmax_logprobs", None)
     if fused is not None:
-        return fused(z.logits, seed, sample_ids, positions, z.scale)
+        return fused(z.logits, seed, sample_ids, positions, z.scale, **_cut_kw(z))
     tok = sample_tempered(z, seed, sample_ids, positions, greedy)
     return tok, tempered_logprobs(z, tok)
 

@@ -153,8 +153,15 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     is {keys >= c}, whatever the steps that found c."""
     if not ((top_k and top_k < z.shape[-1]) or top_p < 1.0):
         return z
-    cut = filter_cut(z, top_k, top_p)
-    return torch.where((order_keys(z) >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))
+    return apply_cut(z, filter_cut(z.detach(), top_k, top_p))
+
+
+def apply_cut(z: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """z [N, V] fp32 where order_keys(z) >= cut (int64 [N], a row's filter cut) or z is NaN, -inf elsewhere:
+    the kept set {keys >= cut} of `filter_logits` (keys: order_keys(z), if at hand). A `where` of z itself: a
+    gradient flows to the kept values."""
+    keys = order_keys(z.detach()) if keys is None else keys
+    return torch.where((keys >= cut[:, None]) | (z != z), z, torch.full_like(z, float("-inf")))
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                (the attention's head norms, RoPE and KV-cache write in one launch)
   moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
-  sampling     filter_logits (top-k/top-p by a threshold search), gumbel_argmax (the Gumbel-max draw),
+  sampling     filter_logits (top-k/top-p: topp's cut applied in one pass), gumbel_argmax (the Gumbel-max draw),
                gumbel_argmax_logprobs (the draw and its logprob in one launch)
-  topp         filter_cut (the top-k/top-p cut key per row: value-bin histograms, then a key search)
+  topp         filter_cut (the top-k/top-p cut key per row: value-bin histograms, then a key search; the draw
+               and the logprob apply it as they read the logits)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch

@@ -54,6 +54,21 @@ def upcast_scaled(x, scale, SCALED: tl.constexpr):
     return x
 
 
+@triton.jit
+def order_key(z):
+    """rlalign.kernels.sampling.order_keys of fp32 z: int32 keys ordered like the values (-0 and +0 one key)."""
+    bits = (z + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def apply_cut(z, cut):
+    """The filtered value of fp32 z under its row's cut (int64; rlalign.kernels.sampling.apply_cut): z where
+    its order key is >= cut or z is NaN, -inf elsewhere: what the top-k/top-p filter writes, and what its
+    consumers compute in registers from the cut."""
+    return tl.where((order_key(z).to(tl.int64) >= cut) | (z != z), z, float("-inf"))
+
+
 def check_inputs(name: str, *ts: torch.Tensor) -> None:
     """Every tensor of op `name` in a supported dtype, all on one device; else a clear error."""
     device = ts[0].device

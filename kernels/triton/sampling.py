@@ -1,11 +1,13 @@
 """The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw. Both take the tempered
 logits rlalign.kernels.temper(logits, scale) from the logits in any float dtype, upcast (exact) and
 scaled in registers (common.upcast_scaled): a step makes no separate fp32 copy of [B, V] and no pass
-for the temperature. The filter's first pass writes the tempered values into its fp32 output: its search
-levels read them there as they read an fp32 row (one write beats upcasting and scaling at every level),
-and the draw and the logprob then read the filtered output.
+for the temperature. filter_logits writes the filtered fp32 copy from topp.filter_cut's cut per row (the kept set is
+{order key >= cut} and NaN), which the draw and the logprob also apply to the logits as they read them
+(common.apply_cut: the copy's bits, without writing or reading the copy).
 
-filter_logits: rlalign.kernels.sampling.filter_logits bit for bit, one program per row: the row's
+threshold_filter_logits (the search topp.filter_cut replaced, kept as the benchmark's baseline): the same
+bits, one program per row; its first pass writes the tempered values into its fp32 output: its search
+levels read them there as they read an fp32 row. The row's
 max and key range, then the threshold search, level by level: first FILTER_WAYS bins of equal width
 in value, then FILTER_WAYS thresholds evenly spaced in the current key interval; each level's weights
 in one pass, then the interval narrowed to the bin or the two thresholds around the answer and the
@@ -36,7 +38,8 @@ import triton.language as tl
 from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 
-from .common import INTERPRET, ROW_BLOCK, upcast_scaled
+from .common import INTERPRET, ROW_BLOCK, apply_cut, upcast_scaled
+from .common import order_key as _order_key
 from .logprob import row_lse
 
 U64 = (1 << 64) - 1
@@ -75,12 +78,6 @@ def fo_log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.co
     p = p * s2 + C4
     log_m = (p * s2) * s + 2.0 * s
     return ef * LN2_HI + (log_m + ef * LN2_LO)
-
-
-@triton.jit
-def _order_key(z):
-    bits = (z + 0.0).to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 @triton.jit
@@ -228,15 +225,17 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
-def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr, COPY: tl.constexpr,
-                   DO_K: tl.constexpr, DO_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
+def _filter_kernel(z_ptr, out_ptr, work_ptr, cut_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr,
+                   COPY: tl.constexpr, WRITE: tl.constexpr, DO_K: tl.constexpr, DO_P: tl.constexpr,
+                   LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
                    LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                    E4: tl.constexpr, E5: tl.constexpr, SCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
                    SBLOCK: tl.constexpr):
     """COPY: the first pass writes the row's tempered values (upcast_scaled of the logits in any dtype) to
     the output row, which the search levels then read (fp32, as they would the tempered row itself) with
     `work` as their compaction space, and the last pass filters in place. Without COPY, z is the fp32
-    tempered row and the output row is the compaction space."""
+    tempered row and the output row is the compaction space. The row's cut goes to cut_ptr; WRITE: the last
+    pass writes the kept values and -inf to the output row (without it the output row is scratch)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     if COPY:
@@ -273,24 +272,32 @@ def _filter_kernel(z_ptr, out_ptr, work_ptr, scale, V, top_k, top_p_bits, SCALED
         cut = _search(z_row, o_row, V, cut - 1, _order_key(zm).to(tl.int64), top_p, top_p, zm,
                       tl.maximum(zf, zm - 24.0), True, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE, WAYS,
                       BLOCK, SBLOCK)
-    for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = tl.load(z_row + cols, mask=mask, other=0.0)
-        keep = (_order_key(z).to(tl.int64) >= cut) | (z != z)
-        tl.store(out_ptr + row * V + cols, tl.where(keep, z, float("-inf")), mask=mask)
+    tl.store(cut_ptr + row, cut)
+    if WRITE:
+        for v0 in range(0, V, SBLOCK):
+            cols = v0 + tl.arange(0, SBLOCK)
+            mask = cols < V
+            z = tl.load(z_row + cols, mask=mask, other=0.0)
+            tl.store(out_ptr + row * V + cols, apply_cut(z, cut), mask=mask)
+
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
-def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden, mix1, mix2, scale, V,
-                          SCALED: tl.constexpr, LOGPROB: tl.constexpr, SQRT2: tl.constexpr, C0: tl.constexpr,
+def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, seed, golden, mix1, mix2, scale, V,
+                          SCALED: tl.constexpr, LOGPROB: tl.constexpr, CUT: tl.constexpr, SQRT2: tl.constexpr,
+                          C0: tl.constexpr,
                           C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                           LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, DRAW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """The draw: each of DRAW_BLOCK lanes keeps the best value of its columns and the first column holding
     it, one reduction at the end (the first index of the row's maximum: the least of the lanes' firsts).
     LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits: the row's max taken in the draw's
-    pass, then logprob.row_lse (the trainer's sum, its BLOCK and loads) and the gather."""
+    pass, then logprob.row_lse (the trainer's sum, its BLOCK and loads) and the gather.
+    CUT: the row's values filtered by its cut (common.apply_cut) in registers, every read (the draw's, the
+    sum's, the gather's): the bits the filtered fp32 copy holds."""
     row = tl.program_id(0).to(tl.int64)
+    cut = tl.zeros((), tl.int64)
+    if CUT:
+        cut = tl.load(cut_ptr + row)
     sid = tl.load(ids_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
     h = mix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), golden, mix1, mix2)
@@ -304,6 +311,8 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden,
         cols = v0 + tl.arange(0, DRAW_BLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        if CUT:
+            z = apply_cut(z, cut)
         if LOGPROB:
             zmax = tl.maximum(zmax, z)
         hv = mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
@@ -320,8 +329,10 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, seed, golden,
     tok = tl.where((tl.max(nan, axis=0) > 0) | (m == float("-inf")), V, first)
     tl.store(out_ptr + row, tok)
     if LOGPROB:
-        lse = row_lse(z_ptr, row, V, tl.max(zmax, axis=0), scale, SCALED, BLOCK)
+        lse = row_lse(z_ptr, row, V, tl.max(zmax, axis=0), scale, SCALED, BLOCK, cut, CUT)
         zt = upcast_scaled(tl.load(z_ptr + row * V + tl.minimum(tok, V - 1)), scale, SCALED)
+        if CUT:
+            zt = apply_cut(zt, cut)
         tl.store(lp_ptr + row, zt - lse)
 
 
@@ -333,13 +344,33 @@ assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclos
 _EXP_CONST = dict(LOG2E=fo.LOG2E, LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO,
                   **{f"E{i}": c for i, c in enumerate(fo.EXP_COEFFS)})
 assert len(fo.EXP_COEFFS) == 6
-order_key, mass_weight, EXP_CONST = _order_key, _weight, _EXP_CONST  # shared with topp.py's cut search
+mass_weight, EXP_CONST = _weight, _EXP_CONST  # shared with topp.py's cut search (the same mass formula)
 
 
 def check_2d_float(name: str, z: torch.Tensor) -> None:
     if z.dtype not in (torch.float32, torch.bfloat16, torch.float16) or z.dim() != 2:
         raise TypeError(f"triton {name}: z must be a 2-D float tensor (fp32, bf16, fp16), got {z.dtype} "
                         f"{tuple(z.shape)}")
+
+
+def _filter(z: torch.Tensor, top_k: int, top_p: float, scale: float, write: bool):
+    """One launch of _filter_kernel: (the filtered fp32 [B, V] if write, else None; the cuts [B] int64)."""
+    B, V = z.shape
+    if not sys.float_info.min <= top_p <= 1.0:
+        raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
+    if top_p < 1.0 and V >= sampling.MAX_VOCAB:
+        raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
+    z = z.contiguous()
+    out = torch.empty(B, V, dtype=torch.float32, device=z.device)  # without write: the levels' space
+    cut = torch.empty(B, dtype=torch.long, device=z.device)
+    copy = z.dtype != torch.float32 or scale != 1.0  # the tempered values are not z itself: written first
+    work = torch.empty_like(out) if copy else out
+    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
+    _filter_kernel[(B,)](z, out, work, cut, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
+                         SCALED=scale != 1.0, COPY=copy, WRITE=write, DO_K=bool(top_k) and top_k < V,
+                         DO_P=top_p < 1.0, SCALE=sampling.MASS_SCALE, WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK,
+                         SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
+    return (out if write else None), cut
 
 
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
@@ -358,26 +389,12 @@ def threshold_filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
     """filter_logits's kept set and bits by _filter_kernel, the threshold search over an fp32 copy (a 16-way
     first level of int64 masses): the baseline experiments/kernels/bench_topp_cut.py times."""
     check_2d_float("filter_logits", z)
-    B, V = z.shape
-    do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
-    if not (do_k or do_p) or B == 0:
+    if not ((top_k and top_k < z.shape[1]) or top_p < 1.0) or z.shape[0] == 0:
         return sampling.temper(z, scale)
-    if not sys.float_info.min <= top_p <= 1.0:
-        raise ValueError(f"filter_logits: top_p={top_p} must be a normal float in (0, 1]")
-    if do_p and V >= sampling.MAX_VOCAB:
-        raise ValueError(f"filter_logits: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
-    z = z.contiguous()
-    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
-    copy = z.dtype != torch.float32 or scale != 1.0  # the tempered values are not z itself: written first
-    work = torch.empty_like(out) if copy else out
-    opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=FILTER_WARPS)
-    _filter_kernel[(B,)](z, out, work, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
-                         SCALED=scale != 1.0, COPY=copy, DO_K=do_k, DO_P=do_p, SCALE=sampling.MASS_SCALE,
-                         WAYS=FILTER_WAYS, BLOCK=FILTER_BLOCK, SBLOCK=FILTER_STREAM, **_EXP_CONST, **opts)
-    return out
+    return _filter(z, top_k, top_p, scale, True)[0]
 
 
-def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
+def _draw(z, seed, sample_ids, positions, scale, logprobs: bool, cut):
     check_2d_float("gumbel_argmax", z)
     B, V = z.shape
     out = torch.empty(B, dtype=torch.long, device=z.device)
@@ -388,8 +405,10 @@ def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
         pos = positions.to(device=z.device, dtype=torch.long).contiguous()
         s64 = (seed & U64) - (1 << 64) if (seed & U64) >= (1 << 63) else seed & U64
         opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-        gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, s64, GOLDEN, MIX1, MIX2, scale, V,
-                                    SCALED=scale != 1.0, LOGPROB=logprobs, DRAW_BLOCK=DRAW_BLOCK,
+        cuts = out if cut is None else cut.to(device=z.device, dtype=torch.long).contiguous()
+        gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, cuts, s64, GOLDEN, MIX1, MIX2, scale,
+                                    V, SCALED=scale != 1.0, LOGPROB=logprobs, CUT=cut is not None,
+                                    DRAW_BLOCK=DRAW_BLOCK,
                                     BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), **LOG_CONST, **opts)
     torch._assert_async(((out >= 0) & (out < V)).all(),
                         "sample: a row has no finite maximum (NaN or all -inf logits); no token can be drawn")
@@ -397,15 +416,16 @@ def _draw(z, seed, sample_ids, positions, scale, logprobs: bool):
 
 
 def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
-                  scale: float = 1.0) -> torch.Tensor:
+                  scale: float = 1.0, cut: torch.Tensor | None = None) -> torch.Tensor:
     """first_argmax(temper(z, scale) + gumbel(seed, sample_ids, positions, V)) for z [B, V] in any float
     dtype (rlalign.kernels.temper: read in place, upcast and scaled in registers): the token ids [B]
-    (int64); a row with NaN or no finite value is the same device-side error as first_argmax's."""
-    return _draw(z, seed, sample_ids, positions, scale, False)[0]
+    (int64); a row with NaN or no finite value is the same device-side error as first_argmax's. With cut
+    (int64 [B], filter_cut's), of sampling.apply_cut(temper(z, scale), cut): filter_logits's output's tokens."""
+    return _draw(z, seed, sample_ids, positions, scale, False, cut)[0]
 
 
 def gumbel_argmax_logprobs(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor,
-                           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, logprob.tempered_logprobs(z, scale, tokens)) for tokens = gumbel_argmax(z, ...), the same
-    bits, in one launch: the draw's pass over the row also takes the row's max for the logprob."""
-    return _draw(z, seed, sample_ids, positions, scale, True)
+                           scale: float = 1.0, cut: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logprob.tempered_logprobs(z, scale, tokens, cut)) for tokens = gumbel_argmax(z, ..., cut), the
+    same bits, in one launch: the draw's pass over the row also takes the row's max for the logprob."""
+    return _draw(z, seed, sample_ids, positions, scale, True, cut)

@@ -28,8 +28,9 @@ import triton.language as tl
 
 from rlalign.kernels import sampling
 
-from .common import INTERPRET, upcast_scaled, work_table
-from .sampling import EXP_CONST, check_2d_float, mass_weight, order_key
+from .common import INTERPRET, order_key, upcast_scaled, work_table
+from .common import apply_cut as kept_value
+from .sampling import EXP_CONST, check_2d_float, mass_weight
 
 CUT_BINS = 1024  # NB: histogram bins of a row's first level (top-k: keys; top-p: values below the max)
 D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) * 2**32 < 1, mass 0 below
@@ -294,8 +295,7 @@ def _apply_cut_kernel(z_ptr, cut_ptr, out_ptr, scale, V, SCALED: tl.constexpr, B
     mask = cols < V
     cut = tl.load(cut_ptr + row)
     z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=0.0), scale, SCALED)
-    keep = (order_key(z).to(tl.int64) >= cut) | (z != z)
-    tl.store(out_ptr + row * V + cols, tl.where(keep, z, float("-inf")), mask=mask)
+    tl.store(out_ptr + row * V + cols, kept_value(z, cut), mask=mask)
 
 
 def apply_cut(z: torch.Tensor, cut: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
