@@ -104,7 +104,7 @@ def probe(a) -> dict:
 
 
 # --- vendor --------------------------------------------------------------------------------------------
-def _sdpa_variants(q, k, v, B, T, backward: bool, go):
+def sdpa_variants(q, k, v, B, T, backward: bool, go):
     """name -> fn for every SDPA backend that runs this GQA shape ([B, H, T, D] views; cuDNN and the
     efficient kernel also with k, v repeated to H heads, made outside the timing)."""
     import torch
@@ -136,7 +136,7 @@ def _sdpa_variants(q, k, v, B, T, backward: bool, go):
     return fns
 
 
-def _attend(fn, qkv, cu, go):
+def attend(fn, qkv, cu, go):
     o = fn(*qkv, cu, qkv[0].shape[-1] ** -0.5)
     if go is not None:
         o.backward(go)
@@ -161,10 +161,10 @@ def vendor(a) -> dict:
         row = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D}
         for bwd in (False, True):
             key = "fwdbwd" if bwd else "fwd"
-            sd = {n: eager_ms(f) for n, f in _sdpa_variants(q, k, v, B, T, bwd, go).items()}
+            sd = {n: eager_ms(f) for n, f in sdpa_variants(q, k, v, B, T, bwd, go).items()}
             qkv = [t.clone().requires_grad_(bwd) for t in (q, k, v)]
-            ours = eager_ms(partial(_attend, tb.attention_prefill, qkv, cu, go if bwd else None))
-            dfl = eager_ms(partial(_attend, dflt.attention_prefill, qkv, cu, go if bwd else None))
+            ours = eager_ms(partial(attend, tb.attention_prefill, qkv, cu, go if bwd else None))
+            dfl = eager_ms(partial(attend, dflt.attention_prefill, qkv, cu, go if bwd else None))
             best = min(sd, key=sd.get)
             row[key] = {"sdpa_ms": sd, "best_sdpa": best, "triton_det_ms": ours, "default_mode_ms": dfl,
                         "det_over_best_sdpa": sd[best] / ours}

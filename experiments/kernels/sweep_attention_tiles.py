@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py, bench_determinism_tax.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_determinism_tax import _attend, _sdpa_variants  # noqa: E402
+from bench_determinism_tax import attend, sdpa_variants  # noqa: E402
 from bench_vs_vendor import bits_equal, eager_ms  # noqa: E402
 from record import gpu_tag, write  # noqa: E402
 
@@ -85,7 +85,7 @@ def main() -> None:
         cu = [i * T for i in range(B + 1)]
         row = {"B": B, "T": T}
         for key, bwd in (("fwd", False), ("fwdbwd", True)):
-            sd = {n: eager_ms(f) for n, f in _sdpa_variants(q, k, v, B, T, bwd, go).items()}
+            sd = {n: eager_ms(f) for n, f in sdpa_variants(q, k, v, B, T, bwd, go).items()}
             row[key + "_sdpa_ms"] = sd
             row[key + "_best_sdpa_ms"] = min(sd.values())
         ref = None
@@ -99,10 +99,10 @@ def main() -> None:
                 with torch.no_grad():
                     o = at.attention_prefill(q, k, v, cu, D ** -0.5)
                 qkv = [t.clone().requires_grad_(True) for t in (q, k, v)]
-                ob = _attend(at.attention_prefill, qkv, cu, go)
+                ob = attend(at.attention_prefill, qkv, cu, go)
                 grads = [t.grad for t in qkv]
                 r = {"fwd_ms": eager_ms(partial(at.attention_prefill, q, k, v, cu, D ** -0.5)),
-                     "fwdbwd_ms": eager_ms(partial(_attend, at.attention_prefill,
+                     "fwdbwd_ms": eager_ms(partial(attend, at.attention_prefill,
                                                    [t.detach().clone().requires_grad_(True) for t in (q, k, v)],
                                                    cu, go))}
             except Exception as e:  # a config that does not compile or fit: recorded
