@@ -37,6 +37,7 @@ D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) 
 CUT_WAYS, CUT_BLOCK, CUT_STREAM = 16, 256, 2048  # key-search level [WAYS, BLOCK]; the streaming passes' chunk
 CUT_WARPS = 8
 KEEP_ALL = sampling.KEEP_ALL
+_KEEP_ALL = tl.constexpr(KEEP_ALL)  # what a kernel may read of it
 EXP_SLACK = 1e-5  # relative: fixed_order.exp is within a few ulp (1e-7) of exp; the bin edges within 2**-23
 
 
@@ -247,7 +248,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
     zm, kmin, kmax, nan = _row_stats(x_row, scale, V, SCALED, SBLOCK)
-    cut = tl.full((), KEEP_ALL, tl.int64)
+    cut = tl.full((), _KEEP_ALL, tl.int64)
     if DO_K:
         cut = _top_k_cut(x_row, w_row, scale, V, top_k, kmin, kmax, SCALED, NB, WAYS, BLOCK, SBLOCK)
     if DO_P:
