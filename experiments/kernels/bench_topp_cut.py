@@ -21,6 +21,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 import record  # noqa: E402
+from threshold_filter import threshold_filter_logits  # noqa: E402
 
 from rlalign.kernels import inverse_temperature, sampling  # noqa: E402
 from rlalign.kernels.triton import sampling as tsampling  # noqa: E402
@@ -34,7 +35,7 @@ def case(g, B: int, V: int, s: float, temp: float, k: int, p: float, bins: tuple
     try:
         logits = (torch.randn(B, V, generator=g, device="cuda") * s).bfloat16()
         scale = inverse_temperature(temp)
-        old = tsampling.threshold_filter_logits(logits, k, p, scale)
+        old = threshold_filter_logits(logits, k, p, scale)
         cut = topp.filter_cut(logits, k, p, scale)
         zt = sampling.temper(logits, scale)
         kept_new = (sampling.order_keys(zt) >= cut[:, None]) | (zt != zt)
@@ -42,7 +43,7 @@ def case(g, B: int, V: int, s: float, temp: float, k: int, p: float, bins: tuple
         ids = torch.arange(B, device="cuda")
         new = tsampling.filter_logits(logits, k, p, scale)
         same = same and bool(torch.equal(new.view(torch.int32), old.view(torch.int32)))
-        t = {"old_filter_ms": triton.testing.do_bench(lambda: tsampling.threshold_filter_logits(logits, k, p, scale)),
+        t = {"old_filter_ms": triton.testing.do_bench(lambda: threshold_filter_logits(logits, k, p, scale)),
              "filter_logits_ms": triton.testing.do_bench(lambda: tsampling.filter_logits(logits, k, p, scale)),
              "filter_cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(logits, k, p, scale)),
              "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(logits, 3, ids, ids,
