@@ -9,7 +9,7 @@ common.upcast_scaled). One program per row:
          A table of per-bin mass bounds (valid for every value the bin can hold, padded) gives, for
          P = top_p * Q, the bins [ja, jb] that can hold the cut; one pass sums the exact masses of
          the bins before ja and compacts the weighted values of bins ja..jb.
-  Then `_key_search` (levels of WAYS thresholds in key space, each compacting the keys between the two
+  Then `key_search` (levels of WAYS thresholds in key space, each compacting the keys between the two
   thresholds around the answer) over the compacted values alone. Every sum is of integers, so the
   cut is the torch function's: the cut's value lies in the compacted bins, the weight above them is
   exact, and values outside them are above or below every compacted key.
@@ -78,7 +78,7 @@ def _weight_of(z, inside, zm, IS_P: tl.constexpr):
 
 
 @triton.jit
-def _key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
+def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
                 SBLOCK: tl.constexpr):
     """The least key c in (lo, hi] whose weight above it (above_hi, the weight above hi, plus the
     weights of buf's n values with keys in (c, hi]) is below bound: sampling.threshold_search's answer.
@@ -120,7 +120,7 @@ def _key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: t
 
 
 @triton.jit
-def _row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
+def row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
     """Pass A: the greatest non-NaN value, the least and greatest keys, whether a NaN is present."""
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
@@ -180,7 +180,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
         lo = tl.where(sel, tl.minimum(lo, key), lo)
         hi = tl.where(sel, tl.maximum(hi, key), hi)
     tl.debug_barrier()  # the search reads values other threads wrote
-    cut = _key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
+    cut = key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
                       k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
     return tl.where(n_nan >= k, 0x7FC00000, cut)
 
@@ -195,11 +195,10 @@ def _d_bin(z, zm, BSCALE: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr, NB: tl.constexpr,
-               BSCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-    """The least key whose mass above it is below top_p * Q, the masses of keys >= cut_k. Pass B: Q and
-    the counts per bin of d; with the table's bounds per bin, the bins ja..jb that can hold the cut;
-    pass C: the exact mass of the bins before ja, the weighted values of ja..jb compacted and searched."""
+def top_p_bins(x_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr, NB: tl.constexpr,
+                BSCALE: tl.constexpr, SBLOCK: tl.constexpr):
+    """Pass B: the bound top_p * Q (Q the row's total mass over keys >= cut_k) and the counts per bin of d;
+    with the table's mass bounds per bin, the bins ja..jb that can hold the cut."""
     hist = tl.zeros((NB,), tl.int32)
     tot = tl.zeros((SBLOCK,), tl.int64)
     for v0 in range(0, V, SBLOCK):
@@ -217,6 +216,14 @@ def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.
     lower = tl.cumsum(hist64 * tl.load(bounds_ptr + nbins), axis=0)  # <= it
     ja = tl.sum((upper.to(tl.float64) < bound).to(tl.int32), axis=0)
     jb = tl.minimum(tl.sum((lower.to(tl.float64) < bound).to(tl.int32), axis=0), NB - 1)
+    return bound, ja, jb
+
+
+@triton.jit
+def top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED: tl.constexpr, NB: tl.constexpr,
+                   BSCALE: tl.constexpr, SBLOCK: tl.constexpr):
+    """Pass C: the exact mass of the bins before ja; the weighted values of bins ja..jb compacted to the front
+    of the work row: (that mass, their count, the least key among them - 1, the greatest)."""
     above = tl.zeros((SBLOCK,), tl.int64)
     count = tl.zeros((), tl.int32)
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
@@ -237,8 +244,17 @@ def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.
         lo = tl.where(sel, tl.minimum(lo, key), lo)
         hi = tl.where(sel, tl.maximum(hi, key), hi)
     tl.debug_barrier()  # the search reads values other threads wrote
-    return _key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64),
-                       tl.sum(above, axis=0), bound, zm, True, WAYS, BLOCK, SBLOCK)
+    return tl.sum(above, axis=0), count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
+
+
+@triton.jit
+def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr, NB: tl.constexpr,
+               BSCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """The least key whose mass above it is below top_p * Q, the masses of keys >= cut_k: pass B (the
+    candidate bins), pass C (their values compacted), the key search over those values."""
+    bound, ja, jb = top_p_bins(x_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED, NB, BSCALE, SBLOCK)
+    above, count, lo, hi = top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED, NB, BSCALE, SBLOCK)
+    return key_search(w_row, count, lo, hi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
 
 
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
@@ -251,7 +267,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
-    zm, kmin, kmax, nan = _row_stats(x_row, scale, V, SCALED, SBLOCK)
+    zm, kmin, kmax, nan = row_stats(x_row, scale, V, SCALED, SBLOCK)
     cut = tl.full((), _KEEP_ALL, tl.int64)
     if DO_K:
         cut = _top_k_cut(x_row, w_row, scale, V, top_k, kmin, kmax, SCALED, NB, WAYS, BLOCK, SBLOCK)
