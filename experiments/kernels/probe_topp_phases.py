@@ -64,6 +64,82 @@ def _read(z_ptr, out_ptr, V, SBLOCK: tl.constexpr):
     tl.store(out_ptr + row, tl.max(acc, axis=0))
 
 
+@triton.jit
+def _pass_b_parts(z_ptr, out_ptr, cut_ptr, scale, V, SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr,
+                  SBLOCK: tl.constexpr, MASS: tl.constexpr, HIST: tl.constexpr):
+    """Pass B's loop with its mass sum (MASS) and its counts histogram (HIST) each optional: what each costs.
+    The row's max is read from cut_ptr's row (any value: only the work is timed)."""
+    row = tl.program_id(0).to(tl.int64)
+    zm = tl.load(cut_ptr + row).to(tl.float32)
+    hist = tl.zeros((NB,), tl.int32)
+    tot = tl.zeros((SBLOCK,), tl.int64)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = common.upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        b, inb = topp.d_bin(z, zm, BSCALE, NB)
+        inb = inb & mask
+        if MASS:
+            tot += topp.weight_of(z, inb, zm, True)
+        else:
+            tot += b.to(tl.int64)
+        if HIST:
+            hist += tl.histogram(b, NB, mask=inb)
+    tl.store(out_ptr + row, tl.sum(tot, axis=0).to(tl.float64) + tl.sum(hist, axis=0).to(tl.float64))
+
+
+@triton.jit
+def _pass_c_parts(z_ptr, w_ptr, cnt_ptr, out_ptr, cut_ptr, scale, V, SCALED: tl.constexpr, NB: tl.constexpr,
+                  BSCALE: tl.constexpr, SBLOCK: tl.constexpr, MASS: tl.constexpr, ATOMIC: tl.constexpr,
+                  JA: tl.constexpr, JB: tl.constexpr):
+    """Pass C's loop over bins JA..JB with its exact masses (MASS) and its compaction by a scan or by an atomic
+    per-row counter (ATOMIC: the compacted order then varies, the set does not)."""
+    row = tl.program_id(0).to(tl.int64)
+    zm = tl.load(cut_ptr + row).to(tl.float32)
+    above = tl.zeros((SBLOCK,), tl.int64)
+    count = tl.zeros((), tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = common.upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        b, inb = topp.d_bin(z, zm, BSCALE, NB)
+        inb = inb & mask
+        if MASS:
+            w = topp.weight_of(z, inb, zm, True)
+            above += tl.where(b < JA, w, 0)
+            sel = (b >= JA) & (b <= JB) & (w > 0)
+        else:
+            sel = (b >= JA) & (b <= JB) & inb
+        if ATOMIC:
+            pos = tl.atomic_add(cnt_ptr + row + cols * 0, 1, mask=sel, sem="relaxed")
+        else:
+            pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            count += tl.sum(sel.to(tl.int32), axis=0)
+        tl.store(w_ptr + row * V + pos, z, mask=sel)
+    tl.store(out_ptr + row, tl.sum(above, axis=0).to(tl.float64) + count.to(tl.float64))
+
+
+def parts(z: torch.Tensor, scale: float, ja: int, jb: int) -> dict:
+    """Pass B's and pass C's parts timed apart (the max in place of each row's: only the work matters)."""
+    B, V = z.shape
+    nb = topp.CUT_BINS
+    zm = z.float().amax(1).mul(scale).double()
+    out = torch.empty(B, dtype=torch.float64, device=z.device)
+    work = torch.empty(B, V, dtype=torch.float32, device=z.device)
+    cnt = torch.zeros(B, dtype=torch.int32, device=z.device)
+    kw = dict(SCALED=scale != 1.0, NB=nb, BSCALE=topp.bin_scale(nb), SBLOCK=topp.CUT_STREAM, enable_fp_fusion=False,
+              num_warps=topp.CUT_WARPS)
+    res = {}
+    for mass, hist in ((True, True), (True, False), (False, True), (False, False)):
+        res[f"passB_mass{int(mass)}_hist{int(hist)}_ms"] = triton.testing.do_bench(
+            lambda m=mass, h=hist: _pass_b_parts[(B,)](z, out, zm, scale, V, MASS=m, HIST=h, **kw))
+    for mass, atomic in ((True, False), (True, True), (False, False), (False, True)):
+        res[f"passC_mass{int(mass)}_atomic{int(atomic)}_ms"] = triton.testing.do_bench(
+            lambda m=mass, a=atomic: (cnt.zero_(), _pass_c_parts[(B,)](z, work, cnt, out, zm, scale, V, MASS=m,
+                                                                      ATOMIC=a, JA=ja, JB=jb, **kw)))
+    return res
+
+
 def probe(z: torch.Tensor, scale: float, top_p: float) -> dict:
     B, V = z.shape
     work = torch.empty(B, V, dtype=torch.float32, device=z.device)
@@ -89,6 +165,7 @@ def probe(z: torch.Tensor, scale: float, top_p: float) -> dict:
         lambda: tsampling.gumbel_argmax(z, 3, ids, ids, scale, cut=cut))
     mx = torch.empty(B, dtype=torch.float32, device=z.device)
     res["bf16_read_ms"] = triton.testing.do_bench(lambda: _read[(B,)](z, mx, V, SBLOCK=topp.CUT_STREAM, num_warps=8))
+    res.update(parts(z, scale, int(out[:, 1].median()), int(out[:, 2].median())))
     return res
 
 
@@ -110,6 +187,7 @@ def main() -> None:
               + f"; filter_cut {r['filter_cut_ms']:.3f}, draw {r['gumbel_argmax_cut_ms']:.3f}, bf16 read "
               f"{r['bf16_read_ms']:.3f}; candidates {r['candidates_mean']:.0f} (max {r['candidates_max']:.0f}) in "
               f"{r['candidate_bins_mean']:.1f} bins; cut equal {r['cut_equal_filter_cut']}", flush=True)
+        print("   " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k.startswith("pass")), flush=True)
     shows = "; ".join(
         f"s {c['logit_std']}: A {c['phase1_ms']:.2f}, +B {c['phase2_ms'] - c['phase1_ms']:.2f}, "
         f"+C {c['phase3_ms'] - c['phase2_ms']:.2f}, +search {c['phase4_ms'] - c['phase3_ms']:.2f} ms "

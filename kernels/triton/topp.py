@@ -72,7 +72,7 @@ _MASS_SCALE = tl.constexpr(sampling.MASS_SCALE)
 
 
 @triton.jit
-def _weight_of(z, inside, zm, IS_P: tl.constexpr):
+def weight_of(z, inside, zm, IS_P: tl.constexpr):
     """sampling.py's mass_weight with the fixed_order.exp constants: the mass (top-p) or 1 (top-k), 0 outside."""
     return mass_weight(z, inside, zm, IS_P, _LOG2E, _LN2_HI, _LN2_LO, _E0, _E1, _E2, _E3, _E4, _E5, _MASS_SCALE)
 
@@ -95,7 +95,7 @@ def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
             key = order_key(z)
-            w = _weight_of(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P)
+            w = weight_of(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P)
             acc += tl.where(cand32[:, None] < key[None, :], w[None, :], 0)
         w_above = above_hi + tl.sum(acc, axis=1)
         ok = w_above.to(tl.float64) < bound
@@ -109,7 +109,7 @@ def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl
                 cols = v0 + tl.arange(0, SBLOCK)
                 z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
                 key = order_key(z).to(tl.int64)
-                sel = _weight_of(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P) > 0
+                sel = weight_of(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P) > 0
                 pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.debug_barrier()  # the chunk is read before any of it is overwritten
                 tl.store(buf + pos, z, mask=sel)
@@ -186,7 +186,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
 
 
 @triton.jit
-def _d_bin(z, zm, BSCALE: tl.constexpr, NB: tl.constexpr):
+def d_bin(z, zm, BSCALE: tl.constexpr, NB: tl.constexpr):
     """The top-p bin of d = zm - z (z - zm is the mass's exponent, negated exactly), and whether d < D_RANGE
     (false for NaN and -inf: mass 0)."""
     d = zm - z
@@ -205,9 +205,9 @@ def top_p_bins(x_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constex
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
-        b, inb = _d_bin(z, zm, BSCALE, NB)
+        b, inb = d_bin(z, zm, BSCALE, NB)
         inb = inb & mask & (order_key(z).to(tl.int64) >= cut_k)
-        tot += _weight_of(z, inb, zm, True)
+        tot += weight_of(z, inb, zm, True)
         hist += tl.histogram(b, NB, mask=inb)
     bound = tl.sum(tot, axis=0).to(tl.float64) * top_p
     nbins = tl.arange(0, NB)
@@ -233,9 +233,9 @@ def top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED: tl.constexp
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
         key = order_key(z)
-        b, inb = _d_bin(z, zm, BSCALE, NB)
+        b, inb = d_bin(z, zm, BSCALE, NB)
         inb = inb & mask & (key.to(tl.int64) >= cut_k)
-        w = _weight_of(z, inb, zm, True)
+        w = weight_of(z, inb, zm, True)
         above += tl.where(b < ja, w, 0)
         sel = (b >= ja) & (b <= jb) & (w > 0)
         pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
