@@ -16,7 +16,8 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
-from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax  # noqa: E402
+from rlalign.kernels.triton.sampling import gumbel_argmax  # noqa: E402
+from rlalign.kernels.triton.topp import filter_logits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -17,8 +17,12 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs  # noqa: E402
-from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs  # noqa: E402
-from rlalign.kernels.triton.topp import KEEP_ALL, filter_cut  # noqa: E402
+from rlalign.kernels.triton.sampling import gumbel_argmax, gumbel_argmax_logprobs  # noqa: E402
+from rlalign.kernels.triton.topp import (  # noqa: E402
+    KEEP_ALL,
+    filter_cut,
+    filter_logits,  # noqa: E402
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FILTERS = [(7, 1.0), (0, 0.9), (40, 0.8)]

@@ -23,7 +23,10 @@ from record import RESULTS, write  # noqa: E402
 
 from rlalign.kernels import fixed_order as fo  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
-from rlalign.kernels.triton import logprob  # noqa: E402
+from rlalign.kernels.triton import (
+    logprob,  # noqa: E402
+    topp,  # noqa: E402
+)
 from rlalign.kernels.triton import sampling as tsampling  # noqa: E402
 
 
@@ -50,12 +53,12 @@ def case(g, B: int, V: int, scale: float, temp: float, k: int, p: float) -> dict
     z = (torch.randn(B, V, generator=g, device="cuda") * scale).bfloat16().float() / temp
     z[0] = 1.25  # ties: every value kept
     ref = sampling.filter_logits(z, k, p)
-    out = tsampling.filter_logits(z, k, p)
+    out = topp.filter_logits(z, k, p)
     same = bool(torch.equal(out.view(torch.int32), ref.view(torch.int32)))
     kept = torch.isfinite(out).sum(-1).float()
     ids = torch.arange(B, device="cuda")
     tok = tsampling.gumbel_argmax(out, 3, ids, ids)
-    t = {"triton_filter_ms": triton.testing.do_bench(lambda: tsampling.filter_logits(z, k, p)),
+    t = {"triton_filter_ms": triton.testing.do_bench(lambda: topp.filter_logits(z, k, p)),
          "sort_filter_ms": triton.testing.do_bench(lambda: sort_filter(z, k, p)),
          "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(out, 3, ids, ids)),
          "logprob_ms": triton.testing.do_bench(lambda: logprob.log_softmax_gather(out, tok))}

@@ -41,10 +41,10 @@ def case(g, B: int, V: int, s: float, temp: float, k: int, p: float, bins: tuple
         kept_new = (sampling.order_keys(zt) >= cut[:, None]) | (zt != zt)
         same = bool(torch.equal(kept_new, torch.isfinite(old) | (old != old)))
         ids = torch.arange(B, device="cuda")
-        new = tsampling.filter_logits(logits, k, p, scale)
+        new = topp.filter_logits(logits, k, p, scale)
         same = same and bool(torch.equal(new.view(torch.int32), old.view(torch.int32)))
         t = {"old_filter_ms": triton.testing.do_bench(lambda: threshold_filter_logits(logits, k, p, scale)),
-             "filter_logits_ms": triton.testing.do_bench(lambda: tsampling.filter_logits(logits, k, p, scale)),
+             "filter_logits_ms": triton.testing.do_bench(lambda: topp.filter_logits(logits, k, p, scale)),
              "filter_cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(logits, k, p, scale)),
              "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(logits, 3, ids, ids,
                                                                                            scale))}

@@ -13,10 +13,9 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                (the attention's head norms, RoPE and KV-cache write in one launch)
   moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
-  sampling     filter_logits (top-k/top-p: topp's cut applied in one pass), gumbel_argmax (the Gumbel-max draw),
-               gumbel_argmax_logprobs (the draw and its logprob in one launch)
+  sampling     gumbel_argmax (the Gumbel-max draw), gumbel_argmax_logprobs (the draw and its logprob in one launch)
   topp         filter_cut (the top-k/top-p cut key per row: value-bin histograms, then a key search; the draw
-               and the logprob apply it as they read the logits)
+               and the logprob apply it as they read the logits), filter_logits (the cut applied in one pass)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
@@ -43,8 +42,8 @@ from .logprob import log_softmax_gather, logprob_rows, tempered_logprobs
 from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear, moe_slot_swiglu
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
-from .sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
-from .topp import filter_cut
+from .sampling import gumbel_argmax, gumbel_argmax_logprobs
+from .topp import filter_cut, filter_logits
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",

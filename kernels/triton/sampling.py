@@ -1,9 +1,9 @@
 """The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw. Both take the tempered
 logits rlalign.kernels.temper(logits, scale) from the logits in any float dtype, upcast (exact) and
 scaled in registers (common.upcast_scaled): a step makes no separate fp32 copy of [B, V] and no pass
-for the temperature. filter_logits writes the filtered fp32 copy from topp.filter_cut's cut per row (the kept set is
-{order key >= cut} and NaN), which the draw and the logprob also apply to the logits as they read them
-(common.apply_cut: the copy's bits, without writing or reading the copy).
+for the temperature. The top-k/top-p filter's cut per row (topp.filter_cut: the kept set is {order key >= cut}
+and NaN) is applied by the draw and the logprob to the logits as they read them (common.apply_cut: the filtered
+copy's bits, without writing or reading the copy).
 
 Gumbel-max sampling fused into one kernel: per row, the noise of rlalign.kernels.sampling (a
 splitmix64 hash of (seed, sample id, position, vocab index) -> u exact in fp32 -> -log(-log u)
@@ -167,18 +167,6 @@ def check_2d_float(name: str, z: torch.Tensor) -> None:
     if z.dtype not in (torch.float32, torch.bfloat16, torch.float16) or z.dim() != 2:
         raise TypeError(f"triton {name}: z must be a 2-D float tensor (fp32, bf16, fp16), got {z.dtype} "
                         f"{tuple(z.shape)}")
-
-
-def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
-    """rlalign.kernels.sampling.filter_logits(rlalign.kernels.temper(z, scale), top_k, top_p) (the same
-    kept set, the same bits) for z [B, V] in any float dtype, read in place: fp32 [B, V]. The cut from
-    topp.filter_cut, then one pass writes the kept values and -inf."""
-    from .topp import apply_cut, filter_cut
-
-    check_2d_float("filter_logits", z)
-    if not ((bool(top_k) and top_k < z.shape[1]) or top_p < 1.0) or z.shape[0] == 0:
-        return sampling.temper(z, scale)
-    return apply_cut(z, filter_cut(z, top_k, top_p, scale), scale)
 
 
 def _draw(z, seed, sample_ids, positions, scale, logprobs: bool, cut):

@@ -328,3 +328,13 @@ def apply_cut(z: torch.Tensor, cut: torch.Tensor, scale: float = 1.0) -> torch.T
         _apply_cut_kernel[(B, triton.cdiv(V, CUT_STREAM))](z.contiguous(), cut, out, scale, V, SCALED=scale != 1.0,
                                                             BLOCK=CUT_STREAM, **opts)
     return out
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+    """rlalign.kernels.sampling.filter_logits(rlalign.kernels.temper(z, scale), top_k, top_p) (the same
+    kept set, the same bits) for z [B, V] in any float dtype, read in place: fp32 [B, V]. The cut from
+    filter_cut, then one pass writes the kept values and -inf (apply_cut)."""
+    check_2d_float("filter_logits", z)
+    if not ((bool(top_k) and top_k < z.shape[1]) or top_p < 1.0) or z.shape[0] == 0:
+        return sampling.temper(z, scale)
+    return apply_cut(z, filter_cut(z, top_k, top_p, scale), scale)

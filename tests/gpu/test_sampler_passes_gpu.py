@@ -8,7 +8,8 @@ import torch
 
 from rlalign import kernels
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs
-from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax, gumbel_argmax_logprobs
+from rlalign.kernels.triton.sampling import gumbel_argmax, gumbel_argmax_logprobs
+from rlalign.kernels.triton.topp import filter_logits
 from rlalign.rollout.sampling import sample_next
 from rlalign.sampling_params import SamplingParams
 

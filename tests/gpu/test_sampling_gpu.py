@@ -10,7 +10,8 @@ import torch
 
 from rlalign import kernels
 from rlalign.kernels import sampling
-from rlalign.kernels.triton.sampling import filter_logits, gumbel_argmax
+from rlalign.kernels.triton.sampling import gumbel_argmax
+from rlalign.kernels.triton.topp import filter_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
