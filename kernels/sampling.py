@@ -117,13 +117,22 @@ def temper(logits: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 KEEP_ALL = -(1 << 31)  # a cut below every int32 key: nothing filtered
+NAN_CUT = 0x7FC00000  # the canonical quiet NaN's key, above +inf's: the cut at a NaN value, only the NaNs kept
+
+
+def value_cut(v: torch.Tensor) -> torch.Tensor:
+    """The cut int64 at each value of v (fp32): its order key; NAN_CUT for a NaN of any sign and payload (torch.topk
+    and amax rank a NaN above every value, order_keys puts a negative one below -inf, and a NaN's sign and payload
+    need not survive a device's arithmetic: one key keeps the cut the same on every device)."""
+    return torch.where(v == v, order_keys(v).long(), NAN_CUT)
 
 
 def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The cut [N] int64 of `filter_logits`: the kept set of row r is {v : order_keys(z)[r, v] >= cut[r]}
     plus its NaNs; KEEP_ALL for a row no filter applies to. z [N, V] fp32 tempered logits. top_k: the
     least key with fewer than k values above it (the k-th largest value's, which torch.topk finds
-    exactly). top_p, after top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k
+    exactly; NaN ranked above every value: value_cut's NAN_CUT, only the NaNs kept, when the k-th is
+    NaN). top_p, after top_k: with integer masses q = top_p_mass(z, max z) (0 for tokens top_k
     dropped) and Q their sum, the least key c whose mass above it, sum(q[keys > c]), is < top_p * Q
     (fp64): a `threshold_search` over the values' order keys."""
     N, V = z.shape
@@ -133,11 +142,11 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Ten
     keys = order_keys(z)
     cut = torch.full((N,), KEEP_ALL, dtype=torch.long, device=z.device)
     if top_k and top_k < V:  # the least key with fewer than k values above it: the k-th largest value's
-        cut = order_keys(torch.topk(z, top_k, -1).values[:, -1]).long()
+        cut = value_cut(torch.topk(z, top_k, -1).values[:, -1])
     if top_p < 1.0:
         zmax = z.amax(-1, keepdim=True)
         mass = torch.where(keys >= cut[:, None], top_p_mass(z, zmax), 0)
-        hi = order_keys(zmax)[:, 0].long()
+        hi = value_cut(zmax[:, 0])
         lo = torch.minimum(torch.where(mass > 0, keys, torch.iinfo(torch.int32).max).amin(-1).long(), hi) - 1
         bound = mass.sum(-1).double() * top_p
         cut = threshold_search(keys, mass, bound, lo, hi)

@@ -1,9 +1,14 @@
 """kernels/triton/topp.py filter_cut: the torch filter's cut (sampling.filter_cut), key for key, and its
 kept set, under the Triton interpreter on tiny rows: flat and peaked bf16 rows, top-k, top-p and both,
 two temperatures, NaN / +-inf / all-equal / one-peak rows, a cut on a histogram bin's edge, V of 1, 7,
-1000 and 5000. Negative twins: a wrong mass bound moves the cut; batch invariance."""
+1000 and 5000; NaNs of either sign at the k-th place (sampling.NAN_CUT); seeded adversarial rows (bin edges
+and their neighbours at 64 and 512 bins, tails of mass 0 to 3, ties at the k-th value, +-0, subnormals, +-1e30);
+a bound exactly a tie block's mass. Negative twins: a wrong mass bound moves the cut; batch invariance; a
+negative NaN's own key as the cut keeps every value."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -125,3 +130,88 @@ def test_the_mass_bounds_hold_and_a_tight_one_fails():
     lo, hi = topp.mass_bounds()
     assert _bound_violations(lo, hi) == 0
     assert _bound_violations(lo, hi[1:] + [0]) > 0  # twin: each bin's upper bound from the bin below it
+
+
+def _nan_rows() -> torch.Tensor:
+    """fp32 rows with NaNs of either sign and a payload: one negative NaN, one NaN with payload 1, both a
+    negative and a positive one."""
+    z = torch.tensor([[1.0, 2.0, 0.0, 3.0, -1.0]] * 3)
+    bits = z.view(torch.int32)
+    bits[0, 2] = bits[2, 1] = -0x400000  # 0xFFC00000: the quiet NaN with its sign bit set
+    bits[1, 2] = 0x7FC00001
+    bits[2, 4] = 0x7FC00000
+    return z.to(DEV)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (2, 1.0), (2, 0.9), (0, 0.5)])
+def test_a_nan_of_either_sign_at_the_kth_place_keeps_only_the_nans(top_k, top_p):
+    """torch.topk ranks a NaN above every value, whatever its sign: a k-th largest NaN gives sampling.NAN_CUT on
+    both sides (the NaNs alone kept), and top-p over a row with a NaN the same."""
+    z = _nan_rows()
+    _check(z, top_k, top_p, 1.0)
+    got = topp.filter_cut(z, top_k, top_p)
+    kth = torch.topk(z, max(top_k, 1), -1).values[:, -1]
+    assert (got[(kth != kth) | (top_p < 1.0)] == sampling.NAN_CUT).all()
+
+
+def test_negative_twin_a_negative_nans_own_key_as_the_cut_keeps_every_value():
+    """The order key of the negative NaN ranked first (below -inf's) as row 0's top-1 cut keeps all five values,
+    not the NaN alone: the kept-set check tells it from NAN_CUT."""
+    z = _nan_rows()
+    own = sampling.order_keys(torch.topk(z, 1, -1).values[:, -1]).long()
+    assert _kept(z, own)[0].all()
+    assert not torch.equal(_kept(z, own), _kept(z, topp.filter_cut(z, 1, 1.0)))
+
+
+def _adversarial_rows(V: int, seed: int) -> torch.Tensor:
+    """fp32 rows: values on the d-bins' edges of the current CUT_BINS and their fp32 neighbours; a tail 21.7 to
+    24.1 below the max (masses 0 to 3, d = 24 and its neighbour) under a few high values; three tied levels
+    (ties at the k-th value and at top-p's boundary); +-0, subnormals, +-1e30 and -inf; a flat row (1e-3)."""
+    g = torch.Generator().manual_seed(seed)
+    nb, inf = topp.CUT_BINS, torch.tensor(float("inf"))
+    d = (torch.randint(0, nb + 8, (V,), generator=g).double() * topp.D_RANGE / nb).float()
+    step = torch.randint(-1, 2, (V,), generator=g)
+    d = torch.where(step > 0, d.nextafter(inf), torch.where(step < 0, d.nextafter(-inf), d)).clamp(min=0)
+    tail = -(torch.rand(V, generator=g) * 2.4 + 21.7)
+    tail[:6] = torch.tensor([0.0, -0.5, -1.5, -2.0, -24.0, float(torch.tensor(-24.0).nextafter(inf))])
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 1e-38, -1e30, float("-inf"), 2.0, -3.0])
+    specials = specials[torch.randint(0, len(specials), (V,), generator=g)]
+    specials[V // 2] = 1e30
+    ladder = torch.tensor([0.0, -0.5, -1.0])[torch.arange(V) % 3]
+    flat = 3.0 + torch.rand(V, generator=g) * 1e-3
+    return torch.stack([1.5 - d, tail, ladder, specials, flat]).to(DEV)
+
+
+@pytest.mark.parametrize("nb", [64, 512])
+def test_adversarial_rows(nb, monkeypatch):
+    """The cut on bin edges, tails of mass 0 to 3, ties at the k-th value (top-k 86: level 0 holds 86 of
+    256) and at top-p's boundary (p 1/3 and 2/3 of three equal levels), special values; fp32 and fp16."""
+    monkeypatch.setattr(topp, "CUT_BINS", nb)
+    z = _adversarial_rows(256, nb)
+    for top_k, top_p, scale in [(0, 1 - 2 ** -30, 1.0), (0, 0.999999, 1.25), (0, 1 / 3, 1.0), (86, 2 / 3, 3.0),
+                                (87, 1.0, 0.5), (255, 0.95, 1.0)]:
+        _check(z, top_k, top_p, scale)
+    _check(z.half(), 86, 0.9, 3.0)
+
+
+def _p_on(target: int, q: int) -> float:
+    """A top_p whose bound fp64(q) * top_p is exactly target (searched around target / q)."""
+    p = target / q
+    for _ in range(64):
+        if q * p == target:
+            return p
+        p = math.nextafter(p, 1.0 if q * p < target else 0.0)
+    raise AssertionError("no top_p gives the bound exactly")
+
+
+def test_a_bound_equal_to_a_tie_blocks_mass():
+    """Three tied levels: top_p * Q exactly the mass of the top block (86 values of 0) keeps that block alone
+    (the mass above the next level is not below the bound); the next top_p up keeps the next block too."""
+    z = _adversarial_rows(256, 3)[2:3]
+    mass = sampling.top_p_mass(z, z.amax(-1, keepdim=True))
+    p = _p_on(int(mass[z == 0].sum()), int(mass.sum()))
+    for top_p in (p, math.nextafter(p, 1.0)):
+        _check(z, 0, top_p, 1.0)
+        _check(z, 255, top_p, 1.0)  # top-k first, keeping every value: the same masses
+    kept = [int(_kept(z, topp.filter_cut(z, 0, q)).sum()) for q in (p, math.nextafter(p, 1.0))]
+    assert kept == [int((z == 0).sum()), int((z >= -0.5).sum())]

@@ -42,6 +42,7 @@ CUT_WAYS, CUT_BLOCK, CUT_STREAM = 16, 256, 2048  # key-search level [WAYS, BLOCK
 CUT_WARPS = 8
 KEEP_ALL = sampling.KEEP_ALL
 _KEEP_ALL = tl.constexpr(KEEP_ALL)  # what a kernel may read of it
+_NAN_CUT = tl.constexpr(sampling.NAN_CUT)  # the cut at a NaN (any sign): only the NaNs kept
 EXP_SLACK = 1e-5  # relative: fixed_order.exp is within a few ulp (1e-7) of exp; the bin edges within 2**-23
 
 
@@ -149,7 +150,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
     """The key of the k-th largest value, NaN counted above every value (as torch.topk ranks it). Bins of
     keys (kmax - key) >> shift (descending), NB of them cover the row: the bin from the counts (exact);
     that bin compacted and searched with weight 1 (the NaNs and the keys above it counted whole). k at
-    most the NaNs: the canonical quiet NaN's key (only NaN kept)."""
+    most the NaNs: sampling.NAN_CUT (only the NaNs kept, the torch cut at a NaN of any sign)."""
     span = kmax.to(tl.int64) - kmin.to(tl.int64)
     shift = tl.zeros((), tl.int64)
     while (span >> shift) >= NB:
@@ -182,7 +183,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
     tl.debug_barrier()  # the search reads values other threads wrote
     cut = key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
                       k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
-    return tl.where(n_nan >= k, 0x7FC00000, cut)
+    return tl.where(n_nan >= k, _NAN_CUT, cut)
 
 
 @triton.jit
@@ -263,7 +264,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
                 BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """One row's cut. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the
     torch search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the
-    canonical quiet NaN's key, 0x7FC00000; any NaN key above +inf's keeps the same set, the NaNs)."""
+    canonical quiet NaN's key, sampling.NAN_CUT, whatever the NaN's sign: only the NaNs kept)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
@@ -275,7 +276,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
         tl.debug_barrier()  # the work row is reused
         flat = (nan > 0) | (zm == float("inf")) | (zm == float("-inf"))
         if flat:
-            cut = tl.where(nan > 0, 0x7FC00000, order_key(zm)).to(tl.int64)
+            cut = tl.where(nan > 0, _NAN_CUT, order_key(zm)).to(tl.int64)
         else:
             cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut, zm, top_p_bits.to(tl.float64, bitcast=True),
                              SCALED, NB, BSCALE, WAYS, BLOCK, SBLOCK)
