@@ -140,6 +140,16 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
 
 
 @triton.jit
+def _compact(w_row, z, key, sel, count, lo, hi):
+    """One chunk's selected values appended to the work row after its count values; the least and greatest
+    selected keys per lane kept: (count, lo, hi) after the chunk."""
+    pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(w_row + pos, z, mask=sel)
+    return count + tl.sum(sel.to(tl.int32), axis=0), tl.where(sel, tl.minimum(lo, key), lo), \
+        tl.where(sel, tl.maximum(hi, key), hi)
+
+
+@triton.jit
 def _key_bin(key, kmax, shift):
     return ((kmax.to(tl.int64) - key.to(tl.int64)) >> shift).to(tl.int32)
 
@@ -175,11 +185,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
         key = order_key(z)
         sel = mask & (z == z) & (_key_bin(key, kmax, shift) == jb)
-        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(w_row + pos, z, mask=sel)
-        count += tl.sum(sel.to(tl.int32), axis=0)
-        lo = tl.where(sel, tl.minimum(lo, key), lo)
-        hi = tl.where(sel, tl.maximum(hi, key), hi)
+        count, lo, hi = _compact(w_row, z, key, sel, count, lo, hi)
     tl.debug_barrier()  # the search reads values other threads wrote
     cut = key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
                       k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
@@ -239,11 +245,7 @@ def top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED: tl.constexp
         w = weight_of(z, inb, zm, True)
         above += tl.where(b < ja, w, 0)
         sel = (b >= ja) & (b <= jb) & (w > 0)
-        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(w_row + pos, z, mask=sel)
-        count += tl.sum(sel.to(tl.int32), axis=0)
-        lo = tl.where(sel, tl.minimum(lo, key), lo)
-        hi = tl.where(sel, tl.maximum(hi, key), hi)
+        count, lo, hi = _compact(w_row, z, key, sel, count, lo, hi)
     tl.debug_barrier()  # the search reads values other threads wrote
     return tl.sum(above, axis=0), count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
 
