@@ -17,15 +17,20 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 from rlalign.kernels.triton.common import INTERPRET, apply_cut, upcast_scaled
 from rlalign.kernels.triton.common import order_key as _order_key
-from rlalign.kernels.triton.sampling import EXP_CONST, check_2d_float
-from rlalign.kernels.triton.sampling import mass_weight as _weight
+from rlalign.kernels.triton.sampling import check_2d_float
+from rlalign.kernels.triton.topp import weight_of
 
 FILTER_BLOCK, FILTER_WAYS = 256, 16  # a search level holds [FILTER_WAYS, FILTER_BLOCK] comparisons
 FILTER_STREAM = 2048  # the chunk of the passes that only stream the row (max, compaction, the output)
 FILTER_WARPS = 8  # warps of a row's program
+# its kernels' fixed_order.exp constants (the mass itself is topp.weight_of's)
+EXP_CONST = dict(LOG2E=fo.LOG2E, LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO,
+                 **{f"E{i}": c for i, c in enumerate(fo.EXP_COEFFS)})
+
 
 @triton.jit
 def _value_bin(z, zm, scale, WAYS: tl.constexpr):
@@ -63,8 +68,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             key = _order_key(z).to(tl.int64)
-            w = _weight(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1, E2,
-                        E3, E4, E5, SCALE)
+            w = weight_of(z, (cols < V) & (key > lo) & (key <= hi), zm, IS_P)
             b = _value_bin(z, zm, scale, WAYS)
             acc += tl.where(jw[:, None] == b[None, :], w[None, :], 0)
             tot += w
@@ -81,8 +85,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             cols = v0 + tl.arange(0, SBLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             key = _order_key(z)
-            w = _weight(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
-                        LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
+            w = weight_of(z, (cols < V) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P)
             sel = (w > 0) & (_value_bin(z, zm, scale, WAYS) == star)
             pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(o_row + pos, z, mask=sel)
@@ -104,8 +107,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
             cols = v0 + tl.arange(0, BLOCK)
             z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
             key = _order_key(z)
-            w = _weight(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P, LOG2E,
-                        LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5, SCALE)
+            w = weight_of(z, (cols < n) & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi), zm, IS_P)
             acc += tl.where(cand32[:, None] < key[None, :], w[None, :], 0)
             tot += w
         if IS_P:
@@ -123,8 +125,7 @@ def _search(z_row, o_row, V, lo, hi, bound, top_p, zm, zlo, IS_P: tl.constexpr, 
                 cols = v0 + tl.arange(0, SBLOCK)
                 z = tl.load(src + cols, mask=cols < n, other=float("-inf"))
                 key = _order_key(z).to(tl.int64)
-                sel = _weight(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P, LOG2E, LN2_HI, LN2_LO, E0, E1,
-                              E2, E3, E4, E5, SCALE) > 0
+                sel = weight_of(z, (cols < n) & (key > lo) & (key <= hi), zm, IS_P) > 0
                 pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.debug_barrier()
                 tl.store(o_row + pos, z, mask=sel)

@@ -63,41 +63,6 @@ def fo_log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.co
     return ef * LN2_HI + (log_m + ef * LN2_LO)
 
 
-@triton.jit
-def _pow2(k):
-    return ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp(x, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr,
-         E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, E5: tl.constexpr):
-    """fixed_order.exp for x <= 0 (or NaN): round half to even by the 1.5 * 2**23 shift (|x * log2 e| < 2**22)."""
-    xc = tl.where(x < -104.0, -104.0, x)
-    n = (xc * LOG2E + 12582912.0) - 12582912.0
-    r = (xc - n * LN2_HI) - n * LN2_LO
-    p = tl.full(r.shape, E0, tl.float32)
-    p = p * r + E1
-    p = p * r + E2
-    p = p * r + E3
-    p = p * r + E4
-    p = p * r + E5
-    p = (p * r + 1.0) * r + 1.0
-    n1 = tl.floor(n * 0.5)
-    y = (p * _pow2(n1)) * _pow2(n - n1)
-    return tl.where(x < -104.0, 0.0, y)
-
-
-@triton.jit
-def _weight(z, inside, zm, IS_P: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
-            E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr,
-            E5: tl.constexpr, SCALE: tl.constexpr):
-    """top-p: the integer mass (kernels.sampling.top_p_mass); top-k: 1; 0 outside the search."""
-    if IS_P:
-        e = _exp(z - zm, LOG2E, LN2_HI, LN2_LO, E0, E1, E2, E3, E4, E5) * SCALE
-        return tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
-    return inside.to(tl.int64)
-
-
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
 def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, seed, golden, mix1, mix2, scale, V,
                           SCALED: tl.constexpr, LOGPROB: tl.constexpr, CUT: tl.constexpr, SQRT2: tl.constexpr,
@@ -155,12 +120,6 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, seed
 LOG_CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
               C3=fo.ATANH_COEFFS[3], C4=fo.ATANH_COEFFS[4], LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO)
 assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclose(fo.SQRT2, 2 ** 0.5)
-
-
-_EXP_CONST = dict(LOG2E=fo.LOG2E, LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO,
-                  **{f"E{i}": c for i, c in enumerate(fo.EXP_COEFFS)})
-assert len(fo.EXP_COEFFS) == 6
-mass_weight, EXP_CONST = _weight, _EXP_CONST  # shared with topp.py's cut search (the same mass formula)
 
 
 def check_2d_float(name: str, z: torch.Tensor) -> None:

@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 
 from .common import INTERPRET, order_key, upcast_scaled, work_table
 from .common import apply_cut as kept_value
-from .sampling import EXP_CONST, check_2d_float, mass_weight
+from .sampling import check_2d_float
 
 # NB: histogram bins of a row's first level (top-k: keys; top-p: values below the max). tl.histogram's cost grows
 # with the bins, fewer bins leave more values to compact: on one H100 (bench_topp_cut_h100.json, 1024 x 151,936
@@ -66,16 +67,42 @@ def mass_bounds(nb: int = CUT_BINS) -> tuple[list[int], list[int]]:
     return lo, hi
 
 
-_C = {n: tl.constexpr(v) for n, v in EXP_CONST.items()}
-_LOG2E, _LN2_HI, _LN2_LO = _C["LOG2E"], _C["LN2_HI"], _C["LN2_LO"]
-_E0, _E1, _E2, _E3, _E4, _E5 = (_C[f"E{i}"] for i in range(6))
+assert len(fo.EXP_COEFFS) == 6
+_LOG2E, _LN2_HI, _LN2_LO = tl.constexpr(fo.LOG2E), tl.constexpr(fo.LN2_HI), tl.constexpr(fo.LN2_LO)
+_E0, _E1, _E2, _E3, _E4, _E5 = (tl.constexpr(c) for c in fo.EXP_COEFFS)
 _MASS_SCALE = tl.constexpr(sampling.MASS_SCALE)
 
 
 @triton.jit
+def _pow2(k):
+    return ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp(x):
+    """fixed_order.exp for x <= 0 (or NaN): round half to even by the 1.5 * 2**23 shift (|x * log2 e| < 2**22)."""
+    xc = tl.where(x < -104.0, -104.0, x)
+    n = (xc * _LOG2E + 12582912.0) - 12582912.0
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    p = tl.full(r.shape, _E0, tl.float32)
+    p = p * r + _E1
+    p = p * r + _E2
+    p = p * r + _E3
+    p = p * r + _E4
+    p = p * r + _E5
+    p = (p * r + 1.0) * r + 1.0
+    n1 = tl.floor(n * 0.5)
+    y = (p * _pow2(n1)) * _pow2(n - n1)
+    return tl.where(x < -104.0, 0.0, y)
+
+
+@triton.jit
 def weight_of(z, inside, zm, IS_P: tl.constexpr):
-    """sampling.py's mass_weight with the fixed_order.exp constants: the mass (top-p) or 1 (top-k), 0 outside."""
-    return mass_weight(z, inside, zm, IS_P, _LOG2E, _LN2_HI, _LN2_LO, _E0, _E1, _E2, _E3, _E4, _E5, _MASS_SCALE)
+    """top-p: the integer mass (kernels.sampling.top_p_mass, fixed_order.exp's formula); top-k: 1; 0 outside."""
+    if IS_P:
+        e = _exp(z - zm) * _MASS_SCALE
+        return tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
+    return inside.to(tl.int64)
 
 
 @triton.jit
