@@ -206,6 +206,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
+def triton_filtered(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+    """The filtered fp32 copy that the Triton cut (kernels/triton/topp.py filter_cut) stands for:
+    sampling.apply_cut(temper(z, scale), cut), what the draw and the logprob read in registers."""
+    from rlalign.kernels import sampling
+    from rlalign.kernels.triton.topp import filter_cut
+
+    return sampling.apply_cut(sampling.temper(z, scale), filter_cut(z, top_k, top_p, scale))
+
+
 # `make test` runs the modules on two pytest-xdist workers (`-n 2 --dist loadfile`: a module stays on one
 # worker, so its module fixtures — a Ray cluster, a vLLM engine — are built once). Workers take modules in
 # collection order; the modules measured longest (`--durations`, 2-core machine) come first so that both

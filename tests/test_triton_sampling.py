@@ -14,10 +14,11 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
 
+from conftest import triton_filtered  # noqa: E402
+
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
 from rlalign.kernels.triton.sampling import gumbel_argmax  # noqa: E402
-from rlalign.kernels.triton.topp import filter_logits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -77,7 +78,7 @@ def test_the_filter_kernel_keeps_the_torch_searchs_set(top_k, top_p):
 def test_negative_twin_the_filter_at_another_k_or_p_keeps_another_set():
     z = _filter_rows()
     want = sampling.filter_logits(z, 7, 0.8)
-    assert not torch.equal(filter_logits(z, 7, 0.5), want)
+    assert not torch.equal(triton_filtered(z, 7, 0.5), want)
 
 
 def test_negative_twin_another_seed_or_position_draws_other_tokens():
@@ -130,8 +131,8 @@ def test_the_consumers_read_bf16_logits_as_their_fp32_copy(temperature):
     tok = torch.cat([tok[:1], tok])
     assert torch.equal(_int_bits(tempered_logprobs(logits, scale, tok)), _int_bits(log_softmax_gather(z, tok)))
     for top_k, top_p in ((0, 0.9), (7, 0.8), (40, 1.0)):
-        got = filter_logits(logits, top_k, top_p, scale)
-        assert torch.equal(_int_bits(got), _int_bits(filter_logits(z, top_k, top_p)))
+        got = triton_filtered(logits, top_k, top_p, scale)
+        assert torch.equal(_int_bits(got), _int_bits(triton_filtered(z, top_k, top_p)))
         assert torch.isnan(got[0, 11]) and torch.isfinite(got[3]).sum() < 1500
 
 
@@ -145,8 +146,8 @@ def test_negative_twin_the_neighbouring_factor_gives_other_bits():
     tok = torch.zeros(6, dtype=torch.long, device=DEV)
     lp = tempered_logprobs(logits, scale, tok)
     assert not torch.equal(_int_bits(tempered_logprobs(logits, up, tok)), _int_bits(lp))
-    kept = filter_logits(logits, 0, 0.9, scale)
-    assert not torch.equal(_int_bits(filter_logits(logits, 0, 0.9, up)), _int_bits(kept))
+    kept = triton_filtered(logits, 0, 0.9, scale)
+    assert not torch.equal(_int_bits(triton_filtered(logits, 0, 0.9, up)), _int_bits(kept))
 
 
 @pytest.mark.parametrize("temperature,vocab", [(1.0, 1500), (0.8, 1500), (1.3, 700)])

@@ -1,6 +1,6 @@
 """The Triton sampler's consumers with a top-k/top-p cut (kernels/triton/topp.py filter_cut): the draw, the
 draw-and-logprob and the logprob apply each row's cut as they read the logits, and give the bits they give on
-the filtered fp32 copy (filter_logits): tokens, logprobs, NaN rows refused; kernels.tempered hands the cut to
+the filtered fp32 copy (conftest.triton_filtered): tokens, logprobs, NaN rows refused; kernels.tempered hands the cut to
 them (Tempered.cut); the trainer's scoring under top-p keeps its gradient through the cut's `where`. Twins: a
 cut one key higher moves logprobs; no cut draws other tokens. CPU: the Triton interpreter; on CUDA:
 tests/gpu/test_sampling_gpu.py."""
@@ -14,15 +14,13 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
 
+from conftest import triton_filtered  # noqa: E402
+
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs  # noqa: E402
 from rlalign.kernels.triton.sampling import gumbel_argmax, gumbel_argmax_logprobs  # noqa: E402
-from rlalign.kernels.triton.topp import (  # noqa: E402
-    KEEP_ALL,
-    filter_cut,
-    filter_logits,  # noqa: E402
-)
+from rlalign.kernels.triton.topp import KEEP_ALL, filter_cut  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FILTERS = [(7, 1.0), (0, 0.9), (40, 0.8)]
@@ -54,10 +52,10 @@ def _ids(n):
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 @pytest.mark.parametrize("top_k,top_p", FILTERS)
 def test_the_cut_path_gives_the_filtered_copys_bits(dtype, temperature, top_k, top_p):
-    """filter_cut's cut applied to the tempered logits is filter_logits's output; the draw, the draw with its
+    """filter_cut's cut applied to the tempered logits is the torch filter's output; the draw, the draw with its
     logprob and the logprob applying it in registers give the bits they give reading that output."""
     logits, scale = _logits(dtype, temperature)
-    copy = filter_logits(logits, top_k, top_p, scale)
+    copy = sampling.filter_logits(kernels.temper(logits, scale), top_k, top_p)
     cut = filter_cut(logits, top_k, top_p, scale)
     assert cut.dtype == torch.long and cut.shape == (6,)
     assert torch.equal(_bits(sampling.apply_cut(kernels.temper(logits, scale), cut)), _bits(copy))
@@ -108,7 +106,7 @@ def test_kernels_tempered_hands_the_cut_to_every_consumer(temperature, top_k, to
     with kernels.use(backend="triton"):
         z = kernels.tempered(logits, temperature, top_k, top_p)
         assert z.logits is logits and z.cut is not None
-        copy = kernels.Tempered(filter_logits(logits, top_k, top_p, z.scale))
+        copy = kernels.Tempered(triton_filtered(logits, top_k, top_p, z.scale))
         assert torch.equal(_bits(z.values()), _bits(copy.values()))
         tok, lp = kernels.sample_tempered_logprobs(z, 3, ids, pos)
         tok0, lp0 = kernels.sample_tempered_logprobs(copy, 3, ids, pos)
@@ -117,7 +115,7 @@ def test_kernels_tempered_hands_the_cut_to_every_consumer(temperature, top_k, to
         assert torch.equal(_bits(kernels.tempered_logprobs(z, tok)), _bits(lp))
         greedy = kernels.tempered(logits, 1.0, top_k, top_p)
         assert torch.equal(kernels.sample_tempered(greedy, 3, ids, pos, greedy=True),
-                           sampling.first_argmax(filter_logits(logits, top_k, top_p)))
+                           sampling.first_argmax(triton_filtered(logits, top_k, top_p)))
     with kernels.use(backend="torch"):  # the torch backend reads a Tempered with a cut through values()
         assert torch.equal(kernels.sample_tempered(z, 3, ids, pos), tok)
 
@@ -135,7 +133,7 @@ def test_the_trainers_scoring_under_top_p_keeps_its_gradient():
             want = kernels.token_logprobs_rows(logits, rows, tok, **kw)
         lp = kernels.token_logprobs_rows(logits, rows, tok, **kw)
         (grad,) = torch.autograd.grad(lp.sum(), logits)
-        copy = filter_logits(logits.detach()[rows], 0, 0.9, kernels.inverse_temperature(0.8))
+        copy = triton_filtered(logits.detach()[rows], 0, 0.9, kernels.inverse_temperature(0.8))
     assert torch.equal(_bits(lp.detach()), _bits(want))
     v = kernels.temper(logits[rows], kernels.inverse_temperature(0.8))
     ref_lp = log_softmax_gather(torch.where(copy == float("-inf"), float("-inf"), v), tok)

@@ -1,5 +1,5 @@
-"""The sampler's top-k / top-p filter on one GPU: the Triton threshold search
-(kernels/triton/sampling.py filter_logits) against the torch formulation of the same search (bits
+"""The sampler's top-k / top-p filter on one GPU: the Triton cut (kernels/triton/topp.py filter_cut, its
+filtered values sampling.apply_cut's) against the torch formulation of the same search (bits
 checked equal) and against the sort-based filter it replaced, beside the rest of a sampling step
 (the Gumbel-max draw and the logprob gather) for scale.
 
@@ -53,12 +53,12 @@ def case(g, B: int, V: int, scale: float, temp: float, k: int, p: float) -> dict
     z = (torch.randn(B, V, generator=g, device="cuda") * scale).bfloat16().float() / temp
     z[0] = 1.25  # ties: every value kept
     ref = sampling.filter_logits(z, k, p)
-    out = topp.filter_logits(z, k, p)
+    out = sampling.apply_cut(z, topp.filter_cut(z, k, p))
     same = bool(torch.equal(out.view(torch.int32), ref.view(torch.int32)))
     kept = torch.isfinite(out).sum(-1).float()
     ids = torch.arange(B, device="cuda")
     tok = tsampling.gumbel_argmax(out, 3, ids, ids)
-    t = {"triton_filter_ms": triton.testing.do_bench(lambda: topp.filter_logits(z, k, p)),
+    t = {"triton_cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(z, k, p)),
          "sort_filter_ms": triton.testing.do_bench(lambda: sort_filter(z, k, p)),
          "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(out, 3, ids, ids)),
          "logprob_ms": triton.testing.do_bench(lambda: logprob.log_softmax_gather(out, tok))}

@@ -1,7 +1,8 @@
 """The top-k / top-p cut search on one GPU: kernels/triton/topp.py filter_cut (count histograms, then a
-key search over the candidate bins) against the threshold-search filter kernels/triton/sampling.py
-filter_logits, beside one Gumbel-max draw over the same logits for scale. Checks, on every case, that
-the new cut's kept set {key >= cut} plus NaN is the old filter's (its finite entries), bit for bit.
+key search over the candidate bins) against the threshold-search filter it replaced
+(experiments/kernels/threshold_filter.py), beside one Gumbel-max draw over the same logits for scale. Checks,
+on every case, that the new cut's kept set {key >= cut} plus NaN is the old filter's (its finite entries),
+and that the cut applied (sampling.apply_cut) gives its bits.
 
     python experiments/kernels/bench_topp_cut.py [--quick] [--out DIR]
 
@@ -41,10 +42,9 @@ def case(g, B: int, V: int, s: float, temp: float, k: int, p: float, bins: tuple
         kept_new = (sampling.order_keys(zt) >= cut[:, None]) | (zt != zt)
         same = bool(torch.equal(kept_new, torch.isfinite(old) | (old != old)))
         ids = torch.arange(B, device="cuda")
-        new = topp.filter_logits(logits, k, p, scale)
+        new = sampling.apply_cut(zt, cut)  # the filtered copy the consumers read in registers
         same = same and bool(torch.equal(new.view(torch.int32), old.view(torch.int32)))
         t = {"old_filter_ms": triton.testing.do_bench(lambda: threshold_filter_logits(logits, k, p, scale)),
-             "filter_logits_ms": triton.testing.do_bench(lambda: topp.filter_logits(logits, k, p, scale)),
              "filter_cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(logits, k, p, scale)),
              "gumbel_argmax_ms": triton.testing.do_bench(lambda: tsampling.gumbel_argmax(logits, 3, ids, ids,
                                                                                            scale))}
@@ -83,7 +83,7 @@ def main() -> None:
                       f"{r['filter_cut_ms']:.3f} ms vs old filter {r['old_filter_ms']:.3f} ms (draw "
                       f"{r['gumbel_argmax_ms']:.3f})" for r in ok)
     res = {"cases": rows, "all_kept_equal": same,
-           "what_it_shows": f"filter_cut (histogram cut search) and filter_logits on it vs the threshold-search "
+           "what_it_shows": f"filter_cut (histogram cut search) vs the threshold-search "
                             f"filter; the kept "
                             f"sets (and the filtered bits) equal on every case without error: {same}. {shows}"}
     print("wrote", record.write("bench_topp_cut_" + record.gpu_tag(), res, a.out))

@@ -15,7 +15,7 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
   sampling     gumbel_argmax (the Gumbel-max draw), gumbel_argmax_logprobs (the draw and its logprob in one launch)
   topp         filter_cut (the top-k/top-p cut key per row: value-bin histograms, then a key search; the draw
-               and the logprob apply it as they read the logits), filter_logits (the cut applied in one pass)
+               and the logprob apply it as they read the logits)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch
@@ -43,13 +43,13 @@ from .moe import moe_combine, moe_combine_rows, moe_route, moe_slot_linear, moe_
 from .norm import add_rmsnorm, rmsnorm
 from .optim import adamw_, sum_of_squares
 from .sampling import gumbel_argmax, gumbel_argmax_logprobs
-from .topp import filter_cut, filter_logits
+from .topp import filter_cut
 
 __all__ = [
     "ATTN_BWD", "ATTN_FWD", "INTERPRET", "MATMUL_CONFIGS", "SUPPORTED", "adamw_", "add_f32", "add_rmsnorm",
     "attention",
     "attention_decode", "attention_paged", "attention_prefill", "cached_state", "common", "elementwise", "embed",
-    "embedding", "filter_cut", "filter_logits", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu",
+    "embedding", "filter_cut", "for_tensor", "gemm", "grouped_linear", "grouped_swiglu",
     "gumbel_argmax", "gumbel_argmax_logprobs", "linear", "linears",
     "log_softmax_gather", "logprob", "logprob_rows", "matmul", "moe", "moe_combine", "moe_combine_rows", "moe_route",
     "moe_slot_linear", "moe_slot_swiglu",

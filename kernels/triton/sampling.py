@@ -154,7 +154,7 @@ def gumbel_argmax(z: torch.Tensor, seed: int, sample_ids: torch.Tensor, position
     """first_argmax(temper(z, scale) + gumbel(seed, sample_ids, positions, V)) for z [B, V] in any float
     dtype (rlalign.kernels.temper: read in place, upcast and scaled in registers): the token ids [B]
     (int64); a row with NaN or no finite value is the same device-side error as first_argmax's. With cut
-    (int64 [B], filter_cut's), of sampling.apply_cut(temper(z, scale), cut): filter_logits's output's tokens."""
+    (int64 [B], filter_cut's), of sampling.apply_cut(temper(z, scale), cut): the filtered values' tokens."""
     return _draw(z, seed, sample_ids, positions, scale, False, cut)[0]
 
 

@@ -30,7 +30,6 @@ from rlalign.kernels import fixed_order as fo
 from rlalign.kernels import sampling
 
 from .common import INTERPRET, order_key, upcast_scaled, work_table
-from .common import apply_cut as kept_value
 from .sampling import check_2d_float
 
 # NB: histogram bins of a row's first level (top-k: keys; top-p: values below the max). tl.histogram's cost grows
@@ -335,36 +334,3 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
                       SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, NB=nb, BSCALE=bin_scale(nb), WAYS=CUT_WAYS,
                       BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
     return cut
-
-
-
-@triton.jit
-def _apply_cut_kernel(z_ptr, cut_ptr, out_ptr, scale, V, SCALED: tl.constexpr, BLOCK: tl.constexpr):
-    """out = temper(z, scale) where its key >= the row's cut or it is NaN, else -inf: one pass."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < V
-    cut = tl.load(cut_ptr + row)
-    z = upcast_scaled(tl.load(z_ptr + row * V + cols, mask=mask, other=0.0), scale, SCALED)
-    tl.store(out_ptr + row * V + cols, kept_value(z, cut), mask=mask)
-
-
-def apply_cut(z: torch.Tensor, cut: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """fp32 [B, V]: temper(z, scale) with -inf outside each row's kept set {key >= cut} (NaN kept)."""
-    B, V = z.shape
-    out = torch.empty(B, V, dtype=torch.float32, device=z.device)
-    if B and V:
-        opts = {} if INTERPRET else dict(enable_fp_fusion=False)
-        _apply_cut_kernel[(B, triton.cdiv(V, CUT_STREAM))](z.contiguous(), cut, out, scale, V, SCALED=scale != 1.0,
-                                                            BLOCK=CUT_STREAM, **opts)
-    return out
-
-
-def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
-    """rlalign.kernels.sampling.filter_logits(rlalign.kernels.temper(z, scale), top_k, top_p) (the same
-    kept set, the same bits) for z [B, V] in any float dtype, read in place: fp32 [B, V]. The cut from
-    filter_cut, then one pass writes the kept values and -inf (apply_cut)."""
-    check_2d_float("filter_logits", z)
-    if not ((bool(top_k) and top_k < z.shape[1]) or top_p < 1.0) or z.shape[0] == 0:
-        return sampling.temper(z, scale)
-    return apply_cut(z, filter_cut(z, top_k, top_p, scale), scale)

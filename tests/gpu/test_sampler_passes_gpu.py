@@ -5,11 +5,11 @@ and the trainer's scoring agree. Twins: the neighbouring fp32 factor gives other
 
 import pytest
 import torch
+from conftest import triton_filtered
 
 from rlalign import kernels
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs
 from rlalign.kernels.triton.sampling import gumbel_argmax, gumbel_argmax_logprobs
-from rlalign.kernels.triton.topp import filter_logits
 from rlalign.rollout.sampling import sample_next
 from rlalign.sampling_params import SamplingParams
 
@@ -56,13 +56,13 @@ def test_consumers_read_bf16_logits_as_their_fp32_copy(rows, vocab, temperature)
     tok1, lp1 = gumbel_argmax_logprobs(logits[1:], 2**63 + 11, ids[1:], pos[1:], s)  # the draw and its logprob
     assert torch.equal(tok1, tok[1:]) and torch.equal(_int_bits(lp1), _int_bits(lp[1:]))
     for top_k, top_p in ((0, 0.95), (50, 0.9), (20, 1.0)):
-        got = filter_logits(logits, top_k, top_p, s)
-        assert torch.equal(_int_bits(got), _int_bits(filter_logits(z, top_k, top_p)))
+        got = triton_filtered(logits, top_k, top_p, s)
+        assert torch.equal(_int_bits(got), _int_bits(triton_filtered(z, top_k, top_p)))
         assert torch.isnan(got[0, 11])
     if s != 1.0:  # twins: the next fp32 factor
         up = torch.nextafter(torch.tensor(s), torch.tensor(2.0)).item()
         assert not torch.equal(_int_bits(tempered_logprobs(logits, up, tok)), _int_bits(lp))
-        assert not torch.equal(_int_bits(filter_logits(logits, 0, 0.95, up)), _int_bits(filter_logits(z, 0, 0.95)))
+        assert not torch.equal(_int_bits(triton_filtered(logits, 0, 0.95, up)), _int_bits(triton_filtered(z, 0, 0.95)))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8), dict(temperature=0.8, top_p=0.95),

@@ -7,11 +7,11 @@ copy's bits (twin: a cut one key higher), and the trainer's top-p scoring keeps 
 
 import pytest
 import torch
+from conftest import triton_filtered
 
 from rlalign import kernels
 from rlalign.kernels import sampling
 from rlalign.kernels.triton.sampling import gumbel_argmax
-from rlalign.kernels.triton.topp import filter_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,8 +50,8 @@ def test_the_filter_kernel_keeps_the_torch_searchs_set_on_the_device(rows, vocab
     z[0] = 1.25
     z[1, ::2] = float("-inf")
     want = sampling.filter_logits(z, top_k, top_p)
-    assert torch.equal(filter_logits(z, top_k, top_p).view(torch.int32), want.view(torch.int32))
-    assert not torch.equal(filter_logits(z, top_k, top_p * 0.9), want)
+    assert torch.equal(triton_filtered(z, top_k, top_p).view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(triton_filtered(z, top_k, top_p * 0.9), want)
 
 
 def _int_bits(x):
@@ -61,7 +61,7 @@ def _int_bits(x):
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.95), (50, 0.9), (20, 1.0)])
 def test_the_cut_path_gives_the_filtered_copys_bits_on_the_device(temperature, top_k, top_p):
-    """bf16 logits [64, 151936]: filter_cut's cut applied to the tempered logits is filter_logits's output; the
+    """bf16 logits [64, 151936]: filter_cut's cut applied to the tempered logits is the torch filter's output; the
     draw, the draw with its logprob and the logprob applying the cut as they read the logits give the bits
     they give reading that output (a NaN row scored, not drawn from; -inf and +inf rows); twin: a cut one key
     higher moves the logprobs."""
@@ -75,7 +75,7 @@ def test_the_cut_path_gives_the_filtered_copys_bits_on_the_device(temperature, t
     logits[1, ::3] = float("-inf")
     logits[2, 40] = float("inf")
     s = 1.0 if temperature == 1.0 else kernels.inverse_temperature(temperature)
-    copy = filter_logits(logits, top_k, top_p, s)
+    copy = sampling.filter_logits(kernels.temper(logits, s), top_k, top_p)
     cut = filter_cut(logits, top_k, top_p, s)
     assert torch.equal(_int_bits(sampling.apply_cut(kernels.temper(logits, s), cut)), _int_bits(copy))
     ids, pos = torch.arange(64, device="cuda") * 7 + 3, torch.arange(64, device="cuda") % 4096
@@ -113,7 +113,7 @@ def test_the_trainers_top_p_scoring_keeps_its_gradient_on_the_device():
             lp = kernels.token_logprobs_rows(logits, rows, tok, temperature=0.8, top_p=top_p)
             assert torch.equal(_int_bits(lp.detach()), _int_bits(want))
             grads.append(torch.autograd.grad(lp.sum(), logits)[0])
-        kept = filter_logits(logits.detach()[rows], 0, 0.9, kernels.inverse_temperature(0.8)) > float("-inf")
+        kept = triton_filtered(logits.detach()[rows], 0, 0.9, kernels.inverse_temperature(0.8)) > float("-inf")
     grad = grads[0][rows]
     assert (grad[~kept] == 0).all() and (grads[0][::2] == 0).all() and (grad[kept] != 0).any()
     assert ((grads[0] == 0) & (grads[1] != 0)).any()  # twin: without the filter, those columns get gradient
