@@ -3,8 +3,10 @@ kept set, under the Triton interpreter on tiny rows: flat and peaked bf16 rows, 
 two temperatures, NaN / +-inf / all-equal / one-peak rows, a cut on a histogram bin's edge, V of 1, 7,
 1000 and 5000; NaNs of either sign at the k-th place (sampling.NAN_CUT); seeded adversarial rows (bin edges
 and their neighbours at 64 and 512 bins, tails of mass 0 to 3, ties at the k-th value, +-0, subnormals, +-1e30);
-a bound exactly a tie block's mass. Negative twins: a wrong mass bound moves the cut; batch invariance; a
-negative NaN's own key as the cut keeps every value."""
+a bound exactly a tie block's mass. Each under the estimated window's settings and under tiny windows (the cut
+found by adjacent windows, or by the exact bins), the paths taken counted. Negative twins: a wrong mass bound
+moves the cut; batch invariance; a negative NaN's own key as the cut keeps every value; a window of no width
+never holds the cut."""
 
 from __future__ import annotations
 
@@ -17,6 +19,19 @@ from rlalign.kernels import sampling
 from rlalign.kernels.triton import topp
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (EST_RANK, EST_DMIN, EST_RETRIES): the product's window; windows of no width (each retry's window is its estimate
+# alone: adjacent windows, then the exact bins); windows of no width and no retry (the exact bins every time)
+WINDOWS = {"estimated": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES), "tiny": (0, 0.0, 2), "exact_bins": (0, 0.0, 0)}
+
+
+@pytest.fixture(params=list(WINDOWS))
+def window(request, monkeypatch):
+    rank, dmin, retries = WINDOWS[request.param]
+    monkeypatch.setattr(topp, "EST_RANK", rank)
+    monkeypatch.setattr(topp, "EST_DMIN", dmin)
+    monkeypatch.setattr(topp, "EST_RETRIES", retries)
+    return request.param
 
 
 def _rows(n: int, V: int, seed: int) -> torch.Tensor:
@@ -43,10 +58,15 @@ def _kept(zt: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     return (sampling.order_keys(zt) >= cut[:, None]) | (zt != zt)
 
 
+PASSES: list[torch.Tensor] = []  # each _check's window passes per row
+
+
 def _check(z: torch.Tensor, top_k: int, top_p: float, scale: float) -> None:
     zt = sampling.temper(z, scale)
     want = sampling.filter_cut(zt, top_k, top_p)
-    got = topp.filter_cut(z, top_k, top_p, scale)
+    passes = torch.empty(len(z), dtype=torch.int32, device=z.device)
+    got = topp.filter_cut(z, top_k, top_p, scale, passes=passes)
+    PASSES.append(passes.cpu())
     assert got.dtype == torch.long and torch.equal(got, want), (got, want)
     ref = sampling.filter_logits(zt, top_k, top_p)  # its kept set: the values it did not set to -inf
     seen = zt != float("-inf")
@@ -55,12 +75,28 @@ def _check(z: torch.Tensor, top_k: int, top_p: float, scale: float) -> None:
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (20, 1.0), (20, 0.9), (1, 1.0), (0, 1e-9), (0, 0.999999)])
 @pytest.mark.parametrize("scale", [1.0, 1.25])
-def test_the_cut_is_the_torch_filters(top_k, top_p, scale):
+def test_the_cut_is_the_torch_filters(top_k, top_p, scale, window):
     _check(_rows(4, 1000, 0), top_k, top_p, scale)
 
 
+def test_each_window_setting_takes_its_paths(window):
+    """The paths behind the cuts above: the estimated window holds the cut on these rows; windows of no width
+    never do (twin: the window's exact check refuses them), and the adjacent windows or the exact bins find it."""
+    PASSES.clear()
+    for top_p in (0.5, 0.9, 0.99):
+        _check(_rows(8, 3000, 1), 0, top_p, 1.25)
+    got = torch.cat(PASSES)
+    retries = topp.EST_RETRIES
+    if window == "estimated":
+        assert (got == 1).all(), got
+    else:
+        assert (got >= 2).all(), got  # the first window (no width) is refused every time
+        assert (got == retries + 2).any() or retries > 0
+        assert ((got > 1) & (got < retries + 2)).any() == (retries > 0), got
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.5), (0, 0.3)])
-def test_edge_rows(top_k, top_p):
+def test_edge_rows(top_k, top_p, window):
     _check(_edge_rows(), top_k, top_p, 1.25)
 
 
@@ -91,7 +127,11 @@ def test_a_cut_on_a_bin_edge():
 
 def test_negative_twin_a_wrong_mass_bound_moves_the_cut(monkeypatch):
     """Lower bounds above the true masses (every bin's low bound raised to its high one) make jb too
-    small, so the cut's bin is never compacted: the cut differs from the torch one on some row."""
+    small, so the cut's bin is never compacted: the cut differs from the torch one on some row (the exact bins
+    forced: windows of no width and no retry)."""
+    monkeypatch.setattr(topp, "EST_RANK", 0)
+    monkeypatch.setattr(topp, "EST_DMIN", 0.0)
+    monkeypatch.setattr(topp, "EST_RETRIES", 0)
     z = _rows(4, 1000, 0)
     want = sampling.filter_cut(sampling.temper(z, 1.0), 0, 0.9)
     lo, hi = topp.mass_bounds(topp.CUT_BINS)
@@ -183,7 +223,7 @@ def _adversarial_rows(V: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("nb", [64, 512])
-def test_adversarial_rows(nb, monkeypatch):
+def test_adversarial_rows(nb, monkeypatch, window):
     """The cut on bin edges, tails of mass 0 to 3, ties at the k-th value (top-k 86: level 0 holds 86 of
     256) and at top-p's boundary (p 1/3 and 2/3 of three equal levels), special values; fp32 and fp16."""
     monkeypatch.setattr(topp, "CUT_BINS", nb)
@@ -204,7 +244,7 @@ def _p_on(target: int, q: int) -> float:
     raise AssertionError("no top_p gives the bound exactly")
 
 
-def test_a_bound_equal_to_a_tie_blocks_mass():
+def test_a_bound_equal_to_a_tie_blocks_mass(window):
     """Three tied levels: top_p * Q exactly the mass of the top block (86 values of 0) keeps that block alone
     (the mass above the next level is not below the bound); the next top_p up keeps the next block too."""
     z = _adversarial_rows(256, 3)[2:3]

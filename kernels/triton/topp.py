@@ -38,8 +38,13 @@ from .sampling import check_2d_float
 # 4.6 / 2.9 / 4.2 / 9.9 on peaked ones (s 4); the threshold search it replaced 4.2 and 3.4
 CUT_BINS = 512
 D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) * 2**32 < 1, mass 0 below
+_D_RANGE = tl.constexpr(D_RANGE)
 CUT_WAYS, CUT_BLOCK, CUT_STREAM = 16, 256, 2048  # key-search level [WAYS, BLOCK]; the streaming passes' chunk
 CUT_WARPS = 8
+# The estimate's counts histogram (EST_BINS bins of d in [0, D_RANGE): tl.histogram's cost is small at this size), the
+# window's half-width in estimated ranks (EST_RANK values each side of the estimated cut, at least EST_DMIN in d), and
+# the retries with an adjacent window before the exact bins above
+EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 64, 1024, 0.03, 2
 KEEP_ALL = sampling.KEEP_ALL
 _KEEP_ALL = tl.constexpr(KEEP_ALL)  # what a kernel may read of it
 _NAN_CUT = tl.constexpr(sampling.NAN_CUT)  # the cut at a NaN (any sign): only the NaNs kept
@@ -286,10 +291,177 @@ def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.
     return key_search(w_row, count, lo, hi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
 
 
+# --- top-p by an estimated window: one counts histogram, one exact pass, a key search over the window's values ---
+
+
+@triton.jit
+def _at(v, idx, j):
+    """v[j] of a 1-D tensor as a scalar (0 where j is out of range)."""
+    return tl.sum(tl.where(idx == j, v, 0), axis=0)
+
+
+@triton.jit
+def _est_hist(x_row, scale, V, cut_k, zm, SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
+              SBLOCK: tl.constexpr):
+    """The counts of the values with mass (keys >= cut_k, d = zm - z < _D_RANGE) per bin of d: no mass computed."""
+    hist = tl.zeros((NE,), tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        b, inb = d_bin(z, zm, ESCALE, NE)
+        hist += tl.histogram(b, NE, mask=inb & mask & (order_key(z).to(tl.int64) >= cut_k))
+    return hist
+
+
+@triton.jit
+def _est_mass_at(d, h, ea, cm, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The estimated mass (the max's = 1) of the values with distance <= d: each bin's values spread evenly over it."""
+    dd = tl.minimum(tl.maximum(d, 0.0), _D_RANGE)
+    j = tl.minimum((dd * ESCALE).to(tl.int32), NE - 1)
+    part = _at(h, idx, j) * (_at(ea, idx, j) - tl.exp(-dd)) * ESCALE
+    return tl.where(d < 0.0, 0.0, _at(cm, idx, j - 1) + part)
+
+
+@triton.jit
+def _est_d_at_mass(t, h, ea, cm, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The distance at which the estimated mass reaches t (inverse of _est_mass_at within the bin that crosses t)."""
+    j = tl.minimum(tl.sum((cm < t).to(tl.int32), axis=0), NE - 1)
+    a = j.to(tl.float32) / ESCALE
+    x = _at(ea, idx, j) - (t - _at(cm, idx, j - 1)) / (tl.maximum(_at(h, idx, j), 1.0) * ESCALE)
+    d = tl.where(x > 0.0, -tl.log(tl.maximum(x, 1e-30)), a + 1.0 / ESCALE)
+    return tl.minimum(tl.maximum(d, a), a + 1.0 / ESCALE)
+
+
+@triton.jit
+def _est_rank_at(d, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The estimated count of values with distance <= d."""
+    j = tl.minimum((tl.minimum(tl.maximum(d, 0.0), _D_RANGE) * ESCALE).to(tl.int32), NE - 1)
+    frac = tl.minimum(tl.maximum(d * ESCALE - j.to(tl.float32), 0.0), 1.0)
+    return tl.where(d < 0.0, 0.0, _at(cn, idx, j - 1).to(tl.float32) + _at(h, idx, j) * frac)
+
+
+@triton.jit
+def _est_d_at_rank(r, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The distance of the r-th value by the estimate: -1 at r <= 0 (above every value), 1e30 past the last."""
+    j = tl.sum((cn.to(tl.float32) <= r).to(tl.int32), axis=0)
+    d = (j.to(tl.float32) + (r - _at(cn, idx, j - 1).to(tl.float32)) / tl.maximum(_at(h, idx, j), 1.0)) / ESCALE
+    return tl.where(r <= 0.0, -1.0, tl.where(j >= NE, 1e30, d))
+
+
+@triton.jit
+def _window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr,
+                 SCALED: tl.constexpr, SBLOCK: tl.constexpr):
+    """One pass: the values with d_lo < d <= d_hi (and mass possible) appended to the work row at positions
+    from an atomic counter (their order varies; the key search's sums and min / max do not); EXACT: also
+    the row's total mass and the mass of the values with d <= d_lo. (total, above, count, least key - 1,
+    greatest key)."""
+    tot = tl.zeros((SBLOCK,), tl.int64)
+    above = tl.zeros((SBLOCK,), tl.int64)
+    cnt = tl.zeros((SBLOCK,), tl.int32)
+    lo = tl.full((SBLOCK,), 2147483647, tl.int32)
+    hi = tl.full((SBLOCK,), -2147483648, tl.int32)
+    for v0 in range(0, V, SBLOCK):
+        cols = v0 + tl.arange(0, SBLOCK)
+        mask = cols < V
+        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        key = order_key(z)
+        d = zm - z
+        inb = mask & (d < _D_RANGE) & (key.to(tl.int64) >= cut_k)
+        if EXACT:
+            w = weight_of(z, inb, zm, True)
+            tot += w
+            above += tl.where(d <= d_lo, w, 0)
+        sel = inb & (d > d_lo) & (d <= d_hi)
+        pos = tl.atomic_add(cnt_ptr + cols * 0, 1, mask=sel, sem="relaxed")
+        tl.store(w_row + pos, z, mask=sel)
+        cnt += sel.to(tl.int32)
+        lo = tl.where(sel, tl.minimum(lo, key), lo)
+        hi = tl.where(sel, tl.maximum(hi, key), hi)
+    tl.debug_barrier()  # the window's values are read by other threads
+    return tl.sum(tot, axis=0), tl.sum(above, axis=0), tl.sum(cnt, axis=0), \
+        tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
+
+
+@triton.jit
+def _buf_mass(buf, n, zm, BLOCK: tl.constexpr):
+    """The exact mass of the work row's first n values."""
+    acc = tl.zeros((BLOCK,), tl.int64)
+    for v0 in range(0, n, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        acc += weight_of(tl.load(buf + cols, mask=cols < n, other=float("-inf")), cols < n, zm, True)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _est_window(dh, r_half, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN: tl.constexpr):
+    """(d_lo, d_hi) around the estimated cut distance dh: r_half estimated values each side, DMIN at least."""
+    r = _est_rank_at(dh, h, cn, idx, ESCALE, NE)
+    d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, idx, ESCALE, NE), dh - DMIN)
+    d_hi = tl.maximum(_est_d_at_rank(r + r_half, h, cn, idx, ESCALE, NE), dh + DMIN)
+    return d_lo, d_hi
+
+
+@triton.jit
+def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr,
+                      NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
+                      RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
+                      BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """The top-p cut (as _top_p_cut) by an estimate that never decides it: a counts histogram over NE bins of
+    d estimates where the mass reaches top_p * Q; one exact pass sums Q and the mass above a window of d
+    around that estimate, and compacts the window's values; when the bound lies within the window's exact
+    masses (above < bound <= above + window), the key search over the window gives the cut. Else up to
+    RETRIES windows adjacent to the last one (their edge's mass is exact: only their values' masses are
+    summed), estimated again from that exact edge; past them, the exact bins of _top_p_cut. (cut, the window
+    passes made: 1 + the retries, one more when the exact bins found the cut.)"""
+    idx = tl.arange(0, NE)
+    hist = _est_hist(x_row, scale, V, cut_k, zm, SCALED, NE, ESCALE, SBLOCK)
+    h = hist.to(tl.float32)
+    ea = tl.exp(-idx.to(tl.float32) / ESCALE)
+    cm = tl.cumsum(h * (ea - tl.exp(-(idx + 1).to(tl.float32) / ESCALE)) * ESCALE, axis=0)
+    cn = tl.cumsum(hist, axis=0)
+    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, idx, ESCALE, NE)
+    d_lo, d_hi = _est_window(dh, RANK * 1.0, h, cn, idx, ESCALE, NE, DMIN)
+    tot, above, count, klo, khi = _window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True,
+                                               SCALED, SBLOCK)
+    bound = tot.to(tl.float64) * top_p
+    upto = above + _buf_mass(w_row, count, zm, SBLOCK)
+    tries = 0
+    while ((above.to(tl.float64) >= bound) | (upto.to(tl.float64) < bound)) & (tries < RETRIES):
+        tries += 1
+        deeper = upto.to(tl.float64) < bound
+        r_half = RANK * (2 << tries) * 0.5
+        # the estimate anchored at the exact edge: the mass still missing (deeper) or in excess (above)
+        edge = tl.where(deeper, d_hi, d_lo)
+        gap = tl.where(deeper, bound - upto.to(tl.float64), bound - above.to(tl.float64))
+        dh = _est_d_at_mass(_est_mass_at(edge, h, ea, cm, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32),
+                            h, ea, cm, idx, ESCALE, NE)
+        w_lo, w_hi = _est_window(dh, r_half, h, cn, idx, ESCALE, NE, DMIN)
+        n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
+        n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
+        tl.debug_barrier()  # the work row and the counter are reused
+        _t, _a, count, klo, khi = _window_pass(x_row, w_row, cnt_row + tries, scale, V, cut_k, zm, n_lo, n_hi,
+                                               False, SCALED, SBLOCK)
+        win = _buf_mass(w_row, count, zm, SBLOCK)
+        above, upto = tl.where(deeper, upto, above - win), tl.where(deeper, upto + win, above)
+        d_lo, d_hi = n_lo, n_hi
+    if (above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound):
+        cut = key_search(w_row, count, klo, khi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
+        passes = tries + 1
+    else:
+        tl.debug_barrier()
+        cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED, NB, BSCALE, WAYS, BLOCK,
+                         SBLOCK)
+        passes = tries + 2
+    return cut, passes
+
+
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
-def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bits, SCALED: tl.constexpr,
-                DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WAYS: tl.constexpr,
-                BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale, V, top_k, top_p_bits,
+                SCALED: tl.constexpr, PASSES: tl.constexpr,
+                DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
+                ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
+                WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """One row's cut. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the
     torch search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the
     canonical quiet NaN's key, sampling.NAN_CUT, whatever the NaN's sign: only the NaNs kept)."""
@@ -298,6 +470,7 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
     w_row = work_ptr + row * V
     zm, kmin, kmax, nan = row_stats(x_row, scale, V, SCALED, SBLOCK)
     cut = tl.full((), _KEEP_ALL, tl.int64)
+    passes = tl.zeros((), tl.int32)
     if DO_K:
         cut = _top_k_cut(x_row, w_row, scale, V, top_k, kmin, kmax, SCALED, NB, WAYS, BLOCK, SBLOCK)
     if DO_P:
@@ -306,18 +479,26 @@ def _cut_kernel(z_ptr, work_ptr, cut_ptr, bounds_ptr, scale, V, top_k, top_p_bit
         if flat:
             cut = tl.where(nan > 0, _NAN_CUT, order_key(zm)).to(tl.int64)
         else:
-            cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut, zm, top_p_bits.to(tl.float64, bitcast=True),
-                             SCALED, NB, BSCALE, WAYS, BLOCK, SBLOCK)
+            cut, passes = _top_p_window_cut(x_row, w_row, cnt_ptr + row * (RETRIES + 1), bounds_ptr, scale, V, cut, zm,
+                                            top_p_bits.to(tl.float64, bitcast=True), SCALED, NB, BSCALE, NE,
+                                            ESCALE, RANK, DMIN, RETRIES, WAYS, BLOCK, SBLOCK)
     tl.store(cut_ptr + row, cut)
+    if PASSES:
+        tl.store(passes_ptr + row, passes)
 
 
-def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0,
+               passes: torch.Tensor | None = None) -> torch.Tensor:
     """rlalign.kernels.sampling.filter_cut(rlalign.kernels.temper(z, scale), top_k, top_p) for z [B, V] in
     any float dtype, read in place: the cut [B] int64; the kept set of row r is {v : order_key(temper(z,
-    scale))[r, v] >= cut[r]} plus its NaNs. KEEP_ALL (below every int32 key) where no filter applies."""
+    scale))[r, v] >= cut[r]} plus its NaNs. KEEP_ALL (below every int32 key) where no filter applies.
+    passes ([B] int32, optional): per row, the top-p window passes it took (0: none; 1: the estimated
+    window held the cut; 2 .. EST_RETRIES + 1: adjacent windows; EST_RETRIES + 2: the exact bins found it)."""
     check_2d_float("filter_cut", z)
     B, V = z.shape
     do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
+    if passes is not None:
+        passes.zero_()
     if not (do_k or do_p) or B == 0:
         return torch.full((B,), KEEP_ALL, dtype=torch.long, device=z.device)
     if not sys.float_info.min <= top_p <= 1.0:
@@ -326,11 +507,14 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
         raise ValueError(f"filter_cut: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
     z = z.contiguous()
     work = torch.empty(B, V, dtype=torch.float32, device=z.device)
+    counters = torch.zeros(B, EST_RETRIES + 1, dtype=torch.int32, device=z.device)  # one per window pass
     cut = torch.empty(B, dtype=torch.long, device=z.device)
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     bounds = work_table(("topp_mass_bounds", nb), lambda: (list(mass_bounds(nb)), torch.long), z.device)
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
-    _cut_kernel[(B,)](z, work, cut, bounds, scale, V, int(top_k), struct.unpack("<q", struct.pack("<d", top_p))[0],
-                      SCALED=scale != 1.0, DO_K=do_k, DO_P=do_p, NB=nb, BSCALE=bin_scale(nb), WAYS=CUT_WAYS,
-                      BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
+    _cut_kernel[(B,)](z, work, counters, cut, cut if passes is None else passes, bounds, scale, V, int(top_k),
+                      struct.unpack("<q", struct.pack("<d", top_p))[0], SCALED=scale != 1.0,
+                      PASSES=passes is not None, DO_K=do_k, DO_P=do_p,
+                      NB=nb, BSCALE=bin_scale(nb), NE=EST_BINS, ESCALE=bin_scale(EST_BINS), RANK=EST_RANK,
+                      DMIN=EST_DMIN, RETRIES=EST_RETRIES, WAYS=CUT_WAYS, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
     return cut
