@@ -22,7 +22,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (EST_RANK, EST_DMIN, EST_RETRIES): the product's window; windows of no width (each retry's window is its estimate
 # alone: adjacent windows, then the exact bins); windows of no width and no retry (the exact bins every time)
-WINDOWS = {"estimated": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES), "tiny": (0, 0.0, 2), "exact_bins": (0, 0.0, 0)}
+WINDOWS = {"estimated": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES), "tiny": (0, 0.0, 2),
+           "exact_bins": (0, 0.0, 0)}
 
 
 @pytest.fixture(params=list(WINDOWS))

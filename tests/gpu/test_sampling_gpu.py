@@ -1,7 +1,9 @@
 """GPU: the fused Triton Gumbel-max draw equals the torch formulation's draw on the device (every
 row, real vocabularies, seeds past 2**63, filtered logits) and draws from the claimed
 distribution (chi-square, fixed seeds; the twin: a temperature 5 % off is rejected); the Triton
-top-k/top-p filter keeps the torch threshold search's set with the same bits (twin: another p); the draw,
+top-k/top-p filter keeps the torch threshold search's set with the same bits (twin: another p), under the
+estimated window, tiny windows and the exact bins alone, and gives the same cut when run again (its window's
+values are compacted in an order the atomics choose); the draw,
 the draw-and-logprob and the logprob applying the filter's cut as they read bf16 logits give the filtered
 copy's bits (twin: a cut one key higher), and the trainer's top-p scoring keeps its gradient."""
 
@@ -11,6 +13,7 @@ from conftest import triton_filtered
 
 from rlalign import kernels
 from rlalign.kernels import sampling
+from rlalign.kernels.triton import topp
 from rlalign.kernels.triton.sampling import gumbel_argmax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -44,7 +47,11 @@ def test_fused_draw_matches_the_claimed_distribution():
 
 @pytest.mark.parametrize("rows,vocab,scale,top_k,top_p", [(2048, 32000, 1.0, 0, 0.95), (512, 32000, 4.0, 20, 0.9),
                                                          (64, 151936, 1.0, 20, 0.9), (64, 151936, 3.0, 0, 0.95)])
-def test_the_filter_kernel_keeps_the_torch_searchs_set_on_the_device(rows, vocab, scale, top_k, top_p):
+@pytest.mark.parametrize("window", [(topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES), (0, 0.0, 2), (0, 0.0, 0)])
+def test_the_filter_kernel_keeps_the_torch_searchs_set_on_the_device(rows, vocab, scale, top_k, top_p, window,
+                                                                     monkeypatch):
+    for name, v in zip(("EST_RANK", "EST_DMIN", "EST_RETRIES"), window):
+        monkeypatch.setattr(topp, name, v)
     g = torch.Generator().manual_seed(rows + vocab)
     z = ((torch.randn(rows, vocab, generator=g) * scale).bfloat16().float() / 0.8).cuda()  # bf16: ties
     z[0] = 1.25
@@ -52,6 +59,8 @@ def test_the_filter_kernel_keeps_the_torch_searchs_set_on_the_device(rows, vocab
     want = sampling.filter_logits(z, top_k, top_p)
     assert torch.equal(triton_filtered(z, top_k, top_p).view(torch.int32), want.view(torch.int32))
     assert not torch.equal(triton_filtered(z, top_k, top_p * 0.9), want)
+    cut = topp.filter_cut(z, top_k, top_p)
+    assert all(torch.equal(topp.filter_cut(z, top_k, top_p), cut) for _ in range(3))
 
 
 def _int_bits(x):
