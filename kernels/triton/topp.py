@@ -301,7 +301,7 @@ def _at(v, idx, j):
 
 
 @triton.jit
-def _est_hist(x_row, scale, V, cut_k, zm, SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
+def est_hist(x_row, scale, V, cut_k, zm, SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
               SBLOCK: tl.constexpr):
     """The counts of the values with mass (keys >= cut_k, d = zm - z < _D_RANGE) per bin of d: no mass computed."""
     hist = tl.zeros((NE,), tl.int32)
@@ -350,7 +350,7 @@ def _est_d_at_rank(r, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
 
 
 @triton.jit
-def _window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr,
+def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr,
                  SCALED: tl.constexpr, SBLOCK: tl.constexpr):
     """One pass: the values with d_lo < d <= d_hi (and mass possible) appended to the work row at positions
     from an atomic counter (their order varies; the key search's sums and min / max do not); EXACT: also
@@ -403,6 +403,20 @@ def _est_window(dh, r_half, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr, 
 
 
 @triton.jit
+def est_window(hist, top_p, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr):
+    """From the counts per bin of d: the estimate's tables (counts, e^-(bin's lower edge), cumulative masses and
+    counts) and the first window (d_lo, d_hi) around the distance where the estimated mass reaches top_p * Q."""
+    idx = tl.arange(0, NE)
+    h = hist.to(tl.float32)
+    ea = tl.exp(-idx.to(tl.float32) / ESCALE)
+    cm = tl.cumsum(h * (ea - tl.exp(-(idx + 1).to(tl.float32) / ESCALE)) * ESCALE, axis=0)
+    cn = tl.cumsum(hist, axis=0)
+    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, idx, ESCALE, NE)
+    d_lo, d_hi = _est_window(dh, RANK * 1.0, h, cn, idx, ESCALE, NE, DMIN)
+    return h, ea, cm, cn, d_lo, d_hi
+
+
+@triton.jit
 def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr,
                       NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
                       RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
@@ -415,36 +429,32 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
     summed), estimated again from that exact edge; past them, the exact bins of _top_p_cut. (cut, the window
     passes made: 1 + the retries, one more when the exact bins found the cut.)"""
     idx = tl.arange(0, NE)
-    hist = _est_hist(x_row, scale, V, cut_k, zm, SCALED, NE, ESCALE, SBLOCK)
-    h = hist.to(tl.float32)
-    ea = tl.exp(-idx.to(tl.float32) / ESCALE)
-    cm = tl.cumsum(h * (ea - tl.exp(-(idx + 1).to(tl.float32) / ESCALE)) * ESCALE, axis=0)
-    cn = tl.cumsum(hist, axis=0)
-    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, idx, ESCALE, NE)
-    d_lo, d_hi = _est_window(dh, RANK * 1.0, h, cn, idx, ESCALE, NE, DMIN)
-    tot, above, count, klo, khi = _window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True,
-                                               SCALED, SBLOCK)
+    hist = est_hist(x_row, scale, V, cut_k, zm, SCALED, NE, ESCALE, SBLOCK)
+    h, ea, cm, cn, d_lo, d_hi = est_window(hist, top_p, NE, ESCALE, RANK, DMIN)
+    tot, above, count, klo, khi = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True,
+                                              SCALED, SBLOCK)
     bound = tot.to(tl.float64) * top_p
     upto = above + _buf_mass(w_row, count, zm, SBLOCK)
-    tries = 0
-    while ((above.to(tl.float64) >= bound) | (upto.to(tl.float64) < bound)) & (tries < RETRIES):
-        tries += 1
-        deeper = upto.to(tl.float64) < bound
-        r_half = RANK * (2 << tries) * 0.5
-        # the estimate anchored at the exact edge: the mass still missing (deeper) or in excess (above)
-        edge = tl.where(deeper, d_hi, d_lo)
-        gap = tl.where(deeper, bound - upto.to(tl.float64), bound - above.to(tl.float64))
-        dh = _est_d_at_mass(_est_mass_at(edge, h, ea, cm, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32),
-                            h, ea, cm, idx, ESCALE, NE)
-        w_lo, w_hi = _est_window(dh, r_half, h, cn, idx, ESCALE, NE, DMIN)
-        n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
-        n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
-        tl.debug_barrier()  # the work row and the counter are reused
-        _t, _a, count, klo, khi = _window_pass(x_row, w_row, cnt_row + tries, scale, V, cut_k, zm, n_lo, n_hi,
-                                               False, SCALED, SBLOCK)
-        win = _buf_mass(w_row, count, zm, SBLOCK)
-        above, upto = tl.where(deeper, upto, above - win), tl.where(deeper, upto + win, above)
-        d_lo, d_hi = n_lo, n_hi
+    tries = tl.zeros((), tl.int32)
+    for _ in range(RETRIES):
+        if (above.to(tl.float64) >= bound) | (upto.to(tl.float64) < bound):
+            tries += 1
+            deeper = upto.to(tl.float64) < bound
+            r_half = RANK * (2 << tries) * 0.5
+            # the estimate anchored at the exact edge: the mass still missing (deeper) or in excess (above)
+            edge = tl.where(deeper, d_hi, d_lo)
+            gap = tl.where(deeper, bound - upto.to(tl.float64), bound - above.to(tl.float64))
+            t = _est_mass_at(edge, h, ea, cm, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32)
+            dh = _est_d_at_mass(t, h, ea, cm, idx, ESCALE, NE)
+            w_lo, w_hi = _est_window(dh, r_half, h, cn, idx, ESCALE, NE, DMIN)
+            n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
+            n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
+            tl.debug_barrier()  # the work row and the counter are reused
+            _t, _a, count, klo, khi = window_pass(x_row, w_row, cnt_row + tries, scale, V, cut_k, zm, n_lo, n_hi,
+                                                  False, SCALED, SBLOCK)
+            win = _buf_mass(w_row, count, zm, SBLOCK)
+            above, upto = tl.where(deeper, upto, above - win), tl.where(deeper, upto + win, above)
+            d_lo, d_hi = n_lo, n_hi
     if (above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound):
         cut = key_search(w_row, count, klo, khi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
         passes = tries + 1
