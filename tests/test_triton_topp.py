@@ -20,18 +20,19 @@ from rlalign.kernels.triton import topp
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (EST_RANK, EST_DMIN, EST_RETRIES): the product's window; windows of no width (each retry's window is its estimate
-# alone: adjacent windows, then the exact bins); windows of no width and no retry (the exact bins every time)
-WINDOWS = {"estimated": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES), "tiny": (0, 0.0, 2),
-           "exact_bins": (0, 0.0, 0)}
+# (EST_RANK, EST_DMIN, EST_RETRIES, PAIR_MAX): the product's window and key search; windows of no width (each
+# retry's window is its estimate alone: adjacent windows, then the exact bins); windows of no width and no retry
+# (the exact bins every time); the key search by levels alone, and by comparing every pair of the window's values
+WINDOWS = {"estimated": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, topp.PAIR_MAX),
+           "tiny": (0, 0.0, 2, topp.PAIR_MAX), "exact_bins": (0, 0.0, 0, topp.PAIR_MAX),
+           "levels": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, 0),
+           "pairs": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, 1 << 20)}
 
 
 @pytest.fixture(params=list(WINDOWS))
 def window(request, monkeypatch):
-    rank, dmin, retries = WINDOWS[request.param]
-    monkeypatch.setattr(topp, "EST_RANK", rank)
-    monkeypatch.setattr(topp, "EST_DMIN", dmin)
-    monkeypatch.setattr(topp, "EST_RETRIES", retries)
+    for name, v in zip(("EST_RANK", "EST_DMIN", "EST_RETRIES", "PAIR_MAX"), WINDOWS[request.param]):
+        monkeypatch.setattr(topp, name, v)
     return request.param
 
 
@@ -83,12 +84,14 @@ def test_the_cut_is_the_torch_filters(top_k, top_p, scale, window):
 def test_each_window_setting_takes_its_paths(window):
     """The paths behind the cuts above: the estimated window holds the cut on these rows; windows of no width
     never do (twin: the window's exact check refuses them), and the adjacent windows or the exact bins find it."""
+    if window in ("levels", "pairs"):
+        pytest.skip("the key search's settings: the window's paths are the estimated ones")
     PASSES.clear()
     for top_p in (0.5, 0.9, 0.99):
         _check(_rows(8, 3000, 1), 0, top_p, 1.25)
     got = torch.cat(PASSES)
     retries = topp.EST_RETRIES
-    if window == "estimated":
+    if window in ("estimated", "levels", "pairs"):
         assert (got == 1).all(), got
     else:
         assert (got >= 2).all(), got  # the first window (no width) is refused every time

@@ -33,7 +33,8 @@ PHASES = {1: "A stats", 2: "A+B bins", 3: "A+B+C compact", 4: "A+B+C+search (the
 
 @triton.jit
 def _phases(z_ptr, work_ptr, out_ptr, bounds_ptr, scale, V, top_p_bits, SCALED: tl.constexpr, PHASE: tl.constexpr,
-            NB: tl.constexpr, BSCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+            NB: tl.constexpr, BSCALE: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
+            SBLOCK: tl.constexpr):
     """out[row] = (zm, ja, jb, candidates, cut) as far as PHASE gets."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
@@ -50,7 +51,7 @@ def _phases(z_ptr, work_ptr, out_ptr, bounds_ptr, scale, V, top_p_bits, SCALED: 
                                                       NB, BSCALE, SBLOCK)
             tl.store(out_ptr + row * 5 + 3, count.to(tl.float64))
             if PHASE >= 4:
-                cut = topp.key_search(w_row, count, lo, hi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
+                cut = topp.key_search(w_row, count, lo, hi, above, bound, zm, True, WAYS, PAIR, BLOCK, SBLOCK)
                 tl.store(out_ptr + row * 5 + 4, cut.to(tl.float64))
 
 
@@ -150,8 +151,8 @@ def probe(z: torch.Tensor, scale: float, top_p: float) -> dict:
 
     def run(phase):
         _phases[(B,)](z, work, out, bounds, scale, V, bits, SCALED=scale != 1.0, PHASE=phase, NB=nb,
-                      BSCALE=topp.bin_scale(nb), WAYS=topp.CUT_WAYS, BLOCK=topp.CUT_BLOCK, SBLOCK=topp.CUT_STREAM,
-                      enable_fp_fusion=False, num_warps=topp.CUT_WARPS)
+                      BSCALE=topp.bin_scale(nb), WAYS=topp.CUT_WAYS, PAIR=topp.PAIR_MAX, BLOCK=topp.CUT_BLOCK,
+                      SBLOCK=topp.CUT_STREAM, enable_fp_fusion=False, num_warps=topp.CUT_WARPS)
     res = {f"phase{p}_ms": triton.testing.do_bench(lambda p=p: run(p)) for p in PHASES}
     run(4)
     cut = topp.filter_cut(z, 0, top_p, scale)

@@ -1,8 +1,9 @@
 """Where the estimated-window top-p cut's time goes (kernels/triton/topp.py): its steps as cumulative kernels
 (A: the row's max and keys; + the estimate's counts histogram; + the window's exact pass; the whole cut), each
 step's variants timed apart (the histogram's bins; the exact pass without its mass, without its compaction,
-with a mass formula that takes the exponent's integer from the rounding constant and sums in fp64 or int64,
-checked bit for bit against topp.weight_of), and the whole cut at other warps and chunk sizes.
+with the converting mass formula (topp.weight_of's before) against the integer-exponent one, summed in fp64 or
+int64 and checked bit for bit; the compaction's store right after its atomic or a chunk later), and the whole
+cut at other warps and chunk sizes.
 
     python experiments/kernels/probe_topp_window.py [--rows 1024] [--vocab 151936] [--out DIR]
 
@@ -33,14 +34,17 @@ _E0, _E1, _E2, _E3, _E4, _E5 = (tl.constexpr(c) for c in fo.EXP_COEFFS)
 
 
 @triton.jit
-def _mass_int_exponent(z, inside, zm):
-    """topp.weight_of's top-p mass with the exponent's integer read from the rounding constant's bits (no float
-    to int conversion; the halves by a shift): the same bits, as fp32."""
+def _pow2(k):
+    return ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mass_converting(z, inside, zm):
+    """The top-p mass with fixed_order.exp's 2**n from float-to-int conversions of n and floor(n / 2) (the form
+    topp.weight_of replaced), as fp32."""
     x = z - zm
     xc = tl.where(x < -104.0, -104.0, x)
-    t = xc * _LOG2E + 12582912.0
-    n = t - 12582912.0
-    k = t.to(tl.int32, bitcast=True) - 0x4B400000
+    n = (xc * _LOG2E + 12582912.0) - 12582912.0
     r = (xc - n * _LN2_HI) - n * _LN2_LO
     p = tl.full(r.shape, _E0, tl.float32)
     p = p * r + _E1
@@ -49,9 +53,8 @@ def _mass_int_exponent(z, inside, zm):
     p = p * r + _E4
     p = p * r + _E5
     p = (p * r + 1.0) * r + 1.0
-    k1 = k >> 1
-    y = (p * ((k1 + 127) << 23).to(tl.float32, bitcast=True)) * (((k - k1) + 127) << 23).to(tl.float32, bitcast=True)
-    e = tl.where(x < -104.0, 0.0, y) * 4294967296.0
+    n1 = tl.floor(n * 0.5)
+    e = tl.where(x < -104.0, 0.0, (p * _pow2(n1)) * _pow2(n - n1)) * 4294967296.0
     return tl.where(inside & (e >= 1.0), tl.floor(e), 0.0)
 
 
@@ -99,8 +102,10 @@ def _hist_variant(z_ptr, zm_ptr, out_ptr, scale, V, SCALED: tl.constexpr, NE: tl
 @triton.jit
 def _exact_variant(z_ptr, work_ptr, cnt_ptr, zm_ptr, win_ptr, out_ptr, mass_ptr, scale, V, SCALED: tl.constexpr,
                    MASS: tl.constexpr, COMPACT: tl.constexpr, SBLOCK: tl.constexpr):
-    """The window's exact pass: MASS 0 none, 1 topp.weight_of (int64 sums), 2 the integer-exponent mass summed
-    in fp64, 3 the same summed in int64; COMPACT: the window's values appended by an atomic counter. Row 0's
+    """The window's exact pass: MASS 0 none, 1 the converting mass formula (int64), 2 topp.weight_of (the
+    integer-exponent formula) converted to fp64, 3 topp.weight_of (int64); COMPACT 1: the window's values
+    appended by an atomic counter, 2: each chunk's values stored after the next chunk's atomics (their latency
+    hidden). Row 0's
     masses written to mass_ptr (the bit check)."""
     row = tl.program_id(0).to(tl.int64)
     zm = tl.load(zm_ptr + row)
@@ -109,6 +114,9 @@ def _exact_variant(z_ptr, work_ptr, cnt_ptr, zm_ptr, win_ptr, out_ptr, mass_ptr,
     tot = tl.zeros((SBLOCK,), tl.float64)
     above = tl.zeros((SBLOCK,), tl.float64)
     cnt = tl.zeros((SBLOCK,), tl.int32)
+    last_z = tl.zeros((SBLOCK,), tl.float32)
+    last_pos = tl.zeros((SBLOCK,), tl.int32)
+    last_sel = tl.arange(0, SBLOCK) < 0
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -116,28 +124,33 @@ def _exact_variant(z_ptr, work_ptr, cnt_ptr, zm_ptr, win_ptr, out_ptr, mass_ptr,
         d = zm - z
         inb = mask & (d < 24.0)
         if MASS == 1:
-            w = topp.weight_of(z, inb, zm, True)
+            w = _mass_converting(z, inb, zm).to(tl.int64)
             tot += w.to(tl.float64)
             above += tl.where(d <= d_lo, w, 0).to(tl.float64)
             if row == 0:
                 tl.store(mass_ptr + cols, w.to(tl.float32), mask=mask)
         elif MASS == 2:
-            w = _mass_int_exponent(z, inb, zm)
-            tot += w.to(tl.float64)
-            above += tl.where(d <= d_lo, w, 0.0).to(tl.float64)
+            w = topp.weight_of(z, inb, zm, True).to(tl.float64)
+            tot += w
+            above += tl.where(d <= d_lo, w, 0.0)
             if row == 0:
-                tl.store(mass_ptr + cols, w, mask=mask)
+                tl.store(mass_ptr + cols, w.to(tl.float32), mask=mask)
         elif MASS == 3:
-            w = _mass_int_exponent(z, inb, zm).to(tl.int64)
+            w = topp.weight_of(z, inb, zm, True)
             tot += w.to(tl.float64)
             above += tl.where(d <= d_lo, w, 0).to(tl.float64)
         else:
             tot += d.to(tl.float64)
         sel = inb & (d > d_lo) & (d <= d_hi)
-        if COMPACT:
+        if COMPACT == 1:
             pos = tl.atomic_add(cnt_ptr + row + cols * 0, 1, mask=sel, sem="relaxed")
             tl.store(work_ptr + row * V + pos, z, mask=sel)
+        elif COMPACT == 2:
+            pos = tl.atomic_add(cnt_ptr + row + cols * 0, 1, mask=sel, sem="relaxed")
+            tl.store(work_ptr + row * V + last_pos, last_z, mask=last_sel)
+            last_z, last_pos, last_sel = z, pos, sel
         cnt += sel.to(tl.int32)
+    tl.store(work_ptr + row * V + last_pos, last_z, mask=last_sel)
     tl.store(out_ptr + row, tl.sum(tot, axis=0) + tl.sum(above, axis=0) + tl.sum(cnt, axis=0).to(tl.float64))
 
 
@@ -177,11 +190,12 @@ def probe(z: torch.Tensor, scale: float, top_p: float) -> dict:
     eout = torch.empty(B, dtype=torch.float64, device="cuda")
     masses = torch.zeros(4, V, dtype=torch.float32, device="cuda")
     for mass in (0, 1, 2, 3):
-        for compact in (0, 1):
+        for compact in (0, 1, 2):
             res[f"exact_mass{mass}_compact{compact}_ms"] = triton.testing.do_bench(
                 lambda m=mass, c=compact: (cnt.zero_(), _exact_variant[(B,)](z, work, cnt, zm, win, eout, masses[m],
                                                                              scale, V, MASS=m, COMPACT=c, **hk)))
-    res["int_exponent_mass_bits_equal"] = bool(torch.equal(masses[1].view(torch.int32), masses[2].view(torch.int32)))
+    res["weight_of_bits_equal_converting_form"] = bool(torch.equal(masses[1].view(torch.int32),
+                                                                   masses[2].view(torch.int32)))
     for warps in (4, 8, 16):
         for stream in (1024, 2048, 4096):
             topp.CUT_WARPS, topp.CUT_STREAM = warps, stream

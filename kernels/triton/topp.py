@@ -39,8 +39,11 @@ from .sampling import check_2d_float
 CUT_BINS = 512
 D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) * 2**32 < 1, mass 0 below
 _D_RANGE = tl.constexpr(D_RANGE)
-CUT_WAYS, CUT_BLOCK, CUT_STREAM = 16, 256, 2048  # key-search level [WAYS, BLOCK]; the streaming passes' chunk
+CUT_WAYS, CUT_BLOCK, CUT_STREAM = 16, 256, 1024  # key-search level [WAYS, BLOCK]; the streaming passes' chunk
 CUT_WARPS = 8
+# the key search's last step: every pair of its (at most PAIR_MAX) values compared, in [PAIR_TI, PAIR_TJ] tiles
+PAIR_MAX, PAIR_TI, PAIR_TJ = 256, 64, 64
+_PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # The estimate's counts histogram (EST_BINS bins of d in [0, D_RANGE): tl.histogram's cost is small at this size), the
 # window's half-width in estimated ranks (EST_RANK values each side of the estimated cut, at least EST_DMIN in d), and
 # the retries with an adjacent window before the exact bins above
@@ -78,15 +81,15 @@ _MASS_SCALE = tl.constexpr(sampling.MASS_SCALE)
 
 
 @triton.jit
-def _pow2(k):
-    return ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _exp(x):
-    """fixed_order.exp for x <= 0 (or NaN): round half to even by the 1.5 * 2**23 shift (|x * log2 e| < 2**22)."""
+    """fixed_order.exp for x <= 0 (or NaN): n = round-half-even(x * log2 e) by the 1.5 * 2**23 shift (|x * log2 e| <
+    2**22), its integer read from the shifted value's bits; 2**n applied as 2**(n >> 1) * 2**(n - (n >> 1)), the
+    halves (floor(n / 2) and the rest) as the formula's. No float-to-int conversion: its bits on one H100 equal
+    the converting form's (probe_topp_window_h100.json)."""
     xc = tl.where(x < -104.0, -104.0, x)
-    n = (xc * _LOG2E + 12582912.0) - 12582912.0
+    t = xc * _LOG2E + 12582912.0
+    n = t - 12582912.0
+    k = t.to(tl.int32, bitcast=True) - 0x4B400000
     r = (xc - n * _LN2_HI) - n * _LN2_LO
     p = tl.full(r.shape, _E0, tl.float32)
     p = p * r + _E1
@@ -95,8 +98,8 @@ def _exp(x):
     p = p * r + _E4
     p = p * r + _E5
     p = (p * r + 1.0) * r + 1.0
-    n1 = tl.floor(n * 0.5)
-    y = (p * _pow2(n1)) * _pow2(n - n1)
+    k1 = k >> 1
+    y = (p * ((k1 + 127) << 23).to(tl.float32, bitcast=True)) * (((k - k1) + 127) << 23).to(tl.float32, bitcast=True)
     return tl.where(x < -104.0, 0.0, y)
 
 
@@ -110,16 +113,37 @@ def weight_of(z, inside, zm, IS_P: tl.constexpr):
 
 
 @triton.jit
-def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
-                SBLOCK: tl.constexpr):
+def _pair_cut(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+    """The least key of buf's n values (all with keys in (lo, hi], the weight above lo's at least bound) whose
+    weight above it (above_hi plus the weights of buf's values with greater keys) is below bound, every pair
+    of values compared: the search's answer (the weight above a key changes only at the values' keys, and hi
+    is one's or above them all)."""
+    best = hi
+    for i0 in range(0, n, TI):
+        ci = i0 + tl.arange(0, TI)
+        ki = order_key(tl.load(buf + ci, mask=ci < n, other=float("-inf"))).to(tl.int64)
+        acc = tl.zeros((TI, TJ), tl.int64)
+        for j0 in range(0, n, TJ):
+            cj = j0 + tl.arange(0, TJ)
+            zj = tl.load(buf + cj, mask=cj < n, other=float("-inf"))
+            wj = weight_of(zj, cj < n, zm, IS_P)
+            acc += tl.where(order_key(zj).to(tl.int64)[None, :] > ki[:, None], wj[None, :], 0)
+        ok = (ci < n) & ((above_hi + tl.sum(acc, axis=1)).to(tl.float64) < bound)
+        best = tl.minimum(best, tl.min(tl.where(ok, ki, hi), axis=0))
+    return best
+
+
+@triton.jit
+def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr,
+               BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The least key c in (lo, hi] whose weight above it (above_hi, the weight above hi, plus the
     weights of buf's n values with keys in (c, hi]) is below bound: sampling.threshold_search's answer.
     Levels of WAYS thresholds evenly spaced in (lo, hi]; each compacts the weighted values between the
     two thresholds around the answer to the front of buf (in place: a value moves to an index at or
-    below its own). The search only sums integers and takes a min and a max, so the order of buf's
-    values does not matter."""
+    below its own), until at most PAIR values are left: `_pair_cut` over them. The search only sums
+    integers and takes a min and a max, so the order of buf's values does not matter."""
     ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
-    while hi - lo > 1:
+    while (hi - lo > 1) & (n > PAIR):
         cand = lo + ((hi - lo) * ways) // (WAYS + 1)  # [WAYS] ascending
         cand32 = tl.maximum(cand, -2147483648).to(tl.int32)
         acc = tl.zeros((WAYS, BLOCK), tl.int64)
@@ -148,6 +172,8 @@ def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl
                 count += tl.sum(sel.to(tl.int32), axis=0)
             tl.debug_barrier()
             n = count
+    if hi - lo > 1:
+        hi = _pair_cut(buf, n, lo, hi, above_hi, bound, zm, IS_P, _PAIR_TI, _PAIR_TJ)
     return hi
 
 
@@ -187,7 +213,7 @@ def _key_bin(key, kmax, shift):
 
 @triton.jit
 def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: tl.constexpr, WAYS: tl.constexpr,
-               BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+               PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The key of the k-th largest value, NaN counted above every value (as torch.topk ranks it). Bins of
     keys (kmax - key) >> shift (descending), NB of them cover the row: the bin from the counts (exact);
     that bin compacted and searched with weight 1 (the NaNs and the keys above it counted whole). k at
@@ -219,7 +245,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
         count, lo, hi = _compact(w_row, z, key, sel, count, lo, hi)
     tl.debug_barrier()  # the search reads values other threads wrote
     cut = key_search(w_row, count, tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64), above,
-                      k.to(tl.float64), 0.0, False, WAYS, BLOCK, SBLOCK)
+                      k.to(tl.float64), 0.0, False, WAYS, PAIR, BLOCK, SBLOCK)
     return tl.where(n_nan >= k, _NAN_CUT, cut)
 
 
@@ -283,12 +309,12 @@ def top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED: tl.constexp
 
 @triton.jit
 def _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr, NB: tl.constexpr,
-               BSCALE: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+               BSCALE: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The least key whose mass above it is below top_p * Q, the masses of keys >= cut_k: pass B (the
     candidate bins), pass C (their values compacted), the key search over those values."""
     bound, ja, jb = top_p_bins(x_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED, NB, BSCALE, SBLOCK)
     above, count, lo, hi = top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED, NB, BSCALE, SBLOCK)
-    return key_search(w_row, count, lo, hi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
+    return key_search(w_row, count, lo, hi, above, bound, zm, True, WAYS, PAIR, BLOCK, SBLOCK)
 
 
 # --- top-p by an estimated window: one counts histogram, one exact pass, a key search over the window's values ---
@@ -353,7 +379,8 @@ def _est_d_at_rank(r, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
 def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr,
                  SCALED: tl.constexpr, SBLOCK: tl.constexpr):
     """One pass: the values with d_lo < d <= d_hi (and mass possible) appended to the work row at positions
-    from an atomic counter (their order varies; the key search's sums and min / max do not); EXACT: also
+    from an atomic counter (their order varies; the key search's sums and min / max do not), each chunk's
+    written after the next chunk's positions are asked for (the atomics' latency hidden); EXACT: also
     the row's total mass and the mass of the values with d <= d_lo. (total, above, count, least key - 1,
     greatest key)."""
     tot = tl.zeros((SBLOCK,), tl.int64)
@@ -361,6 +388,9 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
     cnt = tl.zeros((SBLOCK,), tl.int32)
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
     hi = tl.full((SBLOCK,), -2147483648, tl.int32)
+    last_z = tl.zeros((SBLOCK,), tl.float32)
+    last_pos = tl.zeros((SBLOCK,), tl.int32)
+    last_sel = tl.arange(0, SBLOCK) < 0
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -374,10 +404,12 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
             above += tl.where(d <= d_lo, w, 0)
         sel = inb & (d > d_lo) & (d <= d_hi)
         pos = tl.atomic_add(cnt_ptr + cols * 0, 1, mask=sel, sem="relaxed")
-        tl.store(w_row + pos, z, mask=sel)
+        tl.store(w_row + last_pos, last_z, mask=last_sel)  # the chunk before's: its positions had this chunk's time
+        last_z, last_pos, last_sel = z, pos, sel
         cnt += sel.to(tl.int32)
         lo = tl.where(sel, tl.minimum(lo, key), lo)
         hi = tl.where(sel, tl.maximum(hi, key), hi)
+    tl.store(w_row + last_pos, last_z, mask=last_sel)
     tl.debug_barrier()  # the window's values are read by other threads
     return tl.sum(tot, axis=0), tl.sum(above, axis=0), tl.sum(cnt, axis=0), \
         tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
@@ -420,7 +452,7 @@ def est_window(hist, top_p, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.con
 def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr,
                       NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
                       RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
-                      BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+                      PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The top-p cut (as _top_p_cut) by an estimate that never decides it: a counts histogram over NE bins of
     d estimates where the mass reaches top_p * Q; one exact pass sums Q and the mass above a window of d
     around that estimate, and compacts the window's values; when the bound lies within the window's exact
@@ -456,11 +488,11 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
             above, upto = tl.where(deeper, upto, above - win), tl.where(deeper, upto + win, above)
             d_lo, d_hi = n_lo, n_hi
     if (above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound):
-        cut = key_search(w_row, count, klo, khi, above, bound, zm, True, WAYS, BLOCK, SBLOCK)
+        cut = key_search(w_row, count, klo, khi, above, bound, zm, True, WAYS, PAIR, BLOCK, SBLOCK)
         passes = tries + 1
     else:
         tl.debug_barrier()
-        cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED, NB, BSCALE, WAYS, BLOCK,
+        cut = _top_p_cut(x_row, w_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED, NB, BSCALE, WAYS, PAIR, BLOCK,
                          SBLOCK)
         passes = tries + 2
     return cut, passes
@@ -471,7 +503,7 @@ def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale
                 SCALED: tl.constexpr, PASSES: tl.constexpr,
                 DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
                 ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
-                WAYS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+                WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """One row's cut. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the
     torch search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the
     canonical quiet NaN's key, sampling.NAN_CUT, whatever the NaN's sign: only the NaNs kept)."""
@@ -482,7 +514,7 @@ def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale
     cut = tl.full((), _KEEP_ALL, tl.int64)
     passes = tl.zeros((), tl.int32)
     if DO_K:
-        cut = _top_k_cut(x_row, w_row, scale, V, top_k, kmin, kmax, SCALED, NB, WAYS, BLOCK, SBLOCK)
+        cut = _top_k_cut(x_row, w_row, scale, V, top_k, kmin, kmax, SCALED, NB, WAYS, PAIR, BLOCK, SBLOCK)
     if DO_P:
         tl.debug_barrier()  # the work row is reused
         flat = (nan > 0) | (zm == float("inf")) | (zm == float("-inf"))
@@ -491,7 +523,7 @@ def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale
         else:
             cut, passes = _top_p_window_cut(x_row, w_row, cnt_ptr + row * (RETRIES + 1), bounds_ptr, scale, V, cut, zm,
                                             top_p_bits.to(tl.float64, bitcast=True), SCALED, NB, BSCALE, NE,
-                                            ESCALE, RANK, DMIN, RETRIES, WAYS, BLOCK, SBLOCK)
+                                            ESCALE, RANK, DMIN, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
     tl.store(cut_ptr + row, cut)
     if PASSES:
         tl.store(passes_ptr + row, passes)
@@ -526,5 +558,6 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
                       struct.unpack("<q", struct.pack("<d", top_p))[0], SCALED=scale != 1.0,
                       PASSES=passes is not None, DO_K=do_k, DO_P=do_p,
                       NB=nb, BSCALE=bin_scale(nb), NE=EST_BINS, ESCALE=bin_scale(EST_BINS), RANK=EST_RANK,
-                      DMIN=EST_DMIN, RETRIES=EST_RETRIES, WAYS=CUT_WAYS, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
+                      DMIN=EST_DMIN, RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK,
+                      SBLOCK=CUT_STREAM, **opts)
     return cut
