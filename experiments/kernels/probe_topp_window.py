@@ -1,5 +1,5 @@
 """Where the estimated-window top-p cut's time goes (kernels/triton/topp.py): its steps as cumulative kernels
-(A: the row's max and keys; + the estimate's counts histogram; + the window's exact pass; the whole cut), each
+(A: the row's max and keys; A with the estimate's counts histogram; + the window's exact pass; the whole cut), each
 step's variants timed apart (the histogram's bins; the exact pass without its mass, without its compaction,
 with the converting mass formula (topp.weight_of's before) against the integer-exponent one, summed in fp64 or
 int64 and checked bit for bit; the compaction's store right after its atomic or a chunk later), and the whole
@@ -60,18 +60,19 @@ def _mass_converting(z, inside, zm):
 
 @triton.jit
 def _phases(z_ptr, work_ptr, cnt_ptr, out_ptr, scale, V, top_p_bits, SCALED: tl.constexpr, PHASE: tl.constexpr,
-            NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, SBLOCK: tl.constexpr):
-    """out[row] = (zm, histogram total, d_lo, d_hi, window count) as far as PHASE gets."""
+            HIST: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
+            SBLOCK: tl.constexpr):
+    """out[row] = (zm, histogram total, d_lo, d_hi, window count) as far as PHASE gets (HIST: PHASE >= 2, the
+    estimate's counts in pass A)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
-    zm, kmin, kmax, nan = topp.row_stats(x_row, scale, V, SCALED, SBLOCK)
+    zm, kmin, kmax, nan, hist, anchor = topp.row_stats(x_row, scale, V, SCALED, HIST, NE, ESCALE, SBLOCK)
     tl.store(out_ptr + row * 5, zm)
     if PHASE >= 2:
-        hist = topp.est_hist(x_row, scale, V, kmin.to(tl.int64), zm, SCALED, NE, ESCALE, SBLOCK)
         tl.store(out_ptr + row * 5 + 1, tl.sum(hist, axis=0).to(tl.float32))
         if PHASE >= 3:
-            h, ea, cm, cn, d_lo, d_hi = topp.est_window(hist, top_p_bits.to(tl.float64, bitcast=True), NE, ESCALE,
-                                                        RANK, DMIN)
+            h, ea, cm, cn, d_lo, d_hi = topp.est_window(hist, top_p_bits.to(tl.float64, bitcast=True),
+                                                        topp.est_offset(zm, anchor), NE, ESCALE, RANK, DMIN)
             tot, above, count, lo, hi = topp.window_pass(x_row, work_ptr + row * V, cnt_ptr + row, scale, V,
                                                          kmin.to(tl.int64), zm, d_lo, d_hi, True, SCALED, SBLOCK)
             tl.store(out_ptr + row * 5 + 2, d_lo)
@@ -167,18 +168,18 @@ def probe(z: torch.Tensor, scale: float, top_p: float) -> dict:
     work = torch.empty(B, V, dtype=torch.float32, device="cuda")
     cnt = torch.zeros(B, dtype=torch.int32, device="cuda")
     out = torch.zeros(B, 5, dtype=torch.float32, device="cuda")
-    kw = dict(SCALED=scale != 1.0, NE=topp.EST_BINS, ESCALE=topp.bin_scale(topp.EST_BINS), RANK=topp.EST_RANK,
+    kw = dict(SCALED=scale != 1.0, NE=topp.EST_BINS, ESCALE=topp.est_scale(topp.EST_BINS), RANK=topp.EST_RANK,
               DMIN=topp.EST_DMIN, SBLOCK=topp.CUT_STREAM, enable_fp_fusion=False, num_warps=topp.CUT_WARPS)
     res = {}
     for ph in (1, 2, 3):
         res[f"phase{ph}_ms"] = triton.testing.do_bench(
-            lambda p=ph: (cnt.zero_(), _phases[(B,)](z, work, cnt, out, scale, V, bits, PHASE=p, **kw)))
+            lambda p=ph: (cnt.zero_(), _phases[(B,)](z, work, cnt, out, scale, V, bits, PHASE=p, HIST=p >= 2, **kw)))
     res["cut_ms"] = triton.testing.do_bench(lambda: topp.filter_cut(z, 0, top_p, scale))
     passes = torch.empty(B, dtype=torch.int32, device="cuda")
     topp.filter_cut(z, 0, top_p, scale, passes=passes)
     res["rows_by_passes"] = {str(int(n)): int(c) for n, c in zip(*passes.unique(return_counts=True))}
     cnt.zero_()
-    _phases[(B,)](z, work, cnt, out, scale, V, bits, PHASE=3, **kw)
+    _phases[(B,)](z, work, cnt, out, scale, V, bits, PHASE=3, HIST=True, **kw)
     res["window_values_mean"] = float(out[:, 4].mean())
     zm = out[:, 0].contiguous()
     win = out[:, 2:4].contiguous()

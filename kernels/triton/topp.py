@@ -47,11 +47,21 @@ _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # The estimate's counts histogram (EST_BINS bins of d in [0, D_RANGE): tl.histogram's cost is small at this size), the
 # window's half-width in estimated ranks (EST_RANK values each side of the estimated cut, at least EST_DMIN in d), and
 # the retries with an adjacent window before the exact bins above
-EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 64, 1024, 0.03, 2
+EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
+# the estimate's bins span d + EST_SHIFT around an anchor in [0, D_RANGE + EST_SHIFT): in pass A the anchor is the
+# greatest of values sampled over the row, below the max by up to EST_SHIFT with the bins still whole
+EST_SHIFT = 8.0
+_EST_SHIFT = tl.constexpr(EST_SHIFT)
 KEEP_ALL = sampling.KEEP_ALL
 _KEEP_ALL = tl.constexpr(KEEP_ALL)  # what a kernel may read of it
 _NAN_CUT = tl.constexpr(sampling.NAN_CUT)  # the cut at a NaN (any sign): only the NaNs kept
 EXP_SLACK = 1e-5  # relative: fixed_order.exp is within a few ulp (1e-7) of exp; the bin edges within 2**-23
+
+
+def est_scale(ne: int) -> float:
+    """fp32(ne / (D_RANGE + EST_SHIFT)): the estimate's bin of d' = anchor - z is int(fp32((d' + EST_SHIFT) *
+    est_scale))."""
+    return float(torch.tensor(ne / (D_RANGE + EST_SHIFT), dtype=torch.float32))
 
 
 def bin_scale(nb: int) -> float:
@@ -178,12 +188,31 @@ def key_search(buf, n, lo, hi, above_hi, bound, zm, IS_P: tl.constexpr, WAYS: tl
 
 
 @triton.jit
-def row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
-    """Pass A: the greatest non-NaN value, the least and greatest keys, whether a NaN is present."""
+def _anchor_bin(z, anchor, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The estimate's bin of z (NE bins of d' + EST_SHIFT, d' = anchor - z, in [0, D_RANGE + EST_SHIFT); values
+    further above the anchor in bin 0) and whether d' < D_RANGE (false for NaN and -inf)."""
+    dt = anchor - z
+    inb = dt < _D_RANGE
+    return tl.minimum(tl.maximum((tl.where(inb, dt, 0.0) + _EST_SHIFT) * ESCALE, 0.0).to(tl.int32), NE - 1), inb
+
+
+@triton.jit
+def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
+              SBLOCK: tl.constexpr):
+    """Pass A: the greatest non-NaN value, the least and greatest keys, whether a NaN is present; HIST: also the
+    top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over the row, 0
+    when that is not finite: the bins' offset from d's follows from the max, est_offset), else zeros and 0."""
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
     zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
     nan = tl.zeros((SBLOCK,), tl.int32)
+    hist = tl.zeros((NE,), tl.int32)
+    anchor = tl.zeros((), tl.float32)
+    if HIST:
+        cs = tl.arange(0, SBLOCK) * tl.maximum(V // SBLOCK, 1)
+        zs = upcast_scaled(tl.load(x_row + cs, mask=cs < V, other=float("-inf")), scale, SCALED)
+        anchor = tl.max(tl.where(zs == zs, zs, float("-inf")), axis=0)
+        anchor = tl.where((anchor > float("-inf")) & (anchor < float("inf")), anchor, 0.0)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -193,7 +222,10 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
         nan = tl.maximum(nan, (z != z).to(tl.int32))
-    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0)
+        if HIST:
+            b, inb = _anchor_bin(z, anchor, ESCALE, NE)
+            hist += tl.histogram(b, NE, mask=inb & mask)
+    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist, anchor
 
 
 @triton.jit
@@ -327,52 +359,62 @@ def _at(v, idx, j):
 
 
 @triton.jit
-def est_hist(x_row, scale, V, cut_k, zm, SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
-              SBLOCK: tl.constexpr):
-    """The counts of the values with mass (keys >= cut_k, d = zm - z < _D_RANGE) per bin of d: no mass computed."""
+def est_hist(x_row, scale, V, cut_k, anchor, SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
+             SBLOCK: tl.constexpr):
+    """The estimate's counts per bin around anchor (as row_stats's) of the values with keys >= cut_k: no mass."""
     hist = tl.zeros((NE,), tl.int32)
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
         z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
-        b, inb = d_bin(z, zm, ESCALE, NE)
+        b, inb = _anchor_bin(z, anchor, ESCALE, NE)
         hist += tl.histogram(b, NE, mask=inb & mask & (order_key(z).to(tl.int64) >= cut_k))
     return hist
 
 
 @triton.jit
-def _est_mass_at(d, h, ea, cm, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+def est_offset(zm, anchor):
+    """The distance d = zm - z at the estimate's bin 0's lower edge: bin j spans [off + j / ESCALE, off + (j + 1) /
+    ESCALE) of d."""
+    return (zm - anchor) - _EST_SHIFT
+
+
+@triton.jit
+def _est_mass_at(d, h, ea, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The estimated mass (the max's = 1) of the values with distance <= d: each bin's values spread evenly over it."""
-    dd = tl.minimum(tl.maximum(d, 0.0), _D_RANGE)
-    j = tl.minimum((dd * ESCALE).to(tl.int32), NE - 1)
+    u = (tl.minimum(tl.maximum(d, 0.0), _D_RANGE) - off) * ESCALE
+    j = tl.minimum(tl.maximum(u, 0.0).to(tl.int32), NE - 1)
+    a = j.to(tl.float32) / ESCALE + off
+    dd = tl.minimum(tl.maximum(d, a), a + 1.0 / ESCALE)
     part = _at(h, idx, j) * (_at(ea, idx, j) - tl.exp(-dd)) * ESCALE
     return tl.where(d < 0.0, 0.0, _at(cm, idx, j - 1) + part)
 
 
 @triton.jit
-def _est_d_at_mass(t, h, ea, cm, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+def _est_d_at_mass(t, h, ea, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The distance at which the estimated mass reaches t (inverse of _est_mass_at within the bin that crosses t)."""
     j = tl.minimum(tl.sum((cm < t).to(tl.int32), axis=0), NE - 1)
-    a = j.to(tl.float32) / ESCALE
+    a = j.to(tl.float32) / ESCALE + off
     x = _at(ea, idx, j) - (t - _at(cm, idx, j - 1)) / (tl.maximum(_at(h, idx, j), 1.0) * ESCALE)
     d = tl.where(x > 0.0, -tl.log(tl.maximum(x, 1e-30)), a + 1.0 / ESCALE)
     return tl.minimum(tl.maximum(d, a), a + 1.0 / ESCALE)
 
 
 @triton.jit
-def _est_rank_at(d, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+def _est_rank_at(d, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The estimated count of values with distance <= d."""
-    j = tl.minimum((tl.minimum(tl.maximum(d, 0.0), _D_RANGE) * ESCALE).to(tl.int32), NE - 1)
-    frac = tl.minimum(tl.maximum(d * ESCALE - j.to(tl.float32), 0.0), 1.0)
+    u = (tl.minimum(tl.maximum(d, 0.0), _D_RANGE) - off) * ESCALE
+    j = tl.minimum(tl.maximum(u, 0.0).to(tl.int32), NE - 1)
+    frac = tl.minimum(tl.maximum(u - j.to(tl.float32), 0.0), 1.0)
     return tl.where(d < 0.0, 0.0, _at(cn, idx, j - 1).to(tl.float32) + _at(h, idx, j) * frac)
 
 
 @triton.jit
-def _est_d_at_rank(r, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+def _est_d_at_rank(r, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The distance of the r-th value by the estimate: -1 at r <= 0 (above every value), 1e30 past the last."""
     j = tl.sum((cn.to(tl.float32) <= r).to(tl.int32), axis=0)
-    d = (j.to(tl.float32) + (r - _at(cn, idx, j - 1).to(tl.float32)) / tl.maximum(_at(h, idx, j), 1.0)) / ESCALE
-    return tl.where(r <= 0.0, -1.0, tl.where(j >= NE, 1e30, d))
+    u = j.to(tl.float32) + (r - _at(cn, idx, j - 1).to(tl.float32)) / tl.maximum(_at(h, idx, j), 1.0)
+    return tl.where(r <= 0.0, -1.0, tl.where(j >= NE, 1e30, u / ESCALE + off))
 
 
 @triton.jit
@@ -426,43 +468,44 @@ def _buf_mass(buf, n, zm, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _est_window(dh, r_half, h, cn, idx, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN: tl.constexpr):
+def _est_window(dh, r_half, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN: tl.constexpr):
     """(d_lo, d_hi) around the estimated cut distance dh: r_half estimated values each side, DMIN at least."""
-    r = _est_rank_at(dh, h, cn, idx, ESCALE, NE)
-    d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, idx, ESCALE, NE), dh - DMIN)
-    d_hi = tl.maximum(_est_d_at_rank(r + r_half, h, cn, idx, ESCALE, NE), dh + DMIN)
+    r = _est_rank_at(dh, h, cn, off, idx, ESCALE, NE)
+    d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, off, idx, ESCALE, NE), dh - DMIN)
+    d_hi = tl.maximum(_est_d_at_rank(r + r_half, h, cn, off, idx, ESCALE, NE), dh + DMIN)
     return d_lo, d_hi
 
 
 @triton.jit
-def est_window(hist, top_p, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr):
-    """From the counts per bin of d: the estimate's tables (counts, e^-(bin's lower edge), cumulative masses and
-    counts) and the first window (d_lo, d_hi) around the distance where the estimated mass reaches top_p * Q."""
+def est_window(hist, top_p, off, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr):
+    """From the counts per bin (bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of d): the estimate's
+    tables (counts, e^-(bin's lower edge), cumulative masses and counts) and the first window (d_lo, d_hi) around
+    the distance where the estimated mass reaches top_p * Q."""
     idx = tl.arange(0, NE)
     h = hist.to(tl.float32)
-    ea = tl.exp(-idx.to(tl.float32) / ESCALE)
-    cm = tl.cumsum(h * (ea - tl.exp(-(idx + 1).to(tl.float32) / ESCALE)) * ESCALE, axis=0)
+    ea = tl.exp(-(idx.to(tl.float32) / ESCALE + off))
+    cm = tl.cumsum(h * (ea - tl.exp(-((idx + 1).to(tl.float32) / ESCALE + off))) * ESCALE, axis=0)
     cn = tl.cumsum(hist, axis=0)
-    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, idx, ESCALE, NE)
-    d_lo, d_hi = _est_window(dh, RANK * 1.0, h, cn, idx, ESCALE, NE, DMIN)
+    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, off, idx, ESCALE, NE)
+    d_lo, d_hi = _est_window(dh, RANK * 1.0, h, cn, off, idx, ESCALE, NE, DMIN)
     return h, ea, cm, cn, d_lo, d_hi
 
 
 @triton.jit
-def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constexpr,
-                      NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
-                      RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
-                      PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-    """The top-p cut (as _top_p_cut) by an estimate that never decides it: a counts histogram over NE bins of
-    d estimates where the mass reaches top_p * Q; one exact pass sums Q and the mass above a window of d
-    around that estimate, and compacts the window's values; when the bound lies within the window's exact
-    masses (above < bound <= above + window), the key search over the window gives the cut. Else up to
+def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, off,
+                      SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
+                      ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
+                      WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """The top-p cut (as _top_p_cut) by an estimate that never decides it: counts over NE bins of d (hist, bin j
+    spanning [off + j / ESCALE, off + (j + 1) / ESCALE)) estimate where the mass reaches top_p * Q; one exact
+    pass sums Q and the mass above a window of d around that estimate, and compacts the window's values; when
+    the bound lies within the window's exact masses (above < bound <= above + window), the key search over the
+    window gives the cut. Else up to
     RETRIES windows adjacent to the last one (their edge's mass is exact: only their values' masses are
     summed), estimated again from that exact edge; past them, the exact bins of _top_p_cut. (cut, the window
     passes made: 1 + the retries, one more when the exact bins found the cut.)"""
     idx = tl.arange(0, NE)
-    hist = est_hist(x_row, scale, V, cut_k, zm, SCALED, NE, ESCALE, SBLOCK)
-    h, ea, cm, cn, d_lo, d_hi = est_window(hist, top_p, NE, ESCALE, RANK, DMIN)
+    h, ea, cm, cn, d_lo, d_hi = est_window(hist, top_p, off, NE, ESCALE, RANK, DMIN)
     tot, above, count, klo, khi = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True,
                                               SCALED, SBLOCK)
     bound = tot.to(tl.float64) * top_p
@@ -476,9 +519,9 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
             # the estimate anchored at the exact edge: the mass still missing (deeper) or in excess (above)
             edge = tl.where(deeper, d_hi, d_lo)
             gap = tl.where(deeper, bound - upto.to(tl.float64), bound - above.to(tl.float64))
-            t = _est_mass_at(edge, h, ea, cm, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32)
-            dh = _est_d_at_mass(t, h, ea, cm, idx, ESCALE, NE)
-            w_lo, w_hi = _est_window(dh, r_half, h, cn, idx, ESCALE, NE, DMIN)
+            t = _est_mass_at(edge, h, ea, cm, off, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32)
+            dh = _est_d_at_mass(t, h, ea, cm, off, idx, ESCALE, NE)
+            w_lo, w_hi = _est_window(dh, r_half, h, cn, off, idx, ESCALE, NE, DMIN)
             n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
             n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
             tl.debug_barrier()  # the work row and the counter are reused
@@ -500,7 +543,7 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
 
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
 def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale, V, top_k, top_p_bits,
-                SCALED: tl.constexpr, PASSES: tl.constexpr,
+                SCALED: tl.constexpr, PASSES: tl.constexpr, HIST: tl.constexpr,
                 DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
                 ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
                 WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
@@ -510,7 +553,7 @@ def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
-    zm, kmin, kmax, nan = row_stats(x_row, scale, V, SCALED, SBLOCK)
+    zm, kmin, kmax, nan, hist, anchor = row_stats(x_row, scale, V, SCALED, HIST, NE, ESCALE, SBLOCK)
     cut = tl.full((), _KEEP_ALL, tl.int64)
     passes = tl.zeros((), tl.int32)
     if DO_K:
@@ -521,8 +564,12 @@ def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale
         if flat:
             cut = tl.where(nan > 0, _NAN_CUT, order_key(zm)).to(tl.int64)
         else:
+            if DO_K:  # the estimate's counts over the values top-k kept
+                hist = est_hist(x_row, scale, V, cut, zm, SCALED, NE, ESCALE, SBLOCK)
+                anchor = zm
             cut, passes = _top_p_window_cut(x_row, w_row, cnt_ptr + row * (RETRIES + 1), bounds_ptr, scale, V, cut, zm,
-                                            top_p_bits.to(tl.float64, bitcast=True), SCALED, NB, BSCALE, NE,
+                                            top_p_bits.to(tl.float64, bitcast=True), hist, est_offset(zm, anchor),
+                                            SCALED, NB, BSCALE, NE,
                                             ESCALE, RANK, DMIN, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
     tl.store(cut_ptr + row, cut)
     if PASSES:
@@ -556,8 +603,8 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
     _cut_kernel[(B,)](z, work, counters, cut, cut if passes is None else passes, bounds, scale, V, int(top_k),
                       struct.unpack("<q", struct.pack("<d", top_p))[0], SCALED=scale != 1.0,
-                      PASSES=passes is not None, DO_K=do_k, DO_P=do_p,
-                      NB=nb, BSCALE=bin_scale(nb), NE=EST_BINS, ESCALE=bin_scale(EST_BINS), RANK=EST_RANK,
+                      PASSES=passes is not None, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p,
+                      NB=nb, BSCALE=bin_scale(nb), NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=EST_RANK,
                       DMIN=EST_DMIN, RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK,
                       SBLOCK=CUT_STREAM, **opts)
     return cut
