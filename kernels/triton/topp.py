@@ -421,8 +421,7 @@ def _est_d_at_rank(r, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
 def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr,
                  SCALED: tl.constexpr, SBLOCK: tl.constexpr):
     """One pass: the values with d_lo < d <= d_hi (and mass possible) appended to the work row at positions
-    from an atomic counter (their order varies; the key search's sums and min / max do not), each chunk's
-    written after the next chunk's positions are asked for (the atomics' latency hidden); EXACT: also
+    from an atomic counter (their order varies; the key search's sums and min / max do not); EXACT: also
     the row's total mass and the mass of the values with d <= d_lo. (total, above, count, least key - 1,
     greatest key)."""
     tot = tl.zeros((SBLOCK,), tl.int64)
@@ -430,9 +429,6 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
     cnt = tl.zeros((SBLOCK,), tl.int32)
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
     hi = tl.full((SBLOCK,), -2147483648, tl.int32)
-    last_z = tl.zeros((SBLOCK,), tl.float32)
-    last_pos = tl.zeros((SBLOCK,), tl.int32)
-    last_sel = tl.arange(0, SBLOCK) < 0
     for v0 in range(0, V, SBLOCK):
         cols = v0 + tl.arange(0, SBLOCK)
         mask = cols < V
@@ -446,12 +442,10 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
             above += tl.where(d <= d_lo, w, 0)
         sel = inb & (d > d_lo) & (d <= d_hi)
         pos = tl.atomic_add(cnt_ptr + cols * 0, 1, mask=sel, sem="relaxed")
-        tl.store(w_row + last_pos, last_z, mask=last_sel)  # the chunk before's: its positions had this chunk's time
-        last_z, last_pos, last_sel = z, pos, sel
+        tl.store(w_row + pos, z, mask=sel)
         cnt += sel.to(tl.int32)
         lo = tl.where(sel, tl.minimum(lo, key), lo)
         hi = tl.where(sel, tl.maximum(hi, key), hi)
-    tl.store(w_row + last_pos, last_z, mask=last_sel)
     tl.debug_barrier()  # the window's values are read by other threads
     return tl.sum(tot, axis=0), tl.sum(above, axis=0), tl.sum(cnt, axis=0), \
         tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
