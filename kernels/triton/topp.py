@@ -1,18 +1,22 @@
 """The top-k / top-p cut: rlalign.kernels.sampling.filter_cut(temper(z, scale), top_k, top_p), the same
 key per row, from the logits in any float dtype read in place (upcast and scaled in registers,
 common.upcast_scaled). One program per row:
-  A  one pass: the row's greatest value zm (NaN aside), its least and greatest keys, whether it has a NaN.
+  A  one pass: the row's greatest value zm (NaN aside), its least and greatest keys, whether it has a NaN;
+     for top-p without top-k also the estimate's counts of values per bin of d = zm - z (row_stats).
   top-k  one pass: a histogram of counts over NB bins of keys (kmax - key) >> shift: the bin of the k-th
          largest key is exact; one pass compacts that bin into the row's work buffer.
-  top-p  one pass: each value's integer mass (sampling.top_p_mass, the same formula), their total Q and a
-         histogram of counts over NB bins of d = zm - z in [0, D_RANGE) (values further down have mass 0).
-         A table of per-bin mass bounds (valid for every value the bin can hold, padded) gives, for
-         P = top_p * Q, the bins [ja, jb] that can hold the cut; one pass sums the exact masses of
-         the bins before ja and compacts the weighted values of bins ja..jb.
+  top-p  (after top-k: one pass for the estimate's counts over the values top-k kept.) The counts, each bin's
+         values taken as spread evenly over it, estimate the distance where the mass reaches top_p * Q and a
+         window of d around it (est_window). One pass sums each value's integer mass (sampling.top_p_mass,
+         the same formula) into Q and into the mass above the window, and compacts the window's values
+         (window_pass). When top_p * Q lies within the window's exact masses the cut is among its values;
+         else up to EST_RETRIES adjacent windows (their edge's mass is exact), then the exact bins: per-bin
+         mass bounds over NB bins narrow the cut to bins [ja, jb], whose values are compacted.
   Then `key_search` (levels of WAYS thresholds in key space, each compacting the keys between the two
-  thresholds around the answer) over the compacted values alone. Every sum is of integers, so the
-  cut is the torch function's: the cut's value lies in the compacted bins, the weight above them is
-  exact, and values outside them are above or below every compacted key.
+  thresholds around the answer, then every pair of the last PAIR_MAX values compared) over the compacted
+  values alone. Every sum is of integers, so the cut is the torch function's: the estimate only places the
+  window, whose exact masses decide whether it holds the cut; the weight above it is exact, and values
+  outside it are above or below every compacted key.
 Rows are independent (one program, its own work row): a row's cut does not depend on the batch.
 Compiled without FMA contraction (enable_fp_fusion=False), as the sampler's other kernels."""
 
