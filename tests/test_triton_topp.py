@@ -81,17 +81,16 @@ def test_the_cut_is_the_torch_filters(top_k, top_p, scale, window):
     _check(_rows(4, 1000, 0), top_k, top_p, scale)
 
 
+@pytest.mark.parametrize("window", ["estimated", "tiny", "exact_bins"], indirect=True)
 def test_each_window_setting_takes_its_paths(window):
     """The paths behind the cuts above: the estimated window holds the cut on these rows; windows of no width
     never do (twin: the window's exact check refuses them), and the adjacent windows or the exact bins find it."""
-    if window in ("levels", "pairs"):
-        pytest.skip("the key search's settings: the window's paths are the estimated ones")
     PASSES.clear()
     for top_p in (0.5, 0.9, 0.99):
         _check(_rows(8, 3000, 1), 0, top_p, 1.25)
     got = torch.cat(PASSES)
     retries = topp.EST_RETRIES
-    if window in ("estimated", "levels", "pairs"):
+    if window == "estimated":
         assert (got == 1).all(), got
     else:
         assert (got >= 2).all(), got  # the first window (no width) is refused every time
