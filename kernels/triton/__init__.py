@@ -14,8 +14,9 @@ inputs. One module per kernel family, each kernel beside its wrapper and its pin
   moe          moe_route, moe_combine, moe_slot_linear (the experts' first GEMM over token rows in place),
                moe_slot_swiglu (the same with grouped_swiglu's epilogue)
   sampling     gumbel_argmax (the Gumbel-max draw), gumbel_argmax_logprobs (the draw and its logprob in one launch)
-  topp         filter_cut (the top-k/top-p cut key per row: value-bin histograms, then a key search; the draw
-               and the logprob apply it as they read the logits)
+  topp         filter_cut (the top-k/top-p cut key per row: top-k from key-bin counts, top-p from an estimated
+               window its exact masses check; then a key search; the draw and the logprob apply it as they
+               read the logits)
   optim        adamw_ (the optimizer's update of one tensor in one pass), sum_of_squares (the grad norm's)
   embed        embedding (backward in position order, no atomics)
   fingerprint  fingerprint_sums: the tensor fingerprint's sums over a table of tensors, one launch

@@ -36,10 +36,10 @@ from rlalign.kernels import sampling
 from .common import INTERPRET, order_key, upcast_scaled, work_table
 from .sampling import check_2d_float
 
-# NB: histogram bins of a row's first level (top-k: keys; top-p: values below the max). tl.histogram's cost grows
-# with the bins, fewer bins leave more values to compact: on one H100 (bench_topp_cut_h100.json, 1024 x 151,936
-# bf16, top-p 0.95, T 0.8) 256 / 512 / 1,024 / 2,048 bins took 3.5 / 3.3 / 4.4 / 10.1 ms on flat rows (s 1),
-# 4.6 / 2.9 / 4.2 / 9.9 on peaked ones (s 4); the threshold search it replaced 4.2 and 3.4
+# NB: the exact bins' histogram (top-k's keys; top-p's values below the max when the estimated windows miss).
+# tl.histogram's cost grows with the bins, fewer bins leave more values to compact: as top-p's only path on one
+# H100 (bench_topp_cut_h100.json at a917f39, 1024 x 151,936 bf16, top-p 0.95, T 0.8) 256 / 512 / 1,024 / 2,048
+# bins took 3.5 / 3.3 / 4.4 / 10.1 ms on flat rows (s 1), 4.6 / 2.9 / 4.2 / 9.9 on peaked ones (s 4)
 CUT_BINS = 512
 D_RANGE = 24.0  # top-p bins span d = zm - z in [0, 24): fixed_order.exp(-22.2) * 2**32 < 1, mass 0 below
 _D_RANGE = tl.constexpr(D_RANGE)
@@ -48,9 +48,9 @@ CUT_WARPS = 8
 # the key search's last step: every pair of its (at most PAIR_MAX) values compared, in [PAIR_TI, PAIR_TJ] tiles
 PAIR_MAX, PAIR_TI, PAIR_TJ = 256, 64, 64
 _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
-# The estimate's counts histogram (EST_BINS bins of d in [0, D_RANGE): tl.histogram's cost is small at this size), the
-# window's half-width in estimated ranks (EST_RANK values each side of the estimated cut, at least EST_DMIN in d), and
-# the retries with an adjacent window before the exact bins above
+# The estimate's counts (EST_BINS bins; in pass A they cost ~0.48 ms of the 1.98 ms cut at 1024 x 151,936,
+# probe_topp_window_h100.json), the window's half-width in estimated ranks (EST_RANK values each side of the
+# estimated cut, at least EST_DMIN in d), and the retries with an adjacent window before the exact bins
 EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
 # the estimate's bins span d + EST_SHIFT around an anchor in [0, D_RANGE + EST_SHIFT): in pass A the anchor is the
 # greatest of values sampled over the row, below the max by up to EST_SHIFT with the bins still whole
@@ -124,6 +124,15 @@ def weight_of(z, inside, zm, IS_P: tl.constexpr):
         e = _exp(z - zm) * _MASS_SCALE
         return tl.where(inside & (e >= 1.0), tl.floor(e), 0.0).to(tl.int64)
     return inside.to(tl.int64)
+
+
+@triton.jit
+def _chunk(x_row, v0, V, scale, SCALED: tl.constexpr, SBLOCK: tl.constexpr):
+    """A streaming pass's chunk of the row, columns v0 .. v0 + SBLOCK: (which lie in the row, their
+    upcast_scaled values, -inf past V)."""
+    cols = v0 + tl.arange(0, SBLOCK)
+    mask = cols < V
+    return mask, upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
 
 
 @triton.jit
@@ -218,9 +227,7 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, NE: tl.
         anchor = tl.max(tl.where(zs == zs, zs, float("-inf")), axis=0)
         anchor = tl.where((anchor > float("-inf")) & (anchor < float("inf")), anchor, 0.0)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         key = order_key(z)
         kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
         kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
@@ -261,9 +268,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
     hist = tl.zeros((NB,), tl.int32)
     nans = tl.zeros((SBLOCK,), tl.int32)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         hist += tl.histogram(_key_bin(order_key(z), kmax, shift), NB, mask=mask & (z == z))
         nans += (z != z).to(tl.int32)
     n_nan = tl.sum(nans, axis=0)
@@ -273,9 +278,7 @@ def _top_k_cut(x_row, w_row, scale, V, k, kmin, kmax, SCALED: tl.constexpr, NB: 
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
     hi = tl.full((SBLOCK,), -2147483648, tl.int32)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         key = order_key(z)
         sel = mask & (z == z) & (_key_bin(key, kmax, shift) == jb)
         count, lo, hi = _compact(w_row, z, key, sel, count, lo, hi)
@@ -290,7 +293,7 @@ def d_bin(z, zm, BSCALE: tl.constexpr, NB: tl.constexpr):
     """The top-p bin of d = zm - z (z - zm is the mass's exponent, negated exactly), and whether d < D_RANGE
     (false for NaN and -inf: mass 0)."""
     d = zm - z
-    inb = d < 24.0
+    inb = d < _D_RANGE
     return tl.minimum((tl.where(inb, d, 0.0) * BSCALE).to(tl.int32), NB - 1), inb
 
 
@@ -302,9 +305,7 @@ def top_p_bins(x_row, bounds_ptr, scale, V, cut_k, zm, top_p, SCALED: tl.constex
     hist = tl.zeros((NB,), tl.int32)
     tot = tl.zeros((SBLOCK,), tl.int64)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         b, inb = d_bin(z, zm, BSCALE, NB)
         inb = inb & mask & (order_key(z).to(tl.int64) >= cut_k)
         tot += weight_of(z, inb, zm, True)
@@ -329,9 +330,7 @@ def top_p_compact(x_row, w_row, scale, V, cut_k, zm, ja, jb, SCALED: tl.constexp
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
     hi = tl.full((SBLOCK,), -2147483648, tl.int32)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         key = order_key(z)
         b, inb = d_bin(z, zm, BSCALE, NB)
         inb = inb & mask & (key.to(tl.int64) >= cut_k)
@@ -368,9 +367,7 @@ def est_hist(x_row, scale, V, cut_k, anchor, SCALED: tl.constexpr, NE: tl.conste
     """The estimate's counts per bin around anchor (as row_stats's) of the values with keys >= cut_k: no mass."""
     hist = tl.zeros((NE,), tl.int32)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         b, inb = _anchor_bin(z, anchor, ESCALE, NE)
         hist += tl.histogram(b, NE, mask=inb & mask & (order_key(z).to(tl.int64) >= cut_k))
     return hist
@@ -434,9 +431,7 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
     lo = tl.full((SBLOCK,), 2147483647, tl.int32)
     hi = tl.full((SBLOCK,), -2147483648, tl.int32)
     for v0 in range(0, V, SBLOCK):
-        cols = v0 + tl.arange(0, SBLOCK)
-        mask = cols < V
-        z = upcast_scaled(tl.load(x_row + cols, mask=mask, other=float("-inf")), scale, SCALED)
+        mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
         key = order_key(z)
         d = zm - z
         inb = mask & (d < _D_RANGE) & (key.to(tl.int64) >= cut_k)
@@ -445,7 +440,7 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
             tot += w
             above += tl.where(d <= d_lo, w, 0)
         sel = inb & (d > d_lo) & (d <= d_hi)
-        pos = tl.atomic_add(cnt_ptr + cols * 0, 1, mask=sel, sem="relaxed")
+        pos = tl.atomic_add(cnt_ptr + tl.zeros((SBLOCK,), tl.int32), 1, mask=sel, sem="relaxed")
         tl.store(w_row + pos, z, mask=sel)
         cnt += sel.to(tl.int32)
         lo = tl.where(sel, tl.minimum(lo, key), lo)
@@ -498,10 +493,9 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
     spanning [off + j / ESCALE, off + (j + 1) / ESCALE)) estimate where the mass reaches top_p * Q; one exact
     pass sums Q and the mass above a window of d around that estimate, and compacts the window's values; when
     the bound lies within the window's exact masses (above < bound <= above + window), the key search over the
-    window gives the cut. Else up to
-    RETRIES windows adjacent to the last one (their edge's mass is exact: only their values' masses are
-    summed), estimated again from that exact edge; past them, the exact bins of _top_p_cut. (cut, the window
-    passes made: 1 + the retries, one more when the exact bins found the cut.)"""
+    window gives the cut. Else up to RETRIES windows adjacent to the last one (their edge's mass is exact: only
+    their values' masses are summed), estimated again from that exact edge; past them, the exact bins of
+    _top_p_cut. (cut, the window passes made: 1 + the retries, one more when the exact bins found the cut.)"""
     idx = tl.arange(0, NE)
     h, ea, cm, cn, d_lo, d_hi = est_window(hist, top_p, off, NE, ESCALE, RANK, DMIN)
     tot, above, count, klo, khi = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True,
