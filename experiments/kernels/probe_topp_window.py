@@ -66,15 +66,15 @@ def _phases(z_ptr, work_ptr, cnt_ptr, out_ptr, scale, V, top_p_bits, SCALED: tl.
     estimate's counts in pass A)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
-    zm, kmin, kmax, nan, hist, anchor = topp.row_stats(x_row, scale, V, SCALED, HIST, NE, ESCALE, SBLOCK)
+    zm, kmin, kmax, nan, hist, anchor = topp.row_stats(x_row, scale, V, SCALED, HIST, True, NE, ESCALE, SBLOCK, 1)
     tl.store(out_ptr + row * 5, zm)
     if PHASE >= 2:
         tl.store(out_ptr + row * 5 + 1, tl.sum(hist, axis=0).to(tl.float32))
         if PHASE >= 3:
-            h, ea, cm, cn, d_lo, d_hi = topp.est_window(hist, top_p_bits.to(tl.float64, bitcast=True),
+            d_lo, d_hi = topp.est_window(hist, top_p_bits.to(tl.float64, bitcast=True),
                                                         topp.est_offset(zm, anchor), NE, ESCALE, RANK, DMIN)
-            tot, above, count, lo, hi = topp.window_pass(x_row, work_ptr + row * V, cnt_ptr + row, scale, V,
-                                                         kmin.to(tl.int64), zm, d_lo, d_hi, True, SCALED, SBLOCK)
+            tot, above, count = topp.window_pass(x_row, work_ptr + row * V, cnt_ptr + row, scale, V,
+                                                 kmin.to(tl.int64), zm, d_lo, d_hi, True, True, SCALED, SBLOCK)
             tl.store(out_ptr + row * 5 + 2, d_lo)
             tl.store(out_ptr + row * 5 + 3, d_hi)
             tl.store(out_ptr + row * 5 + 4, count.to(tl.float32) + (tot + above).to(tl.float32) * 0.0)
@@ -197,11 +197,12 @@ def probe(z: torch.Tensor, scale: float, top_p: float) -> dict:
                                                                              scale, V, MASS=m, COMPACT=c, **hk)))
     res["weight_of_bits_equal_converting_form"] = bool(torch.equal(masses[1].view(torch.int32),
                                                                    masses[2].view(torch.int32)))
+    warps0, stream0 = topp.CUT_WARPS, topp.CUT_STREAM
     for warps in (4, 8, 16):
         for stream in (1024, 2048, 4096):
             topp.CUT_WARPS, topp.CUT_STREAM = warps, stream
             res[f"cut_w{warps}_s{stream}_ms"] = triton.testing.do_bench(lambda: topp.filter_cut(z, 0, top_p, scale))
-    topp.CUT_WARPS, topp.CUT_STREAM = 8, 2048
+    topp.CUT_WARPS, topp.CUT_STREAM = warps0, stream0
     return res
 
 

@@ -52,6 +52,7 @@ _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # probe_topp_window_h100.json), the window's half-width in estimated ranks (EST_RANK values each side of the
 # estimated cut, at least EST_DMIN in d), and the retries with an adjacent window before the exact bins
 EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
+EST_EVERY = 1  # the estimate counts every EST_EVERY-th chunk of the row (times EST_EVERY)
 # the estimate's bins span d + EST_SHIFT around an anchor in [0, D_RANGE + EST_SHIFT): in pass A the anchor is the
 # greatest of values sampled over the row, below the max by up to EST_SHIFT with the bins still whole
 EST_SHIFT = 8.0
@@ -210,11 +211,12 @@ def _anchor_bin(z, anchor, ESCALE: tl.constexpr, NE: tl.constexpr):
 
 
 @triton.jit
-def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr,
-              SBLOCK: tl.constexpr):
-    """Pass A: the greatest non-NaN value, the least and greatest keys, whether a NaN is present; HIST: also the
-    top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over the row, 0
-    when that is not finite: the bins' offset from d's follows from the max, est_offset), else zeros and 0."""
+def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: tl.constexpr, NE: tl.constexpr,
+              ESCALE: tl.constexpr, SBLOCK: tl.constexpr, EVERY: tl.constexpr):
+    """Pass A: the greatest non-NaN value, whether a NaN is present; KEYS: the least and greatest keys (else 0);
+    HIST: also the top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over
+    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset) over every
+    EVERY-th chunk, times EVERY; else zeros and 0."""
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
     zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
@@ -228,15 +230,21 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, NE: tl.
         anchor = tl.where((anchor > float("-inf")) & (anchor < float("inf")), anchor, 0.0)
     for v0 in range(0, V, SBLOCK):
         mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
-        key = order_key(z)
-        kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
-        kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
+        if KEYS:
+            key = order_key(z)
+            kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
+            kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
         nan = tl.maximum(nan, (z != z).to(tl.int32))
         if HIST:
-            b, inb = _anchor_bin(z, anchor, ESCALE, NE)
-            hist += tl.histogram(b, NE, mask=inb & mask)
-    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist, anchor
+            if EVERY == 1:
+                b, inb = _anchor_bin(z, anchor, ESCALE, NE)
+                hist += tl.histogram(b, NE, mask=inb & mask)
+            elif (v0 // SBLOCK) % EVERY == 0:
+                b, inb = _anchor_bin(z, anchor, ESCALE, NE)
+                hist += tl.histogram(b, NE, mask=inb & mask)
+    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist * EVERY, \
+        anchor
 
 
 @triton.jit
@@ -419,22 +427,20 @@ def _est_d_at_rank(r, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
 
 
 @triton.jit
-def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr,
-                 SCALED: tl.constexpr, SBLOCK: tl.constexpr):
-    """One pass: the values with d_lo < d <= d_hi (and mass possible) appended to the work row at positions
-    from an atomic counter (their order varies; the key search's sums and min / max do not); EXACT: also
-    the row's total mass and the mass of the values with d <= d_lo. (total, above, count, least key - 1,
-    greatest key)."""
+def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: tl.constexpr, HAS_K: tl.constexpr,
+                SCALED: tl.constexpr, SBLOCK: tl.constexpr):
+    """One pass: the values with d_lo < d <= d_hi (and mass possible; HAS_K: keys >= cut_k, the top-k cut) appended
+    to the work row at positions from an atomic counter (their order varies; the key search's sums and min / max
+    do not); EXACT: also the row's total mass and the mass of the values with d <= d_lo. (total, above, count)."""
     tot = tl.zeros((SBLOCK,), tl.int64)
     above = tl.zeros((SBLOCK,), tl.int64)
     cnt = tl.zeros((SBLOCK,), tl.int32)
-    lo = tl.full((SBLOCK,), 2147483647, tl.int32)
-    hi = tl.full((SBLOCK,), -2147483648, tl.int32)
     for v0 in range(0, V, SBLOCK):
         mask, z = _chunk(x_row, v0, V, scale, SCALED, SBLOCK)
-        key = order_key(z)
         d = zm - z
-        inb = mask & (d < _D_RANGE) & (key.to(tl.int64) >= cut_k)
+        inb = mask & (d < _D_RANGE)
+        if HAS_K:
+            inb = inb & (order_key(z).to(tl.int64) >= cut_k)
         if EXACT:
             w = weight_of(z, inb, zm, True)
             tot += w
@@ -443,21 +449,25 @@ def window_pass(x_row, w_row, cnt_ptr, scale, V, cut_k, zm, d_lo, d_hi, EXACT: t
         pos = tl.atomic_add(cnt_ptr + tl.zeros((SBLOCK,), tl.int32), 1, mask=sel, sem="relaxed")
         tl.store(w_row + pos, z, mask=sel)
         cnt += sel.to(tl.int32)
-        lo = tl.where(sel, tl.minimum(lo, key), lo)
-        hi = tl.where(sel, tl.maximum(hi, key), hi)
     tl.debug_barrier()  # the window's values are read by other threads
-    return tl.sum(tot, axis=0), tl.sum(above, axis=0), tl.sum(cnt, axis=0), \
-        tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
+    return tl.sum(tot, axis=0), tl.sum(above, axis=0), tl.sum(cnt, axis=0)
 
 
 @triton.jit
-def _buf_mass(buf, n, zm, BLOCK: tl.constexpr):
-    """The exact mass of the work row's first n values."""
+def window_stats(buf, n, zm, BLOCK: tl.constexpr):
+    """The exact mass of the work row's first n values, their least key - 1 and their greatest key (the key
+    search's bounds; INT32_MAX - 1 and INT32_MIN for none)."""
     acc = tl.zeros((BLOCK,), tl.int64)
+    lo = tl.full((BLOCK,), 2147483647, tl.int32)
+    hi = tl.full((BLOCK,), -2147483648, tl.int32)
     for v0 in range(0, n, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        acc += weight_of(tl.load(buf + cols, mask=cols < n, other=float("-inf")), cols < n, zm, True)
-    return tl.sum(acc, axis=0)
+        z = tl.load(buf + cols, mask=cols < n, other=float("-inf"))
+        key = order_key(z)
+        acc += weight_of(z, cols < n, zm, True)
+        lo = tl.where(cols < n, tl.minimum(lo, key), lo)
+        hi = tl.where(cols < n, tl.maximum(hi, key), hi)
+    return tl.sum(acc, axis=0), tl.min(lo, axis=0).to(tl.int64) - 1, tl.max(hi, axis=0).to(tl.int64)
 
 
 @triton.jit
@@ -470,39 +480,57 @@ def _est_window(dh, r_half, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.conste
 
 
 @triton.jit
-def est_window(hist, top_p, off, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr):
-    """From the counts per bin (bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of d): the estimate's
-    tables (counts, e^-(bin's lower edge), cumulative masses and counts) and the first window (d_lo, d_hi) around
-    the distance where the estimated mass reaches top_p * Q."""
+def est_tables(hist, off, NE: tl.constexpr, ESCALE: tl.constexpr):
+    """The estimate's tables from the counts per bin (bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of
+    d): counts, e^-(bin's lower edge), cumulative masses (the max's = 1) and counts."""
     idx = tl.arange(0, NE)
     h = hist.to(tl.float32)
     ea = tl.exp(-(idx.to(tl.float32) / ESCALE + off))
     cm = tl.cumsum(h * (ea - tl.exp(-((idx + 1).to(tl.float32) / ESCALE + off))) * ESCALE, axis=0)
-    cn = tl.cumsum(hist, axis=0)
-    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, off, idx, ESCALE, NE)
-    d_lo, d_hi = _est_window(dh, RANK * 1.0, h, cn, off, idx, ESCALE, NE, DMIN)
-    return h, ea, cm, cn, d_lo, d_hi
+    return h, ea, cm, tl.cumsum(hist, axis=0)
 
 
 @triton.jit
-def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, off,
-                      SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
-                      ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
-                      WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-    """The top-p cut (as _top_p_cut) by an estimate that never decides it: counts over NE bins of d (hist, bin j
-    spanning [off + j / ESCALE, off + (j + 1) / ESCALE)) estimate where the mass reaches top_p * Q; one exact
-    pass sums Q and the mass above a window of d around that estimate, and compacts the window's values; when
-    the bound lies within the window's exact masses (above < bound <= above + window), the key search over the
-    window gives the cut. Else up to RETRIES windows adjacent to the last one (their edge's mass is exact: only
+def est_window(hist, top_p, off, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr):
+    """The first window (d_lo, d_hi) around the distance where the estimated mass reaches top_p * Q."""
+    idx = tl.arange(0, NE)
+    h, ea, cm, cn = est_tables(hist, off, NE, ESCALE)
+    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, off, idx, ESCALE, NE)
+    return _est_window(dh, RANK * 1.0, h, cn, off, idx, ESCALE, NE, DMIN)
+
+
+@triton.jit
+def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, off, HAS_K: tl.constexpr,
+                 SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
+                 BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """The top-p cut's first window: counts over NE bins of d (hist, bin j spanning [off + j / ESCALE, off + (j + 1) /
+    ESCALE)) estimate where the mass reaches top_p * Q; one exact pass sums Q and the mass above a window of d
+    around that estimate, and compacts the window's values. (Q, the mass above the window, above it plus the
+    window's, the window's count, its least key - 1, its greatest, d_lo, d_hi): the window holds the cut when
+    above < top_p * Q <= upto."""
+    d_lo, d_hi = est_window(hist, top_p, off, NE, ESCALE, RANK, DMIN)
+    tot, above, count = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True, HAS_K, SCALED,
+                                    SBLOCK)
+    win, klo, khi = window_stats(w_row, count, zm, BLOCK)
+    return tot, above, above + win, count, klo, khi, d_lo, d_hi
+
+
+@triton.jit
+def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, off, bound, above, upto, d_lo,
+                 d_hi, HAS_K: tl.constexpr, SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr,
+                 NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
+                 RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
+                 SBLOCK: tl.constexpr):
+    """The top-p cut of a row whose first window (d_lo, d_hi], with the exact masses above it and up to its end,
+    missed top_p * Q (= bound): up to RETRIES windows adjacent to the last one (their edge's mass is exact: only
     their values' masses are summed), estimated again from that exact edge; past them, the exact bins of
     _top_p_cut. (cut, the window passes made: 1 + the retries, one more when the exact bins found the cut.)"""
     idx = tl.arange(0, NE)
-    h, ea, cm, cn, d_lo, d_hi = est_window(hist, top_p, off, NE, ESCALE, RANK, DMIN)
-    tot, above, count, klo, khi = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True,
-                                              SCALED, SBLOCK)
-    bound = tot.to(tl.float64) * top_p
-    upto = above + _buf_mass(w_row, count, zm, SBLOCK)
+    h, ea, cm, cn = est_tables(hist, off, NE, ESCALE)
     tries = tl.zeros((), tl.int32)
+    count = tl.zeros((), tl.int32)
+    klo = tl.zeros((), tl.int64)
+    khi = tl.zeros((), tl.int64)
     for _ in range(RETRIES):
         if (above.to(tl.float64) >= bound) | (upto.to(tl.float64) < bound):
             tries += 1
@@ -517,9 +545,9 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
             n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
             n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
             tl.debug_barrier()  # the work row and the counter are reused
-            _t, _a, count, klo, khi = window_pass(x_row, w_row, cnt_row + tries, scale, V, cut_k, zm, n_lo, n_hi,
-                                                  False, SCALED, SBLOCK)
-            win = _buf_mass(w_row, count, zm, SBLOCK)
+            _t, _a, count = window_pass(x_row, w_row, cnt_row + tries, scale, V, cut_k, zm, n_lo, n_hi, False, HAS_K,
+                                        SCALED, SBLOCK)
+            win, klo, khi = window_stats(w_row, count, zm, BLOCK)
             above, upto = tl.where(deeper, upto, above - win), tl.where(deeper, upto + win, above)
             d_lo, d_hi = n_lo, n_hi
     if (above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound):
@@ -533,19 +561,31 @@ def _top_p_window_cut(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, to
     return cut, passes
 
 
+# The launches' row state between the first kernel and the window's search / retry (int64 and fp32 tables per row)
+N_STATE, N_FSTATE = 7, 4
+_S_TOT, _S_ABOVE, _S_UPTO, _S_COUNT, _S_KLO, _S_KHI, _S_CUTK = (tl.constexpr(i) for i in range(N_STATE))
+_F_ZM, _F_OFF, _F_DLO, _F_DHI = (tl.constexpr(i) for i in range(N_FSTATE))
+_N_STATE, _N_FSTATE = tl.constexpr(N_STATE), tl.constexpr(N_FSTATE)
+# a row's passes after the first kernel: 0 done (no top-p, or a row without mass), 1 its first window holds the
+# cut (the search kernel finds it), WINDOW_MISSED the retry kernel's (it writes the passes made)
+WINDOW_MISSED = -1
+_WINDOW_MISSED = tl.constexpr(WINDOW_MISSED)
+
+
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
-def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale, V, top_k, top_p_bits,
-                SCALED: tl.constexpr, PASSES: tl.constexpr, HIST: tl.constexpr,
-                DO_K: tl.constexpr, DO_P: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
-                ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
-                WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-    """One row's cut. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the
-    torch search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the
-    canonical quiet NaN's key, sampling.NAN_CUT, whatever the NaN's sign: only the NaNs kept)."""
+def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, scale, V, top_k,
+                  top_p_bits, SCALED: tl.constexpr, HIST: tl.constexpr, DO_K: tl.constexpr, DO_P: tl.constexpr,
+                  NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
+                  DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr,
+                  BLOCK: tl.constexpr, SBLOCK: tl.constexpr, EVERY: tl.constexpr):
+    """A row's top-k cut, and for top-p its first window (window_first), the row's state kept for the search and
+    retry kernels. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the torch
+    search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the canonical quiet
+    NaN's key, sampling.NAN_CUT, whatever the NaN's sign: only the NaNs kept)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
-    zm, kmin, kmax, nan, hist, anchor = row_stats(x_row, scale, V, SCALED, HIST, NE, ESCALE, SBLOCK)
+    zm, kmin, kmax, nan, hist, anchor = row_stats(x_row, scale, V, SCALED, HIST, DO_K, NE, ESCALE, SBLOCK, EVERY)
     cut = tl.full((), _KEEP_ALL, tl.int64)
     passes = tl.zeros((), tl.int32)
     if DO_K:
@@ -559,13 +599,68 @@ def _cut_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, bounds_ptr, scale
             if DO_K:  # the estimate's counts over the values top-k kept
                 hist = est_hist(x_row, scale, V, cut, zm, SCALED, NE, ESCALE, SBLOCK)
                 anchor = zm
-            cut, passes = _top_p_window_cut(x_row, w_row, cnt_ptr + row * (RETRIES + 1), bounds_ptr, scale, V, cut, zm,
-                                            top_p_bits.to(tl.float64, bitcast=True), hist, est_offset(zm, anchor),
-                                            SCALED, NB, BSCALE, NE,
-                                            ESCALE, RANK, DMIN, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
+            top_p = top_p_bits.to(tl.float64, bitcast=True)
+            off = est_offset(zm, anchor)
+            tot, above, upto, count, klo, khi, d_lo, d_hi = window_first(
+                x_row, w_row, cnt_ptr + row * (RETRIES + 1), scale, V, cut, zm, top_p, hist, off, DO_K, SCALED, NE,
+                ESCALE, RANK, DMIN, BLOCK, SBLOCK)
+            bound = tot.to(tl.float64) * top_p
+            passes = tl.where((above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound), 1, _WINDOW_MISSED)
+            s_row = state_ptr + row * _N_STATE
+            tl.store(s_row + _S_TOT, tot)
+            tl.store(s_row + _S_ABOVE, above)
+            tl.store(s_row + _S_UPTO, upto)
+            tl.store(s_row + _S_COUNT, count.to(tl.int64))
+            tl.store(s_row + _S_KLO, klo)
+            tl.store(s_row + _S_KHI, khi)
+            tl.store(s_row + _S_CUTK, cut)
+            f_row = fstate_ptr + row * _N_FSTATE
+            tl.store(f_row + _F_ZM, zm)
+            tl.store(f_row + _F_OFF, off)
+            tl.store(f_row + _F_DLO, d_lo)
+            tl.store(f_row + _F_DHI, d_hi)
+            tl.store(hist_ptr + row * NE + tl.arange(0, NE), hist)
     tl.store(cut_ptr + row, cut)
-    if PASSES:
-        tl.store(passes_ptr + row, passes)
+    tl.store(passes_ptr + row, passes)
+
+
+@triton.jit(do_not_specialize=["top_p_bits"])
+def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bounds_ptr, scale,
+                   V, top_p_bits, SEARCH: tl.constexpr, RETRY: tl.constexpr, HAS_K: tl.constexpr,
+                   SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
+                   ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
+                   WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    """After _first_kernel: SEARCH, the key search over the first window's values of the rows it holds the cut of;
+    RETRY, window_retry for the rows it missed. Other rows return at once."""
+    row = tl.program_id(0).to(tl.int64)
+    passes = tl.load(passes_ptr + row)
+    s_row = state_ptr + row * _N_STATE
+    f_row = fstate_ptr + row * _N_FSTATE
+    top_p = top_p_bits.to(tl.float64, bitcast=True)
+    if SEARCH:
+        if passes == 1:
+            zm = tl.load(f_row + _F_ZM)
+            bound = tl.load(s_row + _S_TOT).to(tl.float64) * top_p
+            cut = key_search(work_ptr + row * V, tl.load(s_row + _S_COUNT).to(tl.int32), tl.load(s_row + _S_KLO),
+                             tl.load(s_row + _S_KHI), tl.load(s_row + _S_ABOVE), bound, zm, True, WAYS, PAIR, BLOCK,
+                             SBLOCK)
+            tl.store(cut_ptr + row, cut)
+    if RETRY:
+        if passes == _WINDOW_MISSED:
+            zm = tl.load(f_row + _F_ZM)
+            bound = tl.load(s_row + _S_TOT).to(tl.float64) * top_p
+            hist = tl.load(hist_ptr + row * NE + tl.arange(0, NE))
+            cut, passes = window_retry(z_ptr + row * V, work_ptr + row * V, cnt_ptr + row * (RETRIES + 1), bounds_ptr,
+                                       scale, V, tl.load(s_row + _S_CUTK), zm, top_p, hist, tl.load(f_row + _F_OFF),
+                                       bound, tl.load(s_row + _S_ABOVE), tl.load(s_row + _S_UPTO),
+                                       tl.load(f_row + _F_DLO), tl.load(f_row + _F_DHI), HAS_K, SCALED, NB, BSCALE,
+                                       NE, ESCALE, RANK, DMIN, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
+            tl.store(cut_ptr + row, cut)
+            tl.store(passes_ptr + row, passes)
+
+
+# the launches after the first kernel: (SEARCH, RETRY) flags of each
+WINDOW_LAUNCHES = ((True, False), (False, True))
 
 
 def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float = 1.0,
@@ -574,29 +669,43 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     any float dtype, read in place: the cut [B] int64; the kept set of row r is {v : order_key(temper(z,
     scale))[r, v] >= cut[r]} plus its NaNs. KEEP_ALL (below every int32 key) where no filter applies.
     passes ([B] int32, optional): per row, the top-p window passes it took (0: none; 1: the estimated
-    window held the cut; 2 .. EST_RETRIES + 1: adjacent windows; EST_RETRIES + 2: the exact bins found it)."""
+    window held the cut; 2 .. EST_RETRIES + 1: adjacent windows; EST_RETRIES + 2: the exact bins found it).
+    Top-p takes three launches (rows independent in each): the first window (and top-k's cut), the key search
+    over it where it holds the cut, the retries where it does not; each launch's registers its own."""
     check_2d_float("filter_cut", z)
     B, V = z.shape
     do_k, do_p = bool(top_k) and top_k < V, top_p < 1.0
-    if passes is not None:
-        passes.zero_()
     if not (do_k or do_p) or B == 0:
+        if passes is not None:
+            passes.zero_()
         return torch.full((B,), KEEP_ALL, dtype=torch.long, device=z.device)
     if not sys.float_info.min <= top_p <= 1.0:
         raise ValueError(f"filter_cut: top_p={top_p} must be a normal float in (0, 1]")
     if do_p and V >= sampling.MAX_VOCAB:
         raise ValueError(f"filter_cut: top_p over a vocabulary of {V} (at most {sampling.MAX_VOCAB - 1})")
+    if passes is not None and (passes.shape != (B,) or passes.dtype != torch.int32 or passes.device != z.device):
+        raise ValueError(f"filter_cut: passes must be a [{B}] int32 tensor on {z.device}, got {tuple(passes.shape)} "
+                         f"{passes.dtype} on {passes.device}")
     z = z.contiguous()
-    work = torch.empty(B, V, dtype=torch.float32, device=z.device)
-    counters = torch.zeros(B, EST_RETRIES + 1, dtype=torch.int32, device=z.device)  # one per window pass
-    cut = torch.empty(B, dtype=torch.long, device=z.device)
+    dev = z.device
+    work = torch.empty(B, V, dtype=torch.float32, device=dev)
+    counters = torch.zeros(B, EST_RETRIES + 1, dtype=torch.int32, device=dev)  # one per window pass
+    cut = torch.empty(B, dtype=torch.long, device=dev)
+    row_passes = passes if passes is not None else torch.empty(B, dtype=torch.int32, device=dev)
+    state = torch.empty(B, N_STATE, dtype=torch.long, device=dev)
+    fstate = torch.empty(B, N_FSTATE, dtype=torch.float32, device=dev)
+    hist = torch.empty(B, EST_BINS, dtype=torch.int32, device=dev)
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
-    bounds = work_table(("topp_mass_bounds", nb), lambda: (list(mass_bounds(nb)), torch.long), z.device)
+    top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
-    _cut_kernel[(B,)](z, work, counters, cut, cut if passes is None else passes, bounds, scale, V, int(top_k),
-                      struct.unpack("<q", struct.pack("<d", top_p))[0], SCALED=scale != 1.0,
-                      PASSES=passes is not None, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p,
-                      NB=nb, BSCALE=bin_scale(nb), NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=EST_RANK,
-                      DMIN=EST_DMIN, RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK,
-                      SBLOCK=CUT_STREAM, **opts)
+    common_meta = dict(SCALED=scale != 1.0, NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=EST_RANK, DMIN=EST_DMIN,
+                       RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
+    _first_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, scale, V, int(top_k), top_p_bits,
+                        HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, EVERY=EST_EVERY, **common_meta)
+    if do_p:
+        bounds = work_table(("topp_mass_bounds", nb), lambda: (list(mass_bounds(nb)), torch.long), dev)
+        for search, retry in WINDOW_LAUNCHES:
+            _window_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bounds, scale, V,
+                                 top_p_bits, SEARCH=search, RETRY=retry, HAS_K=do_k, NB=nb, BSCALE=bin_scale(nb),
+                                 **common_meta)
     return cut
