@@ -117,6 +117,14 @@ def test_fp32_unscaled_and_no_filter_and_empty():
     assert topp.filter_cut(z[:0], 5, 0.9).shape == (0,)
 
 
+def test_a_passes_tensor_of_the_wrong_kind_is_refused_by_name():
+    z = _rows(3, 700, 2)
+    topp.filter_cut(z, 0, 0.9, passes=torch.empty(3, dtype=torch.int32))  # the twin: the right kind is taken
+    for bad in (torch.empty(3, dtype=torch.int64), torch.empty(4, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="passes must be a \\[3\\] int32"):
+            topp.filter_cut(z, 0, 0.9, passes=bad)
+
+
 def test_a_cut_on_a_bin_edge():
     """Values on the d-bins' edges (d = j * 24 / NB exactly in fp32 steps): the cut lands on one."""
     w = topp.D_RANGE / topp.CUT_BINS
