@@ -52,7 +52,7 @@ _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # probe_topp_window_h100.json), the window's half-width in estimated ranks (EST_RANK values each side of the
 # estimated cut, at least EST_DMIN in d), and the retries with an adjacent window before the exact bins
 EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
-EST_EVERY = 1  # the estimate counts every EST_EVERY-th chunk of the row (times EST_EVERY)
+EST_EVERY = 1  # the estimate counts every EST_EVERY-th column of the row (times EST_EVERY)
 # the estimate's bins span d + EST_SHIFT around an anchor in [0, D_RANGE + EST_SHIFT): in pass A the anchor is the
 # greatest of values sampled over the row, below the max by up to EST_SHIFT with the bins still whole
 EST_SHIFT = 8.0
@@ -215,8 +215,8 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: t
               ESCALE: tl.constexpr, SBLOCK: tl.constexpr, EVERY: tl.constexpr):
     """Pass A: the greatest non-NaN value, whether a NaN is present; KEYS: the least and greatest keys (else 0);
     HIST: also the top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over
-    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset) over every
-    EVERY-th chunk, times EVERY; else zeros and 0."""
+    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset) of every
+    EVERY-th column, times EVERY; else zeros and 0."""
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
     zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
@@ -236,13 +236,15 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: t
             kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
         nan = tl.maximum(nan, (z != z).to(tl.int32))
-        if HIST:
+        if HIST:  # every EVERY-th column, loaded again (the chunk's lines are in cache): SBLOCK / EVERY counted
             if EVERY == 1:
                 b, inb = _anchor_bin(z, anchor, ESCALE, NE)
                 hist += tl.histogram(b, NE, mask=inb & mask)
-            elif (v0 // SBLOCK) % EVERY == 0:
-                b, inb = _anchor_bin(z, anchor, ESCALE, NE)
-                hist += tl.histogram(b, NE, mask=inb & mask)
+            else:
+                cc = v0 + tl.arange(0, SBLOCK // EVERY) * EVERY
+                zc = upcast_scaled(tl.load(x_row + cc, mask=cc < V, other=float("-inf")), scale, SCALED)
+                b, inb = _anchor_bin(zc, anchor, ESCALE, NE)
+                hist += tl.histogram(b, NE, mask=inb & (cc < V))
     return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist * EVERY, \
         anchor
 
