@@ -1,9 +1,10 @@
-"""How often the top-p cut's first window holds the cut at the real vocabulary, by the estimate's sampling
-(kernels/triton/topp.py EST_EVERY: the estimate counts every k-th column), under the Triton interpreter: the paths
-are logic, not timing, so they are the GPU's (up to tl.exp / tl.log's last bits in the estimate). Every cut is
-checked key for key against the torch reference (sampling.filter_cut).
+"""How often the top-p cut's first window holds the cut at the real vocabulary (kernels/triton/topp.py filter_cut's
+passes), against a baseline module (an older topp.py: topp_one_launch.py, whose estimate spreads every bin's values
+evenly), under the Triton interpreter: the paths are logic, not timing, so they are the GPU's (up to tl.exp /
+tl.log's last bits in the estimate). Every cut is checked key for key against the torch reference
+(sampling.filter_cut).
 
-    python experiments/kernels/est_hits.py [--rows 16] [--every 1,2,4] [--out DIR]
+    python experiments/kernels/est_hits.py [--rows 16] [--baseline FILE] [--out DIR]
 
 Rows (bf16, 151,936 columns, as bench_topp_cut.py's): normal(0, s) for s 1, 2, 4; zipf; three spikes over a flat
 row; student-t(3); at T 0.8 top-p 0.95, and the spikes and zipf rows also at T 0.6 top-p 0.9.
@@ -13,6 +14,7 @@ Writes results/est_hits_interpreter.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -45,41 +47,49 @@ def rows_of(kind: str, s: float, B: int, g: torch.Generator) -> torch.Tensor:
     return z.bfloat16()
 
 
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("rlalign.kernels.triton.topp_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--every", default="1,2,4")
+    ap.add_argument("--baseline", default=str(Path(__file__).resolve().parent / "topp_one_launch.py"))
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
     torch.manual_seed(0)
     cases = [("normal", 1.0, 0.8, 0.95), ("normal", 2.0, 0.8, 0.95), ("normal", 4.0, 0.8, 0.95),
-             ("zipf", 1.0, 0.8, 0.95), ("zipf", 1.0, 0.6, 0.9), ("spikes", 1.0, 0.8, 0.95), ("spikes", 1.0, 0.6, 0.9),
-             ("student_t", 1.0, 0.8, 0.95)]
-    everys = [int(e) for e in a.every.split(",")]
-    saved, out, t0 = topp.EST_EVERY, [], time.time()
+             ("zipf", 1.0, 0.8, 0.95), ("zipf", 1.0, 1.0, 0.99), ("spikes", 1.0, 0.8, 0.95), ("spikes", 1.0, 0.6, 0.9),
+             ("spikes", 1.0, 0.6, 0.99), ("student_t", 1.0, 0.8, 0.95)]
+    mods = {"product": topp, "baseline": load_module(a.baseline)}
+    out, t0 = [], time.time()
     for kind, s, temp, p in cases:
         z = rows_of(kind, s, a.rows, torch.Generator().manual_seed(len(out)))
         scale = inverse_temperature(temp)
         ref = sampling.filter_cut(sampling.temper(z, scale), 0, p)
-        row = {"kind": kind, "logit_scale": s, "temperature": temp, "top_p": p, "rows": a.rows, "by_every": {}}
-        for every in everys:
-            topp.EST_EVERY = every
+        row = {"kind": kind, "logit_scale": s, "temperature": temp, "top_p": p, "rows": a.rows}
+        for who, mod in mods.items():
             passes = torch.empty(a.rows, dtype=torch.int32)
-            cut = topp.filter_cut(z, 0, p, scale, passes=passes)
-            row["by_every"][str(every)] = {
-                "cut_equal_reference": bool(torch.equal(cut, ref)),
-                "rows_by_passes": {str(int(n)): int(c) for n, c in zip(*passes.unique(return_counts=True))}}
-        topp.EST_EVERY = saved
+            cut = mod.filter_cut(z, 0, p, scale, passes=passes)
+            row[who] = {"cut_equal_reference": bool(torch.equal(cut, ref)),
+                        "rows_by_passes": {str(int(n)): int(c) for n, c in zip(*passes.unique(return_counts=True))}}
         out.append(row)
-        print(kind, s, temp, p, row["by_every"], f"{time.time() - t0:.0f} s", flush=True)
-    equal = all(e["cut_equal_reference"] for r in out for e in r["by_every"].values())
-    first = {e: sum(r["by_every"][str(e)]["rows_by_passes"].get("1", 0) for r in out) for e in everys}
+        print(kind, s, temp, p, {w: row[w] for w in mods}, f"{time.time() - t0:.0f} s", flush=True)
+    equal = all(r[w]["cut_equal_reference"] for r in out for w in mods)
+    first = {w: sum(r[w]["rows_by_passes"].get("1", 0) for r in out) for w in mods}
     total = len(out) * a.rows
-    held = ", ".join(f"{first[e]} of {total} rows counting every {e}-th column" for e in everys)
+    shows = "; ".join(f"{r['kind']} s{r['logit_scale']:g} T{r['temperature']} p{r['top_p']}: "
+                      f"{r['product']['rows_by_passes'].get('1', 0)} vs {r['baseline']['rows_by_passes'].get('1', 0)}"
+                      for r in out)
     record.write("est_hits_interpreter", {
-        "cases": out, "all_cuts_equal_reference": equal, "first_window_rows_by_every": first, "rows_per_every": total,
-        "what_it_shows": f"The top-p cut's first window held the cut in {held} (interpreter, 151,936 columns); "
-                         f"every cut equal to the torch reference: {equal}."}, a.out)
+        "cases": out, "baseline_file": a.baseline, "all_cuts_equal_reference": equal, "first_window_rows": first,
+        "rows": total,
+        "what_it_shows": f"The top-p cut's first window held the cut in {first['product']} of {total} rows against "
+                         f"{first['baseline']} for the baseline (interpreter, 151,936 columns; per case, of "
+                         f"{a.rows}: {shows}); every cut equal to the torch reference: {equal}."}, a.out)
 
 if __name__ == "__main__":
     main()

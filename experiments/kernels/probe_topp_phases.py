@@ -39,7 +39,7 @@ def _phases(z_ptr, work_ptr, out_ptr, bounds_ptr, scale, V, top_p_bits, SCALED: 
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
-    zm, kmin, kmax, nan, hist, anchor = topp.row_stats(x_row, scale, V, SCALED, False, True, 32, 1.0, SBLOCK, 1)
+    zm, kmin, kmax, nan, hist, anchor, _zl = topp.row_stats(x_row, scale, V, SCALED, False, True, 32, 1.0, SBLOCK)
     tl.store(out_ptr + row * 5, zm.to(tl.float64))
     if PHASE >= 2:
         bound, ja, jb = topp.top_p_bins(x_row, bounds_ptr, scale, V, kmin.to(tl.int64), zm,

@@ -1,7 +1,7 @@
 """The top-p cut's launches (kernels/triton/topp.py filter_cut: the first window and its exact pass; the key search
 over the window where it holds the cut; the retries where it missed), each launch's device time from the torch
-profiler, against variants of the same code: the search and the retries in one launch (WINDOW_LAUNCHES), the
-estimate counting every k-th chunk (EST_EVERY), other warps and chunks (CUT_WARPS, CUT_STREAM), and optionally a
+profiler, against variants of the same code: the search and the retries in one launch (WINDOW_LAUNCHES), other
+warps and chunks (CUT_WARPS, CUT_STREAM), and optionally a
 baseline module (an older topp.py, e.g. the one-launch cut) loaded from a file. Every variant's cut is checked
 bit for bit against the product's.
 
@@ -30,9 +30,8 @@ from bench_topp_cut import logits_of  # noqa: E402
 from rlalign.kernels import inverse_temperature  # noqa: E402
 from rlalign.kernels.triton import common, topp  # noqa: E402
 
-KNOBS = ("WINDOW_LAUNCHES", "EST_EVERY", "CUT_WARPS", "CUT_STREAM")
+KNOBS = ("WINDOW_LAUNCHES", "CUT_WARPS", "CUT_STREAM")
 VARIANTS = {"one_window_launch": dict(WINDOW_LAUNCHES=((True, True),)),
-            "every2": dict(EST_EVERY=2), "every4": dict(EST_EVERY=4), "every8": dict(EST_EVERY=8),
             "w4": dict(CUT_WARPS=4), "w16_s2048": dict(CUT_WARPS=16, CUT_STREAM=2048),
             "w16_s4096": dict(CUT_WARPS=16, CUT_STREAM=4096), "w8_s2048": dict(CUT_STREAM=2048)}
 

@@ -66,13 +66,15 @@ def _phases(z_ptr, work_ptr, cnt_ptr, out_ptr, scale, V, top_p_bits, SCALED: tl.
     estimate's counts in pass A)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
-    zm, kmin, kmax, nan, hist, anchor = topp.row_stats(x_row, scale, V, SCALED, HIST, True, NE, ESCALE, SBLOCK, 1)
+    zm, kmin, kmax, nan, hist, anchor, _zl = topp.row_stats(x_row, scale, V, SCALED, HIST, True, NE, ESCALE, SBLOCK)
     tl.store(out_ptr + row * 5, zm)
     if PHASE >= 2:
         tl.store(out_ptr + row * 5 + 1, tl.sum(hist, axis=0).to(tl.float32))
         if PHASE >= 3:
-            d_lo, d_hi = topp.est_window(hist, top_p_bits.to(tl.float64, bitcast=True),
-                                                        topp.est_offset(zm, anchor), NE, ESCALE, RANK, DMIN)
+            off = topp.est_offset(zm, anchor)
+            bm = topp.est_spread(hist, off, NE, ESCALE)
+            d_lo, d_hi = topp.est_window(hist, bm, top_p_bits.to(tl.float64, bitcast=True), off, NE, ESCALE, RANK,
+                                         DMIN)
             tot, above, count = topp.window_pass(x_row, work_ptr + row * V, cnt_ptr + row, scale, V,
                                                  kmin.to(tl.int64), zm, d_lo, d_hi, True, True, SCALED, SBLOCK)
             tl.store(out_ptr + row * 5 + 2, d_lo)

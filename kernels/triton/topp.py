@@ -1,19 +1,23 @@
 """The top-k / top-p cut: rlalign.kernels.sampling.filter_cut(temper(z, scale), top_k, top_p), the same
 key per row, from the logits in any float dtype read in place (upcast and scaled in registers,
-common.upcast_scaled). One program per row:
-  A  one pass: the row's greatest value zm (NaN aside), its least and greatest keys, whether it has a NaN;
-     for top-p without top-k also the estimate's counts of values per bin of d = zm - z (row_stats).
-  top-k  one pass: a histogram of counts over NB bins of keys (kmax - key) >> shift: the bin of the k-th
-         largest key is exact; one pass compacts that bin into the row's work buffer.
-  top-p  (after top-k: one pass for the estimate's counts over the values top-k kept.) The counts, each bin's
-         values taken as spread evenly over it, estimate the distance where the mass reaches top_p * Q and a
-         window of d around it (est_window). One pass sums each value's integer mass (sampling.top_p_mass,
-         the same formula) into Q and into the mass above the window, and compacts the window's values
-         (window_pass). When top_p * Q lies within the window's exact masses the cut is among its values;
-         else up to EST_RETRIES adjacent windows (their edge's mass is exact), then the exact bins: per-bin
-         mass bounds over NB bins narrow the cut to bins [ja, jb], whose values are compacted.
-  Then `key_search` (levels of WAYS thresholds in key space, each compacting the keys between the two
-  thresholds around the answer, then every pair of the last PAIR_MAX values compared) over the compacted
+common.upcast_scaled). One program per row, in up to three launches (each with its own registers: the streaming
+passes of the first are not held to the searches' count):
+  first  A  one pass: the row's greatest value zm (NaN aside), whether it has a NaN; for top-k its least and
+            greatest keys; for top-p without top-k also the estimate's counts of values per bin of d = zm - z
+            and each lane's greatest value (row_stats).
+         top-k  one pass: a histogram of counts over NB bins of keys (kmax - key) >> shift: the bin of the k-th
+                largest key is exact; one pass compacts that bin into the row's work buffer.
+         top-p  (after top-k: one pass for the estimate's counts over the values top-k kept.) The counts, the
+                lane maxima at their own masses and each bin's other values taken as spread evenly over it
+                (est_points), estimate the distance where the mass reaches top_p * Q and a window of d around it
+                (est_window). One pass sums each value's integer mass
+                (sampling.top_p_mass, the same formula) into Q and into the mass above the window, and compacts
+                the window's values (window_pass). The row's state is kept for the next launches.
+  search  where top_p * Q lies within the window's exact masses: the cut is among its values (key_search).
+  retry   else up to EST_RETRIES adjacent windows (their edge's mass is exact), then the exact bins: per-bin
+          mass bounds over NB bins narrow the cut to bins [ja, jb], whose values are compacted.
+  `key_search` (levels of WAYS thresholds in key space, each compacting the keys between the two
+  thresholds around the answer, then every pair of the last PAIR_MAX values compared) runs over the compacted
   values alone. Every sum is of integers, so the cut is the torch function's: the estimate only places the
   window, whose exact masses decide whether it holds the cut; the weight above it is exact, and values
   outside it are above or below every compacted key.
@@ -52,7 +56,6 @@ _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # probe_topp_window_h100.json), the window's half-width in estimated ranks (EST_RANK values each side of the
 # estimated cut, at least EST_DMIN in d), and the retries with an adjacent window before the exact bins
 EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
-EST_EVERY = 1  # the estimate counts every EST_EVERY-th column of the row (times EST_EVERY)
 # the estimate's bins span d + EST_SHIFT around an anchor in [0, D_RANGE + EST_SHIFT): in pass A the anchor is the
 # greatest of values sampled over the row, below the max by up to EST_SHIFT with the bins still whole
 EST_SHIFT = 8.0
@@ -212,11 +215,11 @@ def _anchor_bin(z, anchor, ESCALE: tl.constexpr, NE: tl.constexpr):
 
 @triton.jit
 def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: tl.constexpr, NE: tl.constexpr,
-              ESCALE: tl.constexpr, SBLOCK: tl.constexpr, EVERY: tl.constexpr):
+              ESCALE: tl.constexpr, SBLOCK: tl.constexpr):
     """Pass A: the greatest non-NaN value, whether a NaN is present; KEYS: the least and greatest keys (else 0);
     HIST: also the top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over
-    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset) of every
-    EVERY-th column, times EVERY; else zeros and 0."""
+    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset), else zeros
+    and 0; and each lane's greatest non-NaN value (lane l: columns l, l + SBLOCK, ...; -inf for none)."""
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
     zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
@@ -236,17 +239,10 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: t
             kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
         zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
         nan = tl.maximum(nan, (z != z).to(tl.int32))
-        if HIST:  # every EVERY-th column, loaded again (the chunk's lines are in cache): SBLOCK / EVERY counted
-            if EVERY == 1:
-                b, inb = _anchor_bin(z, anchor, ESCALE, NE)
-                hist += tl.histogram(b, NE, mask=inb & mask)
-            else:
-                cc = v0 + tl.arange(0, SBLOCK // EVERY) * EVERY
-                zc = upcast_scaled(tl.load(x_row + cc, mask=cc < V, other=float("-inf")), scale, SCALED)
-                b, inb = _anchor_bin(zc, anchor, ESCALE, NE)
-                hist += tl.histogram(b, NE, mask=inb & (cc < V))
-    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist * EVERY, \
-        anchor
+        if HIST:
+            b, inb = _anchor_bin(z, anchor, ESCALE, NE)
+            hist += tl.histogram(b, NE, mask=inb & mask)
+    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist, anchor, zmax
 
 
 @triton.jit
@@ -391,24 +387,24 @@ def est_offset(zm, anchor):
 
 
 @triton.jit
-def _est_mass_at(d, h, ea, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
-    """The estimated mass (the max's = 1) of the values with distance <= d: each bin's values spread evenly over it."""
+def _est_mass_at(d, bm, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The estimated mass (the max's = 1) of the values with distance <= d: each bin's mass bm spread over it as
+    values spread evenly over it would be."""
     u = (tl.minimum(tl.maximum(d, 0.0), _D_RANGE) - off) * ESCALE
     j = tl.minimum(tl.maximum(u, 0.0).to(tl.int32), NE - 1)
     a = j.to(tl.float32) / ESCALE + off
     dd = tl.minimum(tl.maximum(d, a), a + 1.0 / ESCALE)
-    part = _at(h, idx, j) * (_at(ea, idx, j) - tl.exp(-dd)) * ESCALE
+    part = _at(bm, idx, j) * (1.0 - tl.exp(a - dd)) / (1.0 - tl.exp(-1.0 / ESCALE))
     return tl.where(d < 0.0, 0.0, _at(cm, idx, j - 1) + part)
 
 
 @triton.jit
-def _est_d_at_mass(t, h, ea, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
+def _est_d_at_mass(t, bm, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The distance at which the estimated mass reaches t (inverse of _est_mass_at within the bin that crosses t)."""
     j = tl.minimum(tl.sum((cm < t).to(tl.int32), axis=0), NE - 1)
     a = j.to(tl.float32) / ESCALE + off
-    x = _at(ea, idx, j) - (t - _at(cm, idx, j - 1)) / (tl.maximum(_at(h, idx, j), 1.0) * ESCALE)
-    d = tl.where(x > 0.0, -tl.log(tl.maximum(x, 1e-30)), a + 1.0 / ESCALE)
-    return tl.minimum(tl.maximum(d, a), a + 1.0 / ESCALE)
+    frac = tl.minimum(tl.maximum((t - _at(cm, idx, j - 1)) / tl.maximum(_at(bm, idx, j), 1e-30), 0.0), 1.0)
+    return a - tl.log(tl.maximum(1.0 - frac * (1.0 - tl.exp(-1.0 / ESCALE)), tl.exp(-1.0 / ESCALE)))
 
 
 @triton.jit
@@ -482,35 +478,49 @@ def _est_window(dh, r_half, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.conste
 
 
 @triton.jit
-def est_tables(hist, off, NE: tl.constexpr, ESCALE: tl.constexpr):
-    """The estimate's tables from the counts per bin (bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of
-    d): counts, e^-(bin's lower edge), cumulative masses (the max's = 1) and counts."""
+def est_points(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """Each bin's estimated mass (the max's = 1; bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of d) with
+    the row's lane maxima zl (a lane's greatest value: exact values of the row, most of its top) at their own
+    masses and the bin's other counted values spread evenly over it. The lane maxima's masses are summed per bin
+    in fixed point (2**-20) by integer atomics into pts_row (NE zeros): any order, the same sums."""
     idx = tl.arange(0, NE)
-    h = hist.to(tl.float32)
-    ea = tl.exp(-(idx.to(tl.float32) / ESCALE + off))
-    cm = tl.cumsum(h * (ea - tl.exp(-((idx + 1).to(tl.float32) / ESCALE + off))) * ESCALE, axis=0)
-    return h, ea, cm, tl.cumsum(hist, axis=0)
+    b, inb = _anchor_bin(zl, anchor, ESCALE, NE)
+    pn = tl.histogram(b, NE, mask=inb)
+    tl.atomic_add(pts_row + b, (tl.exp(tl.minimum(zl - zm, 0.0)) * 1048576.0).to(tl.int32), mask=inb, sem="relaxed")
+    tl.debug_barrier()  # every lane's sum is in before the bins are read
+    pm = tl.atomic_add(pts_row + idx, tl.zeros((NE,), tl.int32), sem="relaxed").to(tl.float32) * (1.0 / 1048576.0)
+    off = est_offset(zm, anchor)
+    spread = ESCALE * tl.exp(-(idx.to(tl.float32) / ESCALE + off)) * (1.0 - tl.exp(-1.0 / ESCALE))
+    return tl.maximum(hist - pn, 0).to(tl.float32) * spread + pm
 
 
 @triton.jit
-def est_window(hist, top_p, off, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr):
-    """The first window (d_lo, d_hi) around the distance where the estimated mass reaches top_p * Q."""
+def est_spread(hist, off, NE: tl.constexpr, ESCALE: tl.constexpr):
+    """Each bin's estimated mass (as est_points's) with its counted values spread evenly over it."""
     idx = tl.arange(0, NE)
-    h, ea, cm, cn = est_tables(hist, off, NE, ESCALE)
-    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), h, ea, cm, off, idx, ESCALE, NE)
-    return _est_window(dh, RANK * 1.0, h, cn, off, idx, ESCALE, NE, DMIN)
+    return hist.to(tl.float32) * ESCALE * tl.exp(-(idx.to(tl.float32) / ESCALE + off)) * (1.0 - tl.exp(-1.0 / ESCALE))
 
 
 @triton.jit
-def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, off, HAS_K: tl.constexpr,
+def est_window(hist, bm, top_p, off, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
+               DMIN: tl.constexpr):
+    """The first window (d_lo, d_hi) around the distance where the estimated mass (bm per bin) reaches top_p * Q."""
+    idx = tl.arange(0, NE)
+    cm = tl.cumsum(bm, axis=0)
+    dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), bm, cm, off, idx, ESCALE, NE)
+    return _est_window(dh, RANK * 1.0, hist.to(tl.float32), tl.cumsum(hist, axis=0), off, idx, ESCALE, NE, DMIN)
+
+
+@triton.jit
+def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, bm, off, HAS_K: tl.constexpr,
                  SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
                  BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The top-p cut's first window: counts over NE bins of d (hist, bin j spanning [off + j / ESCALE, off + (j + 1) /
-    ESCALE)) estimate where the mass reaches top_p * Q; one exact pass sums Q and the mass above a window of d
-    around that estimate, and compacts the window's values. (Q, the mass above the window, above it plus the
-    window's, the window's count, its least key - 1, its greatest, d_lo, d_hi): the window holds the cut when
-    above < top_p * Q <= upto."""
-    d_lo, d_hi = est_window(hist, top_p, off, NE, ESCALE, RANK, DMIN)
+    ESCALE)) and the bins' estimated masses bm estimate where the mass reaches top_p * Q; one exact pass sums Q and
+    the mass above a window of d around that estimate, and compacts the window's values. (Q, the mass above the
+    window, above it plus the window's, the window's count, its least key - 1, its greatest, d_lo, d_hi): the
+    window holds the cut when above < top_p * Q <= upto."""
+    d_lo, d_hi = est_window(hist, bm, top_p, off, NE, ESCALE, RANK, DMIN)
     tot, above, count = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True, HAS_K, SCALED,
                                     SBLOCK)
     win, klo, khi = window_stats(w_row, count, zm, BLOCK)
@@ -518,8 +528,8 @@ def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, off, H
 
 
 @triton.jit
-def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, off, bound, above, upto, d_lo,
-                 d_hi, HAS_K: tl.constexpr, SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr,
+def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, bm, off, bound, above, upto,
+                 d_lo, d_hi, HAS_K: tl.constexpr, SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr,
                  NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
                  RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
                  SBLOCK: tl.constexpr):
@@ -528,7 +538,9 @@ def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, 
     their values' masses are summed), estimated again from that exact edge; past them, the exact bins of
     _top_p_cut. (cut, the window passes made: 1 + the retries, one more when the exact bins found the cut.)"""
     idx = tl.arange(0, NE)
-    h, ea, cm, cn = est_tables(hist, off, NE, ESCALE)
+    h = hist.to(tl.float32)
+    cm = tl.cumsum(bm, axis=0)
+    cn = tl.cumsum(hist, axis=0)
     tries = tl.zeros((), tl.int32)
     count = tl.zeros((), tl.int32)
     klo = tl.zeros((), tl.int64)
@@ -541,8 +553,8 @@ def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, 
             # the estimate anchored at the exact edge: the mass still missing (deeper) or in excess (above)
             edge = tl.where(deeper, d_hi, d_lo)
             gap = tl.where(deeper, bound - upto.to(tl.float64), bound - above.to(tl.float64))
-            t = _est_mass_at(edge, h, ea, cm, off, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32)
-            dh = _est_d_at_mass(t, h, ea, cm, off, idx, ESCALE, NE)
+            t = _est_mass_at(edge, bm, cm, off, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32)
+            dh = _est_d_at_mass(t, bm, cm, off, idx, ESCALE, NE)
             w_lo, w_hi = _est_window(dh, r_half, h, cn, off, idx, ESCALE, NE, DMIN)
             n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
             n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
@@ -575,11 +587,11 @@ _WINDOW_MISSED = tl.constexpr(WINDOW_MISSED)
 
 
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
-def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, scale, V, top_k,
-                  top_p_bits, SCALED: tl.constexpr, HIST: tl.constexpr, DO_K: tl.constexpr, DO_P: tl.constexpr,
-                  NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
+def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, pts_ptr,
+                  scale, V, top_k, top_p_bits, SCALED: tl.constexpr, HIST: tl.constexpr, DO_K: tl.constexpr,
+                  DO_P: tl.constexpr, NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
                   DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr,
-                  BLOCK: tl.constexpr, SBLOCK: tl.constexpr, EVERY: tl.constexpr):
+                  BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """A row's top-k cut, and for top-p its first window (window_first), the row's state kept for the search and
     retry kernels. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the torch
     search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the canonical quiet
@@ -587,7 +599,7 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
-    zm, kmin, kmax, nan, hist, anchor = row_stats(x_row, scale, V, SCALED, HIST, DO_K, NE, ESCALE, SBLOCK, EVERY)
+    zm, kmin, kmax, nan, hist, anchor, zl = row_stats(x_row, scale, V, SCALED, HIST, DO_K, NE, ESCALE, SBLOCK)
     cut = tl.full((), _KEEP_ALL, tl.int64)
     passes = tl.zeros((), tl.int32)
     if DO_K:
@@ -598,14 +610,17 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
         if flat:
             cut = tl.where(nan > 0, _NAN_CUT, order_key(zm)).to(tl.int64)
         else:
-            if DO_K:  # the estimate's counts over the values top-k kept
+            if DO_K:  # the estimate's counts over the values top-k kept, spread evenly
                 hist = est_hist(x_row, scale, V, cut, zm, SCALED, NE, ESCALE, SBLOCK)
                 anchor = zm
+                bm = est_spread(hist, est_offset(zm, anchor), NE, ESCALE)
+            else:  # the lane maxima at their own masses
+                bm = est_points(pts_ptr + row * NE, zl, anchor, zm, hist, ESCALE, NE)
             top_p = top_p_bits.to(tl.float64, bitcast=True)
             off = est_offset(zm, anchor)
             tot, above, upto, count, klo, khi, d_lo, d_hi = window_first(
-                x_row, w_row, cnt_ptr + row * (RETRIES + 1), scale, V, cut, zm, top_p, hist, off, DO_K, SCALED, NE,
-                ESCALE, RANK, DMIN, BLOCK, SBLOCK)
+                x_row, w_row, cnt_ptr + row * (RETRIES + 1), scale, V, cut, zm, top_p, hist, bm, off, DO_K, SCALED,
+                NE, ESCALE, RANK, DMIN, BLOCK, SBLOCK)
             bound = tot.to(tl.float64) * top_p
             passes = tl.where((above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound), 1, _WINDOW_MISSED)
             s_row = state_ptr + row * _N_STATE
@@ -622,13 +637,14 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
             tl.store(f_row + _F_DLO, d_lo)
             tl.store(f_row + _F_DHI, d_hi)
             tl.store(hist_ptr + row * NE + tl.arange(0, NE), hist)
+            tl.store(bm_ptr + row * NE + tl.arange(0, NE), bm)
     tl.store(cut_ptr + row, cut)
     tl.store(passes_ptr + row, passes)
 
 
 @triton.jit(do_not_specialize=["top_p_bits"])
-def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bounds_ptr, scale,
-                   V, top_p_bits, SEARCH: tl.constexpr, RETRY: tl.constexpr, HAS_K: tl.constexpr,
+def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, bounds_ptr,
+                   scale, V, top_p_bits, SEARCH: tl.constexpr, RETRY: tl.constexpr, HAS_K: tl.constexpr,
                    SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
                    ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
                    WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
@@ -652,8 +668,9 @@ def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fst
             zm = tl.load(f_row + _F_ZM)
             bound = tl.load(s_row + _S_TOT).to(tl.float64) * top_p
             hist = tl.load(hist_ptr + row * NE + tl.arange(0, NE))
+            bm = tl.load(bm_ptr + row * NE + tl.arange(0, NE))
             cut, passes = window_retry(z_ptr + row * V, work_ptr + row * V, cnt_ptr + row * (RETRIES + 1), bounds_ptr,
-                                       scale, V, tl.load(s_row + _S_CUTK), zm, top_p, hist, tl.load(f_row + _F_OFF),
+                                       scale, V, tl.load(s_row + _S_CUTK), zm, top_p, hist, bm, tl.load(f_row + _F_OFF),
                                        bound, tl.load(s_row + _S_ABOVE), tl.load(s_row + _S_UPTO),
                                        tl.load(f_row + _F_DLO), tl.load(f_row + _F_DHI), HAS_K, SCALED, NB, BSCALE,
                                        NE, ESCALE, RANK, DMIN, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
@@ -697,17 +714,19 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     state = torch.empty(B, N_STATE, dtype=torch.long, device=dev)
     fstate = torch.empty(B, N_FSTATE, dtype=torch.float32, device=dev)
     hist = torch.empty(B, EST_BINS, dtype=torch.int32, device=dev)
+    bm = torch.empty(B, EST_BINS, dtype=torch.float32, device=dev)
+    points = torch.zeros(B, EST_BINS, dtype=torch.int32, device=dev)  # the lane maxima's masses per bin (fixed point)
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
     common_meta = dict(SCALED=scale != 1.0, NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=EST_RANK, DMIN=EST_DMIN,
                        RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
-    _first_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, scale, V, int(top_k), top_p_bits,
-                        HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, EVERY=EST_EVERY, **common_meta)
+    _first_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bm, points, scale, V, int(top_k),
+                        top_p_bits, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, **common_meta)
     if do_p:
         bounds = work_table(("topp_mass_bounds", nb), lambda: (list(mass_bounds(nb)), torch.long), dev)
         for search, retry in WINDOW_LAUNCHES:
-            _window_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bounds, scale, V,
+            _window_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bm, bounds, scale, V,
                                  top_p_bits, SEARCH=search, RETRY=retry, HAS_K=do_k, NB=nb, BSCALE=bin_scale(nb),
                                  **common_meta)
     return cut
