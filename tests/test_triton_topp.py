@@ -6,7 +6,7 @@ and their neighbours at 64 and 512 bins, tails of mass 0 to 3, ties at the k-th 
 a bound exactly a tie block's mass. Each under the estimated window's settings and under tiny windows (the cut
 found by adjacent windows, or by the exact bins), the paths taken counted. Negative twins: a wrong mass bound
 moves the cut; batch invariance; a negative NaN's own key as the cut keeps every value; a window of no width
-never holds the cut."""
+never holds the cut; spikes far above a flat row keep the first window only with the lane maxima's own masses."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from rlalign.kernels import sampling
 from rlalign.kernels.triton import topp
@@ -96,6 +98,29 @@ def test_each_window_setting_takes_its_paths(window):
         assert (got >= 2).all(), got  # the first window (no width) is refused every time
         assert (got == retries + 2).any() or retries > 0
         assert ((got > 1) & (got < retries + 2)).any() == (retries > 0), got
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.5), (0, 0.3)])
+@triton.jit
+def _spread_only(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The estimate with every bin's counted values spread evenly (no lane maxima at their own masses)."""
+    return topp.est_spread(hist, topp.est_offset(zm, anchor), NE, ESCALE)
+
+
+def test_spikes_far_above_the_row_keep_the_first_window(monkeypatch):
+    """Three values 4-10 above a flat row of 60,000 at T 0.6 (most of the mass, far above the estimate's anchor):
+    the lane maxima at their own masses keep the cut in the first window. The twin: with every bin's values spread
+    evenly the estimate misses in some rows (the adjacent window finds the cut)."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(5, 60000, generator=g)
+    z.scatter_(1, torch.randint(0, 60000, (5, 3), generator=g), 4 + 6 * torch.rand(5, 3, generator=g))
+    z = z.bfloat16().to(DEV)
+    PASSES.clear()
+    _check(z, 0, 0.9, 1 / 0.6)
+    assert (PASSES[-1] == 1).all(), PASSES[-1]
+    monkeypatch.setattr(topp, "est_points", _spread_only)
+    _check(z, 0, 0.9, 1 / 0.6)
+    assert (PASSES[-1] > 1).any(), PASSES[-1]
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.5), (0, 0.3)])
