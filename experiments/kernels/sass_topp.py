@@ -34,14 +34,17 @@ from rlalign.kernels.triton import topp  # noqa: E402
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 # instruction families counted per loop
 FAMILIES = {"fp32": ("FMUL", "FADD", "FFMA"), "vote": ("VOTE",), "barrier": ("BAR",), "load": ("LDG",),
-            "atomic": ("ATOM", "RED"), "convert": ("F2I", "I2F", "FRND", "F2F"), "select": ("SEL", "FSEL")}
+            "atomic": ("ATOM", "RED"), "convert": ("F2I", "I2F", "FRND", "F2F"), "select": ("SEL", "FSEL"),
+            "spill_store": ("STL",), "spill_load": ("LDL",), "wgmma": ("HGMMA",), "async_copy": ("LDGSTS", "UTMALDG")}
 
 
-def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int):
+def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
+    """fn compiled for sm_90 (arguments not in types are constexprs), without FMA contraction."""
     names = list(fn.arg_names)
     sig = {n: types.get(n, "constexpr") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                              num_stages=num_stages,
                                                                               enable_fp_fusion=False))
 
 
@@ -66,7 +69,9 @@ def sass_stats(kernel) -> dict:
             ops = Counter(op.split(".")[0] for b, op in ins if start <= b <= a)
             loops.append({"start": hex(start), "instructions": sum(ops.values()),
                           **{fam: sum(ops[o] for o in ops if o.startswith(p)) for fam, p in FAMILIES.items()}})
-    return {**usage, "instructions": len(ins), "loops": loops}
+    whole = Counter(op.split(".")[0] for _, op in ins)
+    return {**usage, "instructions": len(ins), **{fam: sum(whole[o] for o in whole if o.startswith(p))
+                                                  for fam, p in FAMILIES.items()}, "loops": loops}
 
 
 def cut_kernels(mod) -> list[tuple[str, object, dict, dict]]:

@@ -1,7 +1,8 @@
 """The prefill attention's launch configs against the fastest SDPA backend (cuDNN on Hopper), causal, GQA 32/8,
-D 128, bf16: tile heights, warps and stages of the forward (scheduling only: the bits must equal the pinned
-config's, checked), the backward's tiles, and key blocks of 128 instead of 64 (a change of the reduction order
-shared by prefill, decode and paged rows: checked there as decode rows equal to prefill rows).
+D 128, bf16: tile heights, warps and stages of the forward (the bits checked against the pinned config's: a row's
+sums may follow the warps), the forward at 8 warps with decode at 8 warps too (decode rows must equal prefill
+rows), the backward's tiles, and key blocks of 128 instead of 64 (a change of the reduction order shared by
+prefill, decode and paged rows: checked there as decode rows equal to prefill rows).
 
     python experiments/kernels/sweep_attention_tiles.py [--out DIR]
 
@@ -44,6 +45,15 @@ VARIANTS = {
     "bwd_kv32x128_w4": ({}, {"bwd": dict(BLOCK_M=32, BLOCK_N=128, num_stages=3, num_warps=4)}),
     "bwd_dq128x32_w8": ({}, {"bwd_dq": dict(BLOCK_M=128, BLOCK_N=32, num_stages=3, num_warps=8)}),
     "bwd_dq64x64_w4": ({}, {"bwd_dq": dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4)}),
+    # no spills in the key loop at 8 warps (sass_attention_sm90.json: the pinned 4-warp forward spills 920 B a
+    # thread); decode at 8 warps too, as a row's bits may follow the warps (its row sums cross warpgroups)
+    "fwd_m64_w8": ({"prefill": dict(BLOCK_M=64, num_stages=3, num_warps=8), "decode_warps": 8}, {}),
+    "fwd_m64_w8_prefill_only": ({"prefill": dict(BLOCK_M=64, num_stages=3, num_warps=8)}, {}),
+    "bwd_kv64x32_w8": ({}, {"bwd": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8)}),
+    "bwd_dq64x32_w8": ({}, {"bwd_dq": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8)}),
+    "all_w8": ({"prefill": dict(BLOCK_M=64, num_stages=3, num_warps=8), "decode_warps": 8},
+               {"bwd": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8),
+                "bwd_dq": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8)}),
 }
 
 
@@ -55,6 +65,8 @@ def apply(fwd: dict, bwd: dict) -> None:
         f["prefill"] = dict(f["prefill"], **fwd["prefill"])
     if "decode_stages" in fwd:
         f["decode"] = dict(f["decode"], num_stages=fwd["decode_stages"])
+    if "decode_warps" in fwd:
+        f["decode"] = dict(f["decode"], num_warps=fwd["decode_warps"])
     for kind, cfg in bwd.items():
         at.ATTN_BWD[BF][kind] = dict(cfg)
 
