@@ -481,14 +481,16 @@ def _est_window(dh, r_half, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.conste
 def est_points(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.constexpr):
     """Each bin's estimated mass (the max's = 1; bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of d) with
     the row's lane maxima zl (a lane's greatest value: exact values of the row, most of its top) at their own
-    masses and the bin's other counted values spread evenly over it. The lane maxima's masses are summed per bin
-    in fixed point (2**-20) by integer atomics into pts_row (NE zeros): any order, the same sums."""
+    masses and the bin's other counted values spread evenly over it. The lane maxima's masses (in fixed point,
+    2**-20) and counts are summed per bin by integer atomics into pts_row (2 * NE zeros): any order, the same
+    sums."""
     idx = tl.arange(0, NE)
     b, inb = _anchor_bin(zl, anchor, ESCALE, NE)
-    pn = tl.histogram(b, NE, mask=inb)
     tl.atomic_add(pts_row + b, (tl.exp(tl.minimum(zl - zm, 0.0)) * 1048576.0).to(tl.int32), mask=inb, sem="relaxed")
+    tl.atomic_add(pts_row + NE + b, 1, mask=inb, sem="relaxed")
     tl.debug_barrier()  # every lane's sum is in before the bins are read
     pm = tl.atomic_add(pts_row + idx, tl.zeros((NE,), tl.int32), sem="relaxed").to(tl.float32) * (1.0 / 1048576.0)
+    pn = tl.atomic_add(pts_row + NE + idx, tl.zeros((NE,), tl.int32), sem="relaxed")
     off = est_offset(zm, anchor)
     spread = ESCALE * tl.exp(-(idx.to(tl.float32) / ESCALE + off)) * (1.0 - tl.exp(-1.0 / ESCALE))
     return tl.maximum(hist - pn, 0).to(tl.float32) * spread + pm
@@ -615,7 +617,7 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
                 anchor = zm
                 bm = est_spread(hist, est_offset(zm, anchor), NE, ESCALE)
             else:  # the lane maxima at their own masses
-                bm = est_points(pts_ptr + row * NE, zl, anchor, zm, hist, ESCALE, NE)
+                bm = est_points(pts_ptr + row * 2 * NE, zl, anchor, zm, hist, ESCALE, NE)
             top_p = top_p_bits.to(tl.float64, bitcast=True)
             off = est_offset(zm, anchor)
             tot, above, upto, count, klo, khi, d_lo, d_hi = window_first(
@@ -715,7 +717,7 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     fstate = torch.empty(B, N_FSTATE, dtype=torch.float32, device=dev)
     hist = torch.empty(B, EST_BINS, dtype=torch.int32, device=dev)
     bm = torch.empty(B, EST_BINS, dtype=torch.float32, device=dev)
-    points = torch.zeros(B, EST_BINS, dtype=torch.int32, device=dev)  # the lane maxima's masses per bin (fixed point)
+    points = torch.zeros(B, 2, EST_BINS, dtype=torch.int32, device=dev)  # the lane maxima's masses and counts per bin
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
