@@ -14,7 +14,6 @@ Writes results/est_hits_interpreter.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -26,6 +25,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 import record  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_topp_split import load_baseline  # noqa: E402
 
 from rlalign.kernels import inverse_temperature, sampling  # noqa: E402
 from rlalign.kernels.triton import topp  # noqa: E402
@@ -47,13 +49,6 @@ def rows_of(kind: str, s: float, B: int, g: torch.Generator) -> torch.Tensor:
     return z.bfloat16()
 
 
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("rlalign.kernels.triton.topp_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
@@ -64,7 +59,7 @@ def main() -> None:
     cases = [("normal", 1.0, 0.8, 0.95), ("normal", 2.0, 0.8, 0.95), ("normal", 4.0, 0.8, 0.95),
              ("zipf", 1.0, 0.8, 0.95), ("zipf", 1.0, 1.0, 0.99), ("spikes", 1.0, 0.8, 0.95), ("spikes", 1.0, 0.6, 0.9),
              ("spikes", 1.0, 0.6, 0.99), ("student_t", 1.0, 0.8, 0.95)]
-    mods = {"product": topp, "baseline": load_module(a.baseline)}
+    mods = {"product": topp, "baseline": load_baseline(a.baseline)}
     out, t0 = [], time.time()
     for kind, s, temp, p in cases:
         z = rows_of(kind, s, a.rows, torch.Generator().manual_seed(len(out)))

@@ -13,7 +13,6 @@ the SASS is that version's. Writes results/sass_topp_sm90.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import subprocess
@@ -28,6 +27,9 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 import record  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_topp_split import load_baseline  # noqa: E402
 
 from rlalign.kernels.triton import topp  # noqa: E402
 
@@ -98,19 +100,12 @@ def cut_kernels(mod) -> list[tuple[str, object, dict, dict]]:
     return out
 
 
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("rlalign.kernels.triton.topp_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default="", help="an older topp.py compiled beside the product")
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
-    mods = [("product", topp)] + ([("baseline", load_module(a.baseline))] if a.baseline else [])
+    mods = [("product", topp)] + ([("baseline", load_baseline(a.baseline))] if a.baseline else [])
     kernels = {}
     for who, mod in mods:
         for name, fn, types, cx in cut_kernels(mod):
