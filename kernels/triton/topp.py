@@ -10,9 +10,9 @@ passes of the first are not held to the searches' count):
          top-p  (after top-k: one pass for the estimate's counts over the values top-k kept.) The counts, the
                 lane maxima at their own masses and each bin's other values taken as spread evenly over it
                 (est_points), estimate the distance where the mass reaches top_p * Q and a window of d around it
-                (est_window). One pass sums each value's integer mass
-                (sampling.top_p_mass, the same formula) into Q and into the mass above the window, and compacts
-                the window's values (window_pass). The row's state is kept for the next launches.
+                (est_window). One pass sums each value's integer mass (sampling.top_p_mass, the same formula)
+                into Q and into the mass above the window, and compacts the window's values (window_pass). The
+                row's state is kept for the next launches.
   search  where top_p * Q lies within the window's exact masses: the cut is among its values (key_search).
   retry   else up to EST_RETRIES adjacent windows (their edge's mass is exact), then the exact bins: per-bin
           mass bounds over NB bins narrow the cut to bins [ja, jb], whose values are compacted.
@@ -491,9 +491,7 @@ def est_points(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.const
     tl.debug_barrier()  # every lane's sum is in before the bins are read
     pm = tl.atomic_add(pts_row + idx, tl.zeros((NE,), tl.int32), sem="relaxed").to(tl.float32) * (1.0 / 1048576.0)
     pn = tl.atomic_add(pts_row + NE + idx, tl.zeros((NE,), tl.int32), sem="relaxed")
-    off = est_offset(zm, anchor)
-    spread = ESCALE * tl.exp(-(idx.to(tl.float32) / ESCALE + off)) * (1.0 - tl.exp(-1.0 / ESCALE))
-    return tl.maximum(hist - pn, 0).to(tl.float32) * spread + pm
+    return est_spread(tl.maximum(hist - pn, 0), est_offset(zm, anchor), NE, ESCALE) + pm
 
 
 @triton.jit
