@@ -102,9 +102,9 @@ def test_each_window_setting_takes_its_paths(window):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.5), (0, 0.3)])
 @triton.jit
-def _spread_only(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.constexpr):
+def _spread_only(pts_row, zl, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The estimate with every bin's counted values spread evenly (no lane maxima at their own masses)."""
-    return topp.est_spread(hist, topp.est_offset(zm, anchor), NE, ESCALE)
+    return topp.est_spread(hist, off, NE, ESCALE)
 
 
 def test_spikes_far_above_the_row_keep_the_first_window(monkeypatch):

@@ -216,7 +216,8 @@ def _anchor_bin(z, anchor, ESCALE: tl.constexpr, NE: tl.constexpr):
 @triton.jit
 def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: tl.constexpr, NE: tl.constexpr,
               ESCALE: tl.constexpr, SBLOCK: tl.constexpr):
-    """Pass A: the greatest non-NaN value, whether a NaN is present; KEYS: the least and greatest keys (else 0);
+    """Pass A: the greatest non-NaN value, whether a NaN is present; KEYS: the least and greatest keys (else the
+    int32 extremes, unread);
     HIST: also the top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over
     the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset), else zeros
     and 0; and each lane's greatest non-NaN value (lane l: columns l, l + SBLOCK, ...; -inf for none)."""
@@ -387,11 +388,17 @@ def est_offset(zm, anchor):
 
 
 @triton.jit
+def _est_bin(d, off, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """Distance d (clamped to [0, D_RANGE]) in bin units from the estimate's bin 0, and its bin."""
+    u = (tl.minimum(tl.maximum(d, 0.0), _D_RANGE) - off) * ESCALE
+    return u, tl.minimum(tl.maximum(u, 0.0).to(tl.int32), NE - 1)
+
+
+@triton.jit
 def _est_mass_at(d, bm, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The estimated mass (the max's = 1) of the values with distance <= d: each bin's mass bm spread over it as
     values spread evenly over it would be."""
-    u = (tl.minimum(tl.maximum(d, 0.0), _D_RANGE) - off) * ESCALE
-    j = tl.minimum(tl.maximum(u, 0.0).to(tl.int32), NE - 1)
+    _u, j = _est_bin(d, off, ESCALE, NE)
     a = j.to(tl.float32) / ESCALE + off
     dd = tl.minimum(tl.maximum(d, a), a + 1.0 / ESCALE)
     part = _at(bm, idx, j) * (1.0 - tl.exp(a - dd)) / (1.0 - tl.exp(-1.0 / ESCALE))
@@ -410,8 +417,7 @@ def _est_d_at_mass(t, bm, cm, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
 @triton.jit
 def _est_rank_at(d, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The estimated count of values with distance <= d."""
-    u = (tl.minimum(tl.maximum(d, 0.0), _D_RANGE) - off) * ESCALE
-    j = tl.minimum(tl.maximum(u, 0.0).to(tl.int32), NE - 1)
+    u, j = _est_bin(d, off, ESCALE, NE)
     frac = tl.minimum(tl.maximum(u - j.to(tl.float32), 0.0), 1.0)
     return tl.where(d < 0.0, 0.0, _at(cn, idx, j - 1).to(tl.float32) + _at(h, idx, j) * frac)
 
@@ -478,7 +484,7 @@ def _est_window(dh, r_half, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.conste
 
 
 @triton.jit
-def est_points(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.constexpr):
+def est_points(pts_row, zl, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
     """Each bin's estimated mass (the max's = 1; bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of d) with
     the row's lane maxima zl (a lane's greatest value: exact values of the row, most of its top) at their own
     masses and the bin's other counted values spread evenly over it. The lane maxima's masses (in fixed point,
@@ -491,7 +497,7 @@ def est_points(pts_row, zl, anchor, zm, hist, ESCALE: tl.constexpr, NE: tl.const
     tl.debug_barrier()  # every lane's sum is in before the bins are read
     pm = tl.atomic_add(pts_row + idx, tl.zeros((NE,), tl.int32), sem="relaxed").to(tl.float32) * (1.0 / 1048576.0)
     pn = tl.atomic_add(pts_row + NE + idx, tl.zeros((NE,), tl.int32), sem="relaxed")
-    return est_spread(tl.maximum(hist - pn, 0), est_offset(zm, anchor), NE, ESCALE) + pm
+    return est_spread(tl.maximum(hist - pn, 0), off, NE, ESCALE) + pm
 
 
 @triton.jit
@@ -612,12 +618,12 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
         else:
             if DO_K:  # the estimate's counts over the values top-k kept, spread evenly
                 hist = est_hist(x_row, scale, V, cut, zm, SCALED, NE, ESCALE, SBLOCK)
-                anchor = zm
-                bm = est_spread(hist, est_offset(zm, anchor), NE, ESCALE)
+                off = est_offset(zm, zm)
+                bm = est_spread(hist, off, NE, ESCALE)
             else:  # the lane maxima at their own masses
-                bm = est_points(pts_ptr + row * 2 * NE, zl, anchor, zm, hist, ESCALE, NE)
+                off = est_offset(zm, anchor)
+                bm = est_points(pts_ptr + row * 2 * NE, zl, anchor, zm, hist, off, ESCALE, NE)
             top_p = top_p_bits.to(tl.float64, bitcast=True)
-            off = est_offset(zm, anchor)
             tot, above, upto, count, klo, khi, d_lo, d_hi = window_first(
                 x_row, w_row, cnt_ptr + row * (RETRIES + 1), scale, V, cut, zm, top_p, hist, bm, off, DO_K, SCALED,
                 NE, ESCALE, RANK, DMIN, BLOCK, SBLOCK)
