@@ -35,17 +35,19 @@ default_bins = topp.CUT_BINS
 
 
 def logits_of(g, kind: str, B: int, V: int, s: float) -> torch.Tensor:
+    """bf16 rows of a kind on the generator's device (student-t from the global generator)."""
+    dev = g.device
     if kind == "normal":
-        z = torch.randn(B, V, generator=g, device="cuda") * s
+        z = torch.randn(B, V, generator=g, device=dev) * s
     elif kind == "zipf":  # -s log(rank) over a random order of the vocabulary, plus noise
-        rank = torch.rand(B, V, generator=g, device="cuda").argsort(-1).float()
-        z = -s * torch.log1p(rank) + 0.5 * torch.randn(B, V, generator=g, device="cuda")
+        rank = torch.rand(B, V, generator=g, device=dev).argsort(-1).float()
+        z = -s * torch.log1p(rank) + 0.5 * torch.randn(B, V, generator=g, device=dev)
     elif kind == "spikes":  # a flat row with 3 values 4..10 higher
-        z = torch.randn(B, V, generator=g, device="cuda")
-        z.scatter_(1, torch.randint(0, V, (B, 3), generator=g, device="cuda"),
-                   4 + 6 * torch.rand(B, 3, generator=g, device="cuda"))
+        z = torch.randn(B, V, generator=g, device=dev)
+        z.scatter_(1, torch.randint(0, V, (B, 3), generator=g, device=dev),
+                   4 + 6 * torch.rand(B, 3, generator=g, device=dev))
     elif kind == "student_t":
-        z = torch.distributions.StudentT(3.0).sample((B, V)).cuda() * s
+        z = torch.distributions.StudentT(3.0).sample((B, V)).to(dev) * s
     else:
         raise ValueError(kind)
     return z.bfloat16()

@@ -6,8 +6,9 @@ tl.log's last bits in the estimate). Every cut is checked key for key against th
 
     python experiments/kernels/est_hits.py [--rows 16] [--baseline FILE] [--out DIR]
 
-Rows (bf16, 151,936 columns, as bench_topp_cut.py's): normal(0, s) for s 1, 2, 4; zipf; three spikes over a flat
-row; student-t(3); at T 0.8 top-p 0.95, and the spikes and zipf rows also at T 0.6 top-p 0.9.
+Rows (bf16, 151,936 columns, bench_topp_cut.logits_of on the CPU): normal(0, s) for s 1, 2, 4, zipf, three spikes
+over a flat row and student-t(3) at T 0.8 top-p 0.95; zipf also at T 1.0 top-p 0.99, the spikes at T 0.6 top-p 0.9
+and 0.99.
 Writes results/est_hits_interpreter.json.
 """
 
@@ -27,26 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: re
 import record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_topp_cut import logits_of  # noqa: E402
 from probe_topp_split import load_baseline  # noqa: E402
 
 from rlalign.kernels import inverse_temperature, sampling  # noqa: E402
 from rlalign.kernels.triton import topp  # noqa: E402
 
 V = 151936
-
-
-def rows_of(kind: str, s: float, B: int, g: torch.Generator) -> torch.Tensor:
-    if kind == "normal":
-        z = torch.randn(B, V, generator=g) * s
-    elif kind == "zipf":
-        rank = torch.rand(B, V, generator=g).argsort(-1).float()
-        z = -s * torch.log1p(rank) + 0.5 * torch.randn(B, V, generator=g)
-    elif kind == "spikes":
-        z = torch.randn(B, V, generator=g)
-        z.scatter_(1, torch.randint(0, V, (B, 3), generator=g), 4 + 6 * torch.rand(B, 3, generator=g))
-    else:
-        z = torch.distributions.StudentT(3.0).sample((B, V)) * s
-    return z.bfloat16()
 
 
 def main() -> None:
@@ -62,7 +50,7 @@ def main() -> None:
     mods = {"product": topp, "baseline": load_baseline(a.baseline)}
     out, t0 = [], time.time()
     for kind, s, temp, p in cases:
-        z = rows_of(kind, s, a.rows, torch.Generator().manual_seed(len(out)))
+        z = logits_of(torch.Generator().manual_seed(len(out)), kind, a.rows, V, s)
         scale = inverse_temperature(temp)
         ref = sampling.filter_cut(sampling.temper(z, scale), 0, p)
         row = {"kind": kind, "logit_scale": s, "temperature": temp, "top_p": p, "rows": a.rows}
