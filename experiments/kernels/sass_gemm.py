@@ -1,11 +1,12 @@
-"""The dense GEMM kernel (kernels/triton/gemm.py, a plain matmul: one problem, bf16) compiled for sm_90 without a
-GPU, at the main config and the half-width one, with tensor descriptors (TMA: the forward GEMMs) and with pointer
-loads (a weight gradient, dX, gathered rows, SWIGLU's columns): registers, spills (STL / LDL) and each loop's
-instructions, spills and wgmma from the SASS (cuobjdump). A GPU run decides the time.
+"""The GEMM kernel (kernels/triton/gemm.py) as the product launches it, compiled for sm_90 without a GPU: a linear's
+forward, dX and dW at the issue's MoE shapes (4,096 tokens: 2,048 -> 768 and 768 -> 2,048), and the experts'
+grouped GEMM forward and backward (64 experts of 128 rows, 2,048 -> 768). Registers, spills (STL / LDL), wgmma,
+async copies (LDGSTS, TMA) and each loop's instructions from the SASS (cuobjdump; the launches captured and
+specialised as at run time: sass.py). A GPU run decides the time.
 
     PYTHONPATH=. python experiments/kernels/sass_gemm.py [--out DIR]
 
-Run it with the Triton the GPU machine has (3.6; see sass_topp.py). Writes results/sass_gemm_sm90.json.
+Run it with the Triton the GPU machine has (3.6; see sass.py). Writes results/sass_gemm_sm90.json.
 """
 
 from __future__ import annotations
@@ -14,53 +15,61 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
-from sass_topp import compile_sm90, sass_stats  # noqa: E402
+from sass import captured, cpu_tensor, sass_stats, spec_of  # noqa: E402
 
-from rlalign.kernels.triton import gemm, gemm_configs  # noqa: E402
+from rlalign.kernels.triton import gemm  # noqa: E402
 
-TYPES = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", prob_ptr="*i64", idx_ptr="*i32", num_tiles="i32", N="i32",
-             M1="i32", K1="i32", sam="i32", sak="i32", sbk="i32", sbn="i32", scm="i32", scn="i32", R="i32",
-             a_step="i32", b_step="i32", b_e="i32", c_step="i32", c_e="i32", a_rows="i32", b_rows="i32")
-# a plain matmul's flags (gemm._gemm_plan: one problem at offset 0, K a multiple of BLOCK_K, K-contiguous operands)
-PLAIN = dict(P=1, P2=2, NUM_SMS=132, UPCAST=False, IEEE=False, SINGLE=True, COUNTS=False, GROUP_K=False,
-             ALIGNED=True, EVEN_K=True, A_M_CONTIG=False, B_N_CONTIG=False, PER_N=False, FLATTEN=False,
-             MASK_M=False, GATHER=0, HALF_TAIL=False, SWIGLU=False)
+TOKENS, E, PER = 4096, 64, 128
+FLAGS = ("TMA", "GATHER", "SWIGLU", "A_M_CONTIG", "B_N_CONTIG", "COUNTS", "GROUP_K", "EVEN_K", "MASK_M", "FLATTEN")
+
+
+def calls() -> dict:
+    """call site -> its captured launches."""
+    out = {}
+    for k, n in ((2048, 768), (768, 2048)):
+        with captured() as got:
+            x, w = cpu_tensor(TOKENS, k).requires_grad_(), cpu_tensor(n, k).requires_grad_()
+            gemm.linear(x, w).backward(cpu_tensor(TOKENS, n))
+        out[f"linear {TOKENS}x{k}->{n} (forward, dX, dW)"] = got
+    with captured() as got:
+        x, w = cpu_tensor(E * PER, 2048).requires_grad_(), cpu_tensor(E, 768, 2048).requires_grad_()
+        gemm.grouped_linear(x, w, [PER] * E).backward(cpu_tensor(E * PER, 768))
+    out[f"grouped {E}x{PER} rows 2048->768 (forward, dX, dW)"] = got
+    return out
+
+
+def row(site: str, launch) -> dict:
+    st = sass_stats(launch.compile())
+    a = launch.args
+    r = {"call": site, "kernel": launch.name, "tile": f"{a.get('BLOCK_M')}x{a.get('BLOCK_N')}x{a.get('BLOCK_K')}",
+         **launch.options, "flags": {f: a[f] for f in FLAGS if f in a}, "specialisation": spec_of(launch),
+         **{k: v for k, v in st.items() if k != "loops"},
+         "loops": [{k: lp[k] for k in ("instructions", "spill_store", "spill_load", "wgmma", "async_copy")}
+                   for lp in st["loops"]]}
+    print(f"{site} {launch.name} {r['tile']} w{r.get('num_warps')} {r['flags']}: {r['reg']} registers, "
+          f"{r.get('stack', 0)} B stack, async {r['async_copy']}, loops "
+          f"{[(lp['instructions'], lp['spill_store'] + lp['spill_load']) for lp in r['loops']]}", flush=True)
+    return r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
-    configs = {"main": gemm_configs.MATMUL_CONFIGS[torch.bfloat16],
-               "half": gemm_configs.MATMUL_PAST_SMALL_M[torch.bfloat16][0]}
-    out = []
-    for name, cfg in configs.items():
-        for tma in (True, False):
-            c = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
-            cx = {k: v for k, v in {**PLAIN, **c, "TMA": tma}.items() if k in gemm._gemm_kernel.arg_names}
-            st = sass_stats(compile_sm90(gemm._gemm_kernel, TYPES, cx, cfg["num_warps"], cfg["num_stages"]))
-            r = {"config": name, "tile": f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}",
-                 "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "tma": tma,
-                 **{k: v for k, v in st.items() if k != "loops"},
-                 "loops": [{k: lp[k] for k in ("instructions", "spill_store", "spill_load", "wgmma")}
-                           for lp in st["loops"]]}
-            out.append(r)
-            print(f"{name} {r['tile']} w{r['num_warps']} TMA {tma}: {r['reg']} registers, {r.get('stack', 0)} B "
-                  f"stack, loops {[(lp['instructions'], lp['spill_store'] + lp['spill_load']) for lp in r['loops']]}",
-                  flush=True)
-    shows = "; ".join(f"{r['config']} {r['tile']} {'TMA' if r['tma'] else 'pointers'}: {r['reg']} registers, "
-                      f"{r.get('stack', 0)} B stack, spill instructions per loop "
-                      f"{[lp['spill_store'] + lp['spill_load'] for lp in r['loops']]} (loop instructions "
-                      f"{[lp['instructions'] for lp in r['loops']]})" for r in out)
+    out = [row(site, launch) for site, got in calls().items() for launch in got if launch.name == "_gemm_kernel"]
+    shows = "; ".join(f"{r['call']} {r['tile']} {'TMA' if r['flags'].get('TMA') else 'pointers'}: {r['reg']} "
+                      f"registers, {r.get('stack', 0)} B stack, K-loop instructions / spills "
+                      f"{[(lp['instructions'], lp['spill_store'] + lp['spill_load']) for lp in r['loops']][:2]}"
+                      for r in out)
     record.write("sass_gemm_sm90", {"triton": triton.__version__, "target": "sm_90", "kernels": out,
-                                    "what_it_shows": f"Static SASS of the dense GEMM (Triton {triton.__version__}, "
-                                                     f"sm_90, bf16, a plain matmul): " + shows}, a.out)
+                                    "what_it_shows": f"Static SASS of the GEMM kernel as launched (Triton "
+                                                     f"{triton.__version__}, sm_90, bf16; the JIT's specialisation "
+                                                     f"applied): " + shows}, a.out)
 
 
 if __name__ == "__main__":
