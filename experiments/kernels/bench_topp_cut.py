@@ -34,11 +34,18 @@ from rlalign.kernels.triton import topp  # noqa: E402
 default_bins = topp.CUT_BINS
 
 
-def logits_of(g, kind: str, B: int, V: int, s: float) -> torch.Tensor:
-    """bf16 rows of a kind on the generator's device (student-t from the global generator)."""
+LEVEL_STEP = 0.25  # the "levels" kind's grid
+
+
+def logits_of(g, kind: str, B: int, V: int, s: float, offset: float = 0.0) -> torch.Tensor:
+    """bf16 rows of a kind on the generator's device (student-t from the global generator), offset added before
+    the rounding to bf16 (the offset leaves the softmax as it is, not bf16's spacing: 0.0625 in [8, 16), 0.125 in
+    [16, 32)). "levels": normal(0, s) rounded to multiples of LEVEL_STEP."""
     dev = g.device
     if kind == "normal":
         z = torch.randn(B, V, generator=g, device=dev) * s
+    elif kind == "levels":
+        z = torch.round(torch.randn(B, V, generator=g, device=dev) * (s / LEVEL_STEP)) * LEVEL_STEP
     elif kind == "zipf":  # -s log(rank) over a random order of the vocabulary, plus noise
         rank = torch.rand(B, V, generator=g, device=dev).argsort(-1).float()
         z = -s * torch.log1p(rank) + 0.5 * torch.randn(B, V, generator=g, device=dev)
@@ -50,7 +57,7 @@ def logits_of(g, kind: str, B: int, V: int, s: float) -> torch.Tensor:
         z = torch.distributions.StudentT(3.0).sample((B, V)).to(dev) * s
     else:
         raise ValueError(kind)
-    return z.bfloat16()
+    return (z + offset if offset else z).bfloat16()
 
 
 def case(g, B: int, V: int, s: float, temp: float, k: int, p: float, bins: tuple = (), kind: str = "normal") -> dict:

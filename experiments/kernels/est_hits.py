@@ -4,12 +4,15 @@ evenly), under the Triton interpreter: the paths are logic, not timing, so they 
 tl.log's last bits in the estimate). Every cut is checked key for key against the torch reference
 (sampling.filter_cut).
 
-    python experiments/kernels/est_hits.py [--rows 16] [--baseline FILE] [--out DIR]
+    python experiments/kernels/est_hits.py [--rows 16] [--baseline FILE] [--cases magnitudes] [--out DIR]
 
 Rows (bf16, 151,936 columns, bench_topp_cut.logits_of on the CPU): normal(0, s) for s 1, 2, 4, zipf, three spikes
 over a flat row and student-t(3) at T 0.8 top-p 0.95; zipf also at T 1.0 top-p 0.99, the spikes at T 0.6 top-p 0.9
-and 0.99.
-Writes results/est_hits_interpreter.json.
+and 0.99. Writes results/est_hits_interpreter.json.
+--cases magnitudes: bf16 rows at the magnitudes of trained models' logits, whose bf16 spacing can exceed the
+window's EST_DMIN: normal(0, s) + offset for offsets 0, 8, 16, s 1 and 2, and "levels" rows (normal(0, 1) rounded
+to multiples of 0.25) + offset 0 and 16, each at T 0.8 and 1.0, top-p 0.95 and 0.99; the baseline is the product
+with the window's floor at EST_DMIN alone (EST_DTYPE_FLOOR off). Writes results/est_hits_magnitudes_interpreter.json.
 """
 
 from __future__ import annotations
@@ -37,42 +40,69 @@ from rlalign.kernels.triton import topp  # noqa: E402
 V = 151936
 
 
+STANDARD = [("normal", 1.0, 0.8, 0.95, 0.0), ("normal", 2.0, 0.8, 0.95, 0.0), ("normal", 4.0, 0.8, 0.95, 0.0),
+            ("zipf", 1.0, 0.8, 0.95, 0.0), ("zipf", 1.0, 1.0, 0.99, 0.0), ("spikes", 1.0, 0.8, 0.95, 0.0),
+            ("spikes", 1.0, 0.6, 0.9, 0.0), ("spikes", 1.0, 0.6, 0.99, 0.0), ("student_t", 1.0, 0.8, 0.95, 0.0)]
+MAGNITUDES = [(kind, s, temp, p, off) for kind, s, offs in (("normal", 1.0, (0.0, 8.0, 16.0)),
+                                                            ("normal", 2.0, (0.0, 8.0, 16.0)),
+                                                            ("levels", 1.0, (0.0, 16.0)))
+              for off in offs for temp in (0.8, 1.0) for p in (0.95, 0.99)]
+
+
+class FloorOff:
+    """topp's filter_cut with the window's floor at EST_DMIN alone (the dtype's spacing not applied)."""
+
+    def filter_cut(self, *args, **kw):
+        topp.EST_DTYPE_FLOOR = False
+        try:
+            return topp.filter_cut(*args, **kw)
+        finally:
+            topp.EST_DTYPE_FLOOR = True
+
+
+def _label(r: dict) -> str:
+    off = f" +{r['offset']:g}" if r["offset"] else ""
+    return f"{r['kind']} s{r['logit_scale']:g}{off} T{r['temperature']} p{r['top_p']}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--baseline", default=str(Path(__file__).resolve().parent / "topp_one_launch.py"))
+    ap.add_argument("--cases", choices=("standard", "magnitudes"), default="standard")
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
     torch.manual_seed(0)
-    cases = [("normal", 1.0, 0.8, 0.95), ("normal", 2.0, 0.8, 0.95), ("normal", 4.0, 0.8, 0.95),
-             ("zipf", 1.0, 0.8, 0.95), ("zipf", 1.0, 1.0, 0.99), ("spikes", 1.0, 0.8, 0.95), ("spikes", 1.0, 0.6, 0.9),
-             ("spikes", 1.0, 0.6, 0.99), ("student_t", 1.0, 0.8, 0.95)]
-    mods = {"product": topp, "baseline": load_baseline(a.baseline)}
+    magnitudes = a.cases == "magnitudes"
+    cases = MAGNITUDES if magnitudes else STANDARD
+    baseline = FloorOff() if magnitudes else load_baseline(a.baseline)
+    mods = {"product": topp, "baseline": baseline}
     out, t0 = [], time.time()
-    for kind, s, temp, p in cases:
-        z = logits_of(torch.Generator().manual_seed(len(out)), kind, a.rows, V, s)
+    for kind, s, temp, p, off in cases:
+        z = logits_of(torch.Generator().manual_seed(len(out)), kind, a.rows, V, s, off)
         scale = inverse_temperature(temp)
         ref = sampling.filter_cut(sampling.temper(z, scale), 0, p)
-        row = {"kind": kind, "logit_scale": s, "temperature": temp, "top_p": p, "rows": a.rows}
+        row = {"kind": kind, "logit_scale": s, "offset": off, "temperature": temp, "top_p": p, "rows": a.rows}
         for who, mod in mods.items():
             passes = torch.empty(a.rows, dtype=torch.int32)
             cut = mod.filter_cut(z, 0, p, scale, passes=passes)
             row[who] = {"cut_equal_reference": bool(torch.equal(cut, ref)),
                         "rows_by_passes": {str(int(n)): int(c) for n, c in zip(*passes.unique(return_counts=True))}}
         out.append(row)
-        print(kind, s, temp, p, {w: row[w] for w in mods}, f"{time.time() - t0:.0f} s", flush=True)
+        print(kind, s, off, temp, p, {w: row[w] for w in mods}, f"{time.time() - t0:.0f} s", flush=True)
     equal = all(r[w]["cut_equal_reference"] for r in out for w in mods)
     first = {w: sum(r[w]["rows_by_passes"].get("1", 0) for r in out) for w in mods}
     total = len(out) * a.rows
-    shows = "; ".join(f"{r['kind']} s{r['logit_scale']:g} T{r['temperature']} p{r['top_p']}: "
-                      f"{r['product']['rows_by_passes'].get('1', 0)} vs {r['baseline']['rows_by_passes'].get('1', 0)}"
-                      for r in out)
-    record.write("est_hits_interpreter", {
-        "cases": out, "baseline_file": a.baseline, "all_cuts_equal_reference": equal, "first_window_rows": first,
-        "rows": total,
+    shows = "; ".join(f"{_label(r)}: {r['product']['rows_by_passes'].get('1', 0)} vs "
+                      f"{r['baseline']['rows_by_passes'].get('1', 0)}" for r in out)
+    base = "the window's floor at EST_DMIN alone" if magnitudes else "the baseline"
+    record.write("est_hits_magnitudes_interpreter" if magnitudes else "est_hits_interpreter", {
+        "cases": out, "baseline_file": "topp.py with EST_DTYPE_FLOOR off" if magnitudes else a.baseline,
+        "all_cuts_equal_reference": equal, "first_window_rows": first, "rows": total,
         "what_it_shows": f"The top-p cut's first window held the cut in {first['product']} of {total} rows against "
-                         f"{first['baseline']} for the baseline (interpreter, 151,936 columns; per case, of "
+                         f"{first['baseline']} for {base} (interpreter, 151,936 columns; per case, of "
                          f"{a.rows}: {shows}); every cut equal to the torch reference: {equal}."}, a.out)
+
 
 if __name__ == "__main__":
     main()
