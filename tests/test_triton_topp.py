@@ -3,10 +3,12 @@ kept set, under the Triton interpreter on tiny rows: flat and peaked bf16 rows, 
 two temperatures, NaN / +-inf / all-equal / one-peak rows, a cut on a histogram bin's edge, V of 1, 7,
 1000 and 5000; NaNs of either sign at the k-th place (sampling.NAN_CUT); seeded adversarial rows (bin edges
 and their neighbours at 64 and 512 bins, tails of mass 0 to 3, ties at the k-th value, +-0, subnormals, +-1e30);
-a bound exactly a tie block's mass. Each under the estimated window's settings and under tiny windows (the cut
+a bound exactly a tie block's mass; the window floor's spacing of the input dtype's values (bf16 rows at +20, 0.125
+apart, keep the first window). Each under the estimated window's settings and under tiny windows (the cut
 found by adjacent windows, or by the exact bins), the paths taken counted. Negative twins: a wrong mass bound
 moves the cut; batch invariance; a negative NaN's own key as the cut keeps every value; a window of no width
-never holds the cut; spikes far above a flat row keep the first window only with the lane maxima's own masses."""
+never holds the cut; spikes far above a flat row keep the first window only with the lane maxima's own masses;
+coarse bf16 rows keep it only with the dtype's spacing in the floor."""
 
 from __future__ import annotations
 
@@ -22,18 +24,20 @@ from rlalign.kernels.triton import topp
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (EST_RANK, EST_DMIN, EST_RETRIES, PAIR_MAX): the product's window and key search; windows of no width (each
-# retry's window is its estimate alone: adjacent windows, then the exact bins); windows of no width and no retry
-# (the exact bins every time); the key search by levels alone, and by comparing every pair of the window's values
-WINDOWS = {"estimated": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, topp.PAIR_MAX),
-           "tiny": (0, 0.0, 2, topp.PAIR_MAX), "exact_bins": (0, 0.0, 0, topp.PAIR_MAX),
-           "levels": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, 0),
-           "pairs": (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, 1 << 20)}
+# (EST_RANK, EST_DMIN, EST_DTYPE_FLOOR, EST_RETRIES, PAIR_MAX): the product's window and key search; windows of no
+# width (each retry's window is its estimate alone: adjacent windows, then the exact bins); windows of no width and
+# no retry (the exact bins every time); the key search by levels alone, and by comparing every pair of the window's
+# values
+PRODUCT = (topp.EST_RANK, topp.EST_DMIN, topp.EST_DTYPE_FLOOR)
+WINDOWS = {"estimated": (*PRODUCT, topp.EST_RETRIES, topp.PAIR_MAX),
+           "tiny": (0, 0.0, False, 2, topp.PAIR_MAX), "exact_bins": (0, 0.0, False, 0, topp.PAIR_MAX),
+           "levels": (*PRODUCT, topp.EST_RETRIES, 0), "pairs": (*PRODUCT, topp.EST_RETRIES, 1 << 20)}
+WINDOW_NAMES = ("EST_RANK", "EST_DMIN", "EST_DTYPE_FLOOR", "EST_RETRIES", "PAIR_MAX")
 
 
 @pytest.fixture(params=list(WINDOWS))
 def window(request, monkeypatch):
-    for name, v in zip(("EST_RANK", "EST_DMIN", "EST_RETRIES", "PAIR_MAX"), WINDOWS[request.param]):
+    for name, v in zip(WINDOW_NAMES, WINDOWS[request.param]):
         monkeypatch.setattr(topp, name, v)
     return request.param
 
@@ -123,6 +127,70 @@ def test_spikes_far_above_the_row_keep_the_first_window(monkeypatch):
     assert (PASSES[-1] > 1).any(), PASSES[-1]
 
 
+@triton.jit
+def _spacing_kernel(x_ptr, out_ptr, scale, ULP: tl.constexpr):
+    """topp._spacing_at of each value x (tempered: x * scale) at distance 0 below it."""
+    i = tl.program_id(0)
+    zm = tl.load(x_ptr + i) * scale
+    tl.store(out_ptr + i, topp._spacing_at(0.0, zm, scale, ULP))
+
+
+def _spacing_of(x: torch.Tensor, ulp: float, scale: float) -> torch.Tensor:
+    out = torch.empty(len(x), dtype=torch.float32, device=DEV)
+    _spacing_kernel[(len(x),)](x.float().to(DEV), out, scale, ULP=ulp)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, torch.int16), (torch.float16, torch.int16),
+                                        (torch.float32, torch.int32)])
+def test_the_window_floor_is_the_distance_to_the_next_value(dtype, bits):
+    """_spacing_at of a value of the dtype (scale 1 and 2: the tempered value's raw one exact) is its distance to
+    the next value away from 0 (its bits + 1), times scale; 0 at 0 and at +-inf. The twin: the spacing of a
+    dtype with other mantissa bits differs."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, generator=g) * torch.logspace(-3, 4, 64)).to(dtype)
+    x = torch.cat([x, torch.tensor([1.0, -2.0, 16.0, 15.99, 20.0, -20.0], dtype=dtype)])
+    nxt = (x.view(bits) + 1).view(dtype).float()
+    for scale in (1.0, 2.0):
+        got = _spacing_of(x, topp.value_spacing(dtype), scale)
+        assert torch.equal(got, (nxt - x.float()).abs() * scale), (x, got)
+    assert torch.equal(_spacing_of(torch.tensor([0.0, float("inf"), float("-inf")]), 2 ** -7, 1.0), torch.zeros(3))
+    other = torch.float16 if dtype != torch.float16 else torch.bfloat16
+    assert not torch.equal(_spacing_of(x, topp.value_spacing(other), 1.0), (nxt - x.float()).abs())
+
+
+def _coarse_rows() -> torch.Tensor:
+    """bf16 normal(0, 1) + 20: values in [16, 32) are 0.125 apart, in [8, 16) 0.0625, both above EST_DMIN."""
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(8, 4000, generator=g) + 20.0).bfloat16().to(DEV)
+
+
+def _coarse_passes(monkeypatch) -> torch.Tensor:
+    """The window passes over _coarse_rows at T 1 and 0.8, top-p 0.9 and 0.95, the window's estimated ranks
+    scaled to the rows (EST_RANK 1024 of 151,936 columns: 27 of 4,000)."""
+    monkeypatch.setattr(topp, "EST_RANK", 27)
+    PASSES.clear()
+    for scale in (1.0, 1.25):
+        for top_p in (0.9, 0.95):
+            _check(_coarse_rows(), 0, top_p, scale)
+    return torch.cat(PASSES)
+
+
+def test_bf16_values_coarser_than_the_floor_keep_the_first_window(monkeypatch):
+    """The window's floor grows by the spacing of bf16's values at the estimate: every row's first window holds
+    its cut."""
+    got = _coarse_passes(monkeypatch)
+    assert (got == 1).all(), got
+
+
+def test_negative_twin_without_the_dtypes_spacing_coarse_rows_miss_the_first_window(monkeypatch):
+    """With the floor at EST_DMIN alone the window around the estimate can hold no value near the cut: some rows
+    take an adjacent window (the cut still the torch one)."""
+    monkeypatch.setattr(topp, "EST_DTYPE_FLOOR", False)
+    got = _coarse_passes(monkeypatch)
+    assert (got > 1).any(), got
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.5), (0, 0.3)])
 def test_edge_rows(top_k, top_p, window):
     _check(_edge_rows(), top_k, top_p, 1.25)
@@ -165,9 +233,8 @@ def test_negative_twin_a_wrong_mass_bound_moves_the_cut(monkeypatch):
     """Lower bounds above the true masses (every bin's low bound raised to its high one) make jb too
     small, so the cut's bin is never compacted: the cut differs from the torch one on some row (the exact bins
     forced: windows of no width and no retry)."""
-    monkeypatch.setattr(topp, "EST_RANK", 0)
-    monkeypatch.setattr(topp, "EST_DMIN", 0.0)
-    monkeypatch.setattr(topp, "EST_RETRIES", 0)
+    for name, v in zip(WINDOW_NAMES, WINDOWS["exact_bins"]):
+        monkeypatch.setattr(topp, name, v)
     z = _rows(4, 1000, 0)
     want = sampling.filter_cut(sampling.temper(z, 1.0), 0, 0.9)
     lo, hi = topp.mass_bounds(topp.CUT_BINS)

@@ -52,19 +52,22 @@ def row(rng: random.Random, g: torch.Generator, V: int) -> torch.Tensor:
     return z
 
 
+NAMES = ("EST_RANK", "EST_DMIN", "EST_DTYPE_FLOOR", "EST_RETRIES", "PAIR_MAX")
+
+
 def settings(rng: random.Random, name: str) -> tuple:
-    """(EST_RANK, EST_DMIN, EST_RETRIES, PAIR_MAX) of a setting."""
-    product = (topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES, topp.PAIR_MAX)
-    return {"product": product, "tiny": (0, 0.0, product[2], product[3]),
-            "small_one_retry": (rng.choice([1, 8, 64]), 0.0, 1, product[3]),
-            "levels": (product[0], product[1], product[2], 0)}[name]
+    """(EST_RANK, EST_DMIN, EST_DTYPE_FLOOR, EST_RETRIES, PAIR_MAX) of a setting."""
+    rank, dmin, floor, retries, pair = (getattr(topp, n) for n in NAMES)
+    return {"product": (rank, dmin, floor, retries, pair), "tiny": (0, 0.0, False, retries, pair),
+            "small_one_retry": (rng.choice([1, 8, 64]), 0.0, False, 1, pair),
+            "levels": (rank, dmin, floor, retries, 0)}[name]
 
 
 def main() -> None:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 600.0
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    names = ("EST_RANK", "EST_DMIN", "EST_RETRIES", "PAIR_MAX")
+    names = NAMES
     product = tuple(getattr(topp, n) for n in names)
     bad, rows, paths, t0 = 0, 0, {}, time.time()
     while time.time() - t0 < seconds:

@@ -10,9 +10,10 @@ passes of the first are not held to the searches' count):
          top-p  (after top-k: one pass for the estimate's counts over the values top-k kept.) The counts, the
                 lane maxima at their own masses and each bin's other values taken as spread evenly over it
                 (est_points), estimate the distance where the mass reaches top_p * Q and a window of d around it
-                (est_window). One pass sums each value's integer mass (sampling.top_p_mass, the same formula)
-                into Q and into the mass above the window, and compacts the window's values (window_pass). The
-                row's state is kept for the next launches.
+                (est_window: at least EST_DMIN plus the input dtype's spacing there each side). One pass sums each
+                value's integer mass (sampling.top_p_mass, the same formula) into Q and into the mass above the
+                window, and compacts the window's values (window_pass). The row's state is kept for the next
+                launches.
   search  where top_p * Q lies within the window's exact masses: the cut is among its values (key_search).
   retry   else up to EST_RETRIES adjacent windows (their edge's mass is exact), then the exact bins: per-bin
           mass bounds over NB bins narrow the cut to bins [ja, jb], whose values are compacted.
@@ -56,6 +57,10 @@ _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # probe_topp_window_h100.json), the window's half-width in estimated ranks (EST_RANK values each side of the
 # estimated cut, at least EST_DMIN in d), and the retries with an adjacent window before the exact bins
 EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
+# every window's least half-width EST_DMIN plus the spacing of the input dtype's values at its estimate (in d, the
+# spacing of the raw values times scale: bf16 in [16, 32) 0.125): over values that coarse the cut's value may lie a
+# spacing beyond the estimate, and EST_DMIN alone may hold no value at all
+EST_DTYPE_FLOOR = True
 # the estimate's bins span d + EST_SHIFT around an anchor in [0, D_RANGE + EST_SHIFT): in pass A the anchor is the
 # greatest of values sampled over the row, below the max by up to EST_SHIFT with the bins still whole
 EST_SHIFT = 8.0
@@ -70,6 +75,12 @@ def est_scale(ne: int) -> float:
     """fp32(ne / (D_RANGE + EST_SHIFT)): the estimate's bin of d' = anchor - z is int(fp32((d' + EST_SHIFT) *
     est_scale))."""
     return float(torch.tensor(ne / (D_RANGE + EST_SHIFT), dtype=torch.float32))
+
+
+def value_spacing(dtype: torch.dtype) -> float:
+    """The spacing of the dtype's values over the power of 2 at or below them, 2**-(mantissa bits): bf16 2**-7, fp16
+    2**-10, fp32 2**-23 (the kernels' values are fp32); 0 (no floor) when EST_DTYPE_FLOOR is off."""
+    return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) if EST_DTYPE_FLOOR else 0.0
 
 
 def bin_scale(nb: int) -> float:
@@ -475,11 +486,26 @@ def window_stats(buf, n, zm, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _est_window(dh, r_half, h, cn, off, idx, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN: tl.constexpr):
-    """(d_lo, d_hi) around the estimated cut distance dh: r_half estimated values each side, DMIN at least."""
+def _spacing_at(dh, zm, scale, ULP: tl.constexpr):
+    """The spacing in d of the input's values around distance dh: the raw value there, (zm - dh) / scale, its
+    power of 2 (its fp32 exponent bits kept) times ULP (value_spacing), times scale; 0 where that value is 0,
+    subnormal in fp32 or not finite."""
+    e = ((zm - dh) / scale).to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.where(e == 0x7F800000, 0.0, e.to(tl.float32, bitcast=True) * ULP * scale)
+
+
+@triton.jit
+def _est_window(dh, r_half, h, cn, off, idx, zm, scale, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN: tl.constexpr,
+                ULP: tl.constexpr):
+    """(d_lo, d_hi) around the estimated cut distance dh: r_half estimated values each side, at least DMIN (the
+    estimate's error over a continuum of values) plus, ULP > 0, the spacing of the input's values there
+    (_spacing_at: the nearest value to the estimate may be that far)."""
     r = _est_rank_at(dh, h, cn, off, idx, ESCALE, NE)
-    d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, off, idx, ESCALE, NE), dh - DMIN)
-    d_hi = tl.maximum(_est_d_at_rank(r + r_half, h, cn, off, idx, ESCALE, NE), dh + DMIN)
+    dmin = tl.full((), DMIN, tl.float32)
+    if ULP > 0:
+        dmin = dmin + _spacing_at(dh, zm, scale, ULP)
+    d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, off, idx, ESCALE, NE), dh - dmin)
+    d_hi = tl.maximum(_est_d_at_rank(r + r_half, h, cn, off, idx, ESCALE, NE), dh + dmin)
     return d_lo, d_hi
 
 
@@ -508,25 +534,26 @@ def est_spread(hist, off, NE: tl.constexpr, ESCALE: tl.constexpr):
 
 
 @triton.jit
-def est_window(hist, bm, top_p, off, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
-               DMIN: tl.constexpr):
+def est_window(hist, bm, top_p, off, zm, scale, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
+               DMIN: tl.constexpr, ULP: tl.constexpr):
     """The first window (d_lo, d_hi) around the distance where the estimated mass (bm per bin) reaches top_p * Q."""
     idx = tl.arange(0, NE)
     cm = tl.cumsum(bm, axis=0)
     dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), bm, cm, off, idx, ESCALE, NE)
-    return _est_window(dh, RANK * 1.0, hist.to(tl.float32), tl.cumsum(hist, axis=0), off, idx, ESCALE, NE, DMIN)
+    return _est_window(dh, RANK * 1.0, hist.to(tl.float32), tl.cumsum(hist, axis=0), off, idx, zm, scale, ESCALE, NE,
+                       DMIN, ULP)
 
 
 @triton.jit
 def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, bm, off, HAS_K: tl.constexpr,
                  SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
-                 BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+                 ULP: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The top-p cut's first window: counts over NE bins of d (hist, bin j spanning [off + j / ESCALE, off + (j + 1) /
     ESCALE)) and the bins' estimated masses bm estimate where the mass reaches top_p * Q; one exact pass sums Q and
     the mass above a window of d around that estimate, and compacts the window's values. (Q, the mass above the
     window, above it plus the window's, the window's count, its least key - 1, its greatest, d_lo, d_hi): the
     window holds the cut when above < top_p * Q <= upto."""
-    d_lo, d_hi = est_window(hist, bm, top_p, off, NE, ESCALE, RANK, DMIN)
+    d_lo, d_hi = est_window(hist, bm, top_p, off, zm, scale, NE, ESCALE, RANK, DMIN, ULP)
     tot, above, count = window_pass(x_row, w_row, cnt_row, scale, V, cut_k, zm, d_lo, d_hi, True, HAS_K, SCALED,
                                     SBLOCK)
     win, klo, khi = window_stats(w_row, count, zm, BLOCK)
@@ -536,7 +563,7 @@ def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, bm, of
 @triton.jit
 def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, bm, off, bound, above, upto,
                  d_lo, d_hi, HAS_K: tl.constexpr, SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr,
-                 NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
+                 NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, ULP: tl.constexpr,
                  RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
                  SBLOCK: tl.constexpr):
     """The top-p cut of a row whose first window (d_lo, d_hi], with the exact masses above it and up to its end,
@@ -561,7 +588,7 @@ def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, 
             gap = tl.where(deeper, bound - upto.to(tl.float64), bound - above.to(tl.float64))
             t = _est_mass_at(edge, bm, cm, off, idx, ESCALE, NE) + (gap * (1.0 / _MASS_SCALE)).to(tl.float32)
             dh = _est_d_at_mass(t, bm, cm, off, idx, ESCALE, NE)
-            w_lo, w_hi = _est_window(dh, r_half, h, cn, off, idx, ESCALE, NE, DMIN)
+            w_lo, w_hi = _est_window(dh, r_half, h, cn, off, idx, zm, scale, ESCALE, NE, DMIN, ULP)
             n_lo = tl.where(deeper, d_hi, tl.minimum(w_lo, d_lo))
             n_hi = tl.where(deeper, tl.maximum(w_hi, d_hi), d_lo)
             tl.debug_barrier()  # the work row and the counter are reused
@@ -596,8 +623,8 @@ _WINDOW_MISSED = tl.constexpr(WINDOW_MISSED)
 def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, pts_ptr,
                   scale, V, top_k, top_p_bits, SCALED: tl.constexpr, HIST: tl.constexpr, DO_K: tl.constexpr,
                   DO_P: tl.constexpr, NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
-                  DMIN: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr,
-                  BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+                  DMIN: tl.constexpr, ULP: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
+                  PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """A row's top-k cut, and for top-p its first window (window_first), the row's state kept for the search and
     retry kernels. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the torch
     search's answer there, the key of the row's max (torch's max of a row with a NaN is NaN: the canonical quiet
@@ -626,7 +653,7 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
             top_p = top_p_bits.to(tl.float64, bitcast=True)
             tot, above, upto, count, klo, khi, d_lo, d_hi = window_first(
                 x_row, w_row, cnt_ptr + row * (RETRIES + 1), scale, V, cut, zm, top_p, hist, bm, off, DO_K, SCALED,
-                NE, ESCALE, RANK, DMIN, BLOCK, SBLOCK)
+                NE, ESCALE, RANK, DMIN, ULP, BLOCK, SBLOCK)
             bound = tot.to(tl.float64) * top_p
             passes = tl.where((above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound), 1, _WINDOW_MISSED)
             s_row = state_ptr + row * _N_STATE
@@ -652,8 +679,9 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
 def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, bounds_ptr,
                    scale, V, top_p_bits, SEARCH: tl.constexpr, RETRY: tl.constexpr, HAS_K: tl.constexpr,
                    SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
-                   ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, RETRIES: tl.constexpr,
-                   WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+                   ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, ULP: tl.constexpr,
+                   RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
+                   SBLOCK: tl.constexpr):
     """After _first_kernel: SEARCH, the key search over the first window's values of the rows it holds the cut of;
     RETRY, window_retry for the rows it missed. Other rows return at once."""
     row = tl.program_id(0).to(tl.int64)
@@ -679,7 +707,7 @@ def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fst
                                        scale, V, tl.load(s_row + _S_CUTK), zm, top_p, hist, bm, tl.load(f_row + _F_OFF),
                                        bound, tl.load(s_row + _S_ABOVE), tl.load(s_row + _S_UPTO),
                                        tl.load(f_row + _F_DLO), tl.load(f_row + _F_DHI), HAS_K, SCALED, NB, BSCALE,
-                                       NE, ESCALE, RANK, DMIN, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
+                                       NE, ESCALE, RANK, DMIN, ULP, RETRIES, WAYS, PAIR, BLOCK, SBLOCK)
             tl.store(cut_ptr + row, cut)
             tl.store(passes_ptr + row, passes)
 
@@ -726,7 +754,8 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
     common_meta = dict(SCALED=scale != 1.0, NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=EST_RANK, DMIN=EST_DMIN,
-                       RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
+                       ULP=value_spacing(z.dtype), RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK,
+                       SBLOCK=CUT_STREAM, **opts)
     _first_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bm, points, scale, V, int(top_k),
                         top_p_bits, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, **common_meta)
     if do_p:
