@@ -172,3 +172,39 @@ def test_negative_twin_a_cut_one_key_higher_or_no_cut_gives_other_bits():
     assert (_bits(gumbel_argmax_logprobs(logits, SEED, ids, pos, scale, cut=cut + 1)[1]) != _bits(lp)).any()
     assert torch.equal(_bits(tempered_logprobs(logits, scale, tok, cut)), _bits(lp))  # the cut itself: equal
     assert not torch.equal(gumbel_argmax(logits, SEED, ids, pos, scale), tok)
+
+
+def _chunked_rows(vocab: int) -> torch.Tensor:
+    """bf16 rows over several draw chunks whose top lies in one chunk each (the first, a middle one, the last,
+    partial) or two far apart, and a row whose only NaN sits in a chunk of filtered values."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(5, vocab, generator=g)
+    for r, cols in enumerate(([3, 40, 500], [1500, 1700], [vocab - 2, vocab - 30], [10, vocab - 5], [2100, 2300])):
+        z[r, cols] += 12.0
+    z[4, 700] = float("nan")
+    return z.bfloat16().to(DEV)
+
+
+def test_chunks_the_cut_filtered_whole_draw_the_filtered_copys_bits():
+    """The draw skips the noise of chunks (DRAW_BLOCK columns) whose values the cut filtered whole; top-k 3 over
+    rows whose top lies in one or two chunks of seven: the tokens and logprobs of the filtered copy; the row whose
+    NaN sits among filtered values is still refused (a chunk holding a NaN is never skipped)."""
+    from rlalign.kernels.triton.sampling import DRAW_BLOCK
+
+    vocab = 3 * DRAW_BLOCK + 1700
+    z = _chunked_rows(vocab)
+    scale = kernels.inverse_temperature(0.8)
+    cut = filter_cut(z[:4], 3, 1.0, scale)
+    copy = sampling.filter_logits(kernels.temper(z[:4], scale), 3, 1.0)
+    ids, pos = _ids(4)
+    tok, lp = gumbel_argmax_logprobs(z[:4], SEED, ids, pos, scale, cut=cut)
+    tok0, lp0 = gumbel_argmax_logprobs(copy, SEED, ids, pos)
+    assert torch.equal(tok, tok0) and torch.equal(_bits(lp), _bits(lp0))
+    assert torch.equal(gumbel_argmax(z[:4], SEED, ids, pos, scale, cut=cut), tok0)
+    kept = torch.nn.functional.pad(torch.isfinite(copy), (0, -vocab % DRAW_BLOCK)).view(4, -1, DRAW_BLOCK)
+    assert kept.shape[1] == 7 and (kept.any(-1).sum(-1) <= 3).all()  # 4 to 6 of 7 chunks filtered whole
+    # twins: another seed draws other tokens among the kept ones; the NaN row is refused
+    assert not torch.equal(gumbel_argmax(z[:4], SEED + 1, ids, pos, scale, cut=cut), tok)
+    if DEV == "cpu":
+        with pytest.raises(RuntimeError, match="no finite maximum"):
+            gumbel_argmax(z[4:], SEED, ids[:1], pos[:1], scale, cut=filter_cut(z[4:], 3, 1.0, scale))

@@ -74,7 +74,8 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, seed
     LOGPROB: also the drawn token's logprob, logprob._logprob_fwd's bits: the row's max taken in the draw's
     pass, then logprob.row_lse (the trainer's sum, its BLOCK and loads) and the gather.
     CUT: the row's values filtered by its cut (common.apply_cut) in registers, every read (the draw's, the
-    sum's, the gather's): the bits the filtered fp32 copy holds."""
+    sum's, the gather's): the bits the filtered fp32 copy holds. A chunk whose values the cut filtered whole
+    draws no noise: -inf plus any noise is -inf, never taken (top-p over a peaked row keeps a few chunks)."""
     row = tl.program_id(0).to(tl.int64)
     cut = tl.zeros((), tl.int64)
     if CUT:
@@ -96,15 +97,20 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, seed
             z = apply_cut(z, cut)
         if LOGPROB:
             zmax = tl.maximum(zmax, z)
-        hv = mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
-        u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        g = -fo_log(-fo_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO)
-        x = tl.where(mask, z + g, float("-inf"))
-        nan = tl.maximum(nan, (x != x).to(tl.int32))
-        x = tl.where(x != x, float("-inf"), x)
-        take = x > best  # strictly greater: a lane keeps the first column of its maximum
-        best_i = tl.where(take, cols, best_i)
-        best = tl.where(take, x, best)
+        live = True
+        if CUT:  # a chunk the cut filtered whole (every value -inf) draws -inf in every lane: its noise is skipped
+            live = tl.max((z != float("-inf")).to(tl.int32), axis=0) > 0
+        if live:
+            hv = mix64(h ^ cols.to(tl.uint64), golden, mix1, mix2)
+            u = ((hv >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            g = -fo_log(-fo_log(u, SQRT2, C0, C1, C2, C3, C4, LN2_HI, LN2_LO), SQRT2, C0, C1, C2, C3, C4, LN2_HI,
+                        LN2_LO)
+            x = tl.where(mask, z + g, float("-inf"))
+            nan = tl.maximum(nan, (x != x).to(tl.int32))
+            x = tl.where(x != x, float("-inf"), x)
+            take = x > best  # strictly greater: a lane keeps the first column of its maximum
+            best_i = tl.where(take, cols, best_i)
+            best = tl.where(take, x, best)
     m = tl.max(best, axis=0)
     first = tl.min(tl.where(best == m, best_i, V), axis=0)
     tok = tl.where((tl.max(nan, axis=0) > 0) | (m == float("-inf")), V, first)
