@@ -3,7 +3,8 @@ over the window where it holds the cut; the retries where it missed), each launc
 profiler, against variants of the same code: the search and the retries in one launch (WINDOW_LAUNCHES), other
 warps and chunks (CUT_WARPS, CUT_STREAM), and optionally a
 baseline module (an older topp.py, e.g. the one-launch cut) loaded from a file. Every variant's cut is checked
-bit for bit against the product's.
+bit for bit against the product's. Beside it, the draw through the cut (whose chunks the cut filtered whole draw
+no noise) against the draw without a cut.
 
     python experiments/kernels/probe_topp_split.py [--rows 1024] [--baseline FILE] [--out DIR]
 
@@ -27,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 from bench_topp_cut import logits_of  # noqa: E402
 
-from rlalign.kernels import inverse_temperature  # noqa: E402
+from rlalign.kernels import inverse_temperature, sampling  # noqa: E402
 from rlalign.kernels.triton import common, topp  # noqa: E402
+from rlalign.kernels.triton import sampling as sampling_tr  # noqa: E402
 
 KNOBS = ("WINDOW_LAUNCHES", "CUT_WARPS", "CUT_STREAM")
 VARIANTS = {"one_window_launch": dict(WINDOW_LAUNCHES=((True, True),)),
@@ -70,6 +72,13 @@ def probe(z: torch.Tensor, temp: float, p: float, baseline) -> dict:
     cut, by_passes = passes_of(z, p, scale)
     res = {"cut_ms": triton.testing.do_bench(lambda: topp.filter_cut(z, 0, p, scale)), "rows_by_passes": by_passes,
            "kernels_ms": kernel_times(lambda: topp.filter_cut(z, 0, p, scale)), "variants": {}}
+    ids = torch.arange(z.shape[0], device=z.device)
+    # the draw through the cut (chunks the cut filtered whole draw no noise) against the draw without one
+    res["kept_chunks_frac"] = float(torch.nn.functional.pad(
+        sampling.order_keys(sampling.temper(z, scale)) >= cut[:, None], (0, -z.shape[1] % sampling_tr.DRAW_BLOCK))
+        .view(z.shape[0], -1, sampling_tr.DRAW_BLOCK).any(-1).float().mean())
+    res["draw_cut_ms"] = triton.testing.do_bench(lambda: sampling_tr.gumbel_argmax(z, 1, ids, ids, scale, cut=cut))
+    res["draw_plain_ms"] = triton.testing.do_bench(lambda: sampling_tr.gumbel_argmax(z, 1, ids, ids, scale))
     saved = {k: getattr(topp, k) for k in KNOBS}
     for name, knobs in VARIANTS.items():
         try:
@@ -110,13 +119,17 @@ def main() -> None:
              **probe(z, temp, p, baseline)}
         cases.append(r)
         print(kind, s, temp, p, f"cut {r['cut_ms']:.3f} ms", r["rows_by_passes"], r["kernels_ms"],
+              f"draw: cut {r['draw_cut_ms']:.3f} ms, plain {r['draw_plain_ms']:.3f}, chunks kept "
+              f"{r['kept_chunks_frac']:.2f}",
               {n: (round(v["cut_ms"], 3), v["cut_equal"], v["rows_by_passes"]) if "error" not in v else v["error"]
                for n, v in r["variants"].items()}, r.get("baseline", {}), flush=True)
     equal = all(v.get("cut_equal", False) for c in cases for v in [*c["variants"].values(), c.get("baseline", {})]
                 if v)
     shows = "; ".join(f"{c['kind']} s{c['logit_scale']:g} T{c['temperature']} p{c['top_p']}: cut {c['cut_ms']:.3f} ms"
                       + (f" (baseline {c['baseline']['cut_ms']:.3f})" if "baseline" in c else "")
-                      + f", rows by passes {c['rows_by_passes']}" for c in cases)
+                      + f", rows by passes {c['rows_by_passes']}, draw through the cut {c['draw_cut_ms']:.3f} ms "
+                      f"against {c['draw_plain_ms']:.3f} without ({c['kept_chunks_frac']:.2f} of chunks kept)"
+                      for c in cases)
     record.write(f"probe_topp_split_{record.gpu_tag()}", {
         "cases": cases, "baseline_file": a.baseline, "all_cuts_equal": equal,
         "what_it_shows": f"filter_cut's top-p launches at {a.rows} x {a.vocab} bf16 and its variants; every cut equal "
