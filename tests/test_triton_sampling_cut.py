@@ -19,7 +19,7 @@ from conftest import triton_filtered  # noqa: E402
 from rlalign import kernels  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
 from rlalign.kernels.triton.logprob import log_softmax_gather, tempered_logprobs  # noqa: E402
-from rlalign.kernels.triton.sampling import gumbel_argmax, gumbel_argmax_logprobs  # noqa: E402
+from rlalign.kernels.triton.sampling import DRAW_BLOCK, gumbel_argmax, gumbel_argmax_logprobs  # noqa: E402
 from rlalign.kernels.triton.topp import KEEP_ALL, filter_cut  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,8 +189,6 @@ def test_chunks_the_cut_filtered_whole_draw_the_filtered_copys_bits():
     """The draw skips the noise of chunks (DRAW_BLOCK columns) whose values the cut filtered whole; top-k 3 over
     rows whose top lies in one or two chunks of seven: the tokens and logprobs of the filtered copy; the row whose
     NaN sits among filtered values is still refused (a chunk holding a NaN is never skipped)."""
-    from rlalign.kernels.triton.sampling import DRAW_BLOCK
-
     vocab = 3 * DRAW_BLOCK + 1700
     z = _chunked_rows(vocab)
     scale = kernels.inverse_temperature(0.8)

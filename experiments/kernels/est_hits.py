@@ -53,11 +53,11 @@ class FloorOff:
     """topp's filter_cut with the window's floor at EST_DMIN alone (the dtype's spacing not applied)."""
 
     def filter_cut(self, *args, **kw):
-        topp.EST_DTYPE_FLOOR = False
+        floor, topp.EST_DTYPE_FLOOR = topp.EST_DTYPE_FLOOR, False
         try:
             return topp.filter_cut(*args, **kw)
         finally:
-            topp.EST_DTYPE_FLOOR = True
+            topp.EST_DTYPE_FLOOR = floor
 
 
 def _label(r: dict) -> str:

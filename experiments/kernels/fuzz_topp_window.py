@@ -67,8 +67,7 @@ def main() -> None:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 600.0
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    names = NAMES
-    product = tuple(getattr(topp, n) for n in names)
+    product = tuple(getattr(topp, n) for n in NAMES)
     bad, rows, paths, t0 = 0, 0, {}, time.time()
     while time.time() - t0 < seconds:
         V, B = rng.choice([64, 300, 1000, 5000, 20000]), rng.choice([1, 3])
@@ -78,14 +77,14 @@ def main() -> None:
         top_p = rng.choice([0.1, 0.5, 0.9, 0.95, 0.99, 0.999999])
         scale = rng.choice([1.0, 1.25, 1 / 0.6, 0.7])
         name = rng.choice(SETTINGS)
-        for n, v in zip(names, settings(rng, name)):
+        for n, v in zip(NAMES, settings(rng, name)):
             setattr(topp, n, v)
         try:
             want = sampling.filter_cut(sampling.temper(z, scale), top_k, top_p)
             passes = torch.empty(B, dtype=torch.int32)
             got = topp.filter_cut(z, top_k, top_p, scale, passes=passes)
         finally:
-            for n, v in zip(names, product):
+            for n, v in zip(NAMES, product):
                 setattr(topp, n, v)
         rows += B
         for p in passes.tolist():

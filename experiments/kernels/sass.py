@@ -38,7 +38,7 @@ OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 H100_SMS = 132
 
 
-class Launch:
+class CapturedLaunch:
     """One captured launch: the kernel, its arguments by name (tensors, scalars, constexprs) and its options."""
 
     def __init__(self, fn: JITFunction, args: tuple, kwargs: dict):
@@ -58,11 +58,13 @@ class Launch:
     def name(self) -> str:
         return self.fn.__name__
 
-    def source(self) -> ASTSource:
-        """The launch as triton's JIT would compile it: each non-constexpr argument specialised on its value."""
+    def source(self, args: dict | None = None) -> ASTSource:
+        """The launch (with `args` in place of its own) as triton's JIT would compile it: each non-constexpr
+        argument specialised on its value."""
+        args = self.args if args is None else args
         sig, constexprs, attrs = {}, {}, {}
         for i, p in enumerate(self.fn.params):
-            v = self.args[p.name]
+            v = args[p.name]
             if p.is_constexpr:
                 sig[p.name], constexprs[(i,)] = "constexpr", v
                 continue
@@ -77,13 +79,9 @@ class Launch:
 
     def compile(self, **override):
         """The launch compiled for sm_90; `override` replaces constexprs or options (a candidate config)."""
-        launch = self
-        if override:
-            launch = Launch.__new__(Launch)
-            launch.fn = self.fn
-            launch.options = {**self.options, **{k: v for k, v in override.items() if k in OPTIONS}}
-            launch.args = {**self.args, **{k: v for k, v in override.items() if k not in OPTIONS}}
-        return triton.compile(launch.source(), target=GPUTarget("cuda", 90, 32), options=dict(launch.options))
+        options = {**self.options, **{k: v for k, v in override.items() if k in OPTIONS}}
+        args = {**self.args, **{k: v for k, v in override.items() if k not in OPTIONS}}
+        return triton.compile(self.source(args), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @contextmanager
@@ -92,10 +90,10 @@ def captured(sms: int = H100_SMS):
     Launch plans (kernels/triton/common.Launch) go through the JIT path; the SM count the schedules read is `sms`."""
     from rlalign.kernels.triton import attention, common, gemm
 
-    out: list[Launch] = []
+    out: list[CapturedLaunch] = []
 
     def run(self, *args, grid, warmup, **kwargs):
-        out.append(Launch(self, args, kwargs))
+        out.append(CapturedLaunch(self, args, kwargs))
 
     def plan_call(self, *tensors):
         self.fn[self.grid](*tensors, *self.scalars, **self.meta)
@@ -110,17 +108,6 @@ def captured(sms: int = H100_SMS):
     finally:
         for p in reversed(patches):
             p.stop()
-
-
-def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
-    """fn compiled for sm_90 from hand-written argument types (no specialisation: see the module's docstring;
-    prefer a captured Launch), without FMA contraction."""
-    names = list(fn.arg_names)
-    sig = {n: types.get(n, "constexpr") for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
-                                                                              num_stages=num_stages,
-                                                                              enable_fp_fusion=False))
 
 
 def sass_stats(kernel) -> dict:
@@ -150,7 +137,7 @@ def sass_stats(kernel) -> dict:
                                                   for fam, p in FAMILIES.items()}, "loops": loops}
 
 
-def spec_of(launch: Launch) -> dict:
+def spec_of(launch: CapturedLaunch) -> dict:
     """The specialisation a launch compiles with: argument -> 'D' (divisible by 16), 'const' or ''."""
     src = launch.source()
     idx = {i: n for i, n in enumerate(launch.fn.arg_names)}
