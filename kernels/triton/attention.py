@@ -506,11 +506,64 @@ def _tickets(n: int, device) -> torch.Tensor:
 
 
 @triton.jit
+def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask, qk_scale,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Query block m0's terms of dK, dV (added in place of the running sums). MASKED=False only for blocks
+    where every (key, query) pair is valid (no row past T, every query at or past every key): no masks, no
+    where."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    qrow = (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :]
+    if MASKED:
+        qmask = rm < T
+        q = tl.load(q_ptr + qrow, mask=qmask[:, None], other=0.0)
+        do = tl.load(do_ptr + qrow, mask=qmask[:, None], other=0.0)
+        lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
+        delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
+    else:
+        q = tl.load(q_ptr + qrow)
+        do = tl.load(do_ptr + qrow)
+        lse = tl.load(lse_ptr + (s0 + rm) * H + h)
+        delta = tl.load(delta_ptr + (s0 + rm) * H + h)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    if UPCAST:
+        st = host_free_dot(k, tl.trans(q)) * qk_scale  # [BN, BM], log2 units
+    elif IEEE:
+        st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
+    else:
+        st = tl.dot(k, tl.trans(q)) * qk_scale
+    pt = tl.exp2(st - lse[None, :])
+    if MASKED:
+        pt = tl.where(kmask[:, None] & qmask[None, :] & (rn[:, None] <= rm[None, :]), pt, 0.0)
+    if UPCAST:
+        dv += host_free_dot(pt, do)
+        dpt = host_free_dot(v, tl.trans(do))
+    elif IEEE:
+        dv += tl.dot(pt, do, input_precision="ieee")
+        dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+    else:
+        dv += tl.dot(pt.to(do.dtype), do)
+        dpt = tl.dot(v, tl.trans(do))
+    dst = pt * (dpt - delta[None, :])
+    if UPCAST:
+        dk += host_free_dot(dst, q)
+    elif IEEE:
+        dk += tl.dot(dst, q, input_precision="ieee")
+    else:
+        dk += tl.dot(dst.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, work_ptr, H, scale, qk_scale,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Program (key block, kv head): dK, dV of its keys, summed over the G query heads and the query
-    blocks in order. It owns its output rows: no atomics."""
+    blocks in order. It owns its output rows: no atomics. A head's query blocks run in three loops, in
+    order: those the causal diagonal crosses (masked), the full ones (unmasked), the one past T (masked);
+    which loop a block takes depends on the sequence alone."""
     w = tl.program_id(0)
     hk = tl.program_id(1)
     s0 = tl.load(work_ptr + w * 3)
@@ -527,43 +580,23 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
         v = v.to(tl.float32)
     dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    m_lo = (n0 // BLOCK_M) * BLOCK_M
+    # full blocks: m0 >= the block's last key (causal) and m0 + BLOCK_M <= T, with every key < T
+    f_lo = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
+    f_hi = f_lo
+    if n0 + BLOCK_N <= T:
+        f_hi = tl.maximum(f_lo, (T // BLOCK_M) * BLOCK_M)
     for g in range(G):
         h = hk * G + g
-        for m0 in range((n0 // BLOCK_M) * BLOCK_M, T, BLOCK_M):
-            rm = m0 + tl.arange(0, BLOCK_M)
-            qmask = rm < T
-            q = tl.load(q_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], mask=qmask[:, None], other=0.0)
-            do = tl.load(do_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], mask=qmask[:, None],
-                         other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
-            delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
-            if UPCAST:
-                st = host_free_dot(k, tl.trans(q)) * qk_scale  # [BN, BM], log2 units
-            elif IEEE:
-                st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale  # [BN, BM], log2 units
-            else:
-                st = tl.dot(k, tl.trans(q)) * qk_scale
-            valid = kmask[:, None] & qmask[None, :] & (rn[:, None] <= rm[None, :])
-            pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
-            if UPCAST:
-                dv += host_free_dot(pt, do)
-                dpt = host_free_dot(v, tl.trans(do))
-            elif IEEE:
-                dv += tl.dot(pt, do, input_precision="ieee")
-                dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
-            else:
-                dv += tl.dot(pt.to(do.dtype), do)
-                dpt = tl.dot(v, tl.trans(do))
-            dst = pt * (dpt - delta[None, :])
-            if UPCAST:
-                dk += host_free_dot(dst, q)
-            elif IEEE:
-                dk += tl.dot(dst, q, input_precision="ieee")
-            else:
-                dk += tl.dot(dst.to(q.dtype), q)
+        for m0 in range(m_lo, f_lo, BLOCK_M):
+            dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask,
+                                 qk_scale, D, BLOCK_M, UPCAST, IEEE, True)
+        for m0 in range(f_lo, f_hi, BLOCK_M):
+            dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask,
+                                 qk_scale, D, BLOCK_M, UPCAST, IEEE, False)
+        for m0 in range(f_hi, T, BLOCK_M):
+            dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask,
+                                 qk_scale, D, BLOCK_M, UPCAST, IEEE, True)
     tl.store(dk_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
              mask=kmask[:, None])
     tl.store(dv_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], dv.to(dv_ptr.dtype.element_ty),
@@ -571,10 +604,50 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
 
 
 @triton.jit
+def _dq_block(q, do, dq, lse, delta, k_ptr, v_ptr, s0, T, n0, hk, Hk, rm, rd, qk_scale, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """Key block n0's term of dQ. MASKED=False only for blocks whose keys are all below T and at or before
+    every query of the block (a query row past T computes values that are never stored)."""
+    rn = n0 + tl.arange(0, BLOCK_N)
+    krow = (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :]
+    if MASKED:
+        kmask = rn < T
+        k = tl.load(k_ptr + krow, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + krow, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + krow)
+        v = tl.load(v_ptr + krow)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if UPCAST:
+        s = host_free_dot(q, tl.trans(k)) * qk_scale
+        dp = host_free_dot(do, tl.trans(v))
+    elif IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        dp = tl.dot(do, tl.trans(v))
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        p = tl.where((rm[:, None] < T) & kmask[None, :] & (rn[None, :] <= rm[:, None]), p, 0.0)
+    ds = p * (dp - delta[:, None])
+    if UPCAST:
+        dq += host_free_dot(ds, k)
+    elif IEEE:
+        dq += tl.dot(ds, k, input_precision="ieee")
+    else:
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_ptr, scale, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Program (query block, head): dQ over its keys in order."""
+    """Program (query block, head): dQ over its keys in order: the key blocks before the causal diagonal
+    (unmasked), then those it crosses (masked)."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     H = tl.num_programs(1)
@@ -594,32 +667,14 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, work_p
     lse = tl.load(lse_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
     delta = tl.load(delta_ptr + (s0 + rm) * H + h, mask=qmask, other=0.0)
     dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for n0 in range(0, tl.minimum(T, m0 + BLOCK_M), BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        kmask = rn < T
-        k = tl.load(k_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], mask=kmask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if UPCAST:
-            s = host_free_dot(q, tl.trans(k)) * qk_scale
-            dp = host_free_dot(do, tl.trans(v))
-        elif IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            dp = tl.dot(do, tl.trans(v))
-        valid = qmask[:, None] & kmask[None, :] & (rn[None, :] <= rm[:, None])
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if UPCAST:
-            dq += host_free_dot(ds, k)
-        elif IEEE:
-            dq += tl.dot(ds, k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+    n_hi = tl.minimum(T, m0 + BLOCK_M)
+    n_full = ((m0 + 1) // BLOCK_N) * BLOCK_N  # the blocks whose keys are all <= m0 (so below T)
+    for n0 in range(0, n_full, BLOCK_N):
+        dq = _dq_block(q, do, dq, lse, delta, k_ptr, v_ptr, s0, T, n0, hk, Hk, rm, rd, qk_scale, D, BLOCK_N, UPCAST,
+                       IEEE, False)
+    for n0 in range(n_full, n_hi, BLOCK_N):
+        dq = _dq_block(q, do, dq, lse, delta, k_ptr, v_ptr, s0, T, n0, hk, Hk, rm, rd, qk_scale, D, BLOCK_N, UPCAST,
+                       IEEE, True)
     tl.store(dq_ptr + (s0 + rm)[:, None] * (H * D) + h * D + rd[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
              mask=qmask[:, None])
 
