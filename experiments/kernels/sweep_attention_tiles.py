@@ -50,10 +50,9 @@ VARIANTS = {
     "bwd_dq64x64_w4": ({}, {"bwd_dq": dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=4)}),
     # sass_attention_sm90.json (the launches as specialised at run time): the pinned forward and decode do not
     # spill (248 / 224 registers); at 8 warps they take 159 / 142. Decode at 8 warps too, as a row's bits may
-    # follow the warps (its row sums cross warpgroups). The dK/dV kernel's query blocks run in three loops
-    # (diagonal masked, full unmasked, tail masked); at the pinned 32 x 64 none of the three spills, the spills
-    # (192 loads) sit in the head loop around them. 64 x 32 at 8 warps and 32 x 32 at 4 spill none, but their
-    # 32-key tiles are under wgmma's 64 rows: mma.sync
+    # follow the warps (its row sums cross warpgroups). The dK/dV kernel's (query block, head) pairs run in three
+    # flat loops (diagonal masked, full unmasked, tail masked): no spill at the pinned 32 x 64, nor at 64 x 64 or
+    # 32 x 128 on 8 warps. 64 x 32 at 8 warps and 32 x 32 at 4 take mma.sync (32-key tiles: under wgmma's 64 rows)
     "fwd_m64_w8": ({"prefill": dict(BLOCK_M=64, num_stages=3, num_warps=8), "decode_warps": 8}, {}),
     "fwd_m64_w8_prefill_only": ({"prefill": dict(BLOCK_M=64, num_stages=3, num_warps=8)}, {}),
     "bwd_kv64x32_w8": ({}, {"bwd": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8)}),
@@ -61,6 +60,8 @@ VARIANTS = {
     "bwd_kv32x32_w4": ({}, {"bwd": dict(BLOCK_M=32, BLOCK_N=32, num_stages=3, num_warps=4)}),
     "bwd_kv_s2": ({}, {"bwd": dict(BLOCK_M=32, BLOCK_N=64, num_stages=2, num_warps=4)}),
     "bwd_kv32x64_w8": ({}, {"bwd": dict(BLOCK_M=32, BLOCK_N=64, num_stages=3, num_warps=8)}),
+    "bwd_kv64x64_w8": ({}, {"bwd": dict(BLOCK_M=64, BLOCK_N=64, num_stages=3, num_warps=8)}),
+    "bwd_kv32x128_w8": ({}, {"bwd": dict(BLOCK_M=32, BLOCK_N=128, num_stages=3, num_warps=8)}),
     "all_w8": ({"prefill": dict(BLOCK_M=64, num_stages=3, num_warps=8), "decode_warps": 8},
                {"bwd": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8),
                 "bwd_dq": dict(BLOCK_M=64, BLOCK_N=32, num_stages=3, num_warps=8)}),

@@ -560,10 +560,11 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H
 def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, work_ptr, H, scale, qk_scale,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Program (key block, kv head): dK, dV of its keys, summed over the G query heads and the query
-    blocks in order. It owns its output rows: no atomics. A head's query blocks run in three loops, in
-    order: those the causal diagonal crosses (masked), the full ones (unmasked), the one past T (masked);
-    which loop a block takes depends on the sequence alone."""
+    """Program (key block, kv head): dK, dV of its keys, summed over the query blocks in order and, per
+    block, its G query heads in order. It owns its output rows: no atomics. The (block, head) pairs run in
+    three flat loops, in order: the blocks the causal diagonal crosses (masked), the full ones (unmasked),
+    the one past T (masked); which loop a block takes depends on the sequence alone. One loop per kind, not
+    a loop per head around them: the heads share the loop's pipeline (no prologue per head, no spills)."""
     w = tl.program_id(0)
     hk = tl.program_id(1)
     s0 = tl.load(work_ptr + w * 3)
@@ -586,17 +587,16 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
     f_hi = f_lo
     if n0 + BLOCK_N <= T:
         f_hi = tl.maximum(f_lo, (T // BLOCK_M) * BLOCK_M)
-    for g in range(G):
-        h = hk * G + g
-        for m0 in range(m_lo, f_lo, BLOCK_M):
-            dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask,
-                                 qk_scale, D, BLOCK_M, UPCAST, IEEE, True)
-        for m0 in range(f_lo, f_hi, BLOCK_M):
-            dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask,
-                                 qk_scale, D, BLOCK_M, UPCAST, IEEE, False)
-        for m0 in range(f_hi, T, BLOCK_M):
-            dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H, rn, rd, kmask,
-                                 qk_scale, D, BLOCK_M, UPCAST, IEEE, True)
+    # (query block, head) pairs, the heads of a block adjacent: one loop (one pipeline) per kind of block
+    for i in range(0, tl.cdiv(f_lo - m_lo, BLOCK_M) * G):
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m_lo + (i // G) * BLOCK_M,
+                             hk * G + i % G, H, rn, rd, kmask, qk_scale, D, BLOCK_M, UPCAST, IEEE, True)
+    for i in range(0, ((f_hi - f_lo) // BLOCK_M) * G):
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, f_lo + (i // G) * BLOCK_M,
+                             hk * G + i % G, H, rn, rd, kmask, qk_scale, D, BLOCK_M, UPCAST, IEEE, False)
+    for i in range(0, tl.cdiv(T - f_hi, BLOCK_M) * G):
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, f_hi + (i // G) * BLOCK_M,
+                             hk * G + i % G, H, rn, rd, kmask, qk_scale, D, BLOCK_M, UPCAST, IEEE, True)
     tl.store(dk_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
              mask=kmask[:, None])
     tl.store(dv_ptr + (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], dv.to(dv_ptr.dtype.element_ty),
