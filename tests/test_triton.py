@@ -44,6 +44,32 @@ def test_matmul_negative_twin_other_k_order_differs():
     assert not same_bits(tb.linear(x, w), tb.linear(x.flip(1), w.flip(1)))
 
 
+def _attn_grads(q, k, v, cu, go):
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    tb.attention_prefill(qq, kk, vv, cu, 0.25).backward(go)
+    return qq.grad, kk.grad, vv.grad
+
+
+def test_a_sequences_attention_gradients_do_not_depend_on_the_sequences_beside_it(monkeypatch):
+    # 45 keys: key blocks whose query blocks take the masked diagonal, the unmasked full and the masked tail loops
+    g = torch.Generator().manual_seed(5)
+    lens = (9, 45, 30)
+    N = sum(lens)
+    q, k, v = (torch.randn(N, h, 16, generator=g).to(DEV) for h in (4, 2, 2))
+    go = torch.randn(N, 4, 16, generator=g).to(DEV)
+    mid = slice(9, 54)
+    packed = _attn_grads(q, k, v, [0, 9, 54, N], go)
+    alone = _attn_grads(q[mid], k[mid], v[mid], [0, 45], go[mid])
+    assert all(same_bits(a[mid], b) for a, b in zip(packed, alone))
+    # twin: the same sequence with the backward's blocks another size sums in another order, and the check sees it
+    at = sys.modules[tb.attention_prefill.__module__]
+    cfg = at.ATTN_BWD[torch.float32] if DEV == "cuda" else at.INTERPRET_ATTN
+    monkeypatch.setitem(cfg, "bwd", dict(cfg["bwd"], BLOCK_M=cfg["bwd"]["BLOCK_M"] * 2))
+    monkeypatch.setitem(cfg, "bwd_dq", dict(cfg["bwd_dq"], BLOCK_N=cfg["bwd_dq"]["BLOCK_N"] * 2))
+    other = _attn_grads(q[mid], k[mid], v[mid], [0, 45], go[mid])
+    assert not any(same_bits(a, b) for a, b in zip(other, alone))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attention_decode_equals_prefill_and_backward(dtype):
     g = torch.Generator().manual_seed(2)
