@@ -67,7 +67,7 @@ def test_a_sequences_attention_gradients_do_not_depend_on_the_sequences_beside_i
     monkeypatch.setitem(cfg, "bwd", dict(cfg["bwd"], BLOCK_M=cfg["bwd"]["BLOCK_M"] * 2))
     monkeypatch.setitem(cfg, "bwd_dq", dict(cfg["bwd_dq"], BLOCK_N=cfg["bwd_dq"]["BLOCK_N"] * 2))
     other = _attn_grads(q[mid], k[mid], v[mid], [0, 45], go[mid])
-    assert not any(same_bits(a, b) for a, b in zip(other, alone))
+    assert not all(same_bits(a, b) for a, b in zip(other, alone))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -268,6 +268,8 @@ def test_embedding_backward_sums_each_tokens_rows_in_order_without_atomics():
     assert same_bits(tb.embedding(w, tok), w[tok])
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="its twin's fp32 rows reduce alike rolled on the GPU: the GPU's version "
+                    "is tests/gpu/test_triton_gpu.py::test_rmsnorm_rows_identical_in_any_batch")
 @pytest.mark.parametrize("D", [96, 2048])
 def test_rmsnorm_rows_are_the_same_bits_in_any_batch(D):
     # the forward holds fwd_config(D)["ROWS"] rows a program: a row alone, at any place in a tile or in a
@@ -477,6 +479,8 @@ def test_gemm_half_tail_tiles_change_no_bit():
         assert same == ([True] * 4 if cfg["BLOCK_K"] == base["BLOCK_K"] else [False] * 4), (cfg, same)
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="it sets the interpreter's configs: the GPU's version is "
+                    "tests/gpu/test_triton_gpu.py::test_gemm_tma_loads_keep_the_pointer_paths_bits")
 def test_gemm_tma_loads_change_no_bit(monkeypatch):
     # operands through tensor descriptors (a config's TMA key) read the same values into the same K chunks:
     # device counts, the host table, a plain matmul and a linear give the pointer path's bits, with rows past a
