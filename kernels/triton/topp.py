@@ -495,13 +495,13 @@ def _spacing_at(dh, zm, scale, ULP: tl.constexpr):
 
 
 @triton.jit
-def _est_window(dh, r_half, h, cn, off, idx, zm, scale, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN: tl.constexpr,
+def _est_window(dh, r_half, h, cn, off, idx, zm, scale, ESCALE: tl.constexpr, NE: tl.constexpr, DMIN,
                 ULP: tl.constexpr):
     """(d_lo, d_hi) around the estimated cut distance dh: r_half estimated values each side, at least DMIN (the
     estimate's error over a continuum of values) plus, ULP > 0, the spacing of the input's values there
     (_spacing_at: the nearest value to the estimate may be that far)."""
     r = _est_rank_at(dh, h, cn, off, idx, ESCALE, NE)
-    dmin = tl.full((), DMIN, tl.float32)
+    dmin = DMIN * 1.0
     if ULP > 0:
         dmin = dmin + _spacing_at(dh, zm, scale, ULP)
     d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, off, idx, ESCALE, NE), dh - dmin)
@@ -534,8 +534,8 @@ def est_spread(hist, off, NE: tl.constexpr, ESCALE: tl.constexpr):
 
 
 @triton.jit
-def est_window(hist, bm, top_p, off, zm, scale, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
-               DMIN: tl.constexpr, ULP: tl.constexpr):
+def est_window(hist, bm, top_p, off, zm, scale, NE: tl.constexpr, ESCALE: tl.constexpr, RANK,
+               DMIN, ULP: tl.constexpr):
     """The first window (d_lo, d_hi) around the distance where the estimated mass (bm per bin) reaches top_p * Q."""
     idx = tl.arange(0, NE)
     cm = tl.cumsum(bm, axis=0)
@@ -546,7 +546,7 @@ def est_window(hist, bm, top_p, off, zm, scale, NE: tl.constexpr, ESCALE: tl.con
 
 @triton.jit
 def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, bm, off, HAS_K: tl.constexpr,
-                 SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr,
+                 SCALED: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK, DMIN,
                  ULP: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """The top-p cut's first window: counts over NE bins of d (hist, bin j spanning [off + j / ESCALE, off + (j + 1) /
     ESCALE)) and the bins' estimated masses bm estimate where the mass reaches top_p * Q; one exact pass sums Q and
@@ -563,7 +563,7 @@ def window_first(x_row, w_row, cnt_row, scale, V, cut_k, zm, top_p, hist, bm, of
 @triton.jit
 def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, hist, bm, off, bound, above, upto,
                  d_lo, d_hi, HAS_K: tl.constexpr, SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr,
-                 NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, ULP: tl.constexpr,
+                 NE: tl.constexpr, ESCALE: tl.constexpr, RANK, DMIN, ULP: tl.constexpr,
                  RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
                  SBLOCK: tl.constexpr):
     """The top-p cut of a row whose first window (d_lo, d_hi], with the exact masses above it and up to its end,
@@ -622,8 +622,8 @@ _WINDOW_MISSED = tl.constexpr(WINDOW_MISSED)
 @triton.jit(do_not_specialize=["top_k", "top_p_bits"])
 def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, pts_ptr,
                   scale, V, top_k, top_p_bits, SCALED: tl.constexpr, HIST: tl.constexpr, DO_K: tl.constexpr,
-                  DO_P: tl.constexpr, NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK: tl.constexpr,
-                  DMIN: tl.constexpr, ULP: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
+                  DO_P: tl.constexpr, NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK,
+                  DMIN, ULP: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
                   PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """A row's top-k cut, and for top-p its first window (window_first), the row's state kept for the search and
     retry kernels. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the torch
@@ -679,7 +679,7 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
 def _window_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, bounds_ptr,
                    scale, V, top_p_bits, SEARCH: tl.constexpr, RETRY: tl.constexpr, HAS_K: tl.constexpr,
                    SCALED: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, NE: tl.constexpr,
-                   ESCALE: tl.constexpr, RANK: tl.constexpr, DMIN: tl.constexpr, ULP: tl.constexpr,
+                   ESCALE: tl.constexpr, RANK, DMIN, ULP: tl.constexpr,
                    RETRIES: tl.constexpr, WAYS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
                    SBLOCK: tl.constexpr):
     """After _first_kernel: SEARCH, the key search over the first window's values of the rows it holds the cut of;
@@ -753,9 +753,12 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
-    common_meta = dict(SCALED=scale != 1.0, NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=EST_RANK, DMIN=EST_DMIN,
-                       ULP=value_spacing(z.dtype), RETRIES=EST_RETRIES, WAYS=CUT_WAYS, PAIR=PAIR_MAX, BLOCK=CUT_BLOCK,
-                       SBLOCK=CUT_STREAM, **opts)
+    # the window's widths go in as fp32 arguments, not constants: every setting runs the kernel the product runs
+    # (compiled with both widths 0 as constants, the window kernel failed an assertion in Triton's coalescing pass
+    # on the GPU machine)
+    common_meta = dict(SCALED=scale != 1.0, NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=float(EST_RANK),
+                       DMIN=float(EST_DMIN), ULP=value_spacing(z.dtype), RETRIES=EST_RETRIES, WAYS=CUT_WAYS,
+                       PAIR=PAIR_MAX, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
     _first_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bm, points, scale, V, int(top_k),
                         top_p_bits, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, **common_meta)
     if do_p:
