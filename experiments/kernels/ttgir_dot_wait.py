@@ -34,6 +34,15 @@ BM, BN, D, KEYS = 64, 64, 128, 1024
 
 
 @triton.jit
+def _softmax_pv(s, v, m, lsum, acc):
+    """One block's online-softmax update and its PV product."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, lsum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _toy(q_ptr, k_ptr, v_ptr, o_ptr, n_keys, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
          PREFETCH: tl.constexpr, WS: tl.constexpr):
     """PREFETCH: the next block's QK^T before this block's softmax; WS: the loop a warp-specialised range."""
@@ -47,12 +56,7 @@ def _toy(q_ptr, k_ptr, v_ptr, o_ptr, n_keys, qk_scale, BM: tl.constexpr, BN: tl.
             k = tl.load(k_ptr + (j0 + rn)[:, None] * D + rd[None, :])
             v = tl.load(v_ptr + (j0 + rn)[:, None] * D + rd[None, :])
             s = tl.dot(q, tl.trans(k)) * qk_scale
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, lsum, acc = _softmax_pv(s, v, m, lsum, acc)
     else:
         s_next = tl.dot(q, tl.trans(tl.load(k_ptr + rn[:, None] * D + rd[None, :])))
         for j0 in tl.range(0, n_keys, BN, warp_specialize=WS):
@@ -61,12 +65,7 @@ def _toy(q_ptr, k_ptr, v_ptr, o_ptr, n_keys, qk_scale, BM: tl.constexpr, BN: tl.
             s = s_next * qk_scale
             s_next = s_raw
             v = tl.load(v_ptr + (j0 + rn)[:, None] * D + rd[None, :])
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, lsum, acc = _softmax_pv(s, v, m, lsum, acc)
     tl.store(o_ptr + rm[:, None] * D + rd[None, :], (acc / lsum[:, None]).to(o_ptr.dtype.element_ty))
 
 
