@@ -563,8 +563,9 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
     """Program (key block, kv head): dK, dV of its keys, summed over the query blocks in order and, per
     block, its G query heads in order. It owns its output rows: no atomics. The (block, head) pairs run in
     three flat loops, in order: the blocks the causal diagonal crosses (masked), the full ones (unmasked),
-    the one past T (masked); which loop a block takes depends on the sequence alone. One loop per kind, not
-    a loop per head around them: the heads share the loop's pipeline (no prologue per head, no spills)."""
+    the last one where it runs past T (masked); which loop a block takes depends on the sequence alone. One
+    loop per kind, not a loop per head around them: the heads share the loop's pipeline (no prologue per
+    head, no spills)."""
     w = tl.program_id(0)
     hk = tl.program_id(1)
     s0 = tl.load(work_ptr + w * 3)
