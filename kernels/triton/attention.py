@@ -67,6 +67,18 @@ SPLIT_PROGRAMS_PER_SM = 2  # two 96 KB bf16 programs fit an SM
 
 
 @triton.jit
+def _mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b in fp32, the one product of every attention kernel: the interpreter's host-free dot (UPCAST: both
+    operands already fp32), fp32 operands at IEEE precision, else bf16/fp16 tensor cores with a cast to b's dtype."""
+    if UPCAST:
+        return host_free_dot(a, b)
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
 def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.constexpr, MASKED: tl.constexpr):
     """The page of each key rn: a table load per key (NPRE 0), or picked with tl.gather from the NPRE
     table entries p_lo.. that the program loaded before its loop (`pages`). Masked keys may get any page:
@@ -116,24 +128,14 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    if UPCAST:
-        s = host_free_dot(q, tl.trans(k)) * qk_scale
-    elif IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = _mma(q, tl.trans(k), UPCAST, IEEE) * qk_scale
     if MASKED:
         s = tl.where(kmask[None, :] & (rn[None, :] <= qpos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if UPCAST:
-        acc = acc * alpha[:, None] + host_free_dot(p, v)
-    elif IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _mma(p, v, UPCAST, IEEE)
     return m_new, l_i, acc
 
 
@@ -528,31 +530,13 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, s0, T, m0, h, H
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    if UPCAST:
-        st = host_free_dot(k, tl.trans(q)) * qk_scale  # [BN, BM], log2 units
-    elif IEEE:
-        st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
-    else:
-        st = tl.dot(k, tl.trans(q)) * qk_scale
+    st = _mma(k, tl.trans(q), UPCAST, IEEE) * qk_scale  # [BN, BM], log2 units
     pt = tl.exp2(st - lse[None, :])
     if MASKED:
         pt = tl.where(kmask[:, None] & qmask[None, :] & (rn[:, None] <= rm[None, :]), pt, 0.0)
-    if UPCAST:
-        dv += host_free_dot(pt, do)
-        dpt = host_free_dot(v, tl.trans(do))
-    elif IEEE:
-        dv += tl.dot(pt, do, input_precision="ieee")
-        dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
-    else:
-        dv += tl.dot(pt.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))
-    dst = pt * (dpt - delta[None, :])
-    if UPCAST:
-        dk += host_free_dot(dst, q)
-    elif IEEE:
-        dk += tl.dot(dst, q, input_precision="ieee")
-    else:
-        dk += tl.dot(dst.to(q.dtype), q)
+    dv += _mma(pt, do, UPCAST, IEEE)
+    dst = pt * (_mma(v, tl.trans(do), UPCAST, IEEE) - delta[None, :])
+    dk += _mma(dst, q, UPCAST, IEEE)
     return dk, dv
 
 
@@ -621,25 +605,13 @@ def _dq_block(q, do, dq, lse, delta, k_ptr, v_ptr, s0, T, n0, hk, Hk, rm, rd, qk
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    if UPCAST:
-        s = host_free_dot(q, tl.trans(k)) * qk_scale
-        dp = host_free_dot(do, tl.trans(v))
-    elif IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        dp = tl.dot(do, tl.trans(v))
+    s = _mma(q, tl.trans(k), UPCAST, IEEE) * qk_scale
+    dp = _mma(do, tl.trans(v), UPCAST, IEEE)
     p = tl.exp2(s - lse[:, None])
     if MASKED:
         p = tl.where((rm[:, None] < T) & kmask[None, :] & (rn[None, :] <= rm[:, None]), p, 0.0)
     ds = p * (dp - delta[:, None])
-    if UPCAST:
-        dq += host_free_dot(ds, k)
-    elif IEEE:
-        dq += tl.dot(ds, k, input_precision="ieee")
-    else:
-        dq += tl.dot(ds.to(k.dtype), k)
+    dq += _mma(ds, k, UPCAST, IEEE)
     return dq
 
 
