@@ -501,7 +501,7 @@ def _est_window(dh, r_half, h, cn, off, idx, zm, scale, ESCALE: tl.constexpr, NE
     estimate's error over a continuum of values) plus, ULP > 0, the spacing of the input's values there
     (_spacing_at: the nearest value to the estimate may be that far)."""
     r = _est_rank_at(dh, h, cn, off, idx, ESCALE, NE)
-    dmin = DMIN * 1.0
+    dmin = DMIN
     if ULP > 0:
         dmin = dmin + _spacing_at(dh, zm, scale, ULP)
     d_lo = tl.minimum(_est_d_at_rank(r - r_half, h, cn, off, idx, ESCALE, NE), dh - dmin)
@@ -540,7 +540,7 @@ def est_window(hist, bm, top_p, off, zm, scale, NE: tl.constexpr, ESCALE: tl.con
     idx = tl.arange(0, NE)
     cm = tl.cumsum(bm, axis=0)
     dh = _est_d_at_mass(top_p.to(tl.float32) * tl.max(cm, axis=0), bm, cm, off, idx, ESCALE, NE)
-    return _est_window(dh, RANK * 1.0, hist.to(tl.float32), tl.cumsum(hist, axis=0), off, idx, zm, scale, ESCALE, NE,
+    return _est_window(dh, RANK, hist.to(tl.float32), tl.cumsum(hist, axis=0), off, idx, zm, scale, ESCALE, NE,
                        DMIN, ULP)
 
 
@@ -753,9 +753,8 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
-    # the window's widths go in as fp32 arguments, not constants: every setting runs the kernel the product runs
-    # (compiled with both widths 0 as constants, the window kernel failed an assertion in Triton's coalescing pass
-    # on the GPU machine)
+    # the window's widths (EST_RANK, EST_DMIN) are fp32 arguments, not constexprs: every setting a test or benchmark
+    # sweeps runs the kernel the product runs
     common_meta = dict(SCALED=scale != 1.0, NE=EST_BINS, ESCALE=est_scale(EST_BINS), RANK=float(EST_RANK),
                        DMIN=float(EST_DMIN), ULP=value_spacing(z.dtype), RETRIES=EST_RETRIES, WAYS=CUT_WAYS,
                        PAIR=PAIR_MAX, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
