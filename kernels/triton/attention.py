@@ -79,6 +79,21 @@ def _mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, offs, kmask, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """A block's keys and values at offs ([keys, D]); MASKED: keys outside kmask read as 0."""
+    if MASKED:
+        k = tl.load(k_ptr + offs, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + offs)
+        v = tl.load(v_ptr + offs)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _page_of(rn, kmask, bt_ptr, pages, p_lo, PAGE: tl.constexpr, NPRE: tl.constexpr, MASKED: tl.constexpr):
     """The page of each key rn: a table load per key (NPRE 0), or picked with tl.gather from the NPRE
     table entries p_lo.. that the program loaded before its loop (`pages`). Masked keys may get any page:
@@ -118,16 +133,7 @@ def _attn_block(q, k_ptr, v_ptr, kbase, bt_ptr, j0, n_keys, qpos, skp, skn, rd, 
             koff = kbase + page.to(tl.int64) * skp + (rn % PAGE) * skn
     else:
         koff = kbase + rn * skn
-    kp = koff[:, None] + rd[None, :]
-    if MASKED:
-        k = tl.load(k_ptr + kp, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + kp, mask=kmask[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptr + kp)
-        v = tl.load(v_ptr + kp)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _load_kv(k_ptr, v_ptr, koff[:, None] + rd[None, :], kmask, MASKED, UPCAST)
     s = _mma(q, tl.trans(k), UPCAST, IEEE) * qk_scale
     if MASKED:
         s = tl.where(kmask[None, :] & (rn[None, :] <= qpos[:, None]), s, float("-inf"))
@@ -594,17 +600,8 @@ def _dq_block(q, do, dq, lse, delta, k_ptr, v_ptr, s0, T, n0, hk, Hk, rm, rd, qk
     """Key block n0's term of dQ. MASKED=False only for blocks whose keys are all below T and at or before
     every query of the block (a query row past T computes values that are never stored)."""
     rn = n0 + tl.arange(0, BLOCK_N)
-    krow = (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :]
-    if MASKED:
-        kmask = rn < T
-        k = tl.load(k_ptr + krow, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + krow, mask=kmask[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptr + krow)
-        v = tl.load(v_ptr + krow)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    kmask = rn < T
+    k, v = _load_kv(k_ptr, v_ptr, (s0 + rn)[:, None] * (Hk * D) + hk * D + rd[None, :], kmask, MASKED, UPCAST)
     s = _mma(q, tl.trans(k), UPCAST, IEEE) * qk_scale
     dp = _mma(do, tl.trans(v), UPCAST, IEEE)
     p = tl.exp2(s - lse[:, None])
