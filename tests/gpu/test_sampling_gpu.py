@@ -47,10 +47,11 @@ def test_fused_draw_matches_the_claimed_distribution():
 
 @pytest.mark.parametrize("rows,vocab,scale,top_k,top_p", [(2048, 32000, 1.0, 0, 0.95), (512, 32000, 4.0, 20, 0.9),
                                                          (64, 151936, 1.0, 20, 0.9), (64, 151936, 3.0, 0, 0.95)])
-@pytest.mark.parametrize("window", [(topp.EST_RANK, topp.EST_DMIN, topp.EST_RETRIES), (0, 0.0, 2), (0, 0.0, 0)])
+@pytest.mark.parametrize("window", [(topp.EST_RANK, topp.EST_DMIN, topp.EST_DTYPE_FLOOR, topp.EST_RETRIES),
+                                    (0, 0.0, False, 2), (0, 0.0, False, 0)])
 def test_the_filter_kernel_keeps_the_torch_searchs_set_on_the_device(rows, vocab, scale, top_k, top_p, window,
                                                                      monkeypatch):
-    for name, v in zip(("EST_RANK", "EST_DMIN", "EST_RETRIES"), window):
+    for name, v in zip(("EST_RANK", "EST_DMIN", "EST_DTYPE_FLOOR", "EST_RETRIES"), window):
         monkeypatch.setattr(topp, name, v)
     g = torch.Generator().manual_seed(rows + vocab)
     z = ((torch.randn(rows, vocab, generator=g) * scale).bfloat16().float() / 0.8).cuda()  # bf16: ties
