@@ -597,7 +597,9 @@ def window_retry(x_row, w_row, cnt_row, bounds_ptr, scale, V, cut_k, zm, top_p, 
             win, klo, khi = window_stats(w_row, count, zm, BLOCK)
             above, upto = tl.where(deeper, upto, above - win), tl.where(deeper, upto + win, above)
             d_lo, d_hi = n_lo, n_hi
-    if (above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound):
+    # RETRIES 0: the first window missed (the only rows this runs for), no window holds the cut; no key search over
+    # an empty one is compiled
+    if (RETRIES > 0) & (above.to(tl.float64) < bound) & (upto.to(tl.float64) >= bound):
         cut = key_search(w_row, count, klo, khi, above, bound, zm, True, WAYS, PAIR, BLOCK, SBLOCK)
         passes = tries + 1
     else:
