@@ -1,9 +1,11 @@
 """Whether the product's Triton kernels compile for sm_90 with the GPU's Triton across the shapes a user's model
-brings, not only the benchmarks' ones: attention prefill (forward and backward) and paged decode over head dims,
-GQA ratios and dtypes, RMSNorm over hidden sizes, the linears and the experts' grouped GEMM over odd shapes, and the
-sampler's, logprob's and the cut's kernels over vocabulary sizes. No GPU: each call's launches are captured on CPU
-tensors and specialised as triton's JIT specialises them (sass.py), then compiled to a cubin. Triton 3.6's passes
-carry LLVM assertions, so a kernel that a newer Triton compiles can abort there (compile_topp_windows.py found one).
+brings, not only the benchmarks' ones: attention prefill (forward and backward) and paged decode over head dims, GQA
+ratios and dtypes, RMSNorm over hidden sizes, the linears and the experts' grouped GEMM over odd shapes, the
+sampler's, logprob's and the cut's kernels over vocabulary sizes, the default mode's split-KV decode, and a MoE
+layer's small kernels (router, dispatch, combine, qk-norm + rope into pages, rope, swiglu, embedding, AdamW). No
+GPU: each call's launches are captured on CPU tensors and specialised as triton's JIT specialises them (sass.py),
+then compiled to a cubin. Triton 3.6's passes carry LLVM assertions, so a kernel that a newer Triton compiles can
+abort there (compile_topp_windows.py found one).
 
     PYTHONPATH=. python experiments/kernels/compile_sweep.py [--quick] [--out DIR]
 
@@ -28,7 +30,20 @@ import record  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sass import captured, cpu_tensor  # noqa: E402
 
-from rlalign.kernels.triton import attention, gemm, logprob, norm, sampling, topp  # noqa: E402
+from rlalign.kernels.triton import (  # noqa: E402
+    attention,
+    dispatch,
+    elementwise,
+    embed,
+    gemm,
+    logprob,
+    moe,
+    norm,
+    optim,
+    sampling,
+    splitkv,
+    topp,
+)
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -105,6 +120,54 @@ def _sampler(V: int, dtype, op: str):
     return run
 
 
+def _decode_default(D: int, H: int, HK: int, dtype, page: int):
+    """The default kernels' split-KV paged decode (kernels.mode=default's engine)."""
+    def run():
+        rows, keys = 24, 200
+        pages = rows * -(-keys // page)
+        kp, vp = cpu_tensor(pages, page, HK, D, dtype=dtype), cpu_tensor(pages, page, HK, D, dtype=dtype)
+        table = torch.arange(pages, dtype=torch.int32).reshape(rows, -1)
+        splitkv.paged_decode(cpu_tensor(rows, H, D, dtype=dtype), kp, vp, table, torch.arange(rows, dtype=torch.int32),
+                             torch.full((rows,), keys - 1, dtype=torch.int32), D**-0.5)
+    return run
+
+
+def _layer_pieces(T: int, E: int, k: int, D: int, H: int, HK: int, HD: int, dtype):
+    """A MoE layer's small kernels: the router, dispatch and combine, qk-norm + rope (into pages), rope with its
+    backward, swiglu, the embedding's backward, AdamW and the gradient norm's sum of squares."""
+    def run():
+        logits = cpu_tensor(T, E, dtype=F32).requires_grad_()
+        w, ids = moe.moe_route(logits, k, True)
+        w.backward(torch.empty_like(w))
+        moe.moe_route(cpu_tensor(T, E, dtype=F32), k, False)
+        dispatch.moe_dispatch(torch.zeros(T * k, dtype=torch.long), E)
+        y = cpu_tensor(T, k, D, dtype=dtype).requires_grad_()
+        c = moe.moe_combine(y, cpu_tensor(T, k, dtype=F32).requires_grad_())
+        c.backward(torch.empty_like(c))
+        cos, sin = cpu_tensor(T, HD // 2, dtype=F32), cpu_tensor(T, HD // 2, dtype=F32)
+        q, kk = cpu_tensor(T, H, HD, dtype=dtype), cpu_tensor(T, HK, HD, dtype=dtype)
+        qw, kw = cpu_tensor(HD, dtype=dtype), cpu_tensor(HD, dtype=dtype)
+        elementwise.qk_norm_rope(q, kk, qw, kw, 1e-6, cos, sin)
+        kp, vp = cpu_tensor(T, 16, HK, HD, dtype=dtype), cpu_tensor(T, 16, HK, HD, dtype=dtype)
+        slots = torch.arange(T, dtype=torch.long)
+        elementwise.qk_norm_rope(q, kk, qw, kw, 1e-6, cos, sin, pages=(kp, vp, slots, cpu_tensor(T, HK, HD,
+                                                                                                 dtype=dtype)))
+        elementwise.paged_write(kp, vp, slots, kk, cpu_tensor(T, HK, HD, dtype=dtype))
+        r = elementwise.rope(cpu_tensor(T, H, HD, dtype=dtype).requires_grad_(), cos, sin)
+        r.backward(torch.empty_like(r))
+        g, u = cpu_tensor(T, D, dtype=dtype).requires_grad_(), cpu_tensor(T, D, dtype=dtype).requires_grad_()
+        s = elementwise.swiglu(g, u)
+        s.backward(torch.empty_like(s))
+        emb = cpu_tensor(1000, D, dtype=dtype).requires_grad_()
+        e = embed.embedding(emb, torch.zeros(T, dtype=torch.long))
+        e.backward(torch.empty_like(e))
+        n = 1000 * D
+        p, gr, m, v = (cpu_tensor(n, dtype=F32) for _ in range(4))
+        optim.adamw_(p, gr, m, v, cpu_tensor(8, dtype=F32), out=cpu_tensor(n, dtype=dtype))
+        optim.sum_of_squares(cpu_tensor(n, dtype=dtype))
+    return run
+
+
 def cases(quick: bool) -> dict:
     out = {}
     attn = [(128, 32, 8, BF16, 16), (64, 16, 16, BF16, 16), (128, 16, 2, BF16, 32), (256, 8, 8, BF16, 16),
@@ -125,6 +188,14 @@ def cases(quick: bool) -> dict:
                                                 (262144, BF16)]:
         for op in ("draw", "draw_cut", "logprob", "top_p", "top_k_top_p"):
             out[f"{op} V{V} {str(dt)[6:]}"] = _sampler(V, dt, op)
+    for D, H, HK, dt, page in [(128, 32, 8, BF16, 16)] if quick else [(128, 32, 8, BF16, 16),
+                                                                       (64, 16, 16, BF16, 32), (128, 8, 1, F32, 16)]:
+        out[f"split-KV decode D{D} H{H}/{HK} {str(dt)[6:]} page{page}"] = _decode_default(D, H, HK, dt, page)
+    pieces = [(77, 64, 8, 2048, 32, 4, 128, BF16), (5, 8, 2, 1000, 16, 16, 64, BF16), (33, 128, 8, 4096, 64, 4, 128,
+                                                                                         BF16)]
+    for T, E, k, D, H, HK, HD, dt in pieces[:1] if quick else pieces:
+        out[f"layer pieces T{T} E{E} top{k} D{D} heads {H}/{HK}x{HD} {str(dt)[6:]}"] = _layer_pieces(
+            T, E, k, D, H, HK, HD, dt)
     return out
 
 
