@@ -4,7 +4,8 @@ evenly), under the Triton interpreter: the paths are logic, not timing, so they 
 tl.log's last bits in the estimate). Every cut is checked key for key against the torch reference
 (sampling.filter_cut).
 
-    python experiments/kernels/est_hits.py [--rows 16] [--baseline FILE] [--cases magnitudes] [--out DIR]
+    python experiments/kernels/est_hits.py [--rows 16] [--baseline FILE | --baseline-rev REV] [--cases magnitudes]
+        [--name NAME] [--out DIR]
 
 Rows (bf16, 151,936 columns, bench_topp_cut.logits_of on the CPU): normal(0, s) for s 1, 2, 4, zipf, three spikes
 over a flat row and student-t(3) at T 0.8 top-p 0.95; zipf also at T 1.0 top-p 0.99, the spikes at T 0.6 top-p 0.9
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,9 +72,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--baseline", default=str(Path(__file__).resolve().parent / "topp_one_launch.py"))
+    ap.add_argument("--baseline-rev", default="", help="the baseline: kernels/triton/topp.py at this git revision")
     ap.add_argument("--cases", choices=("standard", "magnitudes"), default="standard")
+    ap.add_argument("--name", default="", help="the result's name (default by --cases)")
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
+    if a.baseline_rev:
+        src = subprocess.run(["git", "show", f"{a.baseline_rev}:kernels/triton/topp.py"], check=True,
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]).stdout
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(src)
+        a.baseline = f.name
     torch.manual_seed(0)
     magnitudes = a.cases == "magnitudes"
     cases = MAGNITUDES if magnitudes else STANDARD
@@ -96,8 +107,10 @@ def main() -> None:
     shows = "; ".join(f"{_label(r)}: {r['product']['rows_by_passes'].get('1', 0)} vs "
                       f"{r['baseline']['rows_by_passes'].get('1', 0)}" for r in out)
     base = "the window's floor at EST_DMIN alone" if magnitudes else "the baseline"
-    record.write("est_hits_magnitudes_interpreter" if magnitudes else "est_hits_interpreter", {
-        "cases": out, "baseline_file": "topp.py with EST_DTYPE_FLOOR off" if magnitudes else a.baseline,
+    name = a.name or ("est_hits_magnitudes_interpreter" if magnitudes else "est_hits_interpreter")
+    baseline_file = f"kernels/triton/topp.py at {a.baseline_rev}" if a.baseline_rev else a.baseline
+    record.write(name, {
+        "cases": out, "baseline_file": "topp.py with EST_DTYPE_FLOOR off" if magnitudes else baseline_file,
         "all_cuts_equal_reference": equal, "first_window_rows": first, "rows": total,
         "what_it_shows": f"The top-p cut's first window held the cut in {first['product']} of {total} rows against "
                          f"{first['baseline']} for {base} (interpreter, 151,936 columns; per case, of "
