@@ -106,9 +106,23 @@ def test_each_window_setting_takes_its_paths(window):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.5), (0, 0.3)])
 @triton.jit
-def _spread_only(pts_row, zl, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
+def _spread_only(pts_row, zl, zc, every, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
     """The estimate with every bin's counted values spread evenly (no lane maxima at their own masses)."""
-    return topp.est_spread(hist, off, NE, ESCALE)
+    return topp.est_spread(hist * every, off, NE, ESCALE), hist * every
+
+
+@triton.jit
+def _clamped(pts_row, zl, zc, every, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
+    """The estimate with each bin's other values taken as its counts times `every` less all its lane maxima,
+    clamped at 0 (not less the lane maxima met in the counted chunks)."""
+    idx = tl.arange(0, NE)
+    b, inb = topp._anchor_bin(zl, anchor, ESCALE, NE)
+    tl.atomic_add(pts_row + b, (tl.exp(tl.minimum(zl - zm, 0.0)) * 1048576.0).to(tl.int32), mask=inb, sem="relaxed")
+    tl.atomic_add(pts_row + NE + b, 1, mask=inb, sem="relaxed")
+    tl.debug_barrier()
+    pm = tl.atomic_add(pts_row + idx, tl.zeros((NE,), tl.int32), sem="relaxed").to(tl.float32) * (1.0 / 1048576.0)
+    pn = tl.atomic_add(pts_row + NE + idx, tl.zeros((NE,), tl.int32), sem="relaxed")
+    return topp.est_spread(tl.maximum(hist * every - pn, 0), off, NE, ESCALE) + pm, hist * every
 
 
 def test_spikes_far_above_the_row_keep_the_first_window(monkeypatch):
@@ -124,6 +138,21 @@ def test_spikes_far_above_the_row_keep_the_first_window(monkeypatch):
     assert (PASSES[-1] == 1).all(), PASSES[-1]
     monkeypatch.setattr(topp, "est_points", _spread_only)
     _check(z, 0, 0.9, 1 / 0.6)
+    assert (PASSES[-1] > 1).any(), PASSES[-1]
+
+
+def test_counts_over_every_sth_chunk_keep_the_first_window(monkeypatch):
+    """Pass A counts the estimate's bins over every 7th chunk (EST_CHUNKS 8 of 59 chunks): the others in a bin,
+    its counts less the lane maxima met in those chunks, times 7, keep every row's cut in the first window
+    (normal(0, 2) rows, T 0.8, p 0.95). The twin: the counts times 7 less all the lane maxima, clamped at 0,
+    overstate the top bins' mass and miss in some rows."""
+    monkeypatch.setattr(topp, "EST_CHUNKS", 8)
+    z = (torch.randn(8, 60000, generator=torch.Generator().manual_seed(1)) * 2.0).bfloat16().to(DEV)
+    PASSES.clear()
+    _check(z, 0, 0.95, 1.25)
+    assert (PASSES[-1] == 1).all(), PASSES[-1]
+    monkeypatch.setattr(topp, "est_points", _clamped)
+    _check(z, 0, 0.95, 1.25)
     assert (PASSES[-1] > 1).any(), PASSES[-1]
 
 

@@ -4,7 +4,7 @@ common.upcast_scaled). One program per row, in up to three launches (each with i
 passes of the first are not held to the searches' count):
   first  A  one pass: the row's greatest value zm (NaN aside), whether it has a NaN; for top-k its least and
             greatest keys; for top-p without top-k also the estimate's counts of values per bin of d = zm - z
-            and each lane's greatest value (row_stats).
+            over every s-th chunk of the row, and each lane's greatest value and its chunk (row_stats).
          top-k  one pass: a histogram of counts over NB bins of keys (kmax - key) >> shift: the bin of the k-th
                 largest key is exact; one pass compacts that bin into the row's work buffer.
          top-p  (after top-k: one pass for the estimate's counts over the values top-k kept.) The counts, the
@@ -57,6 +57,9 @@ _PAIR_TI, _PAIR_TJ = tl.constexpr(PAIR_TI), tl.constexpr(PAIR_TJ)
 # probe_topp_window_h100.json), the window's half-width in estimated ranks (EST_RANK values each side of the
 # estimated cut, at least EST_DMIN in d), and the retries with an adjacent window before the exact bins
 EST_BINS, EST_RANK, EST_DMIN, EST_RETRIES = 128, 1024, 0.03, 2
+# pass A counts the estimate's bins over every s-th chunk of the row, s = max(chunks // EST_CHUNKS, 1) (4 at
+# 151,936 columns): tl.histogram is ~210 of the pass's ~280 instructions a chunk (sm_90); the lane maxima stay exact
+EST_CHUNKS = 32
 # every window's least half-width EST_DMIN plus the spacing of the input dtype's values at its estimate (in d, the
 # spacing of the raw values times scale: bf16 in [16, 32) 0.125): over values that coarse the cut's value may lie a
 # spacing beyond the estimate, and EST_DMIN alone may hold no value at all
@@ -226,18 +229,22 @@ def _anchor_bin(z, anchor, ESCALE: tl.constexpr, NE: tl.constexpr):
 
 @triton.jit
 def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: tl.constexpr, NE: tl.constexpr,
-              ESCALE: tl.constexpr, SBLOCK: tl.constexpr):
+              ESCALE: tl.constexpr, NCHUNK: tl.constexpr, SBLOCK: tl.constexpr):
     """Pass A: the greatest non-NaN value, whether a NaN is present; KEYS: the least and greatest keys (else the
     int32 extremes, unread);
     HIST: also the top-p estimate's counts per bin around an anchor (the greatest of SBLOCK values strided over
-    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset), else zeros
-    and 0; and each lane's greatest non-NaN value (lane l: columns l, l + SBLOCK, ...; -inf for none)."""
+    the row, 0 when that is not finite: the bins' offset from d's follows from the max, est_offset) of the
+    values in every s-th chunk (s = max(chunks // NCHUNK, 1), chunks 0, s, 2s, ...), else zeros and 0; each lane's
+    greatest non-NaN value (lane l: columns l, l + SBLOCK, ...; -inf for none) and the chunk it is first met in;
+    and s."""
     kmax = tl.full((SBLOCK,), -2147483648, tl.int32)
     kmin = tl.full((SBLOCK,), 2147483647, tl.int32)
     zmax = tl.full((SBLOCK,), float("-inf"), tl.float32)
     nan = tl.zeros((SBLOCK,), tl.int32)
     hist = tl.zeros((NE,), tl.int32)
     anchor = tl.zeros((), tl.float32)
+    zc = tl.zeros((SBLOCK,), tl.int32)
+    every = tl.maximum(tl.cdiv(V, SBLOCK) // NCHUNK, 1)
     if HIST:
         cs = tl.arange(0, SBLOCK) * tl.maximum(V // SBLOCK, 1)
         zs = upcast_scaled(tl.load(x_row + cs, mask=cs < V, other=float("-inf")), scale, SCALED)
@@ -249,12 +256,16 @@ def row_stats(x_row, scale, V, SCALED: tl.constexpr, HIST: tl.constexpr, KEYS: t
             key = order_key(z)
             kmax = tl.where(mask, tl.maximum(kmax, key), kmax)
             kmin = tl.where(mask, tl.minimum(kmin, key), kmin)
-        zmax = tl.maximum(zmax, tl.where(z == z, z, float("-inf")))
+        zok = tl.where(z == z, z, float("-inf"))
+        zc = tl.where(zok > zmax, v0 // SBLOCK, zc)
+        zmax = tl.maximum(zmax, zok)
         nan = tl.maximum(nan, (z != z).to(tl.int32))
         if HIST:
-            b, inb = _anchor_bin(z, anchor, ESCALE, NE)
-            hist += tl.histogram(b, NE, mask=inb & mask)
-    return tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist, anchor, zmax
+            if (v0 // SBLOCK) % every == 0:
+                b, inb = _anchor_bin(z, anchor, ESCALE, NE)
+                hist += tl.histogram(b, NE, mask=inb & mask)
+    return (tl.max(zmax, axis=0), tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.max(nan, axis=0), hist, anchor,
+            zmax, zc, every)
 
 
 @triton.jit
@@ -510,20 +521,25 @@ def _est_window(dh, r_half, h, cn, off, idx, zm, scale, ESCALE: tl.constexpr, NE
 
 
 @triton.jit
-def est_points(pts_row, zl, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
+def est_points(pts_row, zl, zc, every, anchor, zm, hist, off, ESCALE: tl.constexpr, NE: tl.constexpr):
     """Each bin's estimated mass (the max's = 1; bin j spanning [off + j / ESCALE, off + (j + 1) / ESCALE) of d) with
     the row's lane maxima zl (a lane's greatest value: exact values of the row, most of its top) at their own
-    masses and the bin's other counted values spread evenly over it. The lane maxima's masses (in fixed point,
-    2**-20) and counts are summed per bin by integer atomics into pts_row (2 * NE zeros): any order, the same
-    sums."""
+    masses and the bin's other values spread evenly over it, and each bin's estimated count. hist counts the
+    values of every `every`-th chunk (row_stats); the lane maxima met in those chunks (zc, each one's chunk) are
+    among them, so the others there are hist less those, exactly, and stand for `every` times as many. The lane
+    maxima's masses (in fixed point, 2**-20), counts and counts in the counted chunks are summed per bin by integer
+    atomics into pts_row (3 * NE zeros): any order, the same sums. (masses, counts) per bin."""
     idx = tl.arange(0, NE)
     b, inb = _anchor_bin(zl, anchor, ESCALE, NE)
     tl.atomic_add(pts_row + b, (tl.exp(tl.minimum(zl - zm, 0.0)) * 1048576.0).to(tl.int32), mask=inb, sem="relaxed")
     tl.atomic_add(pts_row + NE + b, 1, mask=inb, sem="relaxed")
+    tl.atomic_add(pts_row + 2 * NE + b, 1, mask=inb & (zc % every == 0), sem="relaxed")
     tl.debug_barrier()  # every lane's sum is in before the bins are read
     pm = tl.atomic_add(pts_row + idx, tl.zeros((NE,), tl.int32), sem="relaxed").to(tl.float32) * (1.0 / 1048576.0)
     pn = tl.atomic_add(pts_row + NE + idx, tl.zeros((NE,), tl.int32), sem="relaxed")
-    return est_spread(tl.maximum(hist - pn, 0), off, NE, ESCALE) + pm
+    ps = tl.atomic_add(pts_row + 2 * NE + idx, tl.zeros((NE,), tl.int32), sem="relaxed")
+    others = tl.maximum(hist - ps, 0) * every
+    return est_spread(others, off, NE, ESCALE) + pm, others + pn
 
 
 @triton.jit
@@ -625,7 +641,7 @@ _WINDOW_MISSED = tl.constexpr(WINDOW_MISSED)
 def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fstate_ptr, hist_ptr, bm_ptr, pts_ptr,
                   scale, V, top_k, top_p_bits, SCALED: tl.constexpr, HIST: tl.constexpr, DO_K: tl.constexpr,
                   DO_P: tl.constexpr, NB: tl.constexpr, NE: tl.constexpr, ESCALE: tl.constexpr, RANK,
-                  DMIN, ULP: tl.constexpr, RETRIES: tl.constexpr, WAYS: tl.constexpr,
+                  DMIN, ULP: tl.constexpr, RETRIES: tl.constexpr, NCHUNK: tl.constexpr, WAYS: tl.constexpr,
                   PAIR: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
     """A row's top-k cut, and for top-p its first window (window_first), the row's state kept for the search and
     retry kernels. Top-p over a row whose masses are all 0 (its max +inf or -inf) or holding a NaN: the torch
@@ -634,7 +650,8 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
     row = tl.program_id(0).to(tl.int64)
     x_row = z_ptr + row * V
     w_row = work_ptr + row * V
-    zm, kmin, kmax, nan, hist, anchor, zl = row_stats(x_row, scale, V, SCALED, HIST, DO_K, NE, ESCALE, SBLOCK)
+    zm, kmin, kmax, nan, hist, anchor, zl, zc, every = row_stats(x_row, scale, V, SCALED, HIST, DO_K, NE, ESCALE,
+                                                                  NCHUNK, SBLOCK)
     cut = tl.full((), _KEEP_ALL, tl.int64)
     passes = tl.zeros((), tl.int32)
     if DO_K:
@@ -651,7 +668,7 @@ def _first_kernel(z_ptr, work_ptr, cnt_ptr, cut_ptr, passes_ptr, state_ptr, fsta
                 bm = est_spread(hist, off, NE, ESCALE)
             else:  # the lane maxima at their own masses
                 off = est_offset(zm, anchor)
-                bm = est_points(pts_ptr + row * 2 * NE, zl, anchor, zm, hist, off, ESCALE, NE)
+                bm, hist = est_points(pts_ptr + row * 3 * NE, zl, zc, every, anchor, zm, hist, off, ESCALE, NE)
             top_p = top_p_bits.to(tl.float64, bitcast=True)
             tot, above, upto, count, klo, khi, d_lo, d_hi = window_first(
                 x_row, w_row, cnt_ptr + row * (RETRIES + 1), scale, V, cut, zm, top_p, hist, bm, off, DO_K, SCALED,
@@ -751,7 +768,7 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     fstate = torch.empty(B, N_FSTATE, dtype=torch.float32, device=dev)
     hist = torch.empty(B, EST_BINS, dtype=torch.int32, device=dev)
     bm = torch.empty(B, EST_BINS, dtype=torch.float32, device=dev)
-    points = torch.zeros(B, 2, EST_BINS, dtype=torch.int32, device=dev)  # the lane maxima's masses and counts per bin
+    points = torch.zeros(B, 3, EST_BINS, dtype=torch.int32, device=dev)  # the lane maxima's masses and counts per bin
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
@@ -761,7 +778,8 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
                        DMIN=float(EST_DMIN), ULP=value_spacing(z.dtype), RETRIES=EST_RETRIES, WAYS=CUT_WAYS,
                        PAIR=PAIR_MAX, BLOCK=CUT_BLOCK, SBLOCK=CUT_STREAM, **opts)
     _first_kernel[(B,)](z, work, counters, cut, row_passes, state, fstate, hist, bm, points, scale, V, int(top_k),
-                        top_p_bits, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, **common_meta)
+                        top_p_bits, HIST=do_p and not do_k, DO_K=do_k, DO_P=do_p, NB=nb, NCHUNK=EST_CHUNKS,
+                        **common_meta)
     if do_p:
         bounds = work_table(("topp_mass_bounds", nb), lambda: (list(mass_bounds(nb)), torch.long), dev)
         for search, retry in WINDOW_LAUNCHES:
