@@ -768,7 +768,8 @@ def filter_cut(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: float
     fstate = torch.empty(B, N_FSTATE, dtype=torch.float32, device=dev)
     hist = torch.empty(B, EST_BINS, dtype=torch.int32, device=dev)
     bm = torch.empty(B, EST_BINS, dtype=torch.float32, device=dev)
-    points = torch.zeros(B, 3, EST_BINS, dtype=torch.int32, device=dev)  # the lane maxima's masses and counts per bin
+    # the lane maxima's masses, counts and counts in pass A's counted chunks, per bin
+    points = torch.zeros(B, 3, EST_BINS, dtype=torch.int32, device=dev)
     nb = CUT_BINS  # a module constant (a benchmark may sweep it)
     top_p_bits = struct.unpack("<q", struct.pack("<d", top_p))[0]
     opts = {} if INTERPRET else dict(enable_fp_fusion=False, num_warps=CUT_WARPS)
