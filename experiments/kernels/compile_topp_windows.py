@@ -14,9 +14,7 @@ Writes results/compile_topp_windows_sm90.json: per module, setting and launch, "
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import triton
@@ -25,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: re
 import record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_topp_split import load_baseline  # noqa: E402
+from probe_topp_split import load_baseline, topp_at  # noqa: E402
 from sass import captured, cpu_tensor  # noqa: E402
 
 from rlalign.kernels.triton import topp  # noqa: E402
@@ -71,11 +69,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
     if a.baseline_rev:
-        src = subprocess.run(["git", "show", f"{a.baseline_rev}:kernels/triton/topp.py"], check=True,
-                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]).stdout
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(src)
-        a.baseline = f.name
+        a.baseline = topp_at(a.baseline_rev)
     mods = [("product", topp)] + ([("baseline", load_baseline(a.baseline))] if a.baseline else [])
     results, failed = {}, {}
     for who, mod in mods:

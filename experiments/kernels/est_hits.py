@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_topp_cut import logits_of  # noqa: E402
-from probe_topp_split import load_baseline  # noqa: E402
+from probe_topp_split import load_baseline, topp_at  # noqa: E402
 
 from rlalign.kernels import inverse_temperature, sampling  # noqa: E402
 from rlalign.kernels.triton import topp  # noqa: E402
@@ -78,11 +76,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
     if a.baseline_rev:
-        src = subprocess.run(["git", "show", f"{a.baseline_rev}:kernels/triton/topp.py"], check=True,
-                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]).stdout
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(src)
-        a.baseline = f.name
+        a.baseline = topp_at(a.baseline_rev)
     torch.manual_seed(0)
     magnitudes = a.cases == "magnitudes"
     cases = MAGNITUDES if magnitudes else STANDARD

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,6 +46,15 @@ def load_baseline(path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def topp_at(rev: str) -> str:
+    """kernels/triton/topp.py at a git revision, written to a temporary file (for load_baseline): its path."""
+    src = subprocess.run(["git", "show", f"{rev}:kernels/triton/topp.py"], check=True, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(src)
+    return f.name
 
 
 def kernel_times(fn, reps: int = 20) -> dict:
