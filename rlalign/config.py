@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -95,6 +96,11 @@ class VllmEngineConfig:
     stock: bool = False  # negative twin: vLLM's own model, attention and sampler (does not agree)
 
 
+# the temperatures the sampler takes: 1 / fp32(temperature) a normal fp32 number (temperature <= 2**126), and
+# logits of up to 2**16 in size finite once multiplied by it (temperature >= 2**-111)
+TEMPERATURE_RANGE = (2.0 ** -111, 2.0 ** 126)
+
+
 @dataclass
 class SamplingConfig:
     """generator.* keys of the distribution tokens are drawn from (and that the trainer scores them under).
@@ -112,12 +118,22 @@ class SamplingConfig:
                 f"{where}temperature={self.temperature}: sampling needs a temperature > 0 and < inf "
                 "(set generator.greedy=true for argmax decoding)"
             )
+        lo, hi = TEMPERATURE_RANGE
+        if not self.greedy and not lo <= self.temperature <= hi:
+            raise ValueError(
+                f"{where}temperature={self.temperature}: outside [{lo:.3g}, {hi:.3g}] (2**-111 to 2**126), where "
+                "1 / temperature is a normal fp32 number and logits up to 2**16 in size stay finite once multiplied "
+                "by it (set generator.greedy=true for argmax decoding)"
+            )
         if self.top_k < 0:
             raise ValueError(f"{where}top_k={self.top_k}: must be >= 0 (0 disables it)")
         if vocab_size is not None and self.top_k > vocab_size:
             raise ValueError(f"{where}top_k={self.top_k}: more than the model's {vocab_size} token ids (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"{where}top_p={self.top_p}: must be in (0, 1]")
+        if self.top_p < sys.float_info.min:
+            raise ValueError(f"{where}top_p={self.top_p}: must be in (0, 1] and a normal double (at least "
+                             f"{sys.float_info.min:.17g}), as the Triton top-p filter takes")
 
 
 @dataclass

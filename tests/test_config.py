@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,9 @@ def test_model_numbers_outside_their_range_are_named(override, message):
     ("generator.temperature=nan", r"generator\.temperature=nan: sampling needs a temperature > 0"),
     ("generator.top_k=65", r"generator\.top_k=65: more than the model's 64 token ids \(0 disables it\)"),
     ("generator.top_p=0", r"generator\.top_p=0(\.0)?: must be in \(0, 1\]"),
+    ("generator.top_p=1e-310", r"generator\.top_p=1e-310: must be in \(0, 1\] and a normal double"),
+    ("generator.temperature=1e-38", r"generator\.temperature=1e-38: outside \[3\.85e-34, 8\.51e\+37\]"),
+    ("generator.temperature=1e39", r"generator\.temperature=1e\+39: outside \[3\.85e-34, 8\.51e\+37\]"),
     ("seed=9223372036854775808", r"seed=9223372036854775808: must be a signed 64-bit integer"),
 ])
 def test_sampling_no_sampler_draws_with_is_refused_naming_the_key(override, message):
@@ -210,6 +214,9 @@ def test_sampling_no_sampler_draws_with_is_refused_naming_the_key(override, mess
 
 
 def test_negative_twin_sampling_at_the_edges_is_accepted():
-    """top_k of the whole vocabulary (no cut), top_p 1, a huge finite temperature, greedy at any temperature."""
+    """top_k of the whole vocabulary (no cut), top_p 1, a huge finite temperature, the temperature range's ends and
+    the least normal top_p, greedy at any temperature."""
     load_config(["generator.top_k=64", "generator.top_p=1", "generator.temperature=1e30"])
+    load_config([f"generator.temperature={2.0 ** -111!r}", f"generator.top_p={sys.float_info.min!r}"])
+    load_config([f"generator.temperature={2.0 ** 126!r}"])
     load_config(["generator.greedy=true", "generator.temperature=inf", "seed=9223372036854775807"])

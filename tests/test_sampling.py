@@ -3,6 +3,7 @@ import torch
 from conftest import same_bits, tiny_model
 
 from rlalign import kernels
+from rlalign.config import TEMPERATURE_RANGE
 from rlalign.kernels import sampling
 from rlalign.rollout.native.engine import generate
 from rlalign.sampling_params import SamplingParams
@@ -83,6 +84,19 @@ def test_greedy_is_argmax():
     with torch.no_grad():
         first = [int(m(torch.tensor(q), [0, len(q)])[-1].float().argmax()) for q in p]
     assert [o.tokens[0] for o in outs] == first
+
+
+def test_the_temperature_range_is_where_tempered_logits_stay_finite():
+    """At the least temperature the config takes (2**-111), logits of size 2**16 give the argmax a finite
+    logprob (0), and at the greatest (2**126) 1 / temperature is fp32's least normal number. The twins: half the
+    least temperature overflows those logits (NaN), twice the greatest makes 1 / temperature subnormal."""
+    lo, hi = TEMPERATURE_RANGE
+    z = torch.tensor([[2.0 ** 16, -(2.0 ** 16), 0.0, 1.0]])
+    tok = torch.tensor([0])
+    assert kernels.token_logprobs(z, tok, temperature=lo).tolist() == [0.0]
+    assert kernels.inverse_temperature(hi) == torch.finfo(torch.float32).tiny
+    assert torch.isnan(kernels.token_logprobs(z, tok, temperature=lo / 2)).all()
+    assert 0 < kernels.inverse_temperature(hi * 2) < torch.finfo(torch.float32).tiny
 
 
 def test_generation_bad_input_is_named():
