@@ -190,6 +190,8 @@ def test_numbers_at_the_edges_of_their_range_are_accepted():
     ("model.rms_norm_eps=-1", r"model \(tiny-moe\): invalid model arguments: rms_norm_eps=-1(\.0)? must be positive"),
     ("model.rope_theta=0", r"rope_theta=0(\.0)? must be positive"),  # ran, then failed deep in the router
     ("model.num_kv_heads=0", r"num_kv_heads=0 must be positive"),  # was a ZeroDivisionError
+    ("model.decoder_sparse_step=0", r"decoder_sparse_step=0 must be positive"),  # was a ZeroDivisionError
+    ("model.moe_intermediate_size=0", r"moe_intermediate_size=0 must be positive \(MoE layers\)"),
 ])
 def test_model_numbers_outside_their_range_are_named(override, message):
     from rlalign.config import model_args

@@ -167,6 +167,26 @@ def test_a_gelu_checkpoint_is_refused_naming_the_field(hf_dir, tmp_path):
     load_hf(_rewrite_config(d, tmp_path / "silu", hidden_act="silu"))  # twin: the implemented value loads
 
 
+def test_a_config_json_of_wrong_types_is_refused_naming_the_field(hf_dir, tmp_path):
+    """A string where an int stands, a bool where a number stands, an empty eos list, and a config.json that is
+    a JSON list are each refused by name, before any weight loads. The twin: the same values of the right
+    types load."""
+    d, _ = hf_dir
+    cfg = json.loads((d / "config.json").read_text())
+    for change, message in ((dict(vocab_size=str(cfg["vocab_size"])), r"vocab_size='\d+' must be an integer"),
+                            (dict(rms_norm_eps=True), r"rms_norm_eps=True must be a number"),
+                            (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 must be positive"),
+                            (dict(eos_token_id=[]), r"eos_token_id is an empty list")):
+        with pytest.raises(ValueError, match=r"config.json.*" + message):
+            load_hf(_rewrite_config(d, tmp_path / next(iter(change)), **change))
+    listed = _rewrite_config(d, tmp_path / "listed")
+    (listed / "config.json").write_text(json.dumps([cfg]))
+    with pytest.raises(ValueError, match=r"config.json holds a JSON list, not an object"):
+        load_hf(listed)
+    load_hf(_rewrite_config(d, tmp_path / "typed", vocab_size=cfg["vocab_size"], rms_norm_eps=1e-6,
+                            eos_token_id=[cfg.get("eos_token_id") or 1]))
+
+
 def test_every_qwen3_moe_config_field_is_read_fixed_or_without_effect():
     """Walk transformers' Qwen3MoeConfig: each field is read into ModelArgs (changing it changes
     them), pinned to the values implemented (any other is refused by name), or has no effect."""

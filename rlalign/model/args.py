@@ -60,6 +60,20 @@ def check_hf_fields(cfg: dict, where: str) -> None:
         raise ValueError(f"{where}: unsupported config field(s): " + "; ".join(problems))
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ModelArgs's field types (as annotated) -> (the check, what it wants)
+_TYPE_CHECKS = {
+    "int": (_is_int, "an integer"),
+    "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)), "a list of integers"),
+}
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int = 64
@@ -88,8 +102,10 @@ class ModelArgs:
         )
 
     def validate(self, where: str = "model") -> None:
-        problems = []
-        for name in ("num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta"):  # divisors, logs and epsilons
+        problems = self.type_problems()
+        if problems:
+            raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
+        for name in ("num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "decoder_sparse_step"):  # divisors,
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
         if problems:
@@ -103,8 +119,25 @@ class ModelArgs:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.num_experts < 0:
+            problems.append(f"num_experts={self.num_experts} must be >= 0 (0: every layer dense)")
+        moe = [self.is_moe_layer(i) for i in range(max(self.num_layers, 0))]
+        if any(moe) and self.moe_intermediate_size <= 0:
+            problems.append(f"moe_intermediate_size={self.moe_intermediate_size} must be positive (MoE layers)")
+        if not all(moe) and self.intermediate_size <= 0:
+            problems.append(f"intermediate_size={self.intermediate_size} must be positive (dense layers)")
         if problems:
             raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
+
+    def type_problems(self) -> list[str]:
+        """Each field whose value is not of its type (a config.json or an override can hold any JSON)."""
+        problems = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            check, what = _TYPE_CHECKS[f.type]
+            if not check(v):
+                problems.append(f"{f.name}={v!r} must be {what}")
+        return problems
 
     def context_overflow(self, prompt_len: int, max_new: int) -> str | None:
         """Why a prompt of `prompt_len` tokens plus `max_new` completion tokens does not fit the
@@ -129,6 +162,8 @@ class ModelArgs:
     # --- Hugging Face Qwen3MoeConfig ----------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: dict, where: str) -> ModelArgs:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where}: config.json holds a JSON {type(cfg).__name__}, not an object")
         arch = cfg.get("architectures") or []
         if cfg.get("model_type") != "qwen3_moe" and "Qwen3MoeForCausalLM" not in arch:
             raise ValueError(
@@ -136,6 +171,8 @@ class ModelArgs:
                 "expected Qwen3MoeForCausalLM (model_type 'qwen3_moe')"
             )
         check_hf_fields(cfg, where)
+        if cfg.get("eos_token_id") == []:
+            raise ValueError(f"{where}: config.json's eos_token_id is an empty list (an id, a list of ids, or null)")
         try:
             rope = cfg.get("rope_parameters") or {}
             eos = cfg.get("eos_token_id")
@@ -162,6 +199,8 @@ class ModelArgs:
             )
         except KeyError as e:
             raise ValueError(f"{where}: config.json lacks required key {e.args[0]!r}") from None
+        except (TypeError, AttributeError, ZeroDivisionError) as e:
+            raise ValueError(f"{where}: config.json holds a value of the wrong type or size ({e})") from None
         args.validate(where)
         return args
 
