@@ -206,6 +206,28 @@ def test_a_reward_requiring_a_field_a_row_lacks_names_the_row(tmp_path):
         make_task("jsonl", 0, path=str(no_answer))
 
 
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("repeat", dict(length="abc"), r"task.kwargs.length='abc': must be an integer >= 1"),
+    ("repeat", dict(length=None), r"task.kwargs.length=None: must be an integer >= 1"),
+    ("repeat", dict(letters=""), r"task.kwargs.letters='': must be a non-empty string"),
+    ("reverse", dict(min_len=3, max_len=2), r"task.kwargs.max_len=2: must be an integer >= min_len=3"),
+    ("add", dict(max_operand=-5), r"task.kwargs.max_operand=-5: must be an integer >= 0"),
+    ("calc", dict(max_operand=True), r"task.kwargs.max_operand=True: must be an integer >= 0"),
+    ("guess", dict(size="8"), r"task.kwargs.size='8': must be an integer in \[2, 10\]"),
+    ("repeat", dict(path="data.jsonl"), r"task.path='data.jsonl': only task=jsonl reads a file; this run's task is "
+                                         r"'repeat'"),
+])
+def test_a_built_in_tasks_options_out_of_range_are_named(name, kwargs, message):
+    """Each option a generated task cannot make examples with is refused naming its key, before any example is
+    made (they were TypeErrors, an IndexError or randrange's error at the first step, and a task.path beside a
+    generated task was ignored). The twin: the options at their range's ends make examples."""
+    with pytest.raises(ValueError, match=message):
+        make_task(name, 0, **kwargs)
+    for name, ok in (("repeat", dict(letters="a", length=1)), ("reverse", dict(min_len=1, max_len=1)),
+                     ("add", dict(max_operand=0)), ("calc", dict(max_operand=0)), ("guess", dict(size=10))):
+        assert make_task(name, 0, **ok).examples(0, 2)
+
+
 def _user_module(where: Path, body: str) -> str:
     """A module of the user's in `where`; its import name (unique, so no test sees another's)."""
     name = f"user_reward_{uuid.uuid4().hex[:8]}"

@@ -39,6 +39,21 @@ class Example:
         return answer_text(self.answer)
 
 
+def check_kwargs(**values) -> None:
+    """Refuses a task option outside its range, naming its key: name=(value, ok(value), what it must be)."""
+    for key, (value, ok, what) in values.items():
+        if not ok(value):
+            raise ValueError(f"task.kwargs.{key}={value!r}: must be {what}")
+
+
+def _count(least: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _letters(v) -> bool:
+    return isinstance(v, str) and len(v) > 0
+
+
 class Task:
     name = "task"
     default_reward = "char_match"
@@ -67,6 +82,7 @@ class Repeat(Task):
     name = "repeat"
 
     def __init__(self, seed, reward=None, letters: str = "abcdefgh", length: int = 4):
+        check_kwargs(letters=(letters, _letters, "a non-empty string"), length=(length, _count(1), "an integer >= 1"))
         super().__init__(seed, reward)
         self.letters, self.length = letters, length
 
@@ -79,6 +95,8 @@ class Reverse(Task):
     name = "reverse"
 
     def __init__(self, seed, reward=None, letters: str = "abcdefgh", min_len: int = 2, max_len: int = 4):
+        check_kwargs(letters=(letters, _letters, "a non-empty string"), min_len=(min_len, _count(1), "an integer >= 1"),
+                     max_len=(max_len, _count(min_len), f"an integer >= min_len={min_len}"))  # in this order
         super().__init__(seed, reward)
         self.letters, self.min_len, self.max_len = letters, min_len, max_len
 
@@ -92,6 +110,7 @@ class Add(Task):
     default_reward = "exact_match"
 
     def __init__(self, seed, reward=None, max_operand: int = 20):
+        check_kwargs(max_operand=(max_operand, _count(0), "an integer >= 0"))
         super().__init__(seed, reward)
         self.max_operand = max_operand
 
@@ -107,8 +126,7 @@ class Guess(Task):
     default_reward = "zero"  # the environment's rewards alone
 
     def __init__(self, seed, reward=None, size: int = 8):
-        if not 2 <= size <= 10:
-            raise ValueError(f"task.kwargs.size={size}: the secret is one digit, so size must be in [2, 10]")
+        check_kwargs(size=(size, lambda v: _count(2)(v) and v <= 10, "an integer in [2, 10] (the secret is one digit)"))
         super().__init__(seed, reward)
         self.size = size
 
@@ -189,6 +207,9 @@ def make_task(name: str, seed: int, reward: str | None = None, path: str | None 
     if name not in TASKS:
         raise ValueError(f"task.name={name!r}: unknown task; built-in: {sorted(TASKS)}")
     cls = TASKS[name]
+    if path and cls is not JsonlTask:
+        raise ValueError(f"task.path={path!r}: only task=jsonl reads a file; this run's task is {name!r} "
+                         "(choose the dataset with task=jsonl task.path=...)")
     try:
         return cls(seed, reward, path=path, **kwargs) if cls is JsonlTask else cls(seed, reward, **kwargs)
     except TypeError as e:
