@@ -464,6 +464,11 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"sync.bucket_mb={cfg.sync.bucket_mb}: must be >= 1")
     if cfg.run.steps < 1:
         problems.append(f"run.steps={cfg.run.steps}: must be >= 1")
+    if not str(cfg.run.dir).strip():
+        problems.append("run.dir='': must name a directory (it holds the run's metrics, traces and checkpoints)")
+    if cfg.placement.num_cpus is not None and not cfg.placement.num_cpus >= 1:
+        problems.append(f"placement.num_cpus={cfg.placement.num_cpus}: the local Ray cluster's CPUs, >= 1 (null: "
+                        "all of this machine's)")
     if not -(1 << 63) <= cfg.seed < 1 << 63:  # the sampling noise's and torch's generators' seed
         problems.append(f"seed={cfg.seed}: must be a signed 64-bit integer")
     bad = [s for s in cfg.run.stop_signals if s not in STOP_SIGNALS]

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlalign import faults
 from rlalign.config import load_config
-from rlalign.config_search import ConfigSource
+from rlalign.config_search import ConfigError, ConfigSource
 from rlalign.monitor.compare import first_differing_state, run_streams, state_difference_line, trainer_state
 from rlalign.monitor.trace import env_difference, first_differing_record
 from rlalign.rl import MismatchError, train
@@ -173,6 +173,12 @@ def run_gate(kind: str, overrides: list[str], cfg: DictConfig,
         raise ValueError(f"unknown gate {kind!r}; one of {', '.join(GATES)}")
     if kind == "replay":
         replay_resume_step(cfg)  # a refusal comes before Ray starts
+    common, candidate = _gate_overrides(kind, overrides, cfg)
+    if candidate:  # a candidate the config refuses is named before the reference run, not after it
+        try:
+            load_config([*common, *candidate], source=source)
+        except ValueError as e:
+            raise ConfigError(f"gate.candidate={candidate}: {e}") from None
     initialized = cluster.connect(cfg.placement.num_cpus)
     try:
         return _run_gate(kind, overrides, cfg, source)
@@ -204,14 +210,20 @@ def _run_gate(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSo
                        f"runs in {base})\n  {e}")
 
 
+def _gate_overrides(kind: str, overrides: list[str], cfg: DictConfig) -> tuple[list[str], list[str]]:
+    """Both runs' overrides (the command line's, less run.dir and gate.*, with every layer's fingerprints, no
+    resume and the steps), and the candidate run's own (gate.candidate, for the baseline gate)."""
+    common = [o for o in overrides if not o.startswith(("run.dir=", "gate."))]
+    common += ["monitor.fingerprints=layers", "checkpoint.resume=never", f"run.steps={cfg.run.steps}"]
+    return common, list(OmegaConf.to_container(cfg.gate.candidate)) if kind == "baseline" else []
+
+
 def _gate_runs(kind: str, overrides: list[str], cfg: DictConfig, source: ConfigSource | None) -> tuple[bool, str]:
     base = Path(cfg.run.dir) / f"gate-{kind}"
     if base.exists():
         shutil.rmtree(base)
     a, b = base / "a", base / "b"
-    common = [o for o in overrides if not o.startswith(("run.dir=", "gate."))]
-    common += ["monitor.fingerprints=layers", "checkpoint.resume=never", f"run.steps={cfg.run.steps}"]
-    candidate = list(OmegaConf.to_container(cfg.gate.candidate)) if kind == "baseline" else []
+    common, candidate = _gate_overrides(kind, overrides, cfg)
     from_step, allowed = 0, ()
     if kind == "replay":
         k = replay_resume_step(cfg)

@@ -75,7 +75,11 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise NotADirectoryError(f"run.dir {self.run_dir}: a file, or below one, not a directory; choose "
+                                     "another run.dir") from None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

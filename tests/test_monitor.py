@@ -226,6 +226,25 @@ def _compare_cli(capsys, a, b):
 GATE_RUN = [*SMALL, "run.steps=1", "monitor.on_mismatch=warn"]  # its run (fingerprints=layers) serves three tests
 
 
+def test_a_gate_candidate_the_config_refuses_is_named_before_any_run(tmp_path, capsys, monkeypatch):
+    """`gate.candidate` with a misspelt key stops the baseline gate before Ray starts or the reference run
+    trains, naming gate.candidate. The twin: a candidate the config takes passes the same check (and only then
+    does the gate connect, here to a stub that stops it)."""
+    from rlalign import cli, cluster
+
+    def no_cluster(num_cpus):
+        raise RuntimeError("connect reached")
+
+    monkeypatch.setattr(cluster, "connect", no_cluster)
+    rc = cli.main(["gate", "baseline", *GATE_RUN, 'gate.candidate=["trainer.ep_sise=1"]', f"run.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "gate.candidate=['trainer.ep_sise=1']: unknown config key 'trainer.ep_sise'" in err, err
+    assert not (tmp_path / "gate-baseline").exists()
+    with pytest.raises(RuntimeError, match="connect reached"):
+        run_gate("baseline", [*GATE_RUN, 'gate.candidate=["trainer.ep_size=1"]'],
+                 load_config([*GATE_RUN, 'gate.candidate=["trainer.ep_size=1"]', f"run.dir={tmp_path}"]))
+
+
 def _gate(kind, tmp_path, *over):
     cfg = load_config([*SMALL, f"run.dir={tmp_path}", *over])
     return run_gate(kind, [*SMALL, *over], cfg)

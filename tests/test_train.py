@@ -268,9 +268,16 @@ def test_bad_input_fails_before_any_actor(tmp_path):
         load_config(["trainer.lrr=0.1"])
     for key, match in (("generator.temperature=0", "sampling needs a temperature > 0"),
                        ("generator.temperature=-1", "sampling needs a temperature > 0"),
-                       ("run.steps=0", r"run.steps=0: must be >= 1"), ("run.steps=-1", r"run.steps=-1")):
+                       ("run.steps=0", r"run.steps=0: must be >= 1"), ("run.steps=-1", r"run.steps=-1"),
+                       ("run.dir=''", r"run.dir='': must name a directory"),
+                       ("placement.num_cpus=0", r"placement.num_cpus=0(\.0)?: the local Ray cluster's CPUs, >= 1")):
         with pytest.raises(ConfigError, match=match):
             load_config([key])
+    load_config(["placement.num_cpus=1", "placement.num_cpus=null"])  # twin: one CPU, or all of them
+    (tmp_path / "a_file").write_text("")
+    for under in ("a_file", "a_file/run"):  # run.dir a file, or below one
+        _fails_fast([f"run.dir={tmp_path / under}"], rf"run.dir {tmp_path / under}: a file, or below one, not a "
+                                                     "directory", NotADirectoryError)
     # every line of a dataset is checked, not the first two: an over-long prompt at line 31, a
     # line that is not UTF-8
     long = tmp_path / "long.jsonl"
