@@ -3,6 +3,7 @@ step logs them, and the refusal of a loss that does not exist."""
 
 from __future__ import annotations
 
+import re
 from typing import get_args
 
 import pytest
@@ -151,6 +152,20 @@ def test_a_user_loss_returning_the_wrong_thing_is_named(tmp_path, body, message)
     fn = resolve_loss(_alg(f"algorithm.loss={tmp_path / 'bad_losses.py'}:fn"))
     with pytest.raises(ValueError, match=r"algorithm\.loss='.*bad_losses\.py:fn' \(.*bad_losses\.py:1\) " + message):
         fn(_batch(), _alg())
+
+
+@pytest.mark.parametrize("params", ["batch", "batch, alg, scale", "*, batch, alg"])
+def test_a_user_loss_that_cannot_take_batch_and_alg_is_named_when_it_loads(tmp_path, params):
+    """A loss whose signature cannot take (batch, alg) is refused where it loads (rl.py loads it before any
+    actor), naming algorithm.loss, its file and line, and its signature. The twins: defaults, *args and
+    **kwargs that take the two load."""
+    (tmp_path / "sig_losses.py").write_text(f"def fn({params}):\n    return 0\n")
+    with pytest.raises(ValueError, match=r"algorithm\.loss='.*sig_losses\.py:fn' \(.*sig_losses\.py:1\): a loss "
+                                         rf"takes \(batch, alg\); this one takes \({re.escape(params)}\)"):
+        resolve_loss(_alg(f"algorithm.loss={tmp_path / 'sig_losses.py'}:fn"))
+    for i, ok in enumerate(("batch, alg, scale=2", "*args", "batch, alg, **kw")):
+        (tmp_path / f"ok_losses{i}.py").write_text(f"def fn({ok}):\n    return 0\n")
+        resolve_loss(_alg(f"algorithm.loss={tmp_path / f'ok_losses{i}.py'}:fn"))
 
 
 def test_a_user_loss_returning_a_loss_and_metrics_passes_unchanged(tmp_path):

@@ -47,6 +47,7 @@ later ones: after the updates so far), so a single on-policy update logs 0:
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -256,6 +257,15 @@ def checked_loss(fn: LossFunction, path: str) -> LossFunction:
     algorithm.loss, its file and line, and what came back (not a TypeError deep in the trainer)."""
     at = defined_at(fn)
     where = f"algorithm.loss={path!r}" + (f" ({at})" if at else "")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its calls tell
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(None, None)
+        except TypeError:
+            raise ValueError(f"{where}: a loss takes (batch, alg); this one takes {sig}") from None
 
     def call(batch: LossBatch, alg) -> tuple[torch.Tensor, Metrics]:
         out = fn(batch, alg)
