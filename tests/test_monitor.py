@@ -93,6 +93,10 @@ def test_corrupt_traces_name_the_line(tmp_path):
         read_trace(_trace(tmp_path, "t3.jsonl", [HEADER, REC.replace('"fp": "ab"', '"x": 1')]))
     with pytest.raises(TraceError, match=r"t4.jsonl:1: not an rlalign trace"):
         read_trace(_trace(tmp_path, "t4.jsonl", [REC]))
+    with pytest.raises(TraceError, match=r"t7.jsonl:2: a JSON list, not a record"):
+        read_trace(_trace(tmp_path, "t7.jsonl", [HEADER, "[1, 2]\n"]))
+    with pytest.raises(TraceError, match=r"t8.jsonl:1: a JSON list, not a record"):
+        read_trace(_trace(tmp_path, "t8.jsonl", ["[1, 2]\n"]))
     rows = {"step": 0, "rank": 1, "name": "w/expert", "first": 4, "shape": [2], "dtype": "bfloat16", "fps": ["a", "b"]}
     _, recs = read_trace(_trace(tmp_path, "t5.jsonl", [HEADER, json.dumps(rows) + "\n"]))
     assert [(r["name"], r["fp"], r["shape"]) for r in recs] == [("w/expert4", "a", [2]), ("w/expert5", "b", [2])]

@@ -135,6 +135,27 @@ def test_report_of_a_run_without_mismatches(tmp_path):
     assert ax.get_ylim() == (0, 1.1) and _integer_ticks(ax)
 
 
+def test_a_metrics_file_not_of_a_run_is_named_by_line(tmp_path):
+    """`rlalign report` on a metrics.jsonl that is not a run's (another tool's object, a JSON list, a line
+    without the reward) names the file and line. The twin: a run's line with a non-finite value (null) reports,
+    saying so (it was a TypeError comparing None)."""
+    from rlalign.monitor.report import make_report
+
+    run, rows = _run_dir(tmp_path / "run", mismatched_steps=())
+    good = (run / "metrics.jsonl").read_text().splitlines()
+    for line, message in (('{"a": 1}', r"metrics.jsonl:2: not a line of an rlalign run's metrics \(no number at "
+                                        r"\['step', 'reward/mean'"),
+                          ("[1, 2]", r"metrics.jsonl:2: a JSON list, not an object"),
+                          ('{"step": 1}', r"metrics.jsonl:2: not a line .*\['reward/mean'")):
+        (run / "metrics.jsonl").write_text("\n".join([good[0], line, *good[2:]]) + "\n")
+        with pytest.raises(ValueError, match=message):
+            make_report(run)
+    row = json.loads(good[1])
+    row["consistency/logprob_abs_diff_max"], row["nonfinite"] = None, ["consistency/logprob_abs_diff_max"]
+    (run / "metrics.jsonl").write_text("\n".join([good[0], json.dumps(row), *good[2:]]) + "\n")
+    assert "| max abs logprob diff | 0 (non-finite at 1 of 20 steps) |" in (make_report(run) / "summary.md").read_text()
+
+
 def test_metrics_jsonl_is_standard_json_with_non_finite_values_named():
     from rlalign.logger import json_safe
 

@@ -16,13 +16,37 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 from rlalign.logger import written_text
 
+# what every line of a run's metrics.jsonl holds that the report reads
+METRIC_KEYS = ("step", "reward/mean", "consistency/tokens", "consistency/mismatched_tokens",
+               "consistency/logprob_abs_diff_max", "time/step_s")
 
-def _rows(path: Path) -> list[dict]:
+
+def _number_or_null(v) -> bool:
+    """A metric's value as metrics.jsonl holds it: a number, or null for a non-finite one (logger.json_safe)."""
+    return v is None or isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _nan_for_null(v):
+    return math.nan if v is None else v
+
+
+def _max_line(values: list) -> str:
+    """The greatest of a metric's values, and how many steps logged it non-finite (null)."""
+    finite = [v for v in values if v is not None]
+    nulls = len(values) - len(finite)
+    text = f"{max(finite):.3g}" if finite else "none finite"
+    return text + (f" (non-finite at {nulls} of {len(values)} steps)" if nulls else "")
+
+
+def _rows(path: Path, keys: tuple[str, ...] = ()) -> list[dict]:
+    """The JSON objects of a JSONL file, each holding a number (or null) at every one of `keys` ([] if there is
+    no file)."""
     if not path.exists():
         return []
     out = []
@@ -30,9 +54,15 @@ def _rows(path: Path) -> list[dict]:
     for no, ln in enumerate(text.splitlines(), 1):
         if ln.strip():
             try:
-                out.append(json.loads(ln))
+                row = json.loads(ln)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{no}: corrupt line ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{no}: a JSON {type(row).__name__}, not an object")
+            lacks = [k for k in keys if k not in row or not _number_or_null(row[k])]
+            if lacks:
+                raise ValueError(f"{path}:{no}: not a line of an rlalign run's metrics (no number at {lacks})")
+            out.append(row)
     return out
 
 
@@ -90,7 +120,7 @@ def mismatch_figure(rows: list[dict]):
 
     steps = [r["step"] for r in rows]
     mism = [r["consistency/mismatched_tokens"] for r in rows]
-    dmax = [r["consistency/logprob_abs_diff_max"] for r in rows]
+    dmax = [_nan_for_null(r["consistency/logprob_abs_diff_max"]) for r in rows]
     fig, ax = _plt().subplots(figsize=(6, 3.5))
     bars = ax.bar(steps, mism, color="tab:red", alpha=0.7, label="mismatched tokens (left axis)")
     ax.set(xlabel="step", ylabel="mismatched tokens")
@@ -213,7 +243,7 @@ def mismatch_dumps(run_dir: Path) -> list[str]:
 
 
 def make_report(run_dir: Path) -> Path:
-    rows, dumps = _rows(run_dir / "metrics.jsonl"), mismatch_dumps(run_dir)
+    rows, dumps = _rows(run_dir / "metrics.jsonl", METRIC_KEYS), mismatch_dumps(run_dir)
     if not rows:
         why = f"the run stopped at a mismatch: {dumps[-1]}" if dumps else "not a run directory?"
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl: missing or empty ({why})")
@@ -252,7 +282,7 @@ def make_report(run_dir: Path) -> Path:
         f"| reward, first {k} / last {k} steps | {sum(r[:k]) / k:.3f} / {sum(r[-k:]) / k:.3f} |",
         f"| tokens compared | {sum(x['consistency/tokens'] for x in rows)} |",
         f"| mismatched tokens | {sum(x['consistency/mismatched_tokens'] for x in rows)} |",
-        f"| max abs logprob diff | {max(x['consistency/logprob_abs_diff_max'] for x in rows):.3g} |",
+        f"| max abs logprob diff | {_max_line([x['consistency/logprob_abs_diff_max'] for x in rows])} |",
         f"| mean step time | {sum(x['time/step_s'] for x in rows) / len(rows):.2f} s |",
         f"| first divergent op | {firsts[0] if firsts else 'none'} |",
         *(f"| stopped at a mismatch (not in the rows above) | {d} |" for d in dumps),

@@ -388,6 +388,8 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{path}:{no}: corrupt record ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise TraceError(f"{path}:{no}: a JSON {type(rec).__name__}, not a record (not an rlalign trace?)")
             if no == 1:
                 if rec.get("kind") != "header":
                     raise TraceError(f"{path}:1: not an rlalign trace (the first record is not a header)")
