@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlalign.config_search import (
+    PRIMARY,
     ConfigError,
     ConfigSource,
     check_group_overrides,
@@ -359,6 +360,8 @@ def load_config(overrides: list[str] | None = None, config_dir: str | Path | Non
         if OmegaConf.select(schema, key, default="__missing__") == "__missing__" and not _is_free_key(key):
             raise _unknown_key_error(schema, key, "the command line")
     check_group_overrides(dirs, overrides)
+    if source.name != PRIMARY:
+        check_experiment_defaults(config_file(dirs, source.name))
     ConfigStore.instance().store(name="rlalign_schema", node=Config)  # config.yaml's first default
     try:
         cfg = compose_from(dirs, source.name, overrides)
@@ -366,6 +369,26 @@ def load_config(overrides: list[str] | None = None, config_dir: str | Path | Non
         raise _composition_error(e, schema, dirs) from None
     validate(cfg)
     return cfg
+
+
+def check_experiment_defaults(path: Path | None) -> None:
+    """An experiment file (--config-name) composes onto rlalign's primary config: its defaults list holds
+    `- config`. Without it the schema's sections are missing, and Hydra's errors name neither the file nor
+    the fix. (A file that is not YAML is left to the composition, which names its line.)"""
+    import yaml
+
+    if path is None:
+        return
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return
+    defaults = data.get("defaults") if isinstance(data, dict) else None
+    names = [str(d).strip().lstrip("/").split("@")[0] for d in defaults or [] if isinstance(d, str)]
+    if PRIMARY not in names:
+        raise ConfigError(f"{path}: its defaults list lacks `- {PRIMARY}` (rlalign's primary config, which an "
+                          f"experiment file composes onto): start it with `- {PRIMARY}`, then `- override GROUP: "
+                          "OPTION` lines and `- _self_`")
 
 
 def chosen_options(source: ConfigSource | None = None) -> dict[str, str]:

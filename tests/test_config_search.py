@@ -119,6 +119,19 @@ def test_a_users_file_that_ours_would_hide_is_refused(user_dir):
         load_config([], source=ConfigSource(str(user_dir)))
 
 
+def test_an_experiment_file_without_the_primary_config_is_named(user_dir):
+    """An experiment file whose defaults list lacks `- config` composes no schema sections; it is refused naming
+    the file and the line to add (it was a ConfigAttributeError traceback, or Hydra's 'No match in the defaults
+    list'). The twin: the same file with `- config` composes."""
+    body = EXPERIMENT.replace("  - config            # rlalign's primary config\n", "")
+    for name, text in (("noconf", body), ("plain", "trainer:\n  lr: 0.001\n")):
+        (user_dir / f"{name}.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=rf"{user_dir}/{name}.yaml: its defaults list lacks `- config`"):
+            load_config([], source=ConfigSource(str(user_dir), name))
+    (user_dir / "withconf.yaml").write_text("defaults:\n  - config\n  - _self_\n" + "trainer:\n  lr: 0.001\n")
+    assert load_config([], source=ConfigSource(str(user_dir), "withconf")).trainer.lr == 0.001
+
+
 def test_invalid_yaml_names_the_file_and_line(capsys, monkeypatch, user_dir):
     (user_dir / "task" / "broken.yaml").write_text("name: add\nkwargs:\n  max_operand: [9\n  other: 1\n")
     monkeypatch.delenv("RLALIGN_DEBUG", raising=False)
