@@ -282,6 +282,19 @@ def test_a_reward_that_raises_names_the_users_file_and_line(tmp_path, monkeypatc
     monkeypatch.delitem(sys.modules, name)
 
 
+def test_a_reward_too_large_for_a_float_is_named(tmp_path, monkeypatch, isolated_path):
+    """An int reward beyond the doubles (10**400) is a RewardError naming the sample (it was an OverflowError
+    traceback). The twin: 10**300 scores as the float it is."""
+    name = _user_module(tmp_path, "def huge(c, a, p):\n    return 10**400\n\n\ndef big(c, a, p):\n    return 10**300\n")
+    monkeypatch.chdir(tmp_path)
+    call = [RewardCall("x", Example("a:", "aaaa"), "sample 2")]
+    with pytest.raises(RewardError, match=r"reward function returned 10{19}\.\.\.0{8} on sample 2; "
+                                          r"a reward must be finite"):
+        RewardCaller(make_task("repeat", 0, reward=f"{name}:huge")).score(call, "step 0")
+    assert RewardCaller(make_task("repeat", 0, reward=f"{name}:big")).score(call, "step 0") == ([1e300], 0)
+    monkeypatch.delitem(sys.modules, name)
+
+
 def test_a_reward_module_that_does_not_import_names_its_line(tmp_path, monkeypatch, isolated_path):
     name = _user_module(tmp_path, "x = 1\ny = undefined_name\n")
     monkeypatch.chdir(tmp_path)

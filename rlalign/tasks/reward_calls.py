@@ -122,8 +122,14 @@ class RewardCaller:
             shape = f" of shape {list(value.shape)}" if hasattr(value, "shape") else ""
             raise RewardError(f"reward function returned {value!r} ({kind}{shape}) on {where}; a reward must be a real "
                               f"number (or a bool, or a 0-d tensor/array)")
-        if not math.isfinite(value):
-            raise RewardError(f"reward function returned {value!r} on {where}; a reward must be finite")
+        try:
+            finite = math.isfinite(value) and math.isfinite(float(value))
+        except OverflowError:  # an int (or a Fraction) beyond the doubles
+            finite = False
+        if not finite:
+            shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}...{repr(value)[-8:]}"
+            raise RewardError(f"reward function returned {shown} on {where}; a reward must be finite (as a float: "
+                              "within +-1.8e308)")
         return float(value)
 
     def _note(self, kind: str, text: str) -> None:
