@@ -51,7 +51,19 @@ def expand(overrides: list[str]) -> list[list[str]]:
         (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
     except HydraException as e:
         raise ValueError(" ".join(str(e).split())) from None
+    if not jobs:
+        empty = [o for o in overrides if _sweeps_nothing(o)]
+        raise ValueError(f"the sweep has no jobs: {' '.join(empty) or ' '.join(overrides)} gives no value")
     return jobs
+
+
+def _sweeps_nothing(override: str) -> bool:
+    """Whether one override alone expands to no job (an empty range or choice)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides([override]), None)
+    return not jobs
 
 
 def _key(override: str) -> str:

@@ -72,6 +72,15 @@ def test_every_jobs_config_is_checked_before_the_first_runs(capsys, runs, tmp_pa
     assert rc == 0 and [c.trainer.ep_size for c in runs] == [1, 2]
 
 
+def test_a_sweep_of_no_jobs_names_the_empty_value(capsys, runs, tmp_path):
+    """An empty range sweeps nothing: refused naming it (it was an IndexError traceback). The twin: a range of
+    one value runs one job."""
+    rc, out, err = _run(capsys, "train", "-m", "seed=range(0,0)", "trainer.lr=1e-4,3e-4", f"run.dir={tmp_path}")
+    assert rc == 2 and not runs and "the sweep has no jobs: seed=range(0,0) gives no value" in err, err
+    rc, out, err = _run(capsys, "train", "-m", "seed=range(0,1)", f"run.dir={tmp_path}")
+    assert rc == 0 and [c.seed for c in runs] == [0]
+
+
 def test_a_failing_job_is_reported_and_the_sweep_goes_on(capsys, runs, tmp_path):
     rc, out, err = _run(capsys, "train", "-m", "seed=13,2", f"run.dir={tmp_path}")
     assert rc == 2 and [c.seed for c in runs] == [13, 2]
