@@ -164,13 +164,28 @@ def missing_config_error(e: MissingConfigException, dirs: list[Path], name: str,
         group, option = missing[1].rsplit("/", 1)
         by = re.match(r"In '([^']+)'", text)
         on_line = any(o.split("=", 1)[0].lstrip("+~") == group for o in overrides)
-        where = "" if on_line or not by else f" (in the defaults list of {config_file(dirs, by[1]) or by[1]})"
+        source = by and (name if _default_overrides(config_file(dirs, name)).get(group) == option else by[1])
+        where = "" if on_line or not by else f" (in the defaults list of {config_file(dirs, source) or source})"
         return ConfigError(_no_option(dirs, group, option, where))
     if "Cannot find primary config" in text:
         names = [str(r.stem) for d in dirs for r in _yaml_files(d) if r.parent == Path()]
         return ConfigError(f"--config-name {name}: no {name}.yaml in {_dirs(dirs)}; the configs there, closest "
                            f"first: {', '.join(closest_first(name, sorted(set(names))))}")
     return ConfigError(text.split("\n")[0])
+
+
+def _default_overrides(path: Path | None) -> dict[str, str]:
+    """{group: option} of a config file's `- override GROUP: OPTION` defaults (Hydra names the file whose
+    default such a line replaces, not the file holding it)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) if path else None
+    except yaml.YAMLError:
+        return {}
+    defaults = data.get("defaults") if isinstance(data, dict) else None
+    return {k.split(None, 1)[1].strip(): str(v) for d in defaults or [] if isinstance(d, dict) for k, v in d.items()
+            if isinstance(k, str) and k.startswith("override ") and len(k.split(None, 1)) == 2}
 
 
 def check_group_overrides(dirs: list[Path], overrides: list[str]) -> None:

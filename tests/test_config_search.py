@@ -132,6 +132,18 @@ def test_an_experiment_file_without_the_primary_config_is_named(user_dir):
     assert load_config([], source=ConfigSource(str(user_dir), "withconf")).trainer.lr == 0.001
 
 
+def test_a_missing_option_in_an_experiment_files_defaults_names_that_file(user_dir):
+    """`- override model: nope` in an experiment file: the error names that file's defaults list (Hydra names
+    the primary config, whose default the line replaces). The twin: on the command line the same option names
+    no file."""
+    (user_dir / "badexp.yaml").write_text(EXPERIMENT.replace("override model: my-moe", "override model: nope"))
+    with pytest.raises(ConfigError, match=rf"model=nope \(in the defaults list of {user_dir}/badexp.yaml\): no such "
+                                          r"model option"):
+        load_config([], source=ConfigSource(str(user_dir), "badexp"))
+    with pytest.raises(ConfigError, match=r"^model=nope: no such model option"):
+        load_config(["model=nope"], source=ConfigSource(str(user_dir), "myexp"))
+
+
 def test_invalid_yaml_names_the_file_and_line(capsys, monkeypatch, user_dir):
     (user_dir / "task" / "broken.yaml").write_text("name: add\nkwargs:\n  max_operand: [9\n  other: 1\n")
     monkeypatch.delenv("RLALIGN_DEBUG", raising=False)
