@@ -53,6 +53,55 @@ def test_a_step_of_the_wrong_types_is_an_error_naming_the_episode_and_turn_or_th
     assert [(r.finish_reason, r.episode["env_errors"], r.episode["reward"]) for r in rs] == [("env_error", 1, -1.0)] * 2
 
 
+class Huge(GuessEnv):
+    """Each answer's reward is finite; their sum is not."""
+
+    def step(self, action):
+        self.turn += 1
+        return Step("<", reward=1e308, done=self.turn == 2)
+
+
+def test_rewards_whose_sum_is_not_finite_are_an_error_naming_the_episode_or_the_fallback():
+    """Two answers of 1e308: the episode's total overflows; the error names the environment, the episode and
+    turn (it was NaN advantages, then a gradient-norm error blaming the loss). The twin: one such answer ends
+    the episode with that reward."""
+    with pytest.raises(EnvError, match=r"returned the reward 1e\+308, which brings the episode's total from 1e\+308 "
+                                       r"to inf in the episode of sample 1[01] \(step 7, prompt 'g0-7:'\), turn 2"):
+        scripted(_driver(Huge), ["5", "6"])
+    rs = scripted(_driver(Huge, fallback=-1.0), ["5", "6"])
+    assert [(r.finish_reason, r.episode["reward"]) for r in rs] == [("env_error", -1.0)] * 2
+    once = answering(reward=1e308, done=True)
+    assert [r.episode["reward"] for r in scripted(_driver(once), ["5"])] == [1e308] * 2
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise TypeError("no str")
+
+
+class RaisesUnprintable(GuessEnv):
+    def step(self, action):
+        raise Unprintable()
+
+
+class RaisesLines(GuessEnv):
+    def step(self, action):
+        raise ValueError("first line\nsecond line")
+
+
+def test_an_environment_error_whose_text_cannot_be_made_is_still_one_line():
+    """An exception whose str() raises, and one of several lines: the error says what it is, on one line (the
+    first was a TypeError from the error's own f-string). The twin: with the fallback the episode ends."""
+    with pytest.raises(EnvError, match=r"raised Unprintable: <a Unprintable whose str\(\) raised TypeError> in the "
+                                       r"episode of sample"):
+        scripted(_driver(RaisesUnprintable), ["5"])
+    with pytest.raises(EnvError, match=r"raised ValueError: first line \| second line in the episode") as e:
+        scripted(_driver(RaisesLines), ["5"])
+    assert "\n" not in str(e.value).split(" (set task.env_fallback_reward")[0]
+    rs = scripted(_driver(RaisesUnprintable, fallback=0.0), ["5"])
+    assert [r.finish_reason for r in rs] == ["env_error"] * 2
+
+
 def test_numpy_scalars_are_a_steps_numbers_and_its_counts_reach_the_metrics_as_ints():
     """The twin: numpy's bool, int and float are a bool, counts and a reward; the metrics stay JSON."""
     env = answering(reward=numpy.float32(0.5), done=numpy.bool_(False), tool_calls=numpy.int64(2),
@@ -269,6 +318,29 @@ def test_an_environment_whose_init_needs_arguments_is_refused_before_any_actor(t
                                                    "defaults, or read them from the task row in reset(example, seed)")):
         train(load_config(["task=guess", f"task.env={path}:Remote", f"run.dir={tmp_path}/run"]))
     assert load_env(f"{path}:WithDefault", ENVS).__name__ == "WithDefault"
+
+
+def test_an_environment_without_its_own_step_or_with_other_parameters_is_refused_as_it_loads(tmp_path):
+    """A subclass of Env that never defines step (a typo: stepp), and a step() or reset() that cannot take
+    (action) / (example, seed), are refused naming the class, method, file and line, before any actor (they
+    failed at the first episode: a blank NotImplementedError, a bare TypeError). The twin: defaults, *args and
+    a staticmethod that take the arguments load."""
+    path = tmp_path / "shapes.py"
+    path.write_text("from rlalign.agent import Env, Step\n\n"
+                    "class NoStep(Env):\n    def stepp(self, action):\n        return Step(done=True)\n\n"
+                    "class StepNoArg(Env):\n    def step(self):\n        return Step(done=True)\n\n"
+                    "class ResetNoArg(Env):\n    def reset(self):\n        pass\n\n"
+                    "    def step(self, action):\n        return Step(done=True)\n\n"
+                    "class Loose(Env):\n    def reset(self, example, seed=0, *more):\n        pass\n\n"
+                    "    @staticmethod\n    def step(*args):\n        return Step(done=True)\n")
+    with pytest.raises(ValueError, match=r"NoStep has no step\(action\) of its own"):
+        load_env(f"{path}:NoStep", ENVS)
+    with pytest.raises(ValueError, match=rf"StepNoArg.step\(self\) \({path}:8\) cannot be called as step\(action\)"):
+        load_env(f"{path}:StepNoArg", ENVS)
+    with pytest.raises(ValueError, match=rf"ResetNoArg.reset\(self\) \({path}:12\) cannot be called as "
+                                         r"reset\(example, seed\)"):
+        load_env(f"{path}:ResetNoArg", ENVS)
+    assert load_env(f"{path}:Loose", ENVS).__name__ == "Loose"
 
 
 @pytest.mark.parametrize("method", ["reset", "step"])

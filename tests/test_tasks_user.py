@@ -295,6 +295,27 @@ def test_a_reward_too_large_for_a_float_is_named(tmp_path, monkeypatch, isolated
     monkeypatch.delitem(sys.modules, name)
 
 
+@pytest.mark.parametrize("body, code", [("import argparse\nargparse.ArgumentParser().parse_args()\n", "2"),
+                                        ("import sys\nsys.exit(0)\n", "0")])
+def test_a_reward_module_that_exits_as_it_loads_is_named(tmp_path, monkeypatch, isolated_path, capsys, body, code):
+    """A module that parses the command line (argparse) or calls sys.exit as it loads: a ValueError naming the
+    key, the module and its line (it ended rlalign: argparse's usage line read as rlalign's own, and exit 0 was
+    a silent success). The twin: the same module guarded by `if __name__ == '__main__':` loads."""
+    name = _user_module(tmp_path, body + "\n\ndef score(c, a, p):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"task.reward='{name}:score': importing module '{name}' \({tmp_path / name}"
+                                         rf"\.py:2 in <module>\) exited \(SystemExit {code}\): a module rlalign "
+                                         r"imports must not run a script"):
+        load_reward(f"{name}:score")
+    capsys.readouterr()
+    guarded = _user_module(tmp_path, "if __name__ == '__main__':\n" + "".join(f"    {ln}\n" for ln in
+                                                                          body.splitlines())
+                           + "\n\ndef score(c, a, p):\n    return 1.0\n")
+    assert load_reward(f"{guarded}:score")("c", Example("p", "a")) == 1.0
+    for n in (name, guarded):
+        monkeypatch.delitem(sys.modules, n, raising=False)
+
+
 def test_a_reward_module_that_does_not_import_names_its_line(tmp_path, monkeypatch, isolated_path):
     name = _user_module(tmp_path, "x = 1\ny = undefined_name\n")
     monkeypatch.chdir(tmp_path)

@@ -29,6 +29,7 @@ environment's rewards (the fallback's alone after a failure).
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import random
 import sys
@@ -38,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlalign.agent.env import EnvContractError, check_step
+from rlalign.agent.env import EnvContractError, check_step, shown
 from rlalign.agent.pool import Call, EnvPool
 from rlalign.sequences import Rollout
 from rlalign.tasks import Example
@@ -161,7 +162,7 @@ class EpisodeDriver:
             if isinstance(e, EnvContractError):
                 raise EnvError(f"environment {self.name} {e} in {self._where(b)}") from None
             if e is not None:
-                raise EnvError(f"environment {self.name} raised {type(e).__name__}: {e} at its reset in "
+                raise EnvError(f"environment {self.name} raised {type(e).__name__}: {shown(e, str)} at its reset in "
                                f"{self._where(b)}{_at(e)}") from e
 
     def max_len(self, b: int) -> int:
@@ -271,11 +272,15 @@ class EpisodeDriver:
         ep = self.episodes[b]
         ep.env_s += seconds
         if not ok:
-            return self._failed(b, "env_errors", f"raised {type(value).__name__}: {value}", value, out)
+            return self._failed(b, "env_errors", f"raised {type(value).__name__}: {shown(value, str)}", value, out)
         try:
             step = check_step(value)
         except EnvContractError as e:
             return self._failed(b, "env_errors", str(e), None, out)
+        if not math.isfinite(ep.reward + float(step.reward)):
+            return self._failed(b, "env_errors", f"returned the reward {step.reward!r}, which brings the episode's "
+                                                 f"total from {ep.reward!r} to {ep.reward + float(step.reward)}", None,
+                                out)
         ep.reward += float(step.reward)
         ep.counts["tool_calls"] += int(step.tool_calls)
         ep.counts["tool_errors"] += int(step.tool_errors)

@@ -63,20 +63,30 @@ def check_step(value) -> Step:
     if isinstance(value, tuple) and len(value) == 3:
         value = Step(*value)
     if not isinstance(value, Step):
-        raise EnvContractError(f"returned {value!r} ({type(value).__name__}); expected rlalign.agent.Step or a "
+        raise EnvContractError(f"returned {shown(value)} ({type(value).__name__}); expected rlalign.agent.Step or a "
                                f"(observation, reward, done) tuple")
     if not isinstance(value.observation, str):
-        raise EnvContractError(f"returned the observation {value.observation!r} "
+        raise EnvContractError(f"returned the observation {shown(value.observation)} "
                                f"({type(value.observation).__name__}); an observation must be a string")
     if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not _finite(value.reward):
-        raise EnvContractError(f"returned the reward {value.reward!r}; a reward must be a finite real number")
+        raise EnvContractError(f"returned the reward {shown(value.reward)}; a reward must be a finite real number")
     if not isinstance(value.done, (numbers.Integral, numpy.bool_)) or value.done not in (0, 1):
-        raise EnvContractError(f"returned done={value.done!r}; done must be a bool")
+        raise EnvContractError(f"returned done={shown(value.done)}; done must be a bool")
     for key in ("tool_calls", "tool_errors"):
         n = getattr(value, key)
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise EnvContractError(f"returned {key}={n!r}; a count must be an int >= 0")
+            raise EnvContractError(f"returned {key}={shown(n)}; a count must be an int >= 0")
     return value
+
+
+def shown(x, fn=repr) -> str:
+    """A user's object as one line of an error: fn(x) (repr, or str for an exception's message) with its lines
+    joined, or what it is when fn(x) itself raises."""
+    try:
+        text = fn(x)
+    except Exception as e:  # noqa: BLE001 - the user's __str__ / __repr__; the error must still be said
+        return f"<a {type(x).__name__} whose {fn.__name__}() raised {type(e).__name__}>"
+    return " | ".join(ln for ln in str(text).splitlines() if ln.strip()) if "\n" in str(text) else str(text)
 
 
 def _finite(x: numbers.Real) -> bool:
@@ -102,12 +112,35 @@ def load_env(spec: str, builtin: dict[str, type]) -> type:
         raise ValueError(f"task.env={spec!r}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no class "
                          f"{cls_name!r} with reset(example, seed) and step(action) methods")
     check_no_arguments(spec, cls)
-    for name in ("reset", "step"):
+    if cls.step is Env.step:
+        raise ValueError(f"task.env={spec!r}: {cls.__qualname__} has no step(action) of its own (Env.step only "
+                         "raises NotImplementedError)")
+    for name, params in (("reset", "(example, seed)"), ("step", "(action)")):
+        check_method(spec, cls, name, params)
         if inspect.iscoroutinefunction(getattr(cls, name)):
             raise ValueError(f"task.env={spec!r}: {cls.__qualname__}.{name} is a coroutine function (async def); "
                              f"reset and step are called as plain functions in worker threads (task.env_workers): "
                              f"define them with def (an async client can be run inside with asyncio.run)")
     return cls
+
+
+def check_method(spec: str, cls: type, name: str, params: str) -> None:
+    """An instance's `name` can be called with the arguments `params` names (reset(example, seed), step(action)),
+    or the class is refused now, before any actor starts, rather than at the first episode."""
+    try:
+        signature = inspect.signature(getattr(cls, name))
+    except (TypeError, ValueError):  # built in C, without a signature: its call tells
+        return
+    args = [None] * (params.count(",") + 2)  # self, then the arguments
+    if isinstance(inspect.getattr_static(cls, name), staticmethod | classmethod):
+        args = args[1:]
+    try:
+        signature.bind(*args)
+    except TypeError:
+        at = getattr(getattr(cls, name), "__code__", None)
+        where = f" ({at.co_filename}:{at.co_firstlineno})" if at else ""
+        raise ValueError(f"task.env={spec!r}: {cls.__qualname__}.{name}{signature}{where} cannot be called as "
+                         f"{name}{params}") from None
 
 
 def check_no_arguments(spec: str, cls: type) -> None:

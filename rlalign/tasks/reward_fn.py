@@ -104,6 +104,11 @@ def import_user_module(key: str, name: str):
     import is one ValueError naming the key, the module and the line of the user's code."""
     try:
         return import_file(Path(name)) if name.endswith(".py") else import_module(name)
+    except SystemExit as e:  # a module that parses its own command line (argparse) or exits as it loads
+        at = user_frame(e)
+        raise ValueError(f"{key}: importing module {name!r}{f' ({at})' if at else ''} exited (SystemExit "
+                         f"{e.code!r}): a module rlalign imports must not run a script as it loads (guard it with "
+                         "`if __name__ == '__main__':`)") from None
     except Exception as e:
         at = user_frame(e)
         hint = ""
