@@ -228,6 +228,10 @@ def _check(path: Path, tensors: bool) -> dict:
     for key, typ in (("step", int), ("files", dict), ("tensors", dict)):
         if not isinstance(meta.get(key), typ):
             raise Damage(META, f"field {key!r} missing or not {typ.__name__}")
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    if isinstance(meta["step"], bool) or meta["step"] < 0 or named and int(named[1]) != meta["step"]:
+        raise Damage(META, f"step {meta['step']!r} does not match the directory {path.name}" if named else
+                     f"step {meta['step']!r} is not a step number (an int >= 0)")
     files: dict = meta["files"]
     for f in sorted(p.name for p in path.iterdir() if p.name.endswith(SUFFIX)):
         if f not in files:

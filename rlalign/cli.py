@@ -337,6 +337,11 @@ def _resume_hint(st: dict) -> str:
                 f"resume with: {resume}; or start afresh in another run.dir")
     if done:
         return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
+    given = str(st["cfg"].checkpoint.resume)
+    if given not in ("auto", "never"):  # a checkpoint named by path: the run goes on from it, not afresh
+        again = resume.rsplit(" checkpoint.resume=", 1)[0] + " " + shlex.join([f"checkpoint.resume={given}"])
+        return (f"no complete checkpoint in {run_dir} yet; this run starts from checkpoint.resume={given}: mend what "
+                f"the error names and run again: {again}")
     return (f"no complete checkpoint in {run_dir} (checkpoint.every=N saves every N steps); start again with: "
             f"{resume}")
 

@@ -215,6 +215,34 @@ def test_truncated_meta_json_is_named_and_auto_resume_skips_it(two, capsys):
         ckpt.resolve_resume(run, "auto")
 
 
+def test_a_meta_json_whose_step_lies_is_damage_and_auto_resume_skips_it(two, tmp_path):
+    """meta.json's step, read as the step a resume continues after: one that is not the directory's (step_N) or
+    not a step number (-5, true) is damage (a step of -5 resumed at step -4 and overwrote the intact
+    checkpoints). The twin: the true step verifies, and a copy under another name with it too."""
+    import json
+    import shutil
+
+    run, first, later, _ = two
+    good = json.loads((later / "meta.json").read_text())
+    for lie, what in ((-5, rf"step -5 does not match the directory {later.name}"),
+                      (good["step"] + 6, rf"step {good['step'] + 6} does not match the directory {later.name}"),
+                      (True, rf"step True does not match the directory {later.name}")):
+        (later / "meta.json").write_text(json.dumps({**good, "step": lie}))
+        with pytest.raises(CheckpointError, match=rf"checkpoint {later} is not loadable: meta.json: {what}"):
+            ckpt.verify(later)
+        assert ckpt.resolve_resume(run, "auto") == first
+    copy = tmp_path / "mine"
+    shutil.copytree(later, copy)
+    (copy / "meta.json").write_text(json.dumps({**good, "step": -1}))
+    with pytest.raises(CheckpointError, match=r"meta.json: step -1 is not a step number \(an int >= 0\)"):
+        ckpt.verify(copy)
+    (later / "meta.json").write_text(json.dumps(good))
+    (copy / "meta.json").write_text(json.dumps(good))
+    ckpt.verify(later)
+    ckpt.verify(copy)
+    assert ckpt.resolve_resume(run, "auto") == later
+
+
 def test_a_run_directory_as_checkpoint_resume_is_refused_naming_its_newest_checkpoint(two, tmp_path_factory):
     run, _, later, _ = two
     for given in (run, run / "checkpoints"):

@@ -310,6 +310,25 @@ def test_ctrl_c_without_a_checkpoint_says_so(capsys, monkeypatch, tmp_path):
     assert f"no complete checkpoint in {tmp_path}" in err and "checkpoint.resume=auto" in err
 
 
+def test_a_start_from_a_checkpoint_given_by_path_is_resumed_from_it_again(capsys, monkeypatch, tmp_path):
+    """A run started with checkpoint.resume=PATH that stops before its own first checkpoint: the hint resumes
+    from PATH again (auto would have trained a new model from step 0 and dropped the checkpoint asked for).
+    The twin: started with checkpoint.resume=auto, the hint keeps auto."""
+    import rlalign.rl
+
+    given = tmp_path / "other" / "checkpoints" / "step_000001"
+    a, b = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setattr(rlalign.rl, "main", _interrupt_after(a, [], [0]))
+    rc, out, err = _run(capsys, "train", f"run.dir={a}", f"checkpoint.resume={given}")
+    assert rc == 130 and err.strip().endswith(f"this run starts from checkpoint.resume={given}: mend what the error "
+                                              f"names and run again: rlalign train run.dir={a} "
+                                              f"checkpoint.resume={given}"), err
+    monkeypatch.setattr(rlalign.rl, "main", _interrupt_after(b, [], [0]))
+    rc, out, err = _run(capsys, "train", f"run.dir={b}", "checkpoint.resume=auto")
+    assert rc == 130 and err.strip().endswith(f"start again with: rlalign train run.dir={b} "
+                                              "checkpoint.resume=auto"), err
+
+
 def test_ctrl_c_in_a_gate_is_one_line(capsys, monkeypatch, tmp_path):
     import rlalign.gates
 
