@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -90,8 +91,26 @@ def model_of(path: Path, meta: dict) -> tuple[ModelArgs, str, str | None]:
         if hf.get("dtype") not in DTYPES:
             raise damaged(path, Damage(META, f"model dtype {hf.get('dtype')!r}, expected one of {sorted(DTYPES)}"),
                           use=EXPORT)
-        return ModelArgs.from_hf_config(hf, where=f"{path / META} (model)"), hf["dtype"], meta.get("tokenizer")
-    return _from_segments(path, meta["step"])
+        tokenizer = meta.get("tokenizer")
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise damaged(path, Damage(META, f"tokenizer {tokenizer!r}, expected the run's tokenizer directory (a "
+                                             "string) or null"), use=EXPORT)
+        args = ModelArgs.from_hf_config(hf, where=f"{path / META} (model)")
+        _check_layers(path, meta, args)
+        return args, hf["dtype"], tokenizer
+    args, dtype, tokenizer = _from_segments(path, meta["step"])
+    _check_layers(path, meta, args)
+    return args, dtype, tokenizer
+
+
+def _check_layers(path: Path, meta: dict, args: ModelArgs) -> None:
+    """The checkpoint's tensors hold the layers its model names (checked before the model's tensor names are
+    made, one module per layer: a num_hidden_layers in the millions would take that long)."""
+    held = {int(m[1]) for k in meta["tensors"] if (m := re.search(r"\.layers\.(\d+)\.", k))}
+    n = max(held) + 1 if held else 0
+    if n != args.num_layers:
+        raise CheckpointError(f"checkpoint {path}: its tensors hold {n} layers, the model of its config "
+                              f"({_shape_text(args)}) has {args.num_layers} (another model?)")
 
 
 class _Reader:
@@ -265,6 +284,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False,
                          f"write it elsewhere")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose another directory or pass --overwrite to replace it")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise NotADirectoryError(f"OUT_DIR {out}: {above} is a file, so no directory can be made below it; choose "
+                                 "another OUT_DIR")
     meta = verify(checkpoint, use=EXPORT)
     args, dtype, runs = model_of(checkpoint, meta)
     with ExitStack() as stack:

@@ -169,12 +169,31 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensor(traine
     with pytest.raises(CheckpointError, match=r"tensor 'model/lm_head.weight' \(BF16\[64, 64\]\) is not part of the "
                                               r"model of its config"):
         export_hf(path, tmp_path / "b")
-    _edit_meta(path, tie_word_embeddings=False, num_hidden_layers=3)
-    with pytest.raises(CheckpointError, match=r"no tensor 'model/model.layers.2.self_attn.q_proj.weight'"):
-        export_hf(path, tmp_path / "c")
+    for layers in (3, 10**7):  # checked before a module per layer is made (10**7 of them took minutes)
+        _edit_meta(path, tie_word_embeddings=False, num_hidden_layers=layers)
+        with pytest.raises(CheckpointError, match=rf"its tensors hold 2 layers, the model of its config \(.*\) has "
+                                                  rf"{layers} \(another model\?\)"):
+            export_hf(path, tmp_path / "c")
     assert not any((tmp_path / n).exists() for n in "abc")
     _edit_meta(path, num_hidden_layers=2)
     export_hf(path, tmp_path / "d")  # twin: the shape it was written with
+
+
+def test_a_tokenizer_entry_that_is_not_a_path_and_an_out_dir_below_a_file_are_named(trained, tmp_path):
+    """meta.json's tokenizer of another type is damage named in meta.json (it was a TypeError in the copy), and
+    an OUT_DIR below a file is named before the checkpoint is read ('[Errno 17] File exists' before). The twin:
+    a null tokenizer (the char tokenizer's) exports."""
+    tr, cfg = trained
+    path = _save(tr, cfg, tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": 123}))
+    with pytest.raises(CheckpointError, match=r"meta.json: tokenizer 123, expected the run's tokenizer directory"):
+        export_hf(path, tmp_path / "a")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(NotADirectoryError, match=rf"OUT_DIR {tmp_path}/afile/x/y: {tmp_path}/afile is a file"):
+        export_hf(path, tmp_path / "afile" / "x" / "y")
+    (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": None}))
+    export_hf(path, tmp_path / "b")
 
 
 def test_a_changed_tensor_is_refused_by_its_fingerprint(trained, tmp_path):
