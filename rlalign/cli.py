@@ -21,7 +21,6 @@ the run has started, names the last complete checkpoint and the command that res
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -311,43 +310,9 @@ def _interrupted(cmd: str, st: dict) -> str:
 
 
 def _resume_hint(st: dict) -> str:
-    """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command (st: its
-    overrides, cfg and config source)."""
-    from rlalign.checkpoint import list_complete
-    from rlalign.rundir import model_changes
+    from rlalign.rundir import resume_hint  # torch and the checkpoint code load only where a hint is said
 
-    run_dir = Path(str(st["cfg"].run.dir))
-    bad = st.get("damaged")  # a checkpoint whose data did not load: named, and the resume names another
-    done = [p for p in list_complete(run_dir) if bad is None or p.resolve() != Path(bad).resolve()]
-    # the checkpoint's own model where this start changed it (segments.jsonl)
-    changed = {k: _override_value(v) for k, v in model_changes(run_dir, done[-1], st["cfg"]).items()} if done else {}
-    dropped = ("run.dir", "checkpoint.resume", *changed)
-    kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in dropped]
-    kept += [f"{k}={v}" for k, v in changed.items()]
-    source = st.get("source") or ConfigSource()
-    which = "auto" if bad is None or not done else str(done[-1])
-    resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", f"checkpoint.resume={which}"])
-    if bad is not None:
-        if not done:
-            return f"{bad} does not load and no other checkpoint is complete; start afresh in another run.dir"
-        return f"{bad} does not load; the newest other complete checkpoint: {done[-1]}; resume with: {resume}"
-    if changed:
-        was = ", ".join(f"{k}={v}" for k, v in changed.items())
-        return (f"last complete checkpoint: {done[-1]}, written with {was}, which this start changes (segments.jsonl); "
-                f"resume with: {resume}; or start afresh in another run.dir")
-    if done:
-        return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
-    given = str(st["cfg"].checkpoint.resume)
-    if given not in ("auto", "never"):  # a checkpoint named by path: the run goes on from it, not afresh
-        again = resume.rsplit(" checkpoint.resume=", 1)[0] + " " + shlex.join([f"checkpoint.resume={given}"])
-        return (f"no complete checkpoint in {run_dir} yet; this run starts from checkpoint.resume={given}: mend what "
-                f"the error names and run again: {again}")
-    return (f"no complete checkpoint in {run_dir} (checkpoint.every=N saves every N steps); start again with: "
-            f"{resume}")
-
-
-def _override_value(v) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return resume_hint(st)
 
 
 def version() -> str:

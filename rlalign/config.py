@@ -29,10 +29,11 @@ from hydra.errors import ConfigCompositionException, HydraException, OverridePar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlalign import values
 from rlalign.config_search import (
-    PRIMARY,
     ConfigError,
     ConfigSource,
+    check_experiment_defaults,
     check_group_overrides,
     compose_from,
     config_file,
@@ -114,6 +115,9 @@ class SamplingConfig:
 
     def validate_sampling(self, vocab_size: int | None = None, where: str = "generator.") -> None:
         """Values the sampler can draw from; `where` leads each field's name (a config's keys, or a request's)."""
+        wrong = values.type_problems(self, SamplingConfig)
+        if wrong:
+            raise ValueError(f"{where}{wrong[0]}")
         if not self.greedy and not 0 < self.temperature < math.inf:
             raise ValueError(
                 f"{where}temperature={self.temperature}: sampling needs a temperature > 0 and < inf "
@@ -360,8 +364,7 @@ def load_config(overrides: list[str] | None = None, config_dir: str | Path | Non
         if OmegaConf.select(schema, key, default="__missing__") == "__missing__" and not _is_free_key(key):
             raise _unknown_key_error(schema, key, "the command line")
     check_group_overrides(dirs, overrides)
-    if source.name != PRIMARY:
-        check_experiment_defaults(config_file(dirs, source.name))
+    check_experiment_defaults(dirs, source.name)
     ConfigStore.instance().store(name="rlalign_schema", node=Config)  # config.yaml's first default
     try:
         cfg = compose_from(dirs, source.name, overrides)
@@ -369,26 +372,6 @@ def load_config(overrides: list[str] | None = None, config_dir: str | Path | Non
         raise _composition_error(e, schema, dirs) from None
     validate(cfg)
     return cfg
-
-
-def check_experiment_defaults(path: Path | None) -> None:
-    """An experiment file (--config-name) composes onto rlalign's primary config: its defaults list holds
-    `- config`. Without it the schema's sections are missing, and Hydra's errors name neither the file nor
-    the fix. (A file that is not YAML is left to the composition, which names its line.)"""
-    import yaml
-
-    if path is None:
-        return
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        return
-    defaults = data.get("defaults") if isinstance(data, dict) else None
-    names = [str(d).strip().lstrip("/").split("@")[0] for d in defaults or [] if isinstance(d, str)]
-    if PRIMARY not in names:
-        raise ConfigError(f"{path}: its defaults list lacks `- {PRIMARY}` (rlalign's primary config, which an "
-                          f"experiment file composes onto): start it with `- {PRIMARY}`, then `- override GROUP: "
-                          "OPTION` lines and `- _self_`")
 
 
 def chosen_options(source: ConfigSource | None = None) -> dict[str, str]:

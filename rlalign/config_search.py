@@ -188,6 +188,27 @@ def _default_overrides(path: Path | None) -> dict[str, str]:
             if isinstance(k, str) and k.startswith("override ") and len(k.split(None, 1)) == 2}
 
 
+def check_experiment_defaults(dirs: list[Path], name: str) -> None:
+    """An experiment file (--config-name) composes onto rlalign's primary config: its defaults list holds
+    `- config`. Without it the schema's sections are missing, and Hydra's errors name neither the file nor
+    the fix. (A file that is not YAML is left to the composition, which names its line.)"""
+    import yaml
+
+    path = config_file(dirs, name) if name != PRIMARY else None
+    if path is None:
+        return
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return
+    defaults = data.get("defaults") if isinstance(data, dict) else None
+    names = [str(d).strip().lstrip("/").split("@")[0] for d in defaults or [] if isinstance(d, str)]
+    if PRIMARY not in names:
+        raise ConfigError(f"{path}: its defaults list lacks `- {PRIMARY}` (rlalign's primary config, which an "
+                          f"experiment file composes onto): start it with `- {PRIMARY}`, then `- override GROUP: "
+                          "OPTION` lines and `- _self_`")
+
+
 def check_group_overrides(dirs: list[Path], overrides: list[str]) -> None:
     """Every GROUP=OPTION of the command line names an option on the search path (all of them in one
     ConfigError, before Hydra stops at the first)."""

@@ -31,6 +31,7 @@ import errno
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -39,6 +40,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rlalign.checkpoint_files import list_complete
+from rlalign.config_search import ConfigSource
 from rlalign.logger import json_line, written_text
 
 LOCK = ".rlalign.lock"
@@ -255,3 +257,40 @@ def clear_run(run_dir: Path) -> None:
     for d in dirs:
         if d.is_dir():
             shutil.rmtree(d)
+
+
+def resume_hint(st: dict) -> str:
+    """'last complete checkpoint: ...; resume with: rlalign train ...' of a train command (st: its
+    overrides, cfg and config source)."""
+    run_dir = Path(str(st["cfg"].run.dir))
+    bad = st.get("damaged")  # a checkpoint whose data did not load: named, and the resume names another
+    done = [p for p in list_complete(run_dir) if bad is None or p.resolve() != Path(bad).resolve()]
+    # the checkpoint's own model where this start changed it (segments.jsonl)
+    changed = {k: override_value(v) for k, v in model_changes(run_dir, done[-1], st["cfg"]).items()} if done else {}
+    dropped = ("run.dir", "checkpoint.resume", *changed)
+    kept = [o for o in st["overrides"] if o.split("=", 1)[0].lstrip("+~") not in dropped]
+    kept += [f"{k}={v}" for k, v in changed.items()]
+    source = st.get("source") or ConfigSource()
+    which = "auto" if bad is None or not done else str(done[-1])
+    resume = "rlalign train " + shlex.join([*source.argv(), *kept, f"run.dir={run_dir}", f"checkpoint.resume={which}"])
+    if bad is not None:
+        if not done:
+            return f"{bad} does not load and no other checkpoint is complete; start afresh in another run.dir"
+        return f"{bad} does not load; the newest other complete checkpoint: {done[-1]}; resume with: {resume}"
+    if changed:
+        was = ", ".join(f"{k}={v}" for k, v in changed.items())
+        return (f"last complete checkpoint: {done[-1]}, written with {was}, which this start changes (segments.jsonl); "
+                f"resume with: {resume}; or start afresh in another run.dir")
+    if done:
+        return f"last complete checkpoint: {done[-1]}; resume with: {resume}"
+    given = str(st["cfg"].checkpoint.resume)
+    if given not in ("auto", "never"):  # a checkpoint named by path: the run goes on from it, not afresh
+        again = resume.rsplit(" checkpoint.resume=", 1)[0] + " " + shlex.join([f"checkpoint.resume={given}"])
+        return (f"no complete checkpoint in {run_dir} yet; this run starts from checkpoint.resume={given}: mend what "
+                f"the error names and run again: {again}")
+    return (f"no complete checkpoint in {run_dir} (checkpoint.every=N saves every N steps); start again with: "
+            f"{resume}")
+
+
+def override_value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)

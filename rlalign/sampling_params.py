@@ -8,12 +8,14 @@ fields is derived here from dataclasses.fields, so a field added to the class re
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
 from rlalign.config import SamplingConfig, keys_of
+from rlalign.values import is_int
 
 # the fields a captured decode step does not bake in: the seed enters through rekeyed sample ids
 # (rlalign.rollout.sampling.rekey_sample_ids), the stop token and the length are the scheduler's
@@ -54,12 +56,25 @@ class SamplingParams(SamplingConfig):
         """Every field by name: plain values (JSON, msgpack)."""
         return dataclasses.asdict(self)
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):  # a numpy or 0-d tensor int as the int it is (a bool stays a bool)
+            v = getattr(self, f.name)
+            if is_int(v) and not isinstance(v, int):
+                setattr(self, f.name, operator.index(v))
+
     def validate(self, vocab_size: int | None = None, where: str = "generator.") -> None:
         """Refuses a value no sampler draws with, naming it as `where` + the field (the config's
         generator.* keys by default; a mismatch dump's or another request's own)."""
-        if self.max_new_tokens < 1:
-            raise ValueError(f"{where}max_new_tokens={self.max_new_tokens}: must be >= 1")
         self.validate_sampling(vocab_size, where)
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"{where}max_new_tokens={self.max_new_tokens!r}: must be >= 1, an integer")
+        if not is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63:
+            raise ValueError(f"{where}seed={self.seed!r}: must be a signed 64-bit integer (the sampling noise's seed)")
+        eos = self.eos_token_id
+        if eos is not None and (not is_int(eos) or eos < 0 or vocab_size is not None and eos >= vocab_size):
+            room = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{where}eos_token_id={eos!r}: must be a token id, an integer {room}, or None (no stop "
+                             "token)")
 
     def key(self) -> tuple:
         """Every field, hashable: requests with equal keys are sampled together."""

@@ -6,6 +6,7 @@ come in, or the expert-parallel size."""
 
 import dataclasses
 
+import numpy
 import pytest
 import torch
 from conftest import TINY, same_bits, tiny_model
@@ -244,6 +245,12 @@ def test_bad_answers_are_refused_naming_the_sample(model):
         NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [20], obs=lambda b, k: [2] * 30))
     with pytest.raises(ValueError, match=r"sample 9: observation token 64 after turn 0 is not a token id in \[0, 64\)"):
         NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [40], obs=lambda b, k: [5, 64]))
+    with pytest.raises(ValueError, match=r"sample 9: observation token 5.0 after turn 0 is not a token id"):
+        NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [40], obs=lambda b, k: [5.0]))
+    np_obs = NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [40], obs=lambda b, k: [
+        numpy.int64(5), numpy.int32(6)]))  # twin: numpy ints are the token ids they hold
+    assert np_obs[0].tokens == NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script(
+        [2], [40], obs=lambda b, k: [5, 6]))[0].tokens
     with pytest.raises(ValueError, match=r"sample 9: Continuations.max_len=3 must be an int above its prompt's 3"):
         NativeEngine(model).generate(prompts, [9], PARAMS, episodes=Script([2], [3]))
     with pytest.raises(ValueError, match=r"sample 9: prompt of 3 tokens \+ the rest of its episode \(max_len=20\) "

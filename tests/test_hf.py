@@ -173,8 +173,8 @@ def test_a_config_json_of_wrong_types_is_refused_naming_the_field(hf_dir, tmp_pa
     types load."""
     d, _ = hf_dir
     cfg = json.loads((d / "config.json").read_text())
-    for change, message in ((dict(vocab_size=str(cfg["vocab_size"])), r"vocab_size='\d+' must be an integer"),
-                            (dict(rms_norm_eps=True), r"rms_norm_eps=True must be a number"),
+    for change, message in ((dict(vocab_size=str(cfg["vocab_size"])), r"vocab_size='\d+' \(str\) must be an integer"),
+                            (dict(rms_norm_eps=True), r"rms_norm_eps=True \(bool\) must be a number"),
                             (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 must be positive"),
                             (dict(eos_token_id=[]), r"eos_token_id is an empty list")):
         with pytest.raises(ValueError, match=r"config.json.*" + message):

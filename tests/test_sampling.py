@@ -99,6 +99,40 @@ def test_the_temperature_range_is_where_tempered_logits_stay_finite():
     assert 0 < kernels.inverse_temperature(hi * 2) < torch.finfo(torch.float32).tiny
 
 
+@pytest.mark.parametrize("prompts, ids, params, message", [
+    ([[3], [4]], [0, 0.5], {}, r"sample id 0.5 \(float\): sample ids are signed 64-bit integers"),
+    ([[3]], [2**63], {}, r"sample id 9223372036854775808 \(int\): sample ids are signed 64-bit integers"),
+    ([[3.5, 4]], [0], {}, r"prompt of sample 0 has 3.5 \(float\), not an integer token id in \[0, 64\)"),
+    ([[3]], [0], dict(eos_token_id=64), r"eos_token_id=64: must be a token id, an integer \[0, 64\), or None"),
+    ([[3]], [0], dict(eos_token_id="1"), r"eos_token_id='1': must be a token id"),
+    ([[3]], [0], dict(greedy="false"), r"greedy='false' \(str\) must be true or false"),
+    ([[3]], [0], dict(max_new_tokens=True), r"max_new_tokens=True: must be >= 1, an integer"),
+    ([[3]], [0], dict(max_new_tokens=4.0), r"max_new_tokens=4.0: must be >= 1, an integer"),
+    ([[3]], [0], dict(top_k=2.5), r"top_k=2.5 \(float\) must be an integer"),
+    ([[3]], [0], dict(temperature="1.0"), r"temperature='1.0' \(str\) must be a number"),
+    ([[3]], [0], dict(seed=2**64), r"seed=18446744073709551616: must be a signed 64-bit integer"),
+])
+def test_a_request_of_the_wrong_types_is_named_before_it_runs(prompts, ids, params, message):
+    """A request's values of another type or range are refused naming the field (they ran as something else:
+    ids 0 and 0.5 drew the same noise, greedy='false' decoded greedily, an eos id outside the vocabulary never
+    stopped, a seed of 2**64 drew as seed 0; or failed deep inside: OverflowError, torch.full, topk)."""
+    with pytest.raises(ValueError, match=message):
+        generate(tiny_model(), prompts, ids, SamplingParams(**{"max_new_tokens": 3, **params}))
+
+
+def test_numpy_and_tensor_integers_are_the_ints_they_hold():
+    """The twin: a numpy array prompt, numpy sample ids and seed, and a 0-d tensor max_new_tokens draw the tokens
+    (and bits) of the same Python ints."""
+    import numpy
+
+    m = tiny_model()
+    want = generate(m, [[3, 4, 5], [6]], [0, 1], SamplingParams(max_new_tokens=3, seed=5))
+    got = generate(m, [numpy.array([3, 4, 5]), torch.tensor([6])], [numpy.int64(0), numpy.int32(1)],
+                   SamplingParams(max_new_tokens=torch.tensor(3), seed=numpy.int64(5)))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert all(same_bits(a.logprobs, b.logprobs) for a, b in zip(got, want))
+
+
 def test_generation_bad_input_is_named():
     m = tiny_model()
     ok = SamplingParams(max_new_tokens=4)

@@ -303,6 +303,7 @@ def test_a_reward_module_that_exits_as_it_loads_is_named(tmp_path, monkeypatch, 
     a silent success). The twin: the same module guarded by `if __name__ == '__main__':` loads."""
     name = _user_module(tmp_path, body + "\n\ndef score(c, a, p):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["rlalign", "train", "task.reward=x:score"])  # argparse reads it (not pytest's)
     with pytest.raises(ValueError, match=rf"task.reward='{name}:score': importing module '{name}' \({tmp_path / name}"
                                          rf"\.py:2 in <module>\) exited \(SystemExit {code}\): a module rlalign "
                                          r"imports must not run a script"):

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlalign.values import type_problems
+
 # Every Qwen3-MoE config.json field, by what this model does with it. A field outside these sets,
 # or a value this model does not implement, is refused with its name: a `hidden_act: gelu`
 # checkpoint once loaded and ran as SiLU, and since both sides agreed the monitor could not see it.
@@ -60,20 +62,6 @@ def check_hf_fields(cfg: dict, where: str) -> None:
         raise ValueError(f"{where}: unsupported config field(s): " + "; ".join(problems))
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# ModelArgs's field types (as annotated) -> (the check, what it wants)
-_TYPE_CHECKS = {
-    "int": (_is_int, "an integer"),
-    "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
-    "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)), "a list of integers"),
-}
-
-
 @dataclass
 class ModelArgs:
     vocab_size: int = 64
@@ -102,7 +90,7 @@ class ModelArgs:
         )
 
     def validate(self, where: str = "model") -> None:
-        problems = self.type_problems()
+        problems = type_problems(self)
         if problems:
             raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
         for name in ("num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "decoder_sparse_step"):  # divisors,
@@ -128,16 +116,6 @@ class ModelArgs:
             problems.append(f"intermediate_size={self.intermediate_size} must be positive (dense layers)")
         if problems:
             raise ValueError(f"{where}: invalid model arguments: " + "; ".join(problems))
-
-    def type_problems(self) -> list[str]:
-        """Each field whose value is not of its type (a config.json or an override can hold any JSON)."""
-        problems = []
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            check, what = _TYPE_CHECKS[f.type]
-            if not check(v):
-                problems.append(f"{f.name}={v!r} must be {what}")
-        return problems
 
     def context_overflow(self, prompt_len: int, max_new: int) -> str | None:
         """Why a prompt of `prompt_len` tokens plus `max_new` completion tokens does not fit the

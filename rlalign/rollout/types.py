@@ -8,6 +8,7 @@ from typing import Protocol
 
 from rlalign.config import EngineConfig
 from rlalign.model.args import ModelArgs
+from rlalign.values import is_int
 
 __all__ = ["Continuations", "EngineConfig", "check_prompts"]
 
@@ -17,16 +18,23 @@ def check_prompts(args: ModelArgs, prompts: list[list[int]], sample_ids: list[in
     no empty prompt, token ids in the vocabulary, prompt + max_new within the model's context."""
     if len(prompts) != len(sample_ids):
         raise ValueError(f"{len(prompts)} prompts but {len(sample_ids)} sample ids")
-    if len(set(sample_ids)) != len(sample_ids):
+    odd = [s for s in sample_ids if not is_int(s) or not -(1 << 63) <= s < 1 << 63]
+    if odd:
+        raise ValueError(f"sample id {odd[0]!r} ({type(odd[0]).__name__}): sample ids are signed 64-bit integers "
+                         "(they seed each sample's noise)")
+    if len(set(map(int, sample_ids))) != len(sample_ids):
         raise ValueError("sample ids must be unique: they seed each sample's noise")
     for p, sid in zip(prompts, sample_ids):
-        if not p:
+        if len(p) == 0:
             raise ValueError(f"prompt of sample {sid} is empty")
         overflow = args.context_overflow(len(p), max_new)
         if overflow:
             raise ValueError(f"prompt of sample {sid} {overflow}")
-        bad = [t for t in p if not 0 <= t < args.vocab_size]
+        bad = [t for t in p if not is_int(t) or not 0 <= t < args.vocab_size]
         if bad:
+            if not is_int(bad[0]):
+                raise ValueError(f"prompt of sample {sid} has {bad[0]!r} ({type(bad[0]).__name__}), not an integer "
+                                 f"token id in [0, {args.vocab_size})")
             raise ValueError(f"prompt of sample {sid} has token id {bad[0]} outside [0, {args.vocab_size})")
 
 

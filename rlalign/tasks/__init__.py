@@ -25,6 +25,7 @@ from typing import Any
 from rlalign.tasks import rewards
 from rlalign.tasks.reward_fn import Reward, load_reward
 from rlalign.tasks.rewards import answer_text
+from rlalign.values import is_int
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def check_kwargs(**values) -> None:
 
 
 def _count(least: int):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+    return lambda v: is_int(v) and v >= least
 
 
 def _letters(v) -> bool:

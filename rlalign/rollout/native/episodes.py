@@ -14,6 +14,7 @@ from rlalign.rollout.native.scheduler import Scheduler, Seq, Step
 from rlalign.rollout.types import Continuations
 from rlalign.sampling_params import SamplingParams
 from rlalign.sequences import Rollout, policy_mask
+from rlalign.values import is_int
 
 
 class EpisodeScheduler(Scheduler):
@@ -95,8 +96,8 @@ class EpisodeScheduler(Scheduler):
     def _continue(self, seq: Seq, obs: list[int]) -> None:
         """The observation appended; the sequence prefills from its last sampled token on, then decodes."""
         o = self.out[seq.b]
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in obs):
-            bad = next(t for t in obs if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+        if not all(is_int(t) and 0 <= t < self.vocab_size for t in obs):
+            bad = next(t for t in obs if not (is_int(t) and 0 <= t < self.vocab_size))
             raise ValueError(f"sample {o.sample_id}: observation token {bad!r} after turn {self.turn_no[seq.b] - 1} "
                              f"is not a token id in [0, {self.vocab_size})")
         n, max_len = len(seq.tokens) + len(obs), self.max_lens[seq.b]
