@@ -521,6 +521,8 @@ def _ranges(cfg: DictConfig) -> list[str]:
         ("run.stop_grace_s", cfg.run.stop_grace_s, cfg.run.stop_grace_s >= 0, ">= 0 (0 = stop at once)"),
         ("logger.wandb.sample_table_every", cfg.logger.wandb.sample_table_every,
          cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
+        ("logger.wandb.project", repr(project := cfg.logger.wandb.project), len(project) <= 128 and not
+         set(project) & set("/\\#?%:"), "a W&B project name: at most 128 characters, none of / \\ # ? % :"),
     ]
     return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
 

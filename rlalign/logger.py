@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -275,8 +276,19 @@ def truncate_jsonl(path: Path, step: int) -> None:
     last line cut short by a killed writer goes too)."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = [ln for ln in lines if ln.strip() and ln.endswith("\n") and json.loads(ln)["step"] < step]
+    keep = []
+    for no, ln in enumerate(written_text(path).splitlines(keepends=True), 1):
+        if not ln.strip() or not ln.endswith("\n"):
+            continue
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{no}: corrupt record ({e.msg}); mend or remove that line to resume") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
+            raise ValueError(f"{path}:{no}: a record without an integer step (not written by rlalign?); mend or "
+                             "remove that line to resume")
+        if rec["step"] < step:
+            keep.append(ln)
     path.write_text("".join(keep))
 
 
@@ -286,4 +298,11 @@ def _wandb_id(run_dir: Path) -> str:
         import uuid
 
         f.write_text(uuid.uuid4().hex[:12])
-    return f.read_text().strip()
+    try:
+        rid = f.read_text().strip()
+    except UnicodeDecodeError:
+        rid = None
+    if not rid or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", rid):
+        raise ValueError(f"{f}: damaged (the W&B run id of this run dir, read {rid!r}); write the run's id back, or "
+                         "delete the file to log to a new W&B run")
+    return rid

@@ -32,6 +32,52 @@ def _logger_run(tmp_path, steps):
     return run
 
 
+@pytest.mark.parametrize("text", ["", "  \n", "ab/cd", "ab:cd", "\udcff"])
+def test_a_damaged_wandb_id_is_named_before_wandb_starts(tmp_path, text):
+    """A run dir's .wandb_id cut short, or holding what W&B refuses as a run id, is named as that file (they were
+    wandb UsageError tracebacks, or a UnicodeDecodeError naming no file). The twin: an intact id is used as it is."""
+    from rlalign.logger import _wandb_id
+
+    f = tmp_path / ".wandb_id"
+    f.write_bytes(b"\xff" if text == "\udcff" else text.encode())
+    with pytest.raises(ValueError, match=rf"{f}: damaged \(the W&B run id of this run dir"):
+        _wandb_id(tmp_path)
+    f.write_text("3f9a0c1d2e4b\n")
+    assert _wandb_id(tmp_path) == "3f9a0c1d2e4b"
+
+
+@pytest.mark.parametrize("line, what", [('{"a": 1}', "a record without an integer step"),
+                                        ("[1, 2]", "a record without an integer step"),
+                                        ('{"step": "1"}', "a record without an integer step"),
+                                        ("{garbage", "corrupt record")])
+def test_a_damaged_metrics_line_is_named_when_a_resume_trims_the_file(tmp_path, line, what):
+    """A resume keeps the records of the steps before its checkpoint: a line that is not a record is named by
+    file and line (TypeError / KeyError tracebacks before) and the file is left as it was. The twin: a last line
+    cut short by a killed writer goes, and the earlier steps stay."""
+    from rlalign.logger import truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s}) + "\n" for s in range(3)]
+    path.write_text(good[0] + line + "\n" + good[1])
+    with pytest.raises(ValueError, match=rf"{path}:2: {what}"):
+        truncate_jsonl(path, 1)
+    assert path.read_text() == good[0] + line + "\n" + good[1]
+    path.write_text("".join(good) + '{"step": 3, "rew')
+    truncate_jsonl(path, 2)
+    assert path.read_text() == "".join(good[:2])
+
+
+def test_a_wandb_project_name_wandb_refuses_is_named_at_config_time():
+    """W&B refuses a project of more than 128 characters or holding / \\ # ? % : (a UsageError traceback once
+    the actors were up); the config names it. The twin: 128 characters and dashes are taken."""
+    from rlalign.config import ConfigError
+
+    for bad in ("a/b", "'a#b'", "'a%b'", "x" * 129):
+        with pytest.raises(ConfigError, match=r"logger.wandb.project='.*': must be a W&B project name"):
+            load_config([f"logger.wandb.project={bad}"])
+    assert load_config([f"logger.wandb.project={'x' * 126}-y"]).logger.wandb.project == "x" * 126 + "-y"
+
+
 def test_string_metrics_reach_the_wandb_summary_and_a_table(tmp_path):
     from wandb_read import read_offline_run, read_offline_summary, read_offline_table
 
