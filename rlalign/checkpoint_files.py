@@ -389,6 +389,9 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
         run = p if checkpoint_dir(p).is_dir() else p.parent if p.name == "checkpoints" else None
         newest = newest_intact(run) if run is not None else None
         hint = f"; it is a run's directory, whose newest intact checkpoint is {newest}" if newest else ""
+        if p.name == META and p.is_file():
+            raise FileNotFoundError(f"checkpoint.resume={resume!r}: a checkpoint's {META}, not the checkpoint; give "
+                                    f"its directory: checkpoint.resume={p.parent}")
         raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no meta.json){hint}")
     verify(p)
     return p

@@ -250,6 +250,9 @@ def test_a_run_directory_as_checkpoint_resume_is_refused_naming_its_newest_check
                                                     rf"meta.json\); it is a run's directory, whose newest intact "
                                                     rf"checkpoint is {later}$"):
             ckpt.resolve_resume(run, str(given))
+    with pytest.raises(FileNotFoundError, match=rf"checkpoint.resume='{later}/meta.json': a checkpoint's meta.json, "
+                                                rf"not the checkpoint; give its directory: checkpoint.resume={later}$"):
+        ckpt.resolve_resume(run, str(later / "meta.json"))
     empty = tmp_path_factory.mktemp("empty")  # twin: a directory of no run names no checkpoint
     with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint \(no meta.json\)$"):
         ckpt.resolve_resume(run, str(empty))
