@@ -5,6 +5,7 @@ tensor integer is an integer), and a dataclass's fields against their annotation
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import operator
 from typing import Any
@@ -25,6 +26,14 @@ def is_int(v: Any) -> bool:
 def is_number(v: Any) -> bool:
     """A real number (an int or a float of Python or numpy), not a bool."""
     return is_int(v) or isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+
+
+def is_finite(x: numbers.Real) -> bool:
+    """A real number a float holds finitely (an int beyond the doubles, e.g. 10**400, is not)."""
+    try:
+        return math.isfinite(x) and math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 # a dataclass field's annotation -> (the check of a value, what it must be): the schema's own types, checked

@@ -22,7 +22,6 @@ replays it.
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import numpy
 
 from rlalign.tasks import Example
 from rlalign.tasks.reward_fn import import_user_module
+from rlalign.values import is_finite
 
 
 @dataclass
@@ -68,7 +68,7 @@ def check_step(value) -> Step:
     if not isinstance(value.observation, str):
         raise EnvContractError(f"returned the observation {shown(value.observation)} "
                                f"({type(value.observation).__name__}); an observation must be a string")
-    if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not _finite(value.reward):
+    if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not is_finite(value.reward):
         raise EnvContractError(f"returned the reward {shown(value.reward)}; a reward must be a finite real number")
     if not isinstance(value.done, (numbers.Integral, numpy.bool_)) or value.done not in (0, 1):
         raise EnvContractError(f"returned done={shown(value.done)}; done must be a bool")
@@ -87,13 +87,6 @@ def shown(x, fn=repr) -> str:
     except Exception as e:  # noqa: BLE001 - the user's __str__ / __repr__; the error must still be said
         return f"<a {type(x).__name__} whose {fn.__name__}() raised {type(e).__name__}>"
     return " | ".join(ln for ln in str(text).splitlines() if ln.strip()) if "\n" in str(text) else str(text)
-
-
-def _finite(x: numbers.Real) -> bool:
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond a float's range
-        return False
 
 
 def load_env(spec: str, builtin: dict[str, type]) -> type:

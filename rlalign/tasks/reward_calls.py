@@ -19,7 +19,6 @@ the advantages and then the weights.
 
 from __future__ import annotations
 
-import math
 import numbers
 import queue
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 from rlalign.tasks import Example
 from rlalign.tasks.reward_fn import user_frame
+from rlalign.values import is_finite
 
 
 class RewardError(RuntimeError):
@@ -122,11 +122,7 @@ class RewardCaller:
             shape = f" of shape {list(value.shape)}" if hasattr(value, "shape") else ""
             raise RewardError(f"reward function returned {value!r} ({kind}{shape}) on {where}; a reward must be a real "
                               f"number (or a bool, or a 0-d tensor/array)")
-        try:
-            finite = math.isfinite(value) and math.isfinite(float(value))
-        except OverflowError:  # an int (or a Fraction) beyond the doubles
-            finite = False
-        if not finite:
+        if not is_finite(value):
             shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}...{repr(value)[-8:]}"
             raise RewardError(f"reward function returned {shown} on {where}; a reward must be finite (as a float: "
                               "within +-1.8e308)")
