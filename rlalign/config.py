@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ KernelBackend = Literal["torch", "triton", "auto"]
 GeneratorBackend = Literal["native", "vllm"]
 Layout = Literal["packed", "padded"]
 WandbMode = Literal["online", "offline", "disabled"]
+WANDB_ENV_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what W&B takes in $WANDB_MODE
 OnMismatch = Literal["raise", "warn"]
 Fingerprints = Literal["off", "default", "layers"]  # default: weights, grads, logprobs; layers: + per-layer hidden
 
@@ -523,6 +525,9 @@ def _ranges(cfg: DictConfig) -> list[str]:
          cfg.logger.wandb.sample_table_every >= 1, ">= 1"),
         ("logger.wandb.project", repr(project := cfg.logger.wandb.project), len(project) <= 128 and not
          set(project) & set("/\\#?%:"), "a W&B project name: at most 128 characters, none of / \\ # ? % :"),
+        ("$WANDB_MODE", env_mode := os.environ.get("WANDB_MODE", ""), not cfg.logger.wandb.enabled or env_mode in
+         ("", *WANDB_ENV_MODES), f"unset or one of {', '.join(WANDB_ENV_MODES)} (W&B reads it even beside "
+         "logger.wandb.mode)"),
     ]
     return [f"{key}={value}: must be {want}" for key, value, ok, want in checks if not ok]
 

@@ -78,6 +78,22 @@ def test_a_wandb_project_name_wandb_refuses_is_named_at_config_time():
     assert load_config([f"logger.wandb.project={'x' * 126}-y"]).logger.wandb.project == "x" * 126 + "-y"
 
 
+def test_a_wandb_mode_wandb_refuses_in_the_environment_is_named_at_config_time(monkeypatch):
+    """$WANDB_MODE=foo made wandb.init raise a pydantic validation error (even with logger.wandb.mode set) once the
+    actors were up; the config names the variable when W&B is on. Twins: W&B's own modes are taken, and with W&B
+    off the variable is not read."""
+    from rlalign.config import ConfigError
+
+    monkeypatch.setenv("WANDB_MODE", "foo")
+    for over in ([], ["logger.wandb.mode=offline"]):
+        with pytest.raises(ConfigError, match=r"\$WANDB_MODE=foo: must be unset or one of online, offline, disabled"):
+            load_config(["logger.wandb.enabled=true", *over])
+    assert not load_config([]).logger.wandb.enabled
+    for mode in ("offline", "dryrun", "disabled"):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert load_config(["logger.wandb.enabled=true"]).logger.wandb.enabled
+
+
 def test_string_metrics_reach_the_wandb_summary_and_a_table(tmp_path):
     from wandb_read import read_offline_run, read_offline_summary, read_offline_table
 
