@@ -62,7 +62,8 @@ class ActorGroup:
     """`world` ranks of a worker class, one Ray actor each, placed by `placement`'s slots for `name`;
     they form one torch.distributed group that meets at rank 0's node."""
 
-    def __init__(self, name: str, worker_cls, world: int, cfg_dict: dict, placement: Placement):
+    def __init__(self, name: str, worker_cls, world: int, cfg_dict: dict, placement: Placement, start: bool = True):
+        """The ranks' actors (their processes start and import at once); `start`: also wait for `start()`."""
         self.name, self.world = name, world
         self.slots = placement.slots[name]
         remote_cls = ray.remote(hosted(worker_cls))
@@ -74,8 +75,9 @@ class ActorGroup:
                                                         placement_group_bundle_index=slot.bundle)
             self.actors.append(remote_cls.options(scheduling_strategy=strategy, max_restarts=0, **slot.resources,
                                                   **env).remote(cfg_dict, rank, world, slot.threads))
-        (self.address,) = self.call_rank0("rendezvous")  # the group's store: rank 0's node, a port chosen there
-        self.call("start", *self.address)
+        if start:
+            start_groups([self])
+
 
     def call_rank0(self, method: str, *args) -> list:
         """method on rank 0 alone (errors as call's)."""
@@ -96,6 +98,15 @@ class ActorGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
+
+
+def start_groups(groups: list[ActorGroup]) -> None:
+    """Each group's rendezvous (the store on its rank 0's node), then every rank of every group joins its group
+    and builds its worker, the groups at once; a failure kills them all (call_together)."""
+    addresses = call_together([(g, "rendezvous", [g.actors[0].rendezvous.remote()]) for g in groups])
+    for g, (address,) in zip(groups, addresses):
+        g.address = address
+    call_together([(g, "start", g.submit("start", *g.address)) for g in groups])
 
 
 def call_together(calls: list[tuple[ActorGroup, str, list]]) -> list[list]:

@@ -58,7 +58,7 @@ class Job:
         import ray
 
         from rlalign import cluster
-        from rlalign.actors.group import ActorGroup
+        from rlalign.actors.group import ActorGroup, start_groups
         from rlalign.actors.placement import Placement
         from rlalign.actors.probe import check_nodes, rank_inputs, ship
         from rlalign.actors.weight_sync import WeightSync
@@ -82,10 +82,21 @@ class Job:
         cfg_dict = ship(OmegaConf.to_container(cfg, resolve=True), inputs)
         cfg_dict["run"]["dir"] = str(Path(cfg.run.dir).resolve())
         self.algorithm = cfg_dict["algorithm"]  # each train_step's, as the ranks read it (algorithm.loss shipped)
-        phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
-        self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement)
-        phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} engine)")
-        self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement)
+        # both groups' processes start (and import) at once; their models are built one group after the other
+        # where they share GPUs (placement.colocate: the peaks of two builds would add), else at once too
+        self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement, start=False)
+        self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, start=False)
+        try:
+            phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
+            if cfg.placement.colocate:
+                start_groups([self.trainers])
+            phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} "
+                  "engine)")
+            start_groups([self.generators] if cfg.placement.colocate else [self.trainers, self.generators])
+        except BaseException:
+            self.trainers.kill()
+            self.generators.kill()
+            raise
         self.weight_sync = WeightSync(self.trainers, self.generators, self.placement, cfg.sync.bucket_mb << 20)
         # colocated the generator gives its memory back after generating (until the weight sync); its
         # weights too unless a mismatch dump may read them (deterministic kernels, on_mismatch=raise)
