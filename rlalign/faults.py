@@ -16,8 +16,8 @@ RLALIGN_FAULT = FAULT[;FAULT...], each FAULT one of
   seed:generator            the generator samples with seed + 1
   reorder:trainer:<param>   the trainer sums that expert parameter's gradient leaves in another order
 <side>: generator, trainer or both. <rank>: the process group rank (0 without one). Sites:
-trainer.train_step, trainer.score, generator.generate, scoring.score_micro_batch, checkpoint.write (a
-trainer rank's checkpoint write, in its writer thread).
+generator.start (a generator rank building its worker), trainer.train_step, trainer.score, generator.generate,
+scoring.score_micro_batch, checkpoint.write (a trainer rank's checkpoint write, in its writer thread).
 
 A FAULT ending in @a or @b belongs to that run of a gate only (rlalign.gates runs each inside
 `gate_run`): the test-only way to change one of the two runs; elsewhere it is ignored.

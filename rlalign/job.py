@@ -54,20 +54,30 @@ def _max_peak_gib(outs) -> float | None:
 
 class Job:
     def __init__(self, cfg: DictConfig, phase: Callable[[str], None] = lambda what: None):
-        """Ray, the placement and the two groups; `phase` hears each start-up phase as it begins."""
+        """Ray, the placement and the two groups; `phase` hears each start-up phase as it begins. One that
+        fails gives back what it took (the groups, the placement, a private cluster) before it raises."""
         import ray
 
         from rlalign import cluster
+
+        self.cfg = cfg
+        self.trainers = self.generators = self.placement = None
+        addr = cluster.address()
+        if not ray.is_initialized():
+            phase(f"attaching to the Ray cluster at {addr}" if addr else "starting Ray (a private local cluster)")
+        self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
+        try:
+            self._start(cfg, addr, phase)
+        except BaseException:
+            self._release()
+            raise
+
+    def _start(self, cfg: DictConfig, addr: str | None, phase: Callable[[str], None]) -> None:
         from rlalign.actors.group import ActorGroup, start_groups
         from rlalign.actors.placement import Placement
         from rlalign.actors.probe import check_nodes, rank_inputs, ship
         from rlalign.actors.weight_sync import WeightSync
 
-        self.cfg = cfg
-        addr = cluster.address()
-        if not ray.is_initialized():
-            phase(f"attaching to the Ray cluster at {addr}" if addr else "starting Ray (a private local cluster)")
-        self.own_ray = cluster.connect(cfg.placement.num_cpus)  # RAY_ADDRESS's cluster, else a private one
         n, m = cfg.trainer.ep_size, generator_world(cfg).ranks
         self.placement = Placement.create(cfg, [("trainer", n), ("generator", m)])  # from the cluster's nodes
         # where each rank landed: on a cluster it attached to, or when the ranks span nodes
@@ -86,17 +96,11 @@ class Job:
         # where they share GPUs (placement.colocate: the peaks of two builds would add), else at once too
         self.trainers = ActorGroup("trainer", TrainerWorker, n, cfg_dict, self.placement, start=False)
         self.generators = ActorGroup("generator", GeneratorWorker, m, cfg_dict, self.placement, start=False)
-        try:
-            phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
-            if cfg.placement.colocate:
-                start_groups([self.trainers])
-            phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} "
-                  "engine)")
-            start_groups([self.generators] if cfg.placement.colocate else [self.trainers, self.generators])
-        except BaseException:
-            self.trainers.kill()
-            self.generators.kill()
-            raise
+        phase(f"starting {n} trainer rank{'s' if n > 1 else ''} (EP {n}), each building its model shard")
+        if cfg.placement.colocate:
+            start_groups([self.trainers])
+        phase(f"starting {m} generator rank{'s' if m > 1 else ''} (EP {m}, {generator_world(cfg).backend} engine)")
+        start_groups([self.generators] if cfg.placement.colocate else [self.trainers, self.generators])
         self.weight_sync = WeightSync(self.trainers, self.generators, self.placement, cfg.sync.bucket_mb << 20)
         # colocated the generator gives its memory back after generating (until the weight sync); its
         # weights too unless a mismatch dump may read them (deterministic kernels, on_mismatch=raise)
@@ -199,12 +203,16 @@ class Job:
                 pass
 
     def close(self, trace_timeout_s: float = 30.0) -> None:
+        self.close_traces(timeout_s=trace_timeout_s)
+        self._release()
+
+    def _release(self) -> None:
+        """The groups killed, the placement removed, a private cluster stopped."""
         from rlalign import cluster
 
-        self.close_traces(timeout_s=trace_timeout_s)
-        for g in (getattr(self, "trainers", None), getattr(self, "generators", None)):
+        for g in (self.trainers, self.generators):
             if g is not None:
                 g.kill()
-        if getattr(self, "placement", None) is not None:
+        if self.placement is not None:
             self.placement.remove()
-        cluster.disconnect(getattr(self, "own_ray", False))
+        cluster.disconnect(self.own_ray)

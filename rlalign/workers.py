@@ -328,6 +328,7 @@ class GeneratorWorker(_Monitored, _WeightSync):
         """One generator rank of `world` in `group` (its EP group; None alone); as TrainerWorker."""
         self.cfg, self.group = _init(cfg_dict, rank, world, threads, local_gpu), group
         self.rank, self.world = rank, world
+        maybe_fail("generator.start", rank)
         self.model = model_from_config(self.cfg)
         if self.group is not None:
             apply_ep(self.model, self.group)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import alive, cmdline, descendants
 
 from rlalign import cluster
 
@@ -74,39 +75,6 @@ def _train(run_dir, *over, env, timeout=300):
     return p.pid, p.returncode, out, err
 
 
-def _stat(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        return rest[0], int(rest[1])  # state, ppid
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _descendants(root: int) -> list[int]:
-    children = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit() and (s := _stat(p)):
-            children.setdefault(s[1], []).append(int(p))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pids) -> list[int]:
-    return [p for p in pids if (s := _stat(p)) and s[0] != "Z"]
-
-
-def _name(pid) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return "?"
-
-
 class Head:
     """`ray start --head --block` with its own temp dir, ports and auth token; stop() ends it."""
 
@@ -138,7 +106,7 @@ class Head:
         return {p.name for p in (self.session / "logs").glob("python-core-driver-*.log")}
 
     def stop(self) -> None:
-        tree = _descendants(self.proc.pid)
+        tree = descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # --block: stops the processes it started
             try:
@@ -146,7 +114,7 @@ class Head:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for pid in _alive(tree):
+        for pid in alive(tree):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -257,16 +225,16 @@ def test_kill_9_of_the_driver_leaves_no_ray_process(tmp_path):
             assert time.monotonic() - t < 240
             time.sleep(0.5)
         time.sleep(1.5)  # the watchdog notes descendants once a second
-        tree = _descendants(p.pid)
-        names = " ".join(_name(c) for c in tree)
+        tree = descendants(p.pid)
+        names = " ".join(cmdline(c) for c in tree)
         assert "raylet" in names and "ray::DashboardAgent" in names and "ray::TrainerWorker" in names, names
     finally:
         p.kill()
         p.wait()
     t = time.monotonic()
-    while _alive(tree) and time.monotonic() - t < 20:  # Ray alone leaves its agents ~60 s
+    while alive(tree) and time.monotonic() - t < 20:  # Ray alone leaves its agents ~60 s
         time.sleep(0.5)
-    assert not _alive(tree), [(c, _name(c)[:80]) for c in _alive(tree)]
+    assert not alive(tree), [(c, cmdline(c)[:80]) for c in alive(tree)]
 
 
 DRIVER = """
@@ -288,16 +256,16 @@ def test_kill_9_twin_without_the_watchdog_ray_leaves_its_agents(tmp_path):
                          text=True, env=_env())
     try:
         assert p.stdout.readline().strip() == "ready"
-        tree = _descendants(p.pid)
+        tree = descendants(p.pid)
     finally:
         p.kill()
         p.wait()
     try:
         time.sleep(10)
-        left = " ".join(_name(c) for c in _alive(tree))
+        left = " ".join(cmdline(c) for c in alive(tree))
         assert "ray::DashboardAgent" in left or "ray::RuntimeEnvAgent" in left, left
     finally:
-        for pid in _alive(tree):
+        for pid in alive(tree):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -7,6 +7,7 @@ and traces); one run with the default kernels serves the corrections' metrics an
 of a mismatching run."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import flip_checkpoint_bit, train_cli_with_fault
+from conftest import alive, cmdline, descendants, flip_checkpoint_bit, train_cli_with_fault
 from wandb_read import history_by_step, logged_table
 
 from rlalign.config import ConfigError, load_config
@@ -340,6 +341,40 @@ def test_reward_error_is_reported_with_the_sample(tmp_path):
     msg = r"sample 0 \(step 0, prompt '.:', completion '.*'\): ZeroDivisionError: boom"
     with pytest.raises(RewardError, match=msg):
         train(cfg)
+
+
+def _trainer_processes() -> list[int]:
+    """This process's Ray cluster's trainer ranks (the module's cluster: its raylet is our child)."""
+    return [p for p in alive(descendants(os.getpid())) if cmdline(p).startswith("ray::TrainerWorker")]
+
+
+def test_a_generator_rank_dying_at_start_ends_the_run_and_the_trainer_ranks_starting_beside_it(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """The two groups start at once (rlalign.job): a generator rank that exits while building its worker ends the
+    run naming it, and the trainer ranks that were building beside it are killed, not left on the cluster (nor
+    the placement: the twin's run after it is placed on the same cluster). Twin: with the job's release left out
+    (the groups and the placement kept), the trainer ranks outlive the run."""
+    from rlalign import job
+
+    args = [*SMALL, "run.steps=1", "checkpoint.enabled=false"]
+    rc, err = train_cli_with_fault("exit:generator.start:0:1", [*args, f"run.dir={tmp_path / 'a'}"], capsys,
+                                   monkeypatch)
+    assert rc == 2
+    assert re.search(r"rlalign train: error: generator rank 0 of 1 \(node [0-9.]+\) failed in start\(\)", err), err
+    t = time.monotonic()
+    while _trainer_processes() and time.monotonic() - t < 30:  # a killed actor's process exits a little later
+        time.sleep(0.2)
+    assert not _trainer_processes()
+    kept, release = [], job.Job._release
+    monkeypatch.setattr(job.Job, "_release", lambda self: kept.append(self))
+    try:
+        rc, err = train_cli_with_fault("exit:generator.start:0:1", [*args, f"run.dir={tmp_path / 'b'}"], capsys,
+                                       monkeypatch)
+        assert rc == 2 and "generator rank 0 of 1" in err, err
+        assert len(_trainer_processes()) == 2
+    finally:
+        for j in kept:
+            release(j)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
