@@ -352,9 +352,10 @@ def test_a_generator_rank_dying_at_start_ends_the_run_and_the_trainer_ranks_star
                                                                                               monkeypatch):
     """The two groups start at once (rlalign.job): a generator rank that exits while building its worker ends the
     run naming it, and the trainer ranks that were building beside it are killed, not left on the cluster (nor
-    the placement: the twin's run after it is placed on the same cluster). Twin: with the job's release left out
-    (the groups and the placement kept), the trainer ranks outlive the run."""
+    the placement: the twin's run after it is placed on the same cluster). Twin: with the groups' kills and the
+    job's release left out (the groups and the placement kept), the trainer ranks outlive the run."""
     from rlalign import job
+    from rlalign.actors import group
 
     args = [*SMALL, "run.steps=1", "checkpoint.enabled=false"]
     rc, err = train_cli_with_fault("exit:generator.start:0:1", [*args, f"run.dir={tmp_path / 'a'}"], capsys,
@@ -367,12 +368,14 @@ def test_a_generator_rank_dying_at_start_ends_the_run_and_the_trainer_ranks_star
     assert not _trainer_processes()
     kept, release = [], job.Job._release
     monkeypatch.setattr(job.Job, "_release", lambda self: kept.append(self))
+    monkeypatch.setattr(group.ActorGroup, "kill", lambda self: None)
     try:
         rc, err = train_cli_with_fault("exit:generator.start:0:1", [*args, f"run.dir={tmp_path / 'b'}"], capsys,
                                        monkeypatch)
         assert rc == 2 and "generator rank 0 of 1" in err, err
         assert len(_trainer_processes()) == 2
     finally:
+        monkeypatch.undo()
         for j in kept:
             release(j)
 
