@@ -78,7 +78,6 @@ class ActorGroup:
         if start:
             start_groups([self])
 
-
     def call_rank0(self, method: str, *args) -> list:
         """method on rank 0 alone (errors as call's)."""
         return call_together([(self, method, [getattr(self.actors[0], method).remote(*args)])])[0]

@@ -9,6 +9,7 @@ returns its values; nothing passes between phases through the Job's fields.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,7 +70,8 @@ class Job:
         try:
             self._start(cfg, addr, phase)
         except BaseException:
-            self._release()
+            with contextlib.suppress(Exception):  # the start-up's error is the one to raise, not a release's
+                self._release()
             raise
 
     def _start(self, cfg: DictConfig, addr: str | None, phase: Callable[[str], None]) -> None:
