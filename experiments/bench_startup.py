@@ -5,6 +5,7 @@ private cluster. Each run: the tiny default model on the CPU, one step; the time
 return, and until the job's two groups are up.
 
     python experiments/bench_startup.py [--runs 6] [--trainer-ep 1] [--out DIR] [--name startup_cpu]
+        [--overrides device=cuda kernels.backend=triton ...]   (config overrides added to every run)
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def main() -> None:
     ap.add_argument("--trainer-ep", type=int, default=1)
     ap.add_argument("--out", default=str(record.RESULTS))
     ap.add_argument("--name", default="startup_cpu")
+    ap.add_argument("--overrides", nargs="*", default=[], help="config overrides added to every run")
     a = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
     from rlalign import cluster
 
     overrides = ["task.num_prompts=4", "task.samples_per_prompt=4", "trainer.micro_batch_size=4", "run.steps=1",
                  f"trainer.ep_size={a.trainer_ep}", "generator.ep_size=1", "logger.console=false",
-                 "checkpoint.enabled=false"]
+                 "checkpoint.enabled=false", *a.overrides]
     real_disconnect = cluster.disconnect
     cluster.disconnect = lambda initialized: None  # one private cluster for every run (started by the first)
     root = Path(tempfile.mkdtemp(prefix="bench_startup_"))
@@ -107,9 +109,9 @@ def main() -> None:
     summary = {"product_wall_s_median": med["product"], "sequential_wall_s_median": med["sequential"],
                "product_groups_up_s_median": sync["product"], "sequential_groups_up_s_median": sync["sequential"],
                "product_over_sequential": med["product"] / med["sequential"], "runs_per_variant": a.runs,
-               "trainer_ep": a.trainer_ep}
-    shown = (f"a 1-step tiny CPU run of `rlalign train` on a running private cluster (trainer EP {a.trainer_ep}, "
-             f"generator EP 1), median of {a.runs} alternating runs: both groups started at once "
+               "trainer_ep": a.trainer_ep, "overrides": a.overrides}
+    shown = (f"a 1-step tiny run of `rlalign train` ({' '.join(a.overrides) or 'on the CPU'}) on a running private "
+             f"cluster (trainer EP {a.trainer_ep}, generator EP 1), median of {a.runs} alternating runs: both groups started at once "
              f"{med['product']:.2f} s against {med['sequential']:.2f} s started one after the other "
              f"({med['product'] / med['sequential']:.2f}x); both groups up at {sync['product']:.2f} "
              f"against {sync['sequential']:.2f} s")
