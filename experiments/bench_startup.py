@@ -111,7 +111,8 @@ def main() -> None:
                "product_over_sequential": med["product"] / med["sequential"], "runs_per_variant": a.runs,
                "trainer_ep": a.trainer_ep, "overrides": a.overrides}
     shown = (f"a 1-step tiny run of `rlalign train` ({' '.join(a.overrides) or 'on the CPU'}) on a running private "
-             f"cluster (trainer EP {a.trainer_ep}, generator EP 1), median of {a.runs} alternating runs: both groups started at once "
+             f"cluster (trainer EP {a.trainer_ep}, generator EP 1), median of {a.runs} alternating runs: both groups "
+             "started at once "
              f"{med['product']:.2f} s against {med['sequential']:.2f} s started one after the other "
              f"({med['product'] / med['sequential']:.2f}x); both groups up at {sync['product']:.2f} "
              f"against {sync['sequential']:.2f} s")
