@@ -31,8 +31,8 @@ def is_number(v: Any) -> bool:
 def is_finite(x: numbers.Real) -> bool:
     """A real number a float holds finitely (an int beyond the doubles, e.g. 10**400, is not)."""
     try:
-        return math.isfinite(x) and math.isfinite(float(x))
-    except OverflowError:
+        return math.isfinite(x)
+    except OverflowError:  # math.isfinite converts to a float
         return False
 
 

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from procs import cmdline, descendants
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -53,31 +55,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _children(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(p))
-    out, todo = [], [root]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 class NetnsCluster:
@@ -172,7 +149,7 @@ class NetnsCluster:
 
     def stop_node(self, i: int) -> None:
         p = self.procs[1 + i]
-        tree = _children(p.pid)
+        tree = descendants(p.pid)
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
             try:
@@ -210,8 +187,8 @@ class NetnsCluster:
         return "\n".join(f"--- {f.name}\n{Path(f).read_text()[-chars:]}" for f in sorted(Path(self.root).glob("*.log")))
 
     def raylet_pid(self, i: int) -> int:
-        for pid in _children(self.procs[1 + i].pid):
-            if "raylet" in _cmdline(pid).split(" ", 1)[0]:
+        for pid in descendants(self.procs[1 + i].pid):
+            if "raylet" in cmdline(pid).split(" ", 1)[0]:
                 return pid
         raise RuntimeError(f"no raylet under node {i}'s ray start")
 
@@ -220,7 +197,7 @@ class NetnsCluster:
 
     # --- teardown --------------------------------------------------------------------------------------
     def close(self) -> None:
-        trees = [(p, _children(p.pid)) for p in self.procs]
+        trees = [(p, descendants(p.pid)) for p in self.procs]
         for p, _ in reversed(trees):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # --block: stops the processes it started

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import alive, cmdline, descendants
+from procs import alive, cmdline, descendants
 
 from rlalign import cluster
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import alive, cmdline, descendants, flip_checkpoint_bit, train_cli_with_fault
+from conftest import flip_checkpoint_bit, train_cli_with_fault
+from procs import alive, cmdline, descendants
 from wandb_read import history_by_step, logged_table
 
 from rlalign.config import ConfigError, load_config
