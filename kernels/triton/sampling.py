@@ -79,17 +79,18 @@ def fo_log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.co
 def may_reach(z, kf, best_x, MARGIN: tl.constexpr):
     """Whether z plus the noise of uniform u = (kf + 0.5) / 2**23 may reach best_x (a value of z + noise already
     found), decided without the noise's logs; false only where z + noise < best_x (the module docstring): z is -inf,
-    fl(z + NOISE_BOUND) < best_x, or u < exp(-exp(-y)) for y = best_x - z less the margin MARGIN + MARGIN * 1e-3 *
-    (|best_x| + |z|), compared as 1 - u > (1 + MARGIN) * (1 - exp(-exp(-y))). NaN anywhere: true."""
+    fl(z + NOISE_BOUND) < best_x, or u < exp(-e) for e = exp(-y), y = best_x - z less the margin MARGIN + MARGIN *
+    1e-3 * (|best_x| + |z|), compared as 1 - u > (1 + MARGIN / 10) * s with s = e for e < 0.01, else 1 - exp(-e)
+    (s >= 1 - exp(-e) both ways). NaN anywhere: true."""
     near = (z + NOISE_BOUND >= best_x) & (z > float("-inf"))
     first = best_x == float("-inf")  # nothing found yet: every value above -inf may reach it
     bx = tl.where(first, 0.0, best_x)  # finite stand-ins (no inf - inf below; the answer is `first` there)
     zf = tl.maximum(z, -3.4028234663852886e38)
     y = tl.where(first, float("-inf"), (bx - zf) - (MARGIN + (MARGIN * 1e-3) * (tl.abs(bx) + tl.abs(zf))))
-    e1 = tl.exp(-y)
-    s = tl.where(e1 < 0.01, e1 * (1.0 - e1 * (0.5 - e1 * (1.0 / 6.0))), 1.0 - tl.exp(-e1))
-    t = ((8388607.0 - kf) + 0.5) * (1.0 / 8388608.0)  # 1 - u, exact
-    return (near & ~(t > s * (1.0 + MARGIN * 0.1))) | (z != z)
+    e = tl.exp(-y)
+    s = tl.where(e < 0.01, e, 1.0 - tl.exp(-e))
+    # (1 - u) * 2**23 = 8388607.5 - kf, exact
+    return (near & ~(8388607.5 - kf > s * (8388608.0 * (1.0 + MARGIN * 0.1)))) | (z != z)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
