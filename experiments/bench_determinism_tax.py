@@ -4,7 +4,7 @@ with the vendor's. kernels.mode=default is the fast vendor path (kernels/torch_d
 torch._grouped_mm, SDPA / varlen flash, a split-KV paged decode, torch sampling, fused AdamW, CUDA graphs.
 
     python3 experiments/bench_determinism_tax.py [--quick] [--sections probe,vendor,trainer,rollout,rl]
-        [--budget-s 560] [--out DIR] [--name determinism_tax_<card>]
+        [--budget-s 560] [--out DIR] [--name determinism_tax_<card>] [--rollout-models M,...]
 
 Each section runs in a subprocess of its own (GPU memory back between them; a crash is recorded, the
 others still run) and leaves a part JSON in a scratch folder; the result merges them. Sections:
@@ -278,6 +278,8 @@ def rollout(a) -> dict:
 
     cases = [("bench-moe-large", 256, 256, "plain"), ("bench-moe-large", 2048, 256, "plain"),
              ("qwen3-30b-a3b-rehearsal", 1024, 256, "plain"), ("qwen3-30b-a3b-rehearsal", 1024, 256, "top_p")]
+    if a.rollout_models:
+        cases = [c for c in cases if c[0] in a.rollout_models.split(",")]
     if a.quick:
         cases = [(m, min(B, 64), 32, s) for m, B, _, s in cases]
     gpu = torch.cuda.get_device_name(0)
@@ -348,7 +350,8 @@ def _section(a, name: str, parts: Path) -> dict:
     """Run one section in a subprocess of this script; its part JSON (or the error)."""
     path = parts / f"{name}.json"
     cmd = [sys.executable, __file__, "--section-only", name, "--parts", str(parts), "--deadline", str(a.deadline),
-           "--train-steps", str(a.train_steps), "--rl-steps", str(a.rl_steps)] + (["--quick"] if a.quick else [])
+           "--train-steps", str(a.train_steps), "--rl-steps", str(a.rl_steps),
+           "--rollout-models", a.rollout_models] + (["--quick"] if a.quick else [])
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, timeout=max(10, a.deadline - time.time()))
@@ -400,6 +403,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--quick", action="store_true", help="small cases: checks the script end to end")
+    ap.add_argument("--rollout-models", default="",
+                    help="the rollout section's cases of these models only (comma list; e.g. qwen3-30b-a3b-rehearsal "
+                         "for the real-vocabulary pair)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="no section starts past this many seconds")
     ap.add_argument("--train-steps", type=int, default=3, help="timed trainer steps per mode (after a warm-up)")
     ap.add_argument("--rl-steps", type=int, default=3, help="RL steps per run (the first not timed)")
