@@ -1,10 +1,13 @@
-"""The Gumbel-max draw (kernels/triton/sampling.py gumbel_argmax) with its noise computed only where a value may
-reach the row's best so far (may_reach), against a baseline sampling.py loaded from a file (the draw computing
-every value's noise), in the same run: tokens and logprobs bit for bit, device time (the torch profiler's CUDA
+"""The Gumbel-max draw with its noise computed only where a value may reach the row's best so far (the variant
+draw_pruned.py, may_reach), against the product's draw (kernels/triton/sampling.py gumbel_argmax: every value's
+noise), in the same run: tokens and logprobs bit for bit, device time (the torch profiler's CUDA
 events, mean of 20 calls) of the draw alone, the draw with its logprob (the engine's call) and the draw through a
 top-p cut; the chunks that computed the exact noise per row; the draw's lanes (DRAW_BLOCK) swept.
 
-    python experiments/kernels/probe_draw_prune.py --baseline FILE [--rows 1024] [--vocab 151936] [--out DIR]
+    python experiments/kernels/probe_draw_prune.py [--variant FILE] [--baseline FILE] [--rows 1024] [--out DIR]
+
+--baseline FILE: another sampling.py for the full draw (e.g. `git show 1bc69c1:kernels/triton/sampling.py`, what the
+product's was when the variant was the product's, as timed in probe_draw_prune_h100.json); default the product's.
 
 Logits (bf16): normal(0, 1) (flat), normal(0, 4), student-t(3), zipf, three spikes over a flat row, at T 1 and
 T 0.8 (the cut: top-p 0.95 at T 0.8). Writes results/probe_draw_prune_<gpu>.json.
@@ -25,7 +28,7 @@ from bench_topp_cut import logits_of  # noqa: E402
 from probe_topp_split import kernel_times  # noqa: E402
 
 from rlalign.kernels import inverse_temperature  # noqa: E402
-from rlalign.kernels.triton import sampling as tsampling  # noqa: E402
+from rlalign.kernels.triton import sampling as product_sampling  # noqa: E402
 from rlalign.kernels.triton import topp  # noqa: E402
 
 CASES = (("normal", 1.0, 1.0), ("normal", 1.0, 0.8), ("normal", 4.0, 0.8), ("student_t", 1.0, 0.8),
@@ -33,14 +36,17 @@ CASES = (("normal", 1.0, 1.0), ("normal", 1.0, 0.8), ("normal", 4.0, 0.8), ("stu
 BLOCKS = (512, 1024, 2048)
 
 
-def load_baseline(path: str):
-    """An older sampling.py as a module of the same package (its relative imports resolve there)."""
+def load_module(path: str, name: str):
+    """A sampling.py variant as a module of rlalign.kernels.triton (its relative imports resolve there)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("rlalign.kernels.triton.sampling_baseline", path)
+    spec = importlib.util.spec_from_file_location(f"rlalign.kernels.triton.{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+VARIANT = str(Path(__file__).resolve().parent / "draw_pruned.py")
 
 
 def ms(fn) -> float:
@@ -48,7 +54,7 @@ def ms(fn) -> float:
     return round(sum(kernel_times(fn).values()), 4)
 
 
-def probe(z, temp, base) -> dict:
+def probe(z, temp, base, pruned) -> dict:
     B, V = z.shape
     scale = inverse_temperature(temp)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -62,45 +68,47 @@ def probe(z, temp, base) -> dict:
     if cut is not None:
         ref_cut = base.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut)
         res["baseline"]["draw_logprob_cut_ms"] = ms(lambda: base.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
-    kept = tsampling.DRAW_BLOCK
+    kept = pruned.DRAW_BLOCK
     try:
         for block in BLOCKS:
-            tsampling.DRAW_BLOCK = block
+            pruned.DRAW_BLOCK = block
             exact = torch.zeros(B, dtype=torch.int32, device="cuda")
-            tok = tsampling.gumbel_argmax(z, seed, ids, pos, scale, exact=exact)
-            tok2, lp = tsampling.gumbel_argmax_logprobs(z, seed, ids, pos, scale)
+            tok = pruned.gumbel_argmax(z, seed, ids, pos, scale, exact=exact)
+            tok2, lp = pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale)
             r = {"tokens_equal": bool(torch.equal(tok, ref_tok) and torch.equal(tok2, ref_tok)),
                  "logprobs_equal": bool(torch.equal(lp.view(torch.int32), ref_lp.view(torch.int32))),
                  "exact_chunks_mean": exact.float().mean().item(), "exact_chunks_max": int(exact.max()),
                  "chunks": -(-V // block),
-                 "draw_ms": ms(lambda: tsampling.gumbel_argmax(z, seed, ids, pos, scale)),
-                 "draw_logprob_ms": ms(lambda: tsampling.gumbel_argmax_logprobs(z, seed, ids, pos, scale))}
+                 "draw_ms": ms(lambda: pruned.gumbel_argmax(z, seed, ids, pos, scale)),
+                 "draw_logprob_ms": ms(lambda: pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale))}
             if cut is not None:
-                ct, cl = tsampling.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut)
+                ct, cl = pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut)
                 r["cut_equal"] = bool(torch.equal(ct, ref_cut[0])
                                       and torch.equal(cl.view(torch.int32), ref_cut[1].view(torch.int32)))
-                r["draw_logprob_cut_ms"] = ms(lambda: tsampling.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
+                r["draw_logprob_cut_ms"] = ms(lambda: pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
             res[f"block_{block}"] = r
     finally:
-        tsampling.DRAW_BLOCK = kept
+        pruned.DRAW_BLOCK = kept
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", required=True, help="an older sampling.py (every value's noise) to time beside")
+    ap.add_argument("--variant", default=VARIANT, help="the pruned draw's sampling.py")
+    ap.add_argument("--baseline", default="", help="a sampling.py for the full draw (default: the product's)")
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--out", default=str(record.RESULTS))
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
-    base = load_baseline(a.baseline)
+    base = load_module(a.baseline, "sampling_baseline") if a.baseline else product_sampling
+    pruned = load_module(a.variant, "draw_pruned")
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for kind, s, temp in CASES:
         torch.manual_seed(0)
         z = logits_of(g, kind, a.rows, a.vocab, s)
-        r = {"kind": kind, "logit_scale": s, "temperature": temp, **probe(z, temp, base)}
+        r = {"kind": kind, "logit_scale": s, "temperature": temp, **probe(z, temp, base, pruned)}
         cases.append(r)
         row = "  ".join(f"{b}: draw {r[f'block_{b}']['draw_ms']:.3f} +lp {r[f'block_{b}']['draw_logprob_ms']:.3f}"
                         + (f" cut {r[f'block_{b}']['draw_logprob_cut_ms']:.3f}" if temp != 1.0 else "")
@@ -111,7 +119,7 @@ def main() -> None:
               + (f" cut {bl['draw_logprob_cut_ms']:.3f}" if temp != 1.0 else "") + f" | {row}", flush=True)
     equal = all(v.get(k, True) for c in cases for b in BLOCKS for v in [c[f"block_{b}"]]
                 for k in ("tokens_equal", "logprobs_equal", "cut_equal"))
-    summary = {"all_bits_equal": equal, "rows": a.rows, "vocab": a.vocab, "product_block": tsampling.DRAW_BLOCK}
+    summary = {"all_bits_equal": equal, "rows": a.rows, "vocab": a.vocab, "variant_block": pruned.DRAW_BLOCK}
     for b in BLOCKS:
         summary[f"draw_logprob_speedup_block_{b}"] = {
             f"{c['kind']}_{c['logit_scale']}_T{c['temperature']}":
@@ -119,8 +127,8 @@ def main() -> None:
     print("all bits equal:", equal, summary, flush=True)
     name = a.name or f"probe_draw_prune_{record.gpu_tag()}"
     print("wrote", record.write(name, {
-        "what_it_shows": "the pruned Gumbel-max draw against the full draw (baseline file), same run, bits and "
-                         "device time", "baseline_file": a.baseline, "summary": summary, "cases": cases}, a.out))
+        "what_it_shows": "the pruned Gumbel-max draw against the full draw, same run, bits and device time",
+        "variant_file": a.variant, "baseline_file": a.baseline, "summary": summary, "cases": cases}, a.out))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""Static SASS of the Gumbel-max draw (kernels/triton/sampling.py gumbel_argmax_kernel) for sm_90, without a GPU
-(sass.py: the launches captured at 1,024 rows of 151,936 bf16 logits, T 0.8, specialised as at run time), beside a
-baseline sampling.py (the draw computing every value's noise): registers and the instructions a chunk streams on
-each of the chunk loop's paths. The product's loop has three: a chunk none of whose values comes within the noise's
+"""Static SASS of the Gumbel-max draw for sm_90, without a GPU (sass.py: the launches captured at 1,024 rows of
+151,936 bf16 logits, T 0.8, specialised as at run time): the product's (kernels/triton/sampling.py, every value's
+noise) beside the variant draw_pruned.py: registers and the instructions a chunk streams on each of the chunk loop's
+paths. The variant's loop has three: a chunk none of whose values comes within the noise's
 reach of the row's best (no hash), a chunk whose values are hashed and ruled out (may_reach), and a chunk that
 computes the exact noise. The paths are read off the loop's straight-line code: the two conditional branches that
 jump to the loop's tail (the skips), taken or not; other forward branches (division's slow paths) not taken.
 
-    /tmp/t36/bin/python experiments/kernels/sass_draw.py --baseline FILE [--out DIR]
+    /tmp/t36/bin/python experiments/kernels/sass_draw.py [--variant FILE] [--out DIR]
 
 Run with the Triton the GPU machine has (3.6; see sass.py). Writes results/sass_draw_sm90.json.
 """
@@ -28,10 +28,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
-from probe_draw_prune import load_baseline  # noqa: E402
+from probe_draw_prune import VARIANT, load_module  # noqa: E402
 from sass import CUOBJDUMP, captured, cpu_tensor, sass_stats  # noqa: E402
 
-from rlalign.kernels.triton import sampling  # noqa: E402
+from rlalign.kernels.triton import sampling as product_sampling  # noqa: E402
 
 ROWS, VOCAB, SCALE = 1024, 151936, 1.25
 
@@ -90,18 +90,19 @@ def launches(mod) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="an older sampling.py (every value's noise)")
-    ap.add_argument("--blocks", default="512,1024", help="the product's DRAW_BLOCK values compiled")
+    ap.add_argument("--variant", default=VARIANT, help="the pruned draw's sampling.py")
+    ap.add_argument("--blocks", default="512,1024", help="the variant's DRAW_BLOCK values compiled")
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
     kernels = {}
-    base = load_baseline(a.baseline)
+    base = product_sampling
+    sampling = load_module(a.variant, "draw_pruned")
     for name, launch in launches(base).items():
         k = launch.compile()
         st = sass_stats(k)
         body = loop_paths(sass_lines(k))
         per_thread = base.DRAW_BLOCK // (32 * launch.options.get("num_warps", 4))
-        kernels[f"baseline:{name}"] = {"reg": st["reg"], "draw_block": base.DRAW_BLOCK, "loop": body,
+        kernels[f"product:{name}"] = {"reg": st["reg"], "draw_block": base.DRAW_BLOCK, "loop": body,
                                        "per_value": {"every_value": round(body["exact_noise"] / per_thread, 1)}}
     kept = sampling.DRAW_BLOCK
     try:
@@ -112,7 +113,7 @@ def main() -> None:
                 st = sass_stats(k)
                 paths = loop_paths(sass_lines(k))
                 per_thread = block // (32 * launch.options.get("num_warps", 4))
-                kernels[f"product:{name}:{block}"] = {
+                kernels[f"variant:{name}:{block}"] = {
                     "reg": st["reg"], "local": st.get("local", 0), "draw_block": block, "loop": paths,
                     "per_value": {p: round(paths[p] / per_thread, 1) for p in ("no_hash", "hashed_ruled_out",
                                                                               "exact_noise") if p in paths}}
@@ -123,10 +124,10 @@ def main() -> None:
     shows = "; ".join(f"{n}: {k['per_value']}" for n, k in kernels.items())
     record.write("sass_draw_sm90", {
         "triton": triton.__version__, "target": "sm_90", "rows": ROWS, "vocab": VOCAB, "scale": SCALE,
-        "baseline_file": a.baseline, "kernels": kernels,
+        "variant_file": a.variant, "kernels": kernels,
         "what_it_shows": "Static SASS of the draw's chunk loop (Triton " + triton.__version__ + ", sm_90, the JIT's "
-                         "specialisation): instructions a value on each path, baseline (every value's noise) against "
-                         "the product: " + shows}, a.out)
+                         "specialisation): instructions a value on each path, the product (every value's noise) "
+                         "against the variant draw_pruned.py: " + shows}, a.out)
 
 
 if __name__ == "__main__":
