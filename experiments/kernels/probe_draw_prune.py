@@ -2,7 +2,8 @@
 draw_pruned.py, may_reach), against the product's draw (kernels/triton/sampling.py gumbel_argmax: every value's
 noise), in the same run: tokens and logprobs bit for bit, device time (the torch profiler's CUDA
 events, mean of 20 calls) of the draw alone, the draw with its logprob (the engine's call) and the draw through a
-top-p cut; the chunks that computed the exact noise per row; the draw's lanes (DRAW_BLOCK) swept.
+top-p cut; the chunks that computed the exact noise per row; the draw's lanes (DRAW_BLOCK) and the next chunk's
+prefetch swept.
 
     python experiments/kernels/probe_draw_prune.py [--variant FILE] [--baseline FILE] [--rows 1024] [--out DIR]
 
@@ -33,7 +34,8 @@ from rlalign.kernels.triton import topp  # noqa: E402
 
 CASES = (("normal", 1.0, 1.0), ("normal", 1.0, 0.8), ("normal", 4.0, 0.8), ("student_t", 1.0, 0.8),
          ("zipf", 1.0, 0.8), ("spikes", 1.0, 0.8))
-BLOCKS = (512, 1024, 2048)
+CONFIGS = ((512, True), (512, False), (1024, True))  # (DRAW_BLOCK, DRAW_PREFETCH)
+KEYS = tuple(f"block_{b}" + ("" if f else "_noprefetch") for b, f in CONFIGS)
 
 
 def load_module(path: str, name: str):
@@ -68,10 +70,10 @@ def probe(z, temp, base, pruned) -> dict:
     if cut is not None:
         ref_cut = base.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut)
         res["baseline"]["draw_logprob_cut_ms"] = ms(lambda: base.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
-    kept = pruned.DRAW_BLOCK
+    kept = pruned.DRAW_BLOCK, pruned.DRAW_PREFETCH
     try:
-        for block in BLOCKS:
-            pruned.DRAW_BLOCK = block
+        for block, prefetch in CONFIGS:
+            pruned.DRAW_BLOCK, pruned.DRAW_PREFETCH = block, prefetch
             exact = torch.zeros(B, dtype=torch.int32, device="cuda")
             tok = pruned.gumbel_argmax(z, seed, ids, pos, scale, exact=exact)
             tok2, lp = pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale)
@@ -86,9 +88,9 @@ def probe(z, temp, base, pruned) -> dict:
                 r["cut_equal"] = bool(torch.equal(ct, ref_cut[0])
                                       and torch.equal(cl.view(torch.int32), ref_cut[1].view(torch.int32)))
                 r["draw_logprob_cut_ms"] = ms(lambda: pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
-            res[f"block_{block}"] = r
+            res[f"block_{block}" + ("" if prefetch else "_noprefetch")] = r
     finally:
-        pruned.DRAW_BLOCK = kept
+        pruned.DRAW_BLOCK, pruned.DRAW_PREFETCH = kept
     return res
 
 
@@ -110,20 +112,19 @@ def main() -> None:
         z = logits_of(g, kind, a.rows, a.vocab, s)
         r = {"kind": kind, "logit_scale": s, "temperature": temp, **probe(z, temp, base, pruned)}
         cases.append(r)
-        row = "  ".join(f"{b}: draw {r[f'block_{b}']['draw_ms']:.3f} +lp {r[f'block_{b}']['draw_logprob_ms']:.3f}"
-                        + (f" cut {r[f'block_{b}']['draw_logprob_cut_ms']:.3f}" if temp != 1.0 else "")
-                        + f" exact {r[f'block_{b}']['exact_chunks_mean']:.1f}/{r[f'block_{b}']['chunks']}"
-                        for b in BLOCKS)
+        row = "  ".join(f"{b}: draw {r[b]['draw_ms']:.3f} +lp {r[b]['draw_logprob_ms']:.3f}"
+                        + (f" cut {r[b]['draw_logprob_cut_ms']:.3f}" if temp != 1.0 else "")
+                        + f" exact {r[b]['exact_chunks_mean']:.1f}/{r[b]['chunks']}" for b in KEYS)
         bl = r["baseline"]
         print(f"{kind:9s} s {s} T {temp}: baseline draw {bl['draw_ms']:.3f} +lp {bl['draw_logprob_ms']:.3f}"
               + (f" cut {bl['draw_logprob_cut_ms']:.3f}" if temp != 1.0 else "") + f" | {row}", flush=True)
-    equal = all(v.get(k, True) for c in cases for b in BLOCKS for v in [c[f"block_{b}"]]
+    equal = all(v.get(k, True) for c in cases for b in KEYS for v in [c[b]]
                 for k in ("tokens_equal", "logprobs_equal", "cut_equal"))
     summary = {"all_bits_equal": equal, "rows": a.rows, "vocab": a.vocab, "variant_block": pruned.DRAW_BLOCK}
-    for b in BLOCKS:
-        summary[f"draw_logprob_speedup_block_{b}"] = {
+    for b in KEYS:
+        summary[f"draw_logprob_speedup_{b}"] = {
             f"{c['kind']}_{c['logit_scale']}_T{c['temperature']}":
-                round(c["baseline"]["draw_logprob_ms"] / c[f"block_{b}"]["draw_logprob_ms"], 3) for c in cases}
+                round(c["baseline"]["draw_logprob_ms"] / c[b]["draw_logprob_ms"], 3) for c in cases}
     print("all bits equal:", equal, summary, flush=True)
     name = a.name or f"probe_draw_prune_{record.gpu_tag()}"
     print("wrote", record.write(name, {
