@@ -1,46 +1,25 @@
-"""A variant of kernels/triton/sampling.py (not the product's): the draw computing the noise only where a value may
-reach the row's best so far. Loaded as a module of rlalign.kernels.triton (its relative imports resolve there) by
-probe_draw_prune.py, sass_draw.py and tests/test_sampling_prune.py.
+"""A variant of kernels/triton/sampling.py's Gumbel-max draw (not the product's): the same noise (the product's mix64,
+fo_log and constants, imported from it) and the same tokens and logprob bits, the noise computed only where a value
+may reach the row's best so far. Loaded as a module of rlalign.kernels.triton (its relative imports resolve there)
+by probe_draw_prune.py, sass_draw.py and tests/test_sampling_prune.py.
 
-The sampler's two kernels: the top-k/top-p filter and the Gumbel-max draw. Both take the tempered
-logits rlalign.kernels.temper(logits, scale) from the logits in any float dtype, upcast (exact) and
-scaled in registers (common.upcast_scaled): a step makes no separate fp32 copy of [B, V] and no pass
-for the temperature. The top-k/top-p filter's cut per row (topp.filter_cut: the kept set is {order key >= cut}
-and NaN) is applied by the draw and the logprob to the logits as they read them (common.apply_cut: the filtered
-copy's bits, without writing or reading the copy).
-
-Gumbel-max sampling fused into one kernel: per row, the noise of rlalign.kernels.sampling (a
-splitmix64 hash of (seed, sample id, position, vocab index) -> u exact in fp32 -> -log(-log u)
-with fixed_order.log's add/mul/div formula) added to the tempered, filtered logits z, and the first
-index of the maximum — the token `first_argmax(z + gumbel(...))` draws, bit for bit (checked
-against it on the GPU and under the interpreter), without the ~40 elementwise passes over [B, V]
-of the torch formulation. One program per row; each of DRAW_BLOCK lanes keeps its best column, one
-reduction at the end.
 The noise's two logs are most of the draw's work, and only a value that can reach the row's maximum needs
 them. The row's greatest z + noise found so far, B, bounds that maximum from below; a chunk computes the exact
-noise only when one of its values may reach B (prune_bound): z + 17 >= B (the noise is at most 16.64), then,
+noise only when one of its values may reach B (may_reach): z + 17 >= B (the noise is at most 16.64), then,
 from the value's uniform u alone, u >= exp(-exp(-(B - z - margin))) (below it -log(-log u) < B - z - margin).
 A value ruled out has z + noise < B: it is not the row's maximum nor tied with it, so the token and its bits
-are those of the full draw.
-Compiled without FMA contraction (enable_fp_fusion=False): every add and mul rounds on its own, as
-in torch's elementwise kernels; divisions are IEEE (div_rn)."""
+are those of the full draw. Compiled without FMA contraction, as the product's draw."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from rlalign.kernels import fixed_order as fo
-from rlalign.kernels import sampling
-
 from .common import INTERPRET, ROW_BLOCK, apply_cut, upcast_scaled
 from .logprob import row_lse
+from .sampling import GOLDEN, LOG_CONST, MIX1, MIX2, U64, check_2d_float, fo_log, mix64
 
-U64 = (1 << 64) - 1
-GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 DRAW_BLOCK = 512  # the draw's lanes (4 warps, 4 columns a thread), each keeping its own best over the chunks
 # the noise -log(-log u) is at most 16.64 (u <= 1 - 2**-24; tests/test_sampling_prune.py checks every u): a value
 # with fl(z + NOISE_BOUND) < best_x cannot reach best_x
@@ -50,35 +29,6 @@ NOISE_BOUND = tl.constexpr(17.0)
 DRAW_MARGIN = 1e-3
 # the next chunk loaded before this chunk's reductions (probe_draw_prune.py times both)
 DRAW_PREFETCH = True
-
-
-@triton.jit
-def mix64(x, golden, mix1, mix2):
-    x = x + golden
-    x = (x ^ (x >> 30)) * mix1
-    x = (x ^ (x >> 27)) * mix2
-    return x ^ (x >> 31)
-
-
-@triton.jit
-def fo_log(x, SQRT2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
-         C4: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr):
-    """fixed_order.log for positive normal fp32 x (what the sampler feeds it)."""
-    bits = x.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    big = m > SQRT2
-    m = tl.where(big, m * 0.5, m)
-    ef = (e + big.to(tl.int32)).to(tl.float32)
-    s = tl.math.div_rn(m - 1.0, m + 1.0)
-    s2 = s * s
-    p = tl.full(s.shape, C0, tl.float32)
-    p = p * s2 + C1
-    p = p * s2 + C2
-    p = p * s2 + C3
-    p = p * s2 + C4
-    log_m = (p * s2) * s + 2.0 * s
-    return ef * LN2_HI + (log_m + ef * LN2_LO)
 
 
 @triton.jit
@@ -174,17 +124,6 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, exac
         if CUT:
             zt = apply_cut(zt, cut)
         tl.store(lp_ptr + row, zt - lse)
-
-
-LOG_CONST = dict(SQRT2=fo.SQRT2, C0=fo.ATANH_COEFFS[0], C1=fo.ATANH_COEFFS[1], C2=fo.ATANH_COEFFS[2],
-              C3=fo.ATANH_COEFFS[3], C4=fo.ATANH_COEFFS[4], LN2_HI=fo.LN2_HI, LN2_LO=fo.LN2_LO)
-assert len(fo.ATANH_COEFFS) == 5 and sampling.UNIFORM_BITS == 23 and math.isclose(fo.SQRT2, 2 ** 0.5)
-
-
-def check_2d_float(name: str, z: torch.Tensor) -> None:
-    if z.dtype not in (torch.float32, torch.bfloat16, torch.float16) or z.dim() != 2:
-        raise TypeError(f"triton {name}: z must be a 2-D float tensor (fp32, bf16, fp16), got {z.dtype} "
-                        f"{tuple(z.shape)}")
 
 
 def _draw(z, seed, sample_ids, positions, scale, logprobs: bool, cut, exact=None):

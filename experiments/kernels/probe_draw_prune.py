@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: re
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 from bench_topp_cut import logits_of  # noqa: E402
-from probe_topp_split import kernel_times  # noqa: E402
+from probe_topp_split import kernel_times, load_baseline  # noqa: E402
 
 from rlalign.kernels import inverse_temperature  # noqa: E402
 from rlalign.kernels.triton import sampling as product_sampling  # noqa: E402
@@ -36,18 +36,6 @@ CASES = (("normal", 1.0, 1.0), ("normal", 1.0, 0.8), ("normal", 4.0, 0.8), ("stu
          ("zipf", 1.0, 0.8), ("spikes", 1.0, 0.8))
 CONFIGS = ((512, True), (512, False), (1024, True))  # (DRAW_BLOCK, DRAW_PREFETCH)
 KEYS = tuple(f"block_{b}" + ("" if f else "_noprefetch") for b, f in CONFIGS)
-
-
-def load_module(path: str, name: str):
-    """A sampling.py variant as a module of rlalign.kernels.triton (its relative imports resolve there)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"rlalign.kernels.triton.{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 VARIANT = str(Path(__file__).resolve().parent / "draw_pruned.py")
 
 
@@ -103,8 +91,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(record.RESULTS))
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
-    base = load_module(a.baseline, "sampling_baseline") if a.baseline else product_sampling
-    pruned = load_module(a.variant, "draw_pruned")
+    base = load_baseline(a.baseline, "sampling_baseline") if a.baseline else product_sampling
+    pruned = load_baseline(a.variant, "draw_pruned")
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for kind, s, temp in CASES:

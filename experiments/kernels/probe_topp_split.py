@@ -40,9 +40,10 @@ VARIANTS = {"one_window_launch": dict(WINDOW_LAUNCHES=((True, True),)),
             "w16_s4096": dict(CUT_WARPS=16, CUT_STREAM=4096), "w8_s2048": dict(CUT_STREAM=2048)}
 
 
-def load_baseline(path: str):
-    """An older topp.py as a module of the same package (its relative imports resolve there)."""
-    spec = importlib.util.spec_from_file_location("rlalign.kernels.triton.topp_baseline", path)
+def load_baseline(path: str, name: str = "topp_baseline"):
+    """A kernel file (an older topp.py, a variant) as the module `name` of rlalign.kernels.triton (its relative imports
+    resolve there)."""
+    spec = importlib.util.spec_from_file_location(f"rlalign.kernels.triton.{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -28,7 +28,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
-from probe_draw_prune import VARIANT, load_module  # noqa: E402
+from probe_draw_prune import VARIANT  # noqa: E402
+from probe_topp_split import load_baseline  # noqa: E402
 from sass import CUOBJDUMP, captured, cpu_tensor, sass_stats  # noqa: E402
 
 from rlalign.kernels.triton import sampling as product_sampling  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> None:
     a = ap.parse_args()
     kernels = {}
     base = product_sampling
-    sampling = load_module(a.variant, "draw_pruned")
+    sampling = load_baseline(a.variant, "draw_pruned")
     for name, launch in launches(base).items():
         k = launch.compile()
         st = sass_stats(k)
