@@ -145,12 +145,15 @@ def attend(fn, qkv, cu, go):
 
 def vendor(a) -> dict:
     import torch
+    import triton
     from bench_vs_vendor import eager_ms, graph_ms
 
     from rlalign.kernels import torch_default as dflt
     from rlalign.kernels import triton as tb
+    from rlalign.kernels.triton.gemm import small_m_config
 
     g = torch.Generator(device="cuda").manual_seed(1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     H, Hk, D = 32, 8, 128
     attn = []
     for B, T in ATTN_SHAPES:
@@ -179,8 +182,13 @@ def vendor(a) -> dict:
             ws = [torch.randn(N, K, device="cuda", generator=g).bfloat16() for _ in range(8)]
             t_cub = graph_ms([partial(torch.matmul, x, w.t()) for w in ws])
             t_ours = graph_ms([partial(tb.linear, x, w) for w in ws])
+            cfg = small_m_config(x.dtype, M, [N], sms)
+            tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+            fill = tiles / (triton.cdiv(tiles, sms) * sms)  # the busy share of the SM-waves the tiles take
             gemms.append({"M": M, "N": N, "K": K, "cublas_us": 1e3 * t_cub, "triton_det_us": 1e3 * t_ours,
-                          "det_over_cublas": t_cub / t_ours, "tflops_det": 2 * M * N * K / t_ours / 1e9})
+                          "det_over_cublas": t_cub / t_ours, "tflops_det": 2 * M * N * K / t_ours / 1e9,
+                          "tile": [cfg["BLOCK_M"], cfg["BLOCK_N"]], "tiles": tiles, "sms": sms, "wave_fill": fill,
+                          "det_over_cublas_per_busy_sm": t_cub / t_ours / fill})
             print(f"gemm {M}x{N}x{K}: cuBLAS {1e3 * t_cub:.1f} us, det {1e3 * t_ours:.1f} us -> {t_cub / t_ours:.2f}x",
                   flush=True)
         # the experts: bench-moe-large's 4,096 tokens x top-8 over 64 experts, router-like counts
@@ -266,6 +274,26 @@ def _profile(step, mode: str) -> dict:
 
 
 # --- rollouts ------------------------------------------------------------------------------------------
+KERNEL_KINDS = (("gemm", ("_gemm",)), ("attention", ("_attn",)), ("draw", ("gumbel",)),
+                ("top_p_cut", ("_cut", "_window", "_filter", "topp")))
+
+
+def decode_step_split(eng, rows: int) -> dict:
+    """Where a decode step's device time goes: the engine's decode graph for `rows` rows (the bucket that
+    served the timed call's steps) replayed 3 times under the profiler at the call's last contexts, its
+    kernels by kind (kernel name), ms a step."""
+    from probe_rollout_steps import kernel_table
+
+    graphs = eng.state.graphs.graphs
+    size = min((s for s in graphs if s >= rows), default=max(graphs))
+    ms, top = kernel_table(graphs[size][0].replay, reps=3, top=200)
+    kinds = {k: 0.0 for k, _ in KERNEL_KINDS}
+    for name, t, _ in top:
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    return {"rows": rows, "bucket": size, "step_ms": ms, "ms_by_kind": kinds, "top": top[:16]}
+
+
 def rollout(a) -> dict:
     import torch
     from bench_generate import HBM_PEAK, run
@@ -300,8 +328,10 @@ def rollout(a) -> dict:
         for mode in ("deterministic", "default"):
             torch.cuda.empty_cache()
             try:
+                split = partial(decode_step_split, rows=B) if mode == "deterministic" else None
                 outs, r = run(model, prompts, params, mode, EngineConfig(), warm=False, calls=2,
-                              score_micro_batch=64 if args.vocab_size < 65536 else 16)  # logits < 2**31 elements
+                              score_micro_batch=64 if args.vocab_size < 65536 else 16,  # logits < 2**31 elements
+                              inspect=split)
             except Exception as e:  # noqa: BLE001 - recorded, the other runs still go
                 traceback.print_exc()
                 case[mode] = {"error": f"{type(e).__name__}: {e}"[:800]}
@@ -396,7 +426,26 @@ def summarize(parts: dict) -> dict:
         "det_mismatched_tokens": mism("deterministic"),
         "default_mismatched_tokens": mism("default"),
         "goals": GOALS,
+        "where_the_time_goes": where_the_time_goes(ve, plain, topp),
     }
+
+
+def where_the_time_goes(ve: dict, plain: dict, topp: dict) -> dict:
+    """The measured split behind the kernel goals: the real-vocabulary decode step's device time by kernel
+    kind (plain and top-p, the bucket that served the timed call, replayed) beside the step the roofline
+    allows, and each MoE-shape GEMM's ratio to cuBLAS over the share of SM-waves its tiles fill."""
+    out = {}
+    for name, case in (("realvocab_plain_1024", plain), ("realvocab_topp_1024", topp)):
+        det = case.get("deterministic", {})
+        split = det.get("inspect")
+        if split:
+            out[name] = {k: split[k] for k in ("rows", "bucket", "step_ms", "ms_by_kind")}
+    roof = plain.get("deterministic", {}).get("roofline", {}).get("roofline_tokens_per_s")
+    if roof and "realvocab_plain_1024" in out:
+        out["realvocab_plain_1024"]["roofline_step_ms"] = 1e3 * out["realvocab_plain_1024"]["rows"] / roof
+    keys = ("M", "N", "K", "tile", "tiles", "sms", "wave_fill", "det_over_cublas", "det_over_cublas_per_busy_sm")
+    out["gemm"] = [{k: r.get(k) for k in keys} for r in ve.get("gemm", []) if "grouped" not in r]
+    return out
 
 
 def main() -> None:

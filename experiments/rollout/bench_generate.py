@@ -71,9 +71,10 @@ def roofline(args, model, rollouts, peak: float) -> dict:
 
 
 def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = True, score_it: bool = True,
-        calls: int = 1, score_micro_batch: int = 16):
+        calls: int = 1, score_micro_batch: int = 16, inspect=None):
     """Warm up, then `calls` timed generate() calls (seeds params.seed, +1, ...): (every call's rollouts,
-    the last call's numbers with every call's seconds, decode-graph captures and engine stats)."""
+    the last call's numbers with every call's seconds, decode-graph captures and engine stats). inspect: a
+    function of the engine after the timed calls, its result kept under "inspect"."""
     backend = "triton" if mode == "deterministic" else "torch"
     eng = NativeEngine(model, engine)
     with kernels.use(mode=mode, backend=backend):
@@ -96,10 +97,11 @@ def run(model, prompts, params, mode: str, engine: EngineConfig, warm: bool = Tr
             captures.append(None if g1 is None else g1.captures - (n0 if g1 is g0 else 0))
             all_outs.append(outs)
         secs = times[-1]
+        looked = {} if inspect is None else {"inspect": inspect(eng)}
         toks = sum(len(r.tokens) for r in outs)
         res = {"seconds": secs, "tokens": toks, "tokens_per_s": toks / secs, "calls_seconds": times,
                "calls_tokens_per_s": [sum(len(r.tokens) for r in o) / t for o, t in zip(all_outs, times)],
-               "calls_graph_captures": captures, "last_call_stats": dict(eng.stats)}
+               "calls_graph_captures": captures, "last_call_stats": dict(eng.stats), **looked}
         if not score_it:
             return all_outs, res
         with torch.no_grad():  # the trainer's scoring, without keeping its autograd graph
