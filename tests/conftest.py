@@ -219,12 +219,14 @@ def triton_filtered(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, scale: 
 # worker, so its module fixtures — a Ray cluster, a vLLM engine — are built once). Workers take modules in
 # collection order; the modules measured longest (`--durations`, 2-core machine) come first so that both
 # workers finish close together. Modules not named keep their order after these.
-LONGEST_FIRST = ("test_vllm", "test_train", "test_multinode", "test_cluster", "test_scheduler", "test_monitor",
-                 "test_topology", "test_triton_paged", "test_triton", "test_shard", "test_sampling_stats", "test_ep",
-                 "test_agree",
-                 "test_engine", "test_triton_sampling", "test_train_kernels", "test_config", "test_checkpoint",
-                 "test_triton_fused", "test_weight_sync", "test_moe_counts", "test_cli", "test_report",
-                 "test_checkpoint_limits", "test_ep_capacity", "test_fingerprint", "test_linears", "test_sampling")
+LONGEST_FIRST = ("test_vllm", "test_multinode", "test_cluster", "test_train", "test_scheduler", "test_monitor",
+                 "test_triton_topp", "test_topology", "test_triton_paged", "test_sampling_stats", "test_triton",
+                 "test_agree", "test_shard", "test_ep", "test_multiturn", "test_tasks_user", "test_cli",
+                 "test_multirun", "test_triton_sampling_cut", "test_config", "test_train_kernels", "test_packaging",
+                 "test_triton_fused", "test_triton_sampling", "test_engine", "test_help_keys", "test_checkpoint",
+                 "test_weight_sync", "test_losses", "test_report", "test_sampling_prune", "test_continuation",
+                 "test_layers", "test_moe_counts", "test_export", "test_config_search", "test_checkpoint_limits",
+                 "test_run_start", "test_multiturn_train", "test_fingerprint", "test_ep_capacity")
 
 
 def pytest_collection_modifyitems(config, items):
