@@ -274,8 +274,20 @@ def _profile(step, mode: str) -> dict:
 
 
 # --- rollouts ------------------------------------------------------------------------------------------
+# kernel kinds by name: the top-p cut's launches are topp.py's _first_kernel (pass A, the estimate, the exact
+# pass) and _window_kernel (the key search over the window; the retries)
 KERNEL_KINDS = (("gemm", ("_gemm",)), ("attention", ("_attn",)), ("draw", ("gumbel",)),
-                ("top_p_cut", ("_cut", "_window", "_filter", "topp")))
+                ("top_p_cut", ("_first_kernel", "_window_kernel", "_cut", "_filter", "topp")))
+
+
+def by_kind(top: list, step_ms: float) -> dict:
+    """A kernel table's ms by kind (KERNEL_KINDS); "other": the rest of step_ms."""
+    kinds = {k: 0.0 for k, _ in KERNEL_KINDS}
+    for name, t, _ in top:
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), None)
+        if kind:
+            kinds[kind] += t
+    return {**kinds, "other": step_ms - sum(kinds.values())}
 
 
 def decode_step_split(eng, rows: int) -> dict:
@@ -287,11 +299,7 @@ def decode_step_split(eng, rows: int) -> dict:
     graphs = eng.state.graphs.graphs
     size = min((s for s in graphs if s >= rows), default=max(graphs))
     ms, top = kernel_table(graphs[size][0].replay, reps=3, top=200)
-    kinds = {k: 0.0 for k, _ in KERNEL_KINDS}
-    for name, t, _ in top:
-        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + t
-    return {"rows": rows, "bucket": size, "step_ms": ms, "ms_by_kind": kinds, "top": top[:16]}
+    return {"rows": rows, "bucket": size, "step_ms": ms, "ms_by_kind": by_kind(top, ms), "top": top[:40]}
 
 
 def rollout(a) -> dict:
@@ -439,13 +447,25 @@ def where_the_time_goes(ve: dict, plain: dict, topp: dict) -> dict:
         det = case.get("deterministic", {})
         split = det.get("inspect")
         if split:
-            out[name] = {k: split[k] for k in ("rows", "bucket", "step_ms", "ms_by_kind")}
+            out[name] = {**{k: split[k] for k in ("rows", "bucket", "step_ms")},
+                         "ms_by_kind": by_kind(split["top"], split["step_ms"])}
     roof = plain.get("deterministic", {}).get("roofline", {}).get("roofline_tokens_per_s")
     if roof and "realvocab_plain_1024" in out:
         out["realvocab_plain_1024"]["roofline_step_ms"] = 1e3 * out["realvocab_plain_1024"]["rows"] / roof
     keys = ("M", "N", "K", "tile", "tiles", "sms", "wave_fill", "det_over_cublas", "det_over_cublas_per_busy_sm")
     out["gemm"] = [{k: r.get(k) for k in keys} for r in ve.get("gemm", []) if "grouped" not in r]
     return out
+
+
+def resummarize(path: Path, command: str) -> None:
+    """The summary of the call recorded at path, recomputed from its sections by this script's summarize (its
+    gpu as recorded); the command and commit that did so are recorded beside the call's own."""
+    res = json.loads(path.read_text())
+    summary = {**summarize({k: res[k] for k in SECTIONS if k in res}), "gpu": res["summary"]["gpu"]}
+    res["summary"] = summary
+    res["summary_recomputed"] = {"command": command, "git_commit": record.environment().get("git_commit")}
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(summary["where_the_time_goes"], indent=1))
 
 
 def main() -> None:
@@ -460,10 +480,16 @@ def main() -> None:
     ap.add_argument("--rl-steps", type=int, default=3, help="RL steps per run (the first not timed)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(record.RESULTS))
     ap.add_argument("--name", default=None, help="result name (default determinism_tax_<card>, e.g. _h200)")
+    ap.add_argument("--resummarize", default=None, metavar="RESULT",
+                    help="recompute a result's summary from its sections (this script's summarize; the GPU's name "
+                         "kept) and write it back; no GPU")
     ap.add_argument("--section-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--parts", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.resummarize:
+        return resummarize(Path(a.resummarize), " ".join(["python3", "experiments/bench_determinism_tax.py",
+                                                          *sys.argv[1:]]))
     a.name = a.name or f"determinism_tax_{record.gpu_tag()}"
     if a.section_only:  # a subprocess: one section, its part JSON
         res = globals()[a.section_only](a)
