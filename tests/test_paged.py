@@ -8,6 +8,7 @@ from conftest import same_bits, tiny_model
 
 from rlalign import kernels
 from rlalign.model import PagedKVCache
+from rlalign.model.model import PAD_LOGIT
 
 
 def _paged_setup(lens, page_size, num_pages, seed=0):
@@ -121,10 +122,10 @@ def test_model_step_negative_twin_default_mode_differs():
 
 
 
-def test_model_step_keep_zeroes_the_dropped_rows_logits_only():
-    """keep=False rows (a decode graph's padding rows) get logits of exactly zero, also where their own
-    hidden rows are non-finite; kept rows' bits equal a step without keep. Twin: without keep, the
-    dropped row's logits are not zero (and a NaN row's are not finite)."""
+def test_model_step_keep_gives_the_dropped_rows_the_pad_row_only():
+    """keep=False rows (a decode graph's padding rows) get logits of PAD_LOGIT at column 0 and exactly zero
+    elsewhere, also where their own hidden rows are non-finite; kept rows' bits equal a step without keep.
+    Twin: without keep, the dropped row's logits are not that row (and a NaN row's are not finite)."""
     model = tiny_model()
     a = model.args
     cache = PagedKVCache(a, 8, 4, model.dtype)
@@ -141,4 +142,7 @@ def test_model_step_keep_zeroes_the_dropped_rows_logits_only():
         masked = model._head(h, None, keep)
     assert plain[2].abs().sum() > 0 and not torch.isfinite(poisoned[2]).all()  # the twins
     assert same_bits(kept[:2], plain[:2]) and same_bits(masked[:2], poisoned[:2])
-    assert torch.equal(kept[2], torch.zeros_like(kept[2])) and torch.equal(masked[2], torch.zeros_like(masked[2]))
+    pad = torch.zeros_like(kept[2])
+    pad[0] = PAD_LOGIT
+    assert torch.equal(kept[2], pad) and torch.equal(masked[2], pad)
+

@@ -50,6 +50,30 @@ MAGNITUDES = [(kind, s, temp, p, off) for kind, s, offs in (("normal", 1.0, (0.0
               for off in offs for temp in (0.8, 1.0) for p in (0.95, 0.99)]
 
 
+# --cases model: a model's own rows (model_rows) at the rollout benchmarks' sampling and beside it
+MODEL = [("model", 1.0, 0.8, 0.95, 0.0), ("model", 1.0, 1.0, 0.95, 0.0), ("model", 1.0, 0.8, 0.99, 0.0)]
+
+
+def model_rows(name: str, rows: int) -> torch.Tensor:
+    """Next-token logits [rows, V] (bf16) of the model `name` at its random weights (build_model seed 0, as
+    bench_determinism_tax's rollouts build it), each at the end of a sequence like a rollout's last decode
+    step's: a bench_rollout_scale prompt (8-200 random tokens) and 255 more tokens (random: a random-weight
+    model's own samples are near uniform). On the CPU with the default kernels: the rows' shape, not their bits."""
+    from rlalign import kernels
+    from rlalign.config import load_config, model_args
+    from rlalign.model import build_model
+
+    args = model_args(load_config([f"model={name}"]))
+    model = build_model(args, "bfloat16", seed=0, device="cpu")
+    g = torch.Generator().manual_seed(rows)
+    out = []
+    with torch.no_grad(), kernels.use(mode="default", backend="torch"):
+        for n in torch.randint(8, 201, (rows,), generator=g).tolist():
+            tokens = torch.randint(2, args.vocab_size, (n + 255,), generator=g)
+            out.append(model(tokens, [0, len(tokens)])[-1:].to(torch.bfloat16))
+    return torch.cat(out)
+
+
 class FloorOff:
     """topp's filter_cut with the window's floor at EST_DMIN alone (the dtype's spacing not applied)."""
 
@@ -71,7 +95,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--baseline", default=str(Path(__file__).resolve().parent / "topp_one_launch.py"))
     ap.add_argument("--baseline-rev", default="", help="the baseline: kernels/triton/topp.py at this git revision")
-    ap.add_argument("--cases", choices=("standard", "magnitudes"), default="standard")
+    ap.add_argument("--cases", choices=("standard", "magnitudes", "model"), default="standard")
+    ap.add_argument("--model", default="qwen3-30b-a3b-rehearsal", help="--cases model: whose logits")
     ap.add_argument("--name", default="", help="the result's name (default by --cases)")
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
@@ -79,12 +104,16 @@ def main() -> None:
         a.baseline = topp_at(a.baseline_rev)
     torch.manual_seed(0)
     magnitudes = a.cases == "magnitudes"
-    cases = MAGNITUDES if magnitudes else STANDARD
+    cases = MAGNITUDES if magnitudes else MODEL if a.cases == "model" else STANDARD
     baseline = FloorOff() if magnitudes else load_baseline(a.baseline)
     mods = {"product": topp, "baseline": baseline}
     out, t0 = [], time.time()
+    rows_of_model = model_rows(a.model, a.rows) if a.cases == "model" else None
     for kind, s, temp, p, off in cases:
-        z = logits_of(torch.Generator().manual_seed(len(out)), kind, a.rows, V, s, off)
+        if rows_of_model is not None:
+            z = rows_of_model
+        else:
+            z = logits_of(torch.Generator().manual_seed(len(out)), kind, a.rows, V, s, off)
         scale = inverse_temperature(temp)
         ref = sampling.filter_cut(sampling.temper(z, scale), 0, p)
         row = {"kind": kind, "logit_scale": s, "offset": off, "temperature": temp, "top_p": p, "rows": a.rows}
@@ -101,7 +130,8 @@ def main() -> None:
     shows = "; ".join(f"{_label(r)}: {r['product']['rows_by_passes'].get('1', 0)} vs "
                       f"{r['baseline']['rows_by_passes'].get('1', 0)}" for r in out)
     base = "the window's floor at EST_DMIN alone" if magnitudes else "the baseline"
-    name = a.name or ("est_hits_magnitudes_interpreter" if magnitudes else "est_hits_interpreter")
+    name = a.name or ("est_hits_magnitudes_interpreter" if magnitudes else f"est_hits_{a.model}_interpreter"
+                      if a.cases == "model" else "est_hits_interpreter")
     baseline_file = f"kernels/triton/topp.py at {a.baseline_rev}" if a.baseline_rev else a.baseline
     record.write(name, {
         "cases": out, "baseline_file": "topp.py with EST_DTYPE_FLOOR off" if magnitudes else baseline_file,

@@ -23,6 +23,9 @@ from rlalign import kernels
 from rlalign.model.args import ModelArgs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# a padding row's logit at column 0 (Transformer._head's keep; the others are 0): exact in every dtype above, and far
+# enough above 0 at any temperature that the row's top-p cut keeps that one value (its other values' masses are 0)
+PAD_LOGIT = 8192.0
 
 
 class Linear(nn.Module):
@@ -250,13 +253,18 @@ class Transformer(nn.Module):
         return h, r
 
     def _head(self, h: torch.Tensor, r: torch.Tensor | None, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the final norm of h + r; rows where `keep` [N] bool is False get logits of exactly
-        zero (their normed rows zeroed before the lm head: a product of zeros; a pass over [N, d] instead
-        of [N, vocab]; the other rows' bits are untouched)."""
+        """Logits of the final norm of h + r; rows where `keep` [N] bool is False get PAD_LOGIT at column 0
+        and exactly zero elsewhere (their normed rows zeroed before the lm head: a product of zeros; a pass
+        over [N, d] and one column instead of [N, vocab]; the other rows' bits are untouched). One value far
+        above the rest is every sampler's cheapest row: an all-tied row is the top-p cut's costliest (the
+        window holds the whole row, and the cut takes its retries and exact bins)."""
         _, x = self._add_norm(h, r, self.model.norm, f"layers.{len(self.model.layers) - 1}", "norm")
-        if keep is not None:
-            x = torch.where(keep[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-        return self._tap("logits", self.lm_head(x))
+        if keep is None:
+            return self._tap("logits", self.lm_head(x))
+        logits = self.lm_head(torch.where(keep[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device)))
+        logits[:, 0] = torch.where(keep, logits[:, 0], torch.full((), PAD_LOGIT, dtype=logits.dtype,
+                                                                    device=logits.device))
+        return self._tap("logits", logits)
 
     def _check_positions(self, last: int) -> None:
         if last >= self.args.max_position_embeddings:
@@ -301,8 +309,8 @@ class Transformer(nn.Module):
         view of its own pages). Returns logits of `logit_rows` (default: every row). Each row's
         bits equal the trainer's forward row at that position (batch invariance). runs: the prompt
         chunks among the last rows, as the host knows them (kernels.attention_paged's schedule hint).
-        keep [N] bool (with every row's logits): rows whose logits are zeroed (a decode graph's padding rows:
-        any value they computed, even a non-finite one, never reaches the sampler)."""
+        keep [N] bool (with every row's logits): rows whose logits are PAD_LOGIT at column 0 and zero elsewhere (a
+        decode graph's padding rows: any value they computed, even a non-finite one, never reaches the sampler)."""
         cos, sin = self._rope(positions)  # engines check lengths at admission: no host sync
         h = self._tap("embed", kernels.embedding(self.model.embed_tokens.weight, tokens))
         h, r = self._layers(h, lambda i, layer, x: layer.self_attn.paged(

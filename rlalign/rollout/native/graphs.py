@@ -64,8 +64,9 @@ class DecodeGraphs:
     the prompt-chunk hint, and `sample_next` of every row — one per batch-size bucket (powers of two)
     and sampling distribution, captured on first use and kept with the engine's KVState across
     generate() calls. A step of n rows runs the smallest bucket >= n; the padding rows read and write
-    only a spare page through a spare block-table row and sample from zeroed logits, and batch
-    invariance means they change no bit of the real rows (tests/gpu checks graphs == eager bitwise).
+    only a spare page through a spare block-table row and sample from a fixed row (Transformer._head's keep:
+    one value above zeros, the samplers' cheapest row), and batch invariance means they change no bit of the
+    real rows (tests/gpu checks graphs == eager bitwise).
     A prompt chunk's rows run as rows alone (kernels.attention_paged: the bits of its prefill tiles),
     write their keys and values as eagerly, and draw a sample the caller discards unless the row
     samples (ModelRunner). Inputs per row: token, position, block-table row, cache slot, valid flag,
