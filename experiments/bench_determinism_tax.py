@@ -277,7 +277,7 @@ def _profile(step, mode: str) -> dict:
 # kernel kinds by name: the top-p cut's launches are topp.py's _first_kernel (pass A, the estimate, the exact
 # pass) and _window_kernel (the key search over the window; the retries)
 KERNEL_KINDS = (("gemm", ("_gemm",)), ("attention", ("_attn",)), ("draw", ("gumbel",)),
-                ("top_p_cut", ("_first_kernel", "_window_kernel", "_cut", "_filter", "topp")))
+                ("top_p_cut", ("_first_kernel", "_window_kernel")))
 
 
 def by_kind(top: list, step_ms: float) -> dict:

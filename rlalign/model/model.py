@@ -261,9 +261,8 @@ class Transformer(nn.Module):
         _, x = self._add_norm(h, r, self.model.norm, f"layers.{len(self.model.layers) - 1}", "norm")
         if keep is None:
             return self._tap("logits", self.lm_head(x))
-        logits = self.lm_head(torch.where(keep[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device)))
-        logits[:, 0] = torch.where(keep, logits[:, 0], torch.full((), PAD_LOGIT, dtype=logits.dtype,
-                                                                    device=logits.device))
+        logits = self.lm_head(torch.where(keep[:, None], x, 0.0))
+        logits[:, 0] = torch.where(keep, logits[:, 0], PAD_LOGIT)
         return self._tap("logits", logits)
 
     def _check_positions(self, last: int) -> None:
