@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -290,16 +291,47 @@ def by_kind(top: list, step_ms: float) -> dict:
     return {**kinds, "other": step_ms - sum(kinds.values())}
 
 
-def decode_step_split(eng, rows: int) -> dict:
+@contextmanager
+def full_steps():
+    """Keep, per decode-graph bucket, the inputs (host rows) of the last replayed step whose rows were all
+    valid: the split below replays a steady-state step, not the call's tail (whose bucket is up to half
+    padding rows). A host copy of [5, n] longs a step; nothing on the device."""
+    from rlalign.rollout.native.graphs import DecodeGraphs, bucket
+
+    call, kept = DecodeGraphs.__call__, {}
+
+    def recorded(self, meta, follow=None, size=None, recapture=False):
+        out = call(self, meta, follow, size, recapture)
+        if meta.shape[1] == (size or bucket(meta.shape[1])):
+            kept[meta.shape[1]] = meta.clone()
+        return out
+
+    DecodeGraphs.__call__ = recorded
+    try:
+        yield kept
+    finally:
+        DecodeGraphs.__call__ = call
+
+
+def decode_step_split(eng, rows: int, full: dict) -> dict:
     """Where a decode step's device time goes: the engine's decode graph for `rows` rows (the bucket that
-    served the timed call's steps) replayed 3 times under the profiler at the call's last contexts, its
-    kernels by kind (kernel name), ms a step."""
+    served the timed call's steps) replayed 3 times under the profiler, its kernels by kind (kernel name),
+    ms a step. Its inputs: the last step of the timed call with every row valid (full_steps), else the
+    call's last step (marked "tail")."""
+    import torch
     from probe_rollout_steps import kernel_table
 
-    graphs = eng.state.graphs.graphs
+    dg = eng.state.graphs
+    graphs = dg.graphs
     size = min((s for s in graphs if s >= rows), default=max(graphs))
-    ms, top = kernel_table(graphs[size][0].replay, reps=3, top=200)
-    return {"rows": rows, "bucket": size, "step_ms": ms, "ms_by_kind": by_kind(top, ms), "top": top[:40]}
+    graph, static, _ = graphs[size]
+    steady = size in full
+    if steady:
+        meta = full[size]
+        static.copy_(torch.cat([meta[:4], torch.ones(1, size, dtype=torch.long), meta[4:] ^ dg._key]).to(static.device))
+    ms, top = kernel_table(graph.replay, reps=3, top=200)
+    return {"rows": rows, "bucket": size, "inputs": "last full step" if steady else "tail", "step_ms": ms,
+            "ms_by_kind": by_kind(top, ms), "top": top[:40]}
 
 
 def rollout(a) -> dict:
@@ -336,10 +368,11 @@ def rollout(a) -> dict:
         for mode in ("deterministic", "default"):
             torch.cuda.empty_cache()
             try:
-                split = partial(decode_step_split, rows=B) if mode == "deterministic" else None
-                outs, r = run(model, prompts, params, mode, EngineConfig(), warm=False, calls=2,
-                              score_micro_batch=64 if args.vocab_size < 65536 else 16,  # logits < 2**31 elements
-                              inspect=split)
+                with full_steps() if mode == "deterministic" else nullcontext({}) as full:
+                    split = partial(decode_step_split, rows=B, full=full) if mode == "deterministic" else None
+                    outs, r = run(model, prompts, params, mode, EngineConfig(), warm=False, calls=2,
+                                  score_micro_batch=64 if args.vocab_size < 65536 else 16,  # logits < 2**31
+                                  inspect=split)
             except Exception as e:  # noqa: BLE001 - recorded, the other runs still go
                 traceback.print_exc()
                 case[mode] = {"error": f"{type(e).__name__}: {e}"[:800]}
@@ -447,7 +480,7 @@ def where_the_time_goes(ve: dict, plain: dict, topp: dict) -> dict:
         det = case.get("deterministic", {})
         split = det.get("inspect")
         if split:
-            out[name] = {**{k: split[k] for k in ("rows", "bucket", "step_ms")},
+            out[name] = {**{k: split[k] for k in ("rows", "bucket", "step_ms")}, "inputs": split.get("inputs", "tail"),
                          "ms_by_kind": by_kind(split["top"], split["step_ms"])}
     roof = plain.get("deterministic", {}).get("roofline", {}).get("roofline_tokens_per_s")
     if roof and "realvocab_plain_1024" in out:
