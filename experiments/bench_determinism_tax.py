@@ -144,6 +144,27 @@ def attend(fn, qkv, cu, go):
     return o
 
 
+def operand_traffic(M: int, N: int, K: int, bm: int, bn: int, el: int = 2) -> float:
+    """Bytes a GEMM of bm x bn tiles reads into shared memory: each tile reads its A rows and B columns over K."""
+    return M * N * K * el * (1 / bn + 1 / bm)
+
+
+def kernel_names(fn) -> list:
+    """The CUDA kernels one call of fn launches, full names (cuBLAS's name its tile, cluster and schedule)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+    except Exception as e:  # noqa: BLE001 - a name is a detail: the timings stand without it
+        return [f"error: {type(e).__name__}: {e}"[:200]]
+
+
 def vendor(a) -> dict:
     import torch
     import triton
@@ -189,7 +210,9 @@ def vendor(a) -> dict:
             gemms.append({"M": M, "N": N, "K": K, "cublas_us": 1e3 * t_cub, "triton_det_us": 1e3 * t_ours,
                           "det_over_cublas": t_cub / t_ours, "tflops_det": 2 * M * N * K / t_ours / 1e9,
                           "tile": [cfg["BLOCK_M"], cfg["BLOCK_N"]], "tiles": tiles, "sms": sms, "wave_fill": fill,
-                          "det_over_cublas_per_busy_sm": t_cub / t_ours / fill})
+                          "det_over_cublas_per_busy_sm": t_cub / t_ours / fill,
+                          "l2_to_sm_mb_det": operand_traffic(M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"]) / 1e6,
+                          "cublas_kernels": kernel_names(partial(torch.matmul, x, ws[0].t()))})
             print(f"gemm {M}x{N}x{K}: cuBLAS {1e3 * t_cub:.1f} us, det {1e3 * t_ours:.1f} us -> {t_cub / t_ours:.2f}x",
                   flush=True)
         # the experts: bench-moe-large's 4,096 tokens x top-8 over 64 experts, router-like counts
@@ -485,7 +508,8 @@ def where_the_time_goes(ve: dict, plain: dict, topp: dict) -> dict:
     roof = plain.get("deterministic", {}).get("roofline", {}).get("roofline_tokens_per_s")
     if roof and "realvocab_plain_1024" in out:
         out["realvocab_plain_1024"]["roofline_step_ms"] = 1e3 * out["realvocab_plain_1024"]["rows"] / roof
-    keys = ("M", "N", "K", "tile", "tiles", "sms", "wave_fill", "det_over_cublas", "det_over_cublas_per_busy_sm")
+    keys = ("M", "N", "K", "tile", "tiles", "sms", "wave_fill", "det_over_cublas", "det_over_cublas_per_busy_sm",
+            "l2_to_sm_mb_det", "cublas_kernels")
     out["gemm"] = [{k: r.get(k) for k in keys} for r in ve.get("gemm", []) if "grouped" not in r]
     return out
 
