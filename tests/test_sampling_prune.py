@@ -1,12 +1,11 @@
-"""The variant draw experiments/kernels/draw_pruned.py (not the product's: it ran the real-vocabulary top-p rollout
-slower, experiments/README.md) computes the noise's logs only for values that may reach the row's best so far
-(may_reach); a value it rules out has z + noise below that best, so the tokens are the full draw's. What that rests
-on, checked here so that the variant stays sound while it waits to be timed again: the noise of every one of the
-2**23 uniforms lies within 1e-6 of -log(-log u) and below NOISE_BOUND; may_reach keeps every value whose z + noise
-reaches the best (values placed within a hundredth of it, both sides), and rules out most of those further below;
-the draw computes few chunks exactly and draws the full draw's tokens, also where every chunk holds a new maximum.
-Negative twins: a negative margin rules out values that reach the best, and the draw then takes other tokens. On
-CUDA the same checks run with the device's exp (tl.exp: ex2.approx); else the Triton interpreter."""
+"""The product's draw (kernels/triton/sampling.py) computes the noise's logs only for values that may reach the row's
+best so far (may_reach); a value it rules out has z + noise below that best, so the tokens are the full draw's. What
+that rests on: the noise of every one of the 2**23 uniforms lies within 1e-6 of -log(-log u) and below NOISE_BOUND;
+may_reach keeps every value whose z + noise reaches the best (values placed within a hundredth of it, both sides),
+and rules out most of those further below; the draw computes few chunks exactly and draws the full draw's tokens,
+also where every chunk holds a new maximum. Negative twins: a negative margin rules out values that reach the best,
+and the draw then takes other tokens. On CUDA the same checks run with the device's exp (tl.exp: ex2.approx); else
+the Triton interpreter."""
 
 import os
 
@@ -17,20 +16,14 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or the Triton interpreter", allow_module_level=True)
 
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from rlalign.kernels import fixed_order as fo  # noqa: E402
 from rlalign.kernels import sampling  # noqa: E402
+from rlalign.kernels.triton import sampling as tsampling  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-_SPEC = importlib.util.spec_from_file_location(
-    "rlalign.kernels.triton.draw_pruned", Path(__file__).resolve().parents[1] / "experiments/kernels/draw_pruned.py")
-tsampling = importlib.util.module_from_spec(_SPEC)  # the variant, its relative imports resolved in the package
-_SPEC.loader.exec_module(tsampling)
 
 
 def _noise(k: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,13 @@
-"""The Gumbel-max draw with its noise computed only where a value may reach the row's best so far (the variant
-draw_pruned.py, may_reach), against the product's draw (kernels/triton/sampling.py gumbel_argmax: every value's
-noise), in the same run: tokens and logprobs bit for bit, device time (the torch profiler's CUDA
-events, mean of 20 calls) of the draw alone, the draw with its logprob (the engine's call) and the draw through a
-top-p cut; the chunks that computed the exact noise per row; the draw's lanes (DRAW_BLOCK) and the next chunk's
-prefetch swept.
+"""The product's Gumbel-max draw (kernels/triton/sampling.py: the noise computed only where a value may reach the
+row's best so far, may_reach) against the full draw (draw_full.py: every value's noise), in the same run: tokens
+and logprobs bit for bit, device time (the torch profiler's CUDA events, mean of 20 calls) of the draw alone, the
+draw with its logprob (the engine's call) and the draw through a top-p cut; the chunks that computed the exact
+noise per row; the draw's lanes (DRAW_BLOCK) and the next chunk's prefetch swept.
 
     python experiments/kernels/probe_draw_prune.py [--variant FILE] [--baseline FILE] [--rows 1024] [--out DIR]
 
---baseline FILE: another sampling.py for the full draw (e.g. `git show 1bc69c1:kernels/triton/sampling.py`, what the
-product's was when the variant was the product's, as timed in probe_draw_prune_h100.json); default the product's.
+--variant FILE: another sampling.py for the pruned draw (default the product's); --baseline FILE: another full draw
+(default draw_full.py).
 
 Logits (bf16): normal(0, 1) (flat), normal(0, 4), student-t(3), zipf, three spikes over a flat row, at T 1 and
 T 0.8 (the cut: top-p 0.95 at T 0.8). Writes results/probe_draw_prune_<gpu>.json.
@@ -36,7 +35,7 @@ CASES = (("normal", 1.0, 1.0), ("normal", 1.0, 0.8), ("normal", 4.0, 0.8), ("stu
          ("zipf", 1.0, 0.8), ("spikes", 1.0, 0.8))
 CONFIGS = ((512, True), (512, False), (1024, True))  # (DRAW_BLOCK, DRAW_PREFETCH)
 KEYS = tuple(f"block_{b}" + ("" if f else "_noprefetch") for b, f in CONFIGS)
-VARIANT = str(Path(__file__).resolve().parent / "draw_pruned.py")
+FULL = str(Path(__file__).resolve().parent / "draw_full.py")
 
 
 def ms(fn) -> float:
@@ -84,15 +83,15 @@ def probe(z, temp, base, pruned) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", default=VARIANT, help="the pruned draw's sampling.py")
-    ap.add_argument("--baseline", default="", help="a sampling.py for the full draw (default: the product's)")
+    ap.add_argument("--variant", default="", help="a sampling.py for the pruned draw (default: the product's)")
+    ap.add_argument("--baseline", default=FULL, help="the full draw's file (default: draw_full.py)")
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--out", default=str(record.RESULTS))
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
-    base = load_baseline(a.baseline, "sampling_baseline") if a.baseline else product_sampling
-    pruned = load_baseline(a.variant, "draw_pruned")
+    base = load_baseline(a.baseline, "draw_full")
+    pruned = load_baseline(a.variant, "draw_variant") if a.variant else product_sampling
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for kind, s, temp in CASES:
@@ -116,7 +115,8 @@ def main() -> None:
     print("all bits equal:", equal, summary, flush=True)
     name = a.name or f"probe_draw_prune_{record.gpu_tag()}"
     print("wrote", record.write(name, {
-        "what_it_shows": "the pruned Gumbel-max draw against the full draw, same run, bits and device time",
+        "what_it_shows": ("the pruned Gumbel-max draw (the product's unless variant_file) against the full draw "
+                         "(baseline_file), same run, bits and device time"),
         "variant_file": a.variant, "baseline_file": a.baseline, "summary": summary, "cases": cases}, a.out))
 
 

@@ -1,12 +1,13 @@
 """Static SASS of the Gumbel-max draw for sm_90, without a GPU (sass.py: the launches captured at 1,024 rows of
-151,936 bf16 logits, T 0.8, specialised as at run time): the product's (kernels/triton/sampling.py, every value's
-noise) beside the variant draw_pruned.py: registers and the instructions a chunk streams on each of the chunk loop's
-paths. The variant's loop has three: a chunk none of whose values comes within the noise's
+151,936 bf16 logits, T 0.8, specialised as at run time): the product's (kernels/triton/sampling.py, the noise only
+where a value may reach the row's best) beside the full draw draw_full.py (every value's noise): registers and the
+instructions a chunk streams on each of the chunk loop's paths. The product's loop has three: a chunk none of whose
+values comes within the noise's
 reach of the row's best (no hash), a chunk whose values are hashed and ruled out (may_reach), and a chunk that
 computes the exact noise. The paths are read off the loop's straight-line code: the two conditional branches that
 jump to the loop's tail (the skips), taken or not; other forward branches (division's slow paths) not taken.
 
-    /tmp/t36/bin/python experiments/kernels/sass_draw.py [--variant FILE] [--out DIR]
+    /tmp/t36/bin/python experiments/kernels/sass_draw.py [--variant FILE] [--full FILE] [--out DIR]
 
 Run with the Triton the GPU machine has (3.6; see sass.py). Writes results/sass_draw_sm90.json.
 """
@@ -28,7 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: record.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
-from probe_draw_prune import VARIANT  # noqa: E402
+from probe_draw_prune import FULL  # noqa: E402
 from probe_topp_split import load_baseline  # noqa: E402
 from sass import CUOBJDUMP, captured, cpu_tensor, sass_stats  # noqa: E402
 
@@ -91,20 +92,21 @@ def launches(mod) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", default=VARIANT, help="the pruned draw's sampling.py")
-    ap.add_argument("--blocks", default="512,1024", help="the variant's DRAW_BLOCK values compiled")
+    ap.add_argument("--variant", default="", help="a sampling.py for the pruned draw (default: the product's)")
+    ap.add_argument("--full", default=FULL, help="the full draw's file")
+    ap.add_argument("--blocks", default="512,1024", help="the pruned draw's DRAW_BLOCK values compiled")
     ap.add_argument("--out", default=str(record.RESULTS))
     a = ap.parse_args()
     kernels = {}
-    base = product_sampling
-    sampling = load_baseline(a.variant, "draw_pruned")
-    for name, launch in launches(base).items():
+    full = load_baseline(a.full, "draw_full")
+    sampling = load_baseline(a.variant, "draw_variant") if a.variant else product_sampling
+    for name, launch in launches(full).items():
         k = launch.compile()
         st = sass_stats(k)
         body = loop_paths(sass_lines(k))
-        per_thread = base.DRAW_BLOCK // (32 * launch.options.get("num_warps", 4))
-        kernels[f"product:{name}"] = {"reg": st["reg"], "draw_block": base.DRAW_BLOCK, "loop": body,
-                                       "per_value": {"every_value": round(body["exact_noise"] / per_thread, 1)}}
+        per_thread = full.DRAW_BLOCK // (32 * launch.options.get("num_warps", 4))
+        kernels[f"full:{name}"] = {"reg": st["reg"], "draw_block": full.DRAW_BLOCK, "loop": body,
+                                   "per_value": {"every_value": round(body["exact_noise"] / per_thread, 1)}}
     kept = sampling.DRAW_BLOCK
     try:
         for block in (int(b) for b in a.blocks.split(",")):
@@ -114,7 +116,7 @@ def main() -> None:
                 st = sass_stats(k)
                 paths = loop_paths(sass_lines(k))
                 per_thread = block // (32 * launch.options.get("num_warps", 4))
-                kernels[f"variant:{name}:{block}"] = {
+                kernels[f"product:{name}:{block}"] = {
                     "reg": st["reg"], "local": st.get("local", 0), "draw_block": block, "loop": paths,
                     "per_value": {p: round(paths[p] / per_thread, 1) for p in ("no_hash", "hashed_ruled_out",
                                                                               "exact_noise") if p in paths}}
@@ -125,10 +127,10 @@ def main() -> None:
     shows = "; ".join(f"{n}: {k['per_value']}" for n, k in kernels.items())
     record.write("sass_draw_sm90", {
         "triton": triton.__version__, "target": "sm_90", "rows": ROWS, "vocab": VOCAB, "scale": SCALE,
-        "variant_file": a.variant, "kernels": kernels,
+        "variant_file": a.variant, "full_file": a.full, "kernels": kernels,
         "what_it_shows": "Static SASS of the draw's chunk loop (Triton " + triton.__version__ + ", sm_90, the JIT's "
-                         "specialisation): instructions a value on each path, the product (every value's noise) "
-                         "against the variant draw_pruned.py: " + shows}, a.out)
+                         "specialisation): instructions a value on each path, the full draw (every value's noise) "
+                         "against the product's pruned draw: " + shows}, a.out)
 
 
 if __name__ == "__main__":
