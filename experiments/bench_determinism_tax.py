@@ -341,7 +341,6 @@ def decode_step_split(eng, rows: int, full: dict) -> dict:
     served the timed call's steps) replayed 3 times under the profiler, its kernels by kind (kernel name),
     ms a step. Its inputs: the last step of the timed call with every row valid (full_steps), else the
     call's last step (marked "tail")."""
-    import torch
     from probe_rollout_steps import kernel_table
 
     dg = eng.state.graphs
@@ -350,8 +349,7 @@ def decode_step_split(eng, rows: int, full: dict) -> dict:
     graph, static, _ = graphs[size]
     steady = size in full
     if steady:
-        meta = full[size]
-        static.copy_(torch.cat([meta[:4], torch.ones(1, size, dtype=torch.long), meta[4:] ^ dg._key]).to(static.device))
+        static.copy_(dg.host_rows(full[size], size).to(static.device))
     ms, top = kernel_table(graph.replay, reps=3, top=200)
     return {"rows": rows, "bucket": size, "inputs": "last full step" if steady else "tail", "step_ms": ms,
             "ms_by_kind": by_kind(top, ms), "top": top[:40]}

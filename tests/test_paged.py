@@ -145,4 +145,3 @@ def test_model_step_keep_gives_the_dropped_rows_the_pad_row_only():
     pad = torch.zeros_like(kept[2])
     pad[0] = PAD_LOGIT
     assert torch.equal(kept[2], pad) and torch.equal(masked[2], pad)
-

@@ -2,7 +2,7 @@
 row's best so far, may_reach) against the full draw (draw_full.py: every value's noise), in the same run: tokens
 and logprobs bit for bit, device time (the torch profiler's CUDA events, mean of 20 calls) of the draw alone, the
 draw with its logprob (the engine's call) and the draw through a top-p cut; the chunks that computed the exact
-noise per row; the draw's lanes (DRAW_BLOCK) and the next chunk's prefetch swept.
+noise per row; the draw's lanes (DRAW_BLOCK) swept.
 
     python experiments/kernels/probe_draw_prune.py [--variant FILE] [--baseline FILE] [--rows 1024] [--out DIR]
 
@@ -33,8 +33,8 @@ from rlalign.kernels.triton import topp  # noqa: E402
 
 CASES = (("normal", 1.0, 1.0), ("normal", 1.0, 0.8), ("normal", 4.0, 0.8), ("student_t", 1.0, 0.8),
          ("zipf", 1.0, 0.8), ("spikes", 1.0, 0.8))
-CONFIGS = ((512, True), (512, False), (1024, True))  # (DRAW_BLOCK, DRAW_PREFETCH)
-KEYS = tuple(f"block_{b}" + ("" if f else "_noprefetch") for b, f in CONFIGS)
+BLOCKS = (512, 1024)  # DRAW_BLOCK
+KEYS = tuple(f"block_{b}" for b in BLOCKS)
 FULL = str(Path(__file__).resolve().parent / "draw_full.py")
 
 
@@ -57,10 +57,10 @@ def probe(z, temp, base, pruned) -> dict:
     if cut is not None:
         ref_cut = base.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut)
         res["baseline"]["draw_logprob_cut_ms"] = ms(lambda: base.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
-    kept = pruned.DRAW_BLOCK, pruned.DRAW_PREFETCH
+    kept = pruned.DRAW_BLOCK
     try:
-        for block, prefetch in CONFIGS:
-            pruned.DRAW_BLOCK, pruned.DRAW_PREFETCH = block, prefetch
+        for block in BLOCKS:
+            pruned.DRAW_BLOCK = block
             exact = torch.zeros(B, dtype=torch.int32, device="cuda")
             tok = pruned.gumbel_argmax(z, seed, ids, pos, scale, exact=exact)
             tok2, lp = pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale)
@@ -75,9 +75,9 @@ def probe(z, temp, base, pruned) -> dict:
                 r["cut_equal"] = bool(torch.equal(ct, ref_cut[0])
                                       and torch.equal(cl.view(torch.int32), ref_cut[1].view(torch.int32)))
                 r["draw_logprob_cut_ms"] = ms(lambda: pruned.gumbel_argmax_logprobs(z, seed, ids, pos, scale, cut))
-            res[f"block_{block}" + ("" if prefetch else "_noprefetch")] = r
+            res[f"block_{block}"] = r
     finally:
-        pruned.DRAW_BLOCK, pruned.DRAW_PREFETCH = kept
+        pruned.DRAW_BLOCK = kept
     return res
 
 

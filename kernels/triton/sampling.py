@@ -44,8 +44,6 @@ NOISE_BOUND = tl.constexpr(17.0)
 # may_reach's margin in logits (plus 1e-3 of it relative to |best_x| + |z|) and its relative slack on 1 - u: it covers
 # fixed_order.log's error against log (< 1e-6 over every u), the sums' rounding and tl.exp's (~1e-6 relative)
 DRAW_MARGIN = 1e-3
-# the next chunk loaded before this chunk's reductions (probe_draw_prune.py times both)
-DRAW_PREFETCH = True
 
 
 @triton.jit
@@ -98,7 +96,7 @@ def may_reach(z, kf, best_x, MARGIN: tl.constexpr):
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constant
 def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, exact_ptr, seed, golden, mix1, mix2,
                          scale, V, SCALED: tl.constexpr, LOGPROB: tl.constexpr, CUT: tl.constexpr,
-                         COUNT: tl.constexpr, MARGIN: tl.constexpr, PREFETCH: tl.constexpr, SQRT2: tl.constexpr,
+                         COUNT: tl.constexpr, MARGIN: tl.constexpr, SQRT2: tl.constexpr,
                          C0: tl.constexpr,
                          C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                          LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, DRAW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
@@ -132,11 +130,8 @@ def gumbel_argmax_kernel(z_ptr, ids_ptr, pos_ptr, out_ptr, lp_ptr, cut_ptr, exac
     for v0 in range(0, V, DRAW_BLOCK):
         cols = v0 + lanes
         mask = cols < V
-        z_raw = z_next
-        if PREFETCH:  # the next chunk's load in flight while this chunk waits on its reductions
-            z_next = tl.load(z_ptr + row * V + cols + DRAW_BLOCK, mask=cols + DRAW_BLOCK < V, other=float("-inf"))
-        else:
-            z_raw = tl.load(z_ptr + row * V + cols, mask=mask, other=float("-inf"))
+        z_raw = z_next  # the next chunk's load in flight while this chunk waits on its reductions
+        z_next = tl.load(z_ptr + row * V + cols + DRAW_BLOCK, mask=cols + DRAW_BLOCK < V, other=float("-inf"))
         z = upcast_scaled(z_raw, scale, SCALED)
         if CUT:
             z = apply_cut(z, cut)
@@ -201,7 +196,6 @@ def _draw(z, seed, sample_ids, positions, scale, logprobs: bool, cut, exact=None
         gumbel_argmax_kernel[(B,)](z, ids, pos, out, lp if logprobs else out, cuts, out if exact is None else exact,
                                     s64, GOLDEN, MIX1, MIX2, scale, V, SCALED=scale != 1.0, LOGPROB=logprobs,
                                     CUT=cut is not None, COUNT=exact is not None, MARGIN=DRAW_MARGIN,
-                                    PREFETCH=DRAW_PREFETCH,
                                     DRAW_BLOCK=DRAW_BLOCK,
                                     BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), **LOG_CONST, **opts)
     torch._assert_async(((out >= 0) & (out < V)).all(),
@@ -225,4 +219,3 @@ def gumbel_argmax_logprobs(z: torch.Tensor, seed: int, sample_ids: torch.Tensor,
     """(tokens, logprob.tempered_logprobs(z, scale, tokens, cut)) for tokens = gumbel_argmax(z, ..., cut), the
     same bits, in one launch: the draw's pass over the row also takes the row's max for the logprob."""
     return _draw(z, seed, sample_ids, positions, scale, True, cut)
-

@@ -108,6 +108,12 @@ class DecodeGraphs:
     def end(self) -> None:
         self.model = None
 
+    def host_rows(self, meta: torch.Tensor, size: int) -> torch.Tensor:
+        """The host rows a replay of `size` rows reads for meta [5, n] (token, position, block-table row, slot,
+        sample id): each row valid, its sample id rekeyed, padding rows past n."""
+        valid = torch.ones(1, meta.shape[1], dtype=torch.long)
+        return self._pad(torch.cat([meta[:4], valid, meta[4:] ^ self._key]), size)
+
     def _pad(self, meta: torch.Tensor, size: int) -> torch.Tensor:
         pad = torch.tensor([[0], [0], [self.pad_row], [self.pad_slot], [0], [0]], dtype=torch.long)
         pad = pad.expand(6, size - meta.shape[1])
@@ -155,8 +161,7 @@ class DecodeGraphs:
         if recapture or size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, static, (tok, lp) = self.graphs[size]
-        rows = torch.cat([meta[:4], torch.ones(1, n, dtype=torch.long), meta[4:] ^ self._key])
-        static.copy_(self._pad(rows, size).pin_memory(), non_blocking=True)
+        static.copy_(self.host_rows(meta, size).pin_memory(), non_blocking=True)
         if follow is not None:
             static[0, : follow[1].shape[0]] = follow[0].index_select(0, follow[1])
         graph.replay()
